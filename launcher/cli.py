@@ -1,0 +1,69 @@
+"""``nereus-launch``: the command a user runs on a login node (or a workstation for local mode).
+
+Each subcommand lives in its own module under ``launcher/`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` to a callable taking the
+parsed ``argparse.Namespace`` and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from nereusd.errors import NereusError
+
+# Subcommand modules, in the order --help lists them. A module that is not present yet is
+# skipped so that partial installs still give a working CLI.
+SUBCOMMAND_MODULES = (
+    "launcher.local",
+    "launcher.report",
+    "launcher.plan_cmd",
+    "launcher.submit",
+    "launcher.simulate_cmd",
+    "launcher.pool_cmd",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nereus-launch",
+        description=(
+            "Run and manage Nereus RL post-training jobs. 'local' runs a whole job (nereusd, one "
+            "agent, one worker per virtual device) on this machine; 'report' plots a run directory."
+        ),
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except NereusError as err:
+        print(f"nereus-launch: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nereus-launch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The Nereus exception hierarchy.
+
+Everything a user or a peer can cause raises a subclass of :class:`NereusError` with the
+offending values in the message. ``assert`` is kept for internal invariants only.
+"""
+
+from __future__ import annotations
+
+
+class NereusError(Exception):
+    """Base class of every error Nereus raises on purpose."""
+
+
+class ConfigError(NereusError):
+    """A job or site YAML is malformed; the message names the file and the dotted key."""
+
+
+class PlanError(NereusError):
+    """A plan or candidate is invalid for the model, the pool or the devices."""
+
+
+class ProtocolError(NereusError):
+    """A control message is malformed, of an unknown type or version, or unauthenticated."""
+
+
+class DeviceOutOfMemory(NereusError):
+    """An allocation on a (virtual) device would exceed its capacity.
+
+    The message names the model-stage, the device, the bytes wanted and the capacity.
+    """
+
+    def __init__(
+        self, model_stage: str, device: int, wanted_bytes: int, in_use_bytes: int, capacity_bytes: int, what: str = ""
+    ) -> None:
+        self.model_stage = model_stage
+        self.device = device
+        self.wanted_bytes = wanted_bytes
+        self.in_use_bytes = in_use_bytes
+        self.capacity_bytes = capacity_bytes
+        self.what = what
+        detail = f" for {what}" if what else ""
+        super().__init__(
+            f"out of memory on device {device} in {model_stage}{detail}: wanted {wanted_bytes} bytes "
+            f"with {in_use_bytes} bytes in use, capacity {capacity_bytes} bytes"
+        )
+
+
+class WorkerError(NereusError):
+    """A worker reported a failure of a task, or died."""
+
+
+class SlurmError(NereusError):
+    """A Slurm command failed; the message carries argv, exit code and stderr."""
