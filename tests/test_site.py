@@ -1,0 +1,112 @@
+"""Site configs: shipped YAMLs load; malformed ones fail with file and dotted key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nereusd.errors import ConfigError
+from nereusd.site import SITE_CONFIG_DIR, load_site, site_from_dict
+
+SHIPPED = ["local", "h200-ib", "a100-ib", "frontier-mi250x"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_by_name_and_by_path(name):
+    by_name = load_site(name)
+    by_path = load_site(str(SITE_CONFIG_DIR / f"{name}.yaml"))
+    assert by_name.name == name
+    assert by_name.device_memory_bytes == by_path.device_memory_bytes > 0
+    assert by_name.device_kind in ("cpu", "cuda", "rocm")
+    assert by_name.peak_flops() > 0 and by_name.hbm_bytes_per_s > 0
+    assert by_name.intra_node_gbps >= by_name.inter_node_gbps > 0
+
+
+def test_local_shape():
+    site = load_site("local")
+    assert (site.nodes, site.devices_per_node, site.device_kind) == (1, 4, "cpu")
+    assert site.device_memory_bytes == 512 * 2**20
+    assert site.compute_dtype == "fp32"
+
+
+def test_env_var_directory_first(tmp_path, monkeypatch):
+    doc = yaml.safe_load((SITE_CONFIG_DIR / "local.yaml").read_text())
+    doc["nodes"] = 3
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv("NEREUS_SITE_CONFIGS", str(tmp_path))
+    assert load_site("local").nodes == 3
+
+
+def test_unknown_name_lists_known():
+    with pytest.raises(ConfigError, match=r"site 'nosuch': not found .*h200-ib"):
+        load_site("nosuch")
+
+
+def test_missing_path():
+    with pytest.raises(ConfigError, match=r"nope/x.yaml: no such site config file"):
+        load_site("nope/x.yaml")
+
+
+def _write(tmp_path: Path, mutate) -> Path:
+    doc = yaml.safe_load((SITE_CONFIG_DIR / "h200-ib.yaml").read_text())
+    mutate(doc)
+    path = tmp_path / "h200-ib.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["network"].__setitem__("inter_node_gbps", "fast"),
+         r"^h200-ib.yaml: network.inter_node_gbps: expected a number, got 'fast'$"),
+        (lambda d: d.__setitem__("nodes", 2.5), r"^h200-ib.yaml: nodes: expected an integer, got 2.5$"),
+        (lambda d: d.__setitem__("nodes", 0), r"^h200-ib.yaml: nodes: expected a positive number, got 0$"),
+        (lambda d: d.__setitem__("devices_per_node", True), r"devices_per_node: expected an integer, got True"),
+        (lambda d: d.__setitem__("colour", "red"), r"^h200-ib.yaml: colour: unknown key"),
+        (lambda d: d["device"].__setitem__("memory_gb", 1), r"^h200-ib.yaml: device.memory_gb: unknown key"),
+        (lambda d: d["device"].pop("memory_gib"), r"^h200-ib.yaml: device.memory_gib: required key is missing$"),
+        (lambda d: d["device"].__setitem__("kind", "tpu"),
+         r"^h200-ib.yaml: device.kind: expected one of \['cpu', 'cuda', 'rocm'\], got 'tpu'$"),
+        (lambda d: d["device"]["peak_tflops"].__setitem__("int4", 3), r"device.peak_tflops.int4: unknown dtype"),
+        (lambda d: d["device"]["peak_tflops"].__setitem__("bf16", -1), r"device.peak_tflops.bf16: expected a positive"),
+        (lambda d: d["device"].__setitem__("peak_tflops", {}), r"device.peak_tflops: expected at least one dtype"),
+        (lambda d: d.__setitem__("network", [1, 2]), r"^h200-ib.yaml: network: expected a mapping, got \[1, 2\]$"),
+        (lambda d: d["network"].__setitem__("communicator_setup_s", -1), r"network.communicator_setup_s: expected a number >= 0"),
+        (lambda d: d.__setitem__("env", {"NCCL_DEBUG": 3}), r"env.NCCL_DEBUG: expected a string value, got 3"),
+        (lambda d: d.__setitem__("slurm", {"partition": {"a": 1}}), r"slurm.partition: expected a scalar or a list"),
+    ],
+)
+def test_malformed(tmp_path, mutate, message):
+    path = _write(tmp_path, mutate)
+    with pytest.raises(ConfigError, match=message):
+        load_site(str(path))
+
+
+def test_reserved_sections_accepted(tmp_path):
+    path = _write(tmp_path, lambda d: d.update(slurm={"partition": "gpu", "modules": ["cuda/12"]},
+                                               env={"NCCL_IB_HCA": "mlx5"}))
+    site = load_site(str(path))
+    assert site.slurm["modules"] == ["cuda/12"] and site.env["NCCL_IB_HCA"] == "mlx5"
+
+
+def test_yaml_syntax_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"^bad.yaml: not valid YAML"):
+        load_site(str(path))
+
+
+def test_top_level_not_mapping():
+    with pytest.raises(ConfigError, match=r"x.yaml: <top>: expected a mapping"):
+        site_from_dict([1], source="x.yaml")
+
+
+def test_with_nodes_is_a_copy():
+    site = load_site("h200-ib")
+    bigger = site.with_nodes(128)
+    assert bigger.total_devices == 1024 and site.nodes == 16
+    with pytest.raises(ConfigError, match="nodes: expected a positive integer, got 0"):
+        site.with_nodes(0)
