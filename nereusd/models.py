@@ -1,8 +1,10 @@
 """Model specifications: the shapes of a Llama-architecture decoder.
 
 A :class:`ModelSpec` is built from a Hugging Face ``config.json`` (``LlamaConfig`` /
-``Qwen2Config`` / ``Qwen3Config`` field names) or from a preset, and is what the engine
-(`emu/model.py`), the cost and memory models and the planner agree on.
+``Qwen2Config`` / ``Qwen3Config`` field names) or from a preset (:data:`PRESETS`,
+:func:`preset`, :func:`resolve_model`), and is what the engine (`emu/model.py`), the cost and
+memory models and the planner agree on. Roles of one job may use different specs (e.g. a
+smaller reward model).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class ModelSpec:
         rope_theta: RoPE base.
         rms_norm_eps: RMSNorm epsilon.
         tie_word_embeddings: output head shares the token embedding.
+        explicit_head_dim: per-head width when it is not ``hidden_size // num_heads``
+            (Qwen3-32B: 64 heads of 128 on a 5120-wide model); 0 means the quotient.
     """
 
     vocab_size: int
@@ -42,6 +46,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    explicit_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -49,7 +54,9 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.{name}: expected a positive integer, got {value!r}")
-        if self.hidden_size % self.num_heads:
+        if not isinstance(self.explicit_head_dim, int) or self.explicit_head_dim < 0:
+            raise ConfigError(f"model.explicit_head_dim: expected an integer >= 0, got {self.explicit_head_dim!r}")
+        if not self.explicit_head_dim and self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model.hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
@@ -61,13 +68,14 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
 
     def num_parameters(self, value_head: bool = False) -> int:
         """Parameter count ``P`` (embedding, layers, final norm, output head[, value head])."""
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * h + 2 * kv * h + h * h + 3 * f * h + 2 * h
+        per_layer = q * h + 2 * kv * h + h * q + 3 * f * h + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         total = v * h + self.num_layers * per_layer + h + head
         if value_head:
@@ -76,7 +84,8 @@ class ModelSpec:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A Hugging Face ``LlamaConfig``-style dict (what ``config.json`` holds)."""
-        return {
+        extra = {"head_dim": self.explicit_head_dim} if self.explicit_head_dim else {}
+        return extra | {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "vocab_size": self.vocab_size,
@@ -117,6 +126,7 @@ class ModelSpec:
                 rope_theta=float(config.get("rope_theta", 10000.0)),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                explicit_head_dim=_explicit_head_dim(config),
             )
         except ConfigError as err:
             msg = str(err)
@@ -146,3 +156,77 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
         return cls(**dict(data))
+
+
+def _explicit_head_dim(config: Mapping[str, Any]) -> int:
+    """``head_dim`` from a HF config when it differs from ``hidden_size // num_attention_heads``."""
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        return 0
+    if config.get("hidden_size", 0) == head_dim * config.get("num_attention_heads", 0):
+        return 0
+    return head_dim
+
+
+#: Presets keyed by lower-case name. Shapes from each model's Hugging Face ``config.json``
+#: (meta-llama/Llama-3.1-8B, Qwen/Qwen3-14B, Qwen/Qwen3-32B, meta-llama/Llama-3.3-70B-Instruct);
+#: ``counting-tiny`` is the local demo model. Qwen3's per-head q/k RMSNorm weights
+#: (2·head_dim per layer, < 0.001 % of P) are not counted.
+PRESETS: dict[str, ModelSpec] = {
+    "llama-3.1-8b": ModelSpec(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+    ),
+    "qwen3-14b": ModelSpec(
+        vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
+        num_kv_heads=8, max_position=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    "qwen3-32b": ModelSpec(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+        num_kv_heads=8, max_position=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        explicit_head_dim=128,
+    ),
+    "llama-3.3-70b": ModelSpec(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+    ),
+    "counting-tiny": ModelSpec(
+        vocab_size=16, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
+        num_kv_heads=2, max_position=160,
+    ),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    """The preset called ``name`` (case-insensitive, e.g. ``Llama-3.1-8B``).
+
+    Raises:
+        ConfigError: for an unknown name; the message lists the presets.
+    """
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"model {name!r}: unknown preset (one of {sorted(PRESETS)})") from None
+
+
+def resolve_model(name_or_path: str | Path) -> ModelSpec:
+    """A preset name, a Hugging Face model directory, or a path to a ``config.json``.
+
+    Raises:
+        ConfigError: if it is none of these, or the config is malformed.
+    """
+    text = str(name_or_path)
+    if text.lower() in PRESETS:
+        return PRESETS[text.lower()]
+    path = Path(text)
+    if path.is_dir():
+        return ModelSpec.from_pretrained_dir(path)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return ModelSpec.from_hf_config(data, source=str(path))
+    raise ConfigError(f"model {text!r}: not a preset (one of {sorted(PRESETS)}), directory or config.json")
