@@ -1,0 +1,274 @@
+"""``nereus-agent``: the per-node agent (one per node, started by ``srun`` or by local mode).
+
+It registers the node's devices with nereusd (ZeroMQ DEALER), starts and supervises one
+worker process per device, relays nereusd's tasks to its workers and their results back over
+``ipc://`` sockets in a directory only the job's user can open, sends heartbeats, and reports
+a worker that exits. It stops its workers when nereusd says so, on SIGTERM/SIGINT, or when
+nereusd stops answering heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from emu.inventory import discover
+from nereusd import protocol as P
+from nereusd.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class Agent:
+    """One node's agent. See the module docstring."""
+
+    def __init__(self, *, connect: str, node_id: str, devices: list[P.DeviceInfo], run_dir: Path,
+                 daemon_timeout_s: float = 60.0) -> None:
+        self.node_id = node_id
+        self.devices = devices
+        self.run_dir = run_dir
+        self.daemon_timeout_s = daemon_timeout_s
+        self._ctx = zmq.Context.instance()
+        self._up = self._ctx.socket(zmq.DEALER)
+        self._up.setsockopt(zmq.LINGER, 500)
+        self._up.setsockopt(zmq.IDENTITY, f"agent-{node_id}-{os.getpid()}".encode())
+        self._up.connect(connect)
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="nereus-agent-"))  # mode 0700: only this user
+        self._down = self._ctx.socket(zmq.ROUTER)
+        self._down.setsockopt(zmq.LINGER, 0)
+        self._down.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.ipc_endpoint = f"ipc://{self._ipc_dir}/workers.sock"
+        self._down.bind(self.ipc_endpoint)
+        self.global_devices: list[int] = []
+        self.workers: dict[int, subprocess.Popen] = {}
+        self._reported_exit: set[int] = set()
+        self._stopping = False
+        self._last_daemon_s = time.monotonic()
+
+    # ------------------------------------------------------------------ helpers
+    def _send_up(self, msg: P._Message) -> None:
+        self._up.send(P.encode(msg))
+
+    def _alive(self) -> list[int]:
+        return sorted(d for d, p in self.workers.items() if p.poll() is None)
+
+    def register(self, timeout_s: float = 30.0) -> None:
+        """Register with nereusd and wait for the welcome (global device indices).
+
+        Raises:
+            ProtocolError: if nereusd refuses the registration.
+            TimeoutError: if nereusd does not answer.
+        """
+        self._send_up(P.RegisterAgent(node_id=self.node_id, hostname=socket.gethostname(), pid=os.getpid(),
+                                      devices=self.devices))
+        if not self._up.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"nereusd did not answer the registration within {timeout_s:.0f} s")
+        msg = P.decode(self._up.recv())
+        if isinstance(msg, P.ErrorReply):
+            raise ProtocolError(f"nereusd refused registration: {msg.reason}")
+        if not isinstance(msg, P.Welcome):
+            raise ProtocolError(f"expected a welcome, got {msg.type!r}")
+        self.global_devices = msg.global_devices
+        log.info("node %s registered; devices %s", self.node_id, self.global_devices)
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self, msg: P.SpawnWorkers) -> None:
+        log_dir = Path(msg.run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for spec in msg.workers:
+            info = self.devices[spec.local_index]
+            argv = [
+                sys.executable, "-m", "emu.worker",
+                "--agent", self.ipc_endpoint,
+                "--device", str(spec.device),
+                "--local-index", str(spec.local_index),
+                "--device-kind", info.kind,
+                "--rank", str(spec.device),
+                "--world-size", str(msg.world_size),
+                "--generation", str(msg.generation),
+                "--store-host", msg.store_host,
+                "--store-port", str(msg.store_port),
+                "--memory-bytes", str(spec.memory_capacity_bytes),
+                "--run-dir", msg.run_dir,
+            ]
+            env = dict(os.environ)
+            threads = str(msg.threads_per_worker)
+            env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+            if msg.store_host.startswith("127."):
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            log_file = open(log_dir / f"worker-{spec.device}.log", "ab")
+            self.workers[spec.device] = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            )
+            log_file.close()
+            self._reported_exit.discard(spec.device)
+            log.info("started worker for device %d (pid %d)", spec.device, self.workers[spec.device].pid)
+
+    def _check_workers(self) -> None:
+        for device, proc in self.workers.items():
+            code = proc.poll()
+            if code is not None and device not in self._reported_exit:
+                self._reported_exit.add(device)
+                log.warning("worker of device %d exited with %s", device, code)
+                self._send_up(P.WorkerExited(node_id=self.node_id, device=device, exitcode=code))
+
+    def stop_workers(self, reason: str, grace_s: float = 5.0) -> None:
+        """Ask workers to exit, then SIGTERM, then SIGKILL what is left."""
+        for device, proc in self.workers.items():
+            if proc.poll() is None:
+                try:
+                    self._down.send_multipart([str(device).encode(), P.encode(P.Shutdown(reason=reason))])
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self._alive():
+            time.sleep(0.05)
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and self._alive():
+            time.sleep(0.05)
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    # ------------------------------------------------------------------ loop
+    def _on_daemon(self, frame: bytes) -> bool:
+        """Handle one message from nereusd; returns False when the agent must stop."""
+        self._last_daemon_s = time.monotonic()
+        try:
+            msg = P.decode(frame)
+        except ProtocolError as err:
+            log.error("refused a message from nereusd: %s", err)
+            self._send_up(P.ErrorReply(reason=str(err)))
+            return True
+        if isinstance(msg, P.SpawnWorkers):
+            self._spawn(msg)
+        elif isinstance(msg, P.ToWorker):
+            try:
+                self._down.send_multipart([str(msg.device).encode(), P.encode(msg.task)])
+            except zmq.ZMQError as err:
+                self._send_up(P.FromWorker(device=msg.device, payload=P.TaskResult(
+                    task_id=msg.task.task_id, device=msg.device, ok=False,
+                    error=f"worker of device {msg.device} is not connected: {err}", error_kind="WorkerError")))
+        elif isinstance(msg, P.Shutdown):
+            log.info("nereusd asked to shut down: %s", msg.reason)
+            return False
+        elif isinstance(msg, (P.Heartbeat, P.Welcome)):
+            pass
+        elif isinstance(msg, P.ErrorReply):
+            log.error("nereusd refused a message: %s", msg.reason)
+        else:
+            self._send_up(P.ErrorReply(reason=f"agent does not accept {msg.type!r}"))
+        return True
+
+    def _on_worker(self, identity: bytes, frame: bytes) -> None:
+        try:
+            device = int(identity.decode())
+            msg = P.decode(frame)
+            if device not in self.workers:
+                raise ProtocolError(f"message from unknown worker identity {identity!r}")
+            if not isinstance(msg, (P.WorkerReady, P.TaskResult)):
+                raise ProtocolError(f"workers may not send {msg.type!r}")
+        except (ValueError, ProtocolError) as err:
+            log.error("refused a worker message: %s", err)
+            return
+        self._send_up(P.FromWorker(device=device, payload=msg))
+
+    def run(self) -> int:
+        """Serve until shutdown; returns the process exit code."""
+        poller = zmq.Poller()
+        poller.register(self._up, zmq.POLLIN)
+        poller.register(self._down, zmq.POLLIN)
+        next_beat = 0.0
+        code = 0
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(100))
+                if self._up in events:
+                    if not self._on_daemon(self._up.recv()):
+                        break
+                if self._down in events:
+                    identity, frame = self._down.recv_multipart()
+                    self._on_worker(identity, frame)
+                self._check_workers()
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._send_up(P.Heartbeat(node_id=self.node_id, workers_alive=self._alive()))
+                    next_beat = now + HEARTBEAT_INTERVAL_S
+                if now - self._last_daemon_s > self.daemon_timeout_s:
+                    log.error("nereusd silent for %.0f s: stopping workers", now - self._last_daemon_s)
+                    code = 1
+                    break
+        finally:
+            self.stop_workers("agent stopping")
+            try:
+                self._send_up(P.Heartbeat(node_id=self.node_id, workers_alive=[]))
+            except zmq.ZMQError:
+                pass
+            self.close()
+        return code
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self._down.close(0)
+        self._up.close()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nereus-agent",
+        description="Per-node Nereus agent: registers this node's devices with nereusd and runs one worker per device.",
+    )
+    parser.add_argument("--connect", required=True, help="nereusd endpoint, e.g. tcp://head:5555")
+    parser.add_argument("--node-id", default=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                        help="node name (default: $SLURMD_NODENAME, else the hostname)")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="use N virtual CPU devices instead of probing for GPUs (local mode)")
+    parser.add_argument("--cpu-memory-bytes", type=int, default=2**30,
+                        help="accounted memory of each virtual CPU device (default 1 GiB)")
+    parser.add_argument("--run-dir", required=True, help="the job's run directory (worker logs go to RUN_DIR/logs)")
+    parser.add_argument("--daemon-timeout-s", type=float, default=60.0,
+                        help="stop the workers if nereusd is silent this long (default 60)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s agent[{args.node_id}] %(name)s: %(message)s")
+    devices = discover(args.cpu_devices, args.cpu_memory_bytes)
+    agent = Agent(connect=args.connect, node_id=args.node_id, devices=devices, run_dir=Path(args.run_dir),
+                  daemon_timeout_s=args.daemon_timeout_s)
+    signal.signal(signal.SIGTERM, agent.request_stop)
+    signal.signal(signal.SIGINT, agent.request_stop)
+    try:
+        agent.register()
+    except (TimeoutError, ProtocolError) as err:
+        log.error("%s", err)
+        agent.close()
+        return 1
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Job configuration: the strict schema of a job YAML and its loader.
+
+YAML → :func:`load_job` → frozen pydantic models. Unknown keys are errors; every error names
+the file and the dotted key (``job.yaml: train.micro_batch: expected an integer, got 'x'``).
+Paths inside the job (model directories) are resolved relative to the job file. Loaded
+configuration is never mutated; values derived from it (the resolved plan, model specs) live
+in :class:`ResolvedJob` (see ``nereusd/jobspec.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nereusd.errors import ConfigError
+
+
+class Algorithm(str, enum.Enum):
+    """RL algorithm of the job."""
+
+    PPO = "ppo"
+    GRPO = "grpo"
+    REMAX = "remax"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class ModelsConfig(_Strict):
+    """Where each role's weights come from.
+
+    A value is a Hugging Face model directory (``config.json`` + ``*.safetensors``), relative to
+    the job file. ``actor_config`` instead builds a randomly initialised actor of the given
+    shape (``nereusd.models.ModelSpec`` fields) from the job's seed.
+    """
+
+    actor: str | None = None
+    """Actor (policy) model directory; the reference starts as a copy of it."""
+    actor_config: dict[str, Any] | None = None
+    """Actor shape when no directory is given (random initialisation from ``seed``)."""
+    critic: str | None = None
+    """Critic model directory; default: the actor's trunk with a new value head (PPO only)."""
+    reference: str | None = None
+    """Reference model directory; default: the actor's initial weights."""
+    reward: str | None = None
+    """Reward model directory (a trunk with a value head); needed when ``reward.kind: model``."""
+
+
+class RewardConfig(_Strict):
+    """How responses are scored."""
+
+    kind: Literal["verifier", "model"] = "verifier"
+    """``verifier``: a rule-based checker of the task; ``model``: the reward model's score."""
+
+
+class TaskConfig(_Strict):
+    """The prompt set and its verifier."""
+
+    name: str = "counting"
+    """Task name (``nereusd.tasks``)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Task-specific options, passed to the task's constructor."""
+
+
+class RolloutConfig(_Strict):
+    """Generation settings."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    """Distinct prompts per RL step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per prompt (GRPO's group; PPO and ReMax usually 1)."""
+    max_new_tokens: int = Field(96, ge=1)
+    """Longest response in tokens."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
+
+
+class TrainConfig(_Strict):
+    """Optimisation settings shared by the trainable roles."""
+
+    global_batch: int = Field(64, ge=1)
+    """Sequences per optimizer step; ``dp × micro_batch × grad_accum`` must equal it."""
+    micro_batch: int = Field(8, ge=1)
+    """Sequences per micro-batch on one replica."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each step's rollout (PPO epochs)."""
+    actor_lr: float = Field(3e-4, gt=0.0)
+    critic_lr: float = Field(1e-3, gt=0.0)
+    clip: float = Field(0.2, gt=0.0)
+    """PPO ratio clip ε."""
+    value_clip: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.02, ge=0.0)
+    """β of the KL penalty to the reference."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    gamma: float = Field(1.0, gt=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+
+
+class StagePlanConfig(_Strict):
+    """``tp, pp, dp`` and devices of one model-stage; omitted fields come from ``plan.default``."""
+
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+    dp: int | None = Field(None, ge=1)
+    devices: list[int] | None = None
+    micro_batch: int | None = Field(None, ge=1)
+    recompute: bool | None = None
+
+
+class PlanConfig(_Strict):
+    """The launch plan.
+
+    ``default`` applies to every model-stage of the algorithm; ``model_stages`` overrides it per
+    model-stage (keys like ``actor/training``). A model-stage without devices uses all of the
+    job's devices (colocated placement, serialised); ``dp`` defaults to
+    ``len(devices) / (tp·pp)``. Generation folds PP into DP (``pp`` is 1 for generation).
+    """
+
+    default: StagePlanConfig = StagePlanConfig(tp=1, pp=1)
+    model_stages: dict[str, StagePlanConfig] = Field(default_factory=dict)
+
+
+class CheckpointConfig(_Strict):
+    every_steps: int = Field(0, ge=0)
+    """Save a DCP checkpoint every N steps (0: only the final one)."""
+    final: bool = True
+    """Save a DCP checkpoint at the end of the run."""
+
+
+class JobConfig(_Strict):
+    """A whole job YAML."""
+
+    name: str = "nereus-job"
+    algorithm: Algorithm = Algorithm.GRPO
+    seed: int = 0
+    steps: int = Field(20, ge=1)
+    site: str = "local"
+    """Site config: a name under ``site_configs/`` or a path."""
+    devices: int | None = Field(None, ge=1)
+    """Devices the job uses (local mode: virtual devices); default: the site's node size."""
+    memory_gib: float | None = Field(None, gt=0.0)
+    """Override of the site's per-device memory capacity (local virtual devices)."""
+    models: ModelsConfig = ModelsConfig()
+    reward: RewardConfig = RewardConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    plan: PlanConfig = PlanConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, value: str) -> str:
+        if not value or any(ch in value for ch in "/\\\n"):
+            raise ValueError(f"expected a short name without slashes, got {value!r}")
+        return value
+
+
+def format_validation_error(source: str, err: ValidationError) -> str:
+    """One line per problem: ``<source>: <dotted.key>: <message>, got <value>``."""
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "<top>"
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif item["type"] == "missing":
+            msg = "required key is missing"
+        got = item.get("input")
+        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {got!r}"
+        lines.append(f"{source}: {key}: {msg}{suffix}")
+    return "\n".join(lines)
+
+
+def load_yaml_mapping(path: Path) -> Mapping[str, Any]:
+    """Read a YAML file whose top level must be a mapping.
+
+    Raises:
+        ConfigError: if the file is missing, not YAML, or not a mapping.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_job(data: Mapping[str, Any], source: str = "<job>") -> JobConfig:
+    """Validate a job mapping.
+
+    Raises:
+        ConfigError: naming ``source`` and each offending dotted key.
+    """
+    try:
+        return JobConfig.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(source, err)) from None
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Load and validate a job YAML (schema only; see ``nereusd.jobspec.resolve_job``).
+
+    Raises:
+        ConfigError: the file is missing or malformed; the message names the file and key.
+    """
+    path = Path(path)
+    return parse_job(load_yaml_mapping(path), source=path.name)

@@ -1,0 +1,144 @@
+"""``nereusd``: the controller daemon's entry point.
+
+It validates the job, binds the control plane, serves the rendezvous store, waits for agents to
+register the job's devices, starts the workers, runs the RL driver and writes the run
+directory (``metrics.jsonl``, ``events.jsonl``, ``summary.json``, ``checkpoints/``). On
+SIGTERM/SIGINT or any failure it stops every agent and worker before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from nereusd.daemon import ControlPlane
+from nereusd.driver import RLDriver
+from nereusd.errors import NereusError, WorkerError
+from nereusd.jobspec import load_and_resolve
+from nereusd.journal import Journal
+from nereusd.rendezvous import RendezvousStore
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_FILE = "nereusd.json"
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    raise _Terminated(signal.Signals(signum).name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nereusd",
+        description="Nereus controller daemon: runs one RL post-training job across the agents that register.",
+    )
+    parser.add_argument("job", help="job YAML")
+    parser.add_argument("--run-dir", required=True, help="directory for metrics, events, logs and checkpoints")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0",
+                        help="control-plane endpoint agents connect to (default tcp://127.0.0.1:0, a free port)")
+    parser.add_argument("--store-host", default="127.0.0.1", help="address workers reach the rendezvous store on")
+    parser.add_argument("--register-timeout-s", type=float, default=120.0,
+                        help="how long to wait for agents to register the job's devices")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=15.0)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    job = load_and_resolve(args.job)
+    journal = Journal(run_dir)
+    control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=journal.event)
+    store = RendezvousStore(args.store_host)
+    (run_dir / ENDPOINT_FILE).write_text(json.dumps({"endpoint": control.endpoint, "pid": os.getpid(),
+                                                      "store": f"{store.host}:{store.port}"}))
+    journal.event("nereusd_started", {"endpoint": control.endpoint, "job": job.config.name,
+                                      "algorithm": job.config.algorithm.value, "devices": job.devices,
+                                      "plan": job.plan.to_dict()})
+    started = time.time()
+    summary: dict = {"job": job.config.name, "algorithm": job.config.algorithm.value, "status": "running"}
+    code = 1
+    try:
+        world = control.wait_for_devices(job.devices, args.register_timeout_s)
+        control.spawn_workers(generation=store.generation, world=world, store_host=store.host,
+                              store_port=store.port, memory_capacity_bytes=job.device_memory_bytes,
+                              run_dir=str(run_dir.resolve()))
+        journal.event("world_formed", {"generation": store.generation, "devices": world})
+        driver = RLDriver(job, control, journal)
+        records = driver.run()
+        summary.update(status="succeeded", steps=len(records))
+        code = 0
+    except WorkerError as err:
+        kind = getattr(err, "error_kind", None)
+        summary.update(status="failed", error=str(err), error_kind=kind or "WorkerError")
+        journal.event("job_failed", {"error": str(err), "error_kind": kind})
+        log.error("job failed: %s", err)
+    except NereusError as err:
+        summary.update(status="failed", error=str(err), error_kind=type(err).__name__)
+        journal.event("job_failed", {"error": str(err), "error_kind": type(err).__name__})
+        log.error("job failed: %s", err)
+    except _Terminated as err:
+        summary.update(status="interrupted", error=f"nereusd received {err}")
+        journal.event("job_interrupted", {"signal": str(err)})
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        summary["wall_time_s"] = round(time.time() - started, 3)
+        _summarise_metrics(run_dir, summary)
+        journal.summary(summary)
+        control.shutdown_agents(summary["status"])
+        journal.event("nereusd_stopped", {"status": summary["status"]})
+        journal.close()
+        control.close()
+    return code
+
+
+def _summarise_metrics(run_dir: Path, summary: dict) -> None:
+    from nereusd.journal import METRICS_FILE, read_jsonl
+
+    records = read_jsonl(run_dir / METRICS_FILE)
+    if not records:
+        return
+    k = max(1, len(records) // 10)
+    first, last = records[:k], records[-k:]
+
+    def mean(rs: list, key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    summary.update(
+        steps_completed=len(records),
+        reward_first_10pct=mean(first, "reward_mean"), reward_last_10pct=mean(last, "reward_mean"),
+        response_length_first_10pct=mean(first, "response_length_mean"),
+        response_length_last_10pct=mean(last, "response_length_mean"),
+        mean_step_latency_s=mean(records, "step_latency_s"),
+        final_plan=records[-1]["plan"],
+    )
+    summary["response_length_growth"] = summary["response_length_last_10pct"] / max(
+        summary["response_length_first_10pct"], 1e-9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s nereusd %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        return run(args)
+    except NereusError as err:  # invalid job: nothing started yet
+        log.error("%s", err)
+        print(f"nereusd: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The control-plane wire protocol: versioned, typed messages between nereusd, agents and workers.
+
+Every message is one JSON object ``{"v": PROTOCOL_VERSION, "type": ..., ...}`` sent as one
+ZeroMQ frame. Decoding validates the whole message against its type: an unknown type, a
+missing or unknown field, a wrong value type or another version raises :class:`ProtocolError`,
+which the receiver answers with an :class:`ErrorReply` (it never drops a message silently and
+never dies of one). Tensors never travel here: only commands, metrics and token ids.
+
+Paths of a message:
+    agent → nereusd:   RegisterAgent, Heartbeat, WorkerExited, FromWorker (relay)
+    nereusd → agent:   Welcome, SpawnWorkers, ToWorker (relay), Shutdown, ErrorReply
+    worker → agent:    WorkerReady, TaskResult
+    agent → worker:    Task, Shutdown
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from nereusd.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 2**20
+"""Largest frame accepted (64 MiB); larger frames are refused before parsing."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class DeviceInfo(BaseModel):
+    """One accelerator (or virtual CPU device) seen by an agent."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    local_index: int = Field(ge=0)
+    kind: Literal["cpu", "cuda", "rocm"]
+    name: str
+    memory_bytes: int = Field(ge=0)
+
+
+class RegisterAgent(_Message):
+    type: Literal["register_agent"] = "register_agent"
+    node_id: str
+    hostname: str
+    pid: int
+    devices: list[DeviceInfo]
+
+
+class Welcome(_Message):
+    """nereusd's answer to a registration: the agent's devices' global indices."""
+
+    type: Literal["welcome"] = "welcome"
+    node_id: str
+    global_devices: list[int]
+
+
+class Heartbeat(_Message):
+    type: Literal["heartbeat"] = "heartbeat"
+    node_id: str
+    workers_alive: list[int] = Field(default_factory=list)
+    """Global device indices whose worker process is running."""
+
+
+class WorkerSpec(BaseModel):
+    """One worker an agent must start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    device: int = Field(ge=0)
+    """Global device index == torch.distributed rank."""
+    local_index: int = Field(ge=0)
+    memory_capacity_bytes: int = Field(ge=1)
+
+
+class SpawnWorkers(_Message):
+    type: Literal["spawn_workers"] = "spawn_workers"
+    generation: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    store_host: str
+    store_port: int = Field(ge=1, le=65535)
+    workers: list[WorkerSpec]
+    run_dir: str
+    threads_per_worker: int = Field(1, ge=1)
+
+
+class WorkerExited(_Message):
+    type: Literal["worker_exited"] = "worker_exited"
+    node_id: str
+    device: int
+    exitcode: int | None
+
+
+class Task(_Message):
+    """A unit of work for one worker; ``kind`` selects the handler, ``args`` its inputs."""
+
+    type: Literal["task"] = "task"
+    task_id: int = Field(ge=0)
+    kind: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class TaskResult(_Message):
+    type: Literal["task_result"] = "task_result"
+    task_id: int = Field(ge=0)
+    device: int
+    ok: bool
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    """Exception class name on failure (``DeviceOutOfMemory``, ``PlanError``, ...)."""
+    elapsed_s: float = 0.0
+
+
+class WorkerReady(_Message):
+    type: Literal["worker_ready"] = "worker_ready"
+    device: int
+    pid: int
+
+
+class ToWorker(_Message):
+    type: Literal["to_worker"] = "to_worker"
+    device: int
+    task: Task
+
+
+class FromWorker(_Message):
+    type: Literal["from_worker"] = "from_worker"
+    device: int
+    payload: Annotated[Union[WorkerReady, TaskResult], Field(discriminator="type")]
+
+
+class Shutdown(_Message):
+    type: Literal["shutdown"] = "shutdown"
+    reason: str = ""
+
+
+class ErrorReply(_Message):
+    """The answer to a message that could not be accepted."""
+
+    type: Literal["error"] = "error"
+    reason: str
+
+
+AnyMessage = Annotated[
+    Union[
+        RegisterAgent, Welcome, Heartbeat, SpawnWorkers, WorkerExited, Task, TaskResult,
+        WorkerReady, ToWorker, FromWorker, Shutdown, ErrorReply,
+    ],
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
+_KNOWN_TYPES = {
+    "register_agent", "welcome", "heartbeat", "spawn_workers", "worker_exited", "task",
+    "task_result", "worker_ready", "to_worker", "from_worker", "shutdown", "error",
+}
+
+
+def encode(message: _Message) -> bytes:
+    """Serialise a message to one frame (UTF-8 JSON)."""
+    return message.model_dump_json().encode()
+
+
+def decode(frame: bytes) -> _Message:
+    """Parse and validate one frame.
+
+    Raises:
+        ProtocolError: if the frame is too large, not a JSON object, of another protocol
+            version, of an unknown type, or does not match its type's fields.
+    """
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        data = json.loads(frame)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProtocolError(f"message is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"message must be a JSON object, got {type(data).__name__}")
+    version = data.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    kind = data.get("type")
+    if kind not in _KNOWN_TYPES:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    try:
+        return _ADAPTER.validate_python(data)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or '<message>'}: {e['msg']}" for e in err.errors()
+        )
+        raise ProtocolError(f"malformed {kind!r} message: {problems}") from None
