@@ -1,0 +1,93 @@
+"""Malformed job YAMLs give errors that name the file and the dotted key; good ones resolve."""
+
+from pathlib import Path
+
+import pytest
+
+from nereusd.config import load_job
+from nereusd.errors import ConfigError
+from nereusd.jobspec import resolve_job
+from nereusd.plan import ModelStage
+
+TINY = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_layers": 4, "num_heads": 4,
+        "num_kv_heads": 2, "max_position": 160}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def resolve(path: Path, devices: int = 4):
+    return resolve_job(load_job(path), source=path.name, base_dir=path.parent, site_devices=devices,
+                       site_memory_bytes=2**30, site_name="local")
+
+
+def tiny_job(extra: str = "") -> str:
+    lines = ["models:", "  actor_config:"] + [f"    {k}: {v}" for k, v in TINY.items()]
+    return "\n".join(lines) + "\n" + extra
+
+
+@pytest.mark.parametrize("text, match", [
+    ("steps: fast\n", r"job.yaml: steps: Input should be a valid integer.*, got 'fast'"),
+    ("rollout:\n  temprature: 1.0\n", r"job.yaml: rollout.temprature: unknown key"),
+    ("algorithm: dpo\n", r"job.yaml: algorithm: Input should be 'ppo', 'grpo' or 'remax'"),
+    ("train:\n  micro_batch: 0\n", r"job.yaml: train.micro_batch: Input should be greater than or equal to 1"),
+    ("- a\n- b\n", r"job.yaml: expected a mapping at the top level, got list"),
+    ("steps: [1\n", r"job.yaml: not valid YAML at line"),
+])
+def test_schema_errors_name_file_and_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_job(write(tmp_path, text))
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope.yaml: no such file"):
+        load_job(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("plan:\n  default: {tp: 3}\n", r"plan.default: 4 devices are not a multiple of tp·pp = 3·1"),
+    ("plan:\n  model_stages:\n    actor/training: {tp: 1, pp: 1, dp: 3}\n",
+     r"plan.model_stages.actor/training: tp·pp·dp = 1·1·3 = 3 but 4 devices given"),
+    ("plan:\n  model_stages:\n    actor/training: {pp: 3, dp: 1, devices: [0, 1, 2]}\n",
+     r"plan.model_stages.actor/training: num_layers=4 is not divisible by pp=3"),
+    ("plan:\n  model_stages:\n    critic/training: {tp: 1}\n",
+     r"plan.model_stages.critic/training: not a model-stage of grpo"),
+    ("plan:\n  model_stages:\n    actor/training: {devices: [0, 7]}\n",
+     r"plan.model_stages.actor/training.devices: \[7\] outside the job's devices 0..3"),
+    ("plan:\n  model_stages:\n    actor/generation: {pp: 2}\n",
+     r"plan.model_stages.actor/generation.pp: generation folds PP into DP, pp must be 1, got 2"),
+    ("train:\n  global_batch: 64\n  micro_batch: 12\n",
+     r"plan.default: global_batch=64 is not dp·micro_batch·grad_accum for dp=4, micro_batch=12"),
+    ("devices: 8\n", r"job.yaml: devices: 8 requested but site 'local' has 4"),
+    ("rollout:\n  group_size: 1\ntrain: {global_batch: 8}\n", r"rollout.group_size: GRPO needs groups of at least 2"),
+])
+def test_plan_errors_name_file_and_key(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(write(tmp_path, tiny_job(extra)))
+
+
+def test_model_directory_must_exist(tmp_path):
+    path = write(tmp_path, "models:\n  actor: missing-model\n")
+    with pytest.raises(ConfigError, match=r"job.yaml: models.actor: 'missing-model' is not a model directory"):
+        resolve(path)
+
+
+def test_colocated_default_and_disjoint_override(tmp_path):
+    extra = ("algorithm: ppo\nrollout: {group_size: 2}\ntrain: {global_batch: 16, micro_batch: 4}\n"
+             "plan:\n  default: {tp: 2, pp: 2}\n  model_stages:\n"
+             "    critic/training: {tp: 1, pp: 1, devices: [2, 3]}\n")
+    job = resolve(write(tmp_path, tiny_job(extra)))
+    actor_train = job.plan[ModelStage.parse("actor/training")]
+    assert (actor_train.tp, actor_train.pp, actor_train.dp) == (2, 2, 1)
+    gen = job.plan[ModelStage.parse("actor/generation")]
+    assert (gen.tp, gen.pp, gen.dp) == (2, 1, 2)  # PP folded into DP for generation
+    critic = job.plan[ModelStage.parse("critic/training")]
+    assert (critic.tp, critic.dp, critic.devices) == (1, 2, (2, 3))
+    assert job.grad_accum[ModelStage.parse("critic/training")] == 16 // (2 * 4)
+    assert job.grad_accum[ModelStage.parse("actor/training")] == 16 // (1 * 4)
+    assert [str(m) for m in job.plan] == [
+        "actor/generation", "actor/inference", "critic/inference", "reference/inference",
+        "actor/training", "critic/training"]

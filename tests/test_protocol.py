@@ -1,0 +1,105 @@
+"""The wire protocol refuses malformed messages with clear errors; nereusd keeps serving."""
+
+import json
+
+import pytest
+import zmq
+
+from nereusd import protocol as P
+from nereusd.daemon import ControlPlane
+from nereusd.errors import ProtocolError
+
+
+def test_round_trip_of_every_path():
+    task = P.Task(task_id=3, kind="generate", args={"prompts": [[1, 2, 3]]})
+    msgs = [
+        P.RegisterAgent(node_id="n1", hostname="h", pid=1,
+                        devices=[P.DeviceInfo(local_index=0, kind="cpu", name="virtual-cpu", memory_bytes=10)]),
+        P.ToWorker(device=2, task=task),
+        P.FromWorker(device=2, payload=P.TaskResult(task_id=3, device=2, ok=True, result={"x": [1]})),
+        P.FromWorker(device=2, payload=P.WorkerReady(device=2, pid=5)),
+        P.Shutdown(reason="done"),
+    ]
+    for msg in msgs:
+        assert P.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("frame, match", [
+    (b"\xff\xfe", r"not JSON"),
+    (b"[1, 2]", r"must be a JSON object, got list"),
+    (json.dumps({"v": 2, "type": "heartbeat", "node_id": "a"}).encode(), r"protocol version 2 is not supported"),
+    (json.dumps({"v": 1, "type": "reboot"}).encode(), r"unknown message type 'reboot'"),
+    (json.dumps({"v": 1, "type": "heartbeat"}).encode(), r"malformed 'heartbeat' message: node_id: Field required"),
+    (json.dumps({"v": 1, "type": "heartbeat", "node_id": "a", "evil": 1}).encode(),
+     r"malformed 'heartbeat' message: evil: Extra inputs are not permitted"),
+    (json.dumps({"v": 1, "type": "task", "task_id": -1, "kind": "x"}).encode(), r"task_id: Input should be greater"),
+])
+def test_decode_refuses(frame, match):
+    with pytest.raises(ProtocolError, match=match):
+        P.decode(frame)
+
+
+def test_oversized_frame_refused():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        P.decode(b" " * (P.MAX_MESSAGE_BYTES + 1))
+
+
+def _dealer(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _reply(control: ControlPlane, sock: zmq.Socket) -> P._Message:
+    for _ in range(50):
+        control.poll(0.02)
+        if sock.poll(10):
+            return P.decode(sock.recv())
+    raise AssertionError("no reply from nereusd")
+
+
+def test_control_plane_refuses_bad_peers_and_keeps_serving():
+    events = []
+    control = ControlPlane(on_event=lambda name, fields: events.append(name))
+    bad, good = _dealer(control.endpoint), _dealer(control.endpoint)
+    try:
+        bad.send(b"not json at all")
+        assert isinstance(_reply(control, bad), P.ErrorReply)
+        bad.send(P.encode(P.Heartbeat(node_id="ghost")))  # never registered
+        reply = _reply(control, bad)
+        assert isinstance(reply, P.ErrorReply) and "unregistered peer" in reply.reason
+        bad.send_multipart([b"two", b"frames"])
+        assert isinstance(_reply(control, bad), P.ErrorReply)
+        assert control.refused_messages == 3 and events.count("message_refused") == 3
+
+        good.send(P.encode(P.RegisterAgent(node_id="n0", hostname="h", pid=1, devices=[
+            P.DeviceInfo(local_index=i, kind="cpu", name="virtual-cpu", memory_bytes=1) for i in range(2)])))
+        welcome = _reply(control, good)
+        assert isinstance(welcome, P.Welcome) and welcome.global_devices == [0, 1]
+        # a second registration of the same node is refused, the first stays
+        bad.send(P.encode(P.RegisterAgent(node_id="n0", hostname="h", pid=2, devices=[])))
+        assert isinstance(_reply(control, bad), P.ErrorReply)
+        assert control.devices() == [0, 1]
+        # a registered agent may not relay for a device it does not own
+        good.send(P.encode(P.FromWorker(device=5, payload=P.WorkerReady(device=5, pid=9))))
+        reply = _reply(control, good)
+        assert isinstance(reply, P.ErrorReply) and "does not own" in reply.reason
+    finally:
+        bad.close()
+        good.close()
+        control.close()
+
+
+def test_heartbeat_loss_declares_agent_lost():
+    control = ControlPlane(heartbeat_timeout_s=0.2)
+    sock = _dealer(control.endpoint)
+    try:
+        sock.send(P.encode(P.RegisterAgent(node_id="n0", hostname="h", pid=1, devices=[
+            P.DeviceInfo(local_index=0, kind="cpu", name="virtual-cpu", memory_bytes=1)])))
+        _reply(control, sock)
+        control.poll(0.4)
+        assert control.lost_agents == ["n0"] and 0 in control.exited_workers
+    finally:
+        sock.close()
+        control.close()
