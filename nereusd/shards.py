@@ -1,0 +1,293 @@
+"""Which slice of which parameter a ``(pp_rank, tp_rank)`` position holds: a pure shard spec.
+
+The transition planner (:mod:`nereusd.transition`) and the data-plane primitives agree on what
+a device holds and what it must send through this module. It mirrors, without torch, the
+engine's sharding (:mod:`emu.model` ``canonical_shapes`` / ``shard_dim`` and
+:mod:`emu.parallel` ``layer_range`` / ``stage_param_names``), which follows DESIGN.md
+("EMU state and primitives", sharding table, Megatron convention):
+
+==========================  ========================================  ====================
+parameter                   TP                                        PP
+==========================  ========================================  ====================
+embedding ``[V, h]``        dim 0 (vocab-parallel)                    first stage
+q/k/v ``[heads·d, h]``      dim 0, whole heads; k/v replicated when   owning layer's stage
+                            ``tp > num_kv_heads``
+o ``[h, heads·d]``          dim 1                                     owning layer's stage
+gate/up ``[f, h]``          dim 0                                     owning layer's stage
+down ``[h, f]``             dim 1                                     owning layer's stage
+norms, value head           replicated                                final ones: last stage
+lm head ``[V, h]``          dim 0                                     last stage
+==========================  ========================================  ====================
+
+Optimizer tensors of a parameter are sharded exactly like it, so one :class:`Shard` names the
+slice of the parameter *and* of its optimizer tensors.
+
+Split points are equal chunks (``tp`` divides heads, vocabulary and ``f``; ``pp`` divides the
+layers), so a coarser layout's shard is exactly the union of the finer layout's shards at
+the positions ``t // k`` (``k`` the ratio of the degrees): the nesting that Split and Merge
+rely on (paper §5.2).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from nereusd.errors import PlanError
+from nereusd.models import ModelSpec
+from nereusd.plan import Layout, Role
+
+Position = tuple[int, int]
+"""``(pp_rank, tp_rank)`` inside one replica."""
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    """The slice ``[start, stop)`` along ``dim`` of canonical parameter ``name``.
+
+    A replicated (or unsplit) tensor is the full range of dim 0. ``full_shape`` is the
+    canonical (unsharded) shape; elements are counted in the parameter's own units, and the
+    same slice applies to every optimizer tensor of the parameter.
+    """
+
+    name: str
+    dim: int
+    start: int
+    stop: int
+    full_shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the slice (``(stop − start) · ∏ other dims``)."""
+        rest = math.prod(s for i, s in enumerate(self.full_shape) if i != self.dim)
+        return (self.stop - self.start) * rest
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the slice is the whole tensor."""
+        return self.start == 0 and self.stop == self.full_shape[self.dim]
+
+    def along(self, dim: int) -> "Shard":
+        """The same slice expressed along ``dim`` (only a full tensor changes its dim).
+
+        Raises:
+            PlanError: if a partial slice is asked for along another dim.
+        """
+        if dim == self.dim:
+            return self
+        if not self.is_full:
+            raise PlanError(f"{self.name}[{self.start}:{self.stop}] along dim {self.dim} cannot be re-expressed along dim {dim}")
+        return Shard(self.name, dim, 0, self.full_shape[dim], self.full_shape)
+
+    def contains(self, other: "Shard") -> bool:
+        """Whether ``other`` (same parameter) lies inside this slice."""
+        if self.name != other.name:
+            return False
+        if self.is_full:
+            return True
+        if other.dim != self.dim:
+            return False
+        return self.start <= other.start and other.stop <= self.stop
+
+    def to_list(self) -> list[Any]:
+        """JSON form ``[name, dim, start, stop, [shape…]]``."""
+        return [self.name, self.dim, self.start, self.stop, list(self.full_shape)]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> "Shard":
+        """Inverse of :meth:`to_list`.
+
+        Raises:
+            PlanError: if ``data`` is not a five-element list of the right types.
+        """
+        try:
+            name, dim, start, stop, shape = data
+            return cls(str(name), int(dim), int(start), int(stop), tuple(int(s) for s in shape))
+        except (TypeError, ValueError):
+            raise PlanError(f"shard: expected [name, dim, start, stop, shape], got {data!r}") from None
+
+
+def value_head_for(role: Role) -> bool:
+    """Critic and reward models carry a scalar ``value_head`` instead of ``lm_head``."""
+    return role in (Role.CRITIC, Role.REWARD)
+
+
+@functools.lru_cache(maxsize=64)
+def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> Mapping[str, tuple[int, ...]]:
+    """Full shape of every canonical parameter (Hugging Face names, in HF order).
+
+    Same table as :func:`emu.model.canonical_shapes`.
+    """
+    h, f, v, d = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
+    kv = spec.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (spec.num_heads * d, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if value_head:
+        shapes["value_head.weight"] = (1, h)
+        shapes["value_head.bias"] = (1,)
+    elif not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def shard_dim(name: str, spec: ModelSpec, tp: int) -> int | None:
+    """The dim along which ``name`` is split over ``tp`` ranks, or ``None`` when replicated.
+
+    Same rule as :func:`emu.model.shard_dim` (DESIGN.md sharding table).
+    """
+    if tp == 1:
+        return None
+    if name.endswith(("k_proj.weight", "v_proj.weight")):
+        return None if tp > spec.num_kv_heads else 0
+    if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+        return 0
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1
+    return None
+
+
+def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False) -> None:
+    """Check that ``layout`` can shard ``spec`` (as :func:`emu.parallel.validate_candidate`).
+
+    Raises:
+        PlanError: naming the degree and the model dimension it does not divide; when ``tp``
+            and ``num_kv_heads`` do not divide one another; for tied embeddings with ``pp > 1``.
+    """
+    tp, pp = layout.tp, layout.pp
+    for which, degree, field, value in (
+        ("tp", tp, "num_heads", spec.num_heads),
+        ("tp", tp, "vocab_size", spec.vocab_size),
+        ("tp", tp, "intermediate_size", spec.intermediate_size),
+        ("pp", pp, "num_layers", spec.num_layers),
+    ):
+        if value % degree:
+            raise PlanError(f"layout tp{tp}·pp{pp}: {which}={degree} does not divide model {field}={value}")
+    kv = spec.num_kv_heads
+    if kv % tp and tp % kv:
+        raise PlanError(f"layout tp{tp}·pp{pp}: tp={tp} and num_kv_heads={kv}: one must divide the other")
+    if pp > 1 and spec.tie_word_embeddings and not value_head:
+        raise PlanError(f"layout tp{tp}·pp{pp}: tie_word_embeddings needs pp=1")
+
+
+def layer_range(spec: ModelSpec, pp: int, pp_rank: int) -> range:
+    """Decoder layers of pipeline stage ``pp_rank``: ``num_layers / pp`` contiguous layers."""
+    per = spec.num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _on_stage(name: str, spec: ModelSpec, pp: int, pp_rank: int) -> bool:
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) in layer_range(spec, pp, pp_rank)
+    if name == "model.embed_tokens.weight":
+        return pp_rank == 0
+    return pp_rank == pp - 1
+
+
+@functools.lru_cache(maxsize=4096)
+def shards_of(spec: ModelSpec, layout: Layout, position: Position, value_head: bool = False) -> tuple[Shard, ...]:
+    """Every shard held at ``position = (pp_rank, tp_rank)`` of a replica with ``layout``.
+
+    Returns:
+        The shards in canonical (HF) parameter order.
+
+    Raises:
+        PlanError: if ``layout`` cannot shard ``spec`` (:func:`check_layout`) or ``position``
+            is outside it.
+    """
+    check_layout(spec, layout, value_head=value_head)
+    pp_rank, tp_rank = position
+    if not (0 <= pp_rank < layout.pp and 0 <= tp_rank < layout.tp):
+        raise PlanError(f"position {position} is outside layout tp{layout.tp}·pp{layout.pp}")
+    out = []
+    for name, shape in canonical_shapes(spec, value_head).items():
+        if not _on_stage(name, spec, layout.pp, pp_rank):
+            continue
+        dim = shard_dim(name, spec, layout.tp)
+        if dim is None:
+            out.append(Shard(name, 0, 0, shape[0], shape))
+        else:
+            size = shape[dim] // layout.tp
+            out.append(Shard(name, dim, tp_rank * size, (tp_rank + 1) * size, shape))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_elements(spec: ModelSpec, layout: Layout, position: Position, value_head: bool = False) -> int:
+    """Parameter elements held at ``position`` of ``layout`` (sum of :func:`shards_of`)."""
+    return sum(s.numel for s in shards_of(spec, layout, position, value_head))
+
+
+def missing_pieces(
+    spec: ModelSpec,
+    value_head: bool,
+    have: tuple[Layout, Position] | None,
+    want: tuple[Layout, Position],
+    peers: Sequence[tuple[int, Layout, Position]],
+) -> list[tuple[int, Shard]]:
+    """The pieces a device must receive to hold ``want`` when it already holds ``have``.
+
+    Args:
+        have: the device's current ``(layout, position)``, or ``None`` when it holds nothing.
+        want: the ``(layout, position)`` it must hold afterwards.
+        peers: ``(device, layout, position)`` of the devices it may receive from, in order of
+            preference; each piece comes from the first peer holding it.
+
+    Returns:
+        ``(peer device, shard)`` pairs; together with ``have`` they cover ``want`` exactly
+        (pieces are disjoint). Shards of nested layouts are equal or disjoint, which is what
+        makes the first-come choice exact.
+
+    Raises:
+        PlanError: if the peers do not hold everything missing.
+    """
+    held = {s.name: s for s in shards_of(spec, have[0], have[1], value_head)} if have else {}
+    peer_shards = [
+        (dev, {s.name: s for s in shards_of(spec, lay, pos, value_head)}) for dev, lay, pos in peers
+    ]
+    out: list[tuple[int, Shard]] = []
+    for need in shards_of(spec, want[0], want[1], value_head):
+        mine = held.get(need.name)
+        if mine is not None and mine.contains(need):
+            continue
+        offers = [(dev, shards[need.name]) for dev, shards in peer_shards if need.name in shards]
+        # A parameter is split along one fixed dim; a full tensor may be written along any.
+        dims = {s.dim for s in [need, *(o for _, o in offers), *([mine] if mine else [])] if not s.is_full}
+        dim = dims.pop() if dims else need.dim
+        need = need.along(dim)
+        covered: list[tuple[int, int]] = []
+        if mine is not None and need.contains(mine):
+            mine = mine.along(dim)
+            covered.append((mine.start, mine.stop))
+        for dev, piece in offers:
+            if piece.contains(need) and not need.contains(piece):
+                piece = need  # a replicated peer sends just the slice wanted
+            if not need.contains(piece):
+                continue
+            piece = piece.along(dim)
+            if any(piece.start < b and a < piece.stop for a, b in covered):
+                continue
+            covered.append((piece.start, piece.stop))
+            out.append((dev, piece))
+        if sum(b - a for a, b in covered) != need.stop - need.start:
+            raise PlanError(
+                f"{need.name}[{need.start}:{need.stop}] along dim {need.dim}: peers "
+                f"{[p[0] for p in peers]} do not hold the missing part"
+            )
+    return out

@@ -1,0 +1,366 @@
+"""Frozen plan objects of a transition: EMUs, primitive ops, edges and the DAG, with JSON.
+
+Vocabulary of the Nereus paper §5–§6 and DESIGN.md ("EMU state and primitives"). A transition
+DAG is built by :func:`nereusd.transition.plan_transition`; this module only defines the
+objects, so that a worker can execute a DAG it received over the control plane and a test can
+check one without processes.
+
+What each :class:`Op` kind means, device by device (``holding`` = the state of one
+model-stage at one ``(layout, position)`` on one device):
+
+``split``
+    ``source_*``: all devices of one current EMU at layout ``T`` with their positions;
+    ``target_*``: the devices that *receive* (a subset, same order) with their positions in
+    ``T_sub``. Each receiver's ``T`` holding becomes its ``T_sub`` holding by a position-wise
+    all-gather inside its gather group (the devices of the EMU with the same ``T_sub``
+    position); the other devices only send and keep their ``T`` holding.
+``destroy``
+    ``source_*``: the holdings freed (layout, devices, positions); no target.
+    ``discard`` is set only when the model-stage leaves the plan (its state is dropped on
+    purpose); otherwise a Destroy never frees the last copy.
+``extend``
+    ``source_devices[i]`` sends its whole ``T_sub`` holding at ``source_positions[i]`` to
+    ``target_devices[i]`` (rank-aligned pairs, ``source_positions == target_positions``).
+``merge``
+    ``source_*``: the devices of one target EMU with their ``T_sub`` positions;
+    ``target_*``: the same devices, same order, with their positions in ``T*``. Each device
+    keeps its slice of what it holds; routes with ``src == dst`` are such local slices, routes
+    with ``src != dst`` are the few pieces a replicated parameter still needs (k/v projections
+    when ``T*`` replicates them, ``tp* > num_kv_heads``).
+``create``
+    ``target_*``: a new model-stage's EMUs at ``T*``. Their content comes from outside the
+    transition (initial weights or the next weight synchronisation); nothing is copied here.
+
+Routes are ``(src device, dst device, shard)`` with a :class:`~nereusd.shards.Shard` naming the
+parameter slice (and the same slice of its optimizer tensors).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+from nereusd.errors import PlanError
+from nereusd.plan import Candidate, Layout, ModelStage, Plan
+from nereusd.shards import Position, Shard
+
+SCHEMA_VERSION = 1
+"""Version of the JSON form of :class:`TransitionDag`; a reader refuses any other."""
+
+
+class OpKind(str, enum.Enum):
+    """The primitives of paper §5.2, plus ``create`` for a model-stage that joins the plan."""
+
+    SPLIT = "split"
+    DESTROY = "destroy"
+    EXTEND = "extend"
+    MERGE = "merge"
+    CREATE = "create"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EdgeReason(str, enum.Enum):
+    """Why an edge exists: a state dependency of a local DAG, or release-before-acquire."""
+
+    STATE = "state"
+    RESOURCE = "resource"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Emu:
+    """One Elastic Model Unit: one DP replica of one model-stage (paper §5.1).
+
+    ``devices`` are in ``(pp_rank, tp_rank)`` order, ``devices[pp_rank * tp + tp_rank]``.
+    """
+
+    model_stage: ModelStage
+    layout: Layout
+    dp_rank: int
+    devices: tuple[int, ...]
+
+    def position_of(self, device: int) -> Position:
+        """``(pp_rank, tp_rank)`` of ``device`` in this unit.
+
+        Raises:
+            PlanError: if ``device`` is not in the unit.
+        """
+        try:
+            i = self.devices.index(device)
+        except ValueError:
+            raise PlanError(f"device {device} is not in EMU {self.model_stage}#{self.dp_rank} {list(self.devices)}") from None
+        return (i // self.layout.tp, i % self.layout.tp)
+
+
+def emu_collection(model_stage: ModelStage, candidate: Candidate) -> tuple[Emu, ...]:
+    """``E_M = Φ(π_M)``: one EMU per DP replica of ``candidate`` (paper §6.1)."""
+    return tuple(
+        Emu(model_stage, candidate.layout, d, candidate.replica_devices(d)) for d in range(candidate.dp)
+    )
+
+
+def emu_collections(plan: Plan) -> dict[ModelStage, tuple[Emu, ...]]:
+    """``E(S)``: the EMU collection of every model-stage of ``plan``, in canonical order."""
+    return {m: emu_collection(m, c) for m, c in plan.items()}
+
+
+@dataclass(frozen=True)
+class Route:
+    """``shard`` moves (or, for a Merge with ``src == dst``, is sliced) from ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    shard: Shard
+
+    def to_list(self) -> list[Any]:
+        return [self.src, self.dst, self.shard.to_list()]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> "Route":
+        """Raises: PlanError if ``data`` is not ``[src, dst, shard]``."""
+        try:
+            src, dst, shard = data
+            return cls(int(src), int(dst), Shard.from_list(shard))
+        except (TypeError, ValueError):
+            raise PlanError(f"route: expected [src, dst, shard], got {data!r}") from None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One primitive of a transition (see the module docstring for each kind).
+
+    Attributes:
+        id: unique in its DAG, ``"<role>/<stage>:<kind><n>"``.
+        kind: the primitive.
+        model_stage: whose state it acts on.
+        source_layout, source_devices, source_positions: holdings read or freed
+            (``None``/empty for ``create``); positions are ``(pp_rank, tp_rank)``.
+        target_layout, target_devices, target_positions: holdings written (``None``/empty for
+            ``destroy``).
+        routes: what moves, ``(src, dst, shard)``; empty for ``destroy`` and ``create``.
+        discard: ``destroy`` of a model-stage that leaves the plan.
+    """
+
+    id: str
+    kind: OpKind
+    model_stage: ModelStage
+    source_layout: Layout | None
+    source_devices: tuple[int, ...]
+    source_positions: tuple[Position, ...]
+    target_layout: Layout | None
+    target_devices: tuple[int, ...]
+    target_positions: tuple[Position, ...]
+    routes: tuple[Route, ...] = ()
+    discard: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source_devices", tuple(int(d) for d in self.source_devices))
+        object.__setattr__(self, "target_devices", tuple(int(d) for d in self.target_devices))
+        object.__setattr__(self, "source_positions", tuple((int(p), int(t)) for p, t in self.source_positions))
+        object.__setattr__(self, "target_positions", tuple((int(p), int(t)) for p, t in self.target_positions))
+        if len(self.source_devices) != len(self.source_positions):
+            raise PlanError(f"op {self.id}: {len(self.source_devices)} source devices but {len(self.source_positions)} positions")
+        if len(self.target_devices) != len(self.target_positions):
+            raise PlanError(f"op {self.id}: {len(self.target_devices)} target devices but {len(self.target_positions)} positions")
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device the op touches, sorted."""
+        return tuple(sorted(set(self.source_devices) | set(self.target_devices)))
+
+    def describe(self) -> str:
+        """Short text, e.g. ``actor/training:extend0 tp2·pp1 [0,1]→[4,5]``."""
+        lay = self.target_layout or self.source_layout
+        src = ",".join(map(str, self.source_devices))
+        dst = ",".join(map(str, self.target_devices))
+        return f"{self.id} tp{lay.tp}·pp{lay.pp} [{src}]→[{dst}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        def lay(layout: Layout | None) -> list[int] | None:
+            return None if layout is None else [layout.tp, layout.pp]
+
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "model_stage": str(self.model_stage),
+            "source_layout": lay(self.source_layout),
+            "source_devices": list(self.source_devices),
+            "source_positions": [list(p) for p in self.source_positions],
+            "target_layout": lay(self.target_layout),
+            "target_devices": list(self.target_devices),
+            "target_positions": [list(p) for p in self.target_positions],
+            "routes": [r.to_list() for r in self.routes],
+            "discard": self.discard,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Op":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            PlanError: naming the op and the field on a missing, unknown or bad field.
+        """
+        allowed = {"id", "kind", "model_stage", "source_layout", "source_devices", "source_positions",
+                   "target_layout", "target_devices", "target_positions", "routes", "discard"}
+        ident = data.get("id", "?") if isinstance(data, Mapping) else "?"
+        if not isinstance(data, Mapping):
+            raise PlanError(f"op: expected an object, got {data!r}")
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise PlanError(f"op {ident}: unknown field {unknown[0]!r}")
+        missing = sorted(allowed - set(data))
+        if missing:
+            raise PlanError(f"op {ident}: missing field {missing[0]!r}")
+
+        def lay(value: Any) -> Layout | None:
+            return None if value is None else Layout(int(value[0]), int(value[1]))
+
+        try:
+            kind = OpKind(data["kind"])
+        except ValueError:
+            raise PlanError(f"op {ident}: unknown kind {data['kind']!r}") from None
+        try:
+            return cls(
+                id=str(data["id"]),
+                kind=kind,
+                model_stage=ModelStage.parse(data["model_stage"]),
+                source_layout=lay(data["source_layout"]),
+                source_devices=tuple(data["source_devices"]),
+                source_positions=tuple(tuple(p) for p in data["source_positions"]),
+                target_layout=lay(data["target_layout"]),
+                target_devices=tuple(data["target_devices"]),
+                target_positions=tuple(tuple(p) for p in data["target_positions"]),
+                routes=tuple(Route.from_list(r) for r in data["routes"]),
+                discard=bool(data["discard"]),
+            )
+        except (TypeError, ValueError, IndexError) as err:
+            raise PlanError(f"op {ident}: malformed field: {err}") from None
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``src`` must complete before ``dst`` starts."""
+
+    src: str
+    dst: str
+    reason: EdgeReason = EdgeReason.STATE
+
+
+@dataclass(frozen=True)
+class TransitionDag:
+    """The global transition DAG from ``current`` to ``target`` (paper §6.1).
+
+    ``ops`` are in construction order (model-stages in canonical order, each local DAG in
+    Split → Destroy → Extend → Destroy → Merge order); ``edges`` hold the local state
+    dependencies and the release-before-acquire edges between them.
+    """
+
+    current: Plan
+    target: Plan
+    ops: tuple[Op, ...]
+    edges: tuple[Edge, ...]
+    _index: Mapping[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            if op.id in index:
+                raise PlanError(f"transition DAG: op id {op.id!r} is used twice")
+            index[op.id] = i
+        for e in self.edges:
+            for end in (e.src, e.dst):
+                if end not in index:
+                    raise PlanError(f"transition DAG: edge {e.src} → {e.dst} names unknown op {end!r}")
+        object.__setattr__(self, "_index", index)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self) -> Iterator[Op]:
+        return iter(self.ops)
+
+    def op(self, op_id: str) -> Op:
+        """The op with id ``op_id``.
+
+        Raises:
+            PlanError: if there is none.
+        """
+        try:
+            return self.ops[self._index[op_id]]
+        except KeyError:
+            raise PlanError(f"transition DAG: no op {op_id!r}") from None
+
+    def index_of(self, op_id: str) -> int:
+        return self._index[op_id]
+
+    def predecessors(self, op_id: str) -> list[str]:
+        return [e.src for e in self.edges if e.dst == op_id]
+
+    def successors(self, op_id: str) -> list[str]:
+        return [e.dst for e in self.edges if e.src == op_id]
+
+    def ops_of(self, model_stage: ModelStage) -> list[Op]:
+        return [op for op in self.ops if op.model_stage == model_stage]
+
+    def summary(self) -> str:
+        """One line per op with its predecessors, for logs."""
+        lines = []
+        for op in self.ops:
+            preds = self.predecessors(op.id)
+            lines.append(op.describe() + (f" after {', '.join(preds)}" if preds else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": SCHEMA_VERSION,
+            "current": self.current.to_dict(),
+            "target": self.target.to_dict(),
+            "ops": [op.to_dict() for op in self.ops],
+            "edges": [[e.src, e.dst, e.reason.value] for e in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TransitionDag":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            PlanError: on another schema version, unknown or missing fields, or bad values.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"transition DAG: expected an object, got {type(data).__name__}")
+        if data.get("version") != SCHEMA_VERSION:
+            raise PlanError(f"transition DAG: schema version {data.get('version')!r}, expected {SCHEMA_VERSION}")
+        unknown = sorted(set(data) - {"version", "current", "target", "ops", "edges"})
+        if unknown:
+            raise PlanError(f"transition DAG: unknown field {unknown[0]!r}")
+        try:
+            edges = tuple(Edge(str(s), str(d), EdgeReason(r)) for s, d, r in data["edges"])
+            return cls(
+                current=Plan.from_dict(data["current"]),
+                target=Plan.from_dict(data["target"]),
+                ops=tuple(Op.from_dict(o) for o in data["ops"]),
+                edges=edges,
+            )
+        except KeyError as err:
+            raise PlanError(f"transition DAG: missing field {err}") from None
+        except (TypeError, ValueError) as err:
+            raise PlanError(f"transition DAG: malformed: {err}") from None
+
+    def to_json(self) -> str:
+        """Compact JSON text (what travels to workers over the control plane)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TransitionDag":
+        """Raises: PlanError if ``text`` is not valid JSON of a DAG."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"transition DAG: not valid JSON: {err}") from None
+        return cls.from_dict(data)
