@@ -45,6 +45,7 @@ def check_run(proc, run_dir: Path, steps: int, devices: int) -> list[dict]:
         assert name in events
     assert (run_dir / "checkpoints" / "final" / "actor" / ".metadata").is_file()
     assert "succeeded" in proc.stdout
+    assert processes_mentioning(str(run_dir)) == []  # torn down on success
     return records
 
 
@@ -129,6 +130,7 @@ train: {global_batch: 16, micro_batch: 4}
     assert "capacity 2147483 bytes" in proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error_kind"] == "DeviceOutOfMemory"
+    assert processes_mentioning(str(run_dir)) == []  # nothing hangs after an error
 
 
 def test_bad_job_fails_before_anything_starts(tmp_path):
@@ -136,3 +138,56 @@ def test_bad_job_fails_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "job.yaml: steps: Input should be greater than or equal to 1" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_ctrl_c_tears_everything_down(tmp_path):
+    import os
+    import signal
+    import time
+
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(f"""
+name: e2e-interrupt
+algorithm: grpo
+steps: 500
+devices: 2
+models: {{actor: "{WARMSTART}"}}
+rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
+train: {{global_batch: 4, micro_batch: 2}}
+""")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 180
+    while not read_jsonl(run_dir / "metrics.jsonl"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step within 180 s"
+        time.sleep(0.2)
+    pids = {json.loads((run_dir / "nereusd.json").read_text())["pid"]}
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert "job_interrupted" in events and "nereusd_stopped" in events
+    # nereusd, the agent and every worker are gone
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(cmdline)
+    return found
