@@ -1,0 +1,181 @@
+"""Memory model: predicted peak bytes per device of one model-stage candidate.
+
+Each formula lives in one function here with its source. All results are bytes on the most
+loaded device of a replica (the first pipeline stage holds the embedding and the most
+in-flight activations; the last holds the output head and the logits; we take the larger).
+
+Components (paper §4.2 "Peak memory"; DESIGN.md "Cost model"):
+
+- parameters, gradients, optimizer state — ZeRO-0: parameter and gradient in the compute dtype,
+  an fp32 master copy when that dtype is narrower than fp32, and Adam ``m``, ``v`` in fp32:
+  16 bytes per parameter for bf16 and for fp32, divided by ``tp·pp``;
+- activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models" (MLSys 2023), §4, adapted to SwiGLU and grouped-query attention; full recomputation
+  keeps only each layer's input;
+- KV cache for generation; logits for log-prob model-stages; a fixed workspace;
+- co-resident idle model-stages (their :attr:`MemoryEstimate.resident_bytes`), added by the
+  planner for devices shared across phases;
+- a plan is feasible only below ``(1 − headroom) · capacity`` with ``headroom = 10 %``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Role, Stage
+
+HEADROOM = 0.10
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: Framework workspace per device (cuBLAS/NCCL buffers, allocator slack), by device kind.
+WORKSPACE_BYTES = {"cuda": 3 << 29, "rocm": 3 << 29, "cpu": 16 << 20}
+ADAM_STATE_BYTES = 8  # m and v in fp32
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes per device of one model-stage candidate, by component.
+
+    ``peak_bytes`` is the sum of ``components`` (the model-stage's own working peak);
+    ``resident_bytes`` is what stays on the device while the model-stage is idle
+    (parameters, plus master copy and Adam state for training).
+    """
+
+    components: Mapping[str, int]
+    resident_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.components.values())
+
+
+def usable_bytes(capacity_bytes: int, headroom: float = HEADROOM) -> int:
+    """Bytes a plan may use on a device of ``capacity_bytes``: ``(1 − headroom) · capacity``."""
+    return int(capacity_bytes * (1.0 - headroom))
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (fp32 4, bf16/fp16 2, fp8 1)."""
+    return DTYPE_BYTES[dtype]
+
+
+def parameters_per_device(spec: ModelSpec, tp: int, pp: int) -> int:
+    """Parameters on the most loaded device of a ``(tp, pp)`` replica.
+
+    Megatron sharding (DESIGN.md "EMU state"): q/o/MLP weights split over ``tp``; k/v split by
+    whole kv heads (replicated when ``tp > num_kv_heads``); norms replicated; embedding on the
+    first, output head on the last pipeline stage, both vocab-parallel.
+    """
+    h, f, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q = spec.num_heads * d
+    kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
+    per_layer = (2 * q * h + 3 * f * h) // tp + 2 * kv_heads_rank * d * h + 2 * h
+    layers = math.ceil(spec.num_layers / pp)
+    vocab = math.ceil(spec.vocab_size / tp) * h
+    first = layers * per_layer + vocab
+    last = layers * per_layer + vocab + h  # output head (a copy when tied and pp > 1) + final norm
+    if pp == 1:
+        return layers * per_layer + vocab + h + (0 if spec.tie_word_embeddings else vocab)
+    return max(first, last)
+
+
+def activation_bytes_per_token_layer(spec: ModelSpec, tp: int, act_bytes: int, seq_len: int,
+                                     flash_attention: bool = True) -> float:
+    """Stored activation bytes per token per layer for backward, without sequence parallelism.
+
+    Korthikanti et al. 2023, Eq. 2 (``sbh(10 + 24/t + 5as/(ht))`` for a GELU MLP of ``4h``)
+    re-derived for SwiGLU and GQA: replicated norm/attention/MLP inputs ``4h``, sharded q, k, v
+    and attention output ``(2q + 2kv)/t``, SwiGLU gate, up, activation and product ``4f/t``; the
+    softmax probabilities ``a·s/t`` per token only without flash attention. Elements × ``act_bytes``.
+    """
+    h, f, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q = spec.num_heads * d
+    kv = max(1, math.ceil(spec.num_kv_heads / tp)) * d
+    elements = 4 * h + (2 * q) / tp + 2 * kv + 4 * f / tp
+    if not flash_attention:
+        elements += spec.num_heads * seq_len / tp
+    return elements * act_bytes
+
+
+def kv_cache_bytes(spec: ModelSpec, tokens: int, tp: int, pp: int, kv_bytes: int) -> int:
+    """KV cache on one device for ``tokens`` cached tokens (all sequences of the replica).
+
+    ``2 (k, v) · layers/pp · kv_heads_per_rank · head_dim · kv_bytes`` per token, with kv heads
+    split over ``tp`` and replicated when ``tp > num_kv_heads`` (vLLM/Megatron convention).
+    """
+    kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
+    return int(tokens * 2 * math.ceil(spec.num_layers / pp) * kv_heads_rank * spec.head_dim * kv_bytes)
+
+
+def logits_bytes(spec: ModelSpec, tokens: int, tp: int, backward: bool) -> int:
+    """fp32 vocab-parallel logits of ``tokens`` tokens on the last stage (×2 with their gradient)."""
+    return int(tokens * math.ceil(spec.vocab_size / tp) * 4 * (2 if backward else 1))
+
+
+def stage_memory(
+    spec: ModelSpec,
+    model_stage: ModelStage,
+    *,
+    sequences: int,
+    prompt_length: int,
+    response_length: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    recompute: bool = False,
+    dtype: str = "bf16",
+    device_kind: str = "cuda",
+    flash_attention: bool = True,
+) -> MemoryEstimate:
+    """Peak bytes per device of ``model_stage`` running as ``⟨tp, pp, dp⟩``.
+
+    Args:
+        sequences: sequences the model-stage processes per RL step (all replicas together);
+            each replica holds ``ceil(sequences / dp)``.
+        micro_batch: per-replica micro-batch ``b`` in sequences (inference and training); for
+            generation the sequences decoded concurrently (vLLM ``max_num_seqs``), the rest
+            running in later waves.
+        recompute: full activation recomputation (training only).
+        dtype: compute dtype; parameters, gradients, activations and KV cache use it.
+
+    Returns:
+        A :class:`MemoryEstimate`; see the module docstring for the formulas.
+    """
+    e = dtype_bytes(dtype)
+    seq = prompt_length + response_length
+    per_replica = math.ceil(sequences / dp)
+    params = parameters_per_device(spec, tp, pp)
+    value_output = model_stage.role in (Role.CRITIC, Role.REWARD)
+    comp: dict[str, int] = {"parameters": params * e, "workspace": WORKSPACE_BYTES[device_kind]}
+    resident = params * e
+    b = min(micro_batch, per_replica)
+    if model_stage.stage is Stage.GENERATION:
+        comp["kv_cache"] = kv_cache_bytes(spec, b * seq, tp, pp, e)
+        comp["logits"] = logits_bytes(spec, b, tp, backward=False)
+        comp["activations"] = int(b * prompt_length * activation_bytes_per_token_layer(
+            spec, tp, e, prompt_length, flash_attention))
+    elif model_stage.stage is Stage.INFERENCE:
+        comp["activations"] = int(b * seq * activation_bytes_per_token_layer(spec, tp, e, seq, flash_attention))
+        if not value_output:
+            comp["logits"] = logits_bytes(spec, b * seq, tp, backward=False)
+    else:
+        optimizer_per_param = ADAM_STATE_BYTES + (4 if e < 4 else 0)
+        comp["gradients"] = params * e
+        comp["optimizer"] = params * optimizer_per_param
+        resident += params * optimizer_per_param
+        micro_batches = max(1, per_replica // b)
+        in_flight = min(pp, micro_batches)
+        layers = math.ceil(spec.num_layers / pp)
+        per_layer_mb = b * seq * activation_bytes_per_token_layer(spec, tp, e, seq, flash_attention)
+        if recompute:
+            stored = in_flight * layers * b * seq * spec.hidden_size * e + per_layer_mb
+        else:
+            stored = in_flight * layers * per_layer_mb
+        comp["activations"] = int(stored)
+        if not value_output:
+            comp["logits"] = logits_bytes(spec, b * seq, tp, backward=True)
+    return MemoryEstimate(MappingProxyType(comp), int(resident))

@@ -1,0 +1,249 @@
+"""The plan space: problems, search knobs, and the costed options of each model-stage.
+
+An :class:`Option` is a candidate without devices, ``(tp, pp, dp, micro_batch, recompute)``,
+with its predicted latency and memory. Rules (DESIGN.md "Planner"; paper §5.2 "plan space"):
+
+- TP is a power of two (any divisor with ``any_divisor``) that divides the attention heads and
+  is compatible with the kv heads (``kv % tp == 0`` or ``tp % kv == 0``); it stays inside a node
+  (``tp ≤ devices_per_node``) unless no such option fits memory;
+- PP is a power of two (any divisor) dividing the layers;
+- training DP keeps ``dp × b × a`` equal to the mini-batch exactly: ``dp`` divides the
+  mini-batch and ``b`` divides ``mini-batch/dp`` (``a`` follows); generation and inference
+  DP takes every degree that changes the per-replica share ``ceil(sequences/dp)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from nereusd.costmodel import CostModel
+from nereusd.errors import ConfigError
+from nereusd.memory import HEADROOM, stage_memory
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Plan, Role, Stage
+from nereusd.site import SiteConfig
+from nereusd.workflow import Workflow, Workload
+
+
+GENERATION_WAVE_CHOICES = 3
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """What to plan: a workflow, the model of each role, the step's workload, site and pool.
+
+    Raises:
+        ConfigError: if a role of the workflow has no model spec, or the pool is empty.
+    """
+
+    workflow: Workflow
+    specs: Mapping[Role, ModelSpec]
+    workload: Workload
+    site: SiteConfig
+    pool: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        missing = [r.value for r in self.workflow.roles if r not in self.specs]
+        if missing:
+            raise ConfigError(f"plan problem: no model spec for roles {missing}")
+        if not self.pool:
+            raise ConfigError("plan problem: the device pool is empty")
+        object.__setattr__(self, "pool", tuple(sorted(self.pool)))
+
+    def spec(self, model_stage: ModelStage) -> ModelSpec:
+        return self.specs[model_stage.role]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Search-space knobs.
+
+    Attributes:
+        any_divisor: TP/PP may be any divisor, not only powers of two.
+        micro_batches: per-replica micro-batch sizes to try; empty means the workload's, shrunk
+            to the largest divisor of the replica's share when it does not divide it.
+        allow_recompute: also try full activation recomputation (training).
+        headroom: memory fraction kept free (10 %).
+    """
+
+    any_divisor: bool = False
+    micro_batches: tuple[int, ...] = ()
+    allow_recompute: bool = False
+    headroom: float = HEADROOM
+
+
+@dataclass(frozen=True)
+class Option:
+    """A costed candidate without devices."""
+
+    model_stage: ModelStage
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    recompute: bool
+    latency_s: float
+    peak_bytes: int
+    resident_bytes: int
+    cost_by_class: Mapping[str, float] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def layout(self) -> tuple[int, int, int, int, bool]:
+        return (self.tp, self.pp, self.dp, self.micro_batch, self.recompute)
+
+
+def degrees(limit: int, divides: int, any_divisor: bool) -> list[int]:
+    """Degrees ``d ≤ limit`` dividing ``divides``: powers of two, or every divisor."""
+    if any_divisor:
+        return [d for d in range(1, min(limit, divides) + 1) if divides % d == 0]
+    out, d = [], 1
+    while d <= min(limit, divides):
+        if divides % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+def tp_degrees(spec: ModelSpec, limit: int, any_divisor: bool) -> list[int]:
+    kv = spec.num_kv_heads
+    return [t for t in degrees(limit, spec.num_heads, any_divisor) if kv % t == 0 or t % kv == 0]
+
+
+def dp_degrees(model_stage: ModelStage, sequences: int, mini_batch: int, limit: int) -> list[int]:
+    """DP degrees: divisors of the mini-batch for training; for the other stages the smallest
+    ``dp`` giving each distinct share ``ceil(sequences/dp)``."""
+    if model_stage.stage is Stage.TRAINING:
+        return [d for d in range(1, min(limit, mini_batch) + 1) if mini_batch % d == 0]
+    out, seen = [], set()
+    for d in range(1, min(limit, sequences) + 1):
+        share = math.ceil(sequences / d)
+        if share not in seen:
+            seen.add(share)
+            out.append(d)
+    return out
+
+
+def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptions, training: bool,
+                        generation: bool = False) -> list[int]:
+    """Per-replica micro-batches to try. Generation: the concurrent sequences (all of the
+    share, or the largest powers of two below it, for waves that fit the KV cache)."""
+    if generation:
+        out, b = [per_replica], 1 << max(0, (per_replica - 1).bit_length() - 1)
+        while b >= 1 and len(out) < GENERATION_WAVE_CHOICES:
+            if b < per_replica:
+                out.append(b)
+            b //= 2
+        return out
+    if options.micro_batches:
+        wanted = sorted(set(options.micro_batches))
+    else:
+        wanted = [configured]
+    out = []
+    for b in wanted:
+        b = min(b, per_replica)
+        if training:
+            while per_replica % b:
+                b -= 1
+        out.append(max(1, b))
+    return sorted(set(out))
+
+
+def enumerate_options(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
+                      options: PlannerOptions, usable_bytes: float) -> list[Option]:
+    """Every option of ``model_stage`` whose own peak fits ``usable_bytes``, costed.
+
+    TP crosses nodes only if nothing fits with ``tp ≤ devices_per_node``.
+    """
+    site = problem.site
+    out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, site.devices_per_node)
+    if not out and len(problem.pool) > site.devices_per_node:
+        out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, len(problem.pool))
+    return out
+
+
+def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, options: PlannerOptions,
+               usable_bytes: float, tp_limit: int) -> list[Option]:
+    spec, wl, wf, site = problem.spec(m), problem.workload, problem.workflow, problem.site
+    n = len(problem.pool)
+    sequences = wf.sequences(m, wl)
+    training = m.stage is Stage.TRAINING
+    recompute_flags = (False, True) if (training and options.allow_recompute) else (False,)
+    out: list[Option] = []
+    memo: dict = {}
+    for tp in tp_degrees(spec, min(tp_limit, n), options.any_divisor):
+        for pp in degrees(n // tp, spec.num_layers, options.any_divisor):
+            for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
+                per_replica = math.ceil(sequences / dp)
+                per_opt = wl.mini_batch_size // dp if training else per_replica
+                for b in micro_batch_choices(per_opt, wl.micro_batch, options, training,
+                                                 m.stage is Stage.GENERATION):
+                    for recompute in recompute_flags:
+                        # memory depends on the share only through b and the in-flight
+                        # micro-batches (see nereusd.memory.stage_memory)
+                        key = (tp, pp, min(b, per_replica), recompute,
+                               min(pp, max(1, per_replica // b)) if training else 0)
+                        mem = memo.get(key)
+                        if mem is None:
+                            mem = memo[key] = stage_memory(
+                                spec, m, sequences=sequences, prompt_length=wl.prompt_length,
+                                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
+                                recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind)
+                        if mem.peak_bytes > usable_bytes:
+                            continue
+                        cost = cost_model.stage_cost(
+                            spec, m, sequences=sequences, prompt_length=wl.prompt_length,
+                            response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
+                            mini_batches=wl.mini_batches, recompute=recompute)
+                        out.append(Option(m, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes,
+                                          mem.resident_bytes, cost.ideal_s_by_class))
+    return out
+
+
+def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: int, dp: int,
+                   micro_batch: int, recompute: bool, cost_model: CostModel) -> Option:
+    """Cost one given candidate layout (for evaluating the running plan under a new workload)."""
+    spec, wl = problem.spec(model_stage), problem.workload
+    sequences = problem.workflow.sequences(model_stage, wl)
+    b = micro_batch or wl.micro_batch
+    kw = dict(sequences=sequences, prompt_length=wl.prompt_length, response_length=wl.response_length,
+              tp=tp, pp=pp, dp=dp, micro_batch=b, recompute=recompute)
+    mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind, **kw)
+    cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
+    return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
+                  cost.ideal_s_by_class)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predictions for a given plan: step latency, per model-stage options, per device peaks."""
+
+    step_latency_s: float
+    options: Mapping[ModelStage, Option]
+    peak_bytes: Mapping[int, int]
+
+    def over_capacity(self, usable: int) -> dict[int, int]:
+        """Devices whose predicted peak exceeds ``usable`` bytes, with their peak."""
+        return {d: b for d, b in self.peak_bytes.items() if b > usable}
+
+
+def evaluate(problem: PlanProblem, plan: Plan, cost_model: CostModel) -> Evaluation:
+    """Predict step latency and per-device peaks of ``plan`` under ``problem``'s workload.
+
+    Raises:
+        ConfigError: if the plan lacks a model-stage of the workflow.
+    """
+    from nereusd.planner import device_peaks  # the co-location rule lives with the planner
+
+    missing = [str(m) for m in problem.workflow.model_stages if m not in plan]
+    if missing:
+        raise ConfigError(f"plan lacks model-stages {missing}")
+    chosen = {m: cost_candidate(problem, m, c.tp, c.pp, c.dp, c.micro_batch, c.recompute, cost_model)
+              for m, c in plan.items() if m in problem.workflow.model_stages}
+    latency = problem.workflow.critical_path_s({m: o.latency_s for m, o in chosen.items()})
+    return Evaluation(latency, chosen, device_peaks(problem.workflow, plan, chosen))
