@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nereusd.models import ModelSpec
 
@@ -319,6 +320,8 @@ class LlamaModel(nn.Module):
         self.is_first = layers.start == 0
         self.is_last = layers.stop == spec.num_layers
         self.has_value_head = value_head
+        self.recompute = False
+        """Activation recomputation: keep only layer inputs, redo each layer in backward."""
         self.model = _Body(spec, tp, layers, self.is_first, self.is_last)
         self.lm_head = None
         self.value_head = None
@@ -367,7 +370,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.spec.head_dim, self.spec.rope_theta)
         mask = attention_mask_4d(attention_mask, s, past, b, device)
         for layer in self.model.layers.values():
-            x = layer(x, cos, sin, mask, kv_cache)
+            if self.recompute and kv_cache is None and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length = past + s
         return self.output_head(x) if self.is_last else x
