@@ -1,0 +1,129 @@
+"""``nereus-launch plan``: print the plan the planner picks for a model, algorithm, site and pool.
+
+Example::
+
+    nereus-launch plan --model llama-3.1-8b --algorithm ppo --site site_configs/h200-ib.yaml \\
+        --gpus 64 --prompt-length 512 --response-length 8192 --global-batch 1024 [--json]
+
+Prints a table (model-stage, tp, pp, dp, devices, predicted latency, peak memory GiB vs
+capacity), the predicted step latency and the search time; ``--json`` prints the same as one
+JSON object with keys ``plan``, ``predicted_step_latency_s`` and ``search_time_ms``. An
+infeasible request exits with status 1 and says which model-stage cannot fit and by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from nereusd.calibration import Calibration
+from nereusd.costmodel import CostModel
+from nereusd.models import resolve_model
+from nereusd.plan import Role
+from nereusd.planner import Infeasible, Planner
+from nereusd.planspace import PlannerOptions, PlanProblem
+from nereusd.site import load_site
+from nereusd.workflow import Workload, build_workflow
+
+GIB = float(1 << 30)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="show the plan the planner picks (no job is started)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="preset name (llama-3.1-8b, qwen3-14b, qwen3-32b, "
+                   "llama-3.3-70b, counting-tiny), a HF model directory or a config.json")
+    p.add_argument("--reward-model", help="a different model for the reward role (default: --model)")
+    p.add_argument("--critic-model", help="a different model for the critic role (default: --model)")
+    p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"])
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="asynchronous execution (generation overlaps training)")
+    p.add_argument("--site", required=True, help="site config path or name (site_configs/NAME.yaml)")
+    p.add_argument("--gpus", type=int, required=True, help="devices in the pool")
+    p.add_argument("--prompt-length", type=int, default=512)
+    p.add_argument("--response-length", type=int, default=1024)
+    p.add_argument("--global-batch", type=int, default=256, help="sequences per RL step")
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per RL step")
+    p.add_argument("--micro-batch", type=int, default=1, help="per-replica micro-batch (sequences)")
+    p.add_argument("--any-divisor", action="store_true", help="TP/PP may be any divisor, not only 2^k")
+    p.add_argument("--recompute", action="store_true", help="allow activation recomputation")
+    p.add_argument("--calibration", help="calibration state JSON to use (default: priors)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    site = load_site(args.site)
+    if args.gpus < 1:
+        print("nereus-launch plan: --gpus must be >= 1", file=sys.stderr)
+        return 2
+    site = site.with_nodes(max(1, math.ceil(args.gpus / site.devices_per_node)))
+    actor = resolve_model(args.model)
+    specs = {r: actor for r in Role}
+    if args.reward_model:
+        specs[Role.REWARD] = resolve_model(args.reward_model)
+    if args.critic_model:
+        specs[Role.CRITIC] = resolve_model(args.critic_model)
+    workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous)
+    workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
+                        global_batch=args.global_batch, mini_batches=args.mini_batches,
+                        micro_batch=args.micro_batch)
+    problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)))
+    calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
+    options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute)
+    try:
+        result = Planner(problem, CostModel(site, calibration), options).solve()
+    except Infeasible as err:
+        if args.json:
+            print(json.dumps({"error": str(err), "model_stage": str(err.model_stage) if err.model_stage else None,
+                              "need_gib": err.need_bytes / GIB, "usable_gib": err.usable_bytes / GIB}))
+        else:
+            print(f"infeasible: {err}", file=sys.stderr)
+        return 1
+    rows = []
+    for m, cand in result.plan.items():
+        opt = result.options[m]
+        peak = max(result.peak_bytes[d] for d in cand.devices)
+        rows.append({
+            "model_stage": str(m), "tp": cand.tp, "pp": cand.pp, "dp": cand.dp,
+            "micro_batch": cand.micro_batch, "recompute": cand.recompute, "devices": list(cand.devices),
+            "predicted_latency_s": round(opt.latency_s, 4), "peak_memory_gib": round(peak / GIB, 2),
+            "capacity_gib": round(site.device_memory_bytes / GIB, 2),
+        })
+    out = {"plan": rows, "predicted_step_latency_s": round(result.predicted_step_latency_s, 4),
+           "search_time_ms": round(result.search_time_s * 1e3, 2),
+           "site": site.name, "gpus": args.gpus, "algorithm": args.algorithm, "asynchronous": args.asynchronous}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(format_table(rows, result.usable_bytes))
+    print(f"predicted step latency: {result.predicted_step_latency_s:.2f} s")
+    print(f"search time: {result.search_time_s * 1e3:.1f} ms")
+    return 0
+
+
+def _ranges(devices: list[int]) -> str:
+    """``[0,1,2,3,8]`` → ``0-3,8``."""
+    parts, start = [], None
+    for i, d in enumerate(devices):
+        if start is None:
+            start = d
+        if i + 1 == len(devices) or devices[i + 1] != d + 1:
+            parts.append(f"{start}-{d}" if d != start else f"{d}")
+            start = None
+    return ",".join(parts)
+
+
+def format_table(rows: list[dict], usable_bytes: int) -> str:
+    """The plan as an aligned text table."""
+    header = ["model-stage", "tp", "pp", "dp", "mb", "devices", "latency s", "peak GiB / capacity"]
+    body = [[r["model_stage"], str(r["tp"]), str(r["pp"]), str(r["dp"]),
+             str(r["micro_batch"]) + ("R" if r["recompute"] else ""), _ranges(r["devices"]),
+             f"{r['predicted_latency_s']:.2f}", f"{r['peak_memory_gib']:.1f} / {r['capacity_gib']:.1f}"]
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header] + body]
+    lines.append(f"(usable per device with 10 % headroom: {usable_bytes / GIB:.1f} GiB; R = recomputation)")
+    return "\n".join(lines)
