@@ -1,0 +1,123 @@
+"""Monitor and admission semantics per DESIGN.md (triggers, reset, H_x, payback, urgent path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nereusd.admission import ADMIT, KEEP, REJECT, RESTART, Target, admit, urgent_replan
+from nereusd.costmodel import CostModel
+from nereusd.models import preset
+from nereusd.monitor import GPU_POOL, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.plan import Candidate, ModelStage, Plan, Role
+from nereusd.planspace import PlanProblem
+from nereusd.site import load_site
+from nereusd.workflow import Workload, build_workflow
+
+PLAN = Plan({ModelStage.parse("actor/training"): Candidate(1, 1, 1, (0,))})
+DRIFT = Trigger(SEQUENCE_LENGTH, False, 1400.0, 1000.0)
+POOL = Trigger(GPU_POOL, True, 8, 16)
+
+
+def test_first_value_sets_reference_only():
+    mon = Monitor()
+    assert mon.observe(0, signals={SEQUENCE_LENGTH: 1000}) == []
+    assert mon.reference(SEQUENCE_LENGTH) == 1000
+    assert mon.horizon(SEQUENCE_LENGTH) == 1.0
+
+
+def test_drift_threshold_30_percent():
+    mon = Monitor()
+    mon.observe(0, signals={SEQUENCE_LENGTH: 1000})
+    assert mon.observe(1, signals={SEQUENCE_LENGTH: 1300}) == []        # exactly 30 %: no
+    (t,) = mon.observe(2, signals={SEQUENCE_LENGTH: 1301})
+    assert t.signal == SEQUENCE_LENGTH and not t.urgent and t.reference == 1000
+
+
+def test_reset_after_replan_stops_retrigger_and_horizon_ema():
+    mon = Monitor(ema_alpha=0.5)
+    mon.observe(0, signals={SEQUENCE_LENGTH: 1000})
+    assert mon.observe(3, signals={SEQUENCE_LENGTH: 1400})
+    mon.replanned({SEQUENCE_LENGTH: 1400})                                  # even if rejected
+    assert mon.observe(4, signals={SEQUENCE_LENGTH: 1400}) == []
+    assert mon.horizon(SEQUENCE_LENGTH) == 1.0                             # one crossing: no interval
+    assert mon.observe(7, signals={SEQUENCE_LENGTH: 1900})                 # interval 4
+    mon.replanned({SEQUENCE_LENGTH: 1900})
+    assert mon.horizon(SEQUENCE_LENGTH) == 4.0
+    assert mon.observe(9, signals={SEQUENCE_LENGTH: 2500})                 # interval 2 -> 0.5*2+0.5*4
+    assert mon.horizon(SEQUENCE_LENGTH) == 3.0
+
+
+def test_without_reset_persistent_deviation_retriggers():
+    mon = Monitor()
+    mon.observe(0, signals={SEQUENCE_LENGTH: 1000})
+    assert mon.observe(1, signals={SEQUENCE_LENGTH: 2000})
+    assert mon.observe(2, signals={SEQUENCE_LENGTH: 2000})
+
+
+def test_urgent_triggers_pool_and_memory():
+    mon = Monitor()
+    assert mon.observe(0, signals={}, pool=(0, 1, 2, 3)) == []
+    (t,) = mon.observe(1, signals={}, pool=(0, 1))
+    assert t.signal == GPU_POOL and t.urgent
+    (m,) = mon.observe(2, signals={}, pool=(0, 1), predicted_peak_bytes=11, usable_bytes=10)
+    assert m.signal == PEAK_MEMORY and m.urgent
+
+
+def test_monitor_state_round_trip():
+    mon = Monitor()
+    mon.observe(0, signals={SEQUENCE_LENGTH: 1000}, pool=(0, 1))
+    mon.observe(5, signals={SEQUENCE_LENGTH: 2000})
+    back = Monitor.from_json(json.loads(json.dumps(mon.to_json())))
+    assert back.reference(SEQUENCE_LENGTH) == 1000 and back.to_json() == mon.to_json()
+
+
+def target(latency, tran, feasible=True):
+    return Target(PLAN, latency, tran, feasible, "" if feasible else "Extend does not fit")
+
+
+@settings(max_examples=200, deadline=None)
+@given(cur=st.floats(1, 100), new=st.floats(1, 100), tran=st.floats(0, 500), h=st.floats(1, 50),
+       gamma=st.floats(0, 1))
+def test_payback_rule(cur, new, tran, h, gamma):
+    d = admit(step=1, triggers=[DRIFT], current_step_latency_s=cur, targets=[target(new, tran)],
+              horizon_steps=h, gamma=gamma)
+    delta = cur - new
+    expected = gamma > 0 and delta > 0 and tran / delta <= gamma * h
+    assert d.admitted == expected
+    rec = json.loads(d.to_json_line())
+    assert rec["gamma"] == gamma and rec["h_x"] == h and rec["verdict"] in (ADMIT, REJECT)
+    if d.admitted:
+        assert rec["delta_l_s"] == pytest.approx(delta) and rec["l_tran_s"] == tran
+
+
+def test_feasibility_falls_back_to_slower_cheaper_target():
+    d = admit(step=3, triggers=[DRIFT], current_step_latency_s=10.0,
+              targets=[target(6.0, 1.0, feasible=False), target(8.0, 0.5)], horizon_steps=2.0)
+    assert d.admitted and d.target.step_latency_s == 8.0
+    assert d.alternatives[0]["verdict"] == "infeasible"
+
+
+def test_urgent_waives_profitability_and_restart():
+    d = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[target(50.0, 999.0)],
+              horizon_steps=1.0, gamma=0.0)
+    assert d.admitted and d.urgent
+    none = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[], horizon_steps=1.0,
+                 current_valid=False)
+    assert none.verdict == RESTART
+    keep = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[target(2.0, 1.0, False)],
+                 horizon_steps=1.0)
+    assert keep.verdict == KEEP
+
+
+def test_urgent_replan_widens_to_recompute():
+    site = load_site("a100-ib").with_nodes(1)
+    spec = preset("llama-3.1-8b")
+    wl = Workload(prompt_length=512, response_length=4096, global_batch=64, micro_batch=4)
+    pb = PlanProblem(build_workflow("grpo", reward_model=False), {r: spec for r in Role}, wl, site, tuple(range(4)))
+    result, attempts = urgent_replan(pb, CostModel(site))
+    assert attempts[0].startswith("job settings")
+    if result is not None:
+        assert max(result.peak_bytes.values()) <= result.usable_bytes

@@ -1,0 +1,140 @@
+"""Cost model, memory model, calibration and workflows: formulas and invariants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nereusd.calibration import GEMM, PRIORS, Calibration
+from nereusd.costmodel import CostModel
+from nereusd.errors import ConfigError
+from nereusd.memory import parameters_per_device, stage_memory, usable_bytes
+from nereusd.models import PRESETS, preset, resolve_model
+from nereusd.plan import ModelStage
+from nereusd.site import load_site
+from nereusd.workflow import Workload, build_workflow
+
+SPEC = preset("llama-3.1-8b")
+H200 = load_site("h200-ib")
+TRAIN = ModelStage.parse("actor/training")
+GEN = ModelStage.parse("actor/generation")
+
+
+def cost(m=TRAIN, **kw):
+    args = dict(sequences=256, prompt_length=512, response_length=1024, tp=1, pp=1, dp=8, micro_batch=1)
+    args.update(kw)
+    return CostModel(H200).stage_cost(SPEC, m, **args)
+
+
+def test_presets_match_published_sizes():
+    assert PRESETS["llama-3.1-8b"].num_parameters() == pytest.approx(8.03e9, rel=0.01)
+    assert PRESETS["qwen3-32b"].num_parameters() == pytest.approx(32.8e9, rel=0.01)
+    assert PRESETS["llama-3.3-70b"].num_parameters() == pytest.approx(70.6e9, rel=0.01)
+    assert resolve_model("Counting-Tiny").num_layers == 4
+    with pytest.raises(ConfigError, match="unknown preset|not a preset"):
+        resolve_model("gpt-5")
+
+
+def test_training_compute_matches_6P_rule():
+    c = cost(tp=1, pp=1, dp=1, sequences=8)
+    tokens = 8 * 1536
+    p_layers = SPEC.num_parameters() - SPEC.vocab_size * SPEC.hidden_size  # head counted, embedding not
+    assert c.ideal_s_by_class[GEMM] == pytest.approx(6 * p_layers * tokens / H200.peak_flops(), rel=0.01)
+
+
+def test_more_replicas_faster_and_pp_bubble():
+    assert cost(dp=16).latency_s < cost(dp=8).latency_s
+    m_few, m_many = cost(pp=4, dp=1, sequences=4), cost(pp=4, dp=1, sequences=64)
+    assert m_few.latency_s / 4 > m_many.latency_s / 64    # bubble (pp-1)/(m+pp-1) shrinks
+
+
+def test_tp_across_nodes_uses_inter_link():
+    c = cost(tp=16)
+    assert "all_reduce_inter" in c.ideal_s_by_class
+
+
+def test_generation_is_memory_bound_and_grows_with_length():
+    short, long = cost(GEN, response_length=512, micro_batch=64), cost(GEN, response_length=4096, micro_batch=64)
+    assert "decode" in long.ideal_s_by_class and long.latency_s > 4 * short.latency_s
+
+
+def test_transfer_hook():
+    cm = CostModel(H200)
+    assert cm.transfer_s(0, "intra") == 0
+    assert cm.transfer_s(1e9, "inter") > cm.transfer_s(1e9, "intra") > 0
+    assert cm.communicator_setup_s(3) == pytest.approx(1.5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4]), b=st.sampled_from([1, 2, 4]))
+def test_memory_monotone(tp, pp, b):
+    kw = dict(sequences=64, prompt_length=512, response_length=2048, dp=1, micro_batch=b)
+    full = stage_memory(SPEC, TRAIN, tp=tp, pp=pp, **kw)
+    rec = stage_memory(SPEC, TRAIN, tp=tp, pp=pp, recompute=True, **kw)
+    assert rec.components["activations"] <= full.components["activations"]
+    assert full.resident_bytes == parameters_per_device(SPEC, tp, pp) * 16 - parameters_per_device(SPEC, tp, pp) * 2
+    more = stage_memory(SPEC, TRAIN, tp=tp * 2, pp=pp, **kw)
+    assert more.peak_bytes < full.peak_bytes
+    assert usable_bytes(100) == 90
+
+
+def test_zero0_sixteen_bytes_per_parameter():
+    m = stage_memory(SPEC, TRAIN, sequences=8, prompt_length=16, response_length=16, tp=1, pp=1, dp=1,
+                     micro_batch=1)
+    p = parameters_per_device(SPEC, 1, 1)
+    c = m.components
+    assert c["parameters"] + c["gradients"] + c["optimizer"] == 16 * p
+
+
+def test_kv_cache_grows_with_concurrency():
+    kw = dict(sequences=64, prompt_length=512, response_length=4096, tp=2, pp=1, dp=1)
+    assert stage_memory(SPEC, GEN, micro_batch=64, **kw).components["kv_cache"] == \
+        8 * stage_memory(SPEC, GEN, micro_batch=8, **kw).components["kv_cache"]
+
+
+def test_calibration_robust_and_persistent(tmp_path):
+    cal = Calibration()
+    assert cal.efficiency("never_seen") <= 0.3 and cal.efficiency(GEMM) == PRIORS[GEMM]
+    for _ in range(9):
+        cal.observe(GEMM, 0.7, 1.0)
+    cal.observe(GEMM, 0.7, 100.0)        # one outlier
+    assert cal.efficiency(GEMM) == pytest.approx(0.7)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    back = Calibration.load(path)
+    assert back.snapshot() == cal.snapshot()
+    path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(ConfigError, match="version: expected 1, got 99"):
+        Calibration.load(path)
+    assert Calibration.load(tmp_path / "missing.json").efficiency(GEMM) == PRIORS[GEMM]
+
+
+def test_calibration_improves_prediction():
+    cm = CostModel(H200)
+    pred = cost().ideal_s_by_class
+    measured = sum(v / 0.8 for v in pred.values())
+    cal = Calibration()
+    for _ in range(5):
+        cal.observe_stage(pred, measured)
+    after = CostModel(H200, cal).stage_cost(SPEC, TRAIN, sequences=256, prompt_length=512, response_length=1024,
+                                            tp=1, pp=1, dp=8, micro_batch=1)
+    assert abs(after.latency_s - measured) < abs(cm.stage_cost(SPEC, TRAIN, sequences=256, prompt_length=512,
+                                                 response_length=1024, tp=1, pp=1, dp=8,
+                                                 micro_batch=1).latency_s - measured)
+
+
+def test_workflows():
+    ppo, grpo, remax = build_workflow("ppo"), build_workflow("grpo"), build_workflow("remax")
+    assert len(ppo.model_stages) == 7 and len(grpo.model_stages) == 5
+    wl = Workload(prompt_length=8, response_length=8, global_batch=16)
+    assert remax.sequences(GEN, wl) == 32 and remax.sequences(TRAIN, wl) == 16
+    lat = {m: 1.0 for m in ppo.model_stages}
+    assert ppo.critical_path_s(lat) == 3.0
+    assert build_workflow("ppo", asynchronous=True).critical_path_s(lat) == 2.0
+    assert all(b > 0 for b in ppo.data_bytes_per_step(wl).values())
+    with pytest.raises(ConfigError, match="algorithm 'dpo'"):
+        build_workflow("dpo")
+    with pytest.raises(ConfigError, match="mini_batches: 3 does not divide"):
+        Workload(prompt_length=1, response_length=1, global_batch=16, mini_batches=3)
