@@ -86,6 +86,11 @@ def _coords(cand: Candidate, device: int) -> tuple[int, Position]:
     return dp_rank, (pp_rank, tp_rank)
 
 
+def _sub(position: Position, kp: int, kt: int) -> Position:
+    """Index of the ``T_sub`` sub-unit a position falls into when its unit is split."""
+    return (position[0] % kp, position[1] % kt)
+
+
 class _Builder:
     """Accumulates the ops and edges of one local DAG with readable ids."""
 
@@ -158,7 +163,7 @@ def local_dag(
     for x in tgt.devices:
         u, (p, t) = _coords(tgt, x)
         tgt_unit[x], tgt_pos[x] = u, (p, t)
-        sigma_t[x], tgt_sub[x] = (p // kp_s, t // kt_s), (p % kp_s, t % kt_s)
+        sigma_t[x], tgt_sub[x] = (p // kp_s, t // kt_s), _sub((p, t), kp_s, kt_s)
 
     retained = {x for x in tgt.devices if x in sigma and sigma[x] == sigma_t[x]}
     missing = [x for x in tgt.devices if x not in retained]
@@ -198,18 +203,22 @@ def local_dag(
                 target_devices=receivers, target_positions=[sigma[x] for x in receivers],
                 routes=routes)
 
-    # 2. Destroy what nothing reads: whole unused units at once, senders after their Split.
+    # 2. Destroy what nothing reads: unused units at once, senders after their Split (one op per
+    #    T_sub sub-unit of a split unit, as the paper destroys the redundant units Split made).
     for u in range(cur.dp):
         devs = cur.replica_devices(u)
         if u in split_of:
             idle = [x for x in devs if x not in receivers_of[u]]
-            after = [split_of[u]]
+            subs = sorted({_sub(cur_pos[x], kp, kt) for x in idle})
+            for sub in subs:
+                part = [x for x in idle if _sub(cur_pos[x], kp, kt) == sub]
+                b.add(OpKind.DESTROY, after=[split_of[u]], source_layout=T, source_devices=part,
+                      source_positions=[cur_pos[x] for x in part])
         else:
             idle = [x for x in devs if x not in retained and not sends[x]]
-            after = []
-        if idle:
-            b.add(OpKind.DESTROY, after=after, source_layout=T, source_devices=idle,
-                  source_positions=[cur_pos[x] for x in idle])
+            if idle:
+                b.add(OpKind.DESTROY, source_layout=T, source_devices=idle,
+                      source_positions=[cur_pos[x] for x in idle])
 
     # 3. Extend: one op per target T_sub sub-unit with missing devices.
     groups: dict[tuple[int, Position], list[int]] = defaultdict(list)
@@ -233,8 +242,7 @@ def local_dag(
     senders: dict[tuple[int, Position], list[int]] = defaultdict(list)
     for x in cur.devices:
         if sends[x] and x not in retained:
-            p, t = cur_pos[x]
-            senders[(cur_unit[x], (p % kp, t % kt))].append(x)
+            senders[(cur_unit[x], _sub(cur_pos[x], kp, kt))].append(x)
     for key in sorted(senders):
         devs = senders[key]
         b.add(OpKind.DESTROY, after=[r for x in devs for r in readers[x]], source_layout=S,
@@ -251,7 +259,10 @@ def local_dag(
                 for need in shards_of(spec, T_star, tgt_pos[x], value_head):
                     mine = held[need.name]
                     routes.append(Route(x, x, need if mine.contains(need) else mine))
-                peers = [(y, S, sigma_t[y]) for y in devs if y != x]
+                # Peers of the same T_sub sub-unit first: replicated k/v pieces then travel
+                # between pairs instead of converging on the unit's first devices.
+                others = sorted((y for y in devs if y != x), key=lambda y: tgt_sub[y] != tgt_sub[x])
+                peers = [(y, S, sigma_t[y]) for y in others]
                 routes += [Route(src, x, piece) for src, piece in
                            missing_pieces(spec, value_head, (S, sigma_t[x]), (T_star, tgt_pos[x]), peers)]
             b.add(OpKind.MERGE, after=everything, source_layout=S, source_devices=devs,

@@ -164,6 +164,7 @@ class Op:
         object.__setattr__(self, "target_devices", tuple(int(d) for d in self.target_devices))
         object.__setattr__(self, "source_positions", tuple((int(p), int(t)) for p, t in self.source_positions))
         object.__setattr__(self, "target_positions", tuple((int(p), int(t)) for p, t in self.target_positions))
+        object.__setattr__(self, "routes", tuple(self.routes))
         if len(self.source_devices) != len(self.source_positions):
             raise PlanError(f"op {self.id}: {len(self.source_devices)} source devices but {len(self.source_positions)} positions")
         if len(self.target_devices) != len(self.target_positions):
