@@ -112,14 +112,14 @@ def baseline_eval_us() -> float:
 
 
 def bench_quality(quick: bool):
-    models = ("llama-3.1-8b", "qwen3-14b", "llama-3.3-70b")
-    gpus_list = (4, 8, 16)
-    lengths = (1024, 4096)
+    models = ("llama-3.1-8b", "qwen3-14b")
+    gpus_list = (8, 12, 16)
+    lengths = (1024, 2048, 4096)
     if quick:
         models, gpus_list = models[:1], gpus_list[:2]
     gaps, exact, rows = [], 0, 0
     for model, gpus, response in itertools.product(models, gpus_list, lengths):
-        pb = make_problem("a100-ib", model, gpus, response, batch=256, algorithm="ppo")
+        pb = make_problem("h200-ib", model, gpus, response, batch=256, algorithm="ppo")
         planner = Planner(pb, CostModel(pb.site))
         t = time.perf_counter()
         try:
