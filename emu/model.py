@@ -305,7 +305,9 @@ class LlamaModel(nn.Module):
         tp: tensor-parallel group of this shard (:data:`SINGLE` for one process).
         layer_range: decoder layers held here (default: all), contiguous.
         seed: when given, parameters are initialised by :func:`init_full_state` (sliced to
-            this shard); otherwise they are left uninitialised for a following load.
+            this shard, identical for every layout); otherwise matrices are drawn from torch's
+            global RNG (``N(0, 0.02²)``, so ``torch.manual_seed`` makes them reproducible for one
+            layout), norms are ones and biases zeros. On the meta device nothing is computed.
 
     Raises:
         ValueError: if ``tie_word_embeddings`` is set for a shard that has the head but not the
@@ -331,11 +333,17 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size // tp.size, bias=False)
         elif self.is_last and not self.is_first:
             raise ValueError("tie_word_embeddings needs the embedding and the head on one stage (pp == 1)")
-        if seed is not None:
-            full = init_full_state(spec, value_head=value_head, seed=seed, names=list(self.state_dict()))
-            with torch.no_grad():
+        on_meta = any(p.is_meta for p in self.parameters())
+        with torch.no_grad():
+            if on_meta:
+                pass
+            elif seed is not None:
+                full = init_full_state(spec, value_head=value_head, seed=seed, names=list(self.state_dict()))
                 for name, param in self.named_parameters():
                     param.copy_(shard_full_tensor(name, full[name], spec, tp.size, tp.rank))
+            else:
+                for name, param in self.named_parameters():
+                    param.copy_(init_parameter(name, tuple(param.shape), seed=None))
 
     def output_head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head: local logits ``[B, S, V/tp]`` or values ``[B, S]``."""
@@ -409,17 +417,19 @@ def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> dict[str, tup
     return shapes
 
 
-def init_parameter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Deterministic initial value of one canonical parameter (fp32, CPU).
+def init_parameter(name: str, shape: tuple[int, ...], seed: Optional[int]) -> torch.Tensor:
+    """Initial value of one canonical parameter (fp32, CPU).
 
     Norm weights are ones, biases zeros, matrices ``N(0, 0.02²)`` drawn from a generator seeded
     by ``(seed, crc32(name))``, so a shard can initialise only what it holds and still match
-    the one-process model bit for bit.
+    the one-process model bit for bit (``seed=None``: torch's global RNG).
     """
     if name.endswith("layernorm.weight") or name == "model.norm.weight":
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
+    if seed is None:
+        return torch.randn(shape) * INIT_STD
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     return torch.randn(shape, generator=gen) * INIT_STD
 

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -77,3 +78,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             detail = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(errors.items()))
             raise AssertionError(f"distributed run failed: exit codes {codes}, no marker from {missing}\n{detail}")
         return [torch.load(Path(tmp) / f"result.{r}", weights_only=False) for r in range(world_size)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Run a test module's torch ops on one thread, restoring the setting afterwards.
+
+    On the shared 2-core machine two OpenMP threads contend with other processes: a tiny
+    forward took ~1 s with 2 threads and ~0.03 s with 1 (measured under load average 5).
+    Import it into a test module to use it (``from distributed_util import one_torch_thread``).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

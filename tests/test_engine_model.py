@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from distributed_util import one_torch_thread  # noqa: F401 (autouse fixture)
 from emu.hf_io import load_pretrained, save_pretrained
 from emu.model import KVCache, LlamaModel, canonical_shapes, init_full_state
 from nereusd.errors import ConfigError
@@ -80,3 +81,13 @@ def test_hf_directory_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="neither model.safetensors"):
         (tmp_path / "m" / "model.safetensors").unlink()
         load_pretrained(tmp_path / "m")
+
+
+def test_unseeded_init_follows_torch_manual_seed():
+    torch.manual_seed(0)
+    a = LlamaModel(SPEC).state_dict()
+    torch.manual_seed(0)
+    b = LlamaModel(SPEC).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert torch.equal(a["model.norm.weight"], torch.ones(64))
+    assert 0.015 < float(a["model.embed_tokens.weight"].std()) < 0.025
