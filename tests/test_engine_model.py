@@ -91,3 +91,22 @@ def test_unseeded_init_follows_torch_manual_seed():
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert torch.equal(a["model.norm.weight"], torch.ones(64))
     assert 0.015 < float(a["model.embed_tokens.weight"].std()) < 0.025
+
+
+def test_logits_match_transformers_llama():
+    """Same weights, same logits as Hugging Face ``LlamaForCausalLM`` (where transformers is installed)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in SPEC.to_hf_config().items()
+                                         if k not in ("architectures", "model_type", "torch_dtype")})
+    hf = transformers.LlamaForCausalLM(config).eval()
+    ours = LlamaModel(SPEC, seed=6)
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    tokens = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(tokens)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        want = hf(input_ids=tokens, attention_mask=mask).logits
+        got = ours(tokens, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    assert torch.allclose(got[0], want[0], atol=1e-4)
+    assert torch.allclose(got[1, 4:], want[1, 4:], atol=1e-4)

@@ -203,3 +203,34 @@ def test_full_state_round_trip_and_optimizer_state():
     other.load_optimizer_full_state(opt)
     again = other.optimizer_full_state()
     assert all(torch.equal(again[n][k], opt[n][k]) for n in opt for k in opt[n])
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    seqs, pls = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 1, 2, 3]], [2, 1, 3]
+    per_token = {"w": [[0.25] * 3, [0.25] * 2, [0.25]]}
+
+    def loss_fn(outputs, batch):
+        return -(batch["w"] * outputs["logprobs"]).sum() - 0.01 * (batch["w"] * outputs["entropy"]).sum(), {}
+
+    results = []
+    for device in ("cpu", "cuda"):
+        cand = Candidate(1, 1, 1, (0,))
+        mem = DeviceMemory(0, 1 << 30, torch_device=torch.device(device))
+        eng = StageEngine(model_stage=ACTOR_TRAIN, spec=SPEC, candidate=cand, rank=0,
+                          groups=build_stage_groups(cand, 0), device=torch.device(device), memory=mem,
+                          value_head=False, trainable=True, lr=1e-3, eps=1e-4, grad_clip=1.0, micro_batch=2)
+        eng.initialize(seed=3)
+        logprobs = eng.logprobs(seqs, pls)
+        metrics = eng.train_step(seqs, pls, per_token, loss_fn)
+        tokens = eng.generate([[1, 2], [3]], max_new_tokens=6, greedy=True, eos_id=0)
+        results.append((logprobs, metrics, {n: t.cpu() for n, t in eng.full_state().items()}, tokens))
+        if device == "cuda":
+            assert metrics["cuda_peak_bytes"] > 0 and mem.cuda_peak_bytes() > 0
+    (lp_c, m_c, s_c, t_c), (lp_g, m_g, s_g, t_g) = results
+    assert t_c == t_g
+    assert max(abs(a - b) for r1, r2 in zip(lp_c, lp_g) for a, b in zip(r1, r2)) < 1e-4
+    assert m_c["loss"] == pytest.approx(m_g["loss"], rel=1e-4)
+    assert all(torch.allclose(s_c[n], s_g[n], atol=1e-4) for n in s_c)
