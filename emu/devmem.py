@@ -17,8 +17,11 @@ from typing import Optional
 import torch
 
 from nereusd.errors import DeviceOutOfMemory
+from nereusd.models import ModelSpec
 
 log = logging.getLogger(__name__)
+
+FP32 = 4
 
 
 class DeviceMemory:
@@ -111,3 +114,25 @@ class DeviceMemory:
 
     def _is_cuda(self) -> bool:
         return self.torch_device is not None and torch.device(self.torch_device).type == "cuda"
+
+
+def activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, seq: int, train: bool,
+                     recompute: bool, head_positions: int, vocab_head: bool) -> int:
+    """Estimated activation bytes of one micro-batch on one shard (fp32).
+
+    Per layer, training without sequence parallelism stores ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``
+    bytes at 16 bits (Korthikanti et al., "Reducing Activation Recomputation in Large
+    Transformer Models", 2022, Eq. 2 with TP); ×2 for fp32. With recomputation only the layer
+    input ``s·b·h`` is kept per layer plus one layer's full set. Inference keeps one layer's set.
+    The head adds logits of the read positions over ``V/t`` (values, softmax, exp: ×3).
+    """
+    s, b, h, a, t = seq, batch, spec.hidden_size, spec.num_heads, tp
+    per_layer = int(2 * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    if not train:
+        body = per_layer
+    elif recompute:
+        body = layers * s * b * h * FP32 + per_layer
+    else:
+        body = layers * per_layer
+    head = 3 * b * head_positions * (spec.vocab_size // t) * FP32 if vocab_head else 3 * b * s * FP32
+    return body + head + b * s * h * FP32

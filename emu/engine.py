@@ -28,9 +28,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from emu.devmem import DeviceMemory
+from emu.batch import PackedBatch
+from emu.devmem import DeviceMemory, activation_bytes
 from emu.generate import SamplingParams, generate, kv_cache_shape
-from emu.model import KVCache, LlamaModel, init_full_state, replicated_grad_names, shard_dim, shard_full_tensor
+from emu.canonical import init_full_state, replicated_grad_names, shard_dim, shard_full_tensor
+from emu.model import KVCache, LlamaModel
 from emu.parallel import (StageGroups, gather_pp, gather_tp, layer_range, pipeline_in_flight, run_pipeline,
                           validate_candidate, vocab_parallel_logprobs_entropy)
 from nereusd.errors import NereusError, PlanError
@@ -40,29 +42,6 @@ from nereusd.plan import Candidate, ModelStage, Stage
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-FP32 = 4
-
-
-def activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, seq: int, train: bool,
-                     recompute: bool, head_positions: int, vocab_head: bool) -> int:
-    """Estimated activation bytes of one micro-batch on one shard (fp32).
-
-    Per layer, training without sequence parallelism stores ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``
-    bytes at 16 bits (Korthikanti et al., "Reducing Activation Recomputation in Large
-    Transformer Models", 2022, Eq. 2 with TP); ×2 for fp32. With recomputation only the layer
-    input ``s·b·h`` is kept per layer plus one layer's full set. Inference keeps one layer's set.
-    The head adds logits of the read positions over ``V/t`` (values, softmax, exp: ×3).
-    """
-    s, b, h, a, t = seq, batch, spec.hidden_size, spec.num_heads, tp
-    per_layer = int(2 * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
-    if not train:
-        body = per_layer
-    elif recompute:
-        body = layers * s * b * h * FP32 + per_layer
-    else:
-        body = layers * per_layer
-    head = 3 * b * head_positions * (spec.vocab_size // t) * FP32 if vocab_head else 3 * b * s * FP32
-    return body + head + b * s * h * FP32
 
 
 class StageEngine:
@@ -138,7 +117,7 @@ class StageEngine:
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Canonical full tensors of the replica (on every rank of it), CPU-independent device."""
+        """Canonical full tensors of the replica, gathered on every rank of it (this engine's device)."""
         local = {n: gather_tp(n, p, self.spec, self.groups) for n, p in self.params.items()}
         return gather_pp(local, self.spec, self.value_head, self.groups)
 
@@ -263,14 +242,14 @@ class StageEngine:
     def _read(self, sequences: list[list[int]], index: list[list[int]], key: str) -> Optional[list[list[float]]]:
         if not sequences:
             return [] if self.groups.is_last_stage else None
-        batch = _Batch.build(sequences, index, self.micro_batch, self.device)
+        batch = PackedBatch.build(sequences, index, self.micro_batch, self.device)
         results = self._run(batch, lambda out, i: self._head(out, batch, i, entropy=False)[key], train=False)
         if not self.groups.is_last_stage:
             return None
         rows = torch.cat(results).cpu()
         return [rows[i, :len(ix)].tolist() for i, ix in enumerate(index)]
 
-    def _head(self, out: torch.Tensor, batch: "_Batch", i: int, entropy: bool) -> dict[str, torch.Tensor]:
+    def _head(self, out: torch.Tensor, batch: "PackedBatch", i: int, entropy: bool) -> dict[str, torch.Tensor]:
         """Per-token outputs ``[mb, T]`` of micro-batch ``i`` from the last stage's output."""
         idx = batch.micro(batch.index, i)
         if self.value_head:
@@ -279,7 +258,7 @@ class StageEngine:
         lp, ent = vocab_parallel_logprobs_entropy(picked, batch.micro(batch.targets, i), self.groups.tp, entropy)
         return {"logprobs": lp, "entropy": ent} if entropy else {"logprobs": lp}
 
-    def _run(self, batch: "_Batch", head_fn, train: bool) -> list:
+    def _run(self, batch: "PackedBatch", head_fn, train: bool) -> list:
         """Run every micro-batch (pipelined when ``pp > 1``) with activations booked first."""
         n, mb, seq = batch.n_micro, self.micro_batch, batch.tokens.shape[1]
         tp, pp = self.groups.tp.size, self.candidate.pp
@@ -341,7 +320,7 @@ class StageEngine:
         for p in self.params.values():
             p.grad.zero_()
         if sequences:
-            batch = _Batch.build(sequences, index, self.micro_batch, self.device, per_token)
+            batch = PackedBatch.build(sequences, index, self.micro_batch, self.device, per_token)
             self._run(batch, head_fn, train=True)
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
@@ -399,45 +378,3 @@ class StageEngine:
                                        group_src=StageGroups.group_rank(g.pp_ranks, self.candidate.pp - 1))
             sums = box[0]
         return dict(sums)
-
-
-class _Batch:
-    """Right-padded sequences of one call, split into ``n_micro`` micro-batches of ``mb`` rows.
-
-    ``tokens [n·mb, S]``; ``index [n·mb, T]`` positions read per response token (0 where
-    absent); ``targets [n·mb, T]`` the token at ``index + 1``; ``per_token`` float ``[n·mb, T]``
-    tensors with ``mask`` (1 for real response tokens). Rows past the data are padding.
-    """
-
-    def __init__(self, tokens, index, targets, per_token, n_micro, mb):
-        self.tokens, self.index, self.targets = tokens, index, targets
-        self.per_token, self.n_micro, self.mb = per_token, n_micro, mb
-
-    def micro(self, tensor: torch.Tensor, i: int) -> torch.Tensor:
-        return tensor[i * self.mb:(i + 1) * self.mb]
-
-    @classmethod
-    def build(cls, sequences, index, mb, device, per_token=None) -> "_Batch":
-        n_micro = -(-len(sequences) // mb)
-        rows, seq = n_micro * mb, max(len(s) for s in sequences)
-        width = max(1, max(len(ix) for ix in index))
-        tokens = torch.zeros((rows, seq), dtype=torch.int64)
-        idx = torch.zeros((rows, width), dtype=torch.int64)
-        mask = torch.zeros((rows, width))
-        for i, (s, ix) in enumerate(zip(sequences, index)):
-            tokens[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
-            idx[i, :len(ix)] = torch.tensor(ix, dtype=torch.int64)
-            mask[i, :len(ix)] = 1.0
-        targets = tokens.gather(1, (idx + 1).clamp(max=seq - 1)) * mask.long()
-        tensors = {"mask": mask}
-        for key, lists in (per_token or {}).items():
-            if len(lists) != len(sequences):
-                raise ValueError(f"per_token[{key!r}] has {len(lists)} rows for {len(sequences)} sequences")
-            t = torch.zeros((rows, width))
-            for i, (row, ix) in enumerate(zip(lists, index)):
-                if len(row) != len(ix):
-                    raise ValueError(f"per_token[{key!r}][{i}] has {len(row)} values for {len(ix)} response tokens")
-                t[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-            tensors[key] = t
-        return cls(tokens.to(device), idx.to(device), targets.to(device),
-                   {k: v.to(device) for k, v in tensors.items()}, n_micro, mb)

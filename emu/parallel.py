@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from emu.model import TPGroup, canonical_shapes, reduce_from_tp, shard_dim
+from emu.canonical import canonical_shapes, shard_dim
+from emu.model import TPGroup, reduce_from_tp
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate

@@ -7,7 +7,8 @@ import torch
 
 from distributed_util import one_torch_thread  # noqa: F401 (autouse fixture)
 from emu.devmem import DeviceMemory
-from emu.engine import StageEngine, activation_bytes
+from emu.devmem import activation_bytes
+from emu.engine import StageEngine
 from emu.generate import SamplingParams, generate
 from emu.model import LlamaModel, init_full_state
 from emu.parallel import build_stage_groups, validate_candidate
@@ -56,10 +57,9 @@ def test_plan_errors_for_vocab_and_kv_heads():
         validate_candidate(three_kv, cand(2, 1))
     validate_candidate(SPEC, cand(4, 1))  # tp > kv heads: replicated kv, allowed
     with pytest.raises(PlanError, match="generation needs pp=1"):
-        engine(DeviceMemory(0, 1 << 30), model_stage=ACTOR_GEN).__class__(
-            model_stage=ACTOR_GEN, spec=SPEC, candidate=cand(1, 2), rank=0, groups=None,
-            device=torch.device("cpu"), memory=DeviceMemory(0, 1 << 30), value_head=False,
-            trainable=False, lr=0.0, grad_clip=None, micro_batch=1)
+        StageEngine(model_stage=ACTOR_GEN, spec=SPEC, candidate=cand(1, 2), rank=0, groups=None,
+                    device=torch.device("cpu"), memory=DeviceMemory(0, 1 << 30), value_head=False,
+                    trainable=False, lr=0.0, grad_clip=None, micro_batch=1)
 
 
 def test_device_memory_books_frees_and_tracks_peak():
