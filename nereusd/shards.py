@@ -78,7 +78,8 @@ class Shard:
         if dim == self.dim:
             return self
         if not self.is_full:
-            raise PlanError(f"{self.name}[{self.start}:{self.stop}] along dim {self.dim} cannot be re-expressed along dim {dim}")
+            raise PlanError(f"{self.name}[{self.start}:{self.stop}] along dim {self.dim} cannot be "
+                            f"re-expressed along dim {dim}")
         return Shard(self.name, dim, 0, self.full_shape[dim], self.full_shape)
 
     def contains(self, other: "Shard") -> bool:
@@ -201,7 +202,9 @@ def _on_stage(name: str, spec: ModelSpec, pp: int, pp_rank: int) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def shards_of(spec: ModelSpec, layout: Layout, position: Position, value_head: bool = False) -> tuple[Shard, ...]:
+def shards_of(
+    spec: ModelSpec, layout: Layout, position: Position, value_head: bool = False
+) -> tuple[Shard, ...]:
     """Every shard held at ``position = (pp_rank, tp_rank)`` of a replica with ``layout``.
 
     Returns:

@@ -29,8 +29,16 @@ from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Plan, Role
 from nereusd.shards import value_head_for
-from nereusd.transition_cost import LinkCosts, SiteLinkCosts, TransitionCost, estimate_l_tran, op_duration_s
-from nereusd.transition_dag import join, topological_order, validate
+from nereusd.transition_cost import (
+    CostModelLinks,
+    LinkCosts,
+    SiteLinkCosts,
+    TransitionCost,
+    estimate_l_tran,
+    op_duration_s,
+)
+from nereusd.transition_dag import join, topological_order
+from nereusd.transition_validate import validate
 from nereusd.transition_local import Delta, local_dag, t_sub
 from nereusd.transition_memory import (
     AdamStateSizes,
@@ -42,15 +50,26 @@ from nereusd.transition_memory import (
     check_feasibility,
     tight_devices,
 )
-from nereusd.transition_ops import Edge, EdgeReason, Emu, Op, OpKind, Route, TransitionDag, emu_collection, emu_collections
+from nereusd.transition_ops import (
+    Edge,
+    EdgeReason,
+    Emu,
+    Op,
+    OpKind,
+    Route,
+    TransitionDag,
+    emu_collection,
+    emu_collections,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "AdamStateSizes", "Delta", "Edge", "EdgeReason", "Emu", "FeasibilityReport", "LinkCosts", "MemoryBudget",
-    "MemoryViolation", "Op", "OpKind", "Route", "SiteLinkCosts", "StateModel", "StateSizes", "TransitionCost",
-    "TransitionDag", "check_feasibility", "deltas", "emu_collection", "emu_collections", "estimate_l_tran",
-    "op_duration_s", "plan_transition", "t_sub", "topological_order", "validate",
+    "AdamStateSizes", "CostModelLinks", "Delta", "Edge", "EdgeReason", "Emu", "FeasibilityReport",
+    "LinkCosts", "MemoryBudget", "MemoryViolation", "Op", "OpKind", "Route", "SiteLinkCosts",
+    "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
+    "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
+    "t_sub", "tight_devices", "topological_order", "validate",
 ]
 
 
@@ -105,6 +124,6 @@ def plan_transition(
     dag = join(current, target, local, tight=tight)
     if check:
         validate(dag)
-    log.info("transition %s → %s: %d ops, %d edges", current.describe() or "∅", target.describe() or "∅",
-             len(dag.ops), len(dag.edges))
+    log.info("transition %s → %s: %d ops, %d edges", current.describe() or "∅",
+             target.describe() or "∅", len(dag.ops), len(dag.edges))
     return dag

@@ -15,8 +15,11 @@ communicators it creates (DESIGN.md "Cost model", transition cost):
 * Destroy and Create cost nothing here (teardown is local; a Create's content comes from outside
   the transition).
 
-``L̂_tran`` is the longest path of the DAG weighted by these durations (every ready op starts at
-once, as the executor runs ready primitives concurrently).
+``L̂_tran`` is the makespan of the DAG with these durations when every op starts as soon as its
+predecessors are done and the devices whose links it uses are free: ready primitives run
+concurrently (paper §6.2) but a device's link is shared (one port per device), so concurrent
+ops that share a device run one after another. Without shared devices this is the DAG's
+longest path.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ log = logging.getLogger(__name__)
 class LinkCosts(Protocol):
     """Seconds to move bytes between devices and to create communicators."""
 
-    def transfer_s(self, nbytes: float, src: int, dst: int) -> float:
+    def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
         """Seconds for one message of ``nbytes`` from ``src`` to ``dst`` (``src == dst``: a
-        local copy)."""
+        local copy); ``collective`` is the primitive's collective (``all_gather`` for Split,
+        ``broadcast`` for Extend, ``p2p`` for Merge)."""
         ...
 
     def communicator_setup_s(self, devices: Sequence[int]) -> float:
@@ -83,7 +87,7 @@ class SiteLinkCosts:
     def node_of(self, device: int) -> int:
         return device // self.devices_per_node
 
-    def transfer_s(self, nbytes: float, src: int, dst: int) -> float:
+    def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
         if src == dst:
             return 2.0 * nbytes / (self.hbm_gbps * 1e9)
         if self.node_of(src) == self.node_of(dst):
@@ -92,6 +96,29 @@ class SiteLinkCosts:
 
     def communicator_setup_s(self, devices: Sequence[int]) -> float:
         return self.setup_s if len(set(devices)) > 1 else 0.0
+
+
+class CostModelLinks:
+    """:class:`LinkCosts` from the calibrated :class:`nereusd.costmodel.CostModel`.
+
+    A message costs ``CostModel.transfer_s(nbytes, link, collective)`` — peak link bandwidth and
+    latency of the site, divided by the efficiency learned for that collective on that link
+    (paper §4.2) — with ``link`` intra-node when both devices are on one node; a local copy
+    costs ``2 · nbytes / hbm``; a communicator ``CostModel.communicator_setup_s()``.
+    """
+
+    def __init__(self, cost_model) -> None:
+        self.cost_model = cost_model
+        self.site = cost_model.site
+
+    def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
+        if src == dst:
+            return 2.0 * nbytes / self.site.hbm_bytes_per_s
+        link = "intra" if self.site.node_of(src) == self.site.node_of(dst) else "inter"
+        return self.cost_model.transfer_s(nbytes, link, collective=collective)
+
+    def communicator_setup_s(self, devices: Sequence[int]) -> float:
+        return self.cost_model.communicator_setup_s(1) if len(set(devices)) > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +131,9 @@ class TransitionCost:
     critical_path: tuple[str, ...]
     bytes_moved: int
     """Bytes sent between distinct devices by all ops."""
+
+
+_COLLECTIVE = {OpKind.SPLIT: "all_gather", OpKind.EXTEND: "broadcast", OpKind.MERGE: "p2p"}
 
 
 def _communicators(op: Op) -> list[tuple[int, ...]]:
@@ -130,8 +160,14 @@ def op_duration_s(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, i
 
     Returns ``(0.0, 0)`` for Destroy and Create.
     """
+    seconds, moved, _ = _profile(op, sizes, links)
+    return seconds, moved
+
+
+def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, set[int]]:
+    """Seconds, bytes moved, and the devices whose link (or memory, for local slices) it uses."""
     if op.kind in (OpKind.DESTROY, OpKind.CREATE):
-        return 0.0, 0
+        return 0.0, 0, set()
     per_element = sizes.moved_bytes_per_element(op.model_stage)
     message: dict[tuple[int, int], float] = defaultdict(float)
     for r in op.routes:
@@ -139,8 +175,9 @@ def op_duration_s(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, i
     send: dict[int, float] = defaultdict(float)
     recv: dict[int, float] = defaultdict(float)
     moved = 0
+    collective = _COLLECTIVE.get(op.kind, "p2p")
     for (s, d), nbytes in message.items():
-        t = links.transfer_s(nbytes, s, d)
+        t = links.transfer_s(nbytes, s, d, collective)
         recv[d] += t
         if s != d:
             send[s] += t
@@ -151,11 +188,21 @@ def op_duration_s(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, i
         for x in group:
             setup[x] += t
     transfer = max([*send.values(), *recv.values(), 0.0])
-    return max(setup.values(), default=0.0) + transfer, moved
+    return max(setup.values(), default=0.0) + transfer, moved, set(send) | set(recv) | set(setup)
 
 
 def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> TransitionCost:
-    """``L̂_tran``: longest path of ``dag`` with :func:`op_duration_s` per op.
+    """``L̂_tran``: makespan of the DAG with :func:`op_duration_s` per op (module docstring).
+
+    Ops are placed in the DAG's topological order (:func:`~nereusd.transition_dag.topological_order`),
+    each starting when its predecessors have finished and the devices whose links it uses are
+    free (one port per device: a device's sends, receives and communicator set-ups run one
+    after another, also across ops). Without shared devices this is the DAG's longest path.
+
+    Returns:
+        The makespan, per-op durations and start times, and the critical path: the chain of
+        ops, each started by the end of the previous one (a DAG predecessor or the previous user
+        of a shared device).
 
     Raises:
         PlanError: if the DAG has a cycle.
@@ -167,14 +214,19 @@ def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> 
     preds: dict[str, list[str]] = defaultdict(list)
     for e in dag.edges:
         preds[e.dst].append(e.src)
-    for op_id in topological_order(dag):
-        duration[op_id], nbytes = op_duration_s(dag.op(op_id), sizes, links)
+    port_free: dict[int, tuple[float, str]] = {}
+    order = topological_order(dag)
+    for op_id in order:
+        duration[op_id], nbytes, busy = _profile(dag.op(op_id), sizes, links)
         moved += nbytes
-        best = max(preds[op_id], key=lambda p: (finish[p], p), default=None)
-        start[op_id] = finish[best] if best is not None else 0.0
-        via[op_id] = best
-        finish[op_id] = start[op_id] + duration[op_id]
-    last = max(finish, key=lambda x: (finish[x], x), default=None)
+        blockers = [(finish[p], p) for p in preds[op_id]] + [port_free[x] for x in busy if x in port_free]
+        begin, by = max(blockers, default=(0.0, None))
+        start[op_id], via[op_id] = begin, by
+        finish[op_id] = begin + duration[op_id]
+        for x in busy:
+            port_free[x] = (finish[op_id], op_id)
+    rank = {x: i for i, x in enumerate(order)}
+    last = max(finish, key=lambda x: (finish[x], rank[x]), default=None)
     path = []
     while last is not None:
         path.append(last)

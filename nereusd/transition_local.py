@@ -229,7 +229,8 @@ def local_dag(
     for key in sorted(groups):
         dsts = groups[key]
         srcs = [src_of[x] for x in dsts]
-        routes = [Route(s, x, sh) for s, x in zip(srcs, dsts) for sh in shards_of(spec, S, sigma_t[x], value_head)]
+        routes = [Route(s, x, sh) for s, x in zip(srcs, dsts)
+                  for sh in shards_of(spec, S, sigma_t[x], value_head)]
         after = [split_of[cur_unit[s]] for s in srcs if cur_unit[s] in split_of]
         op_id = b.add(OpKind.EXTEND, after=after, source_layout=S, source_devices=srcs,
                       source_positions=[sigma[s] for s in srcs], target_layout=S, target_devices=dsts,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence
 
 from nereusd.errors import PlanError
+from nereusd.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dtype_bytes
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
 from nereusd.shards import Position, shard_elements, value_head_for
@@ -55,26 +56,31 @@ class StateSizes(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class AdamStateSizes:
-    """ZeRO-0 Adam state (DESIGN.md "Cost model", memory per GPU).
+    """ZeRO-0 Adam state per parameter element, as :mod:`nereusd.memory` counts it.
 
-    Training model-stages hold params, grads, an optional fp32 master copy and Adam ``m``, ``v``;
-    generation and inference hold params only. Default: bf16 params and grads, fp32 master and
-    moments, 16 bytes resident and 14 moved per element in training, 2 elsewhere.
+    Training model-stages hold the parameter in the compute dtype, an fp32 master copy when
+    that dtype is narrower, and Adam ``m``, ``v`` in fp32; generation and inference hold the
+    parameter only. Gradient buffers hold no state at a safe boundary (paper §6.2) and, as in
+    :attr:`nereusd.memory.MemoryEstimate.resident_bytes`, are not resident then; set
+    ``grad_bytes`` for an engine that keeps them allocated. Default (bf16): 14 bytes per element
+    resident and moved in training, 2 elsewhere.
     """
 
     param_bytes: int = 2
-    """Bytes per parameter element as the engine holds it (2: bf16, 4: fp32)."""
-    grad_bytes: int = 2
-    """Gradient bytes per element (allocated in training, never moved)."""
+    """Bytes per parameter element in the compute dtype (2: bf16, 4: fp32)."""
     master_bytes: int = 4
     """fp32 master copy per element (0 when parameters are already fp32)."""
     optimizer_bytes: int = 8
     """Adam ``m`` and ``v`` per element."""
+    grad_bytes: int = 0
+    """Gradient bytes per element resident during a transition (never moved)."""
 
     @classmethod
-    def fp32(cls) -> "AdamStateSizes":
-        """An fp32 engine (local mode, :mod:`emu.model`): 16 bytes resident, 12 moved."""
-        return cls(param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
+    def for_dtype(cls, dtype: str) -> "AdamStateSizes":
+        """Sizes for compute dtype ``dtype`` (``nereusd.memory.dtype_bytes``): fp32 master only
+        when narrower than fp32."""
+        e = dtype_bytes(dtype)
+        return cls(param_bytes=e, master_bytes=4 if e < 4 else 0, optimizer_bytes=ADAM_STATE_BYTES)
 
     def resident_bytes_per_element(self, model_stage: ModelStage) -> float:
         if model_stage.stage is Stage.TRAINING:
@@ -97,10 +103,12 @@ class MemoryBudget:
 
     capacity_bytes: int
     """Device capacity (``SiteConfig.device_memory_bytes``)."""
-    headroom: float = 0.1
+    headroom: float = HEADROOM
     """Fraction of capacity kept free (DESIGN.md: 10 %)."""
+    workspace_bytes: int = 0
+    """Bytes held by the framework on every device of either plan (``memory.WORKSPACE_BYTES``)."""
     reserved_bytes: Mapping[int, int] = field(default_factory=dict)
-    """Bytes per device held by other things than model state (workspaces, runtime)."""
+    """Further bytes per device held by other things than model state."""
     collective_buffer_bytes: int = 64 * MIB
     """Largest staging buffer one collective needs on one device."""
 
@@ -109,8 +117,21 @@ class MemoryBudget:
             raise PlanError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
         if not 0 <= self.headroom < 1:
             raise PlanError(f"headroom must be in [0, 1), got {self.headroom!r}")
-        if self.collective_buffer_bytes < 0 or any(v < 0 for v in self.reserved_bytes.values()):
-            raise PlanError("collective_buffer_bytes and reserved_bytes must be >= 0")
+        if self.collective_buffer_bytes < 0 or self.workspace_bytes < 0 or any(
+                v < 0 for v in self.reserved_bytes.values()):
+            raise PlanError("collective_buffer_bytes, workspace_bytes and reserved_bytes must be >= 0")
+
+    @classmethod
+    def from_site(cls, site, *, collective_buffer_bytes: int = 64 * MIB) -> "MemoryBudget":
+        """From a ``nereusd.site.SiteConfig``: its device capacity, the memory model's headroom
+        and the framework workspace of its device kind."""
+        return cls(capacity_bytes=site.device_memory_bytes, headroom=HEADROOM,
+                   workspace_bytes=WORKSPACE_BYTES[site.device_kind],
+                   collective_buffer_bytes=collective_buffer_bytes)
+
+    def baseline_bytes(self, devices: Iterable[int]) -> dict[int, int]:
+        """Workspace plus reserved bytes of each of ``devices``."""
+        return {x: self.workspace_bytes + self.reserved_bytes.get(x, 0) for x in devices}
 
     @property
     def limit_bytes(self) -> int:
@@ -140,7 +161,7 @@ class MemoryViolation:
 
 @dataclass(frozen=True)
 class FeasibilityReport:
-    """Result of :func:`check_feasibility`; per-device bytes include reserved bytes."""
+    """Result of :func:`check_feasibility`; per-device bytes include workspace and reserved bytes."""
 
     violation: MemoryViolation | None
     peak_bytes: Mapping[int, int]
@@ -215,7 +236,9 @@ def tight_devices(ops: Iterable[Op], current: Plan, state: StateModel, budget: M
     ``ops``, nothing released — exceeds ``budget.limit_bytes``. Only these need
     release-before-acquire edges for memory (:func:`nereusd.transition_dag.join`)."""
     worst = defaultdict(int, state.plan_bytes(current))
-    for x, v in budget.reserved_bytes.items():
+    ops = list(ops)
+    touched = {x for op in ops for x in op.devices} | set(current.devices())
+    for x, v in budget.baseline_bytes(touched | set(budget.reserved_bytes)).items():
         worst[x] += v
     for op in ops:
         for x, (alloc, transient, _) in state.op_bytes(op, budget.collective_buffer_bytes).items():
@@ -245,7 +268,8 @@ def check_feasibility(
     _check_order(dag, order)
     limit = budget.limit_bytes
     in_use: dict[int, int] = defaultdict(int, state.plan_bytes(dag.current))
-    for x, v in budget.reserved_bytes.items():
+    devices = set(dag.current.devices()) | set(dag.target.devices()) | set(budget.reserved_bytes)
+    for x, v in budget.baseline_bytes(devices).items():
         in_use[x] += v
     peak = dict(in_use)
     violation = None
@@ -258,7 +282,8 @@ def check_feasibility(
         for x, (alloc, transient, free) in sorted(state.op_bytes(op, budget.collective_buffer_bytes).items()):
             during = in_use[x] + alloc + transient
             if during > limit and violation is None:
-                violation = MemoryViolation(op_id, x, str(op.model_stage), alloc + transient, in_use[x], limit)
+                violation = MemoryViolation(op_id, x, str(op.model_stage), alloc + transient,
+                                            in_use[x], limit)
             peak[x] = max(peak.get(x, 0), during)
             in_use[x] += alloc - free
     if violation is not None:

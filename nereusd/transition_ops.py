@@ -94,7 +94,8 @@ class Emu:
         try:
             i = self.devices.index(device)
         except ValueError:
-            raise PlanError(f"device {device} is not in EMU {self.model_stage}#{self.dp_rank} {list(self.devices)}") from None
+            raise PlanError(f"device {device} is not in EMU {self.model_stage}#{self.dp_rank} "
+                            f"{list(self.devices)}") from None
         return (i // self.layout.tp, i % self.layout.tp)
 
 
@@ -162,13 +163,15 @@ class Op:
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_devices", tuple(int(d) for d in self.source_devices))
         object.__setattr__(self, "target_devices", tuple(int(d) for d in self.target_devices))
-        object.__setattr__(self, "source_positions", tuple((int(p), int(t)) for p, t in self.source_positions))
-        object.__setattr__(self, "target_positions", tuple((int(p), int(t)) for p, t in self.target_positions))
+        for name in ("source_positions", "target_positions"):
+            object.__setattr__(self, name, tuple((int(p), int(t)) for p, t in getattr(self, name)))
         object.__setattr__(self, "routes", tuple(self.routes))
         if len(self.source_devices) != len(self.source_positions):
-            raise PlanError(f"op {self.id}: {len(self.source_devices)} source devices but {len(self.source_positions)} positions")
+            raise PlanError(f"op {self.id}: {len(self.source_devices)} source devices but "
+                            f"{len(self.source_positions)} positions")
         if len(self.target_devices) != len(self.target_positions):
-            raise PlanError(f"op {self.id}: {len(self.target_devices)} target devices but {len(self.target_positions)} positions")
+            raise PlanError(f"op {self.id}: {len(self.target_devices)} target devices but "
+                            f"{len(self.target_positions)} positions")
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -336,7 +339,8 @@ class TransitionDag:
         if not isinstance(data, Mapping):
             raise PlanError(f"transition DAG: expected an object, got {type(data).__name__}")
         if data.get("version") != SCHEMA_VERSION:
-            raise PlanError(f"transition DAG: schema version {data.get('version')!r}, expected {SCHEMA_VERSION}")
+            raise PlanError(f"transition DAG: schema version {data.get('version')!r}, "
+                            f"expected {SCHEMA_VERSION}")
         unknown = sorted(set(data) - {"version", "current", "target", "ops", "edges"})
         if unknown:
             raise PlanError(f"transition DAG: unknown field {unknown[0]!r}")

@@ -20,9 +20,10 @@ from nereusd.shards import (
     value_head_for,
 )
 
-SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=8, num_kv_heads=2)
-TIED = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=8, num_kv_heads=2,
-                 tie_word_embeddings=True)
+SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=8,
+                 num_kv_heads=2)
+TIED = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=8,
+                 num_kv_heads=2, tie_word_embeddings=True)
 
 
 def test_matches_engine_names_shapes_and_split_dims():
@@ -60,8 +61,8 @@ def test_hand_written_shards_tp2_pp2():
     assert set(n.split(".")[2] for n in by_name if n.startswith("model.layers.")) == {"2", "3"}
     assert "model.embed_tokens.weight" not in by_name
     assert by_name["lm_head.weight"] == Shard("lm_head.weight", 0, 32, 64, (64, 32))
-    assert by_name["model.layers.2.self_attn.o_proj.weight"] == Shard("model.layers.2.self_attn.o_proj.weight",
-                                                                     1, 16, 32, (32, 32))
+    o_proj = "model.layers.2.self_attn.o_proj.weight"
+    assert by_name[o_proj] == Shard(o_proj, 1, 16, 32, (32, 32))
     assert by_name["model.layers.3.self_attn.k_proj.weight"].numel == 4 * 32  # one of two kv heads (d=4)
     assert by_name["model.norm.weight"].is_full
 
@@ -76,7 +77,8 @@ def test_elements_sum_to_the_parameter_count_over_one_replica():
         for layout in (Layout(1, 1), Layout(2, 1), Layout(2, 2), Layout(1, 4)):
             if layout.pp > 1 and spec.tie_word_embeddings:
                 continue
-            total = sum(shard_elements(spec, layout, (p, t), vh) for p in range(layout.pp) for t in range(layout.tp))
+            total = sum(shard_elements(spec, layout, (p, t), vh)
+                        for p in range(layout.pp) for t in range(layout.tp))
             # The engine's value head *replaces* lm_head (emu/model.py), so count it that way.
             expected = spec.num_parameters() - (spec.vocab_size * spec.hidden_size + -spec.hidden_size - 1
                                                 if vh else 0)
@@ -100,7 +102,8 @@ def test_coarse_shard_is_gathered_from_its_group(coarse, fine):
                                     [(i, fine, pos) for i, pos in enumerate(group)])
             got = sum(piece.numel for _, piece in pieces)
             own = {s.name: s for s in shards_of(SPEC, fine, (p, t))}
-            already = sum(min(own[s.name].numel, s.numel) for s in shards_of(SPEC, coarse, sigma) if s.name in own)
+            already = sum(min(own[s.name].numel, s.numel)
+                          for s in shards_of(SPEC, coarse, sigma) if s.name in own)
             assert got + already == shard_elements(SPEC, coarse, sigma)
 
 

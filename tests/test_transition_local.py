@@ -10,7 +10,8 @@ from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
 from nereusd.shards import shards_of
 from nereusd.transition import Delta, OpKind, deltas, emu_collection, emu_collections, plan_transition, t_sub
 
-SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=8, num_heads=8, num_kv_heads=2)
+SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=8, num_heads=8,
+                 num_kv_heads=2)
 MODELS = {r: SPEC for r in Role}
 AT = ModelStage(Role.ACTOR, Stage.TRAINING)
 
@@ -43,7 +44,8 @@ def test_emu_collection_is_one_unit_per_replica():
 def test_deltas_cover_both_plans_in_stage_order():
     gen = ModelStage(Role.ACTOR, Stage.GENERATION)
     d = deltas(Plan({AT: Candidate(1, 1, 1, (0,))}), Plan({gen: Candidate(1, 1, 1, (0,))}))
-    assert [(x.model_stage, x.current is None, x.target is None) for x in d] == [(gen, True, False), (AT, False, True)]
+    assert [(x.model_stage, x.current is None, x.target is None) for x in d] == [
+        (gen, True, False), (AT, False, True)]
     assert Delta(AT, Candidate(1, 1, 1, (0,)), Candidate(1, 1, 1, (0,))).unchanged
 
 

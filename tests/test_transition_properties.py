@@ -31,7 +31,8 @@ from nereusd.transition import (
     topological_order,
 )
 
-SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=2)
+SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
+                 num_kv_heads=2)
 MODELS = {r: SPEC for r in Role}
 STAGES = [ModelStage(Role.ACTOR, Stage.GENERATION), ModelStage(Role.REWARD, Stage.INFERENCE),
           ModelStage(Role.ACTOR, Stage.TRAINING), ModelStage(Role.CRITIC, Stage.TRAINING)]
@@ -213,8 +214,13 @@ def test_memory_accounting_and_tight_budgets(pair, squeeze, rnd):
     cost = estimate_l_tran(dag, SIZES, LINKS)
     if dag.ops:
         path = cost.critical_path
-        assert all(b in dag.successors(a) for a, b in zip(path, path[1:]))
+        for a, b in zip(path, path[1:]):  # a DAG edge or a device both use
+            assert b in dag.successors(a) or set(dag.op(a).devices) & set(dag.op(b).devices)
+            assert abs(cost.start_s[b] - cost.start_s[a] - cost.duration_s[a]) < 1e-9
+        assert cost.start_s[path[0]] == 0.0
         assert abs(sum(cost.duration_s[x] for x in path) - cost.l_tran_s) < 1e-9
         assert cost.l_tran_s >= max(cost.duration_s.values())
+        for e in dag.edges:
+            assert cost.start_s[e.dst] >= cost.start_s[e.src] + cost.duration_s[e.src] - 1e-12
     else:
         assert cost.l_tran_s == 0.0
