@@ -27,7 +27,7 @@ TIED = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers
 
 
 def test_matches_engine_names_shapes_and_split_dims():
-    emu_model = pytest.importorskip("emu.model")
+    emu_model = pytest.importorskip("emu.canonical")
     emu_parallel = pytest.importorskip("emu.parallel")
     for spec in (SPEC, TIED):
         for value_head in (False, True):
@@ -45,7 +45,7 @@ def test_matches_engine_names_shapes_and_split_dims():
 
 def test_slices_match_engine_chunks():
     torch = pytest.importorskip("torch")
-    emu_model = pytest.importorskip("emu.model")
+    emu_model = pytest.importorskip("emu.canonical")
     shapes = canonical_shapes(SPEC)
     for tp in (2, 4, 8):
         for t in range(tp):
