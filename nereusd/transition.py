@@ -23,6 +23,7 @@ Typical use::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Mapping
 
 from nereusd.errors import PlanError
@@ -69,7 +70,8 @@ __all__ = [
     "LinkCosts", "MemoryBudget", "MemoryViolation", "Op", "OpKind", "Route", "SiteLinkCosts",
     "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
-    "t_sub", "tight_devices", "topological_order", "validate",
+    "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
+    "assess_transition",
 ]
 
 
@@ -127,3 +129,55 @@ def plan_transition(
     log.info("transition %s → %s: %d ops, %d edges", current.describe() or "∅",
              target.describe() or "∅", len(dag.ops), len(dag.edges))
     return dag
+
+
+@dataclass(frozen=True)
+class TransitionAssessment:
+    """What admission needs about one target (DESIGN.md "One RL step", step 4)."""
+
+    dag: TransitionDag
+    feasibility: FeasibilityReport
+    cost: TransitionCost
+
+    @property
+    def feasible(self) -> bool:
+        return self.feasibility.feasible
+
+    @property
+    def l_tran_s(self) -> float:
+        return self.cost.l_tran_s
+
+    @property
+    def reason(self) -> str:
+        """Why the transition does not fit, or ``""``."""
+        v = self.feasibility.violation
+        return "" if v is None else f"transition does not fit memory: {v.describe()}"
+
+
+def assess_transition(
+    current: Plan,
+    target: Plan,
+    models: Mapping[Role, ModelSpec],
+    site,
+    *,
+    cost_model=None,
+    sizes: StateSizes | None = None,
+    budget: MemoryBudget | None = None,
+) -> TransitionAssessment:
+    """Plan, check and cost ``S → S*`` on ``site`` (a ``nereusd.site.SiteConfig``).
+
+    Defaults: :meth:`AdamStateSizes.for_dtype` of the site's compute dtype,
+    :meth:`MemoryBudget.from_site`, and :class:`CostModelLinks` when a calibrated
+    ``cost_model`` (``nereusd.costmodel.CostModel``) is given, else :class:`SiteLinkCosts`.
+
+    Raises:
+        PlanError: as :func:`plan_transition`.
+    """
+    sizes = sizes or AdamStateSizes.for_dtype(site.compute_dtype)
+    budget = budget or MemoryBudget.from_site(site)
+    state = StateModel(models, sizes)
+    dag = plan_transition(current, target, models, devices_per_node=site.devices_per_node,
+                          state=state, budget=budget)
+    links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
+    report = check_feasibility(dag, state, budget)
+    return TransitionAssessment(dag, report, estimate_l_tran(dag, sizes, links))

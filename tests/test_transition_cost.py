@@ -11,7 +11,9 @@ from nereusd.site import load_site
 from nereusd.transition import (
     AdamStateSizes,
     CostModelLinks,
+    MemoryBudget,
     SiteLinkCosts,
+    assess_transition,
     estimate_l_tran,
     op_duration_s,
     plan_transition,
@@ -94,3 +96,19 @@ def test_site_and_cost_model_links():
     assert learned.communicator_setup_s((0, 1)) == pytest.approx(0.02)
     dag = dag_for(Candidate(1, 1, 1, (0,)), Candidate(1, 1, 1, (1,)))
     assert estimate_l_tran(dag, SIZES, learned).l_tran_s >= estimate_l_tran(dag, SIZES, ideal).l_tran_s
+
+
+def test_assess_transition_on_a_site():
+    """Admission's view: the paper's 16 → 32 GPU example (actor TP 1 → 2, critic DP 2 → 4)."""
+    site = load_site("h200-ib")
+    spec = ModelSpec(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=8, num_heads=8,
+                     num_kv_heads=8)
+    ag = ModelStage(Role.ACTOR, Stage.GENERATION)
+    cur = Plan({ag: Candidate(1, 4, 2, tuple(range(8))), CT: Candidate(1, 4, 2, tuple(range(8, 16)))})
+    tgt = Plan({ag: Candidate(2, 4, 2, tuple(range(16))), CT: Candidate(1, 4, 4, tuple(range(16, 32)))})
+    a = assess_transition(cur, tgt, {r: spec for r in Role}, site, cost_model=CostModel(site))
+    assert a.feasible and a.reason == "" and a.l_tran_s > 0
+    assert {op.kind.value for op in a.dag.ops} >= {"extend", "destroy", "merge"}
+    tiny = assess_transition(cur, tgt, {r: spec for r in Role}, site,
+                             budget=MemoryBudget(capacity_bytes=10_000))
+    assert not tiny.feasible and tiny.reason.startswith("transition does not fit memory: device")
