@@ -33,7 +33,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from emu.canonical import canonical_shapes, shard_dim
 from emu.model import TPGroup, reduce_from_tp
@@ -268,6 +267,10 @@ def run_pipeline(module: nn.Module, groups: StageGroups, device: torch.device, *
     Returns:
         On the last stage, ``loss_fn``'s results in micro-batch order; elsewhere ``[]``.
     """
+    # Imported here: torch.distributed.pipelining pulls in torch._dynamo (~2 s of CPU per worker
+    # start on a 2-core machine), and only workers holding a pp > 1 model-stage need it.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     pp, p = groups.candidate.pp, groups.pp_rank
     mb, seq = out_shape[0], out_shape[1]
     meta = torch.device("meta")
