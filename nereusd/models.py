@@ -71,16 +71,18 @@ class ModelSpec:
         return self.explicit_head_dim or self.hidden_size // self.num_heads
 
     def num_parameters(self, value_head: bool = False) -> int:
-        """Parameter count ``P`` (embedding, layers, final norm, output head[, value head])."""
+        """Parameter count ``P``: embedding, layers, final norm, and either the output head
+        (a policy) or, with ``value_head``, a scalar value head in its place (critic, reward
+        model: the engine drops ``lm_head`` there)."""
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         per_layer = q * h + 2 * kv * h + h * q + 3 * f * h + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        total = v * h + self.num_layers * per_layer + h + head
         if value_head:
-            total += h + 1
-        return total
+            head = h + 1
+        else:
+            head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
 
     def to_hf_config(self) -> dict[str, Any]:
         """A Hugging Face ``LlamaConfig``-style dict (what ``config.json`` holds)."""
