@@ -7,10 +7,12 @@ memory models and the planner read nothing else about the hardware.
 Units: ``*_gbps`` are **gigabytes per second** (10^9 bytes/s) per device and per direction,
 ``*_tflops`` are 10^12 FLOP/s per device (dense, no sparsity), ``memory_gib`` is 2^30 bytes.
 
-The ``slurm:`` and ``env:`` sections are reserved for the Slurm launcher (partition, account,
-modules, NCCL/OFI variables). This loader checks only their outer shape: ``slurm`` is a
-mapping whose values are scalars or lists of scalars, ``env`` maps names to strings; their
-keys are validated by the launcher that renders the batch script.
+The ``slurm:`` section (partition, account, QoS, constraint, GPUs per node and the GRES syntax,
+time limit, modules or container; :class:`~nereusd.site_slurm.SlurmSpec`) says how to ask the
+cluster's Slurm for nodes; ``env:`` gives the communication environment the site needs (NCCL or
+RCCL variables, the OFI/CXI provider for Slingshot, InfiniBand HCAs and the socket interface).
+Both are validated as strictly as the rest (:mod:`nereusd.site_slurm`). A site without a
+``slurm:`` section can be planned for but not submitted to.
 
 Loading is strict: unknown keys, missing keys and values of the wrong type raise
 :class:`~nereusd.errors.ConfigError` with the file name and the dotted key, e.g.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any, Literal, Mapping
 import yaml
 
 from nereusd.errors import ConfigError
+from nereusd.site_slurm import ContainerSpec, SlurmSpec, check_env, check_slurm  # noqa: F401 (re-exported)
 
 GIB = 1 << 30
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -89,10 +93,10 @@ class SiteConfig:
     network: NetworkSpec
     description: str = ""
     """Free text: where the numbers come from."""
-    slurm: Mapping[str, Any] = field(default_factory=dict)
-    """Reserved for the Slurm launcher (partition, account, modules, …); outer shape only."""
+    slurm: SlurmSpec | None = None
+    """How to ask this cluster's Slurm for nodes; ``None``: the site cannot be submitted to."""
     env: Mapping[str, str] = field(default_factory=dict)
-    """Reserved for the Slurm launcher: environment variables for workers (NCCL/OFI, …)."""
+    """Environment exported to nereusd, agents and workers (NCCL/RCCL, OFI/CXI, IB HCA, …)."""
     source: str = ""
     """Path the config was loaded from ("" when built in code)."""
 
@@ -209,6 +213,9 @@ def site_from_dict(data: Any, source: str = "<site>") -> SiteConfig:
     """
     label = Path(source).name or source
     site = _build(SiteConfig, data, label, "", skip=("source",))
+    if site.slurm is not None:
+        check_slurm(site.slurm, device_kind=site.device.kind, devices_per_node=site.devices_per_node, label=label)
+    check_env(site.env, label=label)
     return dataclasses.replace(site, source=source)
 
 
@@ -247,6 +254,20 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, label, key)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        assert len(args) == 1, hint
+        return _value(args[0], value, label, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _fail(label, key, f"expected true or false, got {value!r}")
+        return value
+    if hint == tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise _fail(label, key, f"expected a list of strings, got {value!r}")
+        return tuple(value)
     if hint is str:
         if not isinstance(value, str):
             raise _fail(label, key, f"expected a string, got {value!r}")
@@ -283,14 +304,6 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise _fail(label, f"{key}.{k}", f"expected a string value, got {v!r}")
-        return MappingProxyType(dict(value))
-    if hint == Mapping[str, Any]:
-        if not isinstance(value, Mapping):
-            raise _fail(label, key, f"expected a mapping, got {value!r}")
-        for k, v in value.items():
-            items = v if isinstance(v, list) else [v]
-            if not all(isinstance(x, (str, int, float, bool)) for x in items):
-                raise _fail(label, f"{key}.{k}", f"expected a scalar or a list of scalars, got {v!r}")
         return MappingProxyType(dict(value))
     raise AssertionError(f"site loader cannot handle {hint!r} at {key}")
 

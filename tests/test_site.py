@@ -76,7 +76,7 @@ def _write(tmp_path: Path, mutate) -> Path:
         (lambda d: d.__setitem__("network", [1, 2]), r"^h200-ib.yaml: network: expected a mapping, got \[1, 2\]$"),
         (lambda d: d["network"].__setitem__("communicator_setup_s", -1), r"network.communicator_setup_s: expected a number >= 0"),
         (lambda d: d.__setitem__("env", {"NCCL_DEBUG": 3}), r"env.NCCL_DEBUG: expected a string value, got 3"),
-        (lambda d: d.__setitem__("slurm", {"partition": {"a": 1}}), r"slurm.partition: expected a scalar or a list"),
+        (lambda d: d.__setitem__("slurm", {"partition": {"a": 1}}), r"slurm.partition: expected a string, got \{'a': 1\}"),
     ],
 )
 def test_malformed(tmp_path, mutate, message):
@@ -85,11 +85,11 @@ def test_malformed(tmp_path, mutate, message):
         load_site(str(path))
 
 
-def test_reserved_sections_accepted(tmp_path):
-    path = _write(tmp_path, lambda d: d.update(slurm={"partition": "gpu", "modules": ["cuda/12"]},
+def test_slurm_and_env_sections(tmp_path):
+    path = _write(tmp_path, lambda d: d.update(slurm={"partition": "gpu", "modules": ["cuda/12"], "gpus_per_node": 8},
                                                env={"NCCL_IB_HCA": "mlx5"}))
     site = load_site(str(path))
-    assert site.slurm["modules"] == ["cuda/12"] and site.env["NCCL_IB_HCA"] == "mlx5"
+    assert site.slurm.modules == ("cuda/12",) and site.env["NCCL_IB_HCA"] == "mlx5"
 
 
 def test_yaml_syntax_error(tmp_path):
