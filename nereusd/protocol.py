@@ -9,6 +9,7 @@ never dies of one). Tensors never travel here: only commands, metrics and token 
 Paths of a message:
     agent → nereusd:   RegisterAgent, Heartbeat, WorkerExited, FromWorker (relay)
     nereusd → agent:   Welcome, SpawnWorkers, ToWorker (relay), Shutdown, ErrorReply
+    CLI → nereusd:     StatusRequest;  nereusd → CLI: StatusReply
     worker → agent:    WorkerReady, TaskResult
     agent → worker:    Task, Shutdown
 """
@@ -48,6 +49,8 @@ class RegisterAgent(_Message):
     hostname: str
     pid: int
     devices: list[DeviceInfo]
+    slurm_job_id: str | None = None
+    """The Slurm allocation the agent runs in (a ``grow`` allocation differs from nereusd's)."""
 
 
 class Welcome(_Message):
@@ -137,6 +140,19 @@ class Shutdown(_Message):
     reason: str = ""
 
 
+class StatusRequest(_Message):
+    """``nereus-launch status`` asks nereusd for the job's state (needs no registration)."""
+
+    type: Literal["status_request"] = "status_request"
+
+
+class StatusReply(_Message):
+    """Plan, pool, step and last decision, as nereusd sees them now."""
+
+    type: Literal["status_reply"] = "status_reply"
+    status: dict[str, Any]
+
+
 class ErrorReply(_Message):
     """The answer to a message that could not be accepted."""
 
@@ -147,7 +163,7 @@ class ErrorReply(_Message):
 AnyMessage = Annotated[
     Union[
         RegisterAgent, Welcome, Heartbeat, SpawnWorkers, WorkerExited, Task, TaskResult,
-        WorkerReady, ToWorker, FromWorker, Shutdown, ErrorReply,
+        WorkerReady, ToWorker, FromWorker, Shutdown, ErrorReply, StatusRequest, StatusReply,
     ],
     Field(discriminator="type"),
 ]
@@ -155,6 +171,7 @@ _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
 _KNOWN_TYPES = {
     "register_agent", "welcome", "heartbeat", "spawn_workers", "worker_exited", "task",
     "task_result", "worker_ready", "to_worker", "from_worker", "shutdown", "error",
+    "status_request", "status_reply",
 }
 
 
