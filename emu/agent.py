@@ -25,7 +25,9 @@ import zmq
 
 from emu.inventory import discover
 from nereusd import protocol as P
-from nereusd.errors import ProtocolError
+from nereusd.errors import NereusError, ProtocolError
+from nereusd.security import JobKeys, load_keys, make_client
+from nereusd.slurm import visible_gpus
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class Agent:
     """One node's agent. See the module docstring."""
 
     def __init__(self, *, connect: str, node_id: str, devices: list[P.DeviceInfo], run_dir: Path,
-                 daemon_timeout_s: float = 60.0) -> None:
+                 daemon_timeout_s: float = 60.0, keys: JobKeys | None = None) -> None:
         self.node_id = node_id
         self.devices = devices
         self.run_dir = run_dir
@@ -45,6 +47,8 @@ class Agent:
         self._up = self._ctx.socket(zmq.DEALER)
         self._up.setsockopt(zmq.LINGER, 500)
         self._up.setsockopt(zmq.IDENTITY, f"agent-{node_id}-{os.getpid()}".encode())
+        if keys is not None:
+            make_client(self._up, keys)  # CURVE: only holders of the job's client key get in
         self._up.connect(connect)
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="nereus-agent-"))  # mode 0700: only this user
         self._down = self._ctx.socket(zmq.ROUTER)
@@ -73,7 +77,7 @@ class Agent:
             TimeoutError: if nereusd does not answer.
         """
         self._send_up(P.RegisterAgent(node_id=self.node_id, hostname=socket.gethostname(), pid=os.getpid(),
-                                      devices=self.devices))
+                                      devices=self.devices, slurm_job_id=os.environ.get("SLURM_JOB_ID")))
         if not self._up.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"nereusd did not answer the registration within {timeout_s:.0f} s")
         msg = P.decode(self._up.recv())
@@ -241,13 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect", required=True, help="nereusd endpoint, e.g. tcp://head:5555")
     parser.add_argument("--node-id", default=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                         help="node name (default: $SLURMD_NODENAME, else the hostname)")
-    parser.add_argument("--cpu-devices", type=int, default=None,
-                        help="use N virtual CPU devices instead of probing for GPUs (local mode)")
+    parser.add_argument("--cpu-devices", default=None,
+                        help="use N virtual CPU devices instead of probing for GPUs (local mode); 'slurm': one "
+                             "per GPU that Slurm made visible to this task (the project's test cluster)")
     parser.add_argument("--cpu-memory-bytes", type=int, default=2**30,
                         help="accounted memory of each virtual CPU device (default 1 GiB)")
     parser.add_argument("--run-dir", required=True, help="the job's run directory (worker logs go to RUN_DIR/logs)")
     parser.add_argument("--daemon-timeout-s", type=float, default=60.0,
                         help="stop the workers if nereusd is silent this long (default 60)")
+    parser.add_argument("--keys-dir", default=None,
+                        help="the job's CURVE key directory (RUN_DIR/keys); required when nereusd uses keys")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -256,9 +263,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s %(levelname)s agent[{args.node_id}] %(name)s: %(message)s")
-    devices = discover(args.cpu_devices, args.cpu_memory_bytes)
+    cpu_devices = args.cpu_devices
+    if cpu_devices == "slurm":
+        gpus = visible_gpus(os.environ)
+        log.info("Slurm made %d GPU(s) visible via %s=%s", gpus.count, gpus.source, ",".join(gpus.ids))
+        cpu_devices = gpus.count
+    elif cpu_devices is not None:
+        if not str(cpu_devices).isdigit():
+            log.error("--cpu-devices: expected a count or 'slurm', got %r", cpu_devices)
+            return 2
+        cpu_devices = int(cpu_devices)
+    try:
+        keys = load_keys(args.keys_dir, "client") if args.keys_dir else None
+    except NereusError as err:
+        log.error("%s", err)
+        return 2
+    devices = discover(cpu_devices, args.cpu_memory_bytes)
     agent = Agent(connect=args.connect, node_id=args.node_id, devices=devices, run_dir=Path(args.run_dir),
-                  daemon_timeout_s=args.daemon_timeout_s)
+                  daemon_timeout_s=args.daemon_timeout_s, keys=keys)
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)
     try:

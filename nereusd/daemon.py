@@ -4,11 +4,19 @@ One thread owns the socket. The RL driver calls :meth:`ControlPlane.submit` and
 :meth:`ControlPlane.collect`; while it waits, :meth:`ControlPlane.poll` handles every other
 message (registrations, heartbeats, worker exits) so the registry stays current. A malformed
 or unexpected message is answered with an ``ErrorReply`` and logged; it never stops the daemon.
+
+With job keys (:mod:`nereusd.security`) the socket is a CURVE server that admits only the job's
+client key; a refused handshake is logged and journalled (``connection_refused``). Agents may
+register at any time (a ``grow`` allocation joining a running job); every registration after
+the first world formed, and every agent lost (heartbeat, or :meth:`ControlPlane.remove_node` for
+Slurm's node events), is reported to ``on_pool_change`` as a :class:`~nereusd.pool_events.PoolChange`.
+Other threads hand work to the loop through :meth:`ControlPlane.call_soon` (one queue, one consumer).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,6 +25,8 @@ import zmq
 
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError, WorkerError
+from nereusd.pool_events import PoolChange, PoolChangeKind
+from nereusd.security import JobKeys, ServerAuth
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +43,7 @@ class AgentRecord:
     global_devices: list[int]
     last_seen_s: float
     workers_alive: set[int] = field(default_factory=set)
+    slurm_job_id: str | None = None
 
 
 @dataclass
@@ -50,15 +61,24 @@ class ControlPlane:
             endpoint is :attr:`endpoint`).
         heartbeat_timeout_s: an agent silent for longer is declared lost.
         on_event: called with ``(event_name, fields)`` for the journal.
+        keys: the job's server keys; with them only CURVE clients holding the job's client key
+            can connect (``None``: plain TCP, for loopback-only local mode).
+        on_pool_change: called with every :class:`PoolChange` (agents joining or lost).
+        status: returns the dict a ``StatusRequest`` is answered with.
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, heartbeat_timeout_s: float = 15.0,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None, keys: JobKeys | None = None,
+                 on_pool_change: Callable[[PoolChange], None] | None = None,
+                 status: Callable[[], dict[str, Any]] | None = None) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        self._auth = ServerAuth(self._ctx, keys) if keys is not None else None
+        if self._auth is not None:
+            self._auth.secure(self._sock)
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -71,7 +91,16 @@ class ControlPlane:
         self._next_task_id = 1
         self._next_global_device = 0
         self._on_event = on_event or (lambda name, fields: None)
+        self._on_pool_change = on_pool_change or (lambda change: None)
+        self._status = status or (lambda: {})
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.world_formed = False
         self.refused_messages = 0
+        self.refused_connections = 0
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the control-plane thread at its next :meth:`poll` (thread-safe)."""
+        self._calls.put(fn)
 
     # ------------------------------------------------------------------ socket loop
     def poll(self, timeout_s: float) -> None:
@@ -85,7 +114,18 @@ class ControlPlane:
             self._receive(frames)
             if time.monotonic() >= deadline:
                 break
+        self._check_auth()
+        while not self._calls.empty():
+            self._calls.get()()
         self._check_heartbeats()
+
+    def _check_auth(self) -> None:
+        if self._auth is None:
+            return
+        for reason in self._auth.drain_monitor():
+            self.refused_connections += 1
+            log.warning("refused a connection: %s", reason)
+            self._on_event("connection_refused", {"reason": reason})
 
     def _receive(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -114,6 +154,9 @@ class ControlPlane:
         if isinstance(msg, P.RegisterAgent):
             self._register(identity, msg)
             return
+        if isinstance(msg, P.StatusRequest):
+            self._send(identity, P.StatusReply(status=self._status()))
+            return
         agent = self._agent_by_identity(identity)
         if agent is None:
             raise ProtocolError(f"{msg.type!r} from an unregistered peer")
@@ -138,15 +181,18 @@ class ControlPlane:
         global_devices = list(range(self._next_global_device, self._next_global_device + len(msg.devices)))
         self._next_global_device += len(msg.devices)
         record = AgentRecord(msg.node_id, identity, msg.hostname, msg.pid, list(msg.devices),
-                             global_devices, time.monotonic())
+                             global_devices, time.monotonic(), slurm_job_id=msg.slurm_job_id)
         self.agents[msg.node_id] = record
         for dev in global_devices:
             self._device_to_agent[dev] = msg.node_id
         log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
                  len(msg.devices), global_devices)
         self._on_event("agent_registered", {"node_id": msg.node_id, "hostname": msg.hostname,
-                                            "devices": global_devices})
+                                            "devices": global_devices, "slurm_job_id": msg.slurm_job_id})
         self._send(identity, P.Welcome(node_id=msg.node_id, global_devices=global_devices))
+        if self.world_formed:
+            self._on_pool_change(PoolChange(PoolChangeKind.JOINED, "registration", msg.node_id,
+                                            tuple(global_devices), f"node {msg.node_id} joined"))
 
     def _agent_by_identity(self, identity: bytes) -> AgentRecord | None:
         for agent in self.agents.values():
@@ -174,13 +220,29 @@ class ControlPlane:
         now = time.monotonic()
         for node_id, agent in list(self.agents.items()):
             if now - agent.last_seen_s > self.heartbeat_timeout_s:
-                log.error("agent %s missed heartbeats for %.1f s: declared lost", node_id, now - agent.last_seen_s)
-                self._on_event("agent_lost", {"node_id": node_id, "devices": agent.global_devices})
-                self.lost_agents.append(node_id)
-                for dev in agent.global_devices:
-                    self.exited_workers.setdefault(dev, None)
-                    self.ready_workers.discard(dev)
-                del self.agents[node_id]
+                self.remove_node(node_id, "heartbeat",
+                                 f"agent on node {node_id} missed heartbeats for {now - agent.last_seen_s:.1f} s")
+
+    def remove_node(self, node_id: str, cause: str, detail: str) -> bool:
+        """Take a node's agent and devices out of the pool (lost heartbeat, Slurm DOWN/DRAIN/shrink).
+
+        Its workers count as exited, so a task waiting on them fails instead of hanging.
+        Returns False when no agent of that node is registered.
+        """
+        agent = self.agents.pop(node_id, None)
+        if agent is None:
+            return False
+        log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, agent.global_devices)
+        self._on_event("agent_lost", {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
+                                      "detail": detail})
+        self.lost_agents.append(node_id)
+        for dev in agent.global_devices:
+            self.exited_workers.setdefault(dev, None)
+            self.ready_workers.discard(dev)
+            self._device_to_agent.pop(dev, None)
+        self._send(agent.identity, P.Shutdown(reason=f"removed from the pool: {detail}"))
+        self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(agent.global_devices), detail))
+        return True
 
     # ------------------------------------------------------------------ pool
     def devices(self) -> list[int]:
@@ -298,3 +360,5 @@ class ControlPlane:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.close()
