@@ -94,6 +94,7 @@ class CostModel:
         self.peak_flops = site.peak_flops(self.dtype)
         self._eff: dict[str, float] = {}
         self._cache: dict[tuple, _Acc] = {}
+        self._specs: dict[int, tuple[ModelSpec, int]] = {}
 
     def efficiency(self, op_class: str) -> float:
         """Efficiency of ``op_class``, read once from the calibration (see :meth:`refresh`)."""
@@ -189,6 +190,108 @@ class CostModel:
         latency = sum(s / eff(c) for c, s in acc.ideal.items())
         return StageCost(latency, MappingProxyType(dict(acc.ideal)))
 
+    def stage_latency(
+        self,
+        spec: ModelSpec,
+        model_stage: ModelStage,
+        *,
+        sequences: int,
+        prompt_length: int,
+        response_length: int,
+        tp: int,
+        pp: int,
+        dp: int,
+        micro_batch: int,
+        mini_batches: int = 1,
+        recompute: bool = False,
+    ) -> tuple[float, dict[str, float]]:
+        """Fast path of :meth:`stage_cost` for the planner's enumeration: ``(latency_s,
+        ideal_s_by_class)`` with the same floating-point operations in the same order (so the
+        same bits), but per-micro-batch and per-decode costs, parameter counts and
+        efficiencies looked up once per shape instead of rebuilt per candidate.
+
+        Same arguments and units as :meth:`stage_cost`.
+        """
+        per_replica = -(-sequences // dp)
+        cache = self._cache
+        if model_stage.stage is Stage.GENERATION:
+            concurrent = max(1, min(micro_batch, per_replica))
+            prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, 1, False, False)
+            slots = per_replica + pp - 1
+            ideal = {k: v * slots for k, v in prefill}
+            key = ("decode", self._spec_key(spec), concurrent, prompt_length, response_length, tp, pp)
+            decode = cache.get(key)
+            if decode is None:
+                decode = cache[key] = self._decode(spec, concurrent, prompt_length, response_length, tp, pp)
+            waves = -(-per_replica // concurrent)
+            for k, v in decode.ideal.items():
+                ideal[k] = ideal.get(k, 0.0) + v * waves
+            spans = tp * pp * dp > self.site.devices_per_node
+            _, bw, alpha = self.link(spans)
+            seconds = self._params(spec, tp, pp) * self.bytes_per_element / bw + alpha
+            if seconds > 0:
+                c = comm_class("broadcast", "inter" if spans else "intra")
+                ideal[c] = ideal.get(c, 0.0) + seconds
+        else:
+            training = model_stage.stage is Stage.TRAINING
+            minis = mini_batches if training else 1
+            b = max(1, min(micro_batch, per_replica))
+            micro_per_opt = max(1, -(-per_replica // (b * minis)))
+            lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
+            per_mb = self._per_mb_items(spec, lm_head, prompt_length + response_length, tp, pp, b,
+                                        training, recompute)
+            slots = minis * (micro_per_opt + pp - 1)
+            ideal = {k: v * slots for k, v in per_mb}
+            if training:
+                shard = self._params(spec, tp, pp)
+                if dp > 1:
+                    link, bw, alpha = self.link(tp * pp * dp > self.site.devices_per_node)
+                    seconds = 2.0 * (dp - 1) / dp * (shard * self.bytes_per_element) / bw + 2.0 * (dp - 1) * alpha
+                    seconds *= minis
+                    if seconds > 0:
+                        c = comm_class("all_reduce", link)
+                        ideal[c] = ideal.get(c, 0.0) + seconds
+                seconds = minis * shard * ADAM_BYTES_MOVED_PER_PARAM / self.site.hbm_bytes_per_s
+                if seconds > 0:
+                    ideal[OPTIMIZER] = ideal.get(OPTIMIZER, 0.0) + seconds
+        eff = self._eff
+        latency = 0
+        for c, s in ideal.items():
+            e = eff.get(c)
+            if e is None:
+                e = self.efficiency(c)
+            latency += s / e
+        return latency, ideal
+
+    def _per_mb_items(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
+                      training: bool, recompute: bool) -> tuple[tuple[str, float], ...]:
+        """Cached ``(class, ideal s)`` items of :meth:`_micro_batch` (shared with :meth:`stage_cost`)."""
+        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute)
+        per_mb = self._cache.get(key)
+        if per_mb is None:
+            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute)
+        items_key = ("mb_items",) + key[1:]
+        items = self._cache.get(items_key)
+        if items is None:
+            items = self._cache[items_key] = tuple(per_mb.ideal.items())
+        return items
+
+    def _params(self, spec: ModelSpec, tp: int, pp: int) -> int:
+        """Cached :func:`~nereusd.memory.parameters_per_device`."""
+        key = ("params", self._spec_key(spec), tp, pp)
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = parameters_per_device(spec, tp, pp)
+        return value
+
+    def _spec_key(self, spec: ModelSpec) -> int:
+        """A small cache key for ``spec`` (hashing the dataclass's fields on every lookup is
+        slow); the spec is kept referenced so its ``id`` cannot be reused while cached."""
+        entry = self._specs.get(id(spec))
+        if entry is None:
+            entry = self._specs[id(spec)] = (spec, len(self._specs))
+        return entry[1]
+
     def _flops_s(self, flops: float) -> float:
         return flops / self.peak_flops
 
@@ -201,7 +304,7 @@ class CostModel:
         b = max(1, min(micro_batch, per_replica))
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
         lm_head = role in (Role.ACTOR, Role.REFERENCE)
-        key = ("mb", spec, lm_head, seq, tp, pp, b, training, recompute)
+        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute)
         per_mb = self._cache.get(key)
         if per_mb is None:
             per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute)
@@ -240,7 +343,7 @@ class CostModel:
         self._forward_backward(acc, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, 1, 1, False, False)
         concurrent = max(1, concurrent)
         waves = math.ceil(per_replica / concurrent)
-        key = ("decode", spec, concurrent, prompt, response, tp, pp)
+        key = ("decode", self._spec_key(spec), concurrent, prompt, response, tp, pp)
         decode = self._cache.get(key)
         if decode is None:
             decode = self._cache[key] = self._decode(spec, concurrent, prompt, response, tp, pp)

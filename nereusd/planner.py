@@ -27,12 +27,14 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from nereusd.costmodel import CostModel
 from nereusd.errors import PlanError
 from nereusd.memory import usable_bytes
 from nereusd.placement import place
 from nereusd.plan import ModelStage, Plan
-from nereusd.planspace import Option, PlannerOptions, PlanProblem, enumerate_options
+from nereusd.planspace import Option, OptionTable, PlannerOptions, PlanProblem, enumerate_options, option_table
 
 log = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -129,6 +131,77 @@ def solve_concurrent(frontiers: Sequence[Sequence[Option]], budget: int) -> tupl
     return max(o.latency_s for o in picks), picks
 
 
+class _SortedOptions:
+    """A model-stage's :class:`~nereusd.planspace.OptionTable` ordered once by ``(gpus,
+    latency, peak)`` (stable, as :func:`frontier` sorts), so that :meth:`frontier` under
+    changing memory limits is a masked numpy scan instead of a filter-and-sort of Option
+    objects per call; only frontier members are materialised. Same result as
+    :func:`frontier` over the table's options and the same limits."""
+
+    def __init__(self, table: OptionTable) -> None:
+        self.table = table
+        self.order = np.lexsort((table.peak_bytes, table.latency_s, table.gpus))  # stable
+        self.latency = table.latency_s[self.order]
+        self.peak = table.peak_bytes[self.order]
+        self.resident = table.resident_bytes[self.order]
+        self._memo: dict[tuple[float, float], list[Option]] = {}
+
+    def frontier_arrays(self, max_peak: float = INF, max_resident: float = INF):
+        """``(latency, gpus, rows)`` of the frontier as arrays (rows index the table)."""
+        key = (max_peak, max_resident)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        idx = np.flatnonzero((self.peak <= max_peak) & (self.resident <= max_resident))
+        lat = self.latency[idx]
+        if len(lat):
+            # keep an option when it is strictly faster than everything before it
+            best_before = np.minimum.accumulate(np.concatenate(([INF], lat[:-1])))
+            keep = lat < best_before
+            idx, lat = idx[keep], lat[keep]
+        rows = self.order[idx]
+        out = self._memo[key] = (lat, self.table.gpus[rows], rows)
+        return out
+
+    def frontier(self, max_peak: float = INF, max_resident: float = INF) -> list[Option]:
+        return [self.table.option(int(r)) for r in self.frontier_arrays(max_peak, max_resident)[2]]
+
+
+def _solve_arrays(fronts, budget: int) -> tuple[float, list[int]] | None:
+    """:func:`solve_concurrent` over frontiers given as ``(latency, gpus, rows)`` arrays;
+    returns the slowest latency and the chosen position in each frontier. Same search, same
+    tie-breaks."""
+    if any(not len(f[0]) for f in fronts):
+        return None
+    negs = [-f[0] for f in fronts]
+    gpus = [f[1].tolist() for f in fronts]
+    lats = [f[0].tolist() for f in fronts]
+    values = np.unique(np.concatenate([f[0] for f in fronts]))
+    lo, hi, best = 0, len(values) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        t = values[mid]
+        idx = [int(np.searchsorted(neg, -t, side="left")) for neg in negs]
+        if all(i < len(g) for i, g in zip(idx, gpus)) and sum(g[i] for g, i in zip(gpus, idx)) <= budget:
+            best, hi = idx, mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        return None
+    spare = budget - sum(g[i] for g, i in zip(gpus, best))
+    while True:
+        order = sorted(range(len(best)), key=lambda k: -lats[k][best[k]])
+        for k in order:
+            i = best[k]
+            if i + 1 < len(gpus[k]) and gpus[k][i + 1] - gpus[k][i] <= spare:
+                spare -= gpus[k][i + 1] - gpus[k][i]
+                best[k] = i + 1
+                break
+        else:
+            break
+    return max(lats[k][best[k]] for k in range(len(best))), best
+
+
 class Planner:
     """Plans for one problem; options are enumerated and costed once per instance.
 
@@ -146,16 +219,29 @@ class Planner:
         wf = problem.workflow
         self.phases = [p for p in wf.phases if p]
         self.shared = list(range(1, len(self.phases))) if wf.asynchronous else list(range(len(self.phases)))
-        self.all_options = {m: enumerate_options(problem, m, cost_model, self.options, self.usable)
-                            for m in wf.model_stages}
+        self.tables = {m: option_table(problem, m, cost_model, self.options, self.usable)
+                       for m in wf.model_stages}
         self._memo: dict = {}
+        self._sorted = {m: _SortedOptions(t) for m, t in self.tables.items()}
+        self._all_options: dict[ModelStage, list[Option]] | None = None
+
+    @property
+    def all_options(self) -> dict[ModelStage, list[Option]]:
+        """Every costed option per model-stage, in enumeration order (materialised on use)."""
+        if self._all_options is None:
+            self._all_options = {m: t.options() for m, t in self.tables.items()}
+        return self._all_options
 
     # ---- phase solutions ---------------------------------------------------------------------
     def _phase(self, p: int, budget: int, max_resident: float, reserve: float):
         key = (p, budget, max_resident, reserve)
         if key not in self._memo:
-            fronts = [frontier(self.all_options[m], self.usable - reserve, max_resident) for m in self.phases[p]]
-            self._memo[key] = solve_concurrent(fronts, budget)
+            fronts = [self._sorted[m].frontier_arrays(self.usable - reserve, max_resident) for m in self.phases[p]]
+            sol = _solve_arrays(fronts, budget)
+            if sol is not None:
+                sol = (sol[0], [self.tables[m].option(int(f[2][i]))
+                                for m, f, i in zip(self.phases[p], fronts, sol[1])])
+            self._memo[key] = sol
         return self._memo[key]
 
     def _shared_solve(self, budget: int, bounds: Mapping[int, float] | None):
@@ -185,7 +271,7 @@ class Planner:
         values: dict[int, list[tuple[float, int]]] = {}
         for q in self.shared:
             kept: list[tuple[float, int]] = []
-            for b in sorted({o.resident_bytes for m in self.phases[q] for o in self.all_options[m]}):
+            for b in sorted({int(r) for m in self.phases[q] for r in np.unique(self.tables[m].resident_bytes)}):
                 sol = self._phase(q, budget, b, 0.0)
                 if sol is not None:
                     kept.append((sol[0], b))
@@ -229,7 +315,7 @@ class Planner:
         n = len(self.problem.pool)
         best = None
         if self.problem.workflow.asynchronous:
-            gen_front = frontier(self.all_options[self.phases[0][0]], self.usable)
+            gen_front = self._sorted[self.phases[0][0]].frontier(self.usable)
             for g in gen_front:
                 if g.gpus >= n:
                     break
@@ -253,8 +339,8 @@ class Planner:
             {m: o.latency_s for m, o in chosen.items()}), peaks, self.usable, elapsed)
 
     def _explain_empty(self) -> None:
-        for m, opts in self.all_options.items():
-            if not opts:
+        for m, table in self.tables.items():
+            if not len(table):
                 need = min_peak_bytes(self.problem, m, self.cost_model, self.options)
                 raise Infeasible(
                     f"{m} cannot fit on {len(self.problem.pool)} devices: needs at least "
@@ -264,7 +350,7 @@ class Planner:
     def _explain_budget(self) -> Infeasible:
         n = len(self.problem.pool)
         for group in self.problem.workflow.concurrent_sets():
-            least = sum(min(o.gpus for o in self.all_options[m]) for m in group)
+            least = sum(int(self.tables[m].gpus.min()) for m in group)
             if least > n:
                 return Infeasible(f"model-stages {[str(m) for m in group]} run concurrently and need at "
                                   f"least {least} devices together; the pool has {n}")
@@ -284,8 +370,12 @@ def device_peaks(workflow, plan: Plan, chosen: Mapping[ModelStage, Option]) -> d
     running on the device, its working peak plus the resident state of the model-stages of
     other phases placed there (asynchronous generation devices hold generation only)."""
     peaks: dict[int, int] = {}
-    for device in plan.devices():
-        here = plan.model_stages_on(device)
+    on: dict[int, list[ModelStage]] = {}
+    for m, cand in plan.items():   # canonical order, as Plan.model_stages_on
+        for d in cand.devices:
+            on.setdefault(d, []).append(m)
+    for device in sorted(on):
+        here = on[device]
         worst = 0
         for m in here:
             others = sum(chosen[o].resident_bytes for o in here if o != m)

@@ -14,10 +14,14 @@ with its predicted latency and memory. Rules (DESIGN.md "Planner"; paper §5.2 "
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
+
+from nereusd import costvec
 from nereusd.costmodel import CostModel
 from nereusd.errors import ConfigError
 from nereusd.memory import HEADROOM, stage_memory
@@ -115,20 +119,22 @@ def tp_degrees(spec: ModelSpec, limit: int, any_divisor: bool) -> list[int]:
     return [t for t in degrees(limit, spec.num_heads, any_divisor) if kv % t == 0 or t % kv == 0]
 
 
+@functools.lru_cache(maxsize=4096)
 def dp_degrees(model_stage: ModelStage, sequences: int, mini_batch: int, limit: int) -> list[int]:
     """DP degrees: divisors of the mini-batch for training; for the other stages the smallest
     ``dp`` giving each distinct share ``ceil(sequences/dp)``."""
     if model_stage.stage is Stage.TRAINING:
-        return [d for d in range(1, min(limit, mini_batch) + 1) if mini_batch % d == 0]
+        return tuple(d for d in range(1, min(limit, mini_batch) + 1) if mini_batch % d == 0)
     out, seen = [], set()
     for d in range(1, min(limit, sequences) + 1):
         share = math.ceil(sequences / d)
         if share not in seen:
             seen.add(share)
             out.append(d)
-    return out
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=65536)
 def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptions, training: bool,
                         generation: bool = False) -> list[int]:
     """Per-replica micro-batches to try. Generation: the concurrent sequences (all of the
@@ -139,7 +145,7 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
             if b < per_replica:
                 out.append(b)
             b //= 2
-        return out
+        return tuple(out)
     if options.micro_batches:
         wanted = sorted(set(options.micro_batches))
     else:
@@ -151,7 +157,73 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
             while per_replica % b:
                 b -= 1
         out.append(max(1, b))
-    return sorted(set(out))
+    return tuple(sorted(set(out)))
+
+
+class _LazyCostByClass(Mapping):
+    """``Option.cost_by_class`` computed on first use (most options are never asked)."""
+
+    def __init__(self, cost_model: CostModel, spec: ModelSpec, model_stage: ModelStage, kwargs: dict) -> None:
+        self._args = (cost_model, spec, model_stage, kwargs)
+        self._value: dict[str, float] | None = None
+
+    def _get(self) -> dict[str, float]:
+        if self._value is None:
+            cost_model, spec, m, kwargs = self._args
+            self._value = cost_model.stage_latency(spec, m, **kwargs)[1]
+        return self._value
+
+    def __getitem__(self, key: str) -> float:
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+class OptionTable:
+    """All options of one model-stage as numpy columns, in enumeration order.
+
+    Columns: ``tp``, ``pp``, ``dp``, ``micro_batch``, ``recompute``, ``latency_s`` (s),
+    ``peak_bytes``, ``resident_bytes`` (bytes per device). :meth:`option` materialises one
+    :class:`Option` (with its cost per operation class); the planner does so only for the
+    options it keeps on a frontier.
+    """
+
+    def __init__(self, problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
+                 rows: list[tuple], latency_s: np.ndarray) -> None:
+        self.problem, self.model_stage, self.cost_model = problem, model_stage, cost_model
+        cols = list(zip(*rows)) if rows else [()] * 7
+        self.tp, self.pp, self.dp, self.micro_batch = (np.array(c, dtype=np.int64) for c in cols[:4])
+        self.recompute = np.array(cols[4], dtype=bool)
+        self.peak_bytes = np.array(cols[5], dtype=np.float64)
+        self.resident_bytes = np.array(cols[6], dtype=np.float64)
+        self.latency_s = np.asarray(latency_s, dtype=np.float64)
+        self.gpus = self.tp * self.pp * self.dp
+        self._options: dict[int, Option] = {}
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def option(self, i: int) -> Option:
+        """Row ``i`` as an :class:`Option` (memoised)."""
+        opt = self._options.get(i)
+        if opt is None:
+            m, wl = self.model_stage, self.problem.workload
+            tp, pp, dp, b = int(self.tp[i]), int(self.pp[i]), int(self.dp[i]), int(self.micro_batch[i])
+            rc = bool(self.recompute[i])
+            ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
+                sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
+                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
+                mini_batches=wl.mini_batches, recompute=rc))
+            opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
+                                            int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal)
+        return opt
+
+    def options(self) -> list[Option]:
+        return [self.option(i) for i in range(len(self))]
 
 
 def enumerate_options(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
@@ -160,29 +232,37 @@ def enumerate_options(problem: PlanProblem, model_stage: ModelStage, cost_model:
 
     TP crosses nodes only if nothing fits with ``tp ≤ devices_per_node``.
     """
+    return option_table(problem, model_stage, cost_model, options, usable_bytes).options()
+
+
+def option_table(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
+                 options: PlannerOptions, usable_bytes: float) -> OptionTable:
+    """:func:`enumerate_options` as an :class:`OptionTable` (costed with :mod:`nereusd.costvec`)."""
     site = problem.site
     out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, site.devices_per_node)
-    if not out and len(problem.pool) > site.devices_per_node:
+    if not len(out) and len(problem.pool) > site.devices_per_node:
         out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, len(problem.pool))
     return out
 
 
 def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, options: PlannerOptions,
-               usable_bytes: float, tp_limit: int) -> list[Option]:
+               usable_bytes: float, tp_limit: int) -> OptionTable:
     spec, wl, wf, site = problem.spec(m), problem.workload, problem.workflow, problem.site
     n = len(problem.pool)
     sequences = wf.sequences(m, wl)
     training = m.stage is Stage.TRAINING
+    generation = m.stage is Stage.GENERATION
     recompute_flags = (False, True) if (training and options.allow_recompute) else (False,)
-    out: list[Option] = []
+    rows: list[tuple] = []
+    lat_parts: list[np.ndarray] = []
     memo: dict = {}
     for tp in tp_degrees(spec, min(tp_limit, n), options.any_divisor):
         for pp in degrees(n // tp, spec.num_layers, options.any_divisor):
+            block: list[tuple] = []
             for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
-                per_replica = math.ceil(sequences / dp)
+                per_replica = -(-sequences // dp)
                 per_opt = wl.mini_batch_size // dp if training else per_replica
-                for b in micro_batch_choices(per_opt, wl.micro_batch, options, training,
-                                                 m.stage is Stage.GENERATION):
+                for b in micro_batch_choices(per_opt, wl.micro_batch, options, training, generation):
                     for recompute in recompute_flags:
                         # memory depends on the share only through b and the in-flight
                         # micro-batches (see nereusd.memory.stage_memory)
@@ -190,19 +270,23 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                                min(pp, max(1, per_replica // b)) if training else 0)
                         mem = memo.get(key)
                         if mem is None:
-                            mem = memo[key] = stage_memory(
+                            est = stage_memory(
                                 spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
                                 recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind)
-                        if mem.peak_bytes > usable_bytes:
+                            mem = memo[key] = (est.peak_bytes, est.resident_bytes)
+                        if mem[0] > usable_bytes:
                             continue
-                        cost = cost_model.stage_cost(
-                            spec, m, sequences=sequences, prompt_length=wl.prompt_length,
-                            response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
-                            mini_batches=wl.mini_batches, recompute=recompute)
-                        out.append(Option(m, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes,
-                                          mem.resident_bytes, cost.ideal_s_by_class))
-    return out
+                        block.append((tp, pp, dp, b, recompute, mem[0], mem[1]))
+            if block:
+                cols = list(zip(*block))
+                lat_parts.append(costvec.latencies(
+                    cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
+                    response_length=wl.response_length, tp=tp, pp=pp, dp=np.array(cols[2]),
+                    micro_batch=np.array(cols[3]), recompute=np.array(cols[4]), mini_batches=wl.mini_batches))
+                rows += block
+    latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
+    return OptionTable(problem, m, cost_model, rows, latency)
 
 
 def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: int, dp: int,
