@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 KEYS_DIR = "keys"
 SERVER_FILE = "server.json"
 CLIENT_FILE = "client.json"
+ZAP_DOMAIN = "nereus"
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class ServerAuth:
                     log.warning("refused a CURVE client with an unknown public key %s", key[:8].decode(errors="replace"))
                 return ok
 
-        self.authenticator.configure_curve_callback(domain="*", credentials_provider=_Provider())
+        self.authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Provider())
         self._monitor: zmq.Socket | None = None
 
     def secure(self, sock: zmq.Socket) -> None:
@@ -140,7 +141,7 @@ class ServerAuth:
         sock.curve_server = True
         sock.curve_publickey = self.keys.own.public
         sock.curve_secretkey = self.keys.own.secret
-        sock.zap_domain = b"nereus"
+        sock.zap_domain = ZAP_DOMAIN.encode()
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
