@@ -4,6 +4,11 @@ It validates the job, binds the control plane, serves the rendezvous store, wait
 register the job's devices, starts the workers, runs the RL driver and writes the run
 directory (``metrics.jsonl``, ``events.jsonl``, ``summary.json``, ``checkpoints/``). On
 SIGTERM/SIGINT or any failure it stops every agent and worker before exiting.
+
+Under Slurm (``--slurm-job-id``) it follows the allocation (:class:`nereusd.slurm.AllocationWatcher`)
+and reacts to pool changes through :class:`nereusd.pool_control.PoolController`; ``SIGUSR2`` (the
+preemption warning) makes it checkpoint at the next step boundary and stop. A control plane
+reachable from other hosts needs the job's CURVE keys (``--keys-dir``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from nereusd.driver import RLDriver
 from nereusd.errors import NereusError, WorkerError
 from nereusd.jobspec import load_and_resolve
 from nereusd.journal import Journal
+from nereusd.pool_control import PoolController, PoolStop
 from nereusd.rendezvous import RendezvousStore
+from nereusd.security import load_keys
+from nereusd.slurm import AllocationWatcher, SlurmClient
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +58,49 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--register-timeout-s", type=float, default=120.0,
                         help="how long to wait for agents to register the job's devices")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=15.0)
+    parser.add_argument("--advertise-host", default=None,
+                        help="address agents reach nereusd on, written to nereusd.json (default: the bound address)")
+    parser.add_argument("--keys-dir", default=None, help="the job's CURVE keys (RUN_DIR/keys); required unless --bind "
+                        "is a loopback address")
+    parser.add_argument("--slurm-job-id", default=None, help="follow this Slurm allocation (node DOWN/DRAIN, shrink)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes of the allocation (journal only)")
     return parser
+
+
+def _loopback(bind: str) -> bool:
+    return bind.startswith(("tcp://127.", "tcp://localhost:", "ipc://", "inproc://"))
 
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     job = load_and_resolve(args.job)
+    keys = load_keys(args.keys_dir, "server") if args.keys_dir else None
+    if keys is None and not _loopback(args.bind):
+        raise NereusError(f"--bind {args.bind} is reachable from other hosts: pass --keys-dir with the job's CURVE keys")
     journal = Journal(run_dir)
-    control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=journal.event)
+    controller = PoolController(journal, run_dir, job.config.name, job.config.steps, args.slurm_job_id)
+    control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=journal.event,
+                           keys=keys, on_pool_change=controller.on_pool_change, status=controller.status)
+    controller.control = control
+    endpoint = control.endpoint
+    if args.advertise_host:
+        endpoint = f"tcp://{args.advertise_host}:{endpoint.rsplit(':', 1)[1]}"
+    signal.signal(signal.SIGUSR2, lambda signum, frame: controller.request_preemption("SIGUSR2"))
+    watcher = None
+    if args.slurm_job_id:
+        watcher = AllocationWatcher(SlurmClient(), [args.slurm_job_id],
+                                    on_event=lambda ev: control.call_soon(lambda: controller.on_slurm_event(ev)))
+        controller.watcher = watcher
+        watcher.start()
     store = RendezvousStore(args.store_host)
-    (run_dir / ENDPOINT_FILE).write_text(json.dumps({"endpoint": control.endpoint, "pid": os.getpid(),
-                                                      "store": f"{store.host}:{store.port}"}))
-    journal.event("nereusd_started", {"endpoint": control.endpoint, "job": job.config.name,
+    tmp = run_dir / (ENDPOINT_FILE + ".tmp")
+    tmp.write_text(json.dumps({"endpoint": endpoint, "pid": os.getpid(), "store": f"{store.host}:{store.port}",
+                               "curve": keys is not None, "slurm_job_id": args.slurm_job_id}))
+    os.replace(tmp, run_dir / ENDPOINT_FILE)
+    journal.event("nereusd_started", {"endpoint": endpoint, "job": job.config.name,
                                       "algorithm": job.config.algorithm.value, "devices": job.devices,
-                                      "plan": job.plan.to_dict()})
+                                      "plan": job.plan.to_dict(), "curve": keys is not None,
+                                      "slurm_job_id": args.slurm_job_id, "nodes": args.nodes})
     started = time.time()
     summary: dict = {"job": job.config.name, "algorithm": job.config.algorithm.value, "status": "running"}
     code = 1
@@ -73,15 +110,24 @@ def run(args: argparse.Namespace) -> int:
                               store_port=store.port, memory_capacity_bytes=job.device_memory_bytes,
                               run_dir=str(run_dir.resolve()))
         journal.event("world_formed", {"generation": store.generation, "devices": world})
-        driver = RLDriver(job, control, journal)
+        controller.world_formed(job.plan.to_dict(), world)
+        driver = RLDriver(job, control, journal,
+                          on_step=lambda record: controller.after_step(record, driver.save_checkpoint))
         records = driver.run()
         summary.update(status="succeeded", steps=len(records))
         code = 0
+    except PoolStop as err:
+        summary.update(status="preempted", error=str(err), error_kind="Preempted")
+        journal.event("job_preempted", {"reason": str(err)})
+        log.warning("job stopped: %s", err)
+        code = 0
     except WorkerError as err:
-        kind = getattr(err, "error_kind", None)
-        summary.update(status="failed", error=str(err), error_kind=kind or "WorkerError")
-        journal.event("job_failed", {"error": str(err), "error_kind": kind})
-        log.error("job failed: %s", err)
+        pool_reason = controller.explain_failure(err)
+        kind = "PoolShrunk" if pool_reason else (getattr(err, "error_kind", None) or "WorkerError")
+        message = pool_reason or str(err)
+        summary.update(status="stopped" if pool_reason else "failed", error=message, error_kind=kind)
+        journal.event("job_stopped" if pool_reason else "job_failed", {"error": message, "error_kind": kind})
+        log.error("job %s: %s", summary["status"], message)
     except NereusError as err:
         summary.update(status="failed", error=str(err), error_kind=type(err).__name__)
         journal.event("job_failed", {"error": str(err), "error_kind": type(err).__name__})
@@ -91,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         journal.event("job_interrupted", {"signal": str(err)})
         code = 130
     finally:
+        if watcher is not None:
+            watcher.stop()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         summary["wall_time_s"] = round(time.time() - started, 3)
