@@ -10,8 +10,10 @@ Accounting, per op and device (bytes):
 
 * ``alloc`` — new holdings, allocated when the op starts (Split receivers: the ``T_sub``
   shard; Extend targets: the copy; Merge: the ``T*`` slice; Create: the unit);
-* ``transient`` — staging buffers live only during the op: ``min(collective_buffer_bytes,
-  bytes the device sends or receives)`` for every device with remote routes;
+* ``transient`` — staging buffers live only during the op, capped at
+  ``collective_buffer_bytes``: for a Split what the executor stages (:func:`split_staging_elements`:
+  the all-gather output, or the peers' whole holdings a receiver takes point-to-point); for a
+  Merge the pieces sent plus those received; otherwise the larger of bytes sent and received;
 * ``free`` — holdings released when the op ends (Split receivers: the ``T`` shard; Merge: the
   ``T_sub`` shard; Destroy: what it frees).
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from nereusd.errors import PlanError
 from nereusd.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dtype_bytes
@@ -226,9 +228,57 @@ class StateModel:
                 nbytes = int(r.shard.numel * per_element)
                 moved[r.src][0] += nbytes
                 moved[r.dst][1] += nbytes
-        for x, (sent, received) in moved.items():
-            out[x][1] += min(collective_buffer_bytes, max(sent, received))
+        if op.kind is OpKind.SPLIT:
+            spec, vh = self.spec(m), value_head_for(m.role)
+            staged = split_staging_elements(op, lambda pos: shard_elements(spec, op.source_layout, pos, vh))
+            for x, elements in staged.items():
+                out[x][1] += min(collective_buffer_bytes, int(elements * per_element))
+        else:
+            # Merge sends copies of its pieces while receiving others: both live at once.
+            combine = (lambda a, b: a + b) if op.kind is OpKind.MERGE else max
+            for x, (sent, received) in moved.items():
+                out[x][1] += min(collective_buffer_bytes, combine(sent, received))
         return {x: (a, t, f) for x, (a, t, f) in out.items()}
+
+
+def split_gather_groups(op: Op) -> list[list[tuple[int, Position]]]:
+    """A Split's gather groups that receive: the ``(device, T position)`` of its unit with one
+    ``T_sub`` position (the smallest enclosing TP/PP group), in unit order, when the group has a
+    receiver and more than one member."""
+    T, S = op.source_layout, op.target_layout
+    kp, kt = T.pp // S.pp, T.tp // S.tp
+    groups: dict[Position, list[tuple[int, Position]]] = defaultdict(list)
+    for x, (p, t) in zip(op.source_devices, op.source_positions):
+        groups[(p // kp, t // kt)].append((x, (p, t)))
+    receivers = set(op.target_devices)
+    return [g for _, g in sorted(groups.items()) if len(g) > 1 and receivers & {x for x, _ in g}]
+
+
+def split_all_gathers(group: Sequence[tuple[int, Position]], receivers: set[int],
+                      elements: Callable[[Position], int]) -> bool:
+    """Whether a gather group runs one all-gather (every member receives, one holding size)
+    rather than point-to-point sends of whole holdings to the receivers (emu/primitives.py)."""
+    return {x for x, _ in group} <= receivers and len({elements(p) for _, p in group}) == 1
+
+
+def split_staging_elements(op: Op, elements: Callable[[Position], int]) -> dict[int, int]:
+    """Staging per device of a Split, in parameter elements, as the executor stages it.
+
+    All-gather: every member stages ``k ×`` the holding (the gather output); point-to-point:
+    each receiver stages every peer's whole holding, senders send in place (nothing staged).
+    ``elements(position)`` gives the holding's parameter elements at a ``T`` position.
+    """
+    receivers = set(op.target_devices)
+    out: dict[int, int] = defaultdict(int)
+    for group in split_gather_groups(op):
+        if split_all_gathers(group, receivers, elements):
+            for x, p in group:
+                out[x] += len(group) * elements(p)
+        else:
+            for x, _ in group:
+                if x in receivers:
+                    out[x] += sum(elements(q) for y, q in group if y != x)
+    return dict(out)
 
 
 def tight_devices(ops: Iterable[Op], current: Plan, state: StateModel, budget: MemoryBudget) -> set[int]:

@@ -1,0 +1,142 @@
+"""Random transitions on 8 gloo ranks: state bit-exact after every one, memory never over capacity.
+
+One spawn of 8 ranks loops over random plan pairs (1–2 model-stages on a pool of 8 devices,
+training state with Adam slots and parameter-only generation state; random TP/PP/DP and device
+sets, model-stages overlapping on devices). Per case every rank builds its current holdings
+from seeded canonical tensors, the planner (``nereusd.transition``) plans the DAG with a memory
+budget squeezed towards the larger of the two plans, and each rank's :class:`DeviceMemory`
+gets exactly the budget's limit as capacity, so any byte the executor books beyond the plan
+fails the case with ``DeviceOutOfMemory``. Afterwards every target holding must equal the
+canonical slices exactly (``torch.equal``) with its logical state, and nothing else may be held.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+
+import torch
+
+from distributed_util import run_distributed
+from emu.devmem import DeviceMemory
+from emu.executor import TransitionExecutor, merge_timings
+from emu.primitives import HoldingStore
+from emu.unit import EmuShard, LogicalState, slots_for
+from nereusd.models import ModelSpec
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.shards import canonical_shapes, value_head_for
+from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel, check_feasibility, plan_transition
+
+SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=2)
+MODELS = {r: SPEC for r in Role}
+STAGES = [ModelStage(Role.ACTOR, Stage.GENERATION), ModelStage(Role.ACTOR, Stage.TRAINING),
+          ModelStage(Role.CRITIC, Stage.TRAINING)]
+SIZES = AdamStateSizes(param_bytes=4, master_bytes=0, optimizer_bytes=8)
+"""The executor's fp32 holdings: 12 bytes per element in training (param, exp_avg, exp_avg_sq), 4 elsewhere."""
+POOL = 8
+CASES = 40
+
+
+def random_candidate(rnd: random.Random, ms: ModelStage) -> Candidate:
+    tp = rnd.choice([1, 2, 4, 8])
+    pps = [1] if ms.stage is Stage.GENERATION else [p for p in (1, 2, 4) if tp * p <= POOL]
+    pp = rnd.choice(pps)
+    dp = rnd.randint(1, POOL // (tp * pp))
+    return Candidate(tp, pp, dp, tuple(rnd.sample(range(POOL), tp * pp * dp)))
+
+
+def random_case(seed: int):
+    """Plans, and the tightest budget of a few (from "the larger plan just fits" up) that the
+    planner finds feasible, with its DAG; ``None`` budget when none is."""
+    rnd = random.Random(seed)
+    chosen = rnd.sample(STAGES, rnd.randint(1, 2))
+    current = Plan({m: random_candidate(rnd, m) for m in chosen})
+    target = Plan({m: random_candidate(rnd, m) for m in chosen})
+    state = StateModel(MODELS, SIZES)
+    need = max([*state.plan_bytes(current).values(), *state.plan_bytes(target).values()])
+    for factor in (1.0, 1.25, 1.5, 2.0, 3.0, 5.0):
+        budget = MemoryBudget(capacity_bytes=int(need * factor / 0.9) + 1, collective_buffer_bytes=1 << 30)
+        dag = plan_transition(current, target, MODELS, devices_per_node=4, state=state, budget=budget)
+        if check_feasibility(dag, state, budget).feasible:
+            return current, target, budget, dag
+    return current, target, None, None
+
+
+def canonical(seed: int, ms: ModelStage, name: str, slot: str, shape) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{ms}/{name}/{slot}".encode()))
+    return torch.randn(shape, generator=gen)
+
+
+def fill(shard: EmuShard, seed: int) -> None:
+    for s in shard.shards:
+        for slot in shard.slots:
+            full = canonical(seed, shard.model_stage, s.name, slot, s.full_shape)
+            shard.view(s.name, slot).copy_(full.narrow(s.dim, s.start, s.stop - s.start))
+
+
+def logical_for(seed: int, ms: ModelStage) -> LogicalState:
+    return LogicalState(step=seed % 7, version=3, policy_version=seed % 5, position=64 * seed, seed=seed)
+
+
+def specs_for(plan: Plan):
+    return {m: (SPEC, value_head_for(m.role), slots_for(m)) for m in plan}
+
+
+def body(rank: int, world: int, cases: list[int]) -> dict:
+    report = {"cases": 0, "infeasible": 0, "ops": 0, "kinds": set(), "peak_over_limit": 0, "elapsed_s": 0.0, "tight": 0}
+    for seed in cases:
+        current, target, budget, dag = random_case(seed)
+        if budget is None:
+            report["infeasible"] += 1
+            continue
+        memory = DeviceMemory(rank, budget.limit_bytes)
+        store = HoldingStore(memory)
+        for m, cand in current.items():
+            if rank in cand.devices:
+                _, p, t = cand.coords_of(rank)
+                h = store.allocate((m, SPEC, value_head_for(m.role), slots_for(m)), cand.layout, (p, t),
+                                   logical_for(seed, m))
+                fill(h, seed)
+                store.put(h)
+        start = time.perf_counter()
+        ex = TransitionExecutor(dag, rank, store, specs_for(target))
+        ex.prepare()
+        timings = ex.run()
+        ex.close()
+        report["elapsed_s"] += time.perf_counter() - start
+        assert memory.peak_bytes <= budget.limit_bytes
+        report["tight"] += int(budget.capacity_bytes < 1.3 * max(memory.peak_bytes, 1) / 0.9)
+        want = set()
+        for m, cand in target.items():
+            if rank not in cand.devices:
+                continue
+            _, p, t = cand.coords_of(rank)
+            want.add((m, cand.layout, (p, t)))
+            h = store.get(m, cand.layout, (p, t))
+            assert h.logical == logical_for(seed, m), (seed, m, h.logical)
+            for s in h.shards:
+                for slot in h.slots:
+                    full = canonical(seed, m, s.name, slot, s.full_shape)
+                    exact = full.narrow(s.dim, s.start, s.stop - s.start)
+                    assert torch.equal(h.view(s.name, slot), exact), (seed, m, s, slot, dag.summary())
+        assert set(store.items) == want, (seed, sorted(map(str, store.items)), sorted(map(str, want)))
+        expected_bytes = sum(h.nbytes for h in store.items.values())
+        assert memory.in_use_bytes == expected_bytes
+        report["cases"] += 1
+        report["ops"] += len(dag.ops)
+        report["kinds"] |= {op.kind.value for op in dag.ops}
+        report.setdefault("timings", []).append([t.to_dict() for t in timings])
+    return report
+
+
+def test_random_transitions_are_bit_exact_and_fit_memory():
+    seeds = list(range(CASES))
+    reports = run_distributed(body, POOL, seeds, timeout_s=240)
+    r0 = reports[0]
+    print({k: v for k, v in r0.items() if k != "timings"})
+    assert r0["cases"] + r0["infeasible"] == CASES
+    assert r0["cases"] >= CASES * 3 // 4, r0
+    assert {"split", "merge", "extend", "destroy"} <= r0["kinds"], r0["kinds"]
+    merged = merge_timings(t for r in reports for t in r.get("timings", [[]])[0:1])
+    assert all(v["duration_s"] >= 0 for v in merged.values())
