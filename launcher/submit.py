@@ -1,0 +1,273 @@
+"""``nereus-launch submit | status | grow | shrink | cancel | render``: Nereus jobs on Slurm.
+
+``submit`` validates the job against the site (schema, plan, site ``slurm:``) before it calls
+``sbatch``, writes the rendered script and the job's CURVE keys into the run directory, and
+prints the Slurm job id and the run directory. A job is named afterwards by its Slurm job id or
+its run directory: ``RUN_DIR/slurm.json`` records the main and ``grow`` allocations, and
+``$NEREUS_HOME/jobs/<id>.json`` (default ``~/.nereus``) maps ids to run directories.
+``status`` asks the running nereusd over the CURVE-secured control plane (plan, pool, step, last
+decision) and falls back to ``summary.json`` and ``squeue`` when it is not running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from launcher.render import RenderRequest, load_template, render
+from nereusd import protocol as P
+from nereusd.config import load_job
+from nereusd.errors import ConfigError, NereusError
+from nereusd.jobspec import resolve_job
+from nereusd.journal import SUMMARY_FILE
+from nereusd.security import KEYS_DIR, init_keys, load_keys, make_client
+from nereusd.site import SiteConfig, load_site
+from nereusd.slurm import SlurmClient
+
+RECORD_FILE = "slurm.json"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("submit", help="validate a job and submit it to Slurm (sbatch)")
+    _job_args(p)
+    p.add_argument("--run-dir", help="run directory on a shared file system (default: runs/<name>-<timestamp>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.set_defaults(func=cmd_submit)
+
+    p = subparsers.add_parser("render", help="print the batch script submit would use, without submitting")
+    _job_args(p)
+    p.add_argument("--run-dir", default="/path/to/run", help="run directory to render into the script")
+    p.add_argument("--grow", action="store_true", help="render the script of a grow allocation")
+    p.set_defaults(func=cmd_render)
+
+    p = subparsers.add_parser("status", help="plan, pool, step and last decision of a job (all jobs without JOB)")
+    p.add_argument("job", nargs="?", help="Slurm job id or run directory")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("grow", help="add nodes: a new allocation whose agents join the running nereusd")
+    p.add_argument("job", help="Slurm job id or run directory")
+    p.add_argument("--nodes", type=int, required=True, help="nodes to add")
+    p.set_defaults(func=cmd_grow)
+
+    p = subparsers.add_parser("shrink", help="give nodes back to Slurm")
+    p.add_argument("job", help="Slurm job id or run directory")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--nodes", type=int, help="keep this many nodes of the main allocation (scontrol update NumNodes)")
+    g.add_argument("--grow-job", help="cancel this grow allocation")
+    p.set_defaults(func=cmd_shrink)
+
+    p = subparsers.add_parser("cancel", help="cancel a job and all its grow allocations (scancel)")
+    p.add_argument("job", help="Slurm job id or run directory")
+    p.set_defaults(func=cmd_cancel)
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job_yaml", help="job YAML")
+    p.add_argument("--site", help="site name or YAML (default: the job's site:)")
+    p.add_argument("--nodes", type=int, help="nodes to allocate (default: enough for the job's devices)")
+    p.add_argument("--account", default="", help="override the site's slurm.account")
+    p.add_argument("--time", default="", help="override the site's slurm.time_limit")
+
+
+# ------------------------------------------------------------------------------- helpers
+def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tuple[SiteConfig, RenderRequest]:
+    """Validate job and site together; everything a user can get wrong fails here."""
+    job_path = Path(args.job_yaml).resolve()
+    job = load_job(job_path)
+    site = load_site(args.site or job.site)
+    if site.slurm is None:
+        raise ConfigError(f"{Path(site.source).name}: no slurm: section; site {site.name!r} cannot be submitted to")
+    devices = job.devices or site.total_devices
+    nodes = args.nodes or max(1, math.ceil(devices / site.devices_per_node))
+    sized = site.with_nodes(nodes)
+    resolved = resolve_job(job, source=job_path.name, base_dir=job_path.parent, site_devices=sized.total_devices,
+                           site_memory_bytes=sized.device_memory_bytes, site_name=sized.name)
+    if args.time:
+        from nereusd.site_slurm import _TIME
+        if not _TIME.match(args.time):
+            raise ConfigError(f"--time: expected MM, MM:SS, HH:MM:SS or D-HH[:MM[:SS]], got {args.time!r}")
+    req = RenderRequest(job_path=str(job_path), run_dir=run_dir, job_name=job.name, nodes=nodes,
+                        python=sys.executable, mode=mode, cpu_memory_bytes=resolved.device_memory_bytes,
+                        account=args.account, time_limit=args.time)
+    return sized, req
+
+
+def _home() -> Path:
+    return Path(os.environ.get("NEREUS_HOME") or Path.home() / ".nereus")
+
+
+def _read_record(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / RECORD_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise NereusError(f"{run_dir / RECORD_FILE}: not a submitted Nereus run directory ({err})") from None
+
+
+def _write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    tmp = run_dir / (RECORD_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, run_dir / RECORD_FILE)
+    index = _home() / "jobs"
+    index.mkdir(parents=True, exist_ok=True)
+    (index / f"{record['job_id']}.json").write_text(json.dumps({"run_dir": str(run_dir)}))
+
+
+def resolve_run_dir(job: str) -> Path:
+    """A run directory from a Slurm job id (via ``$NEREUS_HOME/jobs``) or a path.
+
+    Raises:
+        NereusError: neither a known job id nor a submitted run directory.
+    """
+    if Path(job).is_dir():
+        return Path(job).resolve()
+    entry = _home() / "jobs" / f"{job}.json"
+    if job.isdigit() and entry.is_file():
+        return Path(json.loads(entry.read_text())["run_dir"])
+    raise NereusError(f"{job!r} is neither a run directory nor a job id submitted from here ({entry} not found)")
+
+
+def ask_nereusd(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """nereusd's live status over the control plane, or ``None`` when it does not answer."""
+    try:
+        info = json.loads((run_dir / "nereusd.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if info.get("curve"):
+            make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
+        sock.connect(info["endpoint"])
+        sock.send(P.encode(P.StatusRequest()))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        reply = P.decode(sock.recv())
+        return reply.status if isinstance(reply, P.StatusReply) else None
+    finally:
+        sock.close(0)
+
+
+# ------------------------------------------------------------------------------- commands
+def cmd_render(args: argparse.Namespace) -> int:
+    site, req = _prepare(args, str(Path(args.run_dir).resolve()), "grow" if args.grow else "main")
+    sys.stdout.write(render(load_template(), site, req))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    name = load_job(Path(args.job_yaml)).name
+    run_dir = Path(args.run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    site, req = _prepare(args, str(run_dir))
+    script = render(load_template(), site, req)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not args.overwrite:
+            raise NereusError(f"run directory {run_dir} exists and is not empty; pass --overwrite or another --run-dir")
+        import shutil
+        shutil.rmtree(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    init_keys(run_dir)
+    (run_dir / "nereus.sbatch").write_text(script)
+    job_id = SlurmClient().sbatch(script)
+    _write_record(run_dir, {"job_id": job_id, "grow_job_ids": [], "site": site.source, "job": req.job_path,
+                            "nodes": req.nodes, "submitted_s": time.time()})
+    print(f"nereus: submitted job {job_id} ({req.nodes} node(s) on site {site.name}); run directory {run_dir}")
+    print(f"nereus: watch it with `nereus-launch status {job_id}`; logs in {run_dir / 'logs'}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if not args.job:
+        index = _home() / "jobs"
+        rows = []
+        for entry in sorted(index.glob("*.json")) if index.is_dir() else []:
+            info = SlurmClient().job(entry.stem)
+            rows.append({"job_id": entry.stem, "state": info.state if info else "GONE",
+                         "run_dir": json.loads(entry.read_text())["run_dir"]})
+        print(json.dumps(rows, indent=1) if args.json else
+              "\n".join(f"{r['job_id']:>8} {r['state']:<12} {r['run_dir']}" for r in rows) or "no jobs")
+        return 0
+    run_dir = resolve_run_dir(args.job)
+    record = _read_record(run_dir)
+    client = SlurmClient()
+    slurm = {jid: (info.state if (info := client.job(jid)) else "GONE")
+             for jid in [record["job_id"], *record["grow_job_ids"]]}
+    out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm, "nereusd": ask_nereusd(run_dir)}
+    try:
+        out["summary"] = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        out["summary"] = None
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"run {run_dir}: Slurm " + ", ".join(f"{j} {s}" for j, s in slurm.items()))
+    live = out["nereusd"]
+    if live:
+        plan = ", ".join(f"{ms} tp{c['tp']} pp{c['pp']} dp{c['dp']}" for ms, c in live["plan"].items())
+        print(f"step {live['step']} of {live['steps']} ({live['state']}); plan: {plan or 'not formed yet'}")
+        for node, agent in sorted(live["pool"].items()):
+            print(f"  node {node}: devices {agent['devices']} (allocation {agent['slurm_job_id']})")
+        if live["last_decision"]:
+            print(f"last decision: {live['last_decision']['reason']} -> {live['last_decision']['verdict']}")
+    elif out["summary"]:
+        s = out["summary"]
+        print(f"finished: {s.get('status')} after {s.get('steps_completed', 0)} steps" +
+              (f": {s['error']}" if s.get("error") else ""))
+    else:
+        print("nereusd is not answering (starting, or gone); see the logs in " + str(run_dir / "logs"))
+    return 0
+
+
+def cmd_grow(args: argparse.Namespace) -> int:
+    run_dir = resolve_run_dir(args.job)
+    record = _read_record(run_dir)
+    if not (run_dir / "nereusd.json").is_file():
+        raise NereusError(f"{run_dir}: nereusd has not started yet (no nereusd.json); grow a running job")
+    ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=args.nodes, account="", time="")
+    site, req = _prepare(ns, str(run_dir), "grow")
+    job_id = SlurmClient().sbatch(render(load_template(), site, req))
+    record["grow_job_ids"].append(job_id)
+    _write_record(run_dir, record)
+    print(f"nereus: grow allocation {job_id} ({args.nodes} node(s)) submitted; its agents join nereusd of "
+          f"job {record['job_id']}")
+    return 0
+
+
+def cmd_shrink(args: argparse.Namespace) -> int:
+    run_dir = resolve_run_dir(args.job)
+    record = _read_record(run_dir)
+    client = SlurmClient()
+    if args.grow_job:
+        if args.grow_job not in record["grow_job_ids"]:
+            raise NereusError(f"{args.grow_job} is not a grow allocation of job {record['job_id']} "
+                              f"(known: {record['grow_job_ids']})")
+        client.cancel(args.grow_job)
+        print(f"nereus: cancelled grow allocation {args.grow_job}; its nodes leave the pool")
+        return 0
+    info = client.job(record["job_id"])
+    if info is None or info.state != "RUNNING":
+        raise NereusError(f"job {record['job_id']} is {info.state if info else 'gone'}; only a running job shrinks")
+    if not 1 <= args.nodes < info.num_nodes:
+        raise NereusError(f"--nodes: expected 1..{info.num_nodes - 1} (the job has {info.num_nodes}), got {args.nodes}")
+    client.resize(record["job_id"], args.nodes)
+    print(f"nereus: job {record['job_id']} shrinks from {info.num_nodes} to {args.nodes} node(s)")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    run_dir = resolve_run_dir(args.job)
+    record = _read_record(run_dir)
+    client = SlurmClient()
+    for job_id in [*record["grow_job_ids"], record["job_id"]]:
+        client.cancel(job_id)
+    print(f"nereus: cancelled job {record['job_id']}" +
+          (f" and grow allocations {record['grow_job_ids']}" if record["grow_job_ids"] else ""))
+    return 0
