@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, seed: int) -> dict:
     loss_fn = policy_loss_fn(clip=args.clip, kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
                              entropy_coef=args.entropy_coef)
     history = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for step in range(args.steps):
         prompts = sampler.next_batch(args.prompts)
         starts = [p.start for p in prompts for _ in range(args.group)]
@@ -152,6 +152,7 @@ def run(args: argparse.Namespace, seed: int) -> dict:
             "correct": float(np.mean(batch.correct)),
             **stats,
             "elapsed_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - cpu0,
         }
         history.append(record)
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -177,6 +178,7 @@ def summarise(history: list[dict], seed: int, target_growth: float) -> dict:
         "reward_first": mean(first, "reward"), "reward_last": mean(last, "reward"),
         "correct_last": mean(last, "correct"),
         "elapsed_s": history[-1]["elapsed_s"],
+        "cpu_s": history[-1]["cpu_s"],
     }
     summary["growth"] = summary["length_last"] / summary["length_first"]
     summary["success"] = summary["growth"] >= target_growth and summary["reward_last"] > summary["reward_first"]
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in summaries:
         print(f"seed {s['seed']}: length {s['length_first']:.1f} -> {s['length_last']:.1f} "
               f"({s['growth']:.2f}x)  reward {s['reward_first']:.2f} -> {s['reward_last']:.2f}  "
-              f"correct(last) {s['correct_last']:.2f}  {s['elapsed_s']:.0f}s  "
+              f"correct(last) {s['correct_last']:.2f}  wall {s['elapsed_s']:.0f}s  cpu {s['cpu_s']:.0f}s  "
               f"{'PASS' if s['success'] else 'FAIL'}", flush=True)
     print(f"passed {sum(s['success'] for s in summaries)}/{len(summaries)}", flush=True)
     return 0
