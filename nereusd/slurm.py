@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
