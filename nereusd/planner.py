@@ -370,17 +370,22 @@ def device_peaks(workflow, plan: Plan, chosen: Mapping[ModelStage, Option]) -> d
     running on the device, its working peak plus the resident state of the model-stages of
     other phases placed there (asynchronous generation devices hold generation only)."""
     peaks: dict[int, int] = {}
-    on: dict[int, list[ModelStage]] = {}
-    for m, cand in plan.items():   # canonical order, as Plan.model_stages_on
-        for d in cand.devices:
-            on.setdefault(d, []).append(m)
-    for device in sorted(on):
-        here = on[device]
+    masks: dict[int, int] = {}
+    stages = list(plan.candidates)   # canonical order, as Plan.model_stages_on
+    for bit, m in enumerate(stages):
+        flag = 1 << bit
+        for d in plan[m].devices:
+            masks[d] = masks.get(d, 0) | flag
+    worst_of: dict[int, int] = {}
+    for mask in set(masks.values()):
+        here = [m for bit, m in enumerate(stages) if mask >> bit & 1]
         worst = 0
         for m in here:
             others = sum(chosen[o].resident_bytes for o in here if o != m)
             worst = max(worst, chosen[m].peak_bytes + others)
-        peaks[device] = worst
+        worst_of[mask] = worst
+    for device in sorted(masks):
+        peaks[device] = worst_of[masks[device]]
     return peaks
 
 

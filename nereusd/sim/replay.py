@@ -1,0 +1,276 @@
+"""Discrete-event replay of an RL job under one policy.
+
+Events happen at safe boundaries (the end of each synchronous RL step) on one wall clock:
+
+1. at step ``i`` the ground truth prices the running plan at the trace's length ``L_i``: if a
+   device's true peak exceeds its capacity the step fails (half of it is lost, an assumption),
+   the job restarts from the last checkpoint (:class:`~nereusd.sim.truth.TruthConfig`) into a
+   layout the controller plans with what it measured, and the steps since the checkpoint run
+   again; otherwise the clock advances by the true step time;
+2. the controller receives the step's measurements (times, peaks, length) and calibrates;
+3. at the boundary the pool trace gives the devices now available; the policy decides
+   (:mod:`nereusd.sim.policies`) and an admitted transition costs its *true* ``L_tran``
+   (the transition engine priced with the hidden efficiencies). A pool that lost every replica
+   of some model-stage, or a verdict of checkpoint/restart, costs a restart instead; a pool too
+   small for any plan stalls the job until the trace changes, then restarts it.
+
+Bookkeeping (checked by the tests): ``total_s = Σ executed step_s + lost_s + transition_s +
+restart_s + stall_s``; ``mean_step_s = (total_s − stall_s) / steps`` (step latency including
+transitions and failures, excluding waiting for GPUs); ``switches`` counts admitted transitions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from nereusd.admission import ADMIT, RESTART
+from nereusd.errors import NereusError
+from nereusd.plan import Plan
+from nereusd.planner import Infeasible, Planner
+from nereusd.planspace import PlannerOptions, PlanProblem
+from nereusd.sim.controller import Controller, ControllerConfig, StepMeasurement, length_bucket
+from nereusd.sim.policies import FROZEN, ORACLE, Policy
+from nereusd.sim.rescale import dp_rescale
+from nereusd.sim.traces import LengthTrace, PoolTrace
+from nereusd.sim.transitions import TransitionEstimator
+from nereusd.sim.truth import GroundTruth, TruthConfig
+
+OOM_LOST_FRACTION = 0.5
+
+
+class SimulationError(NereusError):
+    """The simulated job cannot run at all (nothing fits the whole cluster)."""
+
+
+@dataclass
+class StepRecord:
+    """One executed (or failed) step: seconds of each kind spent at it."""
+
+    step: int
+    start_s: float
+    length: float
+    pool: int
+    plan_id: int
+    step_s: float = 0.0
+    lost_s: float = 0.0
+    transition_s: float = 0.0
+    restart_s: float = 0.0
+    stall_s: float = 0.0
+    oom: bool = False
+    switched: bool = False
+    rerun: bool = False
+
+
+@dataclass
+class PolicyResult:
+    """Everything one policy did over the run."""
+
+    policy: Policy
+    steps: int
+    records: list[StepRecord] = field(default_factory=list)
+    plans: list[str] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+
+    def _sum(self, name: str) -> float:
+        return sum(getattr(r, name) for r in self.records)
+
+    @property
+    def total_s(self) -> float:
+        return sum(r.step_s + r.lost_s + r.transition_s + r.restart_s + r.stall_s for r in self.records)
+
+    @property
+    def transition_s(self) -> float:
+        return self._sum("transition_s")
+
+    @property
+    def stall_s(self) -> float:
+        return self._sum("stall_s")
+
+    @property
+    def restart_s(self) -> float:
+        return self._sum("restart_s")
+
+    @property
+    def mean_step_s(self) -> float:
+        return (self.total_s - self.stall_s) / self.steps
+
+    @property
+    def switches(self) -> int:
+        return sum(r.switched for r in self.records)
+
+    @property
+    def oom_events(self) -> int:
+        return sum(r.oom for r in self.records)
+
+    @property
+    def restarts(self) -> int:
+        return sum(r.restart_s > 0 for r in self.records)
+
+
+class Simulation:
+    """Replays ``steps`` RL steps of ``problem`` on traces, one policy at a time.
+
+    Args:
+        problem: workflow, specs, base workload (prompt length, batch), site sized to the
+            cluster and its full pool.
+        lengths, pool_trace: the traces.
+        steps: RL steps to complete.
+        truth: ground-truth assumptions.
+    """
+
+    def __init__(self, problem: PlanProblem, lengths: LengthTrace, pool_trace: PoolTrace, steps: int,
+                 truth: TruthConfig | None = None) -> None:
+        self.problem = problem
+        self.lengths = lengths
+        self.pool_trace = pool_trace
+        self.steps = steps
+        self.truth_config = truth or TruthConfig()
+        self.total = len(problem.pool)
+        self.dpn = problem.site.devices_per_node
+        self._oracle = _Oracle(problem, GroundTruth(problem, self.truth_config))
+        self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
+        if self.launch is None:
+            raise SimulationError(f"no plan fits {self.total} devices at length {lengths.at(0):.0f}")
+        self.min_devices = self._min_devices()
+
+    def _min_devices(self) -> int:
+        """Fewest whole nodes on which the truth fits a plan at the run's longest length: a
+        smaller pool stalls the job (assumption: it waits for capacity rather than run)."""
+        longest = max(self.lengths.at(i) for i in range(self.steps))
+        for nodes in range(1, self.total // self.dpn + 1):
+            if self._oracle.plan(0, longest, tuple(range(nodes * self.dpn)), 0.0) is not None:
+                return nodes * self.dpn
+        return self.dpn
+
+    def pool_at(self, time_s: float) -> tuple[int, ...]:
+        return tuple(range(self.pool_trace.devices_at(time_s, self.total, self.dpn)))
+
+    def run(self, policy: Policy) -> PolicyResult:
+        """Replay the whole run under ``policy``."""
+        truth = GroundTruth(self.problem, self.truth_config)
+        links = TransitionEstimator(self.problem.specs, self.problem.site, truth.cost_model(False),
+                                    self.problem.workflow.concurrent_sets())
+        ctl = Controller(self.problem, self.launch, ControllerConfig(gamma=policy.gamma, period=policy.period))
+        res = PolicyResult(policy, self.steps)
+        plan, base = self.launch, self.launch
+        ids: dict[str, int] = {}
+        t, i, ckpt, done = 0.0, 0, 0, set()
+        pool = self.problem.pool
+        while i < self.steps:
+            length = self.lengths.at(i)
+            if policy.kind == ORACLE:
+                plan = self._oracle.plan(i, length, pool, t) or plan
+            desc = plan.describe()
+            rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done)
+            if rec.plan_id == len(res.plans):
+                res.plans.append(desc)
+            res.records.append(rec)
+            stage_s = truth.stage_times(plan, length, i, t)
+            step_s = self.problem.workflow.critical_path_s(stage_s)
+            peaks = {m: p for m, (p, _) in truth.stage_peaks(plan, length, i).items()}
+            if truth.oom(plan, length, i):
+                rec.oom, rec.lost_s = True, OOM_LOST_FRACTION * step_s
+                ctl.observe(StepMeasurement(i, length, {}, peaks))
+                plan = self._restart(ctl, rec, truth, plan, length, pool, urgent=True)
+                base = plan
+                t += rec.lost_s + rec.restart_s
+                i = ckpt
+                continue
+            rec.step_s = step_s
+            t += step_s
+            done.add(i)
+            i += 1
+            if i % self.truth_config.checkpoint_interval == 0:
+                ckpt = i
+            if policy.kind != ORACLE:
+                ctl.observe(StepMeasurement(i - 1, length, stage_s, peaks))
+            # ---- safe boundary ----
+            new_pool = self.pool_at(t)
+            while len(new_pool) < self.min_devices:
+                nxt = self.pool_trace.next_change_s(t)
+                if math.isinf(nxt):
+                    raise SimulationError("the pool is too small for any plan and never changes")
+                rec.stall_s += nxt - t
+                t = nxt
+                new_pool = self.pool_at(t)
+            lost = any(d >= len(new_pool) for d in plan.devices())
+            state_lost = lost and _state_lost(plan, len(new_pool))
+            if policy.kind == ORACLE:
+                pool = new_pool
+                continue
+            if policy.kind == FROZEN:
+                if new_pool != pool:
+                    target = dp_rescale(base, replace(self.problem, pool=new_pool), current=plan)
+                    if target is None or state_lost:
+                        plan = self._restart(ctl, rec, truth, plan, length, new_pool, urgent=True,
+                                             prefer=target)
+                        base = plan
+                    else:
+                        rec.transition_s = links.estimate(plan, target).l_tran_s
+                        rec.switched = True
+                        plan = target
+                        ctl.restarted(plan)
+                pool = new_pool
+                t += rec.transition_s + rec.restart_s
+                continue
+            outcome = ctl.boundary(i - 1, length, new_pool, current_valid=not lost)
+            pool = new_pool
+            if outcome is not None:
+                d = outcome.decision
+                res.decisions.append(d.to_dict() | {"time_s": t})
+                if d.verdict == ADMIT and not state_lost:
+                    rec.transition_s = links.estimate(plan, d.target.plan).l_tran_s
+                    rec.switched = True
+                    plan = d.target.plan
+                elif d.verdict == RESTART or state_lost:
+                    plan = self._restart(ctl, rec, truth, plan, length, pool, urgent=True,
+                                         prefer=d.target.plan if d.admitted else None)
+            t += rec.transition_s + rec.restart_s
+        return res
+
+    def _restart(self, ctl: Controller, rec: StepRecord, truth: GroundTruth, plan: Plan, length: float,
+                 pool: tuple[int, ...], urgent: bool, prefer: Plan | None = None) -> Plan:
+        """Checkpoint/restart into ``prefer`` or the controller's plan for ``pool``."""
+        target = prefer
+        if target is None:
+            ctl.plan = plan
+            result = ctl._solve(length, pool, urgent)
+            if result is None:
+                raise SimulationError(f"no plan fits {len(pool)} devices at length {length:.0f}")
+            target = result.plan
+        rec.restart_s += truth.restart_s(target)
+        ctl.restarted(target)
+        return target
+
+
+def _state_lost(plan: Plan, n: int) -> bool:
+    """Some model-stage has no replica left entirely on devices ``< n``."""
+    return any(all(any(d >= n for d in c.replica_devices(r)) for r in range(c.dp)) for c in plan.candidates.values())
+
+
+class _Oracle:
+    """Best plan per step under the ground truth, memoised per (length bucket, pool,
+    contention, headroom); raises headroom until the step's true peak fits."""
+
+    def __init__(self, problem: PlanProblem, truth: GroundTruth) -> None:
+        self.problem, self.truth = problem, truth
+        self._memo: dict[tuple, Plan | None] = {}
+
+    def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float) -> Plan | None:
+        contended = self.truth.contended(time_s)
+        bucket = length_bucket(length, 16)
+        for headroom in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4):
+            key = (bucket, pool, contended, headroom)
+            if key not in self._memo:
+                wl = replace(self.problem.workload, response_length=bucket)
+                pb = replace(self.problem, workload=wl, pool=pool)
+                try:
+                    plan = Planner(pb, self.truth.cost_model(contended), PlannerOptions(headroom=headroom)).solve().plan
+                except Infeasible:
+                    plan = None
+                self._memo[key] = plan
+            plan = self._memo[key]
+            if plan is not None and not self.truth.oom(plan, length, step):
+                return plan
+        return None

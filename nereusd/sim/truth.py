@@ -1,0 +1,201 @@
+"""Ground truth of a simulated cluster: what a step, a transition and a restart really cost.
+
+The controller never reads this module's state; it only receives the measurements the replay
+hands it (:class:`nereusd.sim.controller.StepMeasurement`) and must calibrate, exactly as the
+live job does. The truth is built from the same cost and memory formulas as the controller's
+model (:mod:`nereusd.costmodel`, :mod:`nereusd.memory`) but with:
+
+- **hidden efficiencies** per operation class: the controller's conservative prior times a
+  factor drawn once per seed from ``U(efficiency_lo, efficiency_hi)``, capped at 0.95;
+- **per-step noise**: each model-stage's time times ``exp(N(0, noise_sigma))``, drawn per
+  (seed, step, model-stage) so every policy sees the same noise at the same step;
+- **contention episodes** on the wall-clock axis (Poisson arrivals, exponential durations):
+  inter-node communication efficiency times ``contention_factor`` while one lasts;
+- **memory variance per batch**: the true peak is the memory model at the *padded* length of
+  the step's longest micro-batch, ``mean × spread``, with ``spread ~ N(spread_mean, spread_sd)``
+  clipped to ``[1, spread_max]`` — the controller's model sees only the mean length;
+- **out-of-memory**: a device whose true peak (own working set plus co-resident state)
+  exceeds its *capacity* fails the step: the partial step is lost, the job restarts from the
+  last checkpoint (every ``checkpoint_interval`` steps; the steps since are re-run) after
+  ``restart_s`` plus reading the checkpoint at ``storage_gbps`` per node.
+
+Every number is an assumption stated here and in the README, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+import numpy as np
+
+from nereusd.calibration import PRIORS, Calibration
+from nereusd.costmodel import CostModel
+from nereusd.memory import stage_memory
+from nereusd.plan import ModelStage, Plan
+from nereusd.planspace import PlanProblem
+from nereusd.transition_memory import AdamStateSizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class TruthConfig:
+    """Knobs of the ground truth (see the module docstring for what each does).
+
+    Attributes:
+        seed: one seed for every draw.
+        efficiency_lo, efficiency_hi: hidden efficiency = prior × U(lo, hi), capped at 0.95.
+        noise_sigma: log-normal sigma of per-step, per-model-stage time noise.
+        contention_per_h: contention episodes per hour of wall clock.
+        contention_mean_h: mean episode length, hours.
+        contention_factor: inter-node efficiency multiplier during an episode.
+        spread_mean, spread_sd, spread_max: padded-length factor of the longest micro-batch.
+        restart_s: relaunch time of a checkpoint/restart (allocation, process start, NCCL
+            init), seconds, before reading the checkpoint.
+        storage_gbps: checkpoint read bandwidth per node, GB/s.
+        checkpoint_interval: steps between checkpoints.
+    """
+
+    seed: int = 0
+    efficiency_lo: float = 1.0
+    efficiency_hi: float = 1.6
+    noise_sigma: float = 0.03
+    contention_per_h: float = 0.25
+    contention_mean_h: float = 1.0
+    contention_factor: float = 0.5
+    spread_mean: float = 1.15
+    spread_sd: float = 0.06
+    spread_max: float = 1.5
+    restart_s: float = 180.0
+    storage_gbps: float = 2.0
+    checkpoint_interval: int = 20
+
+
+class GroundTruth:
+    """Hidden costs of one simulated cluster for one problem shape.
+
+    Args:
+        problem: workflow, model specs, site (the workload is replaced per step).
+        config: the assumptions.
+    """
+
+    def __init__(self, problem: PlanProblem, config: TruthConfig | None = None) -> None:
+        self.problem = problem
+        self.config = config or TruthConfig()
+        rng = random.Random(self.config.seed)
+        self.efficiency = {c: min(0.95, p * rng.uniform(self.config.efficiency_lo, self.config.efficiency_hi))
+                           for c, p in sorted(PRIORS.items())}
+        self._models: dict[bool, CostModel] = {}
+        self._episodes: list[tuple[float, float]] = []
+        self._episodes_until = 0.0
+        self._ep_rng = random.Random(self.config.seed * 7919 + 1)
+        self._groups: dict[tuple, list[tuple[ModelStage, tuple[ModelStage, ...]]]] = {}
+
+    # ---- hidden state ------------------------------------------------------------------------
+    def contended(self, time_s: float) -> bool:
+        """Whether a contention episode covers ``time_s``."""
+        cfg = self.config
+        while self._episodes_until <= time_s and cfg.contention_per_h > 0:
+            start = self._episodes_until + self._ep_rng.expovariate(cfg.contention_per_h / 3600.0)
+            length = self._ep_rng.expovariate(1.0 / (cfg.contention_mean_h * 3600.0))
+            self._episodes.append((start, start + length))
+            self._episodes_until = start + length
+        return any(a <= time_s < b for a, b in self._episodes[-4:])
+
+    def episodes(self) -> list[tuple[float, float]]:
+        """Contention episodes drawn so far, ``(start_s, end_s)``."""
+        return list(self._episodes)
+
+    def cost_model(self, contended: bool = False) -> CostModel:
+        """A cost model whose 'calibration' is the hidden efficiencies (contended or not)."""
+        cm = self._models.get(contended)
+        if cm is None:
+            eff = dict(self.efficiency)
+            if contended:
+                eff = {c: v * self.config.contention_factor if c.endswith("_inter") else v for c, v in eff.items()}
+            cm = self._models[contended] = CostModel(self.problem.site, Calibration(priors=eff))
+        return cm
+
+    def noise(self, step: int) -> dict[ModelStage, float]:
+        """Multiplicative noise per model-stage at ``step`` (same for every policy)."""
+        rng = np.random.default_rng([self.config.seed, 17, step])
+        stages = self.problem.workflow.model_stages
+        draws = np.exp(rng.normal(0.0, self.config.noise_sigma, len(stages)))
+        return dict(zip(stages, draws.tolist()))
+
+    def spread(self, step: int) -> float:
+        """Padded-length factor of the longest micro-batch at ``step``."""
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, 29, step])
+        return float(min(cfg.spread_max, max(1.0, rng.normal(cfg.spread_mean, cfg.spread_sd))))
+
+    # ---- a step ------------------------------------------------------------------------------
+    def stage_times(self, plan: Plan, response_length: float, step: int, time_s: float) -> dict[ModelStage, float]:
+        """True seconds of each model-stage of ``plan`` at ``step`` (noise and contention in)."""
+        cm = self.cost_model(self.contended(time_s))
+        wl = replace(self.problem.workload, response_length=max(1, int(round(response_length))))
+        noise = self.noise(step)
+        out = {}
+        for m, c in plan.items():
+            latency, _ = cm.stage_latency(self.problem.spec(m), m, sequences=self.problem.workflow.sequences(m, wl),
+                                          prompt_length=wl.prompt_length, response_length=wl.response_length,
+                                          tp=c.tp, pp=c.pp, dp=c.dp, micro_batch=c.micro_batch or wl.micro_batch,
+                                          mini_batches=wl.mini_batches, recompute=c.recompute)
+            out[m] = latency * noise[m]
+        return out
+
+    def stage_peaks(self, plan: Plan, response_length: float, step: int) -> dict[ModelStage, tuple[int, int]]:
+        """True ``(peak, resident)`` bytes per device of each model-stage at ``step``."""
+        wl = self.problem.workload
+        padded = max(1, int(round(response_length * self.spread(step))))
+        out = {}
+        for m, c in plan.items():
+            est = stage_memory(self.problem.spec(m), m, sequences=self.problem.workflow.sequences(m, wl),
+                               prompt_length=wl.prompt_length, response_length=padded, tp=c.tp, pp=c.pp,
+                               dp=c.dp, micro_batch=c.micro_batch or wl.micro_batch, recompute=c.recompute,
+                               dtype=self.problem.site.compute_dtype, device_kind=self.problem.site.device_kind)
+            out[m] = (est.peak_bytes, est.resident_bytes)
+        return out
+
+    def oom(self, plan: Plan, response_length: float, step: int) -> str:
+        """Why ``plan`` runs out of memory at ``step`` (``""`` when it fits the capacity)."""
+        peaks = self.stage_peaks(plan, response_length, step)
+        capacity = self.problem.site.device_memory_bytes
+        for m, others in self.colocation(plan):
+            need = peaks[m][0] + sum(peaks[o][1] for o in others)
+            if need > capacity:
+                return f"{m}: {need / 2**30:.1f} GiB > {capacity / 2**30:.1f} GiB"
+        return ""
+
+    def colocation(self, plan: Plan) -> list[tuple[ModelStage, tuple[ModelStage, ...]]]:
+        """Each model-stage with every set of other model-stages sharing one of its devices."""
+        key = tuple((str(m), c.devices) for m, c in plan.items())
+        groups = self._groups.get(key)
+        if groups is None:
+            on: dict[int, list[ModelStage]] = {}
+            for m, c in plan.items():
+                for d in c.devices:
+                    on.setdefault(d, []).append(m)
+            sets = {tuple(v) for v in on.values()}
+            groups = [(m, tuple(o for o in s if o != m)) for s in sorted(sets, key=str) for m in s]
+            if len(self._groups) > 256:
+                self._groups.clear()
+            self._groups[key] = groups
+        return groups
+
+    # ---- restarts ----------------------------------------------------------------------------
+    def restart_s(self, plan: Plan) -> float:
+        """Relaunch plus checkpoint read of every model's parameters and optimizer state."""
+        sizes = AdamStateSizes.for_dtype(self.problem.site.compute_dtype)
+        per_role: dict = {}
+        for m in plan:   # a trained role's checkpoint holds its optimizer state too
+            per_role[m.role] = max(per_role.get(m.role, 0.0), sizes.moved_bytes_per_element(m))
+        total = sum(self.problem.specs[r].num_parameters() * b for r, b in per_role.items())
+        nodes = max(1, math.ceil(len(plan.devices()) / self.problem.site.devices_per_node))
+        return self.config.restart_s + total / (nodes * self.config.storage_gbps * 1e9)
+
+
+def step_latency_s(workflow, stage_s: Mapping[ModelStage, float]) -> float:
+    """Critical path of measured model-stage times (:meth:`Workflow.critical_path_s`)."""
+    return workflow.critical_path_s(stage_s)
