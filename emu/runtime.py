@@ -24,8 +24,12 @@ import torch.distributed as dist
 
 from emu.devmem import DeviceMemory
 from emu.engine import StageEngine
+from emu.checkpoint import load_holdings, save_holdings
 from emu.hf_io import load_state
 from emu.parallel import build_stage_groups
+from emu.primitives import HoldingStore
+from emu.transition_tasks import TransitionTasks, rank_space
+from emu.unit import LogicalState, bind_engine, holding_of
 from emu.rl.losses import policy_loss_fn, value_loss_fn
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -58,11 +62,11 @@ def initial_state(role_info: dict[str, Any], spec: ModelSpec, seed: int) -> dict
     return state
 
 
-class WorkerRuntime:
+class WorkerRuntime(TransitionTasks):
     """The state of one worker: its engines (one per model-stage it holds) and communicators."""
 
     def __init__(self, *, rank: int, device_index: int, torch_device: torch.device, memory: DeviceMemory,
-                 run_dir: str) -> None:
+                 run_dir: str, store_client=None, backend: str = "gloo") -> None:
         self.rank = rank
         self.device_index = device_index
         self.torch_device = torch_device
@@ -72,7 +76,12 @@ class WorkerRuntime:
         self.engines: dict[ModelStage, StageEngine] = {}
         self.stage_groups: dict[ModelStage, Any] = {}
         self.stage_pg: dict[ModelStage, Any] = {}
-        self.role_pg: dict[Role, tuple[list[int], Any]] = {}
+        self.store = HoldingStore(memory, torch_device)
+        self.store_client, self.backend = store_client, backend
+        self.rank_of = lambda device: device
+        self._transition = None
+        self._rebuild_all = False
+        self._build_args: dict[str, Any] = {}
         self._handlers = {
             "build": self.build,
             "generate": self.generate,
@@ -82,6 +91,12 @@ class WorkerRuntime:
             "train": self.train,
             "sync_weights": self.sync_weights,
             "save_checkpoint": self.save_checkpoint,
+            "load_checkpoint": self.load_checkpoint,
+            "transition_prepare": self.transition_prepare,
+            "transition_run": self.transition_run,
+            "transition_finish": self.transition_finish,
+            "holdings": self.holdings,
+            "reform_world": self.reform_world,
             "memory_report": self.memory_report,
         }
 
@@ -111,37 +126,45 @@ class WorkerRuntime:
         """
         plan = Plan.from_dict(args["plan"])
         roles = args["roles"]
-        train = args["train"]
         seed = int(args["seed"])
         self.plan = plan
+        self._build_args = args
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
-            self.stage_groups[ms] = build_stage_groups(cand, self.rank)
-            self.stage_pg[ms] = dist.new_group(list(cand.devices))
-        for role in Role:
-            members = sorted({d for ms, c in plan.items() if ms.role == role for d in c.devices})
-            if members:
-                self.role_pg[role] = (members, dist.new_group(members))
+            self.stage_groups[ms] = self._groups(cand)
+            self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))
         states: dict[Role, dict[str, torch.Tensor]] = {}
         for ms, cand in plan.items():
-            if self.rank not in cand.devices:
+            if self.device_index not in cand.devices:
                 continue
             info = roles[ms.role.value]
             spec = ModelSpec.from_dict(info["spec"])
             if ms.role not in states:
                 states[ms.role] = initial_state(info, spec, seed + list(Role).index(ms.role))
-            trainable = ms.stage == Stage.TRAINING
-            engine = StageEngine(
-                model_stage=ms, spec=spec, candidate=cand, rank=self.rank, groups=self.stage_groups[ms],
-                device=self.torch_device, memory=self.memory, value_head=bool(info["value_head"]),
-                trainable=trainable, lr=float(args["lr"].get(str(ms), 0.0) or 1e-4),
-                weight_decay=float(train["weight_decay"]), grad_clip=train["grad_clip"],
-                micro_batch=cand.micro_batch or int(train["micro_batch"]), recompute=cand.recompute,
-            )
+            engine = self._make_engine(ms, cand, self.stage_groups[ms])
             engine.load_full_state(states[ms.role])
+            bind_engine(engine, logical=LogicalState(seed=seed))
             self.engines[ms] = engine
         states.clear()
+        self._plan_syncs()
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
+
+    def _groups(self, cand: Candidate):
+        """Stage groups of ``cand`` in world-rank space (collective over the world)."""
+        return build_stage_groups(rank_space(cand, self.rank_of), self.rank)
+
+    def _make_engine(self, ms: ModelStage, cand: Candidate, groups) -> StageEngine:
+        """An engine of ``ms`` for this rank's place in ``cand`` (build arguments from ``build``)."""
+        args, train = self._build_args, self._build_args["train"]
+        info = args["roles"][ms.role.value]
+        return StageEngine(
+            model_stage=ms, spec=ModelSpec.from_dict(info["spec"]), candidate=rank_space(cand, self.rank_of),
+            rank=self.rank, groups=groups, device=self.torch_device, memory=self.memory,
+            value_head=bool(info["value_head"]), trainable=ms.stage == Stage.TRAINING,
+            lr=float(args["lr"].get(str(ms), 0.0) or 1e-4), weight_decay=float(train["weight_decay"]),
+            grad_clip=train["grad_clip"], micro_batch=cand.micro_batch or int(train["micro_batch"]),
+            recompute=cand.recompute,
+        )
 
     # ------------------------------------------------------------------ stage tasks
     def _engine(self, args: dict[str, Any]) -> StageEngine:
@@ -194,64 +217,26 @@ class WorkerRuntime:
         return {"metrics": metrics} if self._reporting(engine) else {}
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def sync_weights(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Copy the parameters of ``source`` (a training model-stage) to the ``targets`` of its role.
-
-        Every member of the role's communicator takes part: the source replica gathers full
-        tensors, its first device broadcasts them as one flat buffer, and each target engine
-        keeps its shard. (Issue 4 replaces this with the EMU resharding primitives.)
-        """
-        source = ModelStage.parse(args["source"])
-        targets = [ModelStage.parse(t) for t in args["targets"]]
-        members, group = self.role_pg[source.role]
-        assert self.plan is not None
-        src_cand = self.plan[source]
-        root = src_cand.devices[0]
-        full: dict[str, torch.Tensor] | None = None
-        if self.rank in src_cand.replica_devices(0):
-            full = self.engines[source].full_state()
-        meta = [None]
-        if self.rank == root:
-            assert full is not None
-            meta = [[(k, tuple(v.shape), str(v.dtype)) for k, v in full.items()]]
-        dist.broadcast_object_list(meta, src=root, group=group)
-        names = meta[0]
-        if self.rank == root:
-            flat = torch.cat([full[k].reshape(-1).to(torch.float32) for k, _, _ in names]).to(self.torch_device)
-        else:
-            flat = torch.empty(sum(int(torch.Size(s).numel()) for _, s, _ in names), dtype=torch.float32,
-                               device=self.torch_device)
-        dist.broadcast(flat, src=root, group=group)
-        offset, state = 0, {}
-        for name, shape, _ in names:
-            n = int(torch.Size(shape).numel())
-            state[name] = flat[offset:offset + n].view(shape)
-            offset += n
-        for target in targets:
-            if target in self.engines:
-                self.engines[target].load_full_state(state)
-        del flat, state, full
-        return {}
-
     def save_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Save every training model-stage's parameters and Adam state with torch DCP.
-
-        Layout: ``<dir>/<role>/`` one DCP checkpoint per trainable role, keys ``model.<param>``
-        and ``optim.<param>.<exp_avg|exp_avg_sq|step>`` holding canonical full tensors.
-        """
-        import torch.distributed.checkpoint as dcp
-
+        """Save every training model-stage's holdings (parameters, Adam state, logical state)
+        with torch DCP (:mod:`emu.checkpoint`), one checkpoint per role under ``<dir>/<role>/``."""
         root = Path(args["dir"])
         assert self.plan is not None
         for ms, cand in self.plan.items():
-            if ms.stage != Stage.TRAINING or self.rank not in cand.devices:
+            if ms.stage != Stage.TRAINING or self.device_index not in cand.devices:
                 continue
-            engine = self.engines[ms]
-            state: dict[str, Any] = {f"model.{k}": v for k, v in engine.full_state().items()}
-            for name, slots in engine.optimizer_full_state().items():
-                for slot, value in slots.items():
-                    state[f"optim.{name}.{slot}"] = value if torch.is_tensor(value) else torch.tensor(value)
-            dcp.save(state, checkpoint_id=str(root / ms.role.value), process_group=self.stage_pg[ms])
+            save_holdings([holding_of(self.engines[ms])], root / ms.role.value, plan=Plan({ms: cand}),
+                          process_group=self.stage_pg[ms])
+        return {}
+
+    def load_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Load every training model-stage this rank holds from ``<dir>/<role>/`` (any saved layout)."""
+        root = Path(args["dir"])
+        for ms, engine in self.engines.items():
+            if ms.stage == Stage.TRAINING:
+                holding = holding_of(engine)
+                load_holdings([holding], root / ms.role.value)
+                bind_engine(engine, holding)
         return {}
 
     def memory_report(self, args: dict[str, Any]) -> dict[str, Any]:

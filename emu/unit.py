@@ -6,9 +6,10 @@ position)`` on this device, :class:`EmuShard`. Its logical state ``Λ = (θ, ω,
 
 * ``θ, ω`` — the canonical per-parameter shards of :func:`nereusd.shards.shards_of` (the same
   slice for the parameter and each of its optimizer tensors), held in **one flat contiguous
-  fp32 buffer** per holding, shard-major: shard ``i`` occupies ``[off_i, off_i + n_slots·numel_i)``
-  with its slots (``param``, then Adam ``exp_avg``, ``exp_avg_sq`` for a training model-stage)
-  one after another. A holding is therefore sent as one contiguous buffer (PLATFORM.md: one
+  fp32 buffer** per holding, slot-major: slot ``k`` (``param``, then Adam ``exp_avg``,
+  ``exp_avg_sq`` for a training model-stage) is ``buffer[k·n : (k+1)·n]`` with ``n`` the
+  holding's parameter elements, and shard ``i`` sits at ``[off_i, off_i + numel_i)`` of every
+  slot. The parameters alone are thus a prefix (weight synchronisation sends them without a copy). A holding is therefore sent as one contiguous buffer (PLATFORM.md: one
   flat buffer is 2× faster than per-tensor sends) and never packed at transition time;
 * ``c, v, p`` and the seed of RNG/dataloader state — :class:`LogicalState`, a few integers that
   travel with the holding.
@@ -141,13 +142,14 @@ class EmuShard:
         off = 0
         for s in self.shards:
             self.offsets[s.name] = off
-            off += s.numel * len(self.slots)
-        self.numel = off
+            off += s.numel
+        self.numel_per_slot = off
+        self.numel = off * len(self.slots)
         if buffer is None:
-            buffer = torch.empty(off, dtype=torch.float32, device=device)
-        if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() != off:
+            buffer = torch.empty(self.numel, dtype=torch.float32, device=device)
+        if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() != self.numel:
             raise NereusError(f"{model_stage} tp{layout.tp}·pp{layout.pp} {self.position}: buffer must be "
-                              f"fp32 [{off}], got {buffer.dtype} {list(buffer.shape)}")
+                              f"fp32 [{self.numel}], got {buffer.dtype} {list(buffer.shape)}")
         self.buffer = buffer
         self.logical = logical
         self._by_name = {s.name: s for s in self.shards}
@@ -169,14 +171,20 @@ class EmuShard:
             raise NereusError(f"{self.model_stage} at {self.position}: no shard of {name!r}") from None
 
     def block(self, name: str) -> torch.Tensor:
-        """All slots of ``name``: a view ``[n_slots, *shard_shape]``."""
+        """All slots of ``name``: a view ``[n_slots, *shard_shape]`` (slots ``numel_per_slot`` apart)."""
         s = self.shard(name)
         off = self.offsets[name]
-        return self.buffer[off:off + s.numel * len(self.slots)].view(len(self.slots), *shard_shape(s))
+        rows = self.buffer.view(len(self.slots), self.numel_per_slot)
+        return rows[:, off:off + s.numel].view(len(self.slots), *shard_shape(s))
 
     def view(self, name: str, slot: str) -> torch.Tensor:
         """One slot of ``name``: a contiguous view of its shard shape."""
         return self.block(name)[self.slots.index(slot)]
+
+    def params_only(self) -> "EmuShard":
+        """The ``param`` slot as a holding of its own: a view of this buffer's first slot, no copy."""
+        return EmuShard(self.model_stage, self.spec, self.value_head, self.layout, self.position, PARAM_SLOTS,
+                        buffer=self.buffer[:self.numel_per_slot], logical=self.logical)
 
     def describe(self) -> str:
         return f"{self.model_stage} tp{self.layout.tp}·pp{self.layout.pp} pos{self.position} ({self.nbytes} B)"

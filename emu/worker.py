@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def init_world(*, kind: str, local_index: int, rank: int, world_size: int, generation: int,
                store_host: str, store_port: int, timeout_s: float = 300.0):
-    """Join generation ``generation`` of the world; returns the ``torch.device`` of this worker.
+    """Join generation ``generation`` of the world; returns ``(torch.device, store client, backend)``.
 
     Backend from the device: NCCL on CUDA (and ROCm builds, where it is RCCL), gloo on CPU.
     """
@@ -57,10 +57,21 @@ def init_world(*, kind: str, local_index: int, rank: int, world_size: int, gener
         device = torch.device("cpu")
         backend = "gloo"
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    join_world(store, generation=generation, rank=rank, world_size=world_size, backend=backend,
+               timeout=timedelta(seconds=timeout_s))
+    return device, store, backend
+
+
+def join_world(store, *, generation: int, rank: int, world_size: int, backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` for generation ``generation`` through ``PrefixStore("nereus/gen<g>/", store)``.
+
+    Used at start and to re-form the world after the pool changed (the caller destroyed the
+    previous generation's process group first; its tensors stay where they are).
+    """
+    import torch.distributed as dist
+
     prefixed = dist.PrefixStore(f"nereus/gen{generation}/", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    return device
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -77,12 +88,12 @@ def serve(args: argparse.Namespace) -> int:
     sock.connect(args.agent)
     parent = os.getppid()
 
-    device = init_world(kind=args.device_kind, local_index=args.local_index, rank=args.rank,
+    device, store, backend = init_world(kind=args.device_kind, local_index=args.local_index, rank=args.rank,
                         world_size=args.world_size, generation=args.generation,
                         store_host=args.store_host, store_port=args.store_port)
     memory = DeviceMemory(args.device, args.memory_bytes)
     runtime = WorkerRuntime(rank=args.rank, device_index=args.device, torch_device=device, memory=memory,
-                            run_dir=args.run_dir)
+                            run_dir=args.run_dir, store_client=store, backend=backend)
     sock.send(P.encode(P.WorkerReady(device=args.device, pid=os.getpid())))
     log.info("worker ready: rank %d of %d on %s", args.rank, args.world_size, device)
 
