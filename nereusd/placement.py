@@ -17,6 +17,7 @@ pipeline stage, then tensor rank.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from typing import Mapping, Sequence
 
@@ -34,18 +35,59 @@ def nodes_of(pool: Sequence[int], devices_per_node: int) -> dict[int, list[int]]
     return nodes
 
 
-def _take(free: dict[int, list[int]], count: int, prefer: set[int]) -> list[int] | None:
-    """``count`` free devices inside one node, preferring ``prefer`` then best fit; None if none."""
-    best, best_key = None, None
-    nodes = {d_node for d_node, devs in free.items() if prefer and any(d in prefer for d in devs)}
-    for node in nodes:
-        devs = free[node]
-        if len(devs) < count:
-            continue
-        key = (-min(sum(d in prefer for d in devs), count), len(devs), node)
-        if best_key is None or key < best_key:
-            best, best_key = node, key
+class _PreferIndex:
+    """Nodes holding free preferred devices, ordered by the key ``_take`` minimises,
+    ``(−min(preferred free, count), free, node)``, kept in one lazy heap per ``count``; only
+    the node a take changes is re-keyed, so a take costs O(log nodes), not a scan."""
+
+    def __init__(self, free: dict[int, list[int]], prefer: set[int]) -> None:
+        self.free, self.prefer = free, prefer
+        self.pc = {n: sum(d in prefer for d in devs) for n, devs in free.items()}
+        self.heaps: dict[int, list] = {}
+
+    def _key(self, node: int, count: int) -> tuple[int, int, int]:
+        return (-min(self.pc[node], count), len(self.free[node]), node)
+
+    def best(self, count: int) -> int | None:
+        heap = self.heaps.get(count)
+        if heap is None:
+            heap = self.heaps[count] = [self._key(n, count) for n in self.free
+                                        if self.pc[n] > 0 and len(self.free[n]) >= count]
+            heapq.heapify(heap)
+        while heap:
+            key = heap[0]
+            node = key[2]
+            if self.pc[node] > 0 and len(self.free[node]) >= count and key == self._key(node, count):
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def changed(self, node: int) -> None:
+        self.pc[node] = sum(d in self.prefer for d in self.free[node])
+        for count, heap in self.heaps.items():
+            if self.pc[node] > 0 and len(self.free[node]) >= count:
+                heapq.heappush(heap, self._key(node, count))
+
+    def changed_all(self) -> None:
+        self.pc = {n: sum(d in self.prefer for d in devs) for n, devs in self.free.items()}
+        self.heaps.clear()
+
+
+def _take(free: dict[int, list[int]], count: int, prefer: set[int],
+          index: _PreferIndex | None = None) -> list[int] | None:
+    """``count`` free devices inside one node, preferring ``prefer`` then best fit; None if none.
+
+    Among nodes with a free preferred device and room for ``count``: most preferred devices
+    (up to ``count``), then fewest free devices, then lowest node id; else best fit over all
+    nodes. ``index`` (built on the same ``free`` and ``prefer``) answers the first part fast.
+    """
+    best = None
+    if prefer:
+        if index is None:
+            index = _PreferIndex(free, prefer)
+        best = index.best(count)
     if best is None:
+        best_key = None
         for node, devs in free.items():
             if len(devs) >= count and (best_key is None or (len(devs), node) < best_key):
                 best, best_key = node, (len(devs), node)
@@ -57,6 +99,8 @@ def _take(free: dict[int, list[int]], count: int, prefer: set[int]) -> list[int]
     chosen = [d for d in devs if d in prefer][:count]
     chosen += [d for d in devs if d not in chosen][: count - len(chosen)]
     free[best] = [d for d in devs if d not in chosen]
+    if index is not None:
+        index.changed(best)
     return sorted(chosen)
 
 
@@ -85,12 +129,13 @@ def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: se
         if packed is not None:
             return packed
     devices: list[int] = []
+    index = _PreferIndex(free, prefer) if prefer else None
     for _ in range(dp):
-        replica = _take(free, tp * pp, prefer)
+        replica = _take(free, tp * pp, prefer, index)
         if replica is None:
             replica = []
             for _ in range(pp):
-                group = _take(free, tp, prefer)
+                group = _take(free, tp, prefer, index)
                 if group is None:
                     rest = sorted(d for devs in free.values() for d in devs)
                     if len(rest) < tp:
@@ -99,6 +144,8 @@ def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: se
                     log.warning("placement: TP group %s crosses nodes (pool too fragmented)", group)
                     for node in free:
                         free[node] = [d for d in free[node] if d not in group]
+                    if index is not None:
+                        index.changed_all()
                 replica += sorted(group)
         devices += replica
     return devices

@@ -63,3 +63,45 @@ def test_sorted_frontier_equals_frontier():
                 want = frontier(opts, max_peak, max_res)
                 got = planner._sorted[m].frontier(max_peak, max_res)
                 assert [o.layout for o in got] == [o.layout for o in want]
+
+
+def _reference_take(free, count, prefer, index=None):
+    """``placement._take`` as it was before the preference index (commit 0b331be)."""
+    best, best_key = None, None
+    nodes = {d_node for d_node, devs in free.items() if prefer and any(d in prefer for d in devs)}
+    for node in nodes:
+        devs = free[node]
+        if len(devs) < count:
+            continue
+        key = (-min(sum(d in prefer for d in devs), count), len(devs), node)
+        if best_key is None or key < best_key:
+            best, best_key = node, key
+    if best is None:
+        for node, devs in free.items():
+            if len(devs) >= count and (best_key is None or (len(devs), node) < best_key):
+                best, best_key = node, (len(devs), node)
+                if len(devs) == count:
+                    break
+    if best is None:
+        return None
+    devs = free[best]
+    chosen = [d for d in devs if d in prefer][:count]
+    chosen += [d for d in devs if d not in chosen][: count - len(chosen)]
+    free[best] = [d for d in devs if d not in chosen]
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("nodes,first,second,shrink", [(2, 512, 4096, 0), (4, 1024, 8192, 0), (4, 512, 512, 8),
+                                                       (3, 4096, 512, 4)])
+def test_preferred_placement_same_as_before(monkeypatch, nodes, first, second, shrink):
+    import dataclasses
+
+    from nereusd import placement
+    pb = problem(nodes, "ppo", response=first)
+    start = Planner(pb, CostModel(pb.site)).solve().plan
+    pb2 = problem(nodes, "ppo", response=second)
+    pb2 = dataclasses.replace(pb2, pool=pb2.pool[shrink:])
+    fast = Planner(pb2, CostModel(pb2.site)).solve(start)
+    monkeypatch.setattr(placement, "_take", _reference_take)
+    slow = Planner(pb2, CostModel(pb2.site)).solve(start)
+    assert fast.plan.to_dict() == slow.plan.to_dict()

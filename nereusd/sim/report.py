@@ -1,0 +1,137 @@
+"""Tables, JSON and PNG plots of a simulated run (matplotlib with the Agg backend).
+
+A run's summary per policy: mean step latency (s, transitions and failures included, waiting
+for GPUs excluded), total time (s), switches, transition seconds and their share of the total,
+OOM events, restarts, stall seconds, and the difference of mean step latency against
+``frozen`` in percent (negative: faster).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from nereusd.sim.replay import PolicyResult
+from nereusd.sim.traces import LengthTrace, PoolTrace
+
+
+def summary(results: Sequence[PolicyResult]) -> list[dict]:
+    """One row per policy (see the module docstring for the fields and units)."""
+    frozen = next((r for r in results if r.policy.name == "frozen"), None)
+    rows = []
+    for r in results:
+        total = r.total_s
+        rows.append({
+            "policy": r.policy.name, "gamma": r.policy.gamma if r.policy.gamma != float("inf") else "inf",
+            "mean_step_s": r.mean_step_s, "total_s": total, "switches": r.switches,
+            "transition_s": r.transition_s, "transition_share_pct": 100.0 * r.transition_s / total if total else 0.0,
+            "oom_events": r.oom_events, "restarts": r.restarts, "restart_s": r.restart_s, "stall_s": r.stall_s,
+            "vs_frozen_pct": (100.0 * (r.mean_step_s / frozen.mean_step_s - 1.0)) if frozen else None,
+            "distinct_plans": len(r.plans),
+        })
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The summary as an aligned text table."""
+    header = ["policy", "mean step s", "total s", "switches", "transition s", "share %", "OOM",
+              "restarts", "stall s", "vs frozen %"]
+    body = [[r["policy"], f"{r['mean_step_s']:.2f}", f"{r['total_s']:.0f}", str(r["switches"]),
+             f"{r['transition_s']:.1f}", f"{r['transition_share_pct']:.3f}", str(r["oom_events"]),
+             str(r["restarts"]), f"{r['stall_s']:.0f}",
+             "" if r["vs_frozen_pct"] is None else f"{r['vs_frozen_pct']:+.1f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in [header] + body)
+
+
+def to_json(results: Sequence[PolicyResult], meta: dict) -> dict:
+    """Everything: the setting, the summary rows, per-step series and admission records."""
+    return {
+        **meta,
+        "summary": summary(results),
+        "policies": {
+            r.policy.name: {
+                "plans": r.plans,
+                "steps": [vars(x) for x in r.records],
+                "decisions": r.decisions,
+            } for r in results
+        },
+    }
+
+
+def write(out_dir: str | Path, results: Sequence[PolicyResult], meta: dict, lengths: LengthTrace,
+          pool: PoolTrace) -> list[Path]:
+    """Write ``summary.json``, ``run.json``, ``table.txt`` and the PNG plots into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summary(results)
+    (out / "summary.json").write_text(json.dumps({**meta, "summary": rows}, indent=1, default=str))
+    (out / "run.json").write_text(json.dumps(to_json(results, meta), default=str))
+    (out / "table.txt").write_text(_title(meta) + "\n" + format_table(rows) + "\n")
+    return [out / "summary.json", out / "run.json", out / "table.txt"] + plot(out, results, meta)
+
+
+def _title(meta: dict) -> str:
+    gen = " [GENERATED length trace]" if meta.get("length_generated") else ""
+    return (f"{meta['model']} {meta['algorithm']} on {meta['gpus']} x {meta['site']}, {meta['steps']} steps; "
+            f"lengths: {meta['length_trace']}{gen}; pool: {meta['pool_trace']}")
+
+
+def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:
+    """Step latency over steps, plan timeline, pool size and sequence length (one PNG each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    title = _title(meta)
+
+    def save(fig, name):
+        fig.suptitle(title, fontsize=7)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for r in results:
+        xs = [x.step for x in r.records if not x.oom]
+        ys = [x.step_s + x.transition_s + x.restart_s for x in r.records if not x.oom]
+        ax.plot(xs, ys, lw=0.8, label=r.policy.name)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("step latency incl. transitions (s)")
+    ax.legend(fontsize=7)
+    save(fig, "step_latency.png")
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 1.1 * len(results) + 1), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], results):
+        ax.step([x.step for x in r.records], [x.plan_id for x in r.records], where="post", lw=0.8)
+        for x in r.records:
+            if x.oom:
+                ax.axvline(x.step, color="red", lw=0.6)
+        ax.set_ylabel(r.policy.name, fontsize=7)
+    axes[-1, 0].set_xlabel("RL step (y: plan number in order of first use; red: OOM)")
+    save(fig, "plan_timeline.png")
+
+    fig, ax = plt.subplots(figsize=(9, 3))
+    for r in results:
+        ax.step([x.step for x in r.records], [x.pool for x in r.records], where="post", lw=0.8, label=r.policy.name)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("GPUs in the pool")
+    ax.legend(fontsize=7)
+    save(fig, "pool.png")
+
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ref = results[0]
+    seen = {}
+    for x in ref.records:
+        seen.setdefault(x.step, x.length)
+    ax.plot(list(seen), list(seen.values()), lw=0.8)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean response length (tokens)" + (" — GENERATED" if meta.get("length_generated") else ""))
+    save(fig, "sequence_length.png")
+    return paths

@@ -1,0 +1,95 @@
+"""Build a simulation from plain settings and run several policies on it.
+
+Used by ``nereus-launch simulate`` and ``scripts/bench_sim.py``. Policies are independent
+given the traces and the ground truth's seed, so :func:`run_policies` may run them in worker
+processes (``jobs > 1``, fork start method) with identical results.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+from nereusd.errors import ConfigError
+from nereusd.models import resolve_model
+from nereusd.plan import Role
+from nereusd.planspace import PlanProblem
+from nereusd.sim.policies import Policy
+from nereusd.sim.replay import PolicyResult, Simulation
+from nereusd.sim.traces import load_length_trace, load_pool_trace
+from nereusd.sim.truth import TruthConfig
+from nereusd.site import load_site
+from nereusd.workflow import Workload, build_workflow
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """Plain settings of one simulated job (CLI flags)."""
+
+    model: str = "llama-3.1-8b"
+    algorithm: str = "ppo"
+    site: str = "h200-ib"
+    gpus: int = 64
+    steps: int = 1000
+    length_trace: str = "generated-ramp"
+    pool_trace: str | None = None
+    prompt_length: int = 512
+    global_batch: int = 1024
+    mini_batches: int = 1
+    micro_batch: int = 1
+    seed: int = 0
+
+
+def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, dict]:
+    """The :class:`Simulation` of ``s`` and a metadata dict for the outputs.
+
+    Raises:
+        ConfigError: for a GPU count that is not a positive multiple of the site's node
+            size, or bad traces / model / site names.
+    """
+    site = load_site(s.site)
+    dpn = site.devices_per_node
+    if s.gpus < 1 or s.gpus % dpn:
+        raise ConfigError(f"--gpus {s.gpus}: expected a positive multiple of {dpn} (devices per node of {site.name})")
+    if s.steps < 1:
+        raise ConfigError(f"--steps {s.steps}: expected a positive integer")
+    site = site.with_nodes(s.gpus // dpn)
+    spec = resolve_model(s.model)
+    lengths = load_length_trace(s.length_trace, steps=s.steps, seed=s.seed)
+    pool = load_pool_trace(s.pool_trace)
+    wl = Workload(prompt_length=s.prompt_length, response_length=max(1, math.ceil(lengths.at(0))),
+                  global_batch=s.global_batch, mini_batches=s.mini_batches, micro_batch=s.micro_batch)
+    problem = PlanProblem(build_workflow(s.algorithm), {r: spec for r in Role}, wl, site, tuple(range(s.gpus)))
+    truth = truth or TruthConfig(seed=s.seed)
+    sim = Simulation(problem, lengths, pool, s.steps, truth)
+    meta = {"model": s.model, "algorithm": s.algorithm, "site": site.name, "gpus": s.gpus, "steps": s.steps,
+            "length_trace": lengths.label, "length_generated": lengths.generated, "pool_trace": pool.label,
+            "global_batch": s.global_batch, "prompt_length": s.prompt_length, "seed": s.seed,
+            "truth": vars(truth), "launch_plan": sim.launch.describe()}
+    return sim, meta
+
+
+_SIM: Simulation | None = None
+
+
+def _run_one(policy: Policy) -> PolicyResult:
+    assert _SIM is not None
+    return _SIM.run(policy)
+
+
+def run_policies(sim: Simulation, policies: Sequence[Policy], jobs: int = 1) -> list[PolicyResult]:
+    """Run every policy on ``sim``; ``jobs > 1`` uses that many forked worker processes."""
+    global _SIM
+    jobs = max(1, min(jobs, len(policies), os.cpu_count() or 1))
+    if jobs == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [sim.run(p) for p in policies]
+    _SIM = sim
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_run_one, policies))
+    finally:
+        _SIM = None
