@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmstart", type=Path, default=Path("examples/models/counting-warmstart"))
     parser.add_argument("--algo", choices=("grpo", "remax"), default="grpo")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="responses per prompt")
     parser.add_argument("--temperature", type=float, default=1.0)
