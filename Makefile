@@ -22,7 +22,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/nereus-launch local $(DEMO_JOB) --run-dir $(RUN_DIR)
+	$(VENV)/bin/nereus-launch local $(DEMO_JOB) --run-dir $(RUN_DIR) --overwrite
 	$(VENV)/bin/nereus-launch report $(RUN_DIR)
 
 test: $(STAMP)
