@@ -102,6 +102,15 @@ def _stop(proc: subprocess.Popen | None, grace_s: float) -> None:
             continue
 
 
+def compact_plan(plan: dict) -> str:
+    """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case)."""
+    parts = []
+    for name, cand in plan.items():
+        role, _, stage = name.partition("/")
+        parts.append(f"{role[:1]}{stage[:1].upper()}{cand['tp']}·{cand['pp']}·{cand['dp']}")
+    return " ".join(parts)
+
+
 class _Progress:
     """A tqdm bar fed from ``metrics.jsonl``."""
 
@@ -116,7 +125,7 @@ class _Progress:
         for rec in records[self.seen:]:
             self.bar.set_postfix_str(
                 f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f} "
-                f"step {rec['step_latency_s']:.1f}s", refresh=False)
+                f"step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))}", refresh=False)
             self.bar.update(1)
         self.seen = len(records)
 
