@@ -181,6 +181,10 @@ class StageEngine:
                  seed: int = 0) -> list[list[int]]:
         """Responses for this replica's prompts (:func:`emu.generate.generate`), on every TP rank.
 
+        At most ``micro_batch`` sequences decode concurrently (the planner's generation wave, paper
+        §4.2): a larger share runs in waves, wave ``w > 0`` sampling from a seed derived from
+        ``seed`` and ``w`` (one wave uses ``seed`` itself).
+
         Raises:
             PlanError: for a value-head model; DeviceOutOfMemory: if the KV cache or prefill
             activations do not fit (checked before any work).
@@ -189,10 +193,17 @@ class StageEngine:
             raise PlanError(f"{self.ms}: a value-head model cannot generate")
         if self.candidate.pp > 1:
             raise PlanError(f"{self.ms}: generation needs pp=1 (PP is folded into DP for generation)")
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                                eos_id=eos_id, pad_id=pad_id, seed=seed)
         if not prompts:
             return []
+        if len(prompts) > self.micro_batch:  # waves of ``micro_batch`` concurrent sequences
+            out: list[list[int]] = []
+            for w, lo in enumerate(range(0, len(prompts), self.micro_batch)):
+                out += self.generate(prompts[lo:lo + self.micro_batch], max_new_tokens=max_new_tokens,
+                                     temperature=temperature, greedy=greedy, eos_id=eos_id, pad_id=pad_id,
+                                     seed=seed if w == 0 else (seed ^ (w * 0x9E3779B1)) & 0x7FFFFFFF)
+            return out
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
+                                eos_id=eos_id, pad_id=pad_id, seed=seed)
         width = max(len(p) for p in prompts)
         shape = kv_cache_shape(self.module, len(prompts), width + max_new_tokens)
         act = activation_bytes(self.spec, tp=self.groups.tp.size, layers=len(self.layers), batch=len(prompts),
