@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nereusd.models import ModelSpec
+from nereusd.shards import canonical_shapes, shard_dim  # noqa: F401 - one sharding table (DESIGN.md), torch-free
 
 INIT_STD = 0.02
 """Standard deviation of the normal initialisation of every matrix (GPT-2 / HF default)."""
@@ -27,33 +28,6 @@ def kv_replicated(spec: ModelSpec, tp: int) -> bool:
 
 
 # --------------------------------------------------------------------------- canonical state
-
-
-def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
-    """Full (unsharded) shape of every canonical parameter, in HF name order."""
-    h, f, v, d = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
-    kv = spec.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (spec.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-    shapes["model.norm.weight"] = (h,)
-    if value_head:
-        shapes["value_head.weight"] = (1, h)
-        shapes["value_head.bias"] = (1,)
-    elif not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
 
 
 def init_parameter(name: str, shape: tuple[int, ...], seed: Optional[int]) -> torch.Tensor:
@@ -91,25 +65,6 @@ def num_parameters(module: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------- TP sharding rules
-
-
-def shard_dim(name: str, spec: ModelSpec, tp: int) -> Optional[int]:
-    """The dim along which canonical parameter ``name`` is split over ``tp`` ranks, or ``None``.
-
-    DESIGN.md sharding table: q/k/v, gate/up, embedding and output head on dim 0; o and down
-    on dim 1; norms and value head replicated; k/v replicated when ``tp > num_kv_heads``.
-    """
-    if tp == 1:
-        return None
-    if name.endswith(("k_proj.weight", "v_proj.weight")):
-        return None if kv_replicated(spec, tp) else 0
-    if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
-        return 0
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return 0
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 1
-    return None
 
 
 def replicated_grad_names(names: list[str], spec: ModelSpec, tp: int) -> list[str]:
