@@ -100,7 +100,7 @@ class Agent:
                 "--device", str(spec.device),
                 "--local-index", str(spec.local_index),
                 "--device-kind", info.kind,
-                "--rank", str(spec.device),
+                "--rank", str(spec.rank if spec.rank is not None else spec.device),
                 "--world-size", str(msg.world_size),
                 "--generation", str(msg.generation),
                 "--store-host", msg.store_host,
@@ -151,6 +151,22 @@ class Agent:
                 proc.kill()
                 proc.wait()
 
+    def stop_devices(self, devices: list[int], reason: str) -> None:
+        """Stop the workers of ``devices`` at once (SIGTERM, SIGKILL after 3 s), as a preempted
+        GPU would lose its process; their exit is reported to nereusd like any other."""
+        procs = [self.workers[d] for d in devices if d in self.workers]
+        log.warning("stopping the workers of devices %s: %s", devices, reason)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
     # ------------------------------------------------------------------ loop
     def _on_daemon(self, frame: bytes) -> bool:
         """Handle one message from nereusd; returns False when the agent must stop."""
@@ -170,6 +186,8 @@ class Agent:
                 self._send_up(P.FromWorker(device=msg.device, payload=P.TaskResult(
                     task_id=msg.task.task_id, device=msg.device, ok=False,
                     error=f"worker of device {msg.device} is not connected: {err}", error_kind="WorkerError")))
+        elif isinstance(msg, P.StopWorkers):
+            self.stop_devices(msg.devices, msg.reason)
         elif isinstance(msg, P.Shutdown):
             log.info("nereusd asked to shut down: %s", msg.reason)
             return False

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nereusd.errors import ConfigError
 
@@ -135,6 +135,60 @@ class CheckpointConfig(_Strict):
     """Save a DCP checkpoint at the end of the run."""
 
 
+class AdaptationConfig(_Strict):
+    """Live adaptation (paper §4: monitor → planner → admission; §6: transitions at safe boundaries)."""
+
+    enabled: bool = True
+    """Re-plan while the job runs; ``false`` freezes the launch plan (pool changes stop the job)."""
+    gamma: float = Field(0.5, ge=0.0)
+    """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain)."""
+    period: int = Field(0, ge=0)
+    """Also re-plan every N steps (0: on triggers only)."""
+    delta_length: float = Field(0.30, gt=0.0)
+    """Drift threshold δ_len of the response-length signal (relative)."""
+    launch_response_length: int | None = Field(None, ge=1)
+    """Response length (tokens) the launch plan is chosen for when the job gives no ``plan``
+    (default: ``rollout.max_new_tokens``, so the launch plan holds the longest response)."""
+    forced: list["ForcedSwitchConfig"] = Field(default_factory=list)
+    """Switches the operator forces at given steps (admission bypassed; e.g. to test that a run
+    that switches trains like one that does not)."""
+
+
+class ForcedSwitchConfig(_Strict):
+    """A layout forced at the safe boundary before step ``at_step`` (0-based)."""
+
+    at_step: int = Field(ge=1)
+    model_stages: dict[str, StagePlanConfig]
+    """Overrides of the *current* plan per model-stage (``tp``, ``pp``, ``dp``, ``micro_batch``,
+    ``recompute``); devices default to those the model-stage has now."""
+
+
+class PoolEventConfig(_Strict):
+    """Devices leaving or joining a local job at the safe boundary before step ``at_step``."""
+
+    at_step: int = Field(ge=1)
+    remove: int = Field(0, ge=0)
+    """Devices whose workers are stopped (the highest-numbered ones of the pool)."""
+    add: int = Field(0, ge=0)
+    """Virtual devices added by a new local agent; their workers join the world."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "PoolEventConfig":
+        if (self.add > 0) == (self.remove > 0):
+            raise ValueError(f"give exactly one of remove or add with a positive count "
+                             f"(remove={self.remove}, add={self.add})")
+        return self
+
+
+class PoolConfig(_Strict):
+    """Pool changes of a local job (``nereus-launch local``); on a cluster the scheduler decides."""
+
+    schedule: list[PoolEventConfig] = Field(default_factory=list)
+
+
+AdaptationConfig.model_rebuild()
+
+
 class JobConfig(_Strict):
     """A whole job YAML."""
 
@@ -155,6 +209,8 @@ class JobConfig(_Strict):
     train: TrainConfig = TrainConfig()
     plan: PlanConfig = PlanConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    adaptation: AdaptationConfig = AdaptationConfig()
+    pool: PoolConfig = PoolConfig()
 
     @field_validator("name")
     @classmethod

@@ -70,7 +70,8 @@ class ControlPlane:
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, heartbeat_timeout_s: float = 15.0,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None, keys: JobKeys | None = None,
                  on_pool_change: Callable[[PoolChange], None] | None = None,
-                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 on_pool_request: Callable[[int], dict[str, Any]] | None = None) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -93,6 +94,8 @@ class ControlPlane:
         self._on_event = on_event or (lambda name, fields: None)
         self._on_pool_change = on_pool_change or (lambda change: None)
         self._status = status or (lambda: {})
+        self.on_pool_request = on_pool_request
+        self.released_devices: set[int] = set()
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.world_formed = False
         self.refused_messages = 0
@@ -156,6 +159,11 @@ class ControlPlane:
             return
         if isinstance(msg, P.StatusRequest):
             self._send(identity, P.StatusReply(status=self._status()))
+            return
+        if isinstance(msg, P.PoolRequest):
+            if self.on_pool_request is None:
+                raise ProtocolError("this nereusd does not change its pool on request")
+            self._send(identity, P.StatusReply(status=self.on_pool_request(msg.remove)))
             return
         agent = self._agent_by_identity(identity)
         if agent is None:
@@ -244,6 +252,32 @@ class ControlPlane:
         self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(agent.global_devices), detail))
         return True
 
+    def release_devices(self, devices: list[int], reason: str) -> None:
+        """Stop the workers of ``devices`` and take the devices out of the pool (their agents stay).
+
+        Used at a safe boundary after the plan moved off them; the exits the agents report are
+        journalled as ``worker_exited``.
+        """
+        by_agent: dict[str, list[int]] = {}
+        for dev in devices:
+            node_id = self._device_to_agent.pop(dev, None)
+            if node_id is not None:
+                by_agent.setdefault(node_id, []).append(dev)
+            self.released_devices.add(dev)
+            self.ready_workers.discard(dev)
+        for node_id, devs in by_agent.items():
+            self._send(self.agents[node_id].identity, P.StopWorkers(devices=devs, reason=reason))
+        self._on_event("devices_released", {"devices": sorted(devices), "reason": reason})
+
+    def wait_exited(self, devices: list[int], timeout_s: float = 15.0) -> bool:
+        """Poll until the workers of ``devices`` are reported exited; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not all(d in self.exited_workers for d in devices):
+            if time.monotonic() > deadline:
+                return False
+            self.poll(0.05)
+        return True
+
     # ------------------------------------------------------------------ pool
     def devices(self) -> list[int]:
         """Global indices of all devices of registered agents."""
@@ -267,17 +301,19 @@ class ControlPlane:
 
     def spawn_workers(self, *, generation: int, world: list[int], store_host: str, store_port: int,
                       memory_capacity_bytes: int, run_dir: str, timeout_s: float = 120.0) -> None:
-        """Ask each agent to start the workers of ``world`` and wait until all are ready.
+        """Ask each agent to start the workers of ``world`` (rank = position in ``world``) and wait
+        until all are ready.
 
         Raises:
             WorkerError: if a worker exits or does not report ready within ``timeout_s``.
         """
         by_agent: dict[str, list[P.WorkerSpec]] = {}
-        for device in world:
+        for rank, device in enumerate(world):
             node_id = self._device_to_agent[device]
             local_index = self.agents[node_id].global_devices.index(device)
             by_agent.setdefault(node_id, []).append(
-                P.WorkerSpec(device=device, local_index=local_index, memory_capacity_bytes=memory_capacity_bytes)
+                P.WorkerSpec(device=device, local_index=local_index, memory_capacity_bytes=memory_capacity_bytes,
+                             rank=rank)
             )
         for node_id, workers in by_agent.items():
             self._send(self.agents[node_id].identity, P.SpawnWorkers(

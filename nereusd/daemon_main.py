@@ -22,14 +22,17 @@ import sys
 import time
 from pathlib import Path
 
+from nereusd.adaptation import Adapter, launch_plan
 from nereusd.daemon import ControlPlane
 from nereusd.driver import RLDriver
+from nereusd.live_adaptation import AdaptationStop, LiveAdaptation
 from nereusd.errors import NereusError, WorkerError
 from nereusd.jobspec import load_and_resolve
 from nereusd.journal import Journal
 from nereusd.pool_control import PoolController, PoolStop
 from nereusd.rendezvous import RendezvousStore
 from nereusd.security import load_keys
+from nereusd.site import load_site
 from nereusd.slurm import AllocationWatcher, SlurmClient
 
 log = logging.getLogger(__name__)
@@ -79,8 +82,18 @@ def run(args: argparse.Namespace) -> int:
         raise NereusError(f"--bind {args.bind} is reachable from other hosts: pass --keys-dir with the job's CURVE keys")
     journal = Journal(run_dir)
     controller = PoolController(journal, run_dir, job.config.name, job.config.steps, args.slurm_job_id)
+    adaptive = job.config.adaptation.enabled
+    controller.live = adaptive
+    live: list[LiveAdaptation] = []   # set once the world is formed
+
+    def on_pool_request(remove: int) -> dict:
+        if not live:
+            return {"error": "live adaptation is off or the world is not formed yet"}
+        return live[0].request_remove(remove)
+
     control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=journal.event,
-                           keys=keys, on_pool_change=controller.on_pool_change, status=controller.status)
+                           keys=keys, on_pool_change=controller.on_pool_change, status=controller.status,
+                           on_pool_request=on_pool_request)
     controller.control = control
     endpoint = control.endpoint
     if args.advertise_host:
@@ -99,23 +112,47 @@ def run(args: argparse.Namespace) -> int:
     os.replace(tmp, run_dir / ENDPOINT_FILE)
     journal.event("nereusd_started", {"endpoint": endpoint, "job": job.config.name,
                                       "algorithm": job.config.algorithm.value, "devices": job.devices,
-                                      "plan": job.plan.to_dict(), "curve": keys is not None,
+                                      "curve": keys is not None, "adaptive": adaptive,
                                       "slurm_job_id": args.slurm_job_id, "nodes": args.nodes})
     started = time.time()
     summary: dict = {"job": job.config.name, "algorithm": job.config.algorithm.value, "status": "running"}
     code = 1
     try:
+        driver = RLDriver(job, control, journal)
+        site = load_site(job.config.site)
+        if adaptive and "plan" not in job.config.model_fields_set:
+            chosen = launch_plan(job, site, driver.prompt_length)
+            driver.plan = chosen.plan
+            journal.event("launch_plan", {"plan": chosen.plan.to_dict(), "source": "planner",
+                                          "predicted_step_latency_s": chosen.predicted_step_latency_s,
+                                          "response_length": job.config.adaptation.launch_response_length
+                                          or job.config.rollout.max_new_tokens})
+        else:
+            journal.event("launch_plan", {"plan": driver.plan.to_dict(), "source": "job"})
         world = control.wait_for_devices(job.devices, args.register_timeout_s)
         control.spawn_workers(generation=store.generation, world=world, store_host=store.host,
                               store_port=store.port, memory_capacity_bytes=job.device_memory_bytes,
                               run_dir=str(run_dir.resolve()))
         journal.event("world_formed", {"generation": store.generation, "devices": world})
-        controller.world_formed(job.plan.to_dict(), world)
-        driver = RLDriver(job, control, journal,
-                          on_step=lambda record: controller.after_step(record, driver.save_checkpoint))
+        controller.world_formed(driver.plan.to_dict(), world)
+        if adaptive:
+            adapter = Adapter(job, site, driver.plan, driver.prompt_length)
+            live.append(LiveAdaptation(job, adapter, driver, control, store, journal, run_dir, world))
+
+        def on_step(record: dict) -> None:
+            controller.after_step(record, driver.save_checkpoint)
+            if live:
+                live[0].at_boundary(record)
+                controller.world_formed(driver.plan.to_dict(), live[0].world)
+
+        driver.on_step = on_step
         records = driver.run()
         summary.update(status="succeeded", steps=len(records))
         code = 0
+    except AdaptationStop as err:
+        summary.update(status="stopped", error=str(err), error_kind="AdaptationStop")
+        journal.event("job_stopped", {"error": str(err), "error_kind": "AdaptationStop"})
+        log.error("job stopped: %s", err)
     except PoolStop as err:
         summary.update(status="preempted", error=str(err), error_kind="Preempted")
         journal.event("job_preempted", {"reason": str(err)})
@@ -142,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         summary["wall_time_s"] = round(time.time() - started, 3)
+        if live:
+            summary["switches"] = live[0].switches
         _summarise_metrics(run_dir, summary)
         journal.summary(summary)
         control.shutdown_agents(summary["status"])

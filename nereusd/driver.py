@@ -58,29 +58,42 @@ class RLDriver:
     """Runs ``job`` on the workers behind ``control``; writes metrics and events to ``journal``."""
 
     def __init__(self, job: ResolvedJob, control: ControlPlane, journal: Journal,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_step: Callable[[dict[str, Any]], None] | None = None, plan: Plan | None = None) -> None:
         self.job = job
         self.cfg = job.config
         self.control = control
         self.journal = journal
-        self.plan: Plan = job.plan
+        self.plan: Plan = plan or job.plan
+        """The running plan; live adaptation replaces it at safe boundaries."""
         self.task = get_task(self.cfg.task.name, **self.cfg.task.options)
         self.tokenizer = self.task.tokenizer
         self.sampler = PromptSampler(self.task)
         self.on_step = on_step or (lambda record: None)
         self.step_index = 0
+        self._ms_s: dict[str, float] = {}
+
+    @property
+    def prompt_length(self) -> int:
+        """Longest prompt of the task's first step, in tokens (the planner's prompt length)."""
+        if not hasattr(self.task, "prompt_at"):
+            return 8
+        return max(len(self.task.prompt_at(i).tokens) for i in range(self.cfg.rollout.prompts_per_step))
 
     # ------------------------------------------------------------------ setup
-    def build(self) -> None:
-        """Create every model-stage's communicators and engines on the workers."""
+    def build_args(self, plan: Plan) -> dict[str, Any]:
+        """Arguments of the workers' ``build`` task for ``plan`` (an empty plan only records the
+        job's models and optimiser settings on a worker that joins later)."""
         train = self.cfg.train
         roles = {
             role.value: {"spec": rm.spec.to_dict(), "path": rm.path, "value_head": rm.value_head}
             for role, rm in self.job.roles.items()
         }
         lr = {str(ACTOR_TRAIN): train.actor_lr, str(CRITIC_TRAIN): train.critic_lr}
-        args = {"plan": self.plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr,
-                "seed": self.cfg.seed}
+        return {"plan": plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr, "seed": self.cfg.seed}
+
+    def build(self) -> None:
+        """Create every model-stage's communicators and engines on the workers."""
+        args = self.build_args(self.plan)
         start = time.perf_counter()
         results = self.control.run("build", {d: args for d in range(self.job.devices)})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
@@ -105,10 +118,16 @@ class RLDriver:
     def _gather(self, dispatch: _Dispatch, key: str) -> tuple[list[Any], dict[int, Any]]:
         """Concatenate the replicas' ``key`` results in sample order; also return raw results."""
         results = self.control.collect(dispatch.task_id)
+        self._note_time(dispatch.model_stage, results)
         out: list[Any] = []
         for device in dispatch.reporters:
             out.extend(results[device].result[key])
         return out, results
+
+    def _note_time(self, ms: ModelStage, results: dict[int, Any]) -> None:
+        """Add the slowest device's task time to ``ms``'s measured seconds of this step."""
+        key = str(ms)
+        self._ms_s[key] = self._ms_s.get(key, 0.0) + max((r.elapsed_s for r in results.values()), default=0.0)
 
     # ------------------------------------------------------------------ one step
     def _generate(self, batch: RolloutBatch, greedy: bool) -> _Dispatch:
@@ -136,6 +155,7 @@ class RLDriver:
         step_start = time.perf_counter()
         stage_s: dict[str, float] = {}
         peaks: dict[int, int] = {}
+        self._ms_s = {}
 
         def note_peaks(results: dict[int, Any]) -> None:
             for device, res in results.items():
@@ -207,6 +227,7 @@ class RLDriver:
             "step": self.step_index,
             "step_latency_s": latency,
             "stage_latency_s": stage_s,
+            "model_stage_s": dict(self._ms_s),
             "reward_mean": float(np.mean(batch.scores)),
             "response_length_mean": float(np.mean(lengths)),
             "response_length_max": int(max(lengths)),
@@ -264,6 +285,7 @@ class RLDriver:
                                                            ["old_values", "returns", "weight"], critic_loss))
                 for dispatch in dispatches:
                     results = self.control.collect(dispatch.task_id)
+                    self._note_time(dispatch.model_stage, results)
                     note_peaks(results)
                     metrics = mean_of([results[d].result["metrics"] for d in dispatch.reporters])
                     prefix = dispatch.model_stage.role.value

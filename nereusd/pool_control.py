@@ -48,11 +48,13 @@ class PoolController:
         self.stop_reason: str | None = None
         self.preempt_reason: str | None = None
         self.started_s = time.time()
+        self.live = False
+        """Live adaptation is on: joins and spare losses re-plan (:func:`assess` ``live``)."""
 
     # ------------------------------------------------------------------ events
     def on_pool_change(self, change: PoolChange) -> None:
         """Journal ``change`` with its verdict; remember a stop or preemption for the step hook."""
-        verdict, reason = assess(change, self.plan_devices)
+        verdict, reason = assess(change, self.plan_devices, self.live)
         record = {"kind": change.kind.value, "cause": change.cause, "node_id": change.node_id,
                   "devices": list(change.devices), "verdict": verdict.value, "reason": reason,
                   "pool_devices": self.control.devices() if self.control else []}

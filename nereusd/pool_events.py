@@ -36,6 +36,8 @@ class Verdict(str, enum.Enum):
     """The plan lost a device; without live re-planning the job stops with a checkpoint."""
     CHECKPOINT_AND_STOP = "checkpoint_and_stop"
     """Preemption warning: checkpoint at the next safe boundary, then stop."""
+    REPLAN = "replan"
+    """Live adaptation: the job re-plans onto the changed pool at the next safe boundary."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,11 @@ class PoolChange:
     detail: str
 
 
-def assess(change: PoolChange, plan_devices: Iterable[int]) -> tuple[Verdict, str]:
+def assess(change: PoolChange, plan_devices: Iterable[int], live: bool = False) -> tuple[Verdict, str]:
     """Decide what the job does about ``change`` given the devices the current plan uses.
+
+    With ``live`` (live adaptation on), devices that join, and spares that leave, make the job
+    re-plan at the next safe boundary; a plan device lost in the middle of a step still stops it.
 
     Returns:
         The verdict and a reason naming the devices involved.
@@ -67,10 +72,16 @@ def assess(change: PoolChange, plan_devices: Iterable[int]) -> tuple[Verdict, st
     plan = set(plan_devices)
     if change.kind == PoolChangeKind.PREEMPTION:
         return Verdict.CHECKPOINT_AND_STOP, f"{change.detail}: checkpoint at the next step boundary and stop"
+    if live and change.kind == PoolChangeKind.JOINED:
+        return Verdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} join the pool; the job "
+                                "re-plans onto them at the next safe boundary")
     if change.kind == PoolChangeKind.JOINED:
         return Verdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} join the pool as spares "
                                   "(the current plan is kept until live re-planning uses them)")
     hit = sorted(plan & set(change.devices))
+    if not hit and live:
+        return Verdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
+                                "not use them; the job re-plans at the next safe boundary")
     if not hit:
         return Verdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
                                   "not use them, the job continues on the remaining devices")

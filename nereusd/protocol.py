@@ -8,8 +8,8 @@ never dies of one). Tensors never travel here: only commands, metrics and token 
 
 Paths of a message:
     agent → nereusd:   RegisterAgent, Heartbeat, WorkerExited, FromWorker (relay)
-    nereusd → agent:   Welcome, SpawnWorkers, ToWorker (relay), Shutdown, ErrorReply
-    CLI → nereusd:     StatusRequest;  nereusd → CLI: StatusReply
+    nereusd → agent:   Welcome, SpawnWorkers, ToWorker (relay), StopWorkers, Shutdown, ErrorReply
+    CLI → nereusd:     StatusRequest, PoolRequest;  nereusd → CLI: StatusReply
     worker → agent:    WorkerReady, TaskResult
     agent → worker:    Task, Shutdown
 """
@@ -73,9 +73,11 @@ class WorkerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: int = Field(ge=0)
-    """Global device index == torch.distributed rank."""
+    """Global device index."""
     local_index: int = Field(ge=0)
     memory_capacity_bytes: int = Field(ge=1)
+    rank: int | None = Field(None, ge=0)
+    """torch.distributed rank in the world it joins (default: the device index)."""
 
 
 class SpawnWorkers(_Message):
@@ -87,6 +89,22 @@ class SpawnWorkers(_Message):
     workers: list[WorkerSpec]
     run_dir: str
     threads_per_worker: int = Field(1, ge=1)
+
+
+class StopWorkers(_Message):
+    """nereusd → agent: stop the workers of these devices (they leave the pool, as a preempted GPU)."""
+
+    type: Literal["stop_workers"] = "stop_workers"
+    devices: list[int]
+    reason: str = ""
+
+
+class PoolRequest(_Message):
+    """``nereus-launch pool RUN_DIR --remove N`` → nereusd: release ``remove`` devices at the next
+    safe boundary (answered with a :class:`StatusReply`)."""
+
+    type: Literal["pool_request"] = "pool_request"
+    remove: int = Field(ge=1)
 
 
 class WorkerExited(_Message):
@@ -164,6 +182,7 @@ AnyMessage = Annotated[
     Union[
         RegisterAgent, Welcome, Heartbeat, SpawnWorkers, WorkerExited, Task, TaskResult,
         WorkerReady, ToWorker, FromWorker, Shutdown, ErrorReply, StatusRequest, StatusReply,
+        StopWorkers, PoolRequest,
     ],
     Field(discriminator="type"),
 ]
@@ -171,7 +190,7 @@ _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
 _KNOWN_TYPES = {
     "register_agent", "welcome", "heartbeat", "spawn_workers", "worker_exited", "task",
     "task_result", "worker_ready", "to_worker", "from_worker", "shutdown", "error",
-    "status_request", "status_reply",
+    "status_request", "status_reply", "stop_workers", "pool_request",
 }
 
 

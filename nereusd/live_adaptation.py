@@ -1,0 +1,224 @@
+"""Live adaptation, the shell: executes the controller's decisions on the workers at the safe
+boundary (end of a synchronous RL step; paper §6, DESIGN.md "One RL step", step 5).
+
+:class:`LiveAdaptation.at_boundary` runs after every step, on the control-plane thread:
+
+1. journal ``step_prediction`` (predicted vs measured step latency and peak memory) and
+   calibrate (:meth:`nereusd.adaptation.Adapter.observe`);
+2. apply pool changes due now — the job's ``pool.schedule`` (local mode) and ``nereus-launch
+   pool --remove`` requests: devices that *leave* are drained first (the plan moves off them
+   while their state is still alive, as after a preemption notice), then their workers are
+   stopped and the survivors re-form the world (new generation); devices that *join* get new
+   workers (started in a private world, then every worker re-forms the world with them);
+3. ask the controller (:meth:`~nereusd.adaptation.Adapter.boundary`) and journal ``trigger``,
+   ``replan`` and ``admission`` (ΔL, L_tran, H_x, γ, alternatives);
+4. run an admitted transition DAG (:class:`nereusd.transition_runner.TransitionRunner`) and
+   journal ``transition`` with per-op timings; an urgent decision with no feasible target is a
+   ``fallback`` (checkpoint, and the job stops with its message).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nereusd.adaptation import Adapter, StepObservation, forced_plan
+from nereusd.admission import ADMIT, RESTART
+from nereusd.errors import NereusError
+from nereusd.jobspec import ResolvedJob
+from nereusd.journal import Journal
+from nereusd.plan import ModelStage, Plan
+from nereusd.transition import plan_transition
+from nereusd.transition_runner import TransitionRunner
+
+log = logging.getLogger(__name__)
+
+
+class AdaptationStop(NereusError):
+    """The urgent path found no plan that fits: the job checkpointed and stops."""
+
+
+def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str) -> subprocess.Popen:
+    """Start a ``nereus-agent`` with ``devices`` virtual CPU devices that joins the job at ``endpoint``
+    (its own session; it exits when nereusd tells it to or goes silent). Log: ``logs/agent-<node_id>.log``."""
+    log_path = Path(run_dir) / "logs" / f"agent-{node_id}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", node_id,
+            "--run-dir", str(Path(run_dir).resolve()), "--cpu-devices", str(devices),
+            "--cpu-memory-bytes", str(memory_bytes)]
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=dict(os.environ))
+
+
+class LiveAdaptation:
+    """See the module docstring.
+
+    Args:
+        job: the resolved job; ``adapter``: its controller; ``driver``: the RL driver (its
+        ``plan`` changes here); ``control``: the control plane; ``store``: the rendezvous store
+        (world generations); ``world``: devices of the current world in rank order.
+    """
+
+    def __init__(self, job: ResolvedJob, adapter: Adapter, driver, control, store, journal: Journal,
+                 run_dir: Path, world: list[int]) -> None:
+        self.job, self.adapter, self.driver, self.control, self.store = job, adapter, driver, control, store
+        self.journal, self.run_dir, self.world = journal, Path(run_dir), list(world)
+        self.pending_remove = 0
+        self.switches = 0
+        self._added = 0
+        self._schedule = {e.at_step: e for e in job.config.pool.schedule}
+        self._forced = {f.at_step: f for f in job.config.adaptation.forced}
+
+    # ------------------------------------------------------------------ requests
+    def request_remove(self, count: int) -> dict[str, Any]:
+        """``nereus-launch pool --remove``: queue ``count`` devices to leave at the next boundary."""
+        self.pending_remove += count
+        self.journal.event("pool_request", {"remove": count})
+        return {"queued_remove": self.pending_remove, "pool": self.control.devices()}
+
+    # ------------------------------------------------------------------ the boundary
+    def at_boundary(self, record: dict[str, Any]) -> None:
+        """Everything of the module docstring after step ``record['step']``.
+
+        Raises:
+            AdaptationStop: the urgent path ended in checkpoint/restart.
+            WorkerError / TransitionInterrupted: a worker failed during a transition.
+        """
+        step = int(record["step"])
+        obs = StepObservation(step, int(record["response_length_max"]),
+                              {ModelStage.parse(k): v for k, v in record.get("model_stage_s", {}).items()},
+                              {int(d): int(b) for d, b in record["peak_memory_bytes"].items()},
+                              float(record["step_latency_s"]))
+        self.journal.event("step_prediction", self.adapter.observe(obs))
+        upcoming = step + 1
+        if upcoming >= self.job.config.steps:
+            return
+        self.control.poll(0)
+        event = self._schedule.get(upcoming)
+        remove = self.pending_remove + (event.remove if event else 0)
+        self.pending_remove = 0
+        if event is not None and event.add:
+            self._add_devices(event.add)
+        forced = None
+        if upcoming in self._forced:
+            forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
+        leaving: list[int] = []
+        if remove:
+            pool = [d for d in self.control.devices() if d in self.world]
+            leaving = sorted(pool)[-remove:] if remove < len(pool) else []
+            if not leaving:
+                self.journal.event("pool_request_refused", {"remove": remove, "pool": pool,
+                                                            "reason": "the job needs at least one device"})
+        joined = [d for d in self.control.devices() if d not in self.world]
+        if joined:
+            self._grow_world(joined)
+        pool = tuple(d for d in sorted(self.world) if d not in leaving)
+        if leaving or joined:
+            self.journal.event("pool_changed", {"step": step, "joined": joined, "leaving": leaving,
+                                                "pool_devices": list(pool), "verdict": "replan"})
+        outcome = self.adapter.boundary(step, pool, forced=forced)
+        rebuilt = False
+        if outcome is not None:
+            rebuilt = self._decide(step, outcome, leaving)
+        if leaving:
+            self._release(leaving, rebuilt)
+        elif joined and not rebuilt:
+            self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
+        if leaving or joined:
+            self.adapter.switched(self.driver.plan, tuple(sorted(self.world)))
+
+    def _decide(self, step: int, outcome, leaving: list[int]) -> bool:
+        """Journal the decision and run an admitted transition; True when engines were rebuilt."""
+        d = outcome.decision
+        for trigger in d.triggers:
+            self.journal.event("trigger", {"step": step, **trigger.to_dict()})
+        self.journal.event("replan", {"step": step, "planned_length": outcome.planned_length,
+                                      "memory_ratio": self.adapter.memory_ratio(),
+                                      "headroom": self.adapter.headroom(), "planner_log": list(outcome.planner_log),
+                                      "targets": len(d.alternatives) + (1 if d.admitted else 0)})
+        self.journal.event("admission", {k: v for k, v in d.to_dict().items() if k != "event"}
+                           | {"current_plan": self.driver.plan.to_dict()})
+        log.info("step %d: %s (%s)", step, d.verdict, d.reason)
+        if d.verdict == ADMIT:
+            if leaving and set(leaving) & set(d.target.plan.devices()):
+                raise NereusError(f"target plan uses leaving devices {leaving}")  # planned on the pool without them
+            self._transition(self.driver.plan, d.target.plan, step, d.reason, predicted_s=d.l_tran_s)
+            self.switches += 1
+            return True
+        if d.verdict == RESTART or (leaving and set(leaving) & set(self.driver.plan.devices())):
+            path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
+            self.driver.save_checkpoint(str(path))
+            self.journal.event("fallback", {"step": step, "action": "checkpoint_and_stop", "checkpoint": str(path),
+                                            "reason": d.reason})
+            raise AdaptationStop(f"step {step}: {d.reason}; checkpoint saved in {path}")
+        return False
+
+    # ------------------------------------------------------------------ execution
+    def _transition(self, current: Plan, target: Plan, step: int, why: str, predicted_s: float | None = None) -> None:
+        """Run ``current → target`` on the world; the driver continues on ``target``."""
+        models = {role: rm.spec for role, rm in self.job.roles.items()}
+        dag = plan_transition(current, target, models, devices_per_node=1 << 20)
+        start = time.perf_counter()
+        progress = TransitionRunner(self.control, self.world).run(dag)
+        elapsed = time.perf_counter() - start
+        self.driver.plan = target
+        if predicted_s:
+            self.adapter.transition_measured(predicted_s, elapsed)
+        self.adapter.switched(target, tuple(sorted(self.world)))
+        self.journal.event("transition", {
+            "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
+            "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
+            "setup_s": progress.setup_s, "world": self.world, "generation": self.store.generation,
+            "op_timings": progress.timings})
+        log.info("transition at step %d: %d ops in %.2f s -> %s", step, len(dag.ops), elapsed, target.describe())
+
+    def _reform(self, world: list[int], new: list[int]) -> None:
+        """Every worker of ``world`` joins a new world generation (rank = position in ``world``)."""
+        generation = self.store.next_generation()
+        start = time.perf_counter()
+        args = {"generation": generation, "devices": world, "timeout_s": 120}
+        self.control.run("reform_world", {d: args for d in world}, 300)
+        self.world = list(world)
+        self.journal.event("world_formed", {"generation": generation, "devices": world, "new_devices": new,
+                                            "elapsed_s": time.perf_counter() - start})
+
+    def _grow_world(self, joined: list[int]) -> None:
+        """Start workers for ``joined`` devices (a private world first, so that they can take the
+        same tasks as the others), then re-form the world with them."""
+        private = self.store.next_generation()
+        self.control.spawn_workers(generation=private, world=joined, store_host=self.store.host,
+                                   store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
+                                   run_dir=str(self.run_dir.resolve()))
+        args = self.driver.build_args(Plan({}))
+        self.control.run("build", {d: args for d in joined}, 300)
+        self.journal.event("workers_started", {"devices": joined, "generation": private})
+        self._reform(sorted(self.world) + joined, joined)
+
+    def _release(self, leaving: list[int], rebuilt: bool) -> None:
+        """Stop the workers of ``leaving`` (the plan no longer uses them) and re-form the world."""
+        if not rebuilt and set(leaving) & set(self.driver.plan.devices()):
+            raise NereusError(f"devices {leaving} still hold the plan; they cannot leave")
+        self.control.release_devices(leaving, "removed from the local pool")
+        if not self.control.wait_exited(leaving):
+            raise NereusError(f"the workers of devices {leaving} did not stop")
+        survivors = [d for d in self.world if d not in leaving]
+        self._reform(survivors, [])
+        self._transition(self.driver.plan, self.driver.plan, -1, "rebuild after re-forming the world")
+
+    def _add_devices(self, count: int) -> None:
+        """Start a local agent with ``count`` virtual devices and wait until it registered."""
+        self._added += 1
+        before = set(self.control.devices())
+        node = f"local-add{self._added}"
+        start_local_agent(self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node)
+        deadline = time.monotonic() + 120
+        while len(set(self.control.devices()) - before) < count:
+            if time.monotonic() > deadline:
+                raise NereusError(f"agent {node} with {count} devices did not register within 120 s")
+            self.control.poll(0.1)
