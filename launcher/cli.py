@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nereus-launch",
         description=(
             "Run and manage Nereus RL post-training jobs. 'local' runs a whole job (nereusd, one "
-            "agent, one worker per virtual device) on this machine; 'report' plots a run directory."
+            "agent, one worker per virtual device) on this machine; 'submit' renders the sbatch "
+            "template with a site config and submits it to Slurm; 'plan' and 'simulate' show what "
+            "the planner and the adaptation policy would do, without GPUs; 'report' plots a run."
         ),
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
