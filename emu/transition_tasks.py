@@ -82,6 +82,7 @@ class TransitionTasks:
     def _attach(self, ms: ModelStage, cand: Candidate) -> None:
         """Build engine ``ms`` (collective group creation) and bind it to this device's holding."""
         groups = self.stage_groups[ms] = self._groups(cand)
+        self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))  # checkpoints
         if self.device_index not in cand.devices:
             return
         _, p, t = cand.coords_of(self.device_index)
