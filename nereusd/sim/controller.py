@@ -113,6 +113,7 @@ class Controller:
         self._planners: dict[tuple, Planner] = {}
         self._solutions: dict[tuple, PlanResult | None] = {}
         self._efficiency = 1.0
+        self._replay_until, self._replay_length = 0, 0.0
 
     # ---- measurements ------------------------------------------------------------------------
     def problem_at(self, length: float, pool: tuple[int, ...]) -> PlanProblem:
@@ -190,7 +191,8 @@ class Controller:
             None when nothing triggered, else the admission outcome; an admitted target
             becomes :attr:`plan`.
         """
-        problem = self.problem_at(length, pool)
+        plan_length = max(length, self._replay_length) if step < self._replay_until else length
+        problem = self.problem_at(plan_length, pool)
         usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
         signals = {SEQUENCE_LENGTH: float(length), EFFICIENCY: self._efficiency}
         peak, current = None, None
@@ -212,7 +214,7 @@ class Controller:
         if not triggers:
             return None
         urgent = any(t.urgent for t in triggers)
-        result = self._solve(length, pool, urgent)
+        result = self._solve(plan_length, pool, urgent)
         targets = []
         if result is not None:
             targets.append(self._target(result.plan, problem, usable))
@@ -232,3 +234,10 @@ class Controller:
     def restarted(self, plan: Plan) -> None:
         """The job was checkpointed and restarted into ``plan``."""
         self.plan = plan
+
+    def failed(self, step: int, length: float) -> None:
+        """Step ``step`` of mean length ``length`` ran out of memory: until the job is past it
+        again (the steps since the checkpoint re-run the same batches), plan for at least that
+        length, so that a replan during the re-run does not return to a layout that failed."""
+        self._replay_until = max(self._replay_until, step + 1)
+        self._replay_length = max(self._replay_length if step < self._replay_until else 0.0, length)

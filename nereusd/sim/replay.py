@@ -158,6 +158,9 @@ class Simulation:
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
         while i < self.steps:
+            if len(res.records) > 20 * self.steps + 1000:
+                raise SimulationError(f"{policy.name} makes no progress: {len(res.records)} records "
+                                      f"for {self.steps} steps (repeated failures)")
             length = self.lengths.at(i)
             if policy.kind == ORACLE:
                 plan = self._oracle.plan(i, length, pool, t) or plan
@@ -172,6 +175,7 @@ class Simulation:
             if truth.oom(plan, length, i):
                 rec.oom, rec.lost_s = True, OOM_LOST_FRACTION * step_s
                 ctl.observe(StepMeasurement(i, length, {}, peaks))
+                ctl.failed(i, length)
                 plan = self._restart(ctl, rec, truth, plan, length, pool, urgent=True)
                 base = plan
                 t += rec.lost_s + rec.restart_s
@@ -194,13 +198,14 @@ class Simulation:
                 rec.stall_s += nxt - t
                 t = nxt
                 new_pool = self.pool_at(t)
-            lost = any(d >= len(new_pool) for d in plan.devices())
-            state_lost = lost and _state_lost(plan, len(new_pool))
+            outage = rec.stall_s > 0   # the pool fell below any plan: every replica is gone
+            lost = outage or any(d >= len(new_pool) for d in plan.devices())
+            state_lost = outage or (lost and _state_lost(plan, len(new_pool)))
             if policy.kind == ORACLE:
                 pool = new_pool
                 continue
             if policy.kind == FROZEN:
-                if new_pool != pool:
+                if new_pool != pool or outage:
                     target = dp_rescale(base, replace(self.problem, pool=new_pool), current=plan)
                     if target is None or state_lost:
                         plan = self._restart(ctl, rec, truth, plan, length, new_pool, urgent=True,
