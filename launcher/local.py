@@ -20,7 +20,7 @@ from pathlib import Path
 
 from nereusd.errors import NereusError
 from nereusd.jobspec import ResolvedJob, load_and_resolve
-from nereusd.journal import METRICS_FILE, SUMMARY_FILE, read_jsonl
+from nereusd.journal import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
 
 ENDPOINT_FILE = "nereusd.json"
 
@@ -111,6 +111,24 @@ def compact_plan(plan: dict) -> str:
     return " ".join(parts)
 
 
+def describe_event(ev: dict) -> str | None:
+    """One progress line for an admitted switch, a fallback or a pool change; else ``None``."""
+    kind = ev.get("event")
+    if kind == "admission" and ev.get("verdict") == "admit":
+        why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
+        changed = [f"{ms} tp{c['tp']}·pp{c['pp']}·dp{c['dp']}" for ms, c in (ev.get("target_plan") or {}).items()
+                   if c != (ev.get("current_plan") or {}).get(ms)]
+        gain = ev.get("delta_l_s")
+        return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
+                + (f" (ΔL {gain:+.2f} s/step, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
+    if kind == "fallback":
+        return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
+    if kind == "pool_changed" and "step" in ev:
+        return (f"nereus: step {ev['step']}: pool change (joined {ev.get('joined')}, leaving {ev.get('leaving')}) "
+                f"-> {len(ev.get('pool_devices', []))} devices")
+    return None
+
+
 class _Progress:
     """A tqdm bar fed from ``metrics.jsonl``."""
 
@@ -119,6 +137,9 @@ class _Progress:
 
         self.bar = tqdm(total=total, unit="step", disable=quiet, dynamic_ncols=True, desc="nereus")
         self.seen = 0
+        self.events_seen = 0
+        self.switches = 0
+        self.quiet = quiet
 
     def update(self, run_dir: Path) -> None:
         records = read_jsonl(run_dir / METRICS_FILE)
@@ -182,7 +203,7 @@ def _report(run_dir: Path, interrupted: bool) -> int:
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}, "
               f"response length {summary.get('response_length_first_10pct', 0):.1f} → "
               f"{summary.get('response_length_last_10pct', 0):.1f} tokens "
-              f"({summary.get('response_length_growth', 0):.1f}×)")
+              f"({summary.get('response_length_growth', 0):.1f}×); layout switches: {summary.get('switches', 0)}")
         print(f"nereus: results in {run_dir} (plots: nereus-launch report {run_dir})")
         return 0
     print(f"nereus: {status}: {summary.get('error', 'see logs')}", file=sys.stderr)

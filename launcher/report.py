@@ -85,7 +85,74 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
     fig.savefig(out_dir / "peak_memory.png", dpi=100)
     plt.close(fig)
     written.append(out_dir / "peak_memory.png")
+    written += adaptation_plots(run_dir, records, out_dir, plt)
     return written
+
+
+def _layout(cand: dict) -> str:
+    extra = (f" mb{cand['micro_batch']}" if cand.get("micro_batch") else "") + (" R" if cand.get("recompute") else "")
+    return f"tp{cand['tp']}·pp{cand['pp']}·dp{cand['dp']} [{','.join(map(str, cand['devices']))}]{extra}"
+
+
+def plan_segments(records: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
+    """Per model-stage, ``(first step, last step, layout text)`` runs of an unchanged candidate."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for rec in records:
+        for ms, cand in rec.get("plan", {}).items():
+            text = _layout(cand)
+            runs = out.setdefault(ms, [])
+            if runs and runs[-1][2] == text and runs[-1][1] == rec["step"] - 1:
+                runs[-1] = (runs[-1][0], rec["step"], text)
+            else:
+                runs.append((rec["step"], rec["step"], text))
+    return out
+
+
+def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> list[Path]:
+    """``plan_timeline.png`` (layout of every model-stage per step; admitted switches and pool
+    changes marked) and ``predicted_vs_measured.png`` (the controller's step-latency prediction
+    against the measured critical path of model-stage times and the step's wall time)."""
+    from nereusd.journal import EVENTS_FILE
+
+    events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
+    segments = plan_segments(records)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * max(1, len(segments))))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, (ms, runs) in enumerate(segments.items()):
+        for k, (lo, hi, text) in enumerate(runs):
+            ax.barh(row, hi - lo + 1, left=lo - 0.5, color=colors[k % len(colors)], alpha=0.5, edgecolor="k")
+            ax.text((lo + hi) / 2, row, text, ha="center", va="center", fontsize=7)
+    for e in events:
+        if e.get("event") == "admission" and e.get("verdict") == "admit":
+            ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
+            why = ",".join(t["signal"] for t in e.get("triggers", []))
+            ax.text(e["step"] + 0.55, len(segments) - 0.4, f"switch ({why})", color="red", fontsize=7, rotation=90,
+                    va="top")
+        elif e.get("event") == "pool_changed" and "step" in e:
+            ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
+    ax.set_yticks(range(len(segments)), list(segments))
+    ax.set(title="Plan timeline (red: admitted switch, purple: pool change)", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(out_dir / "plan_timeline.png", dpi=100)
+    plt.close(fig)
+
+    preds = [e for e in events if e.get("event") == "step_prediction"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if preds:
+        steps = [e["step"] for e in preds]
+        ax.plot(steps, [e.get("predicted_step_latency_s") for e in preds], "o-", label="predicted (cost model)")
+        ax.plot(steps, [e.get("measured_stage_path_s") for e in preds], "s-", label="measured (model-stage path)")
+        ax.plot(steps, [e.get("measured_step_latency_s") for e in preds], ".:", label="measured (step wall time)")
+        for e in events:
+            if e.get("event") == "admission" and e.get("verdict") == "admit":
+                ax.axvline(e["step"] + 0.5, color="red", lw=1)
+        ax.legend()
+    ax.set(title="Step latency: predicted vs measured (red: switch)", xlabel="step", ylabel="seconds")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "predicted_vs_measured.png", dpi=100)
+    plt.close(fig)
+    return [out_dir / "plan_timeline.png", out_dir / "predicted_vs_measured.png"]
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     store = RendezvousStore(args.store_host)
     tmp = run_dir / (ENDPOINT_FILE + ".tmp")
     tmp.write_text(json.dumps({"endpoint": endpoint, "pid": os.getpid(), "store": f"{store.host}:{store.port}",
-                               "curve": keys is not None, "slurm_job_id": args.slurm_job_id}))
+                               "curve": keys is not None, "slurm_job_id": args.slurm_job_id,
+                               "device_memory_bytes": job.device_memory_bytes}))
     os.replace(tmp, run_dir / ENDPOINT_FILE)
     journal.event("nereusd_started", {"endpoint": endpoint, "job": job.config.name,
                                       "algorithm": job.config.algorithm.value, "devices": job.devices,

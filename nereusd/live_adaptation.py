@@ -127,7 +127,7 @@ class LiveAdaptation:
         if outcome is not None:
             rebuilt = self._decide(step, outcome, leaving)
         if leaving:
-            self._release(leaving, rebuilt)
+            self._release(leaving, rebuilt, step)
         elif joined and not rebuilt:
             self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
         if leaving or joined:
@@ -200,7 +200,7 @@ class LiveAdaptation:
         self.journal.event("workers_started", {"devices": joined, "generation": private})
         self._reform(sorted(self.world) + joined, joined)
 
-    def _release(self, leaving: list[int], rebuilt: bool) -> None:
+    def _release(self, leaving: list[int], rebuilt: bool, step: int) -> None:
         """Stop the workers of ``leaving`` (the plan no longer uses them) and re-form the world."""
         if not rebuilt and set(leaving) & set(self.driver.plan.devices()):
             raise NereusError(f"devices {leaving} still hold the plan; they cannot leave")
@@ -209,7 +209,7 @@ class LiveAdaptation:
             raise NereusError(f"the workers of devices {leaving} did not stop")
         survivors = [d for d in self.world if d not in leaving]
         self._reform(survivors, [])
-        self._transition(self.driver.plan, self.driver.plan, -1, "rebuild after re-forming the world")
+        self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
 
     def _add_devices(self, count: int) -> None:
         """Start a local agent with ``count`` virtual devices and wait until it registered."""

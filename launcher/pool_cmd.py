@@ -1,0 +1,89 @@
+"""``nereus-launch pool RUN_DIR --remove N | --add N``: change the device pool of a running local job.
+
+``--remove N`` asks nereusd (over the control plane, like ``status``) to release ``N`` devices at
+the next safe boundary: the plan moves off them, their workers are stopped, and the survivors
+re-form the world. ``--add N`` starts another ``nereus-agent`` with ``N`` virtual devices that
+registers with the job's nereusd; at the next safe boundary their workers join the world and
+the job re-plans onto them. Both are journalled in ``RUN_DIR/events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import zmq
+
+from nereusd import protocol as P
+from nereusd.errors import NereusError
+from nereusd.live_adaptation import start_local_agent
+from nereusd.security import load_keys, make_client
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("pool", help="remove or add devices of a running local job",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="the job's run directory")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--remove", type=int, help="devices to release at the next safe boundary")
+    group.add_argument("--add", type=int, help="virtual devices to add (a new local agent)")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="how long to wait for nereusd's answer")
+    p.set_defaults(func=run)
+
+
+def _endpoint(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "nereusd.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise NereusError(f"{run_dir}: no running nereusd ({err})") from None
+
+
+def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
+    """Ask the job's nereusd to release ``count`` devices; returns its answer.
+
+    Raises:
+        NereusError: nereusd does not answer within ``timeout_s`` or refuses.
+    """
+    info = _endpoint(run_dir)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if info.get("curve"):
+            make_client(sock, load_keys(run_dir / "keys", "client"))
+        sock.connect(info["endpoint"])
+        sock.send(P.encode(P.PoolRequest(remove=count)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise NereusError(f"nereusd at {info['endpoint']} did not answer within {timeout_s:.0f} s")
+        reply = P.decode(sock.recv())
+    finally:
+        sock.close(0)
+    if isinstance(reply, P.ErrorReply):
+        raise NereusError(f"nereusd refused: {reply.reason}")
+    status = reply.status if isinstance(reply, P.StatusReply) else {}
+    if "error" in status:
+        raise NereusError(f"nereusd refused: {status['error']}")
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if args.remove is not None:
+        if args.remove < 1:
+            raise NereusError(f"--remove: expected a positive count, got {args.remove}")
+        status = request_remove(run_dir, args.remove, args.timeout_s)
+        print(f"nereus: {args.remove} device(s) leave at the next safe boundary (pool now {status.get('pool')})")
+        return 0
+    if args.add < 1:
+        raise NereusError(f"--add: expected a positive count, got {args.add}")
+    info = _endpoint(run_dir)
+    if info.get("curve"):
+        raise NereusError("--add starts a local agent; this job uses CURVE keys (a cluster job: use 'grow')")
+    memory = int(info.get("device_memory_bytes") or 2**30)
+    node = f"local-cli{int(time.time())}"
+    proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node)
+    print(f"nereus: agent {node} (pid {proc.pid}) with {args.add} device(s) joins; they are used from the next "
+          "safe boundary")
+    return 0
+
