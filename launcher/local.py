@@ -146,7 +146,8 @@ class _Progress:
         for rec in records[self.seen:]:
             self.bar.set_postfix_str(
                 f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f} "
-                f"step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))}", refresh=False)
+                f"step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
+                f"switches {self.switches}", refresh=False)
             self.bar.update(1)
         self.seen = len(records)
 
