@@ -7,8 +7,9 @@ asks :meth:`Adapter.boundary` what to do:
 1. *calibration* — each model-stage's measured task time refines the cost model's efficiency per
    operation class (:meth:`nereusd.calibration.Calibration.observe_stage`); measured peak memory
    per device against the predicted peak gives a memory ratio (the largest of recent steps) that
-   widens the planner's headroom, ``1 − (1 − headroom)/ratio``; measured against predicted
-   transition time gives a transition ratio that scales ``L̂_tran``;
+   widens the planner's headroom, ``1 − (1 − headroom)/ratio``; measured minus predicted
+   transition time gives the fixed cost of a transition (communicators, engine rebuilds) that
+   the DAG's byte-and-link model leaves out, added to every ``L̂_tran``;
 2. *triggers* — :class:`nereusd.monitor.Monitor`: the pool changed or the current plan's
    predicted peak for the coming step exceeds the usable memory (urgent); the response length
    or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
@@ -166,7 +167,8 @@ class Adapter:
         self.transitions = TransitionEstimator(problem.specs, problem.site, self.cost_model,
                                                problem.workflow.concurrent_sets())
         self._memory: deque[float] = deque(maxlen=MEMORY_WINDOW)
-        self.transition_ratio = 1.0
+        self.transition_overhead_s = 0.0
+        self._transitions_seen = 0
         self.efficiency = 1.0
         self.length = 1
         self.predicted_step_s: float | None = None
@@ -219,9 +221,12 @@ class Adapter:
         return record
 
     def transition_measured(self, predicted_s: float, measured_s: float) -> None:
-        """Learn the ratio of measured to predicted transition time (EMA, weight 0.5)."""
-        if predicted_s > 0 and measured_s > 0:
-            self.transition_ratio = 0.5 * self.transition_ratio + 0.5 * (measured_s / predicted_s)
+        """Learn the fixed cost of a transition, ``measured − predicted`` seconds (EMA, weight 0.5;
+        the first measurement is taken as is)."""
+        extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
+        self.transition_overhead_s = extra if not self._transitions_seen else (
+            0.5 * self.transition_overhead_s + 0.5 * extra)
+        self._transitions_seen += 1
 
     # ---- decisions -------------------------------------------------------------------------
     def _target(self, source: Plan, plan: Plan, problem: PlanProblem, usable: int) -> Target:
@@ -229,7 +234,8 @@ class Adapter:
         est = self.transitions.estimate(source, plan)
         over = ev.over_capacity(usable)
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
-        return Target(plan, ev.step_latency_s, est.l_tran_s * self.transition_ratio, est.feasible and not over,
+        l_tran = est.l_tran_s + (self.transition_overhead_s if plan_key(plan) != plan_key(source) else 0.0)
+        return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over,
                       reason)
 
     def boundary(self, step: int, pool: tuple[int, ...], *, source: Plan | None = None,
@@ -265,6 +271,9 @@ class Adapter:
             triggers.append(Trigger(PERIOD, False, step, None, f"every {self.cfg.period} steps"))
         if forced is not None:
             triggers.append(Trigger(FORCED, True, step, None, "layout forced by the job's adaptation.forced"))
+        frozen = self.cfg.policy == "frozen"
+        if frozen:   # static framework: only a pool change (DP rescale) or a forced layout
+            triggers = [t for t in triggers if t.signal in (GPU_POOL, FORCED)]
         if not triggers:
             self.predicted_step_s = current_s if current_valid else None
             return None
@@ -273,6 +282,10 @@ class Adapter:
         targets: list[Target] = []
         if forced is not None:
             targets.append(self._target(source, forced, problem, usable))
+        elif frozen:
+            rescaled = dp_rescale(self.plan, problem, current=source)
+            if rescaled is not None:
+                targets.append(dataclasses.replace(self._target(source, rescaled, problem, usable), feasible=True))
         else:
             result, lines = solve(problem, self.cost_model, self.plan, headroom, urgent)
             if result is not None:
@@ -295,6 +308,19 @@ class Adapter:
         self.predicted_step_s = decision.target.step_latency_s if decision.admitted else (
             current_s if current_valid else None)
         return Outcome(decision, length, tuple(lines))
+
+    def restart_plan(self, pool: tuple[int, ...]) -> PlanResult:
+        """The plan a restart after an out-of-memory failure goes to: the planner's plan for the
+        longest response ``max_new_tokens`` (urgent path: smaller micro-batch, recomputation).
+
+        Raises:
+            Infeasible: when nothing holds it.
+        """
+        problem = self.problem(pool, self.job.config.rollout.max_new_tokens)
+        result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
+        if result is None:
+            raise Infeasible("no plan holds the longest response: " + "; ".join(lines))
+        return result
 
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""

@@ -140,6 +140,10 @@ class AdaptationConfig(_Strict):
 
     enabled: bool = True
     """Re-plan while the job runs; ``false`` freezes the launch plan (pool changes stop the job)."""
+    policy: Literal["nereus", "frozen"] = "nereus"
+    """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
+    rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
+    checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
     gamma: float = Field(0.5, ge=0.0)
     """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain)."""
     period: int = Field(0, ge=0)

@@ -252,22 +252,25 @@ class ControlPlane:
         self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(agent.global_devices), detail))
         return True
 
-    def release_devices(self, devices: list[int], reason: str) -> None:
-        """Stop the workers of ``devices`` and take the devices out of the pool (their agents stay).
+    def release_devices(self, devices: list[int], reason: str, keep_in_pool: bool = False) -> None:
+        """Stop the workers of ``devices``; unless ``keep_in_pool`` (a restart), take the devices
+        out of the pool (their agents stay).
 
-        Used at a safe boundary after the plan moved off them; the exits the agents report are
-        journalled as ``worker_exited``.
+        Used at a safe boundary after the plan moved off them, or to restart workers; the exits
+        the agents report are journalled as ``worker_exited``.
         """
         by_agent: dict[str, list[int]] = {}
         for dev in devices:
-            node_id = self._device_to_agent.pop(dev, None)
+            node_id = self._device_to_agent.get(dev) if keep_in_pool else self._device_to_agent.pop(dev, None)
             if node_id is not None:
                 by_agent.setdefault(node_id, []).append(dev)
-            self.released_devices.add(dev)
+            if not keep_in_pool:
+                self.released_devices.add(dev)
             self.ready_workers.discard(dev)
         for node_id, devs in by_agent.items():
             self._send(self.agents[node_id].identity, P.StopWorkers(devices=devs, reason=reason))
-        self._on_event("devices_released", {"devices": sorted(devices), "reason": reason})
+        self._on_event("workers_stopped" if keep_in_pool else "devices_released",
+                       {"devices": sorted(devices), "reason": reason})
 
     def wait_exited(self, devices: list[int], timeout_s: float = 15.0) -> bool:
         """Poll until the workers of ``devices`` are reported exited; False on timeout."""

@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
                 controller.world_formed(driver.plan.to_dict(), live[0].world)
 
         driver.on_step = on_step
+        if live:
+            driver.on_failure = live[0].recover
         records = driver.run()
         summary.update(status="succeeded", steps=len(records))
         code = 0

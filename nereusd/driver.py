@@ -20,6 +20,7 @@ import numpy as np
 
 from nereusd.config import Algorithm
 from nereusd.daemon import ControlPlane
+from nereusd.errors import WorkerError
 from nereusd.jobspec import ResolvedJob
 from nereusd.journal import Journal
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
@@ -71,6 +72,10 @@ class RLDriver:
         self.on_step = on_step or (lambda record: None)
         self.step_index = 0
         self._ms_s: dict[str, float] = {}
+        self.last_checkpoint: tuple[str, int, int] | None = None
+        """``(directory, step, sample position)`` of the latest checkpoint."""
+        self.on_failure: Callable[[WorkerError], bool] | None = None
+        """Called when a step fails; True when it recovered (restart) and rewound the step."""
 
     @property
     def prompt_length(self) -> int:
@@ -91,11 +96,13 @@ class RLDriver:
         lr = {str(ACTOR_TRAIN): train.actor_lr, str(CRITIC_TRAIN): train.critic_lr}
         return {"plan": plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr, "seed": self.cfg.seed}
 
-    def build(self) -> None:
-        """Create every model-stage's communicators and engines on the workers."""
+    def build(self, world: list[int] | None = None) -> None:
+        """Create every model-stage's communicators and engines on the workers of ``world``
+        (default: devices ``0 … devices−1``), from the roles' initial weights."""
         args = self.build_args(self.plan)
         start = time.perf_counter()
-        results = self.control.run("build", {d: args for d in range(self.job.devices)})
+        world = world if world is not None else list(range(self.job.devices))
+        results = self.control.run("build", {d: args for d in world})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
         self.journal.event("build", {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
                                      "memory_in_use_bytes": memory})
@@ -320,7 +327,9 @@ class RLDriver:
         members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
         start = time.perf_counter()
         self.control.run("save_checkpoint", {d: {"dir": directory} for d in members})
+        self.last_checkpoint = (directory, self.step_index, self.sampler.position)
         self.journal.event("checkpoint", {"dir": directory, "step": self.step_index,
+                                          "sample_position": self.sampler.position,
                                           "elapsed_s": time.perf_counter() - start})
 
     def run(self) -> list[dict[str, Any]]:
@@ -328,8 +337,14 @@ class RLDriver:
         self.build()
         records = []
         every = self.cfg.checkpoint.every_steps
-        for _ in range(self.cfg.steps):
-            record = self.step()
+        while self.step_index < self.cfg.steps:
+            try:
+                record = self.step()
+            except WorkerError as err:
+                if self.on_failure is None or not self.on_failure(err):
+                    raise
+                records = [r for r in records if r["step"] < self.step_index]   # rewound: steps re-run
+                continue
             self.journal.metric(record)
             self.on_step(record)
             records.append(record)

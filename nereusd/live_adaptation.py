@@ -159,6 +159,49 @@ class LiveAdaptation:
             raise AdaptationStop(f"step {step}: {d.reason}; checkpoint saved in {path}")
         return False
 
+    # ------------------------------------------------------------------ failures
+    def recover(self, err: Exception) -> bool:
+        """Checkpoint/restart after a step ran out of device memory (DESIGN.md urgent path, last
+        resort; the ``frozen`` policy's only remedy): every worker is stopped and started again
+        (new world generation), the plan becomes :meth:`Adapter.restart_plan`, training state
+        comes from the latest checkpoint (or the initial weights before any), and the driver
+        rewinds to that checkpoint's step and sample position. Returns False (the failure stands)
+        for any other error.
+        """
+        if getattr(err, "error_kind", None) != "DeviceOutOfMemory":
+            return False
+        failed_step = self.driver.step_index
+        checkpoint = self.driver.last_checkpoint
+        start = time.perf_counter()
+        result = self.adapter.restart_plan(tuple(sorted(self.world)))
+        self.control.release_devices(self.world, "restart after out of memory", keep_in_pool=True)
+        if not self.control.wait_exited(self.world):
+            raise NereusError(f"the workers of {self.world} did not stop for the restart") from err
+        generation = self.store.next_generation()
+        self.control.spawn_workers(generation=generation, world=self.world, store_host=self.store.host,
+                                   store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
+                                   run_dir=str(self.run_dir.resolve()))
+        self.control.run("build", {d: self.driver.build_args(Plan({})) for d in self.world}, 300)
+        self._reform(list(self.world), [])     # ranks follow the world's order, not device numbers
+        self.driver.plan = result.plan
+        self.driver.build(self.world)
+        step, position = 0, 0
+        if checkpoint is not None:
+            directory, step, position = checkpoint
+            members = sorted({d for ms, c in result.plan.items() if ms.stage.value == "training" for d in c.devices})
+            self.control.run("load_checkpoint", {d: {"dir": directory} for d in members}, 300)
+        self.driver.step_index, self.driver.sampler.position = step, position
+        self.driver._sync_weights()
+        self.adapter.switched(result.plan, tuple(sorted(self.world)))
+        self.switches += 1
+        self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "error": str(err)[:500],
+                                        "checkpoint": checkpoint[0] if checkpoint else None, "resume_step": step,
+                                        "lost_steps": failed_step - step, "to_plan": result.plan.to_dict(),
+                                        "elapsed_s": time.perf_counter() - start})
+        log.warning("step %d ran out of memory: restarted from %s at step %d on %s", failed_step,
+                    checkpoint[0] if checkpoint else "the initial weights", step, result.plan.describe())
+        return True
+
     # ------------------------------------------------------------------ execution
     def _transition(self, current: Plan, target: Plan, step: int, why: str, predicted_s: float | None = None) -> None:
         """Run ``current → target`` on the world; the driver continues on ``target``."""
@@ -168,7 +211,7 @@ class LiveAdaptation:
         progress = TransitionRunner(self.control, self.world).run(dag)
         elapsed = time.perf_counter() - start
         self.driver.plan = target
-        if predicted_s:
+        if predicted_s is not None:
             self.adapter.transition_measured(predicted_s, elapsed)
         self.adapter.switched(target, tuple(sorted(self.world)))
         self.journal.event("transition", {
