@@ -143,7 +143,7 @@ class Controller:
     # ---- planning ----------------------------------------------------------------------------
     def _solve(self, length: float, pool: tuple[int, ...], urgent: bool) -> PlanResult | None:
         bucket = length_bucket(length, self.config.buckets_per_octave)
-        headroom = round(self.headroom(), 3)
+        headroom = math.ceil(self.headroom() / 0.02 - 1e-9) * 0.02   # 2 % steps, rounded up
         # efficiencies on a 2 % log grid: the costed option lists of a bucket are reused until
         # calibration moves by more than that (target and current are re-evaluated exactly)
         snapshot = tuple((c, round(1.02 ** round(math.log(v) / math.log(1.02)), 6))
@@ -218,9 +218,11 @@ class Controller:
         targets = []
         if result is not None:
             targets.append(self._target(result.plan, problem, usable))
-        rescaled = dp_rescale(self.plan, problem)
-        if rescaled is not None and (result is None or plan_key(rescaled) != plan_key(result.plan)):
-            targets.append(self._target(rescaled, problem, usable))
+        if not targets or not targets[0].feasible:
+            # fallback with a cheaper transition: the running layouts, DP rescaled to the pool
+            rescaled = dp_rescale(self.plan, problem)
+            if rescaled is not None and (result is None or plan_key(rescaled) != plan_key(result.plan)):
+                targets.append(self._target(rescaled, problem, usable))
         current_s = current.step_latency_s if current_valid else math.inf
         horizons = [self.monitor.horizon(t.signal) if t.signal != PERIOD else float(self.config.period)
                     for t in triggers]
