@@ -294,7 +294,9 @@ class RLDriver:
                     results = self.control.collect(dispatch.task_id)
                     self._note_time(dispatch.model_stage, results)
                     note_peaks(results)
-                    metrics = mean_of([results[d].result["metrics"] for d in dispatch.reporters])
+                    # every replica reports the same DP-reduced sums (engine _reduce_metrics): take
+                    # one, or the metrics would scale with the layout's DP degree
+                    metrics = mean_of([results[dispatch.reporters[0]].result["metrics"]])
                     prefix = dispatch.model_stage.role.value
                     for key, value in metrics.items():
                         totals[f"{prefix}/{key}"] = totals.get(f"{prefix}/{key}", 0.0) + value
