@@ -25,7 +25,7 @@ from pathlib import Path
 from nereusd.adaptation import Adapter, launch_plan
 from nereusd.daemon import ControlPlane
 from nereusd.driver import RLDriver
-from nereusd.live_adaptation import AdaptationStop, LiveAdaptation
+from nereusd.live_adaptation import LiveAdaptation
 from nereusd.errors import NereusError, WorkerError
 from nereusd.jobspec import load_and_resolve
 from nereusd.journal import Journal
@@ -152,10 +152,6 @@ def run(args: argparse.Namespace) -> int:
         records = driver.run()
         summary.update(status="succeeded", steps=len(records))
         code = 0
-    except AdaptationStop as err:
-        summary.update(status="stopped", error=str(err), error_kind="AdaptationStop")
-        journal.event("job_stopped", {"error": str(err), "error_kind": "AdaptationStop"})
-        log.error("job stopped: %s", err)
     except PoolStop as err:
         summary.update(status="preempted", error=str(err), error_kind="Preempted")
         journal.event("job_preempted", {"reason": str(err)})

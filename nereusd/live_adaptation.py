@@ -14,7 +14,9 @@ boundary (end of a synchronous RL step; paper §6, DESIGN.md "One RL step", step
    ``replan`` and ``admission`` (ΔL, L_tran, H_x, γ, alternatives);
 4. run an admitted transition DAG (:class:`nereusd.transition_runner.TransitionRunner`) and
    journal ``transition`` with per-op timings; an urgent decision with no feasible target is a
-   ``fallback`` (checkpoint, and the job stops with its message).
+   ``fallback``: checkpoint now, restart every worker into the plan that holds the longest
+   response, load the checkpoint and go on. A step that fails with ``DeviceOutOfMemory`` is
+   recovered the same way from the latest checkpoint (:meth:`LiveAdaptation.recover`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,6 @@ from nereusd.transition import plan_transition
 from nereusd.transition_runner import TransitionRunner
 
 log = logging.getLogger(__name__)
-
-
-class AdaptationStop(NereusError):
-    """The urgent path found no plan that fits: the job checkpointed and stops."""
 
 
 def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str) -> subprocess.Popen:
@@ -87,7 +85,7 @@ class LiveAdaptation:
         """Everything of the module docstring after step ``record['step']``.
 
         Raises:
-            AdaptationStop: the urgent path ended in checkpoint/restart.
+            Infeasible: a restart found no plan that holds the longest response.
             WorkerError / TransitionInterrupted: a worker failed during a transition.
         """
         step = int(record["step"])
@@ -123,18 +121,22 @@ class LiveAdaptation:
             self.journal.event("pool_changed", {"step": step, "joined": joined, "leaving": leaving,
                                                 "pool_devices": list(pool), "verdict": "replan"})
         outcome = self.adapter.boundary(step, pool, forced=forced)
-        rebuilt = False
-        if outcome is not None:
-            rebuilt = self._decide(step, outcome, leaving)
-        if leaving:
-            self._release(leaving, rebuilt, step)
-        elif joined and not rebuilt:
+        verdict = self._decide(step, outcome, leaving) if outcome is not None else None
+        if verdict == RESTART:
+            path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
+            self.driver.save_checkpoint(str(path))
+            self._restart([d for d in self.world if d not in leaving], leaving, step,
+                          outcome.decision.reason, self.driver.last_checkpoint)
+        elif leaving:
+            self._release(leaving, verdict == ADMIT, step)
+        elif joined and verdict != ADMIT:
             self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
         if leaving or joined:
             self.adapter.switched(self.driver.plan, tuple(sorted(self.world)))
 
-    def _decide(self, step: int, outcome, leaving: list[int]) -> bool:
-        """Journal the decision and run an admitted transition; True when engines were rebuilt."""
+    def _decide(self, step: int, outcome, leaving: list[int]) -> str:
+        """Journal the decision and run an admitted transition; returns ``admit``, ``restart``
+        (nothing fits, or the plan cannot leave devices that go) or the verdict kept."""
         d = outcome.decision
         for trigger in d.triggers:
             self.journal.event("trigger", {"step": step, **trigger.to_dict()})
@@ -146,18 +148,13 @@ class LiveAdaptation:
                            | {"current_plan": self.driver.plan.to_dict()})
         log.info("step %d: %s (%s)", step, d.verdict, d.reason)
         if d.verdict == ADMIT:
-            if leaving and set(leaving) & set(d.target.plan.devices()):
-                raise NereusError(f"target plan uses leaving devices {leaving}")  # planned on the pool without them
+            assert not set(leaving) & set(d.target.plan.devices()), "planned on the pool without them"
             self._transition(self.driver.plan, d.target.plan, step, d.reason, predicted_s=d.l_tran_s)
             self.switches += 1
-            return True
-        if d.verdict == RESTART or (leaving and set(leaving) & set(self.driver.plan.devices())):
-            path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
-            self.driver.save_checkpoint(str(path))
-            self.journal.event("fallback", {"step": step, "action": "checkpoint_and_stop", "checkpoint": str(path),
-                                            "reason": d.reason})
-            raise AdaptationStop(f"step {step}: {d.reason}; checkpoint saved in {path}")
-        return False
+            return ADMIT
+        if d.verdict == RESTART or set(leaving) & set(self.driver.plan.devices()):
+            return RESTART
+        return d.verdict
 
     # ------------------------------------------------------------------ failures
     def recover(self, err: Exception) -> bool:
@@ -170,19 +167,33 @@ class LiveAdaptation:
         """
         if getattr(err, "error_kind", None) != "DeviceOutOfMemory":
             return False
-        failed_step = self.driver.step_index
-        checkpoint = self.driver.last_checkpoint
+        self._restart(list(self.world), [], self.driver.step_index, f"out of memory: {str(err)[:300]}",
+                      self.driver.last_checkpoint)
+        return True
+
+    def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,
+                 checkpoint: tuple[str, int, int] | None) -> None:
+        """Stop every worker (those of ``leaving`` for good), start ``world`` again in a new world
+        generation on :meth:`Adapter.restart_plan`, load ``checkpoint`` (initial weights when
+        ``None``) and rewind the driver to its step and sample position.
+
+        Raises:
+            NereusError: when the old workers do not stop; Infeasible: nothing fits ``world``.
+        """
         start = time.perf_counter()
-        result = self.adapter.restart_plan(tuple(sorted(self.world)))
-        self.control.release_devices(self.world, "restart after out of memory", keep_in_pool=True)
-        if not self.control.wait_exited(self.world):
-            raise NereusError(f"the workers of {self.world} did not stop for the restart") from err
+        result = self.adapter.restart_plan(tuple(sorted(world)))
+        old = list(self.world)
+        if leaving:
+            self.control.release_devices(leaving, "removed from the local pool")
+        self.control.release_devices(world, "checkpoint/restart", keep_in_pool=True)
+        if not self.control.wait_exited(old):
+            raise NereusError(f"the workers of {old} did not stop for the restart")
         generation = self.store.next_generation()
-        self.control.spawn_workers(generation=generation, world=self.world, store_host=self.store.host,
+        self.control.spawn_workers(generation=generation, world=world, store_host=self.store.host,
                                    store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
                                    run_dir=str(self.run_dir.resolve()))
-        self.control.run("build", {d: self.driver.build_args(Plan({})) for d in self.world}, 300)
-        self._reform(list(self.world), [])     # ranks follow the world's order, not device numbers
+        self.control.run("build", {d: self.driver.build_args(Plan({})) for d in world}, 300)
+        self._reform(list(world), [])     # ranks follow the world's order, not device numbers
         self.driver.plan = result.plan
         self.driver.build(self.world)
         step, position = 0, 0
@@ -194,13 +205,12 @@ class LiveAdaptation:
         self.driver._sync_weights()
         self.adapter.switched(result.plan, tuple(sorted(self.world)))
         self.switches += 1
-        self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "error": str(err)[:500],
+        self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "reason": why,
                                         "checkpoint": checkpoint[0] if checkpoint else None, "resume_step": step,
                                         "lost_steps": failed_step - step, "to_plan": result.plan.to_dict(),
-                                        "elapsed_s": time.perf_counter() - start})
-        log.warning("step %d ran out of memory: restarted from %s at step %d on %s", failed_step,
+                                        "world": self.world, "elapsed_s": time.perf_counter() - start})
+        log.warning("step %d: %s: restarted from %s at step %d on %s", failed_step, why,
                     checkpoint[0] if checkpoint else "the initial weights", step, result.plan.describe())
-        return True
 
     # ------------------------------------------------------------------ execution
     def _transition(self, current: Plan, target: Plan, step: int, why: str, predicted_s: float | None = None) -> None:
@@ -245,8 +255,7 @@ class LiveAdaptation:
 
     def _release(self, leaving: list[int], rebuilt: bool, step: int) -> None:
         """Stop the workers of ``leaving`` (the plan no longer uses them) and re-form the world."""
-        if not rebuilt and set(leaving) & set(self.driver.plan.devices()):
-            raise NereusError(f"devices {leaving} still hold the plan; they cannot leave")
+        assert not set(leaving) & set(self.driver.plan.devices()), "devices that leave still hold the plan"
         self.control.release_devices(leaving, "removed from the local pool")
         if not self.control.wait_exited(leaving):
             raise NereusError(f"the workers of devices {leaving} did not stop")

@@ -1,0 +1,131 @@
+"""Live adaptation against static layouts, on local virtual devices (issue 5 benchmark).
+
+One growing-length workload — the demo GRPO job (responses grow from ~12 to ~85 tokens, the
+longest reaches ``max_new_tokens`` within a few steps) on 4 virtual devices of 58 MiB — with one
+pool change (a device leaves at ``--pool-step``), run in one go under four policies, each a real
+``nereus-launch local`` job (nereusd, agent, workers):
+
+(a) ``nereus``: monitor → planner → payback admission (γ = 0.5), launch plan from the planner;
+(b) ``frozen``: the planner's launch plan for the initial conditions (the best frozen layout for
+    the same devices), DP rescaling on the pool change, and after an out-of-memory step a
+    restart from the latest checkpoint into a layout that holds the longest response;
+(c) ``greedy``: the same triggers, any positive predicted gain admitted (γ = ∞);
+(d) ``periodic-3``: re-plan every 3 steps (and on urgent triggers), any positive gain admitted.
+
+All start from the same launch plan (chosen for ``--launch-length`` tokens) and checkpoint every
+``--checkpoint-every`` steps. Per policy it prints the mean step latency (steps as finally run),
+total wall time, layout switches (admitted transitions and restarts), the share of wall time
+spent in transitions and restarts, and out-of-memory failures; the last line compares (a) with (b).
+
+    python scripts/bench_adaptive.py [--steps 30] [--pool-step 20] [--out runs/bench_adaptive]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "examples" / "counting_grpo.yaml"
+POLICIES = {
+    "nereus": {"policy": "nereus", "gamma": 0.5},
+    "frozen": {"policy": "frozen"},
+    "greedy": {"policy": "nereus", "gamma": float("inf")},
+    "periodic-3": {"policy": "nereus", "gamma": float("inf"), "period": 3},
+}
+
+
+def job_yaml(policy: str, args: argparse.Namespace) -> dict:
+    """The demo job for ``policy``: no YAML plan (the planner's launch plan), one device leaving."""
+    job = yaml.safe_load(DEMO.read_text())
+    job.pop("plan", None)
+    job["name"] = f"bench-{policy}"
+    job["steps"] = args.steps
+    job["models"]["actor"] = str((DEMO.parent / job["models"]["actor"]).resolve())
+    job["checkpoint"] = {"every_steps": args.checkpoint_every, "final": False}
+    job["adaptation"] = {**POLICIES[policy], "launch_response_length": args.launch_length}
+    job["pool"] = {"schedule": [{"at_step": args.pool_step, "remove": 1}]}
+    return job
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def measure(run_dir: Path) -> dict:
+    """Mean step latency, total time, switches, transition share and OOM count of one run."""
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    final = {r["step"]: r for r in metrics}          # a step re-run after a restart counts once
+    events = read_jsonl(run_dir / "events.jsonl")
+    admitted = sum(e["event"] == "admission" and e["verdict"] == "admit" for e in events)
+    restarts = [e for e in events if e["event"] == "fallback" and e.get("action") == "checkpoint_restart"]
+    moving = sum(e["elapsed_s"] for e in events if e["event"] == "transition") + sum(e["elapsed_s"] for e in restarts)
+    wall = float(summary.get("wall_time_s") or 0.0)
+    lost = sum(e.get("lost_steps", 0) for e in restarts)
+    return {
+        "status": summary.get("status", "missing"),
+        "steps": len(final),
+        "mean_step_s": sum(r["step_latency_s"] for r in final.values()) / max(1, len(final)),
+        "total_s": wall,
+        "switches": admitted + len(restarts),
+        "transition_share": moving / wall if wall else 0.0,
+        "ooms": sum("OutOfMemory" in (e.get("reason", "") + e.get("error", "")) for e in restarts + [
+            e for e in events if e["event"] == "job_failed"]),
+        "lost_steps": lost,
+    }
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> dict:
+    out = Path(args.out).resolve()
+    job_path = out / f"{policy}.yaml"
+    job_path.write_text(yaml.safe_dump(job_yaml(policy, args), sort_keys=False))
+    run_dir = out / policy
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
+                           "--overwrite", "--quiet"], cwd=REPO, capture_output=True, text=True)
+    result = measure(run_dir)
+    result["launcher_s"] = time.time() - start
+    if proc.returncode:
+        result["status"] = f"{result['status']} (exit {proc.returncode})"
+    print(f"# {policy}: {result}", file=sys.stderr, flush=True)
+    return result
+
+
+def table(results: dict[str, dict]) -> str:
+    head = f"| policy | status | mean step s | total s | switches | transition share | OOMs | lost steps |"
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        rows.append(f"| {name} | {r['status']} | {r['mean_step_s']:.2f} | {r['total_s']:.0f} | {r['switches']} | "
+                     f"{100 * r['transition_share']:.1f} % | {r['ooms']} | {r['lost_steps']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--pool-step", type=int, default=20, help="a device leaves before this step")
+    parser.add_argument("--launch-length", type=int, default=40, help="response length the launch plan is for")
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench_adaptive"))
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = {p: run_policy(p, args) for p in args.policies.split(",")}
+    print(table(results))
+    if "nereus" in results and "frozen" in results:
+        a, f = results["nereus"], results["frozen"]
+        gain = 100 * (f["mean_step_s"] - a["mean_step_s"]) / f["mean_step_s"] if f["mean_step_s"] else 0.0
+        print(f"adaptive: {gain:.1f} % lower mean step latency than frozen; switches {a['switches']}; "
+              f"overhead {100 * a['transition_share']:.1f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
