@@ -121,6 +121,9 @@ def describe_event(ev: dict) -> str | None:
         gain = ev.get("delta_l_s")
         return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
                 + (f" (ΔL {gain:+.2f} s/step, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
+    if kind == "launch_plan" and ev.get("source") == "planner":
+        plan = "; ".join(f"{ms} tp{c['tp']}·pp{c['pp']}·dp{c['dp']}" for ms, c in ev["plan"].items())
+        return f"nereus: planner's launch plan: {plan}"
     if kind == "fallback":
         return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
     if kind == "pool_changed" and "step" in ev:
@@ -162,7 +165,10 @@ def run_local(args: argparse.Namespace) -> int:
     logs = run_dir / "logs"
     print(f"nereus: job {job.config.name!r} ({job.config.algorithm.value}, {job.config.steps} steps) on "
           f"{job.devices} {'GPU' if args.gpus else 'virtual CPU'} devices; run directory {run_dir}")
-    print(f"nereus: launch plan: {job.plan.describe()}")
+    if job.config.adaptation.enabled and "plan" not in job.config.model_fields_set:
+        print("nereus: launch plan: chosen by the planner for the initial conditions (no plan in the job)")
+    else:
+        print(f"nereus: launch plan: {job.plan.describe()}")
     daemon = agent = None
     progress = _Progress(job.config.steps, args.quiet)
     interrupted = False

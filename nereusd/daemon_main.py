@@ -29,6 +29,7 @@ from nereusd.live_adaptation import LiveAdaptation
 from nereusd.errors import NereusError, WorkerError
 from nereusd.jobspec import load_and_resolve
 from nereusd.journal import Journal
+from nereusd.planner import Infeasible
 from nereusd.pool_control import PoolController, PoolStop
 from nereusd.rendezvous import RendezvousStore
 from nereusd.security import load_keys
@@ -121,15 +122,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         driver = RLDriver(job, control, journal)
         site = load_site(job.config.site)
+        why = "the job's plan"
         if adaptive and "plan" not in job.config.model_fields_set:
-            chosen = launch_plan(job, site, driver.prompt_length)
-            driver.plan = chosen.plan
-            journal.event("launch_plan", {"plan": chosen.plan.to_dict(), "source": "planner",
-                                          "predicted_step_latency_s": chosen.predicted_step_latency_s,
-                                          "response_length": job.config.adaptation.launch_response_length
-                                          or job.config.rollout.max_new_tokens})
-        else:
-            journal.event("launch_plan", {"plan": driver.plan.to_dict(), "source": "job"})
+            try:
+                chosen = launch_plan(job, site, driver.prompt_length)
+                driver.plan, why = chosen.plan, "planner"
+                journal.event("launch_plan", {"plan": chosen.plan.to_dict(), "source": why,
+                                              "predicted_step_latency_s": chosen.predicted_step_latency_s,
+                                              "response_length": job.config.adaptation.launch_response_length
+                                              or job.config.rollout.max_new_tokens})
+            except Infeasible as err:   # run the default plan: the workers say what does not fit
+                why = f"the job's default plan (the planner found none: {err})"
+        if why != "planner":
+            journal.event("launch_plan", {"plan": driver.plan.to_dict(), "source": why})
         world = control.wait_for_devices(job.devices, args.register_timeout_s)
         control.spawn_workers(generation=store.generation, world=world, store_host=store.host,
                               store_port=store.port, memory_capacity_bytes=job.device_memory_bytes,

@@ -35,6 +35,7 @@ from nereusd.errors import NereusError
 from nereusd.jobspec import ResolvedJob
 from nereusd.journal import Journal
 from nereusd.plan import ModelStage, Plan
+from nereusd.planner import Infeasible
 from nereusd.transition import plan_transition
 from nereusd.transition_runner import TransitionRunner
 
@@ -163,9 +164,14 @@ class LiveAdaptation:
         (new world generation), the plan becomes :meth:`Adapter.restart_plan`, training state
         comes from the latest checkpoint (or the initial weights before any), and the driver
         rewinds to that checkpoint's step and sample position. Returns False (the failure stands)
-        for any other error.
+        for any other error, or when no plan holds the longest response.
         """
         if getattr(err, "error_kind", None) != "DeviceOutOfMemory":
+            return False
+        try:
+            self.adapter.restart_plan(tuple(sorted(self.world)))
+        except Infeasible as why:
+            self.journal.event("fallback", {"step": self.driver.step_index, "action": "none", "reason": str(why)})
             return False
         self._restart(list(self.world), [], self.driver.step_index, f"out of memory: {str(err)[:300]}",
                       self.driver.last_checkpoint)
