@@ -30,11 +30,11 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from nereusd.admission import Decision, Target, admit, urgent_replan
+from nereusd.admission import KEEP, Decision, Target, admit, urgent_replan
 from nereusd.calibration import Calibration
 from nereusd.costmodel import CostModel
 from nereusd.memory import HEADROOM, usable_bytes
-from nereusd.monitor import EFFICIENCY, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.monitor import EFFICIENCY, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner import Infeasible, Planner, PlanResult
 from nereusd.planspace import PlannerOptions, PlanProblem, evaluate
@@ -114,6 +114,7 @@ class Controller:
         self._solutions: dict[tuple, PlanResult | None] = {}
         self._efficiency = 1.0
         self._replay_until, self._replay_length = 0, 0.0
+        self._kept: tuple | None = None
 
     # ---- measurements ------------------------------------------------------------------------
     def problem_at(self, length: float, pool: tuple[int, ...]) -> PlanProblem:
@@ -198,15 +199,20 @@ class Controller:
         peak, current = None, None
         if current_valid:
             current = evaluate(problem, self.plan, self.cost_model)
-            peak = max(current.peak_bytes.values())
-            # the calibrated prediction says the running plan will not fit the device at all:
-            # keeping it is not an option (urgent path ends in checkpoint/restart)
-            current_valid = peak * self.memory_ratio() <= problem.site.device_memory_bytes
+            # the prediction calibrated by measured peaks
+            peak = int(max(current.peak_bytes.values()) * self.memory_ratio())
+            # it does not fit the device at all: keeping the plan is not an option (the urgent
+            # path ends in checkpoint/restart if no transition is feasible)
+            current_valid = peak <= problem.site.device_memory_bytes
         triggers = self.monitor.observe(step, signals=signals, pool=pool, predicted_peak_bytes=peak,
                                         usable_bytes=usable_bytes(problem.site.device_memory_bytes,
                                                                   self.config.headroom) if peak else None)
-        if peak is not None and peak > usable and not any(t.urgent for t in triggers):
-            triggers.append(Trigger("peak_memory", True, peak, usable, "predicted peak over calibrated usable"))
+        if [t.signal for t in triggers] == [PEAK_MEMORY] and current_valid:
+            # the same urgent condition as at the last boundary, with nothing changed: the
+            # replan would repeat its verdict (keep), so it is not run again
+            state = (plan_key(self.plan), length_bucket(plan_length, self.config.buckets_per_octave), pool)
+            if state == self._kept:
+                triggers = []
         if self.config.period and step % self.config.period == 0:
             triggers.append(Trigger(PERIOD, False, step, None, f"every {self.config.period} steps"))
         if not current_valid and not any(t.urgent for t in triggers):
@@ -229,6 +235,8 @@ class Controller:
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
                          horizon_steps=min(horizons), gamma=self.config.gamma, current_valid=current_valid)
         self.monitor.replanned(signals)
+        self._kept = (plan_key(self.plan), length_bucket(plan_length, self.config.buckets_per_octave), pool) \
+            if decision.verdict == KEEP else None
         if decision.admitted:
             self.plan = decision.target.plan
         return Outcome(decision, result)
