@@ -310,6 +310,8 @@ class ControlPlane:
         Raises:
             WorkerError: if a worker exits or does not report ready within ``timeout_s``.
         """
+        for device in world:   # a restart: the previous workers' exits are history
+            self.exited_workers.pop(device, None)
         by_agent: dict[str, list[P.WorkerSpec]] = {}
         for rank, device in enumerate(world):
             node_id = self._device_to_agent[device]
