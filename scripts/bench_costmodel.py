@@ -1,0 +1,490 @@
+"""Cost and memory model against the built-in engine: calibrate on some layouts, predict the rest.
+
+    .venv/bin/python scripts/bench_costmodel.py [--reps 5] [--save m.json | --load m.json]
+
+Four gloo ranks (the four virtual devices of ``site_configs/local.yaml``) run the actor's
+training stage (:meth:`emu.engine.StageEngine.train_step`) on every layout of :data:`LAYOUTS`
+— every ``tp·pp·dp = 4`` factorisation, micro-batches of 1–8 and sequences of 64–256 tokens.
+Every layout uses all four devices because the site's per-device peak assumes four devices
+sharing the machine's two cores; a one-rank layout would get a whole core and a different
+"device". The step time is the median of ``--reps`` timed steps (after one warm-up step) of the
+slowest rank, between two barriers, minus the median cost of a bare barrier.
+
+The cost model (:class:`nereusd.costmodel.CostModel` on ``local.yaml``) is calibrated with
+:meth:`nereusd.calibration.Calibration.observe_stage` — what nereusd does with a measured
+stage time — on every other layout, and predicts the others. Printed: the noise of the
+repetitions; the per-device fp32 matmul and copy rates measured at the start beside local.yaml's
+peaks; per-layout predicted and measured seconds and their error; MAPE and the largest error on
+the held-out layouts; as a diagnostic of the model's structure, the same with per-class
+efficiencies from a least-squares fit (:func:`fit_efficiencies`) held out and in-sample; then the
+peak memory the engine books (:mod:`emu.devmem`) against :func:`nereusd.memory.stage_memory`
+as the planner calls it, and like for like. Figures are ratios and errors; nothing is asserted.
+``--save``/``--load`` keep the raw per-rank times, so a run (e.g. on a quiet machine) can be
+re-analysed.
+
+The model (h=256, 4 layers, vocabulary 512, ~3 M parameters, ~5× the FLOPs per token of
+``counting-tiny``'s h=128) keeps the matrix products from being dwarfed by gloo's per-call
+latency (~5 ms per all-reduce at ``tp=4`` on two pinned, otherwise idle cores; a micro-batch
+makes ~22 of them): with ``counting-tiny`` most layouts would time gloo, not the compute model.
+
+The last line is the summary of issue 3:
+``costmodel: training MAPE <x> %; max <y> %; memory error <z> %`` (training: online
+calibration, held-out layouts; memory: MAPE of the planner's prediction against the booked peak
+over all layouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from nereusd.calibration import DEFAULT_PRIOR, PRIORS, Calibration  # noqa: E402
+from nereusd.costmodel import CostModel, StageCost  # noqa: E402
+from nereusd.memory import WORKSPACE_BYTES, stage_memory  # noqa: E402
+from nereusd.models import ModelSpec  # noqa: E402
+from nereusd.plan import ModelStage, Role, Stage  # noqa: E402
+from nereusd.site import SiteConfig, load_site  # noqa: E402
+
+WORLD = 4
+TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
+SPEC = ModelSpec(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+                 num_kv_heads=4, max_position=512)
+CAPACITY_BYTES = 8 << 30
+"""Booked capacity per rank: large enough for every layout (the accounting is what is compared,
+not whether it fits local.yaml's 0.5 GiB)."""
+MIB = 1 << 20
+MIN_X = 1e-3
+"""Smallest ``1/efficiency`` :func:`fit_efficiencies` accepts (efficiency at most 1000): it may
+exceed :data:`nereusd.calibration.MAX_EFFICIENCY` when the site file understates the machine."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One training-stage configuration on :data:`WORLD` devices.
+
+    ``sequences`` per step over all replicas, each ``seq_len`` tokens of which ``prompt_len``
+    are prompt; ``micro_batch`` sequences per micro-batch of a replica.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    seq_len: int
+    sequences: int = 16
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seq_len // 4
+
+    def describe(self) -> str:
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch} s{self.seq_len}"
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout(1, 1, 4, 2, 128), Layout(1, 1, 4, 4, 256),
+    Layout(2, 1, 2, 2, 128), Layout(2, 1, 2, 4, 64),
+    Layout(4, 1, 1, 4, 128), Layout(4, 1, 1, 8, 256),
+    Layout(1, 2, 2, 2, 128), Layout(1, 2, 2, 1, 256),
+    Layout(2, 2, 1, 2, 128), Layout(2, 2, 1, 4, 64),
+    Layout(1, 4, 1, 2, 128), Layout(1, 4, 1, 4, 256),
+    Layout(1, 1, 4, 1, 64), Layout(4, 1, 1, 2, 64),
+    Layout(2, 1, 2, 8, 256), Layout(1, 2, 2, 4, 64),
+    Layout(4, 1, 1, 1, 128), Layout(1, 4, 1, 1, 64),
+    Layout(2, 2, 1, 8, 256), Layout(1, 1, 4, 2, 256),
+)
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def split_layouts(items: Sequence, every: int = 2) -> tuple[list, list]:
+    """``(calibration, held_out)``: every ``every``-th item (from the first) calibrates, the
+    rest are predicted. Deterministic, so a rerun predicts the same layouts."""
+    if every < 2:
+        raise ValueError(f"every must be >= 2 (something must be held out), got {every}")
+    calib = [x for i, x in enumerate(items) if i % every == 0]
+    held = [x for i, x in enumerate(items) if i % every != 0]
+    return calib, held
+
+
+def percent_errors(predicted: Sequence[float], measured: Sequence[float]) -> list[float]:
+    """Signed errors ``100·(predicted − measured)/measured`` (measured values must be > 0)."""
+    if len(predicted) != len(measured):
+        raise ValueError(f"{len(predicted)} predictions for {len(measured)} measurements")
+    if any(m <= 0 for m in measured):
+        raise ValueError(f"measured values must be positive, got {list(measured)}")
+    return [100.0 * (p - m) / m for p, m in zip(predicted, measured)]
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error, in percent."""
+    errors = percent_errors(predicted, measured)
+    return sum(abs(e) for e in errors) / len(errors)
+
+
+def max_abs_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Largest absolute percentage error, in percent."""
+    return max(abs(e) for e in percent_errors(predicted, measured))
+
+
+def predict(cm: CostModel, spec: ModelSpec, layout: Layout) -> StageCost:
+    """Predicted training-stage cost of ``layout`` (one optimizer step per RL step)."""
+    return cm.stage_cost(spec, TRAIN, sequences=layout.sequences, prompt_length=layout.prompt_len,
+                         response_length=layout.seq_len - layout.prompt_len, tp=layout.tp, pp=layout.pp,
+                         dp=layout.dp, micro_batch=layout.micro_batch)
+
+
+def calibrate(site: SiteConfig, spec: ModelSpec, samples: Iterable[tuple[Layout, float]],
+              rounds: int = 1) -> Calibration:
+    """A fresh :class:`Calibration` fed ``(layout, measured_s)`` samples through
+    :meth:`Calibration.observe_stage`, as nereusd feeds it measured stage times; ``rounds``
+    passes over the samples (a daemon sees the same layout step after step)."""
+    cal = Calibration()
+    samples = list(samples)
+    for _ in range(rounds):
+        for layout, measured_s in samples:
+            cm = CostModel(site, cal)  # efficiencies are read once per CostModel
+            cal.observe_stage(predict(cm, spec, layout).ideal_s_by_class, measured_s)
+    return cal
+
+
+def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ridge: float = 1e-2,
+                     priors: Mapping[str, float] = PRIORS) -> dict[str, float]:
+    """Per-class efficiencies that best explain whole-stage times (a diagnostic, not nereusd's path).
+
+    Each sample is ``(ideal_s_by_class, measured_s)``; the model ``measured ≈ Σ_c ideal_c · x_c``
+    is linear in ``x_c = 1/efficiency_c``. Minimises ``Σ_i (Σ_c ideal_ic·x_c/measured_i − 1)²``
+    (relative residuals, so short and long stages weigh alike) plus ``ridge · Σ_c w_c (x_c −
+    1/prior_c)²`` with ``w_c`` the mean squared column (a class the samples cannot pin down
+    stays near its prior). ``x_c`` below ``MIN_X`` is fixed there and the rest re-solved.
+    :meth:`Calibration.observe_stage` instead splits each measured time over the classes in
+    proportion to their predictions, which scales every class by the same ratio per sample.
+    """
+    samples = [(dict(ideal), float(meas)) for ideal, meas in samples if meas > 0]
+    classes = sorted({c for ideal, _ in samples for c, s in ideal.items() if s > 0})
+    if not classes:
+        return {}
+    a = np.array([[ideal.get(c, 0.0) / meas for c in classes] for ideal, meas in samples])
+    x0 = np.array([1.0 / priors.get(c, DEFAULT_PRIOR) for c in classes])
+    weight = ridge * np.diag((a ** 2).mean(axis=0))
+    fixed: dict[int, float] = {}
+    x = x0.copy()
+    for _ in classes:
+        free = [k for k in range(len(classes)) if k not in fixed]
+        rhs = np.ones(len(samples))
+        if fixed:
+            rhs -= a[:, list(fixed)] @ np.array(list(fixed.values()))
+        w = weight[np.ix_(free, free)]
+        x[free] = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
+        low = {k: MIN_X for k in free if x[k] < MIN_X}
+        if not low:
+            break
+        fixed.update(low)
+        x[list(low)] = MIN_X
+    return {c: float(1.0 / x[k]) for k, c in enumerate(classes)}
+
+
+def predicted_peak_bytes(spec: ModelSpec, layout: Layout, site: SiteConfig,
+                         flash_attention: bool = True) -> Mapping[str, int]:
+    """:func:`nereusd.memory.stage_memory` components of ``layout`` on ``site``'s devices
+    (``flash_attention=True`` is what the planner assumes)."""
+    return stage_memory(spec, TRAIN, sequences=layout.sequences, prompt_length=layout.prompt_len,
+                        response_length=layout.seq_len - layout.prompt_len, tp=layout.tp, pp=layout.pp,
+                        dp=layout.dp, micro_batch=layout.micro_batch, dtype=site.compute_dtype,
+                        device_kind=site.device_kind, flash_attention=flash_attention).components
+
+
+# --------------------------------------------------------------------------- measurement (ranks)
+
+
+def _batch(layout: Layout, dp_rank: int) -> tuple[list[list[int]], list[int], dict[str, list[list[float]]]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    seqs = torch.randint(0, SPEC.vocab_size, (layout.sequences, layout.seq_len), generator=gen).tolist()
+    per = layout.sequences // layout.dp
+    mine = seqs[dp_rank * per:(dp_rank + 1) * per]
+    resp = layout.seq_len - layout.prompt_len
+    weight = 1.0 / (layout.sequences * resp)
+    per_token = {"weight": [[weight] * resp for _ in mine],
+                 "adv": [[(-1.0) ** (i + j) for j in range(resp)] for i in range(len(mine))]}
+    return mine, [layout.prompt_len] * len(mine), per_token
+
+
+def _policy_loss(outputs, batch):
+    w = batch["weight"]
+    pg = -(w * batch["adv"] * outputs["logprobs"]).sum()
+    entropy = (w * outputs["entropy"]).sum()
+    return pg - 0.01 * entropy, {"pg": pg.detach()}
+
+
+def _barrier_s(reps: int) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _device_peaks(reps: int = 5) -> dict[str, float]:
+    """This rank's fp32 FLOP/s (1024³ matmul) and copy bytes/s (64 MiB), measured while every
+    rank does the same — local.yaml's method (its comment), as a share of the shared cores."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    src, dst = torch.ones(16 << 20), torch.empty(16 << 20)
+    a @ b
+    dst.copy_(src)
+    dist.barrier()
+    flops, copies = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        flops.append(2 * 1024 ** 3 / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(src.numel() * 4 / (time.perf_counter() - t0))
+    dist.barrier()
+    return {"flops_per_s": statistics.median(flops), "copy_bytes_per_s": statistics.median(copies)}
+
+
+def measure_rank(rank: int, layouts: list[dict], reps: int) -> dict:
+    """On one rank: per layout the wall and CPU seconds of every timed step and the booked peak.
+
+    Every layout's engine is built and warmed up first (one step: Adam state, allocator); then
+    ``reps`` rounds time one step of each layout in turn, so a change of the machine's load
+    during the run touches every layout alike instead of the layouts measured at that moment.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from emu.devmem import DeviceMemory
+    from emu.engine import StageEngine
+    from emu.parallel import build_stage_groups
+    from nereusd.plan import Candidate
+
+    peaks = _device_peaks()
+    work = []
+    for raw in layouts:
+        layout = Layout(**raw)
+        cand = Candidate(layout.tp, layout.pp, layout.dp, tuple(range(WORLD)))
+        groups = build_stage_groups(cand, rank)
+        memory = DeviceMemory(rank, CAPACITY_BYTES)
+        engine = StageEngine(model_stage=TRAIN, spec=SPEC, candidate=cand, rank=rank, groups=groups,
+                             device=torch.device("cpu"), memory=memory, value_head=False, trainable=True,
+                             lr=1e-4, grad_clip=1.0, micro_batch=layout.micro_batch)
+        engine.initialize(seed=0)
+        batch = _batch(layout, groups.dp_rank)
+        engine.train_step(*batch, _policy_loss)
+        work.append((engine, batch))
+    out = {"barrier_s": _barrier_s(20), "peaks": peaks,
+           "layouts": [{"times_s": [], "cpu_s": [], "peak_bytes": 0} for _ in layouts]}
+    for _ in range(reps):
+        for (engine, batch), rec in zip(work, out["layouts"]):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.train_step(*batch, _policy_loss)
+            c1 = time.process_time()
+            dist.barrier()
+            rec["times_s"].append(time.perf_counter() - t0)
+            rec["cpu_s"].append(c1 - c0)
+    for (engine, _), rec in zip(work, out["layouts"]):
+        rec["peak_bytes"] = engine.memory.peak_bytes
+    work.clear()
+    gc.collect()
+    return out
+
+
+def _child(rank: int, tmp: str, layouts: list[dict], reps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+        result = measure_rank(rank, layouts, reps)
+        dist.barrier()
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+        Path(tmp, f"result.{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(tmp, f"error.{rank}").write_text(traceback.format_exc())
+        raise
+    os._exit(0)  # after a clean teardown: skips a slow interpreter exit (PLATFORM.md)
+
+
+def run_ranks(layouts: Sequence[Layout], reps: int) -> list[dict]:
+    """Per rank, :func:`measure_rank`'s result, from :data:`WORLD` ranks forked from a
+    ``forkserver`` that imported torch once (tests/distributed_util.py's approach)."""
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine"])
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_child, args=(tmp, [asdict(x) for x in layouts], reps), nprocs=WORLD,
+                                 join=False, start_method="forkserver")
+        while not ctx.join(timeout=1.0):
+            pass
+        errors = [Path(tmp, f"error.{r}").read_text() for r in range(WORLD)
+                  if Path(tmp, f"error.{r}").exists()]
+        if errors:
+            raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+        return [json.loads(Path(tmp, f"result.{r}.json").read_text()) for r in range(WORLD)]
+
+
+def summarise(per_rank: list[dict], layouts: Sequence[Layout]) -> list[dict]:
+    """Per layout: median over repetitions of the slowest rank's step minus a bare barrier,
+    and the largest booked peak over ranks."""
+    barrier = statistics.median(r["barrier_s"] for r in per_rank)
+    rows = []
+    for i, layout in enumerate(layouts):
+        entries = [r["layouts"][i] for r in per_rank]
+        slowest = [max(e["times_s"][k] for e in entries) for k in range(len(entries[0]["times_s"]))]
+        cpu = [max(e["cpu_s"][k] for e in entries) for k in range(len(entries[0]["cpu_s"]))]
+        rel_sd = statistics.stdev(slowest) / statistics.median(slowest) if len(slowest) > 1 else 0.0
+        rows.append({"layout": asdict(layout), "step_s": statistics.median(slowest) - barrier,
+                     "rel_sd": rel_sd, "reps": len(slowest),
+                     "cpu_s": statistics.median(cpu),
+                     "spread": (max(slowest) - min(slowest)) / statistics.median(slowest),
+                     "peak_bytes": max(e["peak_bytes"] for e in entries), "barrier_s": barrier})
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None = None) -> str:
+    """The printed figures (see the module docstring); ``rows`` from :func:`summarise`."""
+    layouts = [Layout(**r["layout"]) for r in rows]
+    measured = {lay: r["step_s"] for lay, r in zip(layouts, rows)}
+    calib, held = split_layouts(layouts)
+    lines = []
+    if all("rel_sd" in r for r in rows):
+        sd = statistics.median(r["rel_sd"] for r in rows)
+        lines.append(f"noise: repetitions of a step differ by {100 * sd:.1f} % (median relative stdev), "
+                     f"so the median of {rows[0]['reps']} is uncertain by about "
+                     f"±{125 * sd / math.sqrt(rows[0]['reps']):.1f} %")
+    if peaks:
+        lines.append(f"per-device peaks measured with all ranks busy: {peaks['flops_per_s'] / 1e9:.1f} "
+                     f"GFLOP/s fp32, "
+                     f"{peaks['copy_bytes_per_s'] / 1e9:.2f} GB/s copy ({site.name}.yaml: "
+                     f"{site.peak_flops('fp32') / 1e9:.1f} GFLOP/s, {site.hbm_bytes_per_s / 1e9:.2f} GB/s)")
+    cal = calibrate(site, SPEC, [(lay, measured[lay]) for lay in calib])
+    cm = CostModel(site, cal)
+    lines.append("online calibration (Calibration.observe_stage on the 'calib' layouts): "
+                 + ", ".join(f"{c} {e:.3f}" for c, e in cal.snapshot().items() if cal.samples(c)))
+    lines.append(f"{'layout':<26}{'set':>6}{'measured s':>12}{'predicted s':>13}{'error %':>9}{'spread':>8}"
+                 f"{'cpu/wall':>9}")
+    for lay, row in zip(layouts, rows):
+        pred = predict(cm, SPEC, lay).latency_s
+        lines.append(f"{lay.describe():<26}{'calib' if lay in calib else 'test':>6}{measured[lay]:>12.3f}"
+                     f"{pred:>13.3f}{percent_errors([pred], [measured[lay]])[0]:>+9.1f}{row['spread']:>8.2f}"
+                     f"{row['cpu_s'] / measured[lay]:>9.2f}")
+    meas_held = [measured[lay] for lay in held]
+    pred_held = [predict(cm, SPEC, lay).latency_s for lay in held]
+    train_mape, train_max = mape(pred_held, meas_held), max_abs_error(pred_held, meas_held)
+    lines.append(f"held-out layouts: {len(held)}; MAPE {train_mape:.1f} %; max {train_max:.1f} %")
+    base = CostModel(site)
+    for name, fit_on in (("held-out", calib), ("in-sample, all layouts", layouts)):
+        eff = fit_efficiencies([(predict(base, SPEC, lay).ideal_s_by_class, measured[lay]) for lay in fit_on])
+        fitted = CostModel(site, Calibration(priors=eff))
+        test = held if fit_on is calib else layouts
+        pred = [predict(fitted, SPEC, lay).latency_s for lay in test]
+        meas = [measured[lay] for lay in test]
+        lines.append(f"least-squares efficiencies instead ({name}): MAPE {mape(pred, meas):.1f} %; "
+                     f"max {max_abs_error(pred, meas):.1f} % ("
+                     + ", ".join(f"{c} {e:.3g}" for c, e in sorted(eff.items())) + ")")
+
+    lines.append("")
+    lines.append(f"{'layout':<26}{'booked MiB':>11}{'predicted MiB':>15}{'error %':>9}"
+                 f"{'like-for-like %':>17}")
+    workspace = WORKSPACE_BYTES[site.device_kind]
+    pred_mem, pred_noflash, meas_mem = [], [], []
+    for lay, row in zip(layouts, rows):
+        pred_mem.append(sum(predicted_peak_bytes(SPEC, lay, site).values()))
+        no_flash = predicted_peak_bytes(SPEC, lay, site, flash_attention=False)
+        pred_noflash.append(sum(no_flash.values()) - workspace)
+        meas_mem.append(row["peak_bytes"])
+        lines.append(f"{lay.describe():<26}{row['peak_bytes'] / MIB:>11.1f}{pred_mem[-1] / MIB:>15.1f}"
+                     f"{percent_errors([pred_mem[-1]], [row['peak_bytes']])[0]:>+9.1f}"
+                     f"{percent_errors([pred_noflash[-1]], [row['peak_bytes']])[0]:>+17.1f}")
+    mem_mape = mape(pred_mem, meas_mem)
+    lines.append(f"peak memory as the planner predicts it: MAPE {mem_mape:.1f} %, max "
+                 f"{max_abs_error(pred_mem, meas_mem):.1f} %, worst under-prediction "
+                 f"{min(percent_errors(pred_mem, meas_mem)):+.1f} %; like-for-like (flash_attention=False, "
+                 f"as the CPU "
+                 f"engine materialises attention scores, and without the {workspace // MIB} MiB workspace "
+                 f"emu/devmem.py does not book): MAPE {mape(pred_noflash, meas_mem):.1f} %, "
+                 f"max {max_abs_error(pred_noflash, meas_mem):.1f} %")
+    lines.append(f"costmodel: training MAPE {train_mape:.1f} %; max {train_max:.1f} %; "
+                 f"memory error {mem_mape:.1f} %")
+    return "\n".join(lines)
+
+
+def _load_average() -> float:
+    """One-minute load average (NaN where the system does not report one)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="timed steps per layout (median)")
+    parser.add_argument("--layouts", type=int, default=len(LAYOUTS),
+                        help="run the first N layouts (smoke runs)")
+    parser.add_argument("--site", default="local", help="site config the cost model reads")
+    parser.add_argument("--save", help="write the measurements as JSON")
+    parser.add_argument("--load", help="read measurements written by --save instead of running")
+    args = parser.parse_args(argv)
+    site = load_site(args.site)
+    if args.load:
+        data = json.loads(Path(args.load).read_text())
+        rows, load = data["rows"], data["load"]
+        if "per_rank" in data:  # recompute with this version's summary
+            rows = summarise(data["per_rank"], [Layout(**r["layout"]) for r in rows])
+    else:
+        load_before = _load_average()
+        t0 = time.monotonic()
+        layouts = LAYOUTS[:args.layouts]
+        per_rank = run_ranks(layouts, args.reps)
+        rows = summarise(per_rank, layouts)
+        peaks = {k: statistics.median(r["peaks"][k] for r in per_rank) for k in per_rank[0]["peaks"]}
+        load = {"before": load_before, "after": _load_average(), "wall_s": time.monotonic() - t0,
+                "cpus": len(os.sched_getaffinity(0)), "peaks": peaks}
+        if args.save:
+            data = {"rows": rows, "load": load, "per_rank": per_rank}
+            Path(args.save).write_text(json.dumps(data, indent=1))
+    print(f"{len(rows)} layouts on {WORLD} gloo ranks sharing {load['cpus']} CPUs, load average "
+          f"{load['before']:.1f} before / {load['after']:.1f} after, measured in {load['wall_s']:.0f} s; "
+          f"bare barrier {rows[0]['barrier_s'] * 1e3:.1f} ms subtracted; "
+          f"spread = (max − min)/median of reps")
+    print(report(rows, site, load.get("peaks")))
+
+
+if __name__ == "__main__":
+    main()
