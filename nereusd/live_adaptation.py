@@ -126,8 +126,10 @@ class LiveAdaptation:
         if verdict == RESTART:
             path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
             self.driver.save_checkpoint(str(path))
-            self._restart([d for d in self.world if d not in leaving], leaving, step,
-                          outcome.decision.reason, self.driver.last_checkpoint)
+            why = outcome.decision.reason if outcome.decision.verdict == RESTART else (
+                f"devices {leaving} leave and no feasible plan moves off them ({outcome.decision.reason})")
+            self._restart([d for d in self.world if d not in leaving], leaving, step + 1, why,
+                          self.driver.last_checkpoint)
         elif leaving:
             self._release(leaving, verdict == ADMIT, step)
         elif joined and verdict != ADMIT:

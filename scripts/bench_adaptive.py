@@ -76,8 +76,8 @@ def measure(run_dir: Path) -> dict:
         "total_s": wall,
         "switches": admitted + len(restarts),
         "transition_share": moving / wall if wall else 0.0,
-        "ooms": sum("OutOfMemory" in (e.get("reason", "") + e.get("error", "")) for e in restarts + [
-            e for e in events if e["event"] == "job_failed"]),
+        "ooms": sum(e.get("reason", "").startswith("out of memory") for e in restarts) + sum(
+            e["event"] == "job_failed" and e.get("error_kind") == "DeviceOutOfMemory" for e in events),
         "lost_steps": lost,
     }
 
