@@ -1,6 +1,7 @@
 """Benchmark the adaptation policies in the cluster-scale simulator (issue 7).
 
-    .venv/bin/python scripts/bench_sim.py [--steps 1000] [--gpus 16,64,256,1024] [--jobs 2] [--quick]
+    .venv/bin/python scripts/bench_sim.py [--steps 1000] [--gpus 16,64,256,1024] [--real-gpus ...]
+        [--jobs 2] [--quick]
 
 Settings: Llama-3.1-8B PPO on the H200 site (global batch 1,024, prompts of 512 tokens) at each
 GPU count, on
@@ -56,18 +57,20 @@ def run_setting(length: str, pool: str, gpus: int, steps: int, policies: str, jo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--gpus", default="16,64,256,1024")
+    parser.add_argument("--gpus", default="16,64,256,1024", help="GPU counts for the generated ramp")
+    parser.add_argument("--real-gpus", default=None, help="GPU counts for the real traces (default: --gpus)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes per setting")
     parser.add_argument("--quick", action="store_true", help="200 steps, 16 and 64 GPUs, ramp and one real trace")
     args = parser.parse_args()
     gpus_list = [int(g) for g in args.gpus.split(",")]
+    real_gpus = [int(g) for g in (args.real_gpus or args.gpus).split(",")]
     traces, steps = TRACES, args.steps
     if args.quick:
-        gpus_list, traces, steps = [16, 64], TRACES[:2], 200
+        gpus_list, real_gpus, traces, steps = [16, 64], [16, 64], TRACES[:2], 200
     t0 = time.perf_counter()
     vs_frozen, vs_greedy, tran, total = [], [], 0.0, 0.0
     for length, pool in traces:
-        for gpus in gpus_list:
+        for gpus in (gpus_list if length == "generated-ramp" else real_gpus):
             rows = run_setting(length, pool, gpus, steps, POLICIES, args.jobs)
             n, f, g = rows["nereus"], rows["frozen"], rows["greedy"]
             vs_frozen.append(100.0 * (n["mean_step_s"] / f["mean_step_s"] - 1))
