@@ -121,7 +121,9 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     for row, (ms, runs) in enumerate(segments.items()):
         for k, (lo, hi, text) in enumerate(runs):
             ax.barh(row, hi - lo + 1, left=lo - 0.5, color=colors[k % len(colors)], alpha=0.5, edgecolor="k")
-            ax.text((lo + hi) / 2, row, text, ha="center", va="center", fontsize=7)
+            short = text.split(" ")[0] if hi - lo < 6 else text   # narrow run: layout only
+            ax.text((lo + hi) / 2, row, short, ha="center", va="center", fontsize=7 if hi - lo >= 2 else 5,
+                    rotation=0 if hi - lo >= 2 else 90)
     for e in events:
         if e.get("event") == "admission" and e.get("verdict") == "admit":
             ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
