@@ -178,12 +178,13 @@ class StageEngine:
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  greedy: bool = False, eos_id: Optional[int] = None, pad_id: int = 0,
-                 seed: int = 0) -> list[list[int]]:
+                 seed: int = 0, seeds: Optional[list[int]] = None) -> list[list[int]]:
         """Responses for this replica's prompts (:func:`emu.generate.generate`), on every TP rank.
 
         At most ``micro_batch`` sequences decode concurrently (the planner's generation wave, paper
         §4.2): a larger share runs in waves, wave ``w > 0`` sampling from a seed derived from
-        ``seed`` and ``w`` (one wave uses ``seed`` itself).
+        ``seed`` and ``w`` (one wave uses ``seed`` itself); with per-sequence ``seeds`` the draws
+        do not depend on waves or replicas at all.
 
         Raises:
             PlanError: for a value-head model; DeviceOutOfMemory: if the KV cache or prefill
@@ -200,10 +201,12 @@ class StageEngine:
             for w, lo in enumerate(range(0, len(prompts), self.micro_batch)):
                 out += self.generate(prompts[lo:lo + self.micro_batch], max_new_tokens=max_new_tokens,
                                      temperature=temperature, greedy=greedy, eos_id=eos_id, pad_id=pad_id,
-                                     seed=seed if w == 0 else (seed ^ (w * 0x9E3779B1)) & 0x7FFFFFFF)
+                                     seed=seed if w == 0 else (seed ^ (w * 0x9E3779B1)) & 0x7FFFFFFF,
+                                     seeds=None if seeds is None else seeds[lo:lo + self.micro_batch])
             return out
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                                eos_id=eos_id, pad_id=pad_id, seed=seed)
+                                eos_id=eos_id, pad_id=pad_id, seed=seed,
+                                seeds=None if seeds is None else tuple(seeds))
         width = max(len(p) for p in prompts)
         shape = kv_cache_shape(self.module, len(prompts), width + max_new_tokens)
         act = activation_bytes(self.spec, tp=self.groups.tp.size, layers=len(self.layers), batch=len(prompts),

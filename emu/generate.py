@@ -8,8 +8,9 @@ generation, :func:`emu.parallel.validate_candidate`); heads and the KV cache are
 
 Every TP rank ends with identical tokens: the vocab-parallel logits of the last position are
 all-gathered, TP rank 0 picks the next tokens (greedy ``argmax``, or sampling from
-``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``) and broadcasts
-them in the TP group.
+``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed`` — or, with
+``seeds``, one generator per sequence, so that a sequence's draws do not depend on which replica
+or wave it runs in, i.e. on the layout) and broadcasts them in the TP group.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class SamplingParams:
         eos_id: a sequence stops after producing it (``None``: never).
         pad_id: token used for left padding of prompts.
         seed: seed of the sampling generator.
+        seeds: one seed per sequence (overrides ``seed``): each sequence samples from its own
+            generator, independent of the batch it is in.
     """
 
     max_new_tokens: int
@@ -46,6 +49,7 @@ class SamplingParams:
     eos_id: Optional[int] = None
     pad_id: int = 0
     seed: int = 0
+    seeds: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -74,7 +78,7 @@ def kv_cache_shape(model: LlamaModel, batch: int, max_len: int) -> tuple[int, in
 
 
 def _next_tokens(logits_local: torch.Tensor, groups: Optional[StageGroups], params: SamplingParams,
-                 gen: torch.Generator) -> torch.Tensor:
+                 gen: torch.Generator | list[torch.Generator]) -> torch.Tensor:
     """Pick ``[B]`` next tokens from this rank's ``[B, V/tp]`` logits; identical on all TP ranks."""
     tp = groups.tp if groups is not None else None
     if tp is None or tp.size == 1:
@@ -88,7 +92,10 @@ def _next_tokens(logits_local: torch.Tensor, groups: Optional[StageGroups], para
         chosen = full.argmax(dim=-1)
     else:
         probs = torch.softmax(full.float() / params.temperature, dim=-1)
-        chosen = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        if isinstance(gen, list):   # one stream per sequence
+            chosen = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gen)])
+        else:
+            chosen = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     if tp is not None and tp.size > 1:
         dist.broadcast(chosen, group=tp.group, group_src=StageGroups.group_rank(groups.tp_ranks, 0))
     return chosen
@@ -133,7 +140,12 @@ def generate(model: LlamaModel, prompts: list[list[int]], params: SamplingParams
     kv_cache.length = 0
     full_mask = torch.ones((batch, total), dtype=torch.int64, device=device)
     full_mask[:, :width] = mask
-    gen = torch.Generator(device=device).manual_seed(params.seed)
+    if params.seeds is not None:
+        if len(params.seeds) != batch:
+            raise ValueError(f"generate: {len(params.seeds)} seeds for {batch} prompts")
+        gen = [torch.Generator(device=device).manual_seed(int(s)) for s in params.seeds]
+    else:
+        gen = torch.Generator(device=device).manual_seed(params.seed)
 
     logits = model(tokens, attention_mask=full_mask[:, :width], position_ids=positions, kv_cache=kv_cache)
     next_pos = positions[:, -1] + 1

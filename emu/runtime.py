@@ -184,7 +184,7 @@ class WorkerRuntime(TransitionTasks):
         responses = engine.generate(
             args["prompts"], max_new_tokens=int(args["max_new_tokens"]), temperature=float(args["temperature"]),
             greedy=bool(args["greedy"]), eos_id=int(args["eos_id"]), pad_id=int(args["pad_id"]),
-            seed=int(args["seed"]),
+            seed=int(args["seed"]), seeds=args.get("seeds"),
         )
         return {"responses": responses} if self._reporting(engine) else {}
 

@@ -144,6 +144,8 @@ class RLDriver:
             "prompts": prompts[lo:hi], "max_new_tokens": roll.max_new_tokens, "temperature": roll.temperature,
             "greedy": greedy, "eos_id": self.tokenizer.eos_id, "pad_id": self.tokenizer.pad_id,
             "seed": derived_seed(self.cfg.seed, self.step_index, r, int(greedy)),
+            # one stream per sample of the step: the draws do not depend on the layout
+            "seeds": [derived_seed(self.cfg.seed, self.step_index, i, int(greedy), 1) for i in range(lo, hi)],
         })
 
     def _score_kind(self, batch: RolloutBatch, kind: str, ms: ModelStage) -> _Dispatch:

@@ -4,7 +4,8 @@
   out of memory, survives the removal and the re-addition of a device (its worker really stopped,
   a new one really started; the world re-formed each time) and finishes; its decision log
   explains each switch;
-- forced layout switches train exactly like no switches: per-step rewards and losses of the same
+- forced layout switches (training, inference and generation: TP, PP, DP and generation waves)
+  train exactly like no switches: the same samples, and per-step rewards and losses of the same
   seed agree within floating-point reduction tolerance over 20 steps.
 """
 
@@ -147,7 +148,8 @@ adaptation:
 FORCED = """
     - {at_step: 4, model_stages: {actor/training: {tp: 2}}}
     - {at_step: 8, model_stages: {actor/training: {tp: 1, pp: 2}, reference/inference: {tp: 2}}}
-    - {at_step: 12, model_stages: {actor/training: {tp: 1, pp: 1}, actor/inference: {pp: 2}}}
+    - {at_step: 12, model_stages: {actor/training: {tp: 1, pp: 1}, actor/inference: {pp: 2},
+                                   actor/generation: {tp: 2, micro_batch: 2}}}
     - {at_step: 16, model_stages: {actor/training: {tp: 2, pp: 1}}}"""
 
 
