@@ -29,6 +29,7 @@ _spec = importlib.util.spec_from_file_location("bench_dag", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_dag"] = bench  # dataclasses look their module up while the class is built
 _spec.loader.exec_module(bench)
+sched = sys.modules["dag_schedule"]  # the instance, greedy and solvers bench_dag imports
 
 SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
                  num_kv_heads=2)
@@ -69,7 +70,7 @@ def _random_pairs(n: int, seed: int = 0):
 
 def test_instance_has_the_dags_durations_edges_and_memory():
     for dag, budget in _random_pairs(10):
-        inst = bench.build_instance(dag, STATE, LINKS, budget, tick_s=1e-6, mem_unit_bytes=1)
+        inst = sched.build_instance(dag, STATE, LINKS, budget, tick_s=1e-6, mem_unit_bytes=1)
         assert [j.op_id for j in inst.jobs] == [op.id for op in dag.ops]
         assert len(inst.edges) == len(dag.edges)
         for op, job in zip(dag.ops, inst.jobs):
@@ -83,7 +84,7 @@ def test_instance_has_the_dags_durations_edges_and_memory():
         for a, b in inst.edges:
             assert inst.precedes(a, b)
         assert inst.limit_mem == budget.limit_bytes
-        in_mib = bench.build_instance(dag, STATE, LINKS, budget)
+        in_mib = sched.build_instance(dag, STATE, LINKS, budget)
         for exact, job in zip(inst.jobs, in_mib.jobs):  # rounded so that MiB never looks roomier
             assert all(job.up_mem[x] * MIB >= v for x, v in exact.up_mem.items())
             assert all(job.down_mem.get(x, 0) * MIB <= v for x, v in exact.down_mem.items())
@@ -91,33 +92,33 @@ def test_instance_has_the_dags_durations_edges_and_memory():
 
 def test_greedy_replay_is_estimate_l_tran():
     for dag, budget in _random_pairs(15, seed=1):
-        inst = bench.build_instance(dag, STATE, LINKS, budget)
+        inst = sched.build_instance(dag, STATE, LINKS, budget)
         cost = estimate_l_tran(dag, STATE.sizes, LINKS)
-        starts = bench.greedy_starts(inst, ticks=False)
-        assert bench.makespan(inst, starts, ticks=False) == cost.l_tran_s
+        starts = sched.greedy_starts(inst, ticks=False)
+        assert sched.makespan(inst, starts, ticks=False) == cost.l_tran_s
         assert starts == [cost.start_s[op.id] for op in dag.ops]
         # Precedence and ports always hold; memory is what the benchmark reports.
-        problems = bench.schedule_problems(inst, bench.greedy_starts(inst))
+        problems = sched.schedule_problems(inst, sched.greedy_starts(inst))
         assert not [p for p in problems if "memory" not in p]
 
 
 def test_serial_schedule_is_what_check_feasibility_walks():
     for dag, budget in _random_pairs(10, seed=2):  # so it is a valid horizon and big-M
-        inst = bench.build_instance(dag, STATE, LINKS, budget, mem_unit_bytes=1)
-        serial = bench.serial_starts(inst)
-        assert bench.makespan(inst, serial) == sum(j.ticks for j in inst.jobs)
-        assert bench.schedule_problems(inst, serial) == []
+        inst = sched.build_instance(dag, STATE, LINKS, budget, mem_unit_bytes=1)
+        serial = sched.serial_starts(inst)
+        assert sched.makespan(inst, serial) == sum(j.ticks for j in inst.jobs)
+        assert sched.schedule_problems(inst, serial) == []
 
 
 def _job(name, ticks, ports=(), up=None, down=None):
-    return bench.Job(name, ticks * 1e-6, ticks, tuple(ports), up or {}, down or {})
+    return sched.Job(name, ticks * 1e-6, ticks, tuple(ports), up or {}, down or {})
 
 
 def _instance(jobs, edges, *, base=None, limit=1000):
     reaches = [0] * len(jobs)
     for a, b in edges:  # hand-made instances: edges listed so that one pass closes them
         reaches[a] |= 1 << b | reaches[b]
-    return bench.Instance(tuple(jobs), tuple(edges), tuple(range(len(jobs))), base or {0: 0}, limit, 1e-6,
+    return sched.Instance(tuple(jobs), tuple(edges), tuple(range(len(jobs))), base or {0: 0}, limit, 1e-6,
                           MIB, tuple(reaches))
 
 
@@ -133,14 +134,14 @@ RELEASE = _instance([_job("A", 10, [1], up={0: 50}), _job("B", 10, [2], down={0:
 
 
 def test_schedule_problems_names_what_breaks():
-    assert bench.greedy_starts(NO_BACKFILL) == [0, 10, 20]
-    assert bench.schedule_problems(NO_BACKFILL, [0, 10, 20]) == []
-    assert bench.schedule_problems(NO_BACKFILL, [0, 5, 20]) == ["B starts before A ends"]
-    assert bench.schedule_problems(NO_BACKFILL, [0, 10, 15]) == ["device 1: C overlaps B"]
-    assert bench.schedule_problems(MEMORY, [0, 0]) == ["device 0: memory 120 > 100 at tick 0"]
-    assert bench.schedule_problems(MEMORY, [0, 10]) == []  # A's release at 10 is free for B
-    assert bench.schedule_problems(RELEASE, [0, 0]) == ["device 0: memory 130 > 100 at tick 0"]
-    assert bench.schedule_problems(RELEASE, [10, 0]) == []
+    assert sched.greedy_starts(NO_BACKFILL) == [0, 10, 20]
+    assert sched.schedule_problems(NO_BACKFILL, [0, 10, 20]) == []
+    assert sched.schedule_problems(NO_BACKFILL, [0, 5, 20]) == ["B starts before A ends"]
+    assert sched.schedule_problems(NO_BACKFILL, [0, 10, 15]) == ["device 1: C overlaps B"]
+    assert sched.schedule_problems(MEMORY, [0, 0]) == ["device 0: memory 120 > 100 at tick 0"]
+    assert sched.schedule_problems(MEMORY, [0, 10]) == []  # A's release at 10 is free for B
+    assert sched.schedule_problems(RELEASE, [0, 0]) == ["device 0: memory 130 > 100 at tick 0"]
+    assert sched.schedule_problems(RELEASE, [10, 0]) == []
 
 
 @pytest.mark.parametrize("instance, greedy, optimum, without_memory",
@@ -148,26 +149,26 @@ def test_schedule_problems_names_what_breaks():
 def test_exact_models_find_the_known_optimum(instance, greedy, optimum, without_memory):
     if not (HAVE_ORTOOLS or HAVE_SCIP):
         pytest.skip("neither ortools nor pyscipopt installed (pip install -e .[bench])")
-    assert bench.makespan(instance, bench.greedy_starts(instance)) == greedy
+    assert sched.makespan(instance, sched.greedy_starts(instance)) == greedy
     solutions = []
     if HAVE_ORTOOLS:
-        solutions.append(bench.solve_cpsat(instance, time_limit_s=10, workers=1, hint=None))
-        free = bench.solve_cpsat(instance, time_limit_s=10, workers=1, hint=None, memory=False)
+        solutions.append(sched.solve_cpsat(instance, time_limit_s=10, workers=1, hint=None))
+        free = sched.solve_cpsat(instance, time_limit_s=10, workers=1, hint=None, memory=False)
         assert free.makespan == without_memory and free.optimal
     if HAVE_SCIP:
-        solutions.append(bench.solve_scip(instance, time_limit_s=10, hint=None))
+        solutions.append(sched.solve_scip(instance, time_limit_s=10, hint=None))
     for sol in solutions:
         assert (sol.makespan, sol.optimal) == (optimum, True), sol.solver
-        assert bench.schedule_problems(instance, sol.starts) == []
+        assert sched.schedule_problems(instance, sol.starts) == []
 
 
 @pytest.mark.skipif(not HAVE_ORTOOLS, reason="ortools not installed (pip install -e .[bench])")
 def test_cpsat_never_beats_a_lower_bound_nor_loses_to_the_greedy():
     for dag, budget in _random_pairs(6, seed=3):
-        inst = bench.build_instance(dag, STATE, LINKS, budget, mem_unit_bytes=1)
-        greedy = bench.greedy_starts(inst)
-        sol = bench.solve_cpsat(inst, time_limit_s=10, workers=1, hint=None)
-        assert sol.optimal and bench.schedule_problems(inst, sol.starts) == []
-        assert max(bench._tail(inst, bench.durations(inst, True))) <= sol.makespan
-        if not bench.schedule_problems(inst, greedy):
-            assert sol.makespan <= bench.makespan(inst, greedy)
+        inst = sched.build_instance(dag, STATE, LINKS, budget, mem_unit_bytes=1)
+        greedy = sched.greedy_starts(inst)
+        sol = sched.solve_cpsat(inst, time_limit_s=10, workers=1, hint=None)
+        assert sol.optimal and sched.schedule_problems(inst, sol.starts) == []
+        assert max(sched._tail(inst, sched.durations(inst, True))) <= sol.makespan
+        if not sched.schedule_problems(inst, greedy):
+            assert sol.makespan <= sched.makespan(inst, greedy)
