@@ -153,6 +153,14 @@ class _Progress:
                 f"switches {self.switches}", refresh=False)
             self.bar.update(1)
         self.seen = len(records)
+        events = read_jsonl(run_dir / EVENTS_FILE)
+        for ev in events[self.events_seen:]:
+            if ev.get("event") == "admission" and ev.get("verdict") == "admit":
+                self.switches += 1
+            line = describe_event(ev)
+            if line and not self.quiet:
+                self.bar.write(line)
+        self.events_seen = len(events)
 
     def close(self) -> None:
         self.bar.close()
