@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             if live:
                 live[0].at_boundary(record)
                 controller.world_formed(driver.plan.to_dict(), live[0].world)
+                controller.last_decision = live[0].last_decision or controller.last_decision
 
         driver.on_step = on_step
         if live:

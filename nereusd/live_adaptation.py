@@ -82,6 +82,8 @@ class LiveAdaptation:
         self.journal, self.run_dir, self.world = journal, Path(run_dir), list(world)
         self.pending_remove = 0
         self.switches = 0
+        self.last_decision: dict[str, Any] | None = None
+        """The latest admission record (``nereus-launch status`` shows it)."""
         self._added = 0
         self._schedule = {e.at_step: e for e in job.config.pool.schedule}
         self._forced = {f.at_step: f for f in job.config.adaptation.forced}
@@ -159,8 +161,9 @@ class LiveAdaptation:
                                       "memory_ratio": self.adapter.memory_ratio(),
                                       "headroom": self.adapter.headroom(), "planner_log": list(outcome.planner_log),
                                       "targets": len(d.alternatives) + (1 if d.admitted else 0)})
-        self.journal.event("admission", {k: v for k, v in d.to_dict().items() if k != "event"}
-                           | {"current_plan": self.driver.plan.to_dict()})
+        self.last_decision = {k: v for k, v in d.to_dict().items() if k != "event"} | {
+            "current_plan": self.driver.plan.to_dict()}
+        self.journal.event("admission", self.last_decision)
         log.info("step %d: %s (%s)", step, d.verdict, d.reason)
         if d.verdict == ADMIT:
             assert not set(leaving) & set(d.target.plan.devices()), "planned on the pool without them"
