@@ -33,6 +33,7 @@ models: {{actor_config: {{vocab_size: 16, hidden_size: 64, intermediate_size: 12
 rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
 train: {{global_batch: 4, micro_batch: 2}}
 checkpoint: {{every_steps: {every}}}
+adaptation: {{enabled: false}}   # these tests check what Slurm reports; re-planning on it is tested in test_e2e_adaptive
 """
 
 
