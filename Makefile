@@ -16,7 +16,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
