@@ -95,7 +95,8 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
     steps per RL step (``sequences / train.global_batch``).
     """
     cfg = job.config
-    workflow = build_workflow(cfg.algorithm.value, reward_model=cfg.reward.kind == "model")
+    workflow = build_workflow(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
+                              asynchronous=cfg.rollout.max_staleness > 0)
     seqs = job.sequences_per_step
     workload = Workload(prompt_length=max(1, prompt_length), response_length=max(1, int(response_length)),
                         global_batch=seqs, mini_batches=seqs // cfg.train.global_batch,

@@ -6,6 +6,18 @@ each training model-stage to the other model-stages of its role. Tasks of model-
 disjoint devices are submitted together and overlap; tasks on shared devices run in
 submission order on each worker. The driver holds the batch and hands each DP replica a
 contiguous share.
+
+Asynchronous execution (``rollout.max_staleness = s ≥ 1``; one-step off-policy at ``s = 1``, as
+in AReaL and Laminar, paper §2/§4.2): at the start of step ``k`` the driver submits the
+generation of step ``k + s`` before it trains step ``k``, so generation on its own devices
+overlaps inference and training of earlier rollouts. Every rollout carries the *policy version*
+it was generated with — the number of weight synchronisations before its generation was
+submitted — and since each worker runs its tasks in submission order, that version is
+deterministic: step ``k`` trains on a rollout of version ``max(0, k − s)``, staleness ≤ ``s``.
+The weight synchronisation at the end of a step runs on the generation devices after every
+generation submitted before it, so when it returns no generation is running: that is the
+asynchronous safe boundary (DESIGN.md vocabulary); rollouts already generated keep their version.
+``s = 0`` is the synchronous step.
 """
 
 from __future__ import annotations
@@ -13,7 +25,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -55,6 +68,25 @@ class _Dispatch:
     ranges: list[tuple[int, int]]
 
 
+@dataclass
+class _Rollout:
+    """One step's generation, submitted and not yet trained on."""
+
+    index: int
+    """The step that trains on it (its prompts and sampling seeds follow from it)."""
+    position: int
+    """Sampler position of its first prompt."""
+    policy_version: int
+    """Weight synchronisations applied before its generation was submitted."""
+    batch: RolloutBatch
+    greedy_batch: RolloutBatch | None
+    pending: list[_Dispatch]
+    """Generation dispatches not collected yet (``[sampled]`` or ``[sampled, greedy]``)."""
+    greedy_scores: list[float] | None = None
+    peaks: dict[int, int] = field(default_factory=dict)
+    model_stage_s: float = 0.0
+
+
 class RLDriver:
     """Runs ``job`` on the workers behind ``control``; writes metrics and events to ``journal``."""
 
@@ -76,6 +108,9 @@ class RLDriver:
         """``(directory, step, sample position)`` of the latest checkpoint."""
         self.on_failure: Callable[[WorkerError], bool] | None = None
         """Called when a step fails; True when it recovered (restart) and rewound the step."""
+        self.max_staleness = self.cfg.rollout.max_staleness
+        self._rollouts: deque[_Rollout] = deque()
+        self._next_rollout = 0
 
     @property
     def prompt_length(self) -> int:
@@ -137,16 +172,73 @@ class RLDriver:
         self._ms_s[key] = self._ms_s.get(key, 0.0) + max((r.elapsed_s for r in results.values()), default=0.0)
 
     # ------------------------------------------------------------------ one step
-    def _generate(self, batch: RolloutBatch, greedy: bool) -> _Dispatch:
+    def _generate(self, batch: RolloutBatch, greedy: bool, index: int) -> _Dispatch:
         roll = self.cfg.rollout
         prompts = batch.prompts
         return self._submit_replicas("generate", ACTOR_GEN, len(prompts), lambda r, lo, hi: {
             "prompts": prompts[lo:hi], "max_new_tokens": roll.max_new_tokens, "temperature": roll.temperature,
             "greedy": greedy, "eos_id": self.tokenizer.eos_id, "pad_id": self.tokenizer.pad_id,
-            "seed": derived_seed(self.cfg.seed, self.step_index, r, int(greedy)),
+            "seed": derived_seed(self.cfg.seed, index, r, int(greedy)),
             # one stream per sample of the step: the draws do not depend on the layout
-            "seeds": [derived_seed(self.cfg.seed, self.step_index, i, int(greedy), 1) for i in range(lo, hi)],
+            "seeds": [derived_seed(self.cfg.seed, index, i, int(greedy), 1) for i in range(lo, hi)],
         })
+
+    def _submit_rollouts(self) -> None:
+        """Submit the generations of steps up to ``step_index + max_staleness`` (not past the
+        last step), in step order, each tagged with the current policy version."""
+        roll, group = self.cfg.rollout, self.cfg.rollout.group_size
+        last = min(self.step_index + self.max_staleness, self.cfg.steps - 1)
+        while self._next_rollout <= last:
+            index = self._next_rollout
+            position = self.sampler.position
+            prompts = self.sampler.next_batch(roll.prompts_per_step)
+            batch = RolloutBatch(prompt_index=[p.index for p in prompts for _ in range(group)],
+                                 starts=[p.start for p in prompts for _ in range(group)],
+                                 prompts=[list(p.tokens) for p in prompts for _ in range(group)])
+            pending = [self._generate(batch, greedy=False, index=index)]
+            greedy_batch = None
+            if self.cfg.algorithm == Algorithm.REMAX:
+                greedy_batch = RolloutBatch([p.index for p in prompts], [p.start for p in prompts],
+                                            [list(p.tokens) for p in prompts])
+                pending.append(self._generate(greedy_batch, greedy=True, index=index))
+            self._rollouts.append(_Rollout(index, position, self.step_index, batch, greedy_batch, pending))
+            self._next_rollout += 1
+
+    def _collect_rollout(self, rollout: _Rollout) -> None:
+        """Wait for ``rollout``'s generation results (no-op once collected)."""
+        for dispatch in rollout.pending:
+            results = self.control.collect(dispatch.task_id)
+            rollout.model_stage_s += max((r.elapsed_s for r in results.values()), default=0.0)
+            for device, res in results.items():
+                rollout.peaks[device] = max(rollout.peaks.get(device, 0), int(res.result.get("peak_memory_bytes", 0)))
+            out: list[Any] = []
+            for device in dispatch.reporters:
+                out.extend(results[device].result["responses"])
+            if dispatch is rollout.pending[0]:
+                rollout.batch.responses = out
+            else:
+                per_prompt = self._rewards(rollout.greedy_batch, out)
+                rollout.greedy_scores = [s for s in per_prompt for _ in range(self.cfg.rollout.group_size)]
+        rollout.pending = []
+
+    def drain_rollouts(self) -> None:
+        """Collect the results of every submitted generation (the safe boundary: after a weight
+        synchronisation they are finished on the workers), so that a transition or a pool
+        change can follow; the rollouts keep their policy versions."""
+        for rollout in self._rollouts:
+            self._collect_rollout(rollout)
+
+    def rewind(self, step: int, position: int) -> None:
+        """Continue at ``step`` with the sampler at ``position`` (after a checkpoint/restart):
+        rollouts in flight are dropped (their workers are gone) and generated again."""
+        self._rollouts.clear()
+        self.step_index, self._next_rollout = step, step
+        self.sampler.position = position
+
+    @property
+    def resume_position(self) -> int:
+        """Sampler position of the next step's prompts (rollouts submitted ahead are not consumed)."""
+        return self._rollouts[0].position if self._rollouts else self.sampler.position
 
     def _score_kind(self, batch: RolloutBatch, kind: str, ms: ModelStage) -> _Dispatch:
         seqs, lens = batch.sequences, batch.prompt_lens
@@ -170,31 +262,17 @@ class RLDriver:
             for device, res in results.items():
                 peaks[device] = max(peaks.get(device, 0), int(res.result.get("peak_memory_bytes", 0)))
 
-        position = self.sampler.position
-        prompts = self.sampler.next_batch(roll.prompts_per_step)
-        group = roll.group_size
-        batch = RolloutBatch(
-            prompt_index=[p.index for p in prompts for _ in range(group)],
-            starts=[p.start for p in prompts for _ in range(group)],
-            prompts=[list(p.tokens) for p in prompts for _ in range(group)],
-        )
-
-        # generation
+        # generation: this step's rollout (asynchronous: submitted up to max_staleness steps ago,
+        # and the next ones are submitted now, to overlap this step's inference and training)
         t0 = time.perf_counter()
-        gen = self._generate(batch, greedy=False)
-        greedy_dispatch = None
-        if cfg.algorithm == Algorithm.REMAX:
-            greedy_batch = RolloutBatch([p.index for p in prompts], [p.start for p in prompts],
-                                        [list(p.tokens) for p in prompts])
-            greedy_dispatch = self._generate(greedy_batch, greedy=True)
-        batch.responses, raw = self._gather(gen, "responses")
-        note_peaks(raw)
-        greedy_scores = None
-        if greedy_dispatch is not None:
-            greedy_responses, raw = self._gather(greedy_dispatch, "responses")
-            note_peaks(raw)
-            per_prompt = self._rewards(greedy_batch, greedy_responses)
-            greedy_scores = [s for s in per_prompt for _ in range(group)]
+        self._submit_rollouts()
+        rollout = self._rollouts.popleft()
+        assert rollout.index == self.step_index, (rollout.index, self.step_index)
+        self._collect_rollout(rollout)
+        batch, greedy_scores, position = rollout.batch, rollout.greedy_scores, rollout.position
+        for device, peak in rollout.peaks.items():
+            peaks[device] = max(peaks.get(device, 0), peak)
+        self._ms_s[str(ACTOR_GEN)] = rollout.model_stage_s
         stage_s["generation"] = time.perf_counter() - t0
 
         # inference
@@ -244,6 +322,8 @@ class RLDriver:
             "peak_memory_bytes": {str(d): peaks[d] for d in sorted(peaks)},
             "plan": self.plan.to_dict(),
             "sample_position": position,
+            "policy_version": rollout.policy_version,
+            "staleness": self.step_index - rollout.policy_version,
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }
         if greedy_scores is not None:
@@ -331,9 +411,9 @@ class RLDriver:
         members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
         start = time.perf_counter()
         self.control.run("save_checkpoint", {d: {"dir": directory} for d in members})
-        self.last_checkpoint = (directory, self.step_index, self.sampler.position)
+        self.last_checkpoint = (directory, self.step_index, self.resume_position)
         self.journal.event("checkpoint", {"dir": directory, "step": self.step_index,
-                                          "sample_position": self.sampler.position,
+                                          "sample_position": self.resume_position,
                                           "elapsed_s": time.perf_counter() - start})
 
     def run(self) -> list[dict[str, Any]]:

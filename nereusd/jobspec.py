@@ -202,6 +202,20 @@ def _resolve_candidate(
     return cand, grad_accum
 
 
+def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobConfig,
+                        source: str) -> tuple[Candidate, int]:
+    """``plan.default`` on devices ``0 … n−1`` for the largest ``n ≤ devices`` that resolves
+    (e.g. 3 devices cannot split a global batch of 8); raises the all-devices error when none does."""
+    first: ConfigError | None = None
+    for n in range(devices, 0, -1):
+        default = job.plan.default.model_copy(update={"devices": list(range(n)), "dp": None})
+        try:
+            return _resolve_candidate(ms, default, None, devices, spec, job, source)
+        except ConfigError as err:
+            first = first or err
+    raise first
+
+
 def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: int,
                 site_memory_bytes: int, site_name: str) -> ResolvedJob:
     """Resolve ``job`` against a site's device count and memory.
@@ -233,9 +247,16 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
             )
     candidates, grad_accum = {}, {}
     for ms in stages:
-        cand, accum = _resolve_candidate(
-            ms, job.plan.default, job.plan.model_stages.get(str(ms)), devices, roles[ms.role].spec, job, source
-        )
+        try:
+            cand, accum = _resolve_candidate(
+                ms, job.plan.default, job.plan.model_stages.get(str(ms)), devices, roles[ms.role].spec, job, source
+            )
+        except ConfigError:
+            if "plan" in job.model_fields_set or not job.adaptation.enabled:
+                raise
+            # no plan in the YAML and the planner picks the launch plan: this is only the
+            # fallback plan, on the most devices whose batch split works
+            cand, accum = _fallback_candidate(ms, devices, roles[ms.role].spec, job, source)
         candidates[ms] = cand
         grad_accum[ms] = accum
     max_len = max(s.spec.max_position for s in roles.values())

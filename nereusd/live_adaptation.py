@@ -1,5 +1,8 @@
 """Live adaptation, the shell: executes the controller's decisions on the workers at the safe
-boundary (end of a synchronous RL step; paper §6, DESIGN.md "One RL step", step 5).
+boundary (paper §6, DESIGN.md "One RL step", step 5): the end of a synchronous RL step, or
+the weight synchronisation of an asynchronous one (``rollout.max_staleness ≥ 1``,
+:mod:`nereusd.driver`) — generations submitted before it have run; their rollouts keep the
+policy version they were generated with.
 
 :class:`LiveAdaptation.at_boundary` runs after every step, on the control-plane thread:
 
@@ -112,6 +115,7 @@ class LiveAdaptation:
         upcoming = step + 1
         if upcoming >= self.job.config.steps:
             return
+        self.driver.drain_rollouts()   # asynchronous: generations already ran, keep their versions
         self.control.poll(0)
         event = self._schedule.get(upcoming)
         remove = self.pending_remove + (event.remove if event else 0)
@@ -224,7 +228,7 @@ class LiveAdaptation:
             directory, step, position = checkpoint
             members = sorted({d for ms, c in result.plan.items() if ms.stage.value == "training" for d in c.devices})
             self.control.run("load_checkpoint", {d: {"dir": directory} for d in members}, 300)
-        self.driver.step_index, self.driver.sampler.position = step, position
+        self.driver.rewind(step, position)
         self.driver._sync_weights()
         self.adapter.switched(result.plan, tuple(sorted(self.world)))
         self.switches += 1

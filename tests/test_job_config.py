@@ -91,3 +91,17 @@ def test_colocated_default_and_disjoint_override(tmp_path):
     assert [str(m) for m in job.plan] == [
         "actor/generation", "actor/inference", "critic/inference", "reference/inference",
         "actor/training", "critic/training"]
+
+
+def test_without_a_plan_an_adaptive_job_falls_back_to_devices_that_split_the_batch(tmp_path):
+    # 3 devices cannot split a global batch of 8: a YAML plan saying so is an error, but with
+    # no plan (the planner chooses the launch plan) the fallback uses the first 2 devices
+    text = "devices: 3\nrollout: {prompts_per_step: 2, group_size: 4}\ntrain: {global_batch: 8, micro_batch: 4}\n"
+    with pytest.raises(ConfigError, match="plan.default: global_batch=8"):
+        resolve(write(tmp_path, tiny_job(text + "plan: {default: {tp: 1, pp: 1}}\n")))
+    with pytest.raises(ConfigError, match="plan.default: global_batch=8"):
+        resolve(write(tmp_path, tiny_job(text + "adaptation: {enabled: false}\n")))
+    job = resolve(write(tmp_path, tiny_job(text)))
+    training = job.plan[ModelStage.parse("actor/training")]
+    assert training.devices == (0, 1) and training.dp == 2
+    assert job.plan[ModelStage.parse("actor/generation")].devices == (0, 1, 2)
