@@ -156,11 +156,12 @@ class Adapter:
     """
 
     def __init__(self, job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_length: int,
-                 calibration: Calibration | None = None) -> None:
+                 calibration: Calibration | None = None, pool: tuple[int, ...] | None = None) -> None:
         self.job, self.site, self.plan = job, site, plan
         self.cfg = job.config.adaptation
         self.prompt_length = prompt_length
-        self.pool: tuple[int, ...] = plan.devices()
+        self.pool: tuple[int, ...] = tuple(sorted(pool)) if pool is not None else plan.devices()
+        """Devices of the world (default: the plan's); a boundary on another pool replans."""
         self.calibration = calibration or Calibration()
         problem = self.problem(self.pool, job.config.rollout.max_new_tokens)
         self.cost_model = CostModel(problem.site, self.calibration)
@@ -268,6 +269,10 @@ class Adapter:
                                         usable_bytes=usable if peak is not None else None)
         if not current_valid and not any(t.signal == GPU_POOL for t in triggers):
             triggers.append(Trigger(GPU_POOL, True, len(pool), len(self.pool), "devices of the running plan lost"))
+        elif tuple(pool) != tuple(self.pool) and not any(t.signal == GPU_POOL for t in triggers):
+            # the monitor's first observation only sets its reference: a pool change at the
+            # first boundary must still replan (devices leaving may hold the plan)
+            triggers.append(Trigger(GPU_POOL, True, len(pool), len(self.pool), "the pool changed"))
         if self.cfg.period and step % self.cfg.period == 0:
             triggers.append(Trigger(PERIOD, False, step, None, f"every {self.cfg.period} steps"))
         if forced is not None:

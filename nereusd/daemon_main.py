@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         journal.event("world_formed", {"generation": store.generation, "devices": world})
         controller.world_formed(driver.plan.to_dict(), world)
         if adaptive:
-            adapter = Adapter(job, site, driver.plan, driver.prompt_length)
+            adapter = Adapter(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
             live.append(LiveAdaptation(job, adapter, driver, control, store, journal, run_dir, world))
 
         def on_step(record: dict) -> None:

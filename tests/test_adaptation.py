@@ -104,6 +104,17 @@ def test_lost_devices_replan_onto_the_pool(demo):
     assert any(t.signal == "gpu_pool" and t.value == 5 for t in grown.decision.triggers)
 
 
+def test_a_pool_change_at_the_first_boundary_replans(demo):
+    # the monitor's first observation only sets its reference; the adapter knows the world
+    job, site = demo
+    adapter = Adapter(job, site, job.plan, PROMPT, pool=(0, 1, 2, 3))
+    observe(adapter, 0, 20)
+    outcome = adapter.boundary(0, (0, 1, 2))
+    assert outcome is not None and outcome.decision.admitted
+    assert any(t.signal == "gpu_pool" and t.urgent for t in outcome.decision.triggers)
+    assert set(outcome.decision.target.plan.devices()) <= {0, 1, 2}
+
+
 def test_small_gain_is_rejected_by_payback(demo):
     job, site = demo
     adapter = Adapter(dataclasses.replace(job, config=job.config.model_copy(
