@@ -9,7 +9,9 @@ ones a cluster runs; only the transport of the data plane differs (gloo instead 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -18,7 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from nereusd.errors import NereusError
+import yaml
+
+from nereusd.config import load_yaml_mapping, parse_job
+from nereusd.errors import ConfigError, NereusError
 from nereusd.jobspec import ResolvedJob, load_and_resolve
 from nereusd.journal import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
 
@@ -39,7 +44,104 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--gpus", action="store_true", help="use this machine's GPUs instead of virtual CPU devices")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    trace = parser.add_argument_group(
+        "pool trace", "Replay a spot-availability trace on the local pool (sets or overrides the job's pool.trace; "
+        "virtual-CPU devices only). The trace's full availability is the job's devices; at each trace hour the "
+        "pool holds round(devices x available fraction) devices, never fewer than min_devices (the job's "
+        "pool.trace.min_devices, default 1) nor more than the job's devices. Devices leave (the highest-numbered) "
+        "and join (a new local agent) at the first safe boundary at or after the trace time of the change. "
+        "Trace hour 0 is the trace's first sample with every instance available.")
+    trace.add_argument("--pool-trace", metavar="NAME",
+                       help="us-east-2b or us-west-2a (16-node AWS spot availability, one sample per 5 min; "
+                            "nereusd/sim/data/traces/SOURCES.md), or a trace file of that format")
+    base = trace.add_mutually_exclusive_group()
+    base.add_argument("--trace-hour-s", type=float, metavar="S",
+                      help="wall-clock seconds of the job per trace hour (e.g. 60: ten trace hours in ten minutes)")
+    base.add_argument("--trace-hour-steps", type=float, metavar="N",
+                      help="RL steps per trace hour (e.g. 12: one step per 5-minute sample)")
+    trace.add_argument("--trace-start-hour", type=float, metavar="H",
+                       help="trace hour at which the first step starts (default: the job's, else 0)")
     parser.set_defaults(func=run_local)
+
+
+MODEL_KEYS = ("actor", "critic", "reference", "reward")
+
+
+def pool_trace_override(args: argparse.Namespace, data: dict) -> dict | None:
+    """The job mapping ``data`` with ``pool.trace`` set from ``--pool-trace``, ``--trace-hour-s``,
+    ``--trace-hour-steps`` and ``--trace-start-hour`` (missing ones keep the job's values), or
+    ``None`` when none is given. Model directories become absolute paths (they are relative to
+    the job file, and the effective job is written to the run directory).
+
+    Raises:
+        NereusError: a time base or start hour without a trace, or a trace without a time base.
+    """
+    flags = {"seconds_per_trace_hour": args.trace_hour_s, "steps_per_trace_hour": args.trace_hour_steps,
+             "start_hour": args.trace_start_hour}
+    if args.pool_trace is None and all(v is None for v in flags.values()):
+        return None
+    pool = dict(data.get("pool") or {})
+    trace = dict(pool.get("trace") or {})
+    if args.pool_trace is None and not trace:
+        raise NereusError("--trace-hour-s, --trace-hour-steps and --trace-start-hour need --pool-trace NAME "
+                          "(or a pool.trace in the job)")
+    if args.pool_trace is not None:
+        trace["name"] = args.pool_trace
+    if args.trace_hour_s is not None or args.trace_hour_steps is not None:
+        trace.pop("seconds_per_trace_hour", None)
+        trace.pop("steps_per_trace_hour", None)
+    trace.update({k: v for k, v in flags.items() if v is not None})
+    if "seconds_per_trace_hour" not in trace and "steps_per_trace_hour" not in trace:
+        raise NereusError("--pool-trace needs a time base: --trace-hour-s S (seconds per trace hour) or "
+                          "--trace-hour-steps N (steps per trace hour)")
+    out = dict(data, pool=dict(pool, trace=trace))
+    base_dir = Path(args.job).resolve().parent
+    models = dict(out.get("models") or {})
+    for key in MODEL_KEYS:
+        if isinstance(models.get(key), str) and not Path(models[key]).is_absolute():
+            models[key] = str((base_dir / models[key]).resolve())
+    if models:
+        out["models"] = models
+    return out
+
+
+def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
+    """Launch lines for the job's ``pool.schedule`` and ``pool.trace`` (the trace's first changes).
+
+    Raises:
+        ConfigError: ``pool.trace.min_devices`` above the job's devices.
+    """
+    from nereusd.pool_schedule import PoolSchedule
+
+    pool = job.config.pool
+    try:
+        schedule = PoolSchedule(pool, job.devices)   # validates against the job's devices
+    except ConfigError as err:
+        raise ConfigError(f"{job.source}: {err}") from None
+    lines = []
+    if pool.schedule:
+        lines.append(f"nereus: pool schedule: {len(pool.schedule)} event(s)")
+    trace = schedule.trace
+    if trace is not None:
+        c = trace.config
+        if c.steps_per_trace_hour is not None:
+            hours = (job.config.steps - 1) / c.steps_per_trace_hour
+            base = f"{c.steps_per_trace_hour:g} steps per trace hour"
+        else:
+            hours = 48.0
+            base = f"{c.seconds_per_trace_hour:g} s per trace hour"
+        changes = trace.changes(hours)
+        shown = []
+        for hour, n in changes[:preview]:
+            kind, at = trace.offset(hour)
+            where = f"step {max(1, math.ceil(at - 1e-9))}" if kind == "at_step" else f"{at:.0f} s"
+            shown.append(f"{n} at {where}")
+        more = f", ... ({len(changes)} changes in {hours:.1f} trace hours)" if len(changes) > preview else ""
+        lines.append(f"nereus: pool trace {c.name} from hour {c.start_hour:g} ({base}), scaled to {job.devices} "
+                     f"devices (min {c.min_devices}): devices " + (", ".join(shown) + more if shown else "unchanged"))
+    if (pool.schedule or trace is not None) and not job.config.adaptation.enabled:
+        lines.append("nereus: warning: adaptation.enabled is false, so the pool schedule and trace are not applied")
+    return lines
 
 
 def _prepare_run_dir(job: ResolvedJob, run_dir: str | None, overwrite: bool) -> Path:
@@ -127,8 +229,12 @@ def describe_event(ev: dict) -> str | None:
     if kind == "fallback":
         return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
     if kind == "pool_changed" and "step" in ev:
+        why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
         return (f"nereus: step {ev['step']}: pool change (joined {ev.get('joined')}, leaving {ev.get('leaving')}) "
-                f"-> {len(ev.get('pool_devices', []))} devices")
+                f"-> {len(ev.get('pool_devices', []))} devices{why}")
+    if kind == "pool_request_refused":
+        why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
+        return f"nereus: pool change refused: remove {ev.get('remove')}: {ev.get('reason')}{why}"
     return None
 
 
@@ -168,8 +274,21 @@ class _Progress:
 
 def run_local(args: argparse.Namespace) -> int:
     job = load_and_resolve(args.job)  # every check before a process starts
+    job_path = Path(args.job).resolve()
+    effective = pool_trace_override(args, dict(load_yaml_mapping(Path(args.job))))
+    if effective is not None:
+        if args.gpus:
+            raise NereusError("--pool-trace: a trace adds local agents of virtual CPU devices; not with --gpus")
+        job = dataclasses.replace(job, config=parse_job(effective, source=f"{Path(args.job).name} with --pool-trace"))
+    pool_lines = describe_pool_schedule(job)   # checks min_devices against the job's devices
     run_dir = _prepare_run_dir(job, args.run_dir, args.overwrite)
-    shutil.copyfile(args.job, run_dir / "job.yaml")
+    if effective is None:
+        shutil.copyfile(args.job, run_dir / "job.yaml")
+    else:   # the job as run: the daemon reads it (model directories made absolute)
+        job_path = (run_dir / "job.yaml").resolve()
+        job_path.write_text(f"# {Path(args.job).resolve()} with the pool trace of the command line\n"
+                            + yaml.safe_dump(effective, sort_keys=False))
+        job = load_and_resolve(job_path)
     logs = run_dir / "logs"
     print(f"nereus: job {job.config.name!r} ({job.config.algorithm.value}, {job.config.steps} steps) on "
           f"{job.devices} {'GPU' if args.gpus else 'virtual CPU'} devices; run directory {run_dir}")
@@ -177,11 +296,13 @@ def run_local(args: argparse.Namespace) -> int:
         print("nereus: launch plan: chosen by the planner for the initial conditions (no plan in the job)")
     else:
         print(f"nereus: launch plan: {job.plan.describe()}")
+    for line in pool_lines:
+        print(line)
     daemon = agent = None
     progress = _Progress(job.config.steps, args.quiet)
     interrupted = False
     try:
-        daemon = _start([sys.executable, "-m", "nereusd.daemon_main", str(Path(args.job).resolve()),
+        daemon = _start([sys.executable, "-m", "nereusd.daemon_main", str(job_path),
                          "--run-dir", str(run_dir.resolve())], logs / "nereusd.log")
         endpoint = _wait_endpoint(run_dir, daemon)
         agent_argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", "local0",

@@ -8,8 +8,10 @@ policy version they were generated with.
 
 1. journal ``step_prediction`` (predicted vs measured step latency and peak memory) and
    calibrate (:meth:`nereusd.adaptation.Adapter.observe`);
-2. apply pool changes due now — the job's ``pool.schedule`` (local mode) and ``nereus-launch
-   pool --remove`` requests: devices that *leave* are drained first (the plan moves off them
+2. apply pool changes due now — the job's ``pool.schedule`` and ``pool.trace`` (local mode; due
+   events from :class:`nereusd.pool_schedule.PoolSchedule`, journalled as ``pool_schedule_due``,
+   and the ``pool_changed`` they cause names them in ``sources``) and ``nereus-launch pool
+   --remove`` requests: devices that *leave* are drained first (the plan moves off them
    while their state is still alive, as after a preemption notice), then their workers are
    stopped and the survivors re-form the world (new generation); devices that *join* get new
    workers (started in a private world, then every worker re-forms the world with them);
@@ -39,6 +41,7 @@ from nereusd.jobspec import ResolvedJob
 from nereusd.journal import Journal
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner import Infeasible
+from nereusd.pool_schedule import PoolSchedule, net_change
 from nereusd.transition import plan_transition
 from nereusd.transition_runner import TransitionRunner
 
@@ -88,7 +91,8 @@ class LiveAdaptation:
         self.last_decision: dict[str, Any] | None = None
         """The latest admission record (``nereus-launch status`` shows it)."""
         self._added = 0
-        self._schedule = {e.at_step: e for e in job.config.pool.schedule}
+        self._schedule = PoolSchedule(job.config.pool, job.devices)
+        self._first_step_start: float | None = None   # monotonic clock; time base of pool.schedule[].at_s
         self._forced = {f.at_step: f for f in job.config.adaptation.forced}
 
     # ------------------------------------------------------------------ requests
@@ -107,6 +111,8 @@ class LiveAdaptation:
             WorkerError / TransitionInterrupted: a worker failed during a transition.
         """
         step = int(record["step"])
+        if self._first_step_start is None:
+            self._first_step_start = time.monotonic() - float(record["step_latency_s"])
         obs = StepObservation(step, int(record["response_length_max"]),
                               {ModelStage.parse(k): v for k, v in record.get("model_stage_s", {}).items()},
                               {int(d): int(b) for d, b in record["peak_memory_bytes"].items()},
@@ -117,11 +123,19 @@ class LiveAdaptation:
             return
         self.driver.drain_rollouts()   # asynchronous: generations already ran, keep their versions
         self.control.poll(0)
-        event = self._schedule.get(upcoming)
-        remove = self.pending_remove + (event.remove if event else 0)
+        elapsed_s = time.monotonic() - self._first_step_start
+        due = self._schedule.due(upcoming, elapsed_s)
+        sources = [e.source for e in due]
+        if self.pending_remove:
+            sources.append(f"nereus-launch pool --remove {self.pending_remove}")
+        if due:
+            self.journal.event("pool_schedule_due", {"step": step, "elapsed_s": round(elapsed_s, 3),
+                                                     "events": [e.to_dict() for e in due]})
+        scheduled_remove, add = net_change(due)
+        remove = self.pending_remove + scheduled_remove
         self.pending_remove = 0
-        if event is not None and event.add:
-            self._add_devices(event.add)
+        if add:
+            self._add_devices(add)
         forced = None
         if upcoming in self._forced:
             forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
@@ -130,7 +144,7 @@ class LiveAdaptation:
             pool = [d for d in self.control.devices() if d in self.world]
             leaving = sorted(pool)[-remove:] if remove < len(pool) else []
             if not leaving:
-                self.journal.event("pool_request_refused", {"remove": remove, "pool": pool,
+                self.journal.event("pool_request_refused", {"remove": remove, "pool": pool, "sources": sources,
                                                             "reason": "the job needs at least one device"})
         joined = [d for d in self.control.devices() if d not in self.world]
         if joined:
@@ -138,7 +152,9 @@ class LiveAdaptation:
         pool = tuple(d for d in sorted(self.world) if d not in leaving)
         if leaving or joined:
             self.journal.event("pool_changed", {"step": step, "joined": joined, "leaving": leaving,
-                                                "pool_devices": list(pool), "verdict": "replan"})
+                                                "pool_devices": list(pool), "verdict": "replan",
+                                                "sources": sources + (["an agent registered (nereus-launch pool --add)"]
+                                                                      if joined and not add else [])})
         outcome = self.adapter.boundary(step, pool, forced=forced)
         verdict = self._decide(step, outcome, leaving) if outcome is not None else None
         if verdict == RESTART:
