@@ -129,7 +129,7 @@ def stage_memory(
     recompute: bool = False,
     dtype: str = "bf16",
     device_kind: str = "cuda",
-    flash_attention: bool = True,
+    flash_attention: bool | None = None,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``model_stage`` running as ``⟨tp, pp, dp⟩``.
 
@@ -141,11 +141,15 @@ def stage_memory(
             running in later waves.
         recompute: full activation recomputation (training only).
         dtype: compute dtype; parameters, gradients, activations and KV cache use it.
+        flash_attention: whether the softmax probabilities are never stored; default: on GPUs
+            (FlashAttention kernels), not on CPU devices (the CPU engine materialises them).
 
     Returns:
         A :class:`MemoryEstimate`; see the module docstring for the formulas.
     """
     e = dtype_bytes(dtype)
+    if flash_attention is None:
+        flash_attention = device_kind != "cpu"
     seq = prompt_length + response_length
     per_replica = math.ceil(sequences / dp)
     params = parameters_per_device(spec, tp, pp)
