@@ -133,11 +133,31 @@ class PlanConfig(_Strict):
     model_stages: dict[str, StagePlanConfig] = Field(default_factory=dict)
 
 
+ADAPTIVE_CHECKPOINT_EVERY = 5
+"""Default checkpoint interval (steps) of a job with live adaptation and no ``every_steps``.
+
+With adaptation on, an abrupt device loss (or an out-of-memory step) restarts the job from its
+latest checkpoint and the steps since run again; without periodic checkpoints that is the whole
+run. A checkpoint of the demo model (0.7 M parameters, actor with Adam state, ~9 MB) took
+0.15–0.8 s in measured runs (events.jsonl ``checkpoint`` ``elapsed_s``) against ~6 s per step:
+every 5 steps costs ~1–3 % of the run and bounds the loss to 4 steps (2 on average). RL steps of
+real models are long (generation-bound) next to a checkpoint write, so the ratio stays small.
+"""
+
+
 class CheckpointConfig(_Strict):
-    every_steps: int = Field(0, ge=0)
-    """Save a DCP checkpoint every N steps (0: only the final one)."""
+    every_steps: int | None = Field(None, ge=0)
+    """Save a DCP checkpoint every N steps (0: only the final one). Unset: 0 without live
+    adaptation, :data:`ADAPTIVE_CHECKPOINT_EVERY` with it (see :meth:`interval`)."""
     final: bool = True
     """Save a DCP checkpoint at the end of the run."""
+
+    def interval(self, adaptive: bool) -> int:
+        """Steps between periodic checkpoints (0: none) for a job with (``adaptive``) or without
+        live adaptation."""
+        if self.every_steps is not None:
+            return self.every_steps
+        return ADAPTIVE_CHECKPOINT_EVERY if adaptive else 0
 
 
 class AdaptationConfig(_Strict):

@@ -87,6 +87,9 @@ class ControlPlane:
         self.ready_workers: set[int] = set()
         self.exited_workers: dict[int, int | None] = {}
         self.lost_agents: list[str] = []
+        self.device_losses: dict[int, dict[str, Any]] = {}
+        """Devices whose agent was lost (:meth:`remove_node`): ``{device: {node_id, cause, detail}}``."""
+        self._abandoned: set[int] = set()
         self._device_to_agent: dict[int, str] = {}
         self._pending: dict[int, _PendingTask] = {}
         self._next_task_id = 1
@@ -219,6 +222,9 @@ class ControlPlane:
             self.ready_workers.add(device)
             self.exited_workers.pop(device, None)
             return
+        if payload.task_id in self._abandoned:   # a failed task's straggler: nobody waits for it
+            log.debug("dropped a late result of abandoned task %d from device %d", payload.task_id, device)
+            return
         pending = self._pending.get(payload.task_id)
         if pending is None or device not in pending.devices:
             raise ProtocolError(f"result for unknown task {payload.task_id} from device {device}")
@@ -245,6 +251,7 @@ class ControlPlane:
                                       "detail": detail})
         self.lost_agents.append(node_id)
         for dev in agent.global_devices:
+            self.device_losses[dev] = {"node_id": node_id, "cause": cause, "detail": detail}
             self.exited_workers.setdefault(dev, None)
             self.ready_workers.discard(dev)
             self._device_to_agent.pop(dev, None)
@@ -280,6 +287,36 @@ class ControlPlane:
                 return False
             self.poll(0.05)
         return True
+
+    def lost_devices(self, devices: list[int]) -> dict[int, dict[str, Any]]:
+        """Which of ``devices`` are lost, from the registry (never from error messages): a device
+        whose agent was removed (heartbeat, Slurm) or whose worker process exited unasked.
+
+        Returns ``{device: {"cause", "node_id", ...}}``: cause ``worker_exited`` (with
+        ``exitcode``) or the agent's removal cause (``heartbeat``, ``slurm:node_down`` ...).
+        """
+        out: dict[int, dict[str, Any]] = {}
+        for dev in devices:
+            if dev in self.device_losses:
+                out[dev] = dict(self.device_losses[dev])
+            elif dev in self.exited_workers:
+                out[dev] = {"cause": "worker_exited", "node_id": self._device_to_agent.get(dev),
+                            "exitcode": self.exited_workers[dev]}
+        return out
+
+    def silent_agents(self, devices: list[int], silent_s: float) -> list[str]:
+        """Agents of ``devices`` not heard from for more than ``silent_s`` (not yet declared lost)."""
+        now = time.monotonic()
+        nodes = {self._device_to_agent[d] for d in devices if d in self._device_to_agent}
+        return sorted(n for n in nodes if n in self.agents and now - self.agents[n].last_seen_s > silent_s)
+
+    def abandon_tasks(self) -> list[int]:
+        """Forget every pending task (their workers are being stopped for a restart); late
+        results of them are dropped instead of refused. Returns the task ids."""
+        ids = sorted(self._pending)
+        self._abandoned.update(ids)
+        self._pending.clear()
+        return ids
 
     # ------------------------------------------------------------------ pool
     def devices(self) -> list[int]:
@@ -379,6 +416,7 @@ class ControlPlane:
         del self._pending[task_id]
         failed = sorted((r for r in pending.results.values() if not r.ok), key=lambda r: r.device)
         if failed:
+            self._abandoned.add(task_id)   # the other workers' results may still come
             first = failed[0]
             err = WorkerError(f"{pending.kind} failed on device {first.device}: {first.error}")
             err.error_kind = first.error_kind  # type: ignore[attr-defined]

@@ -152,9 +152,15 @@ def run(args: argparse.Namespace) -> int:
                 controller.world_formed(driver.plan.to_dict(), live[0].world)
                 controller.last_decision = live[0].last_decision or controller.last_decision
 
+        def on_failure(err: Exception) -> bool:
+            if not live[0].recover(err):
+                return False
+            controller.recovered(driver.plan.to_dict(), live[0].world)
+            return True
+
         driver.on_step = on_step
         if live:
-            driver.on_failure = live[0].recover
+            driver.on_failure = on_failure
         records = driver.run()
         summary.update(status="succeeded", steps=len(records))
         code = 0

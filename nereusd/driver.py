@@ -40,6 +40,7 @@ from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.rl import advantages as adv
 from nereusd.rollout import RolloutBatch, as_lists, mean_of, split_even
 from nereusd.tasks import PromptSampler, get_task
+from nereusd.transition_runner import TransitionInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,10 @@ class RLDriver:
         self._ms_s: dict[str, float] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None
         """``(directory, step, sample position)`` of the latest checkpoint."""
-        self.on_failure: Callable[[WorkerError], bool] | None = None
-        """Called when a step fails; True when it recovered (restart) and rewound the step."""
+        self.on_failure: Callable[[Exception], bool] | None = None
+        """Called when a step or its boundary (hook, transition, checkpoint) fails with a
+        ``WorkerError`` or ``TransitionInterrupted``; True when it recovered (restart) and rewound
+        the driver."""
         self.max_staleness = self.cfg.rollout.max_staleness
         self._rollouts: deque[_Rollout] = deque()
         self._next_rollout = 0
@@ -420,20 +423,19 @@ class RLDriver:
         """Build, run every step, checkpoint; returns the metrics records."""
         self.build()
         records = []
-        every = self.cfg.checkpoint.every_steps
+        every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
         while self.step_index < self.cfg.steps:
-            try:
+            try:   # the boundary too: a transition or checkpoint can lose a device as well
                 record = self.step()
-            except WorkerError as err:
+                self.journal.metric(record)
+                records.append(record)
+                self.on_step(record)
+                if every and self.step_index % every == 0 and self.step_index < self.cfg.steps:
+                    self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
+            except (WorkerError, TransitionInterrupted) as err:
                 if self.on_failure is None or not self.on_failure(err):
                     raise
                 records = [r for r in records if r["step"] < self.step_index]   # rewound: steps re-run
-                continue
-            self.journal.metric(record)
-            self.on_step(record)
-            records.append(record)
-            if every and self.step_index % every == 0 and self.step_index < self.cfg.steps:
-                self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
         if self.cfg.checkpoint.final:
             self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / "final"))
         return records

@@ -21,11 +21,15 @@ policy version they were generated with.
    journal ``transition`` with per-op timings; an urgent decision with no feasible target is a
    ``fallback``: checkpoint now, restart every worker into the plan that holds the longest
    response, load the checkpoint and go on. A step that fails with ``DeviceOutOfMemory`` is
-   recovered the same way from the latest checkpoint (:meth:`LiveAdaptation.recover`).
+   recovered the same way from the latest checkpoint (:meth:`LiveAdaptation.recover`), and so
+   is a step or transition that fails because devices were lost abruptly (a worker process
+   died, an agent went silent or Slurm took its node): the lost devices leave the world and the
+   pool, the survivors restart on a plan for them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -36,14 +40,14 @@ from typing import Any
 
 from nereusd.adaptation import Adapter, StepObservation, forced_plan
 from nereusd.admission import ADMIT, RESTART
-from nereusd.errors import NereusError
+from nereusd.errors import NereusError, WorkerError
 from nereusd.jobspec import ResolvedJob
-from nereusd.journal import Journal
+from nereusd.journal import METRICS_FILE, Journal
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner import Infeasible
 from nereusd.pool_schedule import PoolSchedule, net_change
 from nereusd.transition import plan_transition
-from nereusd.transition_runner import TransitionRunner
+from nereusd.transition_runner import TransitionInterrupted, TransitionRunner
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,32 @@ def stages(current: Plan, target: Plan) -> list[tuple[Plan, Plan]]:
             out.append((plan, nxt))
             plan = nxt
     return out or [(current, target)]
+
+
+def drop_metrics_from(path: Path, step: int) -> list[int]:
+    """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
+    after a rewind, so every step appears once); returns their steps. Rewritten in place: the
+    journal's append-mode handle keeps writing at the (new) end."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, "r+", encoding="utf-8") as fh:
+        keep, dropped = [], []
+        for line in fh.readlines():
+            try:
+                rec_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):   # a torn last line: leave it be
+                rec_step = None
+            if rec_step is not None and rec_step >= step:
+                dropped.append(rec_step)
+            else:
+                keep.append(line)
+        if dropped:
+            fh.seek(0)
+            fh.truncate()
+            fh.writelines(keep)
+            fh.flush()
+    return dropped
 
 
 class LiveAdaptation:
@@ -195,30 +225,87 @@ class LiveAdaptation:
         return d.verdict
 
     # ------------------------------------------------------------------ failures
+    LOSS_GRACE_S = 5.0
+    """How long :meth:`recover` waits for the control plane to learn of a lost device after a
+    task failed (a survivor's collective can fail before the agent reports the dead worker)."""
+    SILENT_AGENT_S = 3.0
+    """An agent silent this long (heartbeats every second) may be lost: :meth:`recover` waits
+    for its heartbeat timeout instead of giving up after :attr:`LOSS_GRACE_S`."""
+
     def recover(self, err: Exception) -> bool:
-        """Checkpoint/restart after a step ran out of device memory (DESIGN.md urgent path, last
-        resort; the ``frozen`` policy's only remedy): every worker is stopped and started again
-        (new world generation), the plan becomes :meth:`Adapter.restart_plan`, training state
-        comes from the latest checkpoint (or the initial weights before any), and the driver
-        rewinds to that checkpoint's step and sample position. Returns False (the failure stands)
-        for any other error, or when no plan holds the longest response.
+        """Checkpoint/restart after a step or transition failed (DESIGN.md urgent path):
+
+        - *devices lost* (a worker process died, or its agent was lost — heartbeat, Slurm): the
+          lost devices come from the control plane's registry (:meth:`lost_devices`), leave the
+          world and the pool for good (journal ``device_lost``), and the survivors restart;
+        - *out of device memory* (the ``frozen`` policy's only remedy): every device restarts.
+
+        Restart (:meth:`_restart`): every worker is stopped and the survivors start again (new
+        world generation) on :meth:`Adapter.restart_plan`, training state comes from the latest
+        checkpoint (or the initial weights before any), and the driver rewinds to that
+        checkpoint's step and sample position; the steps since are lost (``fallback`` with
+        ``lost_steps``) and run again. Returns False (the failure stands) for any other error,
+        or when no plan fits the devices left (journal ``fallback`` with ``action: none``).
         """
-        if getattr(err, "error_kind", None) != "DeviceOutOfMemory":
+        oom = getattr(err, "error_kind", None) == "DeviceOutOfMemory"
+        if not oom and not isinstance(err, (WorkerError, TransitionInterrupted)):
             return False
+        step = self.driver.step_index
+        lost = self.lost_devices(wait=not oom)
+        if not lost and not oom:
+            return False
+        survivors = [d for d in self.world if d not in lost]
+        if lost:
+            causes = sorted({v["cause"] for v in lost.values()})
+            self.journal.event("device_lost", {
+                "step": step, "devices": sorted(lost), "cause": ", ".join(causes), "survivors": survivors,
+                "detail": {str(d): v for d, v in sorted(lost.items())}, "error": str(err)[:300]})
+            log.error("step %d: devices %s lost (%s); restarting on %s", step, sorted(lost), ", ".join(causes),
+                      survivors)
+            why = f"devices {sorted(lost)} lost ({', '.join(causes)})"
+        else:
+            why = f"out of memory: {str(err)[:300]}"
         try:
-            self.adapter.restart_plan(tuple(sorted(self.world)))
-        except Infeasible as why:
-            self.journal.event("fallback", {"step": self.driver.step_index, "action": "none", "reason": str(why)})
+            if not survivors:
+                raise Infeasible("no device is left")
+            self.adapter.restart_plan(tuple(sorted(survivors)))
+        except Infeasible as reason:
+            self.journal.event("fallback", {"step": step, "action": "none", "reason": f"{why}: {reason}",
+                                            "survivors": survivors})
             return False
-        self._restart(list(self.world), [], self.driver.step_index, f"out of memory: {str(err)[:300]}",
-                      self.driver.last_checkpoint)
+        self._restart(survivors, sorted(lost), step, why, self.driver.last_checkpoint,
+                      leave_reason=f"lost: {why}" if lost else "")
         return True
 
+    def lost_devices(self, wait: bool = True) -> dict[int, dict[str, Any]]:
+        """Devices of the world that the control plane knows to be lost (``{device: {cause, ...}}``,
+        :meth:`nereusd.daemon.ControlPlane.lost_devices`).
+
+        With ``wait``, poll up to :attr:`LOSS_GRACE_S` for the news, and while an agent of the
+        world has been silent for :attr:`SILENT_AGENT_S`, up to its heartbeat timeout (a killed
+        agent's workers outlive it until their task ends; its loss is known only by heartbeat).
+        """
+        start = time.monotonic()
+        grace_end = start + (self.LOSS_GRACE_S if wait else 0.0)
+        heartbeat_end = start + self.control.heartbeat_timeout_s + 2.0
+        while True:
+            self.control.poll(0.1 if wait else 0)
+            lost = self.control.lost_devices(self.world)
+            now = time.monotonic()
+            if lost or now >= grace_end and (now >= heartbeat_end or not
+                                             self.control.silent_agents(self.world, self.SILENT_AGENT_S)):
+                return lost
+
     def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,
-                 checkpoint: tuple[str, int, int] | None) -> None:
-        """Stop every worker (those of ``leaving`` for good), start ``world`` again in a new world
-        generation on :meth:`Adapter.restart_plan`, load ``checkpoint`` (initial weights when
-        ``None``) and rewind the driver to its step and sample position.
+                 checkpoint: tuple[str, int, int] | None, leave_reason: str = "") -> None:
+        """Stop every worker (those of ``leaving`` for good: they leave the pool), start ``world``
+        again in a new world generation on :meth:`Adapter.restart_plan`, load ``checkpoint``
+        (initial weights when ``None``) and rewind the driver to its step and sample position.
+        Metrics of the steps from there on leave ``metrics.jsonl`` (they run again).
+
+        Workers blocked in a collective with a dead peer do not read messages: the agents stop
+        them by signal (SIGTERM, SIGKILL after 3 s, :meth:`emu.agent.Agent.stop_devices`), so
+        nothing waits for the backend's timeout.
 
         Raises:
             NereusError: when the old workers do not stop; Infeasible: nothing fits ``world``.
@@ -226,8 +313,9 @@ class LiveAdaptation:
         start = time.perf_counter()
         result = self.adapter.restart_plan(tuple(sorted(world)))
         old = list(self.world)
+        abandoned = self.control.abandon_tasks()
         if leaving:
-            self.control.release_devices(leaving, "removed from the local pool")
+            self.control.release_devices(leaving, leave_reason or "removed from the local pool")
         self.control.release_devices(world, "checkpoint/restart", keep_in_pool=True)
         if not self.control.wait_exited(old):
             raise NereusError(f"the workers of {old} did not stop for the restart")
@@ -245,12 +333,15 @@ class LiveAdaptation:
             members = sorted({d for ms, c in result.plan.items() if ms.stage.value == "training" for d in c.devices})
             self.control.run("load_checkpoint", {d: {"dir": directory} for d in members}, 300)
         self.driver.rewind(step, position)
+        dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
         self.driver._sync_weights()
         self.adapter.switched(result.plan, tuple(sorted(self.world)))
         self.switches += 1
         self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "reason": why,
                                         "checkpoint": checkpoint[0] if checkpoint else None, "resume_step": step,
-                                        "lost_steps": failed_step - step, "to_plan": result.plan.to_dict(),
+                                        "lost_steps": failed_step - step, "dropped_metrics": dropped,
+                                        "lost_devices": leaving, "abandoned_tasks": len(abandoned),
+                                        "to_plan": result.plan.to_dict(),
                                         "world": self.world, "elapsed_s": time.perf_counter() - start})
         log.warning("step %d: %s: restarted from %s at step %d on %s", failed_step, why,
                     checkpoint[0] if checkpoint else "the initial weights", step, result.plan.describe())

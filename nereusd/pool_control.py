@@ -46,6 +46,8 @@ class PoolController:
         self.last_metrics: dict[str, Any] = {}
         self.last_decision: dict[str, Any] | None = None
         self.stop_reason: str | None = None
+        self.lost_reason: str | None = None
+        """Live adaptation: devices the job used were lost and not yet recovered from."""
         self.preempt_reason: str | None = None
         self.started_s = time.time()
         self.live = False
@@ -53,15 +55,28 @@ class PoolController:
 
     # ------------------------------------------------------------------ events
     def on_pool_change(self, change: PoolChange) -> None:
-        """Journal ``change`` with its verdict; remember a stop or preemption for the step hook."""
+        """Journal ``change`` with its verdict; remember a stop or preemption for the step hook.
+
+        With live adaptation, a lost device the job uses is not a stop: the task that fails on it
+        is recovered (:meth:`nereusd.live_adaptation.LiveAdaptation.recover`: the survivors
+        restart from the latest checkpoint); the reason is kept for :meth:`explain_failure` in
+        case nothing fits the survivors. Verdict ``recover``.
+        """
         verdict, reason = assess(change, self.plan_devices, self.live)
+        label = verdict.value
+        if self.live and change.kind == PoolChangeKind.LOST and verdict == Verdict.STOP:
+            hit = sorted(self.plan_devices & set(change.devices))
+            label, reason = "recover", (f"{change.detail}: the job uses devices {hit} of it; live adaptation "
+                                        "restarts it on the remaining devices from the latest checkpoint")
+            self.lost_reason = (f"{change.detail}: the job lost devices {hit} and live adaptation found no plan "
+                                "that fits the remaining devices")
         record = {"kind": change.kind.value, "cause": change.cause, "node_id": change.node_id,
-                  "devices": list(change.devices), "verdict": verdict.value, "reason": reason,
+                  "devices": list(change.devices), "verdict": label, "reason": reason,
                   "pool_devices": self.control.devices() if self.control else []}
         self.journal.event("pool_changed", record)
         self.last_decision = {"time_s": round(time.time(), 3), **record}
-        log.warning("pool change: %s -> %s", reason, verdict.value)
-        if verdict == Verdict.STOP and self.stop_reason is None:
+        log.warning("pool change: %s -> %s", reason, label)
+        if label == Verdict.STOP.value and self.stop_reason is None:
             self.stop_reason = reason
         elif verdict == Verdict.CHECKPOINT_AND_STOP and self.preempt_reason is None:
             self.preempt_reason = reason
@@ -113,11 +128,18 @@ class PoolController:
             save_checkpoint(str(path))
             raise PoolStop(f"{self.preempt_reason}; checkpoint saved in {path}")
 
+    def recovered(self, plan: dict[str, Any], devices: list[int]) -> None:
+        """Live adaptation restarted the job after a failure, on ``plan`` over ``devices``."""
+        self.lost_reason = None
+        self.world_formed(plan, devices)
+
     def explain_failure(self, err: Exception) -> str | None:
-        """The clear message for a task failure caused by a pool change, or ``None``."""
-        if self.stop_reason is None:
+        """The clear message for a task failure caused by a pool change, or ``None``. With live
+        adaptation this is reached only when recovery failed (no plan fits the survivors)."""
+        reason = self.stop_reason or self.lost_reason
+        if reason is None:
             return None
-        return f"{self.stop_reason}; latest checkpoint: {self.latest_checkpoint() or 'none'} (task error: {err})"
+        return f"{reason}; latest checkpoint: {self.latest_checkpoint() or 'none'} (task error: {err})"
 
     def latest_checkpoint(self) -> str | None:
         root = self.run_dir / "checkpoints"

@@ -1,0 +1,98 @@
+"""End to end, abrupt device loss with live adaptation (`nereus-launch local`, real nereusd, agent
+and workers): a worker process is SIGKILLed in the middle of a step; nereusd takes its device
+out of the world and the pool, restarts the survivors on a plan for them from the latest
+checkpoint, re-runs the lost steps and finishes. Every step appears once in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from nereusd.journal import read_jsonl
+from test_e2e_adaptive import finish, start, write_job
+from test_e2e_local import processes_mentioning
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+name: e2e-device-loss
+algorithm: grpo
+seed: 5
+steps: 6
+devices: 3
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 3, group_size: 4, max_new_tokens: 12}
+train: {global_batch: 12, micro_batch: 2, kl_coef: 0.0}
+plan: {default: {tp: 1, pp: 1}}
+checkpoint: {every_steps: 2}
+"""
+
+
+def worker_pid(run_dir: Path, device: int) -> int:
+    """The pid of the live worker process of ``device`` in ``run_dir``'s job (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if "emu.worker" in args and str(run_dir.resolve()) in args and args[args.index("--device") + 1] == str(device):
+            return int(entry.name)
+    raise AssertionError(f"no worker process of device {device} found")
+
+
+def wait_for(what: str, check, timeout_s: float, run_dir: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    log = run_dir / "logs" / "nereusd.log"
+    raise AssertionError(f"timed out waiting for {what}:\n" + (log.read_text()[-4000:] if log.exists() else ""))
+
+
+def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", JOB), run_dir)
+    try:
+        # steps 0-2 done (checkpoint step000002 taken after step 1): kill device 2 inside step 3
+        records = wait_for("three steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3 and
+                           read_jsonl(run_dir / "metrics.jsonl"), 120, run_dir)
+        pid = worker_pid(run_dir, 2)
+        time.sleep(min(r["step_latency_s"] for r in records) / 3)
+        os.kill(pid, signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert len(lost) == 1 and lost[0]["devices"] == [2] and lost[0]["cause"] == "worker_exited", lost
+    assert lost[0]["step"] == 3 and lost[0]["survivors"] == [0, 1]
+    fallback = [e for e in events if e["event"] == "fallback"]
+    assert len(fallback) == 1 and fallback[0]["action"] == "checkpoint_restart", fallback
+    assert fallback[0]["resume_step"] == 2 and fallback[0]["lost_steps"] == 1
+    assert fallback[0]["checkpoint"].endswith("step000002") and fallback[0]["lost_devices"] == [2]
+    assert fallback[0]["dropped_metrics"] == [2]
+    assert any(e["event"] == "worker_exited" and e["device"] == 2 and e["exitcode"] == -9 for e in events)
+    # every step once; the re-run ones on the survivors only; device 2 never came back
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    assert all(set(r["peak_memory_bytes"]) == {"0", "1", "2"} for r in records[:2])
+    assert all(set(r["peak_memory_bytes"]) == {"0", "1"} for r in records[2:])
+    formed = [e for e in events if e["event"] == "world_formed"]
+    assert formed[-1]["devices"] == [0, 1]
+    assert not any(e["event"] == "job_failed" for e in events)
+    assert (run_dir / "checkpoints" / "final" / "actor" / ".metadata").is_file()
+    assert processes_mentioning(str(run_dir)) == []
