@@ -2,18 +2,23 @@
 
 Every worker of the world runs the same :class:`TransitionExecutor` on the same DAG:
 
-1. :meth:`TransitionExecutor.prepare` creates the transition's communicators — collective over
-   the whole world, in DAG order — and returns the set-up time, which is part of the transition.
+1. :meth:`TransitionExecutor.prepare` creates the transition's communicators — a set of its
+   own per op (:class:`emu.primitives.Communicators`), collective over the whole world, in DAG
+   order — and returns the set-up time, which is part of the transition.
 2. :meth:`TransitionExecutor.run` runs this device's part of a set of ops. Ops are taken level
    by level (level = longest chain of DAG edges before the op), and the ops of one level on
-   this device run concurrently, one thread each, each on its own communicators. Progress is
-   guaranteed: by induction on the level, every rank reaches level ``L`` after the ops of
-   lower levels complete, and then starts all of its level-``L`` ops at once, so no two ranks
-   wait on each other in opposite orders. An edge between ops that share no device carries
-   neither state nor memory (state edges join ops on a common device, release-before-acquire
-   edges ops on the same device), so a device only waits for its own earlier ops.
-   The controller (:mod:`nereusd.transition_runner`) may instead hand out ready sets one
-   after another, which respects every edge exactly.
+   this device run concurrently, one thread each, each on its own communicators: two
+   concurrent ops never share a process group, even when they are of different model-stages
+   on the same ranks, so their collectives cannot pair up with each other across ranks.
+   Progress is guaranteed: by induction on the level, every rank reaches level ``L`` after
+   the ops of lower levels complete, and then starts all of its level-``L`` ops at once, so no
+   two ranks wait on each other in opposite orders. An edge between ops that share no device
+   carries neither state nor memory (state edges join ops on a common device,
+   release-before-acquire edges ops on the same device), so a device only waits for its own
+   earlier ops. The controller (:mod:`nereusd.transition_runner`) may instead hand out ready
+   sets one after another, which respects every edge exactly; a worker runs its tasks in the
+   order they were sent, so two ops that one rank runs one after another run in that order on
+   every rank they share.
 3. :meth:`TransitionExecutor.close` destroys the communicators.
 
 Per-op timings (:class:`OpTiming`, wall-clock seconds since the epoch, comparable across

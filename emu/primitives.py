@@ -2,8 +2,8 @@
 
 Each function runs *this device's part* of one :class:`nereusd.transition_ops.Op` on the
 holdings of this worker (:class:`HoldingStore`), using communicators created for the
-transition (:class:`Communicators`). Semantics of an op, device by device, are those of
-:mod:`nereusd.transition_ops`:
+transition, a set of its own per op (:class:`Communicators`). Semantics of an op, device by
+device, are those of :mod:`nereusd.transition_ops`:
 
 * **Split** — a receiver's ``T`` holding becomes its ``T_sub`` holding with the shards of its
   *gather group* (the devices of its unit with the same ``T_sub`` position: the smallest
@@ -122,32 +122,55 @@ class HoldingStore:
 
 
 class Communicators:
-    """Process groups created for one transition, keyed by their sorted world ranks.
+    """Process groups created for one transition, one per ``(op id, world ranks)``.
+
+    Ops of one DAG level run concurrently on a worker, one thread each
+    (:class:`emu.executor.TransitionExecutor`), and each issues its collectives in its own
+    order. On a process group a collective is paired with the collective issued at the same
+    position on every other member, so two ops sharing a group — e.g. two model-stages whose
+    ops span the same ranks — would pair one op's all-gather or send on one rank with the other
+    op's on another (gloo: size mismatch, or pieces delivered to the wrong op). A group per op
+    rules this out: within one op a thread issues its collectives in the same order on every
+    member (module docstring), and distinct ops never meet on a group. An op that uses one rank
+    set twice (an Extend with pairs ``(a, b)`` and ``(b, a)``) gets one group for both.
 
     :meth:`create` is collective over the whole world (``torch.distributed.new_group``):
-    every rank must call it with the same rank sets in the same order. Non-members get no group.
-    ``setup_s`` accumulates the wall time spent creating groups (counted in the transition).
+    every rank must call it with the same ``(op id, rank set)`` pairs in the same order
+    (:func:`create_communicators` walks the DAG's ops in their stored order, which is the same
+    on every rank). Non-members get no group. ``setup_s`` accumulates the wall time spent
+    creating groups (counted in the transition).
     """
 
     def __init__(self, rank_of: Callable[[int], int] = lambda d: d, backend: Optional[str] = None) -> None:
         self.rank_of = rank_of
         self.backend = backend
-        self.groups: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+        self.groups: dict[tuple[str, tuple[int, ...]], Optional[dist.ProcessGroup]] = {}
         self.setup_s = 0.0
 
-    def create(self, devices: Iterable[int]) -> None:
-        ranks = tuple(sorted(self.rank_of(d) for d in set(devices)))
-        if len(ranks) < 2 or ranks in self.groups:
+    def _key(self, op_id: str, devices: Iterable[int]) -> tuple[str, tuple[int, ...]]:
+        return op_id, tuple(sorted(self.rank_of(d) for d in set(devices)))
+
+    def create(self, op_id: str, devices: Iterable[int]) -> None:
+        """Create op ``op_id``'s group over global ``devices`` (collective; no-op if it exists or
+        has fewer than 2 members)."""
+        key = self._key(op_id, devices)
+        if len(key[1]) < 2 or key in self.groups:
             return
         start = time.perf_counter()
-        self.groups[ranks] = dist.new_group(list(ranks), backend=self.backend)
+        self.groups[key] = dist.new_group(list(key[1]), backend=self.backend)
         self.setup_s += time.perf_counter() - start
 
-    def get(self, devices: Iterable[int]) -> dist.ProcessGroup:
-        ranks = tuple(sorted(self.rank_of(d) for d in set(devices)))
-        group = self.groups.get(ranks)
+    def get(self, op_id: str, devices: Iterable[int]) -> dist.ProcessGroup:
+        """Op ``op_id``'s group over global ``devices``.
+
+        Raises:
+            NereusError: if :meth:`create` did not create it.
+        """
+        key = self._key(op_id, devices)
+        group = self.groups.get(key)
         if group is None:
-            raise NereusError(f"no communicator for devices {sorted(set(devices))} (ranks {ranks})")
+            raise NereusError(f"no communicator of op {op_id} for devices {sorted(set(devices))} "
+                              f"(ranks {key[1]})")
         return group
 
     def destroy(self) -> None:
@@ -178,10 +201,11 @@ def op_communicators(op: Op) -> list[tuple[int, ...]]:
 
 
 def create_communicators(dag: TransitionDag, comms: Communicators) -> None:
-    """Create every communicator of ``dag`` (collective: all world ranks, same order)."""
+    """Create every communicator of ``dag``, one set per op (collective: every world rank calls
+    it with the same DAG, and creates the groups in the order of ``dag.ops``)."""
     for op in dag.ops:
         for devices in op_communicators(op):
-            comms.create(devices)
+            comms.create(op.id, devices)
 
 
 # --------------------------------------------------------------------------- primitives
@@ -238,7 +262,7 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
     if mine is None:
         return
     own = store.get(ms, T, pos_of[me])
-    group = comms.get(mine)
+    group = comms.get(op.id, mine)
     sizes = {y: nbytes_of(own.spec, own.value_head, T, pos_of[y], len(own.slots)) // 4 for y in mine}
     peers: list[EmuShard] = []
     staging = f"staging {op.id}"
@@ -284,7 +308,7 @@ def extend(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Sp
     for src, dst, pos in zip(op.source_devices, op.target_devices, op.target_positions):
         if me not in (src, dst):
             continue
-        group = comms.get((src, dst))
+        group = comms.get(op.id, (src, dst))
         if me == src:
             shard = store.get(ms, S, pos)
             header = shard.logical.to_tensor()
@@ -317,7 +341,7 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
     try:
         works, received = [], []
         for r in remote:  # route order is the same on both ends
-            group = comms.get((r.src, r.dst))
+            group = comms.get(op.id, (r.src, r.dst))
             if r.src == me:
                 data = _piece(own, r.shard).contiguous()
                 works.append(dist.isend(data, dst=comms.rank_of(r.dst), group=group))

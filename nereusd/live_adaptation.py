@@ -65,18 +65,6 @@ def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: 
                                 start_new_session=True, env=dict(os.environ))
 
 
-def stages(current: Plan, target: Plan) -> list[tuple[Plan, Plan]]:
-    """``current → target`` as consecutive plans that each change one model-stage (canonical
-    order); ``[(current, target)]`` when nothing changes."""
-    out, plan = [], current
-    for ms in target:
-        if plan.candidates.get(ms) != target[ms]:
-            nxt = Plan({**plan.candidates, ms: target[ms]})
-            out.append((plan, nxt))
-            plan = nxt
-    return out or [(current, target)]
-
-
 def drop_metrics_from(path: Path, step: int) -> list[int]:
     """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
     after a rewind, so every step appears once); returns their steps. Rewritten in place: the
@@ -348,33 +336,34 @@ class LiveAdaptation:
 
     # ------------------------------------------------------------------ execution
     def _transition(self, current: Plan, target: Plan, step: int, why: str, predicted_s: float | None = None) -> None:
-        """Run ``current → target`` on the world; the driver continues on ``target``.
+        """Run ``current → target`` on the world as one DAG; the driver continues on ``target``.
 
-        The change runs as one sub-transition per changed model-stage, in canonical order
-        (:func:`stages`): the workers' transition communicators are keyed by their ranks only
-        (:class:`emu.primitives.Communicators`), so concurrent ops of two model-stages on the same
-        ranks would share a process group and could interleave their collectives (seen as a gloo
-        size mismatch when actor/training and actor/inference both changed). An empty change still
-        runs once, to rebuild the engines after a world re-formation.
+        Every changed model-stage moves in the same DAG, its ready primitives concurrently
+        (:class:`TransitionRunner`); each op has communicators of its own
+        (:class:`emu.primitives.Communicators`), so ops of two model-stages on the same ranks
+        never share a process group. An empty change still runs, to rebuild the engines after a
+        world re-formation. ``predicted_s`` is the admitted ``L̂_tran`` in seconds (``None``:
+        not predicted); the measured wall time is journalled and fed back to the adapter.
+
+        Raises:
+            TransitionInterrupted: if a worker died or failed mid-transition (the driver's plan
+                stays ``current``).
         """
         models = {role: rm.spec for role, rm in self.job.roles.items()}
+        dag = plan_transition(current, target, models, devices_per_node=1 << 20)
         start = time.perf_counter()
-        ops, setup_s, timings = 0, 0.0, {}
-        for before, after in stages(current, target):
-            dag = plan_transition(before, after, models, devices_per_node=1 << 20)
-            progress = TransitionRunner(self.control, self.world).run(dag)
-            self.driver.plan = after
-            ops, setup_s = ops + len(dag.ops), setup_s + progress.setup_s
-            timings.update(progress.timings)
+        progress = TransitionRunner(self.control, self.world).run(dag)
         elapsed = time.perf_counter() - start
+        self.driver.plan = target
         if predicted_s is not None:
             self.adapter.transition_measured(predicted_s, elapsed)
         self.adapter.switched(target, tuple(sorted(self.world)))
         self.journal.event("transition", {
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
-            "ops": ops, "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed, "setup_s": setup_s,
-            "world": self.world, "generation": self.store.generation, "op_timings": timings})
-        log.info("transition at step %d: %d ops in %.2f s -> %s", step, ops, elapsed, target.describe())
+            "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
+            "setup_s": progress.setup_s, "world": self.world, "generation": self.store.generation,
+            "op_timings": progress.timings})
+        log.info("transition at step %d: %d ops in %.2f s -> %s", step, len(dag.ops), elapsed, target.describe())
 
     def _reform(self, world: list[int], new: list[int]) -> None:
         """Every worker of ``world`` joins a new world generation (rank = position in ``world``)."""

@@ -110,13 +110,14 @@ def raw_once(spec, src, dst, rank) -> float:
             for s, d, pos in zip(op.source_devices, op.target_devices, op.target_positions):
                 if rank in (s, d):
                     n = nbytes_of(spec, False, op.source_layout, pos, 3) // 4
-                    jobs.append(("bcast", torch.ones(n), s, comms.get((s, d))))
+                    jobs.append(("bcast", torch.ones(n), s, comms.get(op.id, (s, d))))
         elif op.kind is OpKind.SPLIT:
             for g in gather_groups(op):
                 if rank in g:
                     pos = op.source_positions[op.source_devices.index(rank)]
                     n = nbytes_of(spec, False, op.source_layout, pos, 3) // 4
-                    jobs.append(("gather", (torch.ones(n * len(g)), torch.ones(n)), None, comms.get(g)))
+                    bufs = (torch.ones(n * len(g)), torch.ones(n))
+                    jobs.append(("gather", bufs, None, comms.get(op.id, g)))
     t0 = _start()
     works = [dist.broadcast(b, src=s, group=g, async_op=True) if kind == "bcast"
              else dist.all_gather_single(b[0], b[1], group=g, async_op=True) for kind, b, s, g in jobs]

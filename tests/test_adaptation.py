@@ -156,16 +156,3 @@ def test_plan_timeline_segments():
     runs = plan_segments(records)["actor/training"]
     assert [(lo, hi) for lo, hi, _ in runs] == [(0, 1), (2, 3), (4, 4)]
     assert runs[1][2].startswith("tp2·pp1·dp1")
-
-
-def test_transitions_run_one_model_stage_at_a_time(demo):
-    from nereusd.live_adaptation import stages
-
-    job, _ = demo
-    target = forced_plan(job, job.plan, {"actor/training": StagePlanConfig(tp=1),
-                                         "actor/inference": StagePlanConfig(pp=2)})
-    steps = stages(job.plan, target)
-    assert steps[0][0] == job.plan and steps[-1][1] == target and len(steps) == 2
-    for before, after in steps:
-        assert sum(before[m] != after[m] for m in after) == 1
-    assert stages(job.plan, job.plan) == [(job.plan, job.plan)]
