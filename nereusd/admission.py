@@ -160,8 +160,8 @@ def urgent_replan(problem: PlanProblem, cost_model: CostModel, current: Plan | N
     smaller = tuple(1 << k for k in range(configured.bit_length()) if (1 << k) <= configured)
     attempts = [
         ("job settings", base),
-        ("smaller micro-batch", PlannerOptions(base.any_divisor, smaller, base.allow_recompute, base.headroom)),
-        ("smaller micro-batch + recomputation", PlannerOptions(base.any_divisor, smaller, True, base.headroom)),
+        ("smaller micro-batch", PlannerOptions(base.any_divisor, smaller, base.allow_recompute, base.headroom, base.generation_pp)),
+        ("smaller micro-batch + recomputation", PlannerOptions(base.any_divisor, smaller, True, base.headroom, base.generation_pp)),
     ]
     log_lines: list[str] = []
     for name, options in attempts:

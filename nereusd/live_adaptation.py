@@ -158,10 +158,22 @@ class LiveAdaptation:
         if upcoming in self._forced:
             forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
         leaving: list[int] = []
+        gone = self.control.lost_devices(self.world)   # lost between the step's last task and now
+        if gone:
+            if set(gone) & set(self.driver.plan.devices()):
+                # the plan's state on them is gone: the recovery path (checkpoint/restart)
+                raise WorkerError(f"devices {sorted(gone)} of the running plan were lost after step {step}")
+            leaving = sorted(gone)
+            self.world = [d for d in self.world if d not in gone]   # never in a world again
+            self.journal.event("device_lost", {
+                "step": step, "devices": leaving, "cause": ", ".join(sorted({v["cause"] for v in gone.values()})),
+                "survivors": list(self.world), "spare": True,
+                "detail": {str(d): v for d, v in sorted(gone.items())}})
         if remove:
-            pool = [d for d in self.control.devices() if d in self.world]
-            leaving = sorted(pool)[-remove:] if remove < len(pool) else []
-            if not leaving:
+            pool = [d for d in self.control.devices() if d in self.world and d not in gone]
+            removed = sorted(pool)[-remove:] if remove < len(pool) else []
+            leaving = sorted(set(leaving) | set(removed))
+            if not removed:
                 self.journal.event("pool_request_refused", {"remove": remove, "pool": pool, "sources": sources,
                                                             "reason": "the job needs at least one device"})
         joined = [d for d in self.control.devices() if d not in self.world]

@@ -70,12 +70,16 @@ class PlannerOptions:
             to the largest divisor of the replica's share when it does not divide it.
         allow_recompute: also try full activation recomputation (training).
         headroom: memory fraction kept free (10 %).
+        generation_pp: also try pipeline parallelism for generation (vLLM can; Nereus's engine
+            and job schema fold PP into DP for generation, so plans the runtime executes keep
+            ``pp = 1`` there — the default).
     """
 
     any_divisor: bool = False
     micro_batches: tuple[int, ...] = ()
     allow_recompute: bool = False
     headroom: float = HEADROOM
+    generation_pp: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,8 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
     lat_parts: list[np.ndarray] = []
     memo: dict = {}
     for tp in tp_degrees(spec, min(tp_limit, n), options.any_divisor):
-        for pp in degrees(n // tp, spec.num_layers, options.any_divisor):
+        pps = degrees(n // tp, spec.num_layers, options.any_divisor)
+        for pp in ((1,) if generation and not options.generation_pp else pps):
             block: list[tuple] = []
             for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
                 per_replica = -(-sequences // dp)

@@ -96,3 +96,29 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
     assert not any(e["event"] == "job_failed" for e in events)
     assert (run_dir / "checkpoints" / "final" / "actor" / ".metadata").is_file()
     assert processes_mentioning(str(run_dir)) == []
+
+
+SPARE = JOB.replace("plan: {default: {tp: 1, pp: 1}}", "plan: {default: {tp: 1, pp: 1, devices: [0, 1]}}\n"
+                    "adaptation: {gamma: 0.0}")
+
+
+def test_spare_device_lost_leaves_the_world_without_a_restart(tmp_path):
+    # device 2 holds no model-stage: losing it costs a world re-formation, not a checkpoint/restart
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", SPARE), run_dir)
+    try:
+        wait_for("two steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 120, run_dir)
+        os.kill(worker_pid(run_dir, 2), signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert len(lost) == 1 and lost[0]["devices"] == [2] and lost[0]["spare"] and lost[0]["survivors"] == [0, 1]
+    assert not any(e["event"] == "fallback" for e in events)
+    assert [e["devices"] for e in events if e["event"] == "world_formed"][-1] == [0, 1]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
+    assert processes_mentioning(str(run_dir)) == []

@@ -28,7 +28,8 @@ GOLDEN = json.loads((Path(__file__).parent / "data" / "planner_golden_before.jso
 def test_same_plan_as_before(entry):
     c = entry["case"]
     pb = problem(c["nodes"], c["algorithm"], asynchronous=c["asynchronous"], response=c["response"])
-    res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"],
+    # the golden plans predate the runtime's pp = 1 rule for generation: search as they did
+    res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"], generation_pp=True,
                                                          allow_recompute=c["recompute"])).solve()
     assert res.plan.to_dict() == entry["plan"]
     assert res.predicted_step_latency_s == pytest.approx(entry["step_latency_s"], rel=1e-12)
@@ -105,3 +106,14 @@ def test_preferred_placement_same_as_before(monkeypatch, nodes, first, second, s
     monkeypatch.setattr(placement, "_take", _reference_take)
     slow = Planner(pb2, CostModel(pb2.site)).solve(start)
     assert fast.plan.to_dict() == slow.plan.to_dict()
+
+
+def test_generation_keeps_pp_1_by_default():
+    # the runtime folds PP into DP for generation: the default search never proposes otherwise
+    cases = [e["case"] for e in GOLDEN if any(c["pp"] > 1 for k, c in e["plan"].items() if k.endswith("generation"))]
+    assert cases, "the golden set should contain plans with pipelined generation"
+    for c in cases[:4]:
+        pb = problem(c["nodes"], c["algorithm"], asynchronous=c["asynchronous"], response=c["response"])
+        res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"],
+                                                             allow_recompute=c["recompute"])).solve()
+        assert all(cand.pp == 1 for ms, cand in res.plan.items() if ms.stage.value == "generation"), c
