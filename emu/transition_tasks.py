@@ -91,6 +91,16 @@ class TransitionTasks:
         bind_engine(engine, holding)
         self.engines[ms] = engine
 
+    def _retune(self, engine, cand: Candidate) -> None:
+        """Apply what a candidate can change without moving state — micro-batch (generation
+        waves, training micro-batches) and recomputation — to a live engine; the transition DAG
+        has no op for such a change, so without this the engine would keep the old values."""
+        engine.micro_batch = cand.micro_batch or int(self._build_args["train"]["micro_batch"])
+        engine.recompute = cand.recompute
+        if engine.module is not None:
+            engine.module.recompute = cand.recompute
+        engine.candidate = rank_space(cand, self.rank_of)
+
     def _plan_syncs(self) -> None:
         """Plan every weight-sync DAG of the current plan and create its communicators (collective)."""
         for comms in getattr(self, "_sync", {}).values():
@@ -137,6 +147,9 @@ class TransitionTasks:
         self._rebuild_all = False
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             self._attach(ms, target[ms])
+        for ms, engine in self.engines.items():
+            if ms not in rebuild and ms in target:
+                self._retune(engine, target[ms])
         self.plan = target
         self._plan_syncs()
         gc.collect()
