@@ -30,6 +30,7 @@ GEMM = "gemm"
 ATTENTION = "attention"
 DECODE = "decode"            # HBM-bound token generation
 OPTIMIZER = "optimizer"      # HBM-bound optimizer update
+LAUNCH = "launch"            # fixed per-layer dispatch time of each decode step (site layer_launch_us)
 LINK_TYPES = ("intra", "inter")
 COLLECTIVES = ("all_reduce", "all_gather", "p2p", "broadcast")
 
@@ -43,7 +44,7 @@ def comm_class(collective: str, link: str) -> str:
 #: Conservative priors: below typical achieved fractions of peak (dense bf16 GEMMs reach
 #: 0.6–0.8 on H100/MI250X; NCCL ring all-reduce 0.7–0.9 of link bandwidth intra-node).
 PRIORS: dict[str, float] = {
-    GEMM: 0.45, ATTENTION: 0.30, DECODE: 0.50, OPTIMIZER: 0.50,
+    GEMM: 0.45, ATTENTION: 0.30, DECODE: 0.50, OPTIMIZER: 0.50, LAUNCH: 1.0,
     **{comm_class(c, "intra"): 0.50 for c in COLLECTIVES},
     **{comm_class(c, "inter"): 0.40 for c in COLLECTIVES},
 }

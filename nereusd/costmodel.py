@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from nereusd.calibration import ATTENTION, DECODE, GEMM, OPTIMIZER, Calibration, comm_class
+from nereusd.calibration import ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class
 from nereusd.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -358,7 +358,8 @@ class CostModel:
 
         Per token step each stage reads its weights once per micro-batch in flight (pp of
         them) and its share of the KV cache at the mean context length; the step is bound by
-        HBM traffic or by compute, whichever is slower (roofline).
+        HBM traffic or by compute, whichever is slower (roofline), plus a fixed dispatch time
+        per layer (site ``layer_launch_us``, class ``launch``) that does not shrink with the batch.
         """
         acc = _Acc()
         e = self.bytes_per_element
@@ -378,6 +379,8 @@ class CostModel:
             acc.add(DECODE, memory_s * response)
         else:
             acc.add(GEMM, compute_s * response)
+        if self.site.layer_launch_s:
+            acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * response)
         step = _Acc()
         self._ring(step, "all_reduce", per_replica * h * e / pp, tp, self.spans_nodes(tp), count=2 * spec.num_layers)
         if pp > 1:

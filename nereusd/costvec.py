@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from nereusd.calibration import DECODE, GEMM, OPTIMIZER, comm_class
+from nereusd.calibration import DECODE, GEMM, LAUNCH, OPTIMIZER, comm_class
 from nereusd.costmodel import ADAM_BYTES_MOVED_PER_PARAM, CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -125,6 +125,8 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarra
     memory_bound = memory_s / cm.efficiency(DECODE) >= compute_s / cm.efficiency(GEMM)
     acc.add(DECODE, np.where(memory_bound, memory_s * response, 0.0) * waves)
     acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * response) * waves)
+    if cm.site.layer_launch_s:
+        acc.add(LAUNCH, cm.site.layer_launch_s * spec.num_layers * response * waves)
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))

@@ -61,6 +61,10 @@ class DeviceSpec:
     """Device memory bandwidth in GB/s (10^9 bytes/s); bounds decoding."""
     compute_dtype: Dtype = "bf16"
     """Dtype that jobs on this site compute in by default (``fp32`` for CPU devices)."""
+    layer_launch_us: float = 0.0
+    """Fixed time per transformer layer per decode step, microseconds: kernel launches and
+    framework dispatch, independent of the batch. It makes generation waves cost what they
+    do on small batches (decode that is neither HBM- nor compute-bound). 0: not modelled."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +120,11 @@ class SiteConfig:
     @property
     def hbm_bytes_per_s(self) -> float:
         return self.device.hbm_gbps * 1e9
+
+    @property
+    def layer_launch_s(self) -> float:
+        """:attr:`DeviceSpec.layer_launch_us` in seconds."""
+        return self.device.layer_launch_us * 1e-6
 
     @property
     def intra_node_gbps(self) -> float:
@@ -313,7 +322,8 @@ _POSITIVE = {
     DeviceSpec: ("memory_gib", "hbm_gbps"),
     NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
 }
-_NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s")}
+_NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
+                 DeviceSpec: ("layer_launch_us",)}
 
 
 def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:

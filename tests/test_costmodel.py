@@ -138,3 +138,28 @@ def test_workflows():
         build_workflow("dpo")
     with pytest.raises(ConfigError, match="mini_batches: 3 does not divide"):
         Workload(prompt_length=1, response_length=1, global_batch=16, mini_batches=3)
+
+
+def test_layer_launch_time_makes_generation_waves_cost():
+    # local CPU devices: decode is dispatch-bound, so two waves of 8 cost about twice one of 16
+    import dataclasses
+
+    import numpy as np
+
+    from nereusd import costvec
+
+    local = load_site("local")
+    spec = preset("counting-tiny")
+    gen = ModelStage.parse("actor/generation")
+    kw = dict(sequences=16, prompt_length=8, response_length=96, tp=1, pp=1, dp=1)
+    cm = CostModel(local)
+    one, two = (cm.stage_cost(spec, gen, micro_batch=b, **kw).latency_s for b in (16, 8))
+    launch = local.layer_launch_s * spec.num_layers * 96 / PRIORS["launch"]
+    assert two - one == pytest.approx(launch, rel=0.05)
+    off = CostModel(dataclasses.replace(local, device=dataclasses.replace(local.device, layer_launch_us=0.0)))
+    assert off.stage_cost(spec, gen, micro_batch=8, **kw).latency_s == pytest.approx(
+        two - 2 * launch, rel=1e-9)
+    fast = costvec.latencies(cm, spec, gen, sequences=16, prompt_length=8, response_length=96, tp=1, pp=1,
+                             dp=np.array([1, 1]), micro_batch=np.array([16, 8]), recompute=np.array([False, False]),
+                             mini_batches=1)
+    assert list(fast) == pytest.approx([one, two], rel=1e-12)
