@@ -272,6 +272,14 @@ class _Progress:
         self.bar.close()
 
 
+class _Terminated(Exception):
+    """SIGTERM or SIGHUP reached the launcher (``kill``, ``timeout``, a closed terminal)."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise _Terminated(signal.Signals(signum).name)
+
+
 def run_local(args: argparse.Namespace) -> int:
     job = load_and_resolve(args.job)  # every check before a process starts
     job_path = Path(args.job).resolve()
@@ -301,6 +309,7 @@ def run_local(args: argparse.Namespace) -> int:
     daemon = agent = None
     progress = _Progress(job.config.steps, args.quiet)
     interrupted = False
+    handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         daemon = _start([sys.executable, "-m", "nereusd.daemon_main", str(job_path),
                          "--run-dir", str(run_dir.resolve())], logs / "nereusd.log")
@@ -316,13 +325,18 @@ def run_local(args: argparse.Namespace) -> int:
                 time.sleep(1.0)  # nereusd notices the lost agent by heartbeat and stops the job
             time.sleep(0.25)
         progress.update(run_dir)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as err:
         interrupted = True
-        print("\nnereus: interrupted; stopping nereusd, the agent and the workers", file=sys.stderr)
+        why = str(err) if isinstance(err, _Terminated) else "interrupted"
+        print(f"\nnereus: {why}; stopping nereusd, the agent and the workers", file=sys.stderr)
     finally:
+        for sig in handlers:   # a second signal must not cut the teardown short
+            signal.signal(sig, signal.SIG_IGN)
         progress.close()
         _stop(daemon, grace_s=20.0)
         _stop(agent, grace_s=10.0)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return _report(run_dir, interrupted)
 
 

@@ -140,7 +140,9 @@ def test_bad_job_fails_before_anything_starts(tmp_path):
     assert not run_dir.exists()
 
 
-def test_ctrl_c_tears_everything_down(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_tears_everything_down(tmp_path, signame):
+    # SIGINT: Ctrl-C; SIGTERM: `kill`, `timeout`, a batch system stopping the launcher
     import os
     import signal
     import time
@@ -164,7 +166,7 @@ train: {{global_batch: 4, micro_batch: 2}}
         assert time.monotonic() < deadline, "no step within 180 s"
         time.sleep(0.2)
     pids = {json.loads((run_dir / "nereusd.json").read_text())["pid"]}
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     summary = json.loads((run_dir / "summary.json").read_text())
