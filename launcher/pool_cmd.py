@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,20 +25,48 @@ from nereusd.security import load_keys, make_client
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pool", help="remove or add devices of a running local job",
-                              description=__doc__.split("\n\n")[0])
+                              description="Change the device pool of a running local job (nereus-launch local; "
+                                          "on Slurm use grow/shrink). Changes take effect at the next safe "
+                                          "boundary and are journalled in RUN_DIR/events.jsonl.")
     p.add_argument("run_dir", help="the job's run directory")
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--remove", type=int, help="devices to release at the next safe boundary")
-    group.add_argument("--add", type=int, help="virtual devices to add (a new local agent)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="how long to wait for nereusd's answer")
+    group.add_argument("--remove", type=int, metavar="N", help="devices to release at the next safe boundary")
+    group.add_argument("--add", type=int, metavar="N", help="virtual devices to add (a new local agent)")
+    p.add_argument("--timeout-s", type=float, default=10.0,
+                   help="how long to wait for nereusd's answer (default: %(default)s)")
     p.set_defaults(func=run)
 
 
 def _endpoint(run_dir: Path) -> dict:
+    """The running job's ``nereusd.json``.
+
+    Raises:
+        NereusError: no such file, the job has finished, or its nereusd process is gone.
+    """
     try:
-        return json.loads((run_dir / "nereusd.json").read_text())
+        info = json.loads((run_dir / "nereusd.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise NereusError(f"{run_dir}: no running nereusd ({err})") from None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        summary = {}
+    if summary.get("status") not in (None, "running"):
+        raise NereusError(f"{run_dir}: the job has ended (status {summary['status']}); its pool cannot change")
+    pid = info.get("pid")
+    if pid is not None and not _alive(int(pid)):
+        raise NereusError(f"{run_dir}: nereusd (pid {pid}) is not running")
+    return info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process with that pid: not ours, but alive
+        return True
+    return True
 
 
 def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
@@ -73,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         if args.remove < 1:
             raise NereusError(f"--remove: expected a positive count, got {args.remove}")
         status = request_remove(run_dir, args.remove, args.timeout_s)
-        print(f"nereus: {args.remove} device(s) leave at the next safe boundary (pool now {status.get('pool')})")
+        print(f"nereus: {args.remove} device(s) leave at the next safe boundary "
+              f"(pool before the change: {status.get('pool')})")
         return 0
     if args.add < 1:
         raise NereusError(f"--add: expected a positive count, got {args.add}")

@@ -206,3 +206,18 @@ def test_local_job_follows_a_compressed_spot_trace(tmp_path):
     assert sorted(records[2]["peak_memory_bytes"]) == ["0", "1"] and "3" in records[4]["peak_memory_bytes"]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
     print(f"e2e pool trace: {time.monotonic() - start:.1f} s")
+
+
+def test_pool_command_refuses_a_run_that_is_not_running(tmp_path):
+    from launcher import pool_cmd
+
+    with pytest.raises(NereusError, match="no running nereusd"):
+        pool_cmd._endpoint(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": dead.pid}))
+    with pytest.raises(NereusError, match=f"nereusd \\(pid {dead.pid}\\) is not running"):
+        pool_cmd._endpoint(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded"}))
+    with pytest.raises(NereusError, match="the job has ended \\(status succeeded\\)"):
+        pool_cmd._endpoint(tmp_path)
