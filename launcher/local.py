@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pool trace", "Replay a spot-availability trace on the local pool (sets or overrides the job's pool.trace; "
         "virtual-CPU devices only). The trace's full availability is the job's devices; at each trace hour the "
         "pool holds round(devices x available fraction) devices, never fewer than min_devices (the job's "
-        "pool.trace.min_devices, default 1) nor more than the job's devices. Devices leave (the highest-numbered) "
+        "pool.trace.min_devices; default: the fewest the job runs on, e.g. 2 for GRPO's concurrent actor and "
+        "reference inference) nor more than the job's devices. Devices leave (the highest-numbered) "
         "and join (a new local agent) at the first safe boundary at or after the trace time of the change. "
         "Trace hour 0 is the trace's first sample with every instance available.")
     trace.add_argument("--pool-trace", metavar="NAME",
@@ -111,11 +112,11 @@ def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
     Raises:
         ConfigError: ``pool.trace.min_devices`` above the job's devices.
     """
-    from nereusd.pool_schedule import PoolSchedule
+    from nereusd.pool_schedule import schedule_for
 
     pool = job.config.pool
     try:
-        schedule = PoolSchedule(pool, job.devices)   # validates against the job's devices
+        schedule = schedule_for(job)   # validates against the job's devices
     except ConfigError as err:
         raise ConfigError(f"{job.source}: {err}") from None
     lines = []
@@ -138,7 +139,7 @@ def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
             shown.append(f"{n} at {where}")
         more = f", ... ({len(changes)} changes in {hours:.1f} trace hours)" if len(changes) > preview else ""
         lines.append(f"nereus: pool trace {c.name} from hour {c.start_hour:g} ({base}), scaled to {job.devices} "
-                     f"devices (min {c.min_devices}): devices " + (", ".join(shown) + more if shown else "unchanged"))
+                     f"devices (min {trace.min_devices}): devices " + (", ".join(shown) + more if shown else "unchanged"))
     if (pool.schedule or trace is not None) and not job.config.adaptation.enabled:
         lines.append("nereus: warning: adaptation.enabled is false, so the pool schedule and trace are not applied")
     return lines

@@ -237,8 +237,10 @@ class PoolTraceConfig(_Strict):
     """RL steps per trace hour (e.g. 12: one step per 5-minute trace sample)."""
     start_hour: float = Field(0.0, ge=0.0)
     """Trace hour at which the job's first step starts."""
-    min_devices: int = Field(1, ge=1)
-    """The scaled pool never drops below this many devices (nor rises above the job's devices)."""
+    min_devices: int | None = Field(None, ge=1)
+    """The scaled pool never drops below this many devices (nor rises above the job's devices).
+    Default: the fewest the job can run on — its largest set of model-stages that run
+    concurrently on disjoint devices (GRPO: actor and reference inference, 2)."""
 
     @field_validator("name")
     @classmethod

@@ -238,6 +238,13 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
         )
     if job.algorithm == Algorithm.GRPO and job.rollout.group_size < 2:
         raise ConfigError(f"{source}: rollout.group_size: GRPO needs groups of at least 2, got {job.rollout.group_size}")
+    for i, event in enumerate(job.pool.schedule):
+        if event.at_step is not None and event.at_step >= job.steps:
+            raise ConfigError(f"{source}: pool.schedule[{i}].at_step: {event.at_step} is never reached (boundaries "
+                              f"come before steps 1..{job.steps - 1}; steps: {job.steps})")
+        if event.remove and event.remove >= devices + sum(e.add or 0 for e in job.pool.schedule[:i]):
+            raise ConfigError(f"{source}: pool.schedule[{i}].remove: {event.remove} would leave the job no device "
+                              f"(devices: {devices})")
     known = {str(m) for m in stages}
     for name in job.plan.model_stages:
         if name not in known:

@@ -45,7 +45,7 @@ from nereusd.jobspec import ResolvedJob
 from nereusd.journal import METRICS_FILE, Journal
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner import Infeasible
-from nereusd.pool_schedule import PoolSchedule, net_change
+from nereusd.pool_schedule import net_change, schedule_for
 from nereusd.transition import plan_transition
 from nereusd.transition_runner import TransitionInterrupted, TransitionRunner
 
@@ -109,7 +109,7 @@ class LiveAdaptation:
         self.last_decision: dict[str, Any] | None = None
         """The latest admission record (``nereus-launch status`` shows it)."""
         self._added = 0
-        self._schedule = PoolSchedule(job.config.pool, job.devices)
+        self._schedule = schedule_for(job)
         self._first_step_start: float | None = None   # monotonic clock; time base of pool.schedule[].at_s
         self._forced = {f.at_step: f for f in job.config.adaptation.forced}
 

@@ -72,11 +72,13 @@ class ScaledTrace:
         ConfigError: unknown trace, or ``min_devices`` above ``devices``.
     """
 
-    def __init__(self, config: PoolTraceConfig, devices: int) -> None:
-        if config.min_devices > devices:
+    def __init__(self, config: PoolTraceConfig, devices: int, job_min_devices: int = 1) -> None:
+        if config.min_devices is not None and config.min_devices > devices:
             raise ConfigError(f"pool.trace.min_devices: {config.min_devices} is more than the job's "
                               f"{devices} devices")
         self.config, self.devices = config, devices
+        self.min_devices = config.min_devices if config.min_devices is not None else min(devices, job_min_devices)
+        """The floor in use: ``pool.trace.min_devices``, else the job's own minimum."""
         self.trace: PoolTrace = load_pool_trace(config.name)
 
     @property
@@ -94,7 +96,7 @@ class ScaledTrace:
     def devices_at(self, hour: float) -> int:
         """``n(hour)``: devices of the local pool at trace hour ``hour``."""
         scaled = self.trace.devices_at(_seconds(hour), self.devices, 1)
-        return min(self.devices, max(self.config.min_devices, scaled))
+        return min(self.devices, max(self.min_devices, scaled))
 
     def sample_start(self, hour: float) -> float:
         """Trace hour at which the sample holding ``hour`` begins (not before ``start_hour``)."""
@@ -160,15 +162,17 @@ class PoolSchedule:
     """The pool changes of a local job: ``pool.schedule`` entries and an optional scaled trace.
 
     Args:
-        config: the job's ``pool`` section; ``devices``: the job's devices (full availability).
+        config: the job's ``pool`` section; ``devices``: the job's devices (full availability);
+        ``job_min_devices``: the fewest the job runs on (:func:`job_min_devices`), the trace's
+        floor unless ``pool.trace.min_devices`` sets one.
 
     Raises:
         ConfigError: see :class:`ScaledTrace`.
     """
 
-    def __init__(self, config: PoolConfig, devices: int) -> None:
+    def __init__(self, config: PoolConfig, devices: int, job_min_devices: int = 1) -> None:
         self._pending = [(i, e) for i, e in enumerate(config.schedule)]
-        self.trace = ScaledTrace(config.trace, devices) if config.trace is not None else None
+        self.trace = ScaledTrace(config.trace, devices, job_min_devices) if config.trace is not None else None
         self._level = devices
         self._max_step = 0
         self._hour: float | None = None   # trace hour of the previous boundary
@@ -203,3 +207,24 @@ def net_change(events: Sequence[PoolEvent]) -> tuple[int, int]:
     """``(remove, add)`` of events applied at one boundary: their net (one of them is 0)."""
     net = sum(e.add - e.remove for e in events)
     return max(0, -net), max(0, net)
+
+
+def job_min_devices(algorithm: str, *, reward_model: bool, asynchronous: bool) -> int:
+    """The fewest devices a job can run on: its largest set of model-stages that run concurrently
+    on disjoint devices (DESIGN.md "One RL step"; :meth:`nereusd.workflow.Workflow.concurrent_sets`)."""
+    from nereusd.workflow import build_workflow
+
+    wf = build_workflow(algorithm, reward_model=reward_model, asynchronous=asynchronous)
+    return max((len(s) for s in wf.concurrent_sets()), default=1)
+
+
+def schedule_for(job) -> PoolSchedule:
+    """The :class:`PoolSchedule` of a resolved job (:class:`nereusd.jobspec.ResolvedJob`).
+
+    Raises:
+        ConfigError: see :class:`ScaledTrace`.
+    """
+    cfg = job.config
+    floor = job_min_devices(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
+                            asynchronous=cfg.rollout.max_staleness > 0)
+    return PoolSchedule(cfg.pool, job.devices, floor)

@@ -105,3 +105,15 @@ def test_without_a_plan_an_adaptive_job_falls_back_to_devices_that_split_the_bat
     training = job.plan[ModelStage.parse("actor/training")]
     assert training.devices == (0, 1) and training.dp == 2
     assert job.plan[ModelStage.parse("actor/generation")].devices == (0, 1, 2)
+
+
+@pytest.mark.parametrize("schedule, match", [
+    ("[{at_step: 6, remove: 1}]", r"pool.schedule\[0\].at_step: 6 is never reached"),
+    ("[{at_step: 2, remove: 4}]", r"pool.schedule\[0\].remove: 4 would leave the job no device"),
+    ("[{at_step: 1, remove: 1}, {at_step: 2, remove: 9}]", r"pool.schedule\[1\].remove: 9"),
+])
+def test_pool_schedule_is_checked_against_the_job(tmp_path, schedule, match):
+    text = f"steps: 6\npool: {{schedule: {schedule}}}\n"
+    with pytest.raises(ConfigError, match=match):
+        resolve(write(tmp_path, tiny_job(text)))
+    resolve(write(tmp_path, tiny_job("steps: 6\npool: {schedule: [{at_step: 5, remove: 3}, {at_step: 5, add: 2}]}\n")))

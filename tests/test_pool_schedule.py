@@ -54,7 +54,7 @@ def test_schedule_entries_need_exactly_one_of_at_step_and_at_s():
 def test_trace_section_is_strict():
     p = pool(trace={"name": "us-east-2b", "seconds_per_trace_hour": 30, "start_hour": 2, "min_devices": 2})
     assert p.trace.seconds_per_trace_hour == 30 and p.trace.steps_per_trace_hour is None
-    assert pool(trace={"name": "us-west-2a", "steps_per_trace_hour": 12}).trace.min_devices == 1
+    assert pool(trace={"name": "us-west-2a", "steps_per_trace_hour": 12}).trace.min_devices is None
     for trace in ({"name": "us-east-2b"}, {"name": "us-east-2b", "steps_per_trace_hour": 1,
                                            "seconds_per_trace_hour": 1}):
         with pytest.raises(ConfigError, match=r"j.yaml: pool.trace: .*exactly one time base: "
@@ -221,3 +221,16 @@ def test_pool_command_refuses_a_run_that_is_not_running(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded"}))
     with pytest.raises(NereusError, match="the job has ended \\(status succeeded\\)"):
         pool_cmd._endpoint(tmp_path)
+
+
+def test_trace_floor_defaults_to_the_fewest_devices_the_job_runs_on():
+    from nereusd.pool_schedule import job_min_devices
+
+    assert job_min_devices("grpo", reward_model=False, asynchronous=False) == 2   # actor + reference inference
+    assert job_min_devices("ppo", reward_model=True, asynchronous=False) == 4     # actor, ref, critic, reward
+    assert job_min_devices("grpo", reward_model=False, asynchronous=True) == 3    # + generation alongside
+    trace = pool(trace={"name": "us-west-2a", "steps_per_trace_hour": 2}).trace
+    assert ScaledTrace(trace, 4, job_min_devices=2).min_devices == 2
+    assert min(n for _, n in ScaledTrace(trace, 4, job_min_devices=2).changes(48.0)) >= 2
+    explicit = pool(trace={"name": "us-west-2a", "steps_per_trace_hour": 2, "min_devices": 1}).trace
+    assert ScaledTrace(explicit, 4, job_min_devices=2).min_devices == 1
