@@ -354,7 +354,9 @@ def _report(run_dir: Path, interrupted: bool) -> int:
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}, "
               f"response length {summary.get('response_length_first_10pct', 0):.1f} → "
               f"{summary.get('response_length_last_10pct', 0):.1f} tokens "
-              f"({summary.get('response_length_growth', 0):.1f}×); layout switches: {summary.get('switches', 0)}")
+              f"({summary.get('response_length_growth', 0):.1f}×); layout switches: {summary.get('switches', 0)}"
+              + (f" (of which {summary['restarts']} checkpoint/restart(s), {summary.get('lost_steps', 0)} step(s) "
+                 "re-run)" if summary.get("restarts") else ""))
         print(f"nereus: results in {run_dir} (plots: nereus-launch report {run_dir})")
         return 0
     print(f"nereus: {status}: {summary.get('error', 'see logs')}", file=sys.stderr)

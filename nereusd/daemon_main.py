@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         summary["wall_time_s"] = round(time.time() - started, 3)
         if live:
-            summary["switches"] = live[0].switches
+            summary.update(switches=live[0].switches, restarts=live[0].restarts, lost_steps=live[0].lost_steps)
         _summarise_metrics(run_dir, summary)
         journal.summary(summary)
         control.shutdown_agents(summary["status"])

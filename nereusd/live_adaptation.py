@@ -106,6 +106,10 @@ class LiveAdaptation:
         self.journal, self.run_dir, self.world = journal, Path(run_dir), list(world)
         self.pending_remove = 0
         self.switches = 0
+        self.restarts = 0
+        """Checkpoint/restarts (out of memory, nothing fits, devices lost)."""
+        self.lost_steps = 0
+        """Steps re-run after restarts."""
         self.last_decision: dict[str, Any] | None = None
         """The latest admission record (``nereus-launch status`` shows it)."""
         self._added = 0
@@ -337,6 +341,8 @@ class LiveAdaptation:
         self.driver._sync_weights()
         self.adapter.switched(result.plan, tuple(sorted(self.world)))
         self.switches += 1
+        self.restarts += 1
+        self.lost_steps += max(0, failed_step - step)
         self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "reason": why,
                                         "checkpoint": checkpoint[0] if checkpoint else None, "resume_step": step,
                                         "lost_steps": failed_step - step, "dropped_metrics": dropped,

@@ -76,6 +76,7 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
     events = read_jsonl(run_dir / "events.jsonl")
     lost = [e for e in events if e["event"] == "device_lost"]
     assert len(lost) == 1 and lost[0]["devices"] == [2] and lost[0]["cause"] == "worker_exited", lost
