@@ -64,7 +64,10 @@ class PoolController:
         """
         verdict, reason = assess(change, self.plan_devices, self.live)
         label = verdict.value
-        if self.live and change.kind == PoolChangeKind.LOST and verdict == Verdict.STOP:
+        left = self.control.devices() if self.control else None
+        if self.live and change.kind == PoolChangeKind.LOST and verdict == Verdict.STOP and left == []:
+            reason = f"{change.detail}: no device is left in the pool; the job stops"
+        elif self.live and change.kind == PoolChangeKind.LOST and verdict == Verdict.STOP:
             hit = sorted(self.plan_devices & set(change.devices))
             label, reason = "recover", (f"{change.detail}: the job uses devices {hit} of it; live adaptation "
                                         "restarts it on the remaining devices from the latest checkpoint")
@@ -72,7 +75,7 @@ class PoolController:
                                 "that fits the remaining devices")
         record = {"kind": change.kind.value, "cause": change.cause, "node_id": change.node_id,
                   "devices": list(change.devices), "verdict": label, "reason": reason,
-                  "pool_devices": self.control.devices() if self.control else []}
+                  "pool_devices": left or []}
         self.journal.event("pool_changed", record)
         self.last_decision = {"time_s": round(time.time(), 3), **record}
         log.warning("pool change: %s -> %s", reason, label)
