@@ -25,7 +25,7 @@ from emu.primitives import HoldingStore
 from emu.unit import EmuShard, LogicalState, slots_for
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
-from nereusd.shards import canonical_shapes, value_head_for
+from nereusd.shards import value_head_for
 from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel, check_feasibility, plan_transition
 
 SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=2)
@@ -83,6 +83,25 @@ def specs_for(plan: Plan):
     return {m: (SPEC, value_head_for(m.role), slots_for(m)) for m in plan}
 
 
+def check_holdings(store: HoldingStore, plan: Plan, rank: int, seed: int, where: object) -> None:
+    """``rank`` holds exactly ``plan``'s units, each with its logical state and every slot equal to
+    the canonical tensors of ``seed`` (``where`` labels a failure)."""
+    want = set()
+    for m, cand in plan.items():
+        if rank not in cand.devices:
+            continue
+        _, p, t = cand.coords_of(rank)
+        want.add((m, cand.layout, (p, t)))
+        h = store.get(m, cand.layout, (p, t))
+        assert h.logical == logical_for(seed, m), (where, m, h.logical)
+        for s in h.shards:
+            for slot in h.slots:
+                full = canonical(seed, m, s.name, slot, s.full_shape)
+                exact = full.narrow(s.dim, s.start, s.stop - s.start)
+                assert torch.equal(h.view(s.name, slot), exact), (where, m, s, slot)
+    assert set(store.items) == want, (where, sorted(map(str, store.items)), sorted(map(str, want)))
+
+
 def body(rank: int, world: int, cases: list[int]) -> dict:
     report = {"cases": 0, "infeasible": 0, "ops": 0, "kinds": set(), "peak_over_limit": 0, "elapsed_s": 0.0, "tight": 0}
     for seed in cases:
@@ -107,20 +126,7 @@ def body(rank: int, world: int, cases: list[int]) -> dict:
         report["elapsed_s"] += time.perf_counter() - start
         assert memory.peak_bytes <= budget.limit_bytes
         report["tight"] += int(budget.capacity_bytes < 1.3 * max(memory.peak_bytes, 1) / 0.9)
-        want = set()
-        for m, cand in target.items():
-            if rank not in cand.devices:
-                continue
-            _, p, t = cand.coords_of(rank)
-            want.add((m, cand.layout, (p, t)))
-            h = store.get(m, cand.layout, (p, t))
-            assert h.logical == logical_for(seed, m), (seed, m, h.logical)
-            for s in h.shards:
-                for slot in h.slots:
-                    full = canonical(seed, m, s.name, slot, s.full_shape)
-                    exact = full.narrow(s.dim, s.start, s.stop - s.start)
-                    assert torch.equal(h.view(s.name, slot), exact), (seed, m, s, slot, dag.summary())
-        assert set(store.items) == want, (seed, sorted(map(str, store.items)), sorted(map(str, want)))
+        check_holdings(store, target, rank, seed, (seed, dag.summary()))
         expected_bytes = sum(h.nbytes for h in store.items.values())
         assert memory.in_use_bytes == expected_bytes
         report["cases"] += 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from distributed_util import run_distributed
 from emu.devmem import DeviceMemory
@@ -26,7 +25,7 @@ from emu.unit import slots_for
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for
 from nereusd.transition import plan_transition
-from test_primitives_transitions import MODELS, SPEC, canonical, fill, logical_for, specs_for
+from test_primitives_transitions import MODELS, SPEC, check_holdings, fill, logical_for, specs_for
 
 TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
 INFER = ModelStage(Role.ACTOR, Stage.INFERENCE)
@@ -61,20 +60,7 @@ def shared_concurrent(dag) -> bool:
 
 
 def check(store: HoldingStore, memory: DeviceMemory, plan: Plan, rank: int, where: str) -> None:
-    want = set()
-    for m, cand in plan.items():
-        if rank not in cand.devices:
-            continue
-        _, p, t = cand.coords_of(rank)
-        want.add((m, cand.layout, (p, t)))
-        h = store.get(m, cand.layout, (p, t))
-        assert h.logical == logical_for(SEED, m), (where, m, h.logical)
-        for s in h.shards:
-            for slot in h.slots:
-                full = canonical(SEED, m, s.name, slot, s.full_shape)
-                exact = full.narrow(s.dim, s.start, s.stop - s.start)
-                assert torch.equal(h.view(s.name, slot), exact), (where, m, s, slot)
-    assert set(store.items) == want, (where, sorted(map(str, store.items)), sorted(map(str, want)))
+    check_holdings(store, plan, rank, SEED, where)
     assert memory.in_use_bytes == sum(h.nbytes for h in store.items.values()), where
 
 
