@@ -153,24 +153,34 @@ FORCED = """
     - {at_step: 16, model_stages: {actor/training: {tp: 2, pp: 1}}}"""
 
 
-def test_forced_switches_train_like_no_switches(tmp_path):
-    fixed = write_job(tmp_path, "fixed", EQUIV.replace("@ENABLED@", "false").replace("@FORCED@", "[]"))
-    switched = write_job(tmp_path, "switched", EQUIV.replace("@ENABLED@", "true").replace("@FORCED@", FORCED))
+def run_fixed_and_switched(tmp_path: Path, template: str, forced: str) -> tuple[list[dict], list[dict]]:
+    """Run ``template`` without adaptation and with the ``forced`` switches, side by side;
+    returns both runs' metrics records."""
+    fixed = write_job(tmp_path, "fixed", template.replace("@ENABLED@", "false").replace("@FORCED@", "[]"))
+    switched = write_job(tmp_path, "switched", template.replace("@ENABLED@", "true").replace("@FORCED@", forced))
     procs = [(start(fixed, tmp_path / "fixed"), tmp_path / "fixed"),
              (start(switched, tmp_path / "switched"), tmp_path / "switched")]
     for proc, run_dir in procs:
         finish(proc, run_dir)
-    a = read_jsonl(tmp_path / "fixed" / "metrics.jsonl")
-    b = read_jsonl(tmp_path / "switched" / "metrics.jsonl")
-    assert len(a) == len(b) == 20
-    layouts = {json.dumps(r["plan"]["actor/training"]) for r in b}
-    assert len(layouts) >= 3, "the forced switches did not happen"
-    assert len({json.dumps(r["plan"]["actor/training"]) for r in a}) == 1
+    return read_jsonl(tmp_path / "fixed" / "metrics.jsonl"), read_jsonl(tmp_path / "switched" / "metrics.jsonl")
+
+
+def assert_trains_alike(a: list[dict], b: list[dict]) -> None:
+    """Per step: the same samples, rewards and lengths; losses within reduction tolerance."""
     for x, y in zip(a, b):
         assert x["sample_position"] == y["sample_position"]
         assert x["reward_mean"] == pytest.approx(y["reward_mean"], rel=1e-6, abs=1e-9), x["step"]
         assert x["response_length_mean"] == y["response_length_mean"], x["step"]
         for key in ("train/actor/loss", "train/actor/grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-5), (x["step"], key)
+
+
+def test_forced_switches_train_like_no_switches(tmp_path):
+    a, b = run_fixed_and_switched(tmp_path, EQUIV, FORCED)
+    assert len(a) == len(b) == 20
+    layouts = {json.dumps(r["plan"]["actor/training"]) for r in b}
+    assert len(layouts) >= 3, "the forced switches did not happen"
+    assert len({json.dumps(r["plan"]["actor/training"]) for r in a}) == 1
+    assert_trains_alike(a, b)
     events = read_jsonl(tmp_path / "switched" / "events.jsonl")
     assert sum(e["event"] == "transition" for e in events) == 4

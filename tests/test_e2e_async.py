@@ -17,7 +17,7 @@ import pytest
 from nereusd.errors import ConfigError
 from nereusd.jobspec import load_and_resolve
 from nereusd.journal import read_jsonl
-from test_e2e_adaptive import finish, start, write_job
+from test_e2e_adaptive import assert_trains_alike, run_fixed_and_switched, write_job
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,7 @@ FORCED = """
 
 
 def test_async_versions_and_switches_at_weight_sync(tmp_path):
-    fixed = write_job(tmp_path, "fixed", ASYNC.replace("@ENABLED@", "false").replace("@FORCED@", "[]"))
-    switched = write_job(tmp_path, "switched", ASYNC.replace("@ENABLED@", "true").replace("@FORCED@", FORCED))
-    procs = [(start(fixed, tmp_path / "fixed"), tmp_path / "fixed"),
-             (start(switched, tmp_path / "switched"), tmp_path / "switched")]
-    for proc, run_dir in procs:
-        finish(proc, run_dir)
-    a = read_jsonl(tmp_path / "fixed" / "metrics.jsonl")
-    b = read_jsonl(tmp_path / "switched" / "metrics.jsonl")
+    a, b = run_fixed_and_switched(tmp_path, ASYNC, FORCED)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(7))
     for records in (a, b):
         assert [r["policy_version"] for r in records] == [max(0, k - 2) for k in range(7)]
@@ -61,11 +54,7 @@ def test_async_versions_and_switches_at_weight_sync(tmp_path):
         assert [r["sample_position"] for r in records] == [2 * k for k in range(7)]
     assert {tuple(r["plan"]["actor/generation"]["devices"]) for r in b} == {(0,), (1,)}
     assert len({json.dumps(r["plan"]["actor/training"]) for r in b}) == 3
-    for x, y in zip(a, b):
-        assert x["reward_mean"] == pytest.approx(y["reward_mean"], rel=1e-6, abs=1e-9), x["step"]
-        assert x["response_length_mean"] == y["response_length_mean"], x["step"]
-        for key in ("train/actor/loss", "train/actor/grad_norm"):
-            assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-5), (x["step"], key)
+    assert_trains_alike(a, b)
     events = read_jsonl(tmp_path / "switched" / "events.jsonl")
     assert sum(e["event"] == "transition" for e in events) == 2
 
