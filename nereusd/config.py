@@ -78,7 +78,7 @@ class RolloutConfig(_Strict):
     """Longest response in tokens."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature."""
-    max_staleness: int = Field(0, ge=0)
+    max_staleness: int = Field(0, ge=0, strict=True)
     """Asynchronous execution: generation runs up to this many policy versions ahead of
     training (step ``k`` trains on responses generated with the weights of step ``k − s``;
     1 is one-step off-policy, as in AReaL/Laminar). 0 (default): synchronous steps. The safe

@@ -64,3 +64,7 @@ def test_max_staleness_is_validated(tmp_path):
                     .replace("@ENABLED@", "false").replace("@FORCED@", "[]"))
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         load_and_resolve(bad)
+    boolean = write_job(tmp_path, "bool", ASYNC.replace("max_staleness: 2", "max_staleness: true")
+                        .replace("@ENABLED@", "false").replace("@FORCED@", "[]"))
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        load_and_resolve(boolean)
