@@ -306,11 +306,12 @@ class JobConfig(_Strict):
 
 
 def format_validation_error(source: str, err: ValidationError) -> str:
-    """One line per problem: ``<source>: <dotted.key>: <message>, got <value>``."""
+    """One line per problem: ``<source>: <dotted.key[index]>: <message>, got <value>``."""
     lines = []
     for item in err.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "<top>"
-        msg = item["msg"]
+        key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in item["loc"]).lstrip(".")
+        key = key or "<top>"
+        msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             msg = "unknown key"
         elif item["type"] == "missing":

@@ -141,11 +141,11 @@ def test_schema_of_adaptation_and_pool():
                      "adaptation": {"gamma": 0.25, "forced": [{"at_step": 2, "model_stages": {
                          "actor/training": {"tp": 2}}}]}}, "j.yaml")
     assert job.pool.schedule[1].add == 2 and job.adaptation.gamma == 0.25
-    with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule.0: .*exactly one of remove or add"):
+    with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule\[0\]: .*exactly one of remove or add"):
         parse_job({"pool": {"schedule": [{"at_step": 3}]}}, "j.yaml")
     with pytest.raises(ConfigError, match="j.yaml: adaptation.gama: unknown key"):
         parse_job({"adaptation": {"gama": 1}}, "j.yaml")
-    with pytest.raises(ConfigError, match="j.yaml: pool.schedule.0.at_step"):
+    with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule\[0\].at_step"):
         parse_job({"pool": {"schedule": [{"at_step": 0, "add": 1}]}}, "j.yaml")
 
 

@@ -43,11 +43,11 @@ def test_schedule_entries_need_exactly_one_of_at_step_and_at_s():
     p = pool(schedule=[{"at_s": 12.5, "remove": 1}, {"at_step": 3, "add": 1}])
     assert p.schedule[0].at_s == 12.5 and p.schedule[0].at_step is None and p.schedule[1].at_step == 3
     for entry in ({"remove": 1}, {"at_step": 2, "at_s": 3, "remove": 1}):
-        with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule.0: .*exactly one of at_step .* or at_s"):
+        with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule\[0\]: give exactly one of at_step .* or at_s"):
             pool(schedule=[entry])
-    with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule.0.at_s: .*greater than or equal to 0"):
+    with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule\[0\].at_s: .*greater than or equal to 0"):
         pool(schedule=[{"at_s": -1, "add": 1}])
-    with pytest.raises(ConfigError, match=r"pool.schedule.0: .*exactly one of remove or add"):
+    with pytest.raises(ConfigError, match=r"pool.schedule\[0\]: .*exactly one of remove or add"):
         pool(schedule=[{"at_s": 1}])
 
 
