@@ -300,7 +300,6 @@ class CostModel:
                           training: bool, recompute: bool) -> None:
         """Inference (forward) or training (forward + backward) of one replica, pipelined."""
         e = self.bytes_per_element
-        h, q = spec.hidden_size, spec.num_heads * spec.head_dim
         b = max(1, min(micro_batch, per_replica))
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
         lm_head = role in (Role.ACTOR, Role.REFERENCE)

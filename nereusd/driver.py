@@ -255,7 +255,6 @@ class RLDriver:
 
     def step(self) -> dict[str, Any]:
         """Run one RL step and return its metrics record."""
-        cfg, roll, train = self.cfg, self.cfg.rollout, self.cfg.train
         step_start = time.perf_counter()
         stage_s: dict[str, float] = {}
         peaks: dict[int, int] = {}
