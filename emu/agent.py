@@ -26,7 +26,7 @@ import zmq
 from emu.inventory import discover
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError
-from nereusd.security import JobKeys, load_keys, make_client
+from nereusd.daemon.security import JobKeys, load_keys, make_client
 from nereusd.slurm import visible_gpus
 
 log = logging.getLogger(__name__)

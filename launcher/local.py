@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from nereusd.config import load_yaml_mapping, parse_job
+from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
-from nereusd.jobspec import ResolvedJob, load_and_resolve
+from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.journal import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
 
 ENDPOINT_FILE = "nereusd.json"
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Trace hour 0 is the trace's first sample with every instance available.")
     trace.add_argument("--pool-trace", metavar="NAME",
                        help="us-east-2b or us-west-2a (16-node AWS spot availability, one sample per 5 min; "
-                            "nereusd/sim/data/traces/SOURCES.md), or a trace file of that format")
+                            "nereusd/data/traces/SOURCES.md), or a trace file of that format")
     base = trace.add_mutually_exclusive_group()
     base.add_argument("--trace-hour-s", type=float, metavar="S",
                       help="wall-clock seconds of the job per trace hour (e.g. 60: ten trace hours in ten minutes)")
@@ -112,7 +112,7 @@ def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
     Raises:
         ConfigError: ``pool.trace.min_devices`` above the job's devices.
     """
-    from nereusd.pool_schedule import schedule_for
+    from nereusd.config.pool_schedule import schedule_for
 
     pool = job.config.pool
     try:
@@ -312,7 +312,7 @@ def run_local(args: argparse.Namespace) -> int:
     interrupted = False
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        daemon = _start([sys.executable, "-m", "nereusd.daemon_main", str(job_path),
+        daemon = _start([sys.executable, "-m", "nereusd.daemon.main", str(job_path),
                          "--run-dir", str(run_dir.resolve())], logs / "nereusd.log")
         endpoint = _wait_endpoint(run_dir, daemon)
         agent_argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", "local0",

@@ -18,13 +18,13 @@ import json
 import math
 import sys
 
-from nereusd.calibration import Calibration
-from nereusd.costmodel import CostModel
+from nereusd.cost.calibration import Calibration
+from nereusd.cost.model import CostModel
 from nereusd.models import resolve_model
 from nereusd.plan import Role
-from nereusd.planner import Infeasible, Planner
-from nereusd.planspace import PlannerOptions, PlanProblem
-from nereusd.site import load_site
+from nereusd.planner.search import Infeasible, Planner
+from nereusd.planner.space import PlannerOptions, PlanProblem
+from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
 GIB = float(1 << 30)

@@ -19,8 +19,8 @@ import zmq
 
 from nereusd import protocol as P
 from nereusd.errors import NereusError
-from nereusd.live_adaptation import start_local_agent
-from nereusd.security import load_keys, make_client
+from nereusd.daemon.live import start_local_agent
+from nereusd.daemon.security import load_keys, make_client
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

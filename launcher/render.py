@@ -4,7 +4,7 @@
 at the template's ``#@NEREUS_DIRECTIVES@`` line and ``export`` lines (site ``env:`` first, then
 the ``NEREUS_*`` variables the template documents, each sorted and shell-quoted) at its
 ``#@NEREUS_ENVIRONMENT@`` line. The template holds no site literal; everything site-specific
-comes from :class:`~nereusd.site_slurm.SlurmSpec` and the site's ``env:``.
+comes from :class:`~nereusd.config.site_slurm.SlurmSpec` and the site's ``env:``.
 
 Sources: ``man sbatch`` for the directives; submitit's ``_make_sbatch_string`` for the shape
 (sorted directives, quoted values).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereusd.errors import ConfigError
-from nereusd.site import SiteConfig
+from nereusd.config.site import SiteConfig
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "sbatch" / "nereus.sbatch"
 DIRECTIVES_MARK = "#@NEREUS_DIRECTIVES@"

@@ -6,7 +6,7 @@ Example::
         --gpus 64 --steps 1000 --length-trace generated-ramp --pool-trace us-east-2b \\
         --policies frozen,nereus,greedy,periodic-3,oracle --out runs/sim [--json]
 
-Trace names resolve to the copies shipped in ``nereusd/sim/data/traces`` (see its
+Trace names resolve to the copies shipped in ``nereusd/data/traces`` (see its
 ``SOURCES.md``): length traces ``verl-amd-7b-grpo``, ``verl-0.5b-ppo``, ``deepgrpo-baseline``,
 ``deepgrpo-tree`` or ``generated-ramp[:start:end]`` (labelled *generated* in every output);
 pool traces ``us-east-2b``, ``us-west-2a`` or ``constant``. Paths work too. Prints a table per

@@ -24,12 +24,12 @@ import zmq
 
 from launcher.render import RenderRequest, load_template, render
 from nereusd import protocol as P
-from nereusd.config import load_job
+from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError
-from nereusd.jobspec import resolve_job
+from nereusd.config.resolve import resolve_job
 from nereusd.journal import SUMMARY_FILE
-from nereusd.security import KEYS_DIR, init_keys, load_keys, make_client
-from nereusd.site import SiteConfig, load_site
+from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
+from nereusd.config.site import SiteConfig, load_site
 from nereusd.slurm import SlurmClient
 
 RECORD_FILE = "slurm.json"
@@ -92,7 +92,7 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     resolved = resolve_job(job, source=job_path.name, base_dir=job_path.parent, site_devices=sized.total_devices,
                            site_memory_bytes=sized.device_memory_bytes, site_name=sized.name)
     if args.time:
-        from nereusd.site_slurm import _TIME
+        from nereusd.config.site_slurm import _TIME
         if not _TIME.match(args.time):
             raise ConfigError(f"--time: expected MM, MM:SS, HH:MM:SS or D-HH[:MM[:SS]], got {args.time!r}")
     req = RenderRequest(job_path=str(job_path), run_dir=run_dir, job_name=job.name, nodes=nodes,

@@ -2,7 +2,7 @@
 
 A :class:`ModelSpec` is built from a Hugging Face ``config.json`` (``LlamaConfig`` /
 ``Qwen2Config`` / ``Qwen3Config`` field names) or from a preset (:data:`PRESETS`,
-:func:`preset`, :func:`resolve_model`), and is what the engine (`emu/model.py`), the cost and
+:func:`preset`, :func:`resolve_model`), and is what the engine (`emu/engine/model.py`), the cost and
 memory models and the planner agree on. Roles of one job may use different specs (e.g. a
 smaller reward model).
 """

@@ -2,8 +2,8 @@
 
 The transition planner (:mod:`nereusd.transition`) and the data-plane primitives agree on what
 a device holds and what it must send through this module. It mirrors, without torch, the
-engine's sharding (:mod:`emu.canonical` ``canonical_shapes`` / ``shard_dim`` and
-:mod:`emu.parallel` ``layer_range`` / ``stage_param_names``), which follows DESIGN.md
+engine's sharding (:mod:`emu.engine.canonical` ``canonical_shapes`` / ``shard_dim`` and
+:mod:`emu.engine.parallel` ``layer_range`` / ``stage_param_names``), which follows DESIGN.md
 ("EMU state and primitives", sharding table, Megatron convention):
 
 ==========================  ========================================  ====================
@@ -119,7 +119,7 @@ def value_head_for(role: Role) -> bool:
 def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> Mapping[str, tuple[int, ...]]:
     """Full shape of every canonical parameter (Hugging Face names, in HF order).
 
-    Same table as :func:`emu.canonical.canonical_shapes`.
+    Same table as :func:`emu.engine.canonical.canonical_shapes`.
     """
     h, f, v, d = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
     kv = spec.num_kv_heads * d
@@ -149,7 +149,7 @@ def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> Mapping[str, 
 def shard_dim(name: str, spec: ModelSpec, tp: int) -> int | None:
     """The dim along which ``name`` is split over ``tp`` ranks, or ``None`` when replicated.
 
-    Same rule as :func:`emu.canonical.shard_dim` (DESIGN.md sharding table).
+    Same rule as :func:`emu.engine.canonical.shard_dim` (DESIGN.md sharding table).
     """
     if tp == 1:
         return None
@@ -165,7 +165,7 @@ def shard_dim(name: str, spec: ModelSpec, tp: int) -> int | None:
 
 
 def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False) -> None:
-    """Check that ``layout`` can shard ``spec`` (as :func:`emu.parallel.validate_candidate`).
+    """Check that ``layout`` can shard ``spec`` (as :func:`emu.engine.parallel.validate_candidate`).
 
     Raises:
         PlanError: naming the degree and the model dimension it does not divide; when ``tp``

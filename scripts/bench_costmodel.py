@@ -3,21 +3,21 @@
     .venv/bin/python scripts/bench_costmodel.py [--reps 5] [--save m.json | --load m.json]
 
 Four gloo ranks (the four virtual devices of ``site_configs/local.yaml``) run the actor's
-training stage (:meth:`emu.engine.StageEngine.train_step`) on every layout of :data:`LAYOUTS`
+training stage (:meth:`emu.engine.stage.StageEngine.train_step`) on every layout of :data:`LAYOUTS`
 — every ``tp·pp·dp = 4`` factorisation, micro-batches of 1–8 and sequences of 64–256 tokens.
 Every layout uses all four devices because the site's per-device peak assumes four devices
 sharing the machine's two cores; a one-rank layout would get a whole core and a different
 "device". The step time is the median of ``--reps`` timed steps (after one warm-up step) of the
 slowest rank, between two barriers, minus the median cost of a bare barrier.
 
-The cost model (:class:`nereusd.costmodel.CostModel` on ``local.yaml``) is calibrated with
-:meth:`nereusd.calibration.Calibration.observe_stage` — what nereusd does with a measured
+The cost model (:class:`nereusd.cost.model.CostModel` on ``local.yaml``) is calibrated with
+:meth:`nereusd.cost.calibration.Calibration.observe_stage` — what nereusd does with a measured
 stage time — on every other layout, and predicts the others. Printed: the noise of the
 repetitions; the per-device fp32 matmul and copy rates measured at the start beside local.yaml's
 peaks; per-layout predicted and measured seconds and their error; MAPE and the largest error on
 the held-out layouts; as a diagnostic of the model's structure, the same with per-class
 efficiencies from a least-squares fit (:func:`fit_efficiencies`) held out and in-sample; then the
-peak memory the engine books (:mod:`emu.devmem`) against :func:`nereusd.memory.stage_memory`
+peak memory the engine books (:mod:`emu.state.devmem`) against :func:`nereusd.cost.memory.stage_memory`
 as the planner calls it, and like for like. Figures are ratios and errors; nothing is asserted.
 ``--save``/``--load`` keep the raw per-rank times, so a run (e.g. on a quiet machine) can be
 re-analysed.
@@ -54,12 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from nereusd.calibration import DEFAULT_PRIOR, PRIORS, Calibration  # noqa: E402
-from nereusd.costmodel import CostModel, StageCost  # noqa: E402
-from nereusd.memory import WORKSPACE_BYTES, stage_memory  # noqa: E402
+from nereusd.cost.calibration import DEFAULT_PRIOR, PRIORS, Calibration  # noqa: E402
+from nereusd.cost.model import CostModel, StageCost  # noqa: E402
+from nereusd.cost.memory import WORKSPACE_BYTES, stage_memory  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
 from nereusd.plan import ModelStage, Role, Stage  # noqa: E402
-from nereusd.site import SiteConfig, load_site  # noqa: E402
+from nereusd.config.site import SiteConfig, load_site  # noqa: E402
 
 WORLD = 4
 TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
@@ -71,7 +71,7 @@ not whether it fits local.yaml's 0.5 GiB)."""
 MIB = 1 << 20
 MIN_X = 1e-3
 """Smallest ``1/efficiency`` :func:`fit_efficiencies` accepts (efficiency at most 1000): it may
-exceed :data:`nereusd.calibration.MAX_EFFICIENCY` when the site file understates the machine."""
+exceed :data:`nereusd.cost.calibration.MAX_EFFICIENCY` when the site file understates the machine."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ridge
 
 def predicted_peak_bytes(spec: ModelSpec, layout: Layout, site: SiteConfig,
                          flash_attention: bool = True) -> Mapping[str, int]:
-    """:func:`nereusd.memory.stage_memory` components of ``layout`` on ``site``'s devices
+    """:func:`nereusd.cost.memory.stage_memory` components of ``layout`` on ``site``'s devices
     (``flash_attention=True`` is what the planner assumes)."""
     return stage_memory(spec, TRAIN, sequences=layout.sequences, prompt_length=layout.prompt_len,
                         response_length=layout.seq_len - layout.prompt_len, tp=layout.tp, pp=layout.pp,
@@ -280,9 +280,9 @@ def measure_rank(rank: int, layouts: list[dict], reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from emu.devmem import DeviceMemory
-    from emu.engine import StageEngine
-    from emu.parallel import build_stage_groups
+    from emu.state.devmem import DeviceMemory
+    from emu.engine.stage import StageEngine
+    from emu.engine.parallel import build_stage_groups
     from nereusd.plan import Candidate
 
     peaks = _device_peaks()
@@ -342,7 +342,7 @@ def run_ranks(layouts: Sequence[Layout], reps: int) -> list[dict]:
     ``forkserver`` that imported torch once (tests/distributed_util.py's approach)."""
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine"])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine.stage"])
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_child, args=(tmp, [asdict(x) for x in layouts], reps), nprocs=WORLD,
                                  join=False, start_method="forkserver")
@@ -437,7 +437,7 @@ def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None
                  f"{min(percent_errors(pred_mem, meas_mem)):+.1f} %; like-for-like (flash_attention=False, "
                  f"as the CPU "
                  f"engine materialises attention scores, and without the {workspace // MIB} MiB workspace "
-                 f"emu/devmem.py does not book): MAPE {mape(pred_noflash, meas_mem):.1f} %, "
+                 f"emu/state/devmem.py does not book): MAPE {mape(pred_noflash, meas_mem):.1f} %, "
                  f"max {max_abs_error(pred_noflash, meas_mem):.1f} %")
     lines.append(f"costmodel: training MAPE {train_mape:.1f} %; max {train_max:.1f} %; "
                  f"memory error {mem_mape:.1f} %")

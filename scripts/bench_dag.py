@@ -16,20 +16,20 @@ Llama-3.1-8B; the target keeps the model-stages (sometimes one joins or leaves) 
 0–5 % of the usable memory free on its fullest device. Each DAG comes from
 :func:`nereusd.transition.plan_transition` with that memory budget (release-before-acquire edges
 on tight devices); a case is redrawn when a layout cannot shard its model, a plan does not fit,
-:func:`~nereusd.transition_memory.check_feasibility` refuses the transition (the controller
+:func:`~nereusd.transition.memory.check_feasibility` refuses the transition (the controller
 would not run it either), nothing moves (only Destroy and Create: makespan 0), or the MiB
 rounding below makes its serial schedule not fit.
 
 Scheduling instance (:func:`build_instance`), identical for the greedy and both solvers. One job
 per op of the DAG with
 
-* duration ``d_i`` = :func:`~nereusd.transition_cost.op_duration_s` (the same α-β link model,
+* duration ``d_i`` = :func:`~nereusd.transition.cost.op_duration_s` (the same α-β link model,
   communicator set-ups and per-device serialisation as ``L̂_tran``), rounded up to ticks of
   ``--tick-us`` µs (default 10) so the solvers work in integers;
 * ports ``P_i``: the devices whose link the op uses (its sends, receives, local slices and
   communicator set-ups, as ``estimate_l_tran`` counts them); Destroy and Create take no time and
   no port;
-* memory on each device ``x`` (:meth:`~nereusd.transition_memory.StateModel.op_bytes`):
+* memory on each device ``x`` (:meth:`~nereusd.transition.memory.StateModel.op_bytes`):
   ``up_ix = alloc + transient`` taken at the start, ``down_ix = transient + free`` given back at
   the end, in MiB (``up`` rounded up, ``down`` down: conservative); at time 0 each device holds
   its current state, workspace and reserved bytes (``base_x``, rounded up), and may hold at most
@@ -92,10 +92,10 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nereusd.errors import PlanError  # noqa: E402
-from nereusd.memory import HEADROOM, WORKSPACE_BYTES  # noqa: E402
+from nereusd.cost.memory import HEADROOM, WORKSPACE_BYTES  # noqa: E402
 from nereusd.models import ModelSpec, preset  # noqa: E402
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage  # noqa: E402
-from nereusd.site import load_site  # noqa: E402
+from nereusd.config.site import load_site  # noqa: E402
 from nereusd.transition import (  # noqa: E402
     AdamStateSizes,
     MemoryBudget,
@@ -107,7 +107,7 @@ from nereusd.transition import (  # noqa: E402
     plan_transition,
     topological_order,
 )
-from nereusd.transition_cost import LinkCosts  # noqa: E402
+from nereusd.transition.cost import LinkCosts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dag_schedule import (  # noqa: E402  (the scheduling instance, greedy and exact solvers)

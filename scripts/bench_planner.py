@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nereusd.costmodel import CostModel  # noqa: E402
+from nereusd.cost.model import CostModel  # noqa: E402
 from nereusd.models import preset  # noqa: E402
 from nereusd.plan import Role  # noqa: E402
-from nereusd.planner import Infeasible, Planner  # noqa: E402
-from nereusd.planspace import PlanProblem  # noqa: E402
-from nereusd.site import load_site  # noqa: E402
+from nereusd.planner.search import Infeasible, Planner  # noqa: E402
+from nereusd.planner.space import PlanProblem  # noqa: E402
+from nereusd.config.site import load_site  # noqa: E402
 from nereusd.workflow import Workload, build_workflow  # noqa: E402
 
 

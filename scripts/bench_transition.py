@@ -6,9 +6,9 @@ goes through three transitions: scale-out tp2·dp1 → tp2·dp2 (2 → 4 devices
 of the largest world has started and joined before a transition begins.
 
 * (a) ``emu``: communicator set-up (``new_group`` per gather group / rank pair), receive buffers
-  allocated and touched, then the DAG's primitives (:mod:`emu.executor`), until the last rank is done.
+  allocated and touched, then the DAG's primitives (:mod:`emu.state.executor`), until the last rank is done.
 * (b) ``ckpt-restart``: DCP save → every worker exits → a fresh world is spawned (``spawn``:
-  new interpreters import torch) and joins → DCP load into the new layout (:mod:`emu.checkpoint`).
+  new interpreters import torch) and joins → DCP load into the new layout (:mod:`emu.state.checkpoint`).
 * (c) ``dcp-inplace``: DCP save and load into the new layout in the running world.
 * (d) ``raw``: the same bytes with plain collectives on warm, touched buffers over pre-created
   groups (Extend pairs: broadcast; Split groups: all-gather), all pairs at once.
@@ -32,15 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from emu.checkpoint import load_holdings, save_holdings
-from emu.devmem import DeviceMemory
-from emu.executor import TransitionExecutor
-from emu.primitives import Communicators, HoldingStore, create_communicators, gather_groups
-from emu.unit import TRAIN_SLOTS, EmuShard, LogicalState, nbytes_of
+from emu.state.checkpoint import load_holdings, save_holdings
+from emu.state.devmem import DeviceMemory
+from emu.state.executor import TransitionExecutor
+from emu.state.primitives import Communicators, HoldingStore, create_communicators, gather_groups
+from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState, nbytes_of
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.transition import plan_transition
-from nereusd.transition_ops import OpKind
+from nereusd.transition.ops import OpKind
 
 MS = ModelStage(Role.ACTOR, Stage.TRAINING)
 CASES = [

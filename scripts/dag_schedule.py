@@ -1,7 +1,7 @@
 """The scheduling instance of a transition DAG, its greedy schedule, and exact CP-SAT/SCIP models.
 
 Split out of ``scripts/bench_dag.py`` (whose docstring describes the model): ops become jobs
-with durations and ports from :func:`nereusd.transition_cost._profile` (the same profile
+with durations and ports from :func:`nereusd.transition.cost._profile` (the same profile
 ``estimate_l_tran`` schedules), precedence from the DAG edges, per-device memory deltas from the
 transition memory model.
 """
@@ -24,8 +24,8 @@ from nereusd.transition import (  # noqa: E402
     TransitionDag,
     topological_order,
 )
-from nereusd.transition_cost import LinkCosts, _profile  # noqa: E402  (durations and ports of L_tran)
-from nereusd.transition_dag import closure  # noqa: E402
+from nereusd.transition.cost import LinkCosts, _profile  # noqa: E402  (durations and ports of L_tran)
+from nereusd.transition.dag import closure  # noqa: E402
 
 MIB = 1 << 20
 
@@ -70,8 +70,8 @@ class Instance:
 def build_instance(dag: TransitionDag, state: StateModel, links: LinkCosts, budget: MemoryBudget,
                    *, tick_s: float = 1e-5, mem_unit_bytes: int = MIB) -> Instance:
     """The scheduling instance of ``dag`` (module docstring): durations and ports as
-    :func:`~nereusd.transition_cost.estimate_l_tran` counts them, memory as
-    :func:`~nereusd.transition_memory.check_feasibility` does, in units of ``mem_unit_bytes``
+    :func:`~nereusd.transition.cost.estimate_l_tran` counts them, memory as
+    :func:`~nereusd.transition.memory.check_feasibility` does, in units of ``mem_unit_bytes``
     (``*_mem`` fields: takes rounded up, releases and the limit rounded down)."""
     unit = mem_unit_bytes
     jobs = []

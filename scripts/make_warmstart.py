@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from emu.hf_io import save_pretrained
-from emu.model import LlamaModel
+from emu.engine.hf_io import save_pretrained
+from emu.engine.model import LlamaModel
 from nereusd.models import preset
 from nereusd.tasks.counting import CountingTask, sample_hash
 

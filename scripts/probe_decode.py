@@ -1,7 +1,7 @@
 """Measure decode time per token step at several batch sizes, to set a site's
-``device.layer_launch_us`` (site_configs/*.yaml; nereusd.costmodel ``launch`` class).
+``device.layer_launch_us`` (site_configs/*.yaml; nereusd.cost.model ``launch`` class).
 
-One process, the engine's own generation loop (:func:`emu.generate.generate`) on a model
+One process, the engine's own generation loop (:func:`emu.engine.generate.generate`) on a model
 directory, ``--steps`` tokens per sequence (no end-of-sequence stop). Prints seconds per step
 per batch size and the estimate ``(per-step time at batch 1) / layers``: the part of a decode
 step that does not shrink with the batch. Divide by the devices sharing a core when virtual
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from emu.generate import SamplingParams, generate
-from emu.hf_io import load_pretrained
-from emu.model import LlamaModel
+from emu.engine.generate import SamplingParams, generate
+from emu.engine.hf_io import load_pretrained
+from emu.engine.model import LlamaModel
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 
 Built from the same pieces the distributed job uses — the task and verifier
 (:mod:`nereusd.tasks.counting`), advantages and global token weights (:mod:`nereusd.rl`), the
-per-token losses (:mod:`emu.rl.losses`), the decoder (:mod:`emu.model`) and batched generation
-(:mod:`emu.generate`) — without processes, so that one run takes a few minutes on two cores.
+per-token losses (:mod:`emu.rl.losses`), the decoder (:mod:`emu.engine.model`) and batched generation
+(:mod:`emu.engine.generate`) — without processes, so that one run takes a few minutes on two cores.
 
 Algorithms: ``grpo`` (group-normalised advantages, k3 KL in the loss; Shao et al. 2024) and
 ``remax`` (reward minus the reward of the greedy response; Li et al. 2024).
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from emu.generate import SamplingParams, generate
-from emu.hf_io import load_pretrained
-from emu.model import LlamaModel
+from emu.engine.generate import SamplingParams, generate
+from emu.engine.hf_io import load_pretrained
+from emu.engine.model import LlamaModel
 from emu.rl.losses import logprobs_and_entropy, policy_loss_fn
 from nereusd.rl import broadcast_to_tokens, grpo_advantages, pad, remax_advantages, token_weights
 from nereusd.tasks.counting import CountingTask, PromptSampler, sample_hash

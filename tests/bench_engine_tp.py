@@ -1,4 +1,4 @@
-"""Measure: hand-written Megatron TP (emu.model) vs DTensor ``parallelize_module`` on CPU/gloo.
+"""Measure: hand-written Megatron TP (emu.engine.model) vs DTensor ``parallelize_module`` on CPU/gloo.
 
 A SwiGLU MLP (gate/up column-parallel, down row-parallel), forward + backward, on 2 ranks;
 median wall time of 20 repetitions after 3 warm-ups, for a tiny and a mid-sized shape. Both
@@ -39,7 +39,7 @@ def _rank(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from emu.model import MLP, TPGroup
+    from emu.engine.model import MLP, TPGroup
     from nereusd.models import ModelSpec
 
     mesh = init_device_mesh("cpu", (world,))

@@ -46,7 +46,7 @@ def _context_method() -> str:
     """``forkserver`` with torch preloaded: children fork from a server that imported torch once
     and ran no ops (no threads), instead of each re-importing torch (PLATFORM.md: ~1 CPU-s each,
     18 s for 4 ranks on a loaded 2-core machine)."""
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine"])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine.stage"])
     return "forkserver"
 
 

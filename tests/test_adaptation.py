@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from launcher.report import plan_segments
-from nereusd.adaptation import Adapter, StepObservation, forced_plan, job_problem, launch_plan
-from nereusd.config import StagePlanConfig, parse_job
-from nereusd.costmodel import CostModel
+from nereusd.control.controller import Adapter, StepObservation, forced_plan, job_problem, launch_plan
+from nereusd.config.job import StagePlanConfig, parse_job
+from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
-from nereusd.jobspec import load_and_resolve
-from nereusd.memory import usable_bytes
+from nereusd.config.resolve import load_and_resolve
+from nereusd.cost.memory import usable_bytes
 from nereusd.plan import ModelStage, Role, Stage
-from nereusd.planspace import evaluate
-from nereusd.site import load_site
+from nereusd.planner.space import evaluate
+from nereusd.config.site import load_site
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)

@@ -7,13 +7,13 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nereusd.admission import ADMIT, KEEP, REJECT, RESTART, Target, admit, urgent_replan
-from nereusd.costmodel import CostModel
+from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Target, admit, urgent_replan
+from nereusd.cost.model import CostModel
 from nereusd.models import preset
-from nereusd.monitor import GPU_POOL, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.control.monitor import GPU_POOL, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.plan import Candidate, ModelStage, Plan, Role
-from nereusd.planspace import PlanProblem
-from nereusd.site import load_site
+from nereusd.planner.space import PlanProblem
+from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
 PLAN = Plan({ModelStage.parse("actor/training"): Candidate(1, 1, 1, (0,))})

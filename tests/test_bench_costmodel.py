@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nereusd.calibration import GEMM
-from nereusd.site import load_site
+from nereusd.cost.calibration import GEMM
+from nereusd.config.site import load_site
 
 _PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench_costmodel.py"
 _spec = importlib.util.spec_from_file_location("bench_costmodel", _PATH)

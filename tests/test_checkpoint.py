@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from distributed_util import run_distributed
-from emu.checkpoint import load_holdings, parse_key, save_holdings, saved_plan, slice_key
-from emu.unit import EmuShard, slots_for
+from emu.state.checkpoint import load_holdings, parse_key, save_holdings, saved_plan, slice_key
+from emu.state.unit import EmuShard, slots_for
 from nereusd.errors import NereusError
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for

@@ -7,13 +7,13 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nereusd.calibration import GEMM, PRIORS, Calibration
-from nereusd.costmodel import CostModel
+from nereusd.cost.calibration import GEMM, PRIORS, Calibration
+from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError
-from nereusd.memory import parameters_per_device, stage_memory, usable_bytes
+from nereusd.cost.memory import parameters_per_device, stage_memory, usable_bytes
 from nereusd.models import PRESETS, preset, resolve_model
 from nereusd.plan import ModelStage
-from nereusd.site import load_site
+from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
 SPEC = preset("llama-3.1-8b")
@@ -146,7 +146,7 @@ def test_layer_launch_time_makes_generation_waves_cost():
 
     import numpy as np
 
-    from nereusd import costvec
+    from nereusd.cost import vector as costvec
 
     local = load_site("local")
     spec = preset("counting-tiny")

@@ -14,15 +14,15 @@ import pytest
 import zmq
 
 from nereusd import protocol as P
-from nereusd.config import ADAPTIVE_CHECKPOINT_EVERY, CheckpointConfig
-from nereusd.daemon import ControlPlane
+from nereusd.config.job import ADAPTIVE_CHECKPOINT_EVERY, CheckpointConfig
+from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError, WorkerError
 from nereusd.journal import METRICS_FILE, Journal, read_jsonl
-from nereusd.live_adaptation import LiveAdaptation, drop_metrics_from
-from nereusd.planner import Infeasible
-from nereusd.pool_control import PoolController
-from nereusd.pool_events import PoolChange, PoolChangeKind
-from nereusd.transition_runner import TransitionInterrupted
+from nereusd.daemon.live import LiveAdaptation, drop_metrics_from
+from nereusd.planner.search import Infeasible
+from nereusd.daemon.pool import PoolController
+from nereusd.daemon.pool_events import PoolChange, PoolChangeKind
+from nereusd.transition.runner import TransitionInterrupted
 
 
 def _agent(control: ControlPlane, node_id: str, count: int) -> zmq.Socket:

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from nereusd.adaptation import job_problem
-from nereusd.costmodel import CostModel
-from nereusd.jobspec import load_and_resolve
+from nereusd.control.controller import job_problem
+from nereusd.cost.model import CostModel
+from nereusd.config.resolve import load_and_resolve
 from nereusd.journal import read_jsonl
-from nereusd.memory import usable_bytes
-from nereusd.planner import Planner
-from nereusd.planspace import evaluate
-from nereusd.site import load_site
+from nereusd.cost.memory import usable_bytes
+from nereusd.planner.search import Planner
+from nereusd.planner.space import evaluate
+from nereusd.config.site import load_site
 from test_e2e_local import WARMSTART, processes_mentioning
 
 REPO = Path(__file__).resolve().parents[1]

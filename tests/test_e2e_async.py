@@ -15,7 +15,7 @@ import json
 import pytest
 
 from nereusd.errors import ConfigError
-from nereusd.jobspec import load_and_resolve
+from nereusd.config.resolve import load_and_resolve
 from nereusd.journal import read_jsonl
 from test_e2e_adaptive import assert_trains_alike, run_fixed_and_switched, write_job
 

@@ -63,7 +63,7 @@ plan: {default: {tp: 2, pp: 1}}
     records = check_run(proc, run_dir, steps=2, devices=2)
     assert records[0]["plan"]["actor/training"]["tp"] == 2
 
-    # the DCP checkpoint holds the trained actor's slices and their Adam state (emu/checkpoint.py)
+    # the DCP checkpoint holds the trained actor's slices and their Adam state (emu/state/checkpoint.py)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     out = tmp_path / "actor.pt"

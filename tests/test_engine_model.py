@@ -1,4 +1,4 @@
-"""Single-process tests of the Llama decoder (emu/model.py) and HF directory I/O (emu/hf_io.py)."""
+"""Single-process tests of the Llama decoder (emu/engine/model.py) and HF directory I/O (emu/engine/hf_io.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distributed_util import one_torch_thread  # noqa: F401 (autouse fixture)
-from emu.hf_io import load_pretrained, save_pretrained
-from emu.model import KVCache, LlamaModel, canonical_shapes, init_full_state
+from emu.engine.hf_io import load_pretrained, save_pretrained
+from emu.engine.model import KVCache, LlamaModel, canonical_shapes, init_full_state
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
 

@@ -1,4 +1,4 @@
-"""Every tp×pp×dp layout of 1, 2 and 4 gloo ranks equals one process (emu/engine.py).
+"""Every tp×pp×dp layout of 1, 2 and 4 gloo ranks equals one process (emu/engine/stage.py).
 
 One spawn of 4 ranks loops over all layouts (and some permuted device orders); per layout each
 member compares its logits-derived outputs, loss metrics, gathered gradients, parameters after
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from distributed_util import run_distributed
-from emu.devmem import DeviceMemory
-from emu.engine import StageEngine
-from emu.parallel import build_stage_groups, gather_pp, gather_tp
+from emu.state.devmem import DeviceMemory
+from emu.engine.stage import StageEngine
+from emu.engine.parallel import build_stage_groups, gather_pp, gather_tp
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Role, Stage
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from distributed_util import one_torch_thread  # noqa: F401 (autouse fixture)
-from emu.devmem import DeviceMemory
-from emu.devmem import activation_bytes
-from emu.engine import StageEngine
-from emu.generate import SamplingParams, generate
-from emu.model import LlamaModel, init_full_state
-from emu.parallel import build_stage_groups, validate_candidate
+from emu.state.devmem import DeviceMemory
+from emu.state.devmem import activation_bytes
+from emu.engine.stage import StageEngine
+from emu.engine.generate import SamplingParams, generate
+from emu.engine.model import LlamaModel, init_full_state
+from emu.engine.parallel import build_stage_groups, validate_candidate
 from nereusd.errors import DeviceOutOfMemory, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Role, Stage

@@ -4,9 +4,9 @@ Four gloo ranks rendezvous through a TCPStore the test serves (as nereusd does).
 moves an actor/training unit tp2 on devices 0,1 to two tp1 replicas on devices 2,3 (Split, two
 Extends, Destroys). Rank 3 kills itself (``os._exit``) as its Extend starts. The survivors
 share which ops they completed through the store, compute the intact holdings and units as the
-controller does (:mod:`nereusd.transition_runner`), drop whatever is not part of those units,
+controller does (:mod:`nereusd.transition.runner`), drop whatever is not part of those units,
 re-form the world as generation 1 of three ranks keeping their tensors
-(:func:`emu.worker.join_world`), plan a recovery transition from the intact units to a new
+(:func:`emu.worker.world.join_world`), plan a recovery transition from the intact units to a new
 target on the survivors, run it, and check parameters, Adam state and logical state bit-exact.
 """
 
@@ -24,14 +24,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distributed_util import _context_method
-from emu.devmem import DeviceMemory
-from emu.executor import TransitionExecutor
-from emu.primitives import HoldingStore
-from emu.unit import slots_for
+from emu.state.devmem import DeviceMemory
+from emu.state.executor import TransitionExecutor
+from emu.state.primitives import HoldingStore
+from emu.state.unit import slots_for
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for
 from nereusd.transition import plan_transition
-from nereusd.transition_runner import intact_holdings, intact_units
+from nereusd.transition.runner import intact_holdings, intact_units
 from test_primitives_transitions import MODELS, SPEC, canonical, fill, logical_for
 
 MS = ModelStage(Role.ACTOR, Stage.TRAINING)
@@ -46,8 +46,8 @@ def _specs(plan):
 
 
 def _child(rank: int, port: int, out: str) -> None:
-    import emu.primitives as prim
-    from emu.worker import join_world
+    import emu.state.primitives as prim
+    from emu.worker.world import join_world
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)

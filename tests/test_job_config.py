@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from nereusd.config import load_job
+from nereusd.config.job import load_job
 from nereusd.errors import ConfigError
-from nereusd.jobspec import resolve_job
+from nereusd.config.resolve import resolve_job
 from nereusd.plan import ModelStage
 
 TINY = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_layers": 4, "num_heads": 4,

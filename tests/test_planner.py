@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nereusd.costmodel import CostModel
+from nereusd.cost.model import CostModel
 from nereusd.models import ModelSpec, preset
 from nereusd.plan import Role
-from nereusd.planner import Infeasible, Planner, frontier, solve_concurrent
-from nereusd.planspace import PlannerOptions, PlanProblem, evaluate
-from nereusd.site import load_site
+from nereusd.planner.search import Infeasible, Planner, frontier, solve_concurrent
+from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
+from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
 H200 = load_site("h200-ib")
@@ -107,7 +107,7 @@ def test_placement_prefers_current_devices():
 
 
 def test_frontier_and_min_max_exact():
-    from nereusd.planspace import Option
+    from nereusd.planner.space import Option
     from nereusd.plan import ModelStage
     m = ModelStage.parse("actor/inference")
     opts = [Option(m, 1, 1, g, 1, False, 10.0 / g, 1, 1) for g in (1, 2, 3, 4)]

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nereusd import costvec
-from nereusd.costmodel import CostModel
-from nereusd.planner import Planner, frontier
-from nereusd.planspace import PlannerOptions, enumerate_options
+from nereusd.cost import vector as costvec
+from nereusd.cost.model import CostModel
+from nereusd.planner.search import Planner, frontier
+from nereusd.planner.space import PlannerOptions, enumerate_options
 from test_planner import problem
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "planner_golden_before.json").read_text())
@@ -97,7 +97,7 @@ def _reference_take(free, count, prefer, index=None):
 def test_preferred_placement_same_as_before(monkeypatch, nodes, first, second, shrink):
     import dataclasses
 
-    from nereusd import placement
+    from nereusd.planner import placement
     pb = problem(nodes, "ppo", response=first)
     start = Planner(pb, CostModel(pb.site)).solve().plan
     pb2 = problem(nodes, "ppo", response=second)

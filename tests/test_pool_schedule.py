@@ -1,5 +1,5 @@
 """Pool changes of a local job at given steps or times and from a spot-availability trace scaled to
-the local pool (``nereusd.pool_schedule``, ``pool:`` in the job YAML, ``nereus-launch local
+the local pool (``nereusd.config.pool_schedule``, ``pool:`` in the job YAML, ``nereus-launch local
 --pool-trace``): the conversion, the validation, and one short local job driven by a compressed
 trace that loses a device and gets one back.
 """
@@ -17,11 +17,11 @@ import pytest
 
 from launcher.cli import build_parser
 from launcher.local import describe_event, pool_trace_override
-from nereusd.config import PoolConfig, parse_job
+from nereusd.config.job import PoolConfig, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.journal import read_jsonl
-from nereusd.pool_schedule import PoolSchedule, ScaledTrace, net_change
-from nereusd.sim.traces import SPOT_DIR
+from nereusd.config.pool_schedule import PoolSchedule, ScaledTrace, net_change
+from nereusd.traces import SPOT_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 WARMSTART = REPO / "examples" / "models" / "counting-warmstart"
@@ -224,7 +224,7 @@ def test_pool_command_refuses_a_run_that_is_not_running(tmp_path):
 
 
 def test_trace_floor_defaults_to_the_fewest_devices_the_job_runs_on():
-    from nereusd.pool_schedule import job_min_devices
+    from nereusd.config.pool_schedule import job_min_devices
 
     assert job_min_devices("grpo", reward_model=False, asynchronous=False) == 2   # actor + reference inference
     assert job_min_devices("ppo", reward_model=True, asynchronous=False) == 4     # actor, ref, critic, reward

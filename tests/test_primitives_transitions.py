@@ -19,10 +19,10 @@ import zlib
 import torch
 
 from distributed_util import run_distributed
-from emu.devmem import DeviceMemory
-from emu.executor import TransitionExecutor, merge_timings
-from emu.primitives import HoldingStore
-from emu.unit import EmuShard, LogicalState, slots_for
+from emu.state.devmem import DeviceMemory
+from emu.state.executor import TransitionExecutor, merge_timings
+from emu.state.primitives import HoldingStore
+from emu.state.unit import EmuShard, LogicalState, slots_for
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for

@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from nereusd import protocol as P
-from nereusd.daemon import ControlPlane
+from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import ProtocolError
 
 

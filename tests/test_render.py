@@ -17,7 +17,7 @@ import pytest
 
 from launcher.render import RenderRequest, directives, load_template, render
 from nereusd.errors import ConfigError
-from nereusd.site import SITE_CONFIG_DIR, load_site
+from nereusd.config.site import SITE_CONFIG_DIR, load_site
 
 GOLDEN = Path(__file__).parent / "golden"
 SITES = sorted(p.stem for p in SITE_CONFIG_DIR.glob("*.yaml"))

@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from nereusd import protocol as P
-from nereusd.daemon import ControlPlane
+from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError
-from nereusd.security import JobKeys, init_keys, load_keys, make_client
+from nereusd.daemon.security import JobKeys, init_keys, load_keys, make_client
 
 
 def test_keys_are_private_and_never_overwritten(tmp_path):

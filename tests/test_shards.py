@@ -27,8 +27,8 @@ TIED = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers
 
 
 def test_matches_engine_names_shapes_and_split_dims():
-    emu_model = pytest.importorskip("emu.canonical")
-    emu_parallel = pytest.importorskip("emu.parallel")
+    emu_model = pytest.importorskip("emu.engine.canonical")
+    emu_parallel = pytest.importorskip("emu.engine.parallel")
     for spec in (SPEC, TIED):
         for value_head in (False, True):
             assert dict(canonical_shapes(spec, value_head)) == emu_model.canonical_shapes(spec, value_head)
@@ -45,7 +45,7 @@ def test_matches_engine_names_shapes_and_split_dims():
 
 def test_slices_match_engine_chunks():
     torch = pytest.importorskip("torch")
-    emu_model = pytest.importorskip("emu.canonical")
+    emu_model = pytest.importorskip("emu.engine.canonical")
     shapes = canonical_shapes(SPEC)
     for tp in (2, 4, 8):
         for t in range(tp):
@@ -79,7 +79,7 @@ def test_elements_sum_to_the_parameter_count_over_one_replica():
                 continue
             total = sum(shard_elements(spec, layout, (p, t), vh)
                         for p in range(layout.pp) for t in range(layout.tp))
-            # The engine's value head *replaces* lm_head (emu/model.py), so count it that way.
+            # The engine's value head *replaces* lm_head (emu/engine/model.py), so count it that way.
             expected = spec.num_parameters() - (spec.vocab_size * spec.hidden_size + -spec.hidden_size - 1
                                                 if vh else 0)
             if layout.tp == 1:

@@ -11,12 +11,12 @@ import pytest
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
 from nereusd.plan import Role
-from nereusd.planspace import PlanProblem
+from nereusd.planner.space import PlanProblem
 from nereusd.sim.policies import parse_policies, parse_policy
 from nereusd.sim.replay import Simulation
-from nereusd.sim.traces import LengthTrace, PoolTrace, load_length_trace, load_pool_trace
+from nereusd.traces import LengthTrace, PoolTrace, load_length_trace, load_pool_trace
 from nereusd.sim.truth import TruthConfig
-from nereusd.site import load_site
+from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
 SMALL = ModelSpec(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16,
@@ -155,16 +155,17 @@ def test_simulated_controller_is_the_project_controller(monkeypatch):
     import ast
     import inspect
 
-    import nereusd.admission
-    import nereusd.monitor
-    import nereusd.planner
+    import nereusd.control.admission
+    import nereusd.control.monitor
+    import nereusd.planner.search
     import nereusd.transition
-    from nereusd.sim import controller, transitions
+    from nereusd.sim import controller
+    from nereusd.transition import estimate as transitions
 
-    assert controller.admit is nereusd.admission.admit
-    assert controller.urgent_replan is nereusd.admission.urgent_replan
-    assert controller.Monitor is nereusd.monitor.Monitor
-    assert controller.Planner is nereusd.planner.Planner
+    assert controller.admit is nereusd.control.admission.admit
+    assert controller.urgent_replan is nereusd.control.admission.urgent_replan
+    assert controller.Monitor is nereusd.control.monitor.Monitor
+    assert controller.Planner is nereusd.planner.search.Planner
     assert transitions.assess_transition is nereusd.transition.assess_transition
     for module in (controller, transitions):
         imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(module)))

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from nereusd.errors import ConfigError
-from nereusd.site import SITE_CONFIG_DIR, load_site, site_from_dict
+from nereusd.config.site import SITE_CONFIG_DIR, load_site, site_from_dict
 
 SHIPPED = ["local", "h200-ib", "a100-ib", "frontier-mi250x"]
 

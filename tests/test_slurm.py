@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from nereusd.errors import SlurmError
-from nereusd.pool_events import PoolChange, PoolChangeKind, Verdict, assess
+from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, Verdict, assess
 from nereusd.slurm import (SLURM_ENV, AllocationWatcher, JobInfo, NodeInfo, SlurmClient, SlurmContext,
                            parse_nodelist, visible_gpus)
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from nereusd.errors import ConfigError
-from nereusd.site import SITE_CONFIG_DIR, load_site
+from nereusd.config.site import SITE_CONFIG_DIR, load_site
 
 
 def test_shipped_sections():
@@ -80,5 +80,5 @@ def test_cpu_site_may_request_no_gpus(tmp_path):
 def test_site_without_slurm_section_loads():
     doc = yaml.safe_load((SITE_CONFIG_DIR / "a100-ib.yaml").read_text())
     del doc["slurm"]
-    from nereusd.site import site_from_dict
+    from nereusd.config.site import site_from_dict
     assert site_from_dict(doc, "x.yaml").slurm is None

@@ -6,7 +6,7 @@ at the same DAG level with a communicator over the same two ranks (a Split's all
 an Extend's broadcasts, or two all-gathers of different sizes), so the executor runs them
 concurrently, one thread each. With communicators keyed by their ranks only, both ops issued
 collectives on one process group in an order that differed between the ranks (gloo size
-mismatch, or pieces paired with the wrong op); keyed per op (:class:`emu.primitives.Communicators`)
+mismatch, or pieces paired with the wrong op); keyed per op (:class:`emu.state.primitives.Communicators`)
 they cannot meet. Two gloo ranks run the cycle a few times through :class:`TransitionExecutor`;
 after every transition each holding must equal the canonical slices exactly (``torch.equal``)
 with its logical state, and nothing else may be held.
@@ -18,10 +18,10 @@ import time
 
 
 from distributed_util import run_distributed
-from emu.devmem import DeviceMemory
-from emu.executor import TransitionExecutor, levels
-from emu.primitives import HoldingStore, op_communicators
-from emu.unit import slots_for
+from emu.state.devmem import DeviceMemory
+from emu.state.executor import TransitionExecutor, levels
+from emu.state.primitives import HoldingStore, op_communicators
+from emu.state.unit import slots_for
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for
 from nereusd.transition import plan_transition

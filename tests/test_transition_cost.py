@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from nereusd.costmodel import CostModel
+from nereusd.cost.model import CostModel
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
-from nereusd.site import load_site
+from nereusd.config.site import load_site
 from nereusd.transition import (
     AdamStateSizes,
     CostModelLinks,

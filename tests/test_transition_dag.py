@@ -19,8 +19,8 @@ from nereusd.transition import (
     topological_order,
     validate,
 )
-from nereusd.transition_dag import Reachability
-from nereusd.transition_validate import two_sat
+from nereusd.transition.dag import Reachability
+from nereusd.transition.validate import two_sat
 
 SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
                  num_kv_heads=2)

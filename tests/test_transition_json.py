@@ -10,7 +10,7 @@ from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.transition import Op, OpKind, TransitionDag, plan_transition, validate
-from nereusd.transition_ops import SCHEMA_VERSION
+from nereusd.transition.ops import SCHEMA_VERSION
 
 SPEC = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
                  num_kv_heads=2)

@@ -7,7 +7,7 @@ import pytest
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
-from nereusd.site import load_site
+from nereusd.config.site import load_site
 from nereusd.transition import (
     AdamStateSizes,
     EdgeReason,

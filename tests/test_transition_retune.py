@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from emu.devmem import DeviceMemory
-from emu.runtime import WorkerRuntime
-from nereusd.jobspec import load_and_resolve
+from emu.state.devmem import DeviceMemory
+from emu.worker.runtime import WorkerRuntime
+from nereusd.config.resolve import load_and_resolve
 from nereusd.plan import Candidate, ModelStage, Plan
 from nereusd.transition import plan_transition
 

@@ -1,4 +1,4 @@
-"""EMU holdings on one process: slot-major views, engine binding, logical state (emu/unit.py)."""
+"""EMU holdings on one process: slot-major views, engine binding, logical state (emu/state/unit.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from distributed_util import one_torch_thread  # noqa: F401 (autouse fixture)
-from emu.devmem import DeviceMemory
-from emu.engine import StageEngine
-from emu.parallel import build_stage_groups
-from emu.unit import EmuShard, LogicalState, bind_engine, holding_of
+from emu.state.devmem import DeviceMemory
+from emu.engine.stage import StageEngine
+from emu.engine.parallel import build_stage_groups
+from emu.state.unit import EmuShard, LogicalState, bind_engine, holding_of
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Role, Stage

@@ -5,19 +5,19 @@ This is the controller of a live job, with no simulator inside: it is fed one
 response length) and the device pool, and at each safe boundary it runs the project's own
 pieces in the order of DESIGN.md "One RL step":
 
-1. calibration — :meth:`nereusd.calibration.Calibration.observe_stage` with the cost model's
+1. calibration — :meth:`nereusd.cost.calibration.Calibration.observe_stage` with the cost model's
    ideal seconds per operation class; peak memory calibrates a memory ratio
    ``measured / predicted`` (the largest of the last ``memory_window`` steps), which widens the
    planner's headroom (``1 − (1 − headroom)/ratio``) so that predicted plans fit what is measured;
-2. triggers — :class:`nereusd.monitor.Monitor` (pool change and predicted OOM urgent; drift of
+2. triggers — :class:`nereusd.control.monitor.Monitor` (pool change and predicted OOM urgent; drift of
    the sequence length, ``δ = 30 %``, and of achieved efficiency, predicted/measured step time);
    ``period > 0`` also replans every ``period`` steps;
-3. replan — :class:`nereusd.planner.Planner` (:func:`nereusd.admission.urgent_replan` on the
+3. replan — :class:`nereusd.planner.search.Planner` (:func:`nereusd.control.admission.urgent_replan` on the
    urgent path), for the observed length rounded *up* to a grid of ``buckets_per_octave``
    lengths per doubling, so that the costed option lists of a bucket are reused between
    replans (the target and the current plan are then evaluated at the exact length);
-4. admission — :func:`nereusd.admission.admit` with ``L̂_tran`` and feasibility from the
-   transition engine (:mod:`nereusd.sim.transitions`); a DP-only rescale of the current plan
+4. admission — :func:`nereusd.control.admission.admit` with ``L̂_tran`` and feasibility from the
+   transition engine (:mod:`nereusd.transition.estimate`); a DP-only rescale of the current plan
    is offered as the cheaper fallback target.
 
 ``gamma = inf`` admits any positive predicted gain (the "greedy" policy).
@@ -30,16 +30,16 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from nereusd.admission import KEEP, Decision, Target, admit, urgent_replan
-from nereusd.calibration import Calibration
-from nereusd.costmodel import CostModel
-from nereusd.memory import HEADROOM, usable_bytes
-from nereusd.monitor import EFFICIENCY, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.control.admission import KEEP, Decision, Target, admit, urgent_replan
+from nereusd.cost.calibration import Calibration
+from nereusd.cost.model import CostModel
+from nereusd.cost.memory import HEADROOM, usable_bytes
+from nereusd.control.monitor import EFFICIENCY, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.plan import ModelStage, Plan
-from nereusd.planner import Infeasible, Planner, PlanResult
-from nereusd.planspace import PlannerOptions, PlanProblem, evaluate
-from nereusd.sim.rescale import dp_rescale
-from nereusd.sim.transitions import TransitionEstimator, plan_key
+from nereusd.planner.search import Infeasible, Planner, PlanResult
+from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
+from nereusd.planner.rescale import dp_rescale
+from nereusd.transition.estimate import TransitionEstimator, plan_key
 
 PERIOD = "period"
 

@@ -1,7 +1,7 @@
 """Policy names of the simulator and their parameters.
 
 - ``frozen``: the fastest launch layout for the initial conditions and budget (the oracle's
-  first plan); DP scaling on a pool change (:func:`nereusd.sim.rescale.dp_rescale`);
+  first plan); DP scaling on a pool change (:func:`nereusd.planner.rescale.dp_rescale`);
   checkpoint/restart into a layout that fits after an OOM;
 - ``nereus`` / ``nereus@G``: the controller with payback admission, ``γ = 0.5`` or ``G``;
 - ``greedy``: the same triggers, any positive predicted gain admitted (``γ = ∞``);

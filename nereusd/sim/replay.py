@@ -24,16 +24,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from nereusd.admission import ADMIT, RESTART
+from nereusd.control.admission import ADMIT, RESTART
 from nereusd.errors import NereusError
 from nereusd.plan import Plan
-from nereusd.planner import Infeasible, Planner
-from nereusd.planspace import PlannerOptions, PlanProblem
+from nereusd.planner.search import Infeasible, Planner
+from nereusd.planner.space import PlannerOptions, PlanProblem
 from nereusd.sim.controller import Controller, ControllerConfig, StepMeasurement, length_bucket
 from nereusd.sim.policies import FROZEN, ORACLE, Policy
-from nereusd.sim.rescale import dp_rescale
-from nereusd.sim.traces import LengthTrace, PoolTrace
-from nereusd.sim.transitions import TransitionEstimator
+from nereusd.planner.rescale import dp_rescale
+from nereusd.traces import LengthTrace, PoolTrace
+from nereusd.transition.estimate import TransitionEstimator
 from nereusd.sim.truth import GroundTruth, TruthConfig
 
 OOM_LOST_FRACTION = 0.5

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nereusd.sim.replay import PolicyResult
-from nereusd.sim.traces import LengthTrace, PoolTrace
+from nereusd.traces import LengthTrace, PoolTrace
 
 
 def summary(results: Sequence[PolicyResult]) -> list[dict]:

@@ -17,12 +17,12 @@ from typing import Sequence
 from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
 from nereusd.plan import Role
-from nereusd.planspace import PlanProblem
+from nereusd.planner.space import PlanProblem
 from nereusd.sim.policies import Policy
 from nereusd.sim.replay import PolicyResult, Simulation
-from nereusd.sim.traces import load_length_trace, load_pool_trace
+from nereusd.traces import load_length_trace, load_pool_trace
 from nereusd.sim.truth import TruthConfig
-from nereusd.site import load_site
+from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
 

@@ -3,7 +3,7 @@
 The controller never reads this module's state; it only receives the measurements the replay
 hands it (:class:`nereusd.sim.controller.StepMeasurement`) and must calibrate, exactly as the
 live job does. The truth is built from the same cost and memory formulas as the controller's
-model (:mod:`nereusd.costmodel`, :mod:`nereusd.memory`) but with:
+model (:mod:`nereusd.cost.model`, :mod:`nereusd.cost.memory`) but with:
 
 - **hidden efficiencies** per operation class: the controller's conservative prior times a
   factor drawn once per seed from ``U(efficiency_lo, efficiency_hi)``, capped at 0.95;
@@ -31,12 +31,12 @@ from typing import Mapping
 
 import numpy as np
 
-from nereusd.calibration import PRIORS, Calibration
-from nereusd.costmodel import CostModel
-from nereusd.memory import stage_memory
+from nereusd.cost.calibration import PRIORS, Calibration
+from nereusd.cost.model import CostModel
+from nereusd.cost.memory import stage_memory
 from nereusd.plan import ModelStage, Plan
-from nereusd.planspace import PlanProblem
-from nereusd.transition_memory import AdamStateSizes
+from nereusd.planner.space import PlanProblem
+from nereusd.transition.memory import AdamStateSizes
 
 
 @dataclass(frozen=True, kw_only=True)

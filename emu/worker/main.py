@@ -1,0 +1,112 @@
+"""The per-device worker process (started by the agent): joins the torch.distributed world and
+runs the tasks nereusd sends, one at a time, in the order they arrive.
+
+Rendezvous goes through the TCPStore that nereusd serves, under a prefix with the world's
+generation number, so that a later generation can re-form the world in the same store.
+Task handlers live in :mod:`emu.worker.runtime`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+
+import zmq
+
+from emu.worker.world import init_world
+from nereusd import protocol as P
+from nereusd.errors import NereusError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m emu.worker", description="Nereus worker (started by nereus-agent).")
+    parser.add_argument("--agent", required=True, help="agent ipc:// endpoint")
+    parser.add_argument("--device", type=int, required=True, help="global device index")
+    parser.add_argument("--local-index", type=int, required=True, help="device index on this node")
+    parser.add_argument("--device-kind", choices=["cpu", "cuda", "rocm"], required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--generation", type=int, required=True)
+    parser.add_argument("--store-host", required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--memory-bytes", type=int, required=True, help="device memory capacity to account against")
+    parser.add_argument("--run-dir", required=True)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from emu.state.devmem import DeviceMemory
+    from emu.worker.runtime import WorkerRuntime
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(args.device).encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(args.agent)
+    parent = os.getppid()
+
+    device, store, backend = init_world(kind=args.device_kind, local_index=args.local_index, rank=args.rank,
+                        world_size=args.world_size, generation=args.generation,
+                        store_host=args.store_host, store_port=args.store_port)
+    memory = DeviceMemory(args.device, args.memory_bytes)
+    runtime = WorkerRuntime(rank=args.rank, device_index=args.device, torch_device=device, memory=memory,
+                            run_dir=args.run_dir, store_client=store, backend=backend)
+    sock.send(P.encode(P.WorkerReady(device=args.device, pid=os.getpid())))
+    log.info("worker ready: rank %d of %d on %s", args.rank, args.world_size, device)
+
+    while True:
+        if not sock.poll(1000):
+            if os.getppid() != parent:
+                log.error("agent (pid %d) is gone: exiting", parent)
+                return 1
+            continue
+        try:
+            msg = P.decode(sock.recv())
+        except ProtocolError as err:
+            log.error("refused a message: %s", err)
+            continue
+        if isinstance(msg, P.Shutdown):
+            log.info("shutdown: %s", msg.reason)
+            runtime.close()
+            return 0
+        if not isinstance(msg, P.Task):
+            log.error("refused a %r message: workers accept tasks and shutdown only", msg.type)
+            continue
+        start = time.perf_counter()
+        try:
+            result = runtime.handle(msg.kind, msg.args)
+            reply = P.TaskResult(task_id=msg.task_id, device=args.device, ok=True, result=result,
+                                 elapsed_s=time.perf_counter() - start)
+        except Exception as err:  # noqa: BLE001 - every failure is reported to nereusd, which stops the job
+            fatal = not isinstance(err, NereusError)
+            log.error("task %s #%d failed: %s", msg.kind, msg.task_id, err,
+                      exc_info=fatal)
+            detail = str(err) if not fatal else f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}"
+            reply = P.TaskResult(task_id=msg.task_id, device=args.device, ok=False, error=detail,
+                                 error_kind=type(err).__name__, elapsed_s=time.perf_counter() - start)
+        sock.send(P.encode(reply))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s worker[dev{args.device} rank{args.rank}] %(name)s: %(message)s",
+    )
+    code = serve(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip slow interpreter teardown; the process group was destroyed in close()
+
+
+if __name__ == "__main__":
+    main()

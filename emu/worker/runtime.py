@@ -1,0 +1,256 @@
+"""Task handlers of one worker: build the EMUs of its model-stages, run stage tasks, sync weights.
+
+The worker process (:mod:`emu.worker.main`) receives tasks in the order nereusd sent them and calls
+:meth:`WorkerRuntime.handle`. Every handler that issues collectives is called by every member of
+the collective in the same order, because nereusd sends each task to all members before the
+next one (FIFO per worker). Communicators for every model-stage are created at ``build`` by
+every rank of the world, in canonical model-stage order.
+
+Result convention: a per-replica result (responses, log-probs, values, scores) is returned by
+the replica's *reporting rank* — tensor rank 0 of the last pipeline stage — and is ``{}``
+elsewhere; nereusd reads it from ``candidate.device_at(r, pp - 1, 0)``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from emu.state.devmem import DeviceMemory
+from emu.engine.stage import StageEngine
+from emu.state.checkpoint import load_holdings, save_holdings
+from emu.engine.hf_io import load_state
+from emu.engine.parallel import build_stage_groups
+from emu.state.primitives import HoldingStore
+from emu.worker.transition_tasks import TransitionTasks, rank_space
+from emu.state.unit import LogicalState, bind_engine, holding_of
+from emu.rl.losses import policy_loss_fn, value_loss_fn
+from nereusd.errors import NereusError
+from nereusd.models import ModelSpec
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+
+log = logging.getLogger(__name__)
+
+
+def initial_state(role_info: dict[str, Any], spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Full canonical tensors a role starts from: its HF directory, or a seeded initialisation.
+
+    A critic initialised from the actor keeps the actor's trunk, drops ``lm_head`` and gets a
+    value head drawn from ``seed`` (identical on every rank).
+    """
+    from emu.engine.model import LlamaModel
+
+    value_head = bool(role_info["value_head"])
+    path = role_info.get("path")
+    gen = torch.Generator().manual_seed(seed)
+    if path:
+        state = load_state(path)
+    else:
+        torch.manual_seed(seed)
+        state = {k: v.detach().clone() for k, v in LlamaModel(spec, value_head=False).state_dict().items()}
+    if value_head and "value_head.weight" not in state:
+        h = spec.hidden_size
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head")}
+        state["value_head.weight"] = torch.randn(1, h, generator=gen) * (1.0 / h ** 0.5) * 0.1
+        state["value_head.bias"] = torch.zeros(1)
+    return state
+
+
+class WorkerRuntime(TransitionTasks):
+    """The state of one worker: its engines (one per model-stage it holds) and communicators."""
+
+    def __init__(self, *, rank: int, device_index: int, torch_device: torch.device, memory: DeviceMemory,
+                 run_dir: str, store_client=None, backend: str = "gloo") -> None:
+        self.rank = rank
+        self.device_index = device_index
+        self.torch_device = torch_device
+        self.memory = memory
+        self.run_dir = Path(run_dir)
+        self.plan: Plan | None = None
+        self.engines: dict[ModelStage, StageEngine] = {}
+        self.stage_groups: dict[ModelStage, Any] = {}
+        self.stage_pg: dict[ModelStage, Any] = {}
+        self.store = HoldingStore(memory, torch_device)
+        self.store_client, self.backend = store_client, backend
+        self.rank_of = lambda device: device
+        self._transition = None
+        self._rebuild_all = False
+        self._build_args: dict[str, Any] = {}
+        self._handlers = {
+            "build": self.build,
+            "generate": self.generate,
+            "logprobs": self.logprobs,
+            "values": self.values,
+            "scores": self.scores,
+            "train": self.train,
+            "sync_weights": self.sync_weights,
+            "save_checkpoint": self.save_checkpoint,
+            "load_checkpoint": self.load_checkpoint,
+            "transition_prepare": self.transition_prepare,
+            "transition_run": self.transition_run,
+            "transition_finish": self.transition_finish,
+            "holdings": self.holdings,
+            "reform_world": self.reform_world,
+            "memory_report": self.memory_report,
+        }
+
+    def handle(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run task ``kind``.
+
+        Raises:
+            NereusError: unknown task kind, or what the handler raises.
+        """
+        handler = self._handlers.get(kind)
+        if handler is None:
+            raise NereusError(f"unknown task kind {kind!r} (known: {sorted(self._handlers)})")
+        self.memory.reset_peak()
+        start = time.perf_counter()
+        result = handler(args)
+        result.setdefault("peak_memory_bytes", self.memory.peak_bytes)
+        result.setdefault("elapsed_s", time.perf_counter() - start)
+        return result
+
+    # ------------------------------------------------------------------ build
+    def build(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Create communicators for every model-stage and the engines this rank holds.
+
+        Args (from nereusd): ``plan`` (Plan.to_dict), ``roles`` ({role: {spec, path,
+        value_head}}), ``train`` (optimiser settings), ``lr`` ({model_stage: lr}),
+        ``seed``.
+        """
+        plan = Plan.from_dict(args["plan"])
+        roles = args["roles"]
+        seed = int(args["seed"])
+        self.plan = plan
+        self._build_args = args
+        for ms, cand in plan.items():  # every rank, same order: group creation is collective
+            self.stage_groups[ms] = self._groups(cand)
+            self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))
+        states: dict[Role, dict[str, torch.Tensor]] = {}
+        for ms, cand in plan.items():
+            if self.device_index not in cand.devices:
+                continue
+            info = roles[ms.role.value]
+            spec = ModelSpec.from_dict(info["spec"])
+            if ms.role not in states:
+                states[ms.role] = initial_state(info, spec, seed + list(Role).index(ms.role))
+            engine = self._make_engine(ms, cand, self.stage_groups[ms])
+            engine.load_full_state(states[ms.role])
+            bind_engine(engine, logical=LogicalState(seed=seed))
+            self.engines[ms] = engine
+        states.clear()
+        self._plan_syncs()
+        gc.collect()
+        return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
+
+    def _groups(self, cand: Candidate):
+        """Stage groups of ``cand`` in world-rank space (collective over the world)."""
+        return build_stage_groups(rank_space(cand, self.rank_of), self.rank)
+
+    def _make_engine(self, ms: ModelStage, cand: Candidate, groups) -> StageEngine:
+        """An engine of ``ms`` for this rank's place in ``cand`` (build arguments from ``build``)."""
+        args, train = self._build_args, self._build_args["train"]
+        info = args["roles"][ms.role.value]
+        return StageEngine(
+            model_stage=ms, spec=ModelSpec.from_dict(info["spec"]), candidate=rank_space(cand, self.rank_of),
+            rank=self.rank, groups=groups, device=self.torch_device, memory=self.memory,
+            value_head=bool(info["value_head"]), trainable=ms.stage == Stage.TRAINING,
+            lr=float(args["lr"].get(str(ms), 0.0) or 1e-4), weight_decay=float(train["weight_decay"]),
+            grad_clip=train["grad_clip"], micro_batch=cand.micro_batch or int(train["micro_batch"]),
+            recompute=cand.recompute,
+        )
+
+    # ------------------------------------------------------------------ stage tasks
+    def _engine(self, args: dict[str, Any]) -> StageEngine:
+        ms = ModelStage.parse(args["model_stage"])
+        engine = self.engines.get(ms)
+        if engine is None:
+            raise NereusError(f"device {self.device_index} holds no shard of {ms}")
+        return engine
+
+    def _reporting(self, engine: StageEngine) -> bool:
+        cand: Candidate = engine.candidate
+        _, pp_rank, tp_rank = cand.coords_of(self.rank)
+        return pp_rank == cand.pp - 1 and tp_rank == 0
+
+    def generate(self, args: dict[str, Any]) -> dict[str, Any]:
+        engine = self._engine(args)
+        responses = engine.generate(
+            args["prompts"], max_new_tokens=int(args["max_new_tokens"]), temperature=float(args["temperature"]),
+            greedy=bool(args["greedy"]), eos_id=int(args["eos_id"]), pad_id=int(args["pad_id"]),
+            seed=int(args["seed"]), seeds=args.get("seeds"),
+        )
+        return {"responses": responses} if self._reporting(engine) else {}
+
+    def logprobs(self, args: dict[str, Any]) -> dict[str, Any]:
+        engine = self._engine(args)
+        out = engine.logprobs(args["sequences"], args["prompt_lens"])
+        return {"logprobs": out} if self._reporting(engine) else {}
+
+    def values(self, args: dict[str, Any]) -> dict[str, Any]:
+        engine = self._engine(args)
+        out = engine.values(args["sequences"], args["prompt_lens"])
+        return {"values": out} if self._reporting(engine) else {}
+
+    def scores(self, args: dict[str, Any]) -> dict[str, Any]:
+        engine = self._engine(args)
+        out = engine.scores(args["sequences"])
+        return {"scores": out} if self._reporting(engine) else {}
+
+    def train(self, args: dict[str, Any]) -> dict[str, Any]:
+        engine = self._engine(args)
+        loss = args["loss"]
+        if loss["kind"] == "policy":
+            loss_fn = policy_loss_fn(clip=float(loss["clip"]), kl_coef=float(loss["kl_coef"]),
+                                     kl_estimator=loss["kl_estimator"], entropy_coef=float(loss["entropy_coef"]))
+        elif loss["kind"] == "value":
+            loss_fn = value_loss_fn(value_clip=float(loss["value_clip"]))
+        else:
+            raise NereusError(f"unknown loss kind {loss['kind']!r}")
+        metrics = engine.train_step(args["sequences"], args["prompt_lens"], args["per_token"], loss_fn)
+        return {"metrics": metrics} if self._reporting(engine) else {}
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def save_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Save every training model-stage's holdings (parameters, Adam state, logical state)
+        with torch DCP (:mod:`emu.state.checkpoint`), one checkpoint per role under ``<dir>/<role>/``."""
+        root = Path(args["dir"])
+        assert self.plan is not None
+        for ms, cand in self.plan.items():
+            if ms.stage != Stage.TRAINING or self.device_index not in cand.devices:
+                continue
+            save_holdings([holding_of(self.engines[ms])], root / ms.role.value, plan=Plan({ms: cand}),
+                          process_group=self.stage_pg[ms])
+        return {}
+
+    def load_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Load every training model-stage this rank holds from ``<dir>/<role>/`` (any saved layout)."""
+        root = Path(args["dir"])
+        for ms, engine in self.engines.items():
+            if ms.stage == Stage.TRAINING:
+                holding = holding_of(engine)
+                load_holdings([holding], root / ms.role.value)
+                bind_engine(engine, holding)
+        return {}
+
+    def memory_report(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"in_use_bytes": self.memory.in_use_bytes, "by_model_stage": self.memory.by_model_stage()}
+
+    def close(self) -> None:
+        """Tear down cleanly (barrier, drop tensors, barrier, destroy) — see PLATFORM.md."""
+        if not dist.is_initialized():
+            return
+        try:
+            dist.barrier()
+            self.engines.clear()
+            gc.collect()
+            dist.barrier()
+        except RuntimeError as err:  # a peer is already gone: nothing left to agree on
+            log.warning("teardown barrier failed: %s", err)
+        dist.destroy_process_group()

@@ -1,0 +1,205 @@
+"""Worker task handlers of transitions, weight synchronisation and world re-formation.
+
+Mixed into :class:`emu.worker.runtime.WorkerRuntime`. Task kinds (args → result):
+
+``transition_prepare`` (every world rank; ``dag`` JSON)
+    Engines of model-stages the DAG changes are detached into holdings (their memory moves from
+    the engine's entries to the holding's, no copy: engines live in their holdings, see
+    :func:`emu.state.unit.bind_engine`), and the transition's communicators are created, collectively
+    in DAG order → ``setup_s``.
+``transition_run`` (the devices of ``ops``)
+    This device's part of ``ops`` (a ready set) → ``timings`` (:class:`emu.state.executor.OpTiming`).
+``transition_finish`` (every world rank)
+    Communicators destroyed; engines of the target plan built, in canonical order (group creation
+    is collective), on the holdings the transition produced → ``model_stages``.
+``holdings`` → ``holdings``: ``[[model_stage, tp, pp, pp_rank, tp_rank], …]`` held here now (what
+    the controller reads after a failure to know which units are intact).
+``reform_world`` (every surviving or new worker; ``generation``, ``devices``)
+    Engines detached into holdings, the old world destroyed, generation ``generation`` of the
+    world joined with world rank = index of this device in ``devices``; tensors stay in memory.
+``sync_weights`` (source and target devices; ``source``, ``targets``)
+    Each target model-stage receives the source's parameters through the transition machinery:
+    the DAG from the source's candidate to the target's (planned, and its communicators created,
+    at ``build``/``transition_finish``) runs on parameter-only views of the source's holdings.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from emu.state.executor import TransitionExecutor
+from emu.state.primitives import Communicators, HoldingStore, create_communicators
+from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_of, slots_for
+from emu.worker.world import join_world
+from nereusd.errors import NereusError
+from nereusd.models import ModelSpec
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.shards import value_head_for
+from nereusd.transition import plan_transition
+from nereusd.transition.ops import TransitionDag
+
+log = logging.getLogger(__name__)
+
+SYNC_DEVICES_PER_NODE = 1 << 20
+"""Weight sync picks Extend senders without node preference (local mode: one node)."""
+
+
+def rank_space(cand: Candidate, rank_of) -> Candidate:
+    """``cand`` with world ranks in place of global devices (they differ after a re-formation)."""
+    return Candidate(cand.tp, cand.pp, cand.dp, tuple(rank_of(d) for d in cand.devices),
+                     micro_batch=cand.micro_batch, recompute=cand.recompute)
+
+
+class TransitionTasks:
+    """Handlers of the task kinds in the module docstring (state lives on WorkerRuntime)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _models(self) -> dict[Role, ModelSpec]:
+        return {Role(r): ModelSpec.from_dict(info["spec"]) for r, info in self._build_args["roles"].items()}
+
+    def _specs(self, plan: Plan) -> dict[ModelStage, tuple[ModelSpec, bool, tuple[str, ...]]]:
+        models = self._models()
+        return {m: (models[m.role], value_head_for(m.role), slots_for(m)) for m in plan}
+
+    def _detach(self, ms: ModelStage) -> None:
+        """Move engine ``ms`` into the holding store (no copy)."""
+        engine = self.engines.pop(ms)
+        holding = holding_of(engine)
+        for what in ("parameters", "gradients", "optimizer"):
+            self.memory.free(str(ms), what)
+        engine.module = None
+        engine.params.clear()
+        engine.optimizer = None
+        self.store.put(holding, book=True)
+        self.stage_groups.pop(ms, None)
+
+    def _attach(self, ms: ModelStage, cand: Candidate) -> None:
+        """Build engine ``ms`` (collective group creation) and bind it to this device's holding."""
+        groups = self.stage_groups[ms] = self._groups(cand)
+        self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))  # checkpoints
+        if self.device_index not in cand.devices:
+            return
+        _, p, t = cand.coords_of(self.device_index)
+        holding = self.store.pop(ms, cand.layout, (p, t))
+        engine = self._make_engine(ms, cand, groups)
+        bind_engine(engine, holding)
+        self.engines[ms] = engine
+
+    def _retune(self, engine, cand: Candidate) -> None:
+        """Apply what a candidate can change without moving state — micro-batch (generation
+        waves, training micro-batches) and recomputation — to a live engine; the transition DAG
+        has no op for such a change, so without this the engine would keep the old values."""
+        engine.micro_batch = cand.micro_batch or int(self._build_args["train"]["micro_batch"])
+        engine.recompute = cand.recompute
+        if engine.module is not None:
+            engine.module.recompute = cand.recompute
+        engine.candidate = rank_space(cand, self.rank_of)
+
+    def _plan_syncs(self) -> None:
+        """Plan every weight-sync DAG of the current plan and create its communicators (collective)."""
+        for comms in getattr(self, "_sync", {}).values():
+            comms[1].destroy()
+        self._sync: dict[tuple[ModelStage, ModelStage], tuple[TransitionDag, Communicators]] = {}
+        models = self._models()
+        for source, cand in self.plan.items():
+            if source.stage is not Stage.TRAINING:
+                continue
+            for target, tcand in self.plan.items():
+                if target.role != source.role or target == source:
+                    continue
+                dag = plan_transition(Plan({target: cand}), Plan({target: tcand}), models,
+                                      devices_per_node=SYNC_DEVICES_PER_NODE)
+                comms = Communicators(self.rank_of)
+                create_communicators(dag, comms)
+                self._sync[(source, target)] = (dag, comms)
+
+    # ------------------------------------------------------------------ tasks
+    def transition_prepare(self, args: dict[str, Any]) -> dict[str, Any]:
+        dag = TransitionDag.from_json(args["dag"])
+        changed = {op.model_stage for op in dag.ops}
+        for ms in sorted(changed, key=ModelStage.sort_key):
+            if ms in self.engines:
+                self._detach(ms)
+        self._transition = TransitionExecutor(dag, self.device_index, self.store, self._specs(dag.target),
+                                              rank_of=self.rank_of)
+        return {"setup_s": self._transition.prepare()}
+
+    def transition_run(self, args: dict[str, Any]) -> dict[str, Any]:
+        if self._transition is None:
+            raise NereusError("transition_run before transition_prepare")
+        timings = self._transition.run(args["ops"])
+        return {"timings": [t.to_dict() for t in timings]}
+
+    def transition_finish(self, args: dict[str, Any]) -> dict[str, Any]:
+        ex, self._transition = self._transition, None
+        if ex is None:
+            raise NereusError("transition_finish before transition_prepare")
+        ex.close()
+        target = ex.dag.target
+        rebuild = {ms for ms in target if ms not in self.engines} if self._rebuild_all else \
+            {op.model_stage for op in ex.dag.ops}
+        self._rebuild_all = False
+        for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
+            self._attach(ms, target[ms])
+        for ms, engine in self.engines.items():
+            if ms not in rebuild and ms in target:
+                self._retune(engine, target[ms])
+        self.plan = target
+        self._plan_syncs()
+        gc.collect()
+        return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
+
+    def holdings(self, args: dict[str, Any]) -> dict[str, Any]:
+        out = [[str(h.model_stage), h.layout.tp, h.layout.pp, *h.position] for h in self.store.items.values()]
+        for ms, engine in self.engines.items():
+            g = engine.groups
+            out.append([str(ms), engine.candidate.tp, engine.candidate.pp, g.pp_rank, g.tp_rank])
+        return {"holdings": out}
+
+    def reform_world(self, args: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        for ms in list(self.engines):
+            self._detach(ms)
+        for comms in getattr(self, "_sync", {}).values():
+            comms[1].destroy()
+        self._sync = {}
+        self.stage_groups.clear()
+        self.stage_pg.clear()
+        devices = [int(d) for d in args["devices"]]
+        dist.destroy_process_group()
+        self.rank = devices.index(self.device_index)
+        join_world(self.store_client, generation=int(args["generation"]), rank=self.rank,
+                   world_size=len(devices), backend=self.backend, timeout=timedelta(seconds=float(args.get("timeout_s", 300))))
+        mapping = {d: i for i, d in enumerate(devices)}
+        self.rank_of = mapping.__getitem__
+        self._rebuild_all = True
+        return {"rank": self.rank, "reform_s": time.perf_counter() - start}
+
+    def sync_weights(self, args: dict[str, Any]) -> dict[str, Any]:
+        source = ModelStage.parse(args["source"])
+        for target in (ModelStage.parse(t) for t in args["targets"]):
+            dag, comms = self._sync[(source, target)]
+            store = HoldingStore(self.memory, self.torch_device)
+            if source in self.engines:
+                h = holding_of(self.engines[source])
+                store.put(EmuShard(target, h.spec, h.value_head, h.layout, h.position, PARAM_SLOTS,
+                                   buffer=h.params_only().buffer, logical=h.logical))
+            ex = TransitionExecutor(dag, self.device_index, store, self._specs(dag.target), rank_of=self.rank_of)
+            ex.comms = comms
+            ex.run()
+            if target in self.engines:
+                engine = self.engines[target]
+                got = store.get(target, engine.candidate.layout, (engine.groups.pp_rank, engine.groups.tp_rank))
+                with torch.no_grad():
+                    for name, p in engine.params.items():
+                        p.copy_(got.view(name, "param"))
+            for key in list(store.items):
+                store.pop(*key)
+        return {}

@@ -1,0 +1,370 @@
+"""Job configuration: the strict schema of a job YAML and its loader.
+
+YAML → :func:`load_job` → frozen pydantic models. Unknown keys are errors; every error names
+the file and the dotted key (``job.yaml: train.micro_batch: expected an integer, got 'x'``).
+Paths inside the job (model directories) are resolved relative to the job file. Loaded
+configuration is never mutated; values derived from it (the resolved plan, model specs) live
+in :class:`ResolvedJob` (see ``nereusd/config/resolve.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from nereusd.errors import ConfigError
+
+
+class Algorithm(str, enum.Enum):
+    """RL algorithm of the job."""
+
+    PPO = "ppo"
+    GRPO = "grpo"
+    REMAX = "remax"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class ModelsConfig(_Strict):
+    """Where each role's weights come from.
+
+    A value is a Hugging Face model directory (``config.json`` + ``*.safetensors``), relative to
+    the job file. ``actor_config`` instead builds a randomly initialised actor of the given
+    shape (``nereusd.models.ModelSpec`` fields) from the job's seed.
+    """
+
+    actor: str | None = None
+    """Actor (policy) model directory; the reference starts as a copy of it."""
+    actor_config: dict[str, Any] | None = None
+    """Actor shape when no directory is given (random initialisation from ``seed``)."""
+    critic: str | None = None
+    """Critic model directory; default: the actor's trunk with a new value head (PPO only)."""
+    reference: str | None = None
+    """Reference model directory; default: the actor's initial weights."""
+    reward: str | None = None
+    """Reward model directory (a trunk with a value head); needed when ``reward.kind: model``."""
+
+
+class RewardConfig(_Strict):
+    """How responses are scored."""
+
+    kind: Literal["verifier", "model"] = "verifier"
+    """``verifier``: a rule-based checker of the task; ``model``: the reward model's score."""
+
+
+class TaskConfig(_Strict):
+    """The prompt set and its verifier."""
+
+    name: str = "counting"
+    """Task name (``nereusd.tasks``)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Task-specific options, passed to the task's constructor."""
+
+
+class RolloutConfig(_Strict):
+    """Generation settings."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    """Distinct prompts per RL step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per prompt (GRPO's group; PPO and ReMax usually 1)."""
+    max_new_tokens: int = Field(96, ge=1)
+    """Longest response in tokens."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
+    max_staleness: int = Field(0, ge=0, strict=True)
+    """Asynchronous execution: generation runs up to this many policy versions ahead of
+    training (step ``k`` trains on responses generated with the weights of step ``k − s``;
+    1 is one-step off-policy, as in AReaL/Laminar). 0 (default): synchronous steps. The safe
+    boundary becomes the weight synchronisation (DESIGN.md)."""
+
+
+class TrainConfig(_Strict):
+    """Optimisation settings shared by the trainable roles."""
+
+    global_batch: int = Field(64, ge=1)
+    """Sequences per optimizer step; ``dp × micro_batch × grad_accum`` must equal it."""
+    micro_batch: int = Field(8, ge=1)
+    """Sequences per micro-batch on one replica."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each step's rollout (PPO epochs)."""
+    actor_lr: float = Field(3e-4, gt=0.0)
+    critic_lr: float = Field(1e-3, gt=0.0)
+    clip: float = Field(0.2, gt=0.0)
+    """PPO ratio clip ε."""
+    value_clip: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.02, ge=0.0)
+    """β of the KL penalty to the reference."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    gamma: float = Field(1.0, gt=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+
+
+class StagePlanConfig(_Strict):
+    """``tp, pp, dp`` and devices of one model-stage; omitted fields come from ``plan.default``."""
+
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+    dp: int | None = Field(None, ge=1)
+    devices: list[int] | None = None
+    micro_batch: int | None = Field(None, ge=1)
+    recompute: bool | None = None
+
+
+class PlanConfig(_Strict):
+    """The launch plan.
+
+    ``default`` applies to every model-stage of the algorithm; ``model_stages`` overrides it per
+    model-stage (keys like ``actor/training``). A model-stage without devices uses all of the
+    job's devices (colocated placement, serialised); ``dp`` defaults to
+    ``len(devices) / (tp·pp)``. Generation folds PP into DP (``pp`` is 1 for generation).
+    """
+
+    default: StagePlanConfig = StagePlanConfig(tp=1, pp=1)
+    model_stages: dict[str, StagePlanConfig] = Field(default_factory=dict)
+
+
+ADAPTIVE_CHECKPOINT_EVERY = 5
+"""Default checkpoint interval (steps) of a job with live adaptation and no ``every_steps``.
+
+With adaptation on, an abrupt device loss (or an out-of-memory step) restarts the job from its
+latest checkpoint and the steps since run again; without periodic checkpoints that is the whole
+run. A checkpoint of the demo model (0.7 M parameters, actor with Adam state, ~9 MB) took
+0.15–0.8 s in measured runs (events.jsonl ``checkpoint`` ``elapsed_s``) against ~6 s per step:
+every 5 steps costs ~1–3 % of the run and bounds the loss to 4 steps (2 on average). RL steps of
+real models are long (generation-bound) next to a checkpoint write, so the ratio stays small.
+"""
+
+
+class CheckpointConfig(_Strict):
+    every_steps: int | None = Field(None, ge=0)
+    """Save a DCP checkpoint every N steps (0: only the final one). Unset: 0 without live
+    adaptation, :data:`ADAPTIVE_CHECKPOINT_EVERY` with it (see :meth:`interval`)."""
+    final: bool = True
+    """Save a DCP checkpoint at the end of the run."""
+
+    def interval(self, adaptive: bool) -> int:
+        """Steps between periodic checkpoints (0: none) for a job with (``adaptive``) or without
+        live adaptation."""
+        if self.every_steps is not None:
+            return self.every_steps
+        return ADAPTIVE_CHECKPOINT_EVERY if adaptive else 0
+
+
+class AdaptationConfig(_Strict):
+    """Live adaptation (paper §4: monitor → planner → admission; §6: transitions at safe boundaries)."""
+
+    enabled: bool = True
+    """Re-plan while the job runs; ``false`` freezes the launch plan (pool changes stop the job)."""
+    policy: Literal["nereus", "frozen"] = "nereus"
+    """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
+    rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
+    checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
+    gamma: float = Field(0.5, ge=0.0)
+    """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain)."""
+    period: int = Field(0, ge=0)
+    """Also re-plan every N steps (0: on triggers only)."""
+    delta_length: float = Field(0.30, gt=0.0)
+    """Drift threshold δ_len of the response-length signal (relative)."""
+    launch_response_length: int | None = Field(None, ge=1)
+    """Response length (tokens) the launch plan is chosen for when the job gives no ``plan``
+    (default: ``rollout.max_new_tokens``, so the launch plan holds the longest response)."""
+    forced: list["ForcedSwitchConfig"] = Field(default_factory=list)
+    """Switches the operator forces at given steps (admission bypassed; e.g. to test that a run
+    that switches trains like one that does not)."""
+
+
+class ForcedSwitchConfig(_Strict):
+    """A layout forced at the safe boundary before step ``at_step`` (0-based)."""
+
+    at_step: int = Field(ge=1)
+    model_stages: dict[str, StagePlanConfig]
+    """Overrides of the *current* plan per model-stage (``tp``, ``pp``, ``dp``, ``micro_batch``,
+    ``recompute``); devices default to those the model-stage has now."""
+
+
+class PoolEventConfig(_Strict):
+    """Devices leaving or joining a local job at a safe boundary: the one before step ``at_step``
+    (0-based), or the first one at or after ``at_s`` seconds since the job's first step started.
+    Give exactly one of ``at_step`` and ``at_s``."""
+
+    at_step: int | None = Field(None, ge=1)
+    """Apply at the safe boundary before this step."""
+    at_s: float | None = Field(None, ge=0.0)
+    """Apply at the first safe boundary at or after this many seconds since the first step
+    started (a device cannot leave mid-step in local mode: it leaves at that boundary)."""
+    remove: int = Field(0, ge=0)
+    """Devices whose workers are stopped (the highest-numbered ones of the pool)."""
+    add: int = Field(0, ge=0)
+    """Virtual devices added by a new local agent; their workers join the world."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "PoolEventConfig":
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError(f"give exactly one of at_step (a step) or at_s (seconds since the first step "
+                             f"started) (at_step={self.at_step}, at_s={self.at_s})")
+        if (self.add > 0) == (self.remove > 0):
+            raise ValueError(f"give exactly one of remove or add with a positive count "
+                             f"(remove={self.remove}, add={self.add})")
+        return self
+
+
+class PoolTraceConfig(_Strict):
+    """A spot-availability trace replayed on a local job's pool (see ``nereusd.config.pool_schedule``).
+
+    The trace's full availability is the job's ``devices``; at trace hour ``h`` the pool holds
+    ``clamp(round(devices · available(h) / full), min_devices, devices)`` devices, and each change
+    of that count is a remove/add event at the matching safe boundary. Trace hour 0 is the trace's
+    first sample with every instance available (as in ``nereus-launch simulate``). Give exactly one
+    time base: ``seconds_per_trace_hour`` (wall clock) or ``steps_per_trace_hour`` (RL steps).
+    """
+
+    name: str
+    """A shipped trace (``us-east-2b``, ``us-west-2a``: 16-node AWS spot availability, one sample
+    per 300 s; ``nereusd/data/traces/SOURCES.md``) or the path of a trace file of that format."""
+    seconds_per_trace_hour: float | None = Field(None, gt=0.0)
+    """Wall-clock seconds of the job per trace hour (e.g. 60: a 10-hour trace in 10 minutes)."""
+    steps_per_trace_hour: float | None = Field(None, gt=0.0)
+    """RL steps per trace hour (e.g. 12: one step per 5-minute trace sample)."""
+    start_hour: float = Field(0.0, ge=0.0)
+    """Trace hour at which the job's first step starts."""
+    min_devices: int | None = Field(None, ge=1)
+    """The scaled pool never drops below this many devices (nor rises above the job's devices).
+    Default: the fewest the job can run on — its largest set of model-stages that run
+    concurrently on disjoint devices (GRPO: actor and reference inference, 2)."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_trace(cls, value: str) -> str:
+        from nereusd.traces import load_pool_trace   # light: stdlib and nereusd.errors only
+
+        try:
+            load_pool_trace(value)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_time_base(self) -> "PoolTraceConfig":
+        if (self.seconds_per_trace_hour is None) == (self.steps_per_trace_hour is None):
+            raise ValueError("give exactly one time base: seconds_per_trace_hour (wall clock) or "
+                             "steps_per_trace_hour (RL steps)")
+        return self
+
+
+class PoolConfig(_Strict):
+    """Pool changes of a local job (``nereus-launch local``); on a cluster the scheduler decides.
+    Both may be given; their changes add up."""
+
+    schedule: list[PoolEventConfig] = Field(default_factory=list)
+    """Single events at given steps or times."""
+    trace: PoolTraceConfig | None = None
+    """A spot-availability trace scaled to the job's devices."""
+
+
+AdaptationConfig.model_rebuild()
+
+
+class JobConfig(_Strict):
+    """A whole job YAML."""
+
+    name: str = "nereus-job"
+    algorithm: Algorithm = Algorithm.GRPO
+    seed: int = 0
+    steps: int = Field(20, ge=1)
+    site: str = "local"
+    """Site config: a name under ``site_configs/`` or a path."""
+    devices: int | None = Field(None, ge=1)
+    """Devices the job uses (local mode: virtual devices); default: the site's node size."""
+    memory_gib: float | None = Field(None, gt=0.0)
+    """Override of the site's per-device memory capacity (local virtual devices)."""
+    models: ModelsConfig = ModelsConfig()
+    reward: RewardConfig = RewardConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    plan: PlanConfig = PlanConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    adaptation: AdaptationConfig = AdaptationConfig()
+    pool: PoolConfig = PoolConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, value: str) -> str:
+        if not value or any(ch in value for ch in "/\\\n"):
+            raise ValueError(f"expected a short name without slashes, got {value!r}")
+        return value
+
+
+def format_validation_error(source: str, err: ValidationError) -> str:
+    """One line per problem: ``<source>: <dotted.key[index]>: <message>, got <value>``."""
+    lines = []
+    for item in err.errors():
+        key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in item["loc"]).lstrip(".")
+        key = key or "<top>"
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif item["type"] == "missing":
+            msg = "required key is missing"
+        got = item.get("input")
+        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {got!r}"
+        lines.append(f"{source}: {key}: {msg}{suffix}")
+    return "\n".join(lines)
+
+
+def load_yaml_mapping(path: Path) -> Mapping[str, Any]:
+    """Read a YAML file whose top level must be a mapping.
+
+    Raises:
+        ConfigError: if the file is missing, not YAML, or not a mapping.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_job(data: Mapping[str, Any], source: str = "<job>") -> JobConfig:
+    """Validate a job mapping.
+
+    Raises:
+        ConfigError: naming ``source`` and each offending dotted key.
+    """
+    try:
+        return JobConfig.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(source, err)) from None
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Load and validate a job YAML (schema only; see ``nereusd.config.resolve.resolve_job``).
+
+    Raises:
+        ConfigError: the file is missing or malformed; the message names the file and key.
+    """
+    path = Path(path)
+    return parse_job(load_yaml_mapping(path), source=path.name)

@@ -1,0 +1,294 @@
+"""A job resolved against its site and models: model specs per role, the launch plan, budgets.
+
+:func:`resolve_job` turns a validated :class:`~nereusd.config.job.JobConfig` into a
+:class:`ResolvedJob` and checks everything that must hold before a process starts: model
+directories exist, the plan's degrees multiply to its devices, heads and layers divide, the
+global batch is exact (``dp × micro_batch × grad_accum``). Errors name the job file and key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nereusd.config.job import Algorithm, JobConfig, StagePlanConfig, load_job
+from nereusd.errors import ConfigError, PlanError
+from nereusd.models import ModelSpec
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+
+#: Model-stages of each algorithm (before the optional reward model), in canonical order.
+#: Sources: PPO (Ouyang et al., 2022; paper Fig. 2), GRPO (Shao et al., 2024: no critic),
+#: ReMax (Li et al., 2024: no critic, a greedy rollout as baseline).
+_BASE_STAGES: dict[Algorithm, tuple[ModelStage, ...]] = {
+    Algorithm.PPO: (
+        ModelStage(Role.ACTOR, Stage.GENERATION),
+        ModelStage(Role.ACTOR, Stage.INFERENCE),
+        ModelStage(Role.CRITIC, Stage.INFERENCE),
+        ModelStage(Role.REFERENCE, Stage.INFERENCE),
+        ModelStage(Role.ACTOR, Stage.TRAINING),
+        ModelStage(Role.CRITIC, Stage.TRAINING),
+    ),
+    Algorithm.GRPO: (
+        ModelStage(Role.ACTOR, Stage.GENERATION),
+        ModelStage(Role.ACTOR, Stage.INFERENCE),
+        ModelStage(Role.REFERENCE, Stage.INFERENCE),
+        ModelStage(Role.ACTOR, Stage.TRAINING),
+    ),
+    Algorithm.REMAX: (
+        ModelStage(Role.ACTOR, Stage.GENERATION),
+        ModelStage(Role.ACTOR, Stage.INFERENCE),
+        ModelStage(Role.REFERENCE, Stage.INFERENCE),
+        ModelStage(Role.ACTOR, Stage.TRAINING),
+    ),
+}
+
+
+def job_model_stages(algorithm: Algorithm, reward_model: bool) -> tuple[ModelStage, ...]:
+    """Model-stages of one RL step for ``algorithm`` (plus ``reward/inference`` when scored by a model)."""
+    stages = _BASE_STAGES[algorithm]
+    if reward_model:
+        stages = stages + (ModelStage(Role.REWARD, Stage.INFERENCE),)
+    return tuple(sorted(stages, key=ModelStage.sort_key))
+
+
+@dataclass(frozen=True)
+class RoleModel:
+    """Where one role's initial weights come from and its shape."""
+
+    role: Role
+    spec: ModelSpec
+    path: str | None
+    """HF directory to load, or None for a seeded random initialisation."""
+    value_head: bool
+    """Critic and reward model carry a scalar value head."""
+    init_from_actor: bool = False
+    """Critic default: the actor's trunk (from ``path``) with a new value head."""
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A job ready to run: config, its directory, role models, launch plan, device budget."""
+
+    config: JobConfig
+    source: str
+    base_dir: Path
+    devices: int
+    device_memory_bytes: int
+    site_name: str
+    roles: dict[Role, RoleModel]
+    plan: Plan
+    grad_accum: dict[ModelStage, int] = field(default_factory=dict)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.config.rollout.prompts_per_step * self.config.rollout.group_size
+
+
+def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
+    path = (base_dir / value).resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'})")
+    return str(path)
+
+
+def _resolve_roles(job: JobConfig, base_dir: Path, source: str, reward_model: bool) -> dict[Role, RoleModel]:
+    models = job.models
+    if models.actor and models.actor_config:
+        raise ConfigError(f"{source}: models: give either actor or actor_config, not both")
+    if models.actor:
+        actor_path = _resolve_path(base_dir, models.actor, "models.actor", source)
+        actor_spec = ModelSpec.from_pretrained_dir(actor_path)
+    elif models.actor_config:
+        actor_path = None
+        try:
+            actor_spec = ModelSpec(**models.actor_config)
+        except TypeError as err:
+            raise ConfigError(f"{source}: models.actor_config: {err}") from None
+        except ConfigError as err:
+            raise ConfigError(f"{source}: models.actor_config: {err}") from None
+    else:
+        raise ConfigError(f"{source}: models.actor: required (a model directory) unless actor_config is given")
+    roles = {Role.ACTOR: RoleModel(Role.ACTOR, actor_spec, actor_path, value_head=False)}
+
+    if models.reference:
+        ref_path = _resolve_path(base_dir, models.reference, "models.reference", source)
+        roles[Role.REFERENCE] = RoleModel(Role.REFERENCE, ModelSpec.from_pretrained_dir(ref_path), ref_path, False)
+    else:
+        roles[Role.REFERENCE] = RoleModel(Role.REFERENCE, actor_spec, actor_path, False)
+
+    if job.algorithm == Algorithm.PPO:
+        if models.critic:
+            critic_path = _resolve_path(base_dir, models.critic, "models.critic", source)
+            roles[Role.CRITIC] = RoleModel(Role.CRITIC, ModelSpec.from_pretrained_dir(critic_path), critic_path, True)
+        else:
+            roles[Role.CRITIC] = RoleModel(Role.CRITIC, actor_spec, actor_path, True, init_from_actor=True)
+    elif models.critic:
+        raise ConfigError(f"{source}: models.critic: {job.algorithm.value} has no critic; remove the key")
+
+    if reward_model:
+        if not models.reward:
+            raise ConfigError(f"{source}: models.reward: required when reward.kind is 'model'")
+        reward_path = _resolve_path(base_dir, models.reward, "models.reward", source)
+        roles[Role.REWARD] = RoleModel(Role.REWARD, ModelSpec.from_pretrained_dir(reward_path), reward_path, True)
+    elif models.reward:
+        raise ConfigError(f"{source}: models.reward: given but reward.kind is 'verifier'")
+    return roles
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int, where: str) -> None:
+    """Check that ``(tp, pp)`` can shard ``spec`` per DESIGN.md's sharding table.
+
+    Raises:
+        PlanError: naming ``where`` and the divisibility that fails.
+    """
+    problems = []
+    if spec.num_heads % tp:
+        problems.append(f"num_heads={spec.num_heads} is not divisible by tp={tp}")
+    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+        problems.append(f"num_kv_heads={spec.num_kv_heads} and tp={tp}: one must divide the other")
+    if spec.intermediate_size % tp:
+        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
+    if spec.vocab_size % tp:
+        problems.append(f"vocab_size={spec.vocab_size} is not divisible by tp={tp}")
+    if spec.num_layers % pp:
+        problems.append(f"num_layers={spec.num_layers} is not divisible by pp={pp}")
+    if problems:
+        raise PlanError(f"{where}: " + "; ".join(problems))
+
+
+def _resolve_candidate(
+    ms: ModelStage, default: StagePlanConfig, override: StagePlanConfig | None, devices: int,
+    spec: ModelSpec, job: JobConfig, source: str,
+) -> tuple[Candidate, int]:
+    key = f"plan.model_stages.{ms}" if override is not None else "plan.default"
+    merged = default.model_dump()
+    if override is not None:
+        merged.update({k: v for k, v in override.model_dump().items() if v is not None})
+    devs = merged["devices"] if merged["devices"] is not None else list(range(devices))
+    bad = [d for d in devs if not 0 <= d < devices]
+    if bad:
+        raise ConfigError(f"{source}: {key}.devices: {bad} outside the job's devices 0..{devices - 1}")
+    tp = merged["tp"] or 1
+    pp = merged["pp"] or 1
+    if ms.stage == Stage.GENERATION and pp > 1:
+        if override is not None and override.pp not in (None, 1):
+            raise ConfigError(
+                f"{source}: {key}.pp: generation folds PP into DP, pp must be 1, got {override.pp}"
+            )
+        pp = 1
+    if len(devs) % (tp * pp):
+        raise ConfigError(f"{source}: {key}: {len(devs)} devices are not a multiple of tp·pp = {tp}·{pp}")
+    dp = merged["dp"] or len(devs) // (tp * pp)
+    if tp * pp * dp != len(devs):
+        raise ConfigError(
+            f"{source}: {key}: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but {len(devs)} devices given"
+        )
+    try:
+        check_layout(spec, tp, pp, f"{source}: {key}")
+        micro_batch = merged["micro_batch"] or job.train.micro_batch
+        cand = Candidate(tp, pp, dp, tuple(devs), micro_batch=micro_batch, recompute=bool(merged["recompute"]))
+    except PlanError as err:
+        msg = str(err)
+        raise ConfigError(msg if msg.startswith(source) else f"{source}: {key}: {msg}") from None
+    grad_accum = 1
+    if ms.stage == Stage.TRAINING:
+        gb = job.train.global_batch
+        if gb % (dp * micro_batch):
+            raise ConfigError(
+                f"{source}: {key}: global_batch={gb} is not dp·micro_batch·grad_accum for "
+                f"dp={dp}, micro_batch={micro_batch} ({gb} % {dp * micro_batch} != 0)"
+            )
+        grad_accum = gb // (dp * micro_batch)
+    return cand, grad_accum
+
+
+def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobConfig,
+                        source: str) -> tuple[Candidate, int]:
+    """``plan.default`` on devices ``0 … n−1`` for the largest ``n ≤ devices`` that resolves
+    (e.g. 3 devices cannot split a global batch of 8); raises the all-devices error when none does."""
+    first: ConfigError | None = None
+    for n in range(devices, 0, -1):
+        default = job.plan.default.model_copy(update={"devices": list(range(n)), "dp": None})
+        try:
+            return _resolve_candidate(ms, default, None, devices, spec, job, source)
+        except ConfigError as err:
+            first = first or err
+    raise first
+
+
+def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: int,
+                site_memory_bytes: int, site_name: str) -> ResolvedJob:
+    """Resolve ``job`` against a site's device count and memory.
+
+    Raises:
+        ConfigError: naming ``source`` and the key for every inconsistency.
+    """
+    devices = job.devices or site_devices
+    if devices > site_devices:
+        raise ConfigError(f"{source}: devices: {devices} requested but site {site_name!r} has {site_devices}")
+    memory = int(job.memory_gib * 2**30) if job.memory_gib else site_memory_bytes
+    reward_model = job.reward.kind == "model"
+    roles = _resolve_roles(job, base_dir, source, reward_model)
+    stages = job_model_stages(job.algorithm, reward_model)
+    seqs = job.rollout.prompts_per_step * job.rollout.group_size
+    if seqs % job.train.global_batch:
+        raise ConfigError(
+            f"{source}: train.global_batch: {job.train.global_batch} does not divide the "
+            f"{seqs} sequences of a step (rollout.prompts_per_step × rollout.group_size)"
+        )
+    if job.algorithm == Algorithm.GRPO and job.rollout.group_size < 2:
+        raise ConfigError(f"{source}: rollout.group_size: GRPO needs groups of at least 2, got {job.rollout.group_size}")
+    for i, event in enumerate(job.pool.schedule):
+        if event.at_step is not None and event.at_step >= job.steps:
+            raise ConfigError(f"{source}: pool.schedule[{i}].at_step: {event.at_step} is never reached (boundaries "
+                              f"come before steps 1..{job.steps - 1}; steps: {job.steps})")
+        if event.remove and event.remove >= devices + sum(e.add or 0 for e in job.pool.schedule[:i]):
+            raise ConfigError(f"{source}: pool.schedule[{i}].remove: {event.remove} would leave the job no device "
+                              f"(devices: {devices})")
+    known = {str(m) for m in stages}
+    for name in job.plan.model_stages:
+        if name not in known:
+            raise ConfigError(
+                f"{source}: plan.model_stages.{name}: not a model-stage of {job.algorithm.value} "
+                f"(one of {sorted(known)})"
+            )
+    candidates, grad_accum = {}, {}
+    for ms in stages:
+        try:
+            cand, accum = _resolve_candidate(
+                ms, job.plan.default, job.plan.model_stages.get(str(ms)), devices, roles[ms.role].spec, job, source
+            )
+        except ConfigError:
+            if "plan" in job.model_fields_set or not job.adaptation.enabled:
+                raise
+            # no plan in the YAML and the planner picks the launch plan: this is only the
+            # fallback plan, on the most devices whose batch split works
+            cand, accum = _fallback_candidate(ms, devices, roles[ms.role].spec, job, source)
+        candidates[ms] = cand
+        grad_accum[ms] = accum
+    max_len = max(s.spec.max_position for s in roles.values())
+    prompt_budget = 16
+    if job.rollout.max_new_tokens + prompt_budget > max_len:
+        raise ConfigError(
+            f"{source}: rollout.max_new_tokens: {job.rollout.max_new_tokens} plus the prompt exceeds the "
+            f"model's max_position={max_len}"
+        )
+    return ResolvedJob(job, source, base_dir, devices, memory, site_name, roles, Plan(candidates), grad_accum)
+
+
+def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:
+    """Load a job YAML and resolve it against its site config.
+
+    Raises:
+        ConfigError: for any problem in the job or site files.
+    """
+    from nereusd.config.site import load_site  # local import: the site schema lives in its own module
+
+    path = Path(path)
+    job = load_job(path)
+    site = (site_loader or load_site)(job.site)
+    return resolve_job(
+        job, source=path.name, base_dir=path.resolve().parent,
+        site_devices=site.nodes * site.devices_per_node,
+        site_memory_bytes=site.device_memory_bytes, site_name=site.name,
+    )

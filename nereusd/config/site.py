@@ -1,0 +1,335 @@
+"""Site configs: the hardware of a cluster (or of this machine, in local mode).
+
+A site YAML (``site_configs/<name>.yaml``) gives the node shape, the device (kind, memory,
+peak compute per dtype, HBM bandwidth) and the links (intra-node, inter-node). The cost and
+memory models and the planner read nothing else about the hardware.
+
+Units: ``*_gbps`` are **gigabytes per second** (10^9 bytes/s) per device and per direction,
+``*_tflops`` are 10^12 FLOP/s per device (dense, no sparsity), ``memory_gib`` is 2^30 bytes.
+
+The ``slurm:`` section (partition, account, QoS, constraint, GPUs per node and the GRES syntax,
+time limit, modules or container; :class:`~nereusd.config.site_slurm.SlurmSpec`) says how to ask the
+cluster's Slurm for nodes; ``env:`` gives the communication environment the site needs (NCCL or
+RCCL variables, the OFI/CXI provider for Slingshot, InfiniBand HCAs and the socket interface).
+Both are validated as strictly as the rest (:mod:`nereusd.config.site_slurm`). A site without a
+``slurm:`` section can be planned for but not submitted to.
+
+Loading is strict: unknown keys, missing keys and values of the wrong type raise
+:class:`~nereusd.errors.ConfigError` with the file name and the dotted key, e.g.
+``h200-ib.yaml: network.inter_node_gbps: expected a number, got 'fast'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from nereusd.errors import ConfigError
+from nereusd.config.site_slurm import ContainerSpec, SlurmSpec, check_env, check_slurm  # noqa: F401 (re-exported)
+
+GIB = 1 << 30
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+DeviceKind = Literal["cpu", "cuda", "rocm"]
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+#: Directories searched, in order, for a bare site name ``NAME`` → ``NAME.yaml``.
+#: ``$NEREUS_SITE_CONFIGS`` (if set) comes first, then the repository's ``site_configs/``.
+SITE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "site_configs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one virtual CPU device in local mode)."""
+
+    kind: DeviceKind
+    """``cpu`` (virtual device, gloo), ``cuda`` (NCCL) or ``rocm`` (RCCL)."""
+    model: str
+    """Marketing name, for reports only."""
+    memory_gib: float
+    """Usable device memory in GiB (2^30 bytes)."""
+    peak_tflops: Mapping[str, float]
+    """Dense peak compute in TFLOP/s per dtype (keys among fp32, tf32, bf16, fp16, fp8)."""
+    hbm_gbps: float
+    """Device memory bandwidth in GB/s (10^9 bytes/s); bounds decoding."""
+    compute_dtype: Dtype = "bf16"
+    """Dtype that jobs on this site compute in by default (``fp32`` for CPU devices)."""
+    layer_launch_us: float = 0.0
+    """Fixed time per transformer layer per decode step, microseconds: kernel launches and
+    framework dispatch, independent of the batch. It makes generation waves cost what they
+    do on small batches (decode that is neither HBM- nor compute-bound). 0: not modelled."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSpec:
+    """Links between devices; bandwidths per device and direction, in GB/s (10^9 bytes/s)."""
+
+    intra_node_gbps: float
+    """Device-to-device bandwidth inside a node (NVLink, Infinity Fabric, loopback)."""
+    inter_node_gbps: float
+    """Per-device bandwidth across nodes (one NIC share per device)."""
+    intra_node_latency_us: float = 5.0
+    """Per-message latency inside a node, microseconds (α of the α-β model)."""
+    inter_node_latency_us: float = 10.0
+    """Per-message latency across nodes, microseconds."""
+    communicator_setup_s: float = 0.5
+    """Seconds to create one new communicator (NCCL/RCCL/gloo group), used by transitions."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteConfig:
+    """A cluster's hardware as loaded from a site YAML (never mutated after load)."""
+
+    name: str
+    """Site name; a bare ``--site NAME`` finds ``site_configs/NAME.yaml``."""
+    nodes: int
+    """Nodes to plan for by default (the launcher may allocate another count)."""
+    devices_per_node: int
+    """Accelerators per node (virtual devices in local mode)."""
+    device: DeviceSpec
+    network: NetworkSpec
+    description: str = ""
+    """Free text: where the numbers come from."""
+    slurm: SlurmSpec | None = None
+    """How to ask this cluster's Slurm for nodes; ``None``: the site cannot be submitted to."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Environment exported to nereusd, agents and workers (NCCL/RCCL, OFI/CXI, IB HCA, …)."""
+    source: str = ""
+    """Path the config was loaded from ("" when built in code)."""
+
+    @property
+    def device_kind(self) -> str:
+        return self.device.kind
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Capacity of one device in bytes (``memory_gib · 2^30``)."""
+        return int(round(self.device.memory_gib * GIB))
+
+    @property
+    def total_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.device.hbm_gbps * 1e9
+
+    @property
+    def layer_launch_s(self) -> float:
+        """:attr:`DeviceSpec.layer_launch_us` in seconds."""
+        return self.device.layer_launch_us * 1e-6
+
+    @property
+    def intra_node_gbps(self) -> float:
+        return self.network.intra_node_gbps
+
+    @property
+    def inter_node_gbps(self) -> float:
+        return self.network.inter_node_gbps
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.device.compute_dtype
+
+    def peak_flops(self, dtype: str | None = None) -> float:
+        """Dense peak FLOP/s of one device for ``dtype`` (default: the site's ``compute_dtype``).
+
+        Falls back to fp32 when the dtype is not listed (a CPU without bf16 units).
+
+        Raises:
+            ConfigError: if neither ``dtype`` nor fp32 is listed.
+        """
+        peaks = self.device.peak_tflops
+        dtype = dtype or self.device.compute_dtype
+        if dtype in peaks:
+            return peaks[dtype] * 1e12
+        if "fp32" in peaks:
+            return peaks["fp32"] * 1e12
+        raise ConfigError(f"{self.name}: device.peak_tflops: no entry for {dtype!r} or 'fp32'")
+
+    def node_of(self, device: int) -> int:
+        """Node index of global device index ``device`` (``device // devices_per_node``)."""
+        return device // self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> "SiteConfig":
+        """The same site with another node count (a new object; this one is unchanged).
+
+        Raises:
+            ConfigError: if ``nodes`` < 1.
+        """
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ConfigError(f"{self.name}: nodes: expected a positive integer, got {nodes!r}")
+        return dataclasses.replace(self, nodes=nodes)
+
+
+def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
+    """Find the YAML for a path or a bare site name.
+
+    A value containing a path separator or ending in ``.yaml``/``.yml`` is a path. A bare name
+    ``NAME`` is looked up as ``NAME.yaml`` in ``$NEREUS_SITE_CONFIGS`` (if set), then in the
+    repository's ``site_configs/``.
+
+    Raises:
+        ConfigError: if nothing is found; the message lists where it looked.
+    """
+    text = os.fspath(path_or_name)
+    if os.sep in text or "/" in text or text.endswith((".yaml", ".yml")):
+        path = Path(text)
+        if not path.is_file():
+            raise ConfigError(f"{text}: no such site config file")
+        return path
+    dirs = []
+    if os.environ.get("NEREUS_SITE_CONFIGS"):
+        dirs.append(Path(os.environ["NEREUS_SITE_CONFIGS"]))
+    dirs.append(SITE_CONFIG_DIR)
+    for d in dirs:
+        candidate = d / f"{text}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+    raise ConfigError(f"site {text!r}: not found in {[str(d) for d in dirs]} (known: {known})")
+
+
+def load_site(path_or_name: str | os.PathLike) -> SiteConfig:
+    """Load and validate a site config from a path or a bare name (see :func:`resolve_site_path`).
+
+    Raises:
+        ConfigError: ``<file>: <dotted.key>: <problem>`` for unknown or missing keys and values
+            of the wrong type or range; also for unreadable files or YAML syntax errors.
+    """
+    path = resolve_site_path(path_or_name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path.name}: not valid YAML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err}") from None
+    return site_from_dict(data, source=str(path))
+
+
+def site_from_dict(data: Any, source: str = "<site>") -> SiteConfig:
+    """Validate a parsed YAML document into a :class:`SiteConfig`.
+
+    Raises:
+        ConfigError: as :func:`load_site`, naming ``Path(source).name``.
+    """
+    label = Path(source).name or source
+    site = _build(SiteConfig, data, label, "", skip=("source",))
+    if site.slurm is not None:
+        check_slurm(site.slurm, device_kind=site.device.kind, devices_per_node=site.devices_per_node, label=label)
+    check_env(site.env, label=label)
+    return dataclasses.replace(site, source=source)
+
+
+# ---------------------------------------------------------------------------------------------
+# The strict builder: walks a frozen dataclass's fields and their type hints.
+
+def _fail(label: str, key: str, problem: str) -> ConfigError:
+    return ConfigError(f"{label}: {key or '<top>'}: {problem}")
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _build(cls: type, data: Any, label: str, prefix: str, skip: tuple[str, ...] = ()) -> Any:
+    if not isinstance(data, Mapping):
+        raise _fail(label, prefix, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+    unknown = sorted(str(k) for k in data if k not in fields)
+    if unknown:
+        raise _fail(label, _join(prefix, unknown[0]), f"unknown key (allowed: {sorted(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(prefix, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _fail(label, key, "required key is missing")
+            continue
+        kwargs[name] = _value(hints[name], data[name], label, key)
+    _check_ranges(cls, kwargs, label, prefix)
+    return cls(**kwargs)
+
+
+def _value(hint: Any, value: Any, label: str, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, label, key)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        assert len(args) == 1, hint
+        return _value(args[0], value, label, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _fail(label, key, f"expected true or false, got {value!r}")
+        return value
+    if hint == tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise _fail(label, key, f"expected a list of strings, got {value!r}")
+        return tuple(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise _fail(label, key, f"expected a string, got {value!r}")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _fail(label, key, f"expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _fail(label, key, f"expected a number, got {value!r}")
+        return float(value)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise _fail(label, key, f"expected one of {list(allowed)}, got {value!r}")
+        return value
+    if hint == Mapping[str, float]:
+        if not isinstance(value, Mapping):
+            raise _fail(label, key, f"expected a mapping, got {value!r}")
+        out = {}
+        for k, v in value.items():
+            if k not in DTYPES:
+                raise _fail(label, f"{key}.{k}", f"unknown dtype (allowed: {list(DTYPES)})")
+            out[k] = _value(float, v, label, f"{key}.{k}")
+            if out[k] <= 0:
+                raise _fail(label, f"{key}.{k}", f"expected a positive number, got {v!r}")
+        if not out:
+            raise _fail(label, key, "expected at least one dtype")
+        return MappingProxyType(out)
+    if hint == Mapping[str, str]:
+        if not isinstance(value, Mapping):
+            raise _fail(label, key, f"expected a mapping of names to strings, got {value!r}")
+        for k, v in value.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise _fail(label, f"{key}.{k}", f"expected a string value, got {v!r}")
+        return MappingProxyType(dict(value))
+    raise AssertionError(f"site loader cannot handle {hint!r} at {key}")
+
+
+_POSITIVE = {
+    SiteConfig: ("nodes", "devices_per_node"),
+    DeviceSpec: ("memory_gib", "hbm_gbps"),
+    NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
+}
+_NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
+                 DeviceSpec: ("layer_launch_us",)}
+
+
+def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
+    for name in _POSITIVE.get(cls, ()):
+        if name in kwargs and kwargs[name] <= 0:
+            raise _fail(label, _join(prefix, name), f"expected a positive number, got {kwargs[name]!r}")
+    for name in _NON_NEGATIVE.get(cls, ()):
+        if name in kwargs and kwargs[name] < 0:
+            raise _fail(label, _join(prefix, name), f"expected a number >= 0, got {kwargs[name]!r}")

@@ -1,0 +1,175 @@
+"""Admission: feasibility, payback and the urgent path (paper §4.3; DESIGN.md step 4).
+
+- *Feasibility*: a target whose transition DAG does not fit memory (reported by the transition
+  engine) is skipped; the next, slightly slower target with a cheaper transition is tried
+  before keeping the current plan.
+- *Profitability* (opportunistic transitions): admit when ``L_tran / ΔL ≤ γ · H_x`` with
+  ``ΔL = L̂_step(S) − L̂_step(S*)``, ``γ = 0.5`` by default, ``H_x`` the smallest horizon of the
+  triggering signals. ``γ = 0`` admits only urgent transitions.
+- *Urgent path* (pool change, predicted OOM): profitability is waived; the first feasible
+  target is taken; if the planner finds none, smaller micro-batches and then recomputation are
+  tried (:func:`urgent_replan`); if still nothing fits, the verdict is checkpoint/restart.
+
+Every decision is a :class:`Decision` whose :meth:`Decision.to_json_line` is one JSONL record
+explaining it (trigger, ΔL, L_tran, H_x, γ, verdict, alternatives).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from nereusd.cost.model import CostModel
+from nereusd.control.monitor import Trigger
+from nereusd.plan import Plan
+from nereusd.planner.search import Infeasible, Planner, PlanResult
+from nereusd.planner.space import PlannerOptions, PlanProblem
+
+DEFAULT_GAMMA = 0.5
+ADMIT, REJECT, KEEP, RESTART = "admit", "reject", "keep", "checkpoint_restart"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A candidate target plan ``S*`` with its predictions.
+
+    Attributes:
+        plan: the target plan.
+        step_latency_s: ``L̂_step(S*)``.
+        transition_s: ``L̂_tran`` of the transition DAG from the current plan.
+        feasible: whether the DAG fits memory at every operation.
+        reason: why not, when infeasible.
+    """
+
+    plan: Plan
+    step_latency_s: float
+    transition_s: float
+    feasible: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One admission decision and everything that explains it."""
+
+    step: int
+    verdict: str
+    urgent: bool
+    triggers: tuple[Trigger, ...]
+    current_step_latency_s: float
+    gamma: float
+    horizon_steps: float
+    target: Target | None = None
+    delta_l_s: float | None = None
+    l_tran_s: float | None = None
+    payback_steps: float | None = None
+    alternatives: tuple[dict, ...] = field(default_factory=tuple)
+    reason: str = ""
+
+    @property
+    def admitted(self) -> bool:
+        return self.verdict == ADMIT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": "admission", "step": self.step, "verdict": self.verdict, "urgent": self.urgent,
+            "triggers": [t.to_dict() for t in self.triggers],
+            "current_step_latency_s": self.current_step_latency_s,
+            "target_step_latency_s": self.target.step_latency_s if self.target else None,
+            "delta_l_s": self.delta_l_s, "l_tran_s": self.l_tran_s, "h_x": self.horizon_steps,
+            "gamma": self.gamma, "payback_steps": self.payback_steps,
+            "target_plan": self.target.plan.to_dict() if self.target and self.admitted else None,
+            "alternatives": list(self.alternatives), "reason": self.reason,
+        }
+
+    def to_json_line(self) -> str:
+        """One line of JSON (no newline inside), for the job's event log."""
+        return json.dumps(self.to_dict(), sort_keys=True, default=str)
+
+
+def admit(
+    *,
+    step: int,
+    triggers: Sequence[Trigger],
+    current_step_latency_s: float,
+    targets: Sequence[Target],
+    horizon_steps: float,
+    gamma: float = DEFAULT_GAMMA,
+    current_valid: bool = True,
+) -> Decision:
+    """Decide whether to execute a transition.
+
+    Args:
+        triggers: what started the replan (any urgent one waives profitability).
+        current_step_latency_s: ``L̂_step(S)`` under the coming step's conditions.
+        targets: ``S*`` first, then slower fallbacks with cheaper transitions.
+        horizon_steps: ``H_x`` (the smallest of the triggering signals').
+        current_valid: False when the current plan cannot run any more (lost devices, OOM).
+
+    Returns:
+        ``admit`` with the chosen target; else ``reject`` (opportunistic), ``keep`` (urgent but
+        the current plan still runs) or ``checkpoint_restart`` (urgent, nothing fits).
+    """
+    urgent = any(t.urgent for t in triggers)
+    common = dict(step=step, urgent=urgent, triggers=tuple(triggers),
+                  current_step_latency_s=current_step_latency_s, gamma=gamma, horizon_steps=horizon_steps)
+    tried: list[dict] = []
+    for target in targets:
+        delta = current_step_latency_s - target.step_latency_s
+        payback = target.transition_s / delta if delta > 0 else float("inf")
+        record = {"step_latency_s": target.step_latency_s, "l_tran_s": target.transition_s,
+                  "delta_l_s": delta, "payback_steps": payback}
+        if not target.feasible:
+            tried.append(record | {"verdict": "infeasible", "reason": target.reason})
+            continue
+        if urgent:
+            return Decision(verdict=ADMIT, target=target, delta_l_s=delta, l_tran_s=target.transition_s,
+                            payback_steps=payback, alternatives=tuple(tried),
+                            reason="urgent: profitability waived", **common)
+        if delta <= 0:
+            tried.append(record | {"verdict": "no_gain", "reason": "not faster than the current plan"})
+            continue
+        if gamma > 0 and payback <= gamma * horizon_steps:
+            return Decision(verdict=ADMIT, target=target, delta_l_s=delta, l_tran_s=target.transition_s,
+                            payback_steps=payback, alternatives=tuple(tried),
+                            reason=f"payback {payback:.2f} steps <= gamma*H_x = {gamma * horizon_steps:.2f}",
+                            **common)
+        tried.append(record | {"verdict": "unprofitable",
+                               "reason": f"payback {payback:.2f} steps > gamma*H_x = {gamma * horizon_steps:.2f}"})
+    if urgent:
+        if current_valid:
+            return Decision(verdict=KEEP, alternatives=tuple(tried),
+                            reason="urgent trigger, no feasible target; the current plan still runs", **common)
+        return Decision(verdict=RESTART, alternatives=tuple(tried),
+                        reason="urgent trigger, no feasible target and the current plan cannot run", **common)
+    return Decision(verdict=REJECT, alternatives=tuple(tried),
+                    reason="no feasible, profitable target; keeping the current plan", **common)
+
+
+def urgent_replan(problem: PlanProblem, cost_model: CostModel, current: Plan | None = None,
+                  base: PlannerOptions | None = None) -> tuple[PlanResult | None, list[str]]:
+    """Plan for the urgent path, widening the space step by step.
+
+    Order: the job's own settings; then every power-of-two micro-batch up to the configured
+    one; then also full activation recomputation. Returns the first plan found (or None: the
+    caller checkpoints and restarts) and a line per attempt.
+    """
+    base = base or PlannerOptions()
+    configured = problem.workload.micro_batch
+    smaller = tuple(1 << k for k in range(configured.bit_length()) if (1 << k) <= configured)
+    attempts = [
+        ("job settings", base),
+        ("smaller micro-batch", PlannerOptions(base.any_divisor, smaller, base.allow_recompute, base.headroom, base.generation_pp)),
+        ("smaller micro-batch + recomputation", PlannerOptions(base.any_divisor, smaller, True, base.headroom, base.generation_pp)),
+    ]
+    log_lines: list[str] = []
+    for name, options in attempts:
+        try:
+            result = Planner(problem, cost_model, options).solve(current)
+        except Infeasible as err:
+            log_lines.append(f"{name}: {err}")
+            continue
+        log_lines.append(f"{name}: step {result.predicted_step_latency_s:.3f} s")
+        return result, log_lines
+    return None, log_lines

@@ -1,0 +1,360 @@
+"""Live adaptation, the pure controller: measurements in, decisions out (paper §4; DESIGN.md
+"One RL step", steps 2–4).
+
+At every safe boundary the job hands :meth:`Adapter.observe` what its last step measured and then
+asks :meth:`Adapter.boundary` what to do:
+
+1. *calibration* — each model-stage's measured task time refines the cost model's efficiency per
+   operation class (:meth:`nereusd.cost.calibration.Calibration.observe_stage`); measured peak memory
+   per device against the predicted peak gives a memory ratio (the largest of recent steps) that
+   widens the planner's headroom, ``1 − (1 − headroom)/ratio``; measured minus predicted
+   transition time gives the fixed cost of a transition (communicators, engine rebuilds) that
+   the DAG's byte-and-link model leaves out, added to every ``L̂_tran``;
+2. *triggers* — :class:`nereusd.control.monitor.Monitor`: the pool changed or the current plan's
+   predicted peak for the coming step exceeds the usable memory (urgent); the response length
+   or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
+   ``period`` steps;
+3. *replan* — :class:`nereusd.planner.search.Planner` (on the urgent path
+   :func:`nereusd.control.admission.urgent_replan`: smaller micro-batches, then recomputation), plus the
+   DP-only rescale of the current plan as a cheaper fallback target;
+4. *admission* — :func:`nereusd.control.admission.admit` with ``L̂_tran`` and memory feasibility of the
+   transition DAG (:func:`nereusd.transition.assess_transition`, memoised by
+   :class:`nereusd.transition.estimate.TransitionEstimator`).
+
+Length. The engine pads every micro-batch to its longest sequence and decodes until the longest
+response of a wave ends, so time and memory follow the *longest* response of a step, not the
+mean; the length signal is the step's longest response. The coming step's length is unknown:
+plans are checked and chosen for ``min(max_new_tokens, ⌈L·(1 + δ_len)⌉)``, the longest response
+the monitor would not yet call drift — so a plan is left *before* growth makes it run out of
+memory, not after.
+
+Pure: no torch, no sockets, no clock. The shell that executes decisions is
+:mod:`nereusd.daemon.live`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping
+
+from nereusd.control.admission import ADMIT, Decision, Target, admit, urgent_replan
+from nereusd.cost.calibration import Calibration
+from nereusd.cost.model import CostModel
+from nereusd.errors import PlanError
+from nereusd.config.resolve import ResolvedJob
+from nereusd.cost.memory import HEADROOM, usable_bytes
+from nereusd.control.monitor import EFFICIENCY, GPU_POOL, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.plan import ModelStage, Plan
+from nereusd.planner.search import Infeasible, Planner, PlanResult
+from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
+from nereusd.planner.rescale import dp_rescale
+from nereusd.transition.estimate import TransitionEstimator, plan_key
+from nereusd.config.site import SiteConfig
+from nereusd.workflow import Workload, build_workflow
+
+PERIOD, FORCED = "period", "forced"
+MEMORY_WINDOW = 8
+"""Steps whose measured/predicted peak ratio is remembered (the largest one is used)."""
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one RL step measured.
+
+    Attributes:
+        step: step index.
+        response_length_max: longest generated response (tokens).
+        model_stage_s: seconds per model-stage (its slowest device's task time, summed over the
+            step's tasks of that model-stage).
+        peak_bytes: measured peak bytes per device (all model-stages resident on it).
+        step_latency_s: wall time of the whole step.
+    """
+
+    step: int
+    response_length_max: int
+    model_stage_s: Mapping[ModelStage, float]
+    peak_bytes: Mapping[int, int]
+    step_latency_s: float
+
+
+def job_site(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...] = ()) -> SiteConfig:
+    """``site`` with the job's device memory and enough nodes to number every device of ``pool``."""
+    device = dataclasses.replace(site.device, memory_gib=job.device_memory_bytes / float(1 << 30))
+    nodes = max(site.nodes, math.ceil((max(pool, default=0) + 1) / site.devices_per_node))
+    return dataclasses.replace(site, device=device, nodes=nodes)
+
+
+def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], response_length: int,
+                prompt_length: int) -> PlanProblem:
+    """The plan problem of ``job``: its workflow, role models, one step's workload, ``pool``.
+
+    ``global_batch`` of the workload is the step's sequences; ``mini_batches`` the optimizer
+    steps per RL step (``sequences / train.global_batch``).
+    """
+    cfg = job.config
+    workflow = build_workflow(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
+                              asynchronous=cfg.rollout.max_staleness > 0)
+    seqs = job.sequences_per_step
+    workload = Workload(prompt_length=max(1, prompt_length), response_length=max(1, int(response_length)),
+                        global_batch=seqs, mini_batches=seqs // cfg.train.global_batch,
+                        micro_batch=cfg.train.micro_batch)
+    specs = {role: rm.spec for role, rm in job.roles.items()}
+    return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool))
+
+
+def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, headroom: float,
+          urgent: bool) -> tuple[PlanResult | None, list[str]]:
+    """The planner's best plan (urgent: widening micro-batch and recomputation); log lines."""
+    options = PlannerOptions(headroom=headroom)
+    if urgent:
+        return urgent_replan(problem, cost_model, current, options)
+    try:
+        return Planner(problem, cost_model, options).solve(current), []
+    except Infeasible as err:
+        return None, [str(err)]
+
+
+def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
+                calibration: Calibration | None = None) -> PlanResult:
+    """The plan for the job's initial conditions when its YAML gives none (paper §4.2).
+
+    Chosen for ``adaptation.launch_response_length`` (default ``rollout.max_new_tokens``) on
+    devices ``0 … devices−1``.
+
+    Raises:
+        Infeasible: when nothing fits, even with smaller micro-batches and recomputation.
+    """
+    length = job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens
+    problem = job_problem(job, site, tuple(range(job.devices)), length, prompt_length)
+    result, lines = solve(problem, CostModel(problem.site, calibration or Calibration()), None, HEADROOM, True)
+    if result is None:
+        raise Infeasible(f"no launch plan fits {job.devices} devices: " + "; ".join(lines))
+    return result
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A decision, the length it was planned for and the planner's log."""
+
+    decision: Decision
+    planned_length: int
+    planner_log: tuple[str, ...] = ()
+
+
+class Adapter:
+    """Calibrate, trigger, replan and admit for one running job (module docstring).
+
+    Args:
+        job: the resolved job (adaptation settings, models, batch).
+        site: the site as loaded (its memory is replaced by the job's).
+        plan: the running plan.
+        prompt_length: prompt tokens per sequence.
+        calibration: initial calibration (priors when omitted).
+    """
+
+    def __init__(self, job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_length: int,
+                 calibration: Calibration | None = None, pool: tuple[int, ...] | None = None) -> None:
+        self.job, self.site, self.plan = job, site, plan
+        self.cfg = job.config.adaptation
+        self.prompt_length = prompt_length
+        self.pool: tuple[int, ...] = tuple(sorted(pool)) if pool is not None else plan.devices()
+        """Devices of the world (default: the plan's); a boundary on another pool replans."""
+        self.calibration = calibration or Calibration()
+        problem = self.problem(self.pool, job.config.rollout.max_new_tokens)
+        self.cost_model = CostModel(problem.site, self.calibration)
+        self.monitor = Monitor(deltas={SEQUENCE_LENGTH: self.cfg.delta_length, EFFICIENCY: 0.20})
+        self.transitions = TransitionEstimator(problem.specs, problem.site, self.cost_model,
+                                               problem.workflow.concurrent_sets())
+        self._memory: deque[float] = deque(maxlen=MEMORY_WINDOW)
+        self.transition_overhead_s = 0.0
+        self._transitions_seen = 0
+        self.efficiency = 1.0
+        self.length = 1
+        self.predicted_step_s: float | None = None
+
+    # ---- problem ---------------------------------------------------------------------------
+    def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
+        return job_problem(self.job, self.site, pool, length, self.prompt_length)
+
+    def lookahead(self, length: int) -> int:
+        """The longest response the monitor would not call drift, capped at ``max_new_tokens``."""
+        cap = self.job.config.rollout.max_new_tokens
+        return int(min(cap, math.ceil(length * (1.0 + self.cfg.delta_length))))
+
+    def memory_ratio(self) -> float:
+        """Largest recent measured/predicted device peak (1 before any measurement)."""
+        return max(self._memory, default=1.0)
+
+    def headroom(self) -> float:
+        """Planner headroom widened by the memory ratio (at most 0.6)."""
+        return min(0.6, 1.0 - (1.0 - HEADROOM) / max(1.0, self.memory_ratio()))
+
+    # ---- measurements ----------------------------------------------------------------------
+    def observe(self, obs: StepObservation) -> dict:
+        """Calibrate from one step run under :attr:`plan`; returns predicted vs measured.
+
+        The prediction is the one made at the previous boundary for this step (``None`` at the
+        first step); ``measured_stage_path_s`` is the critical path of the measured model-stage
+        times, the quantity the cost model predicts (the step's wall time adds the driver's
+        own work and weight synchronisation).
+        """
+        self.length = max(1, obs.response_length_max)
+        problem = self.problem(self.pool, self.length)
+        ev = evaluate(problem, self.plan, self.cost_model)
+        stage_s = {m: s for m, s in obs.model_stage_s.items() if m in ev.options}
+        measured_path = problem.workflow.critical_path_s(stage_s) if len(stage_s) == len(ev.options) else None
+        if measured_path:
+            self.efficiency = ev.step_latency_s / measured_path
+        for ms, opt in ev.options.items():
+            if stage_s.get(ms, 0.0) > 0.0:
+                self.calibration.observe_stage(opt.cost_by_class, stage_s[ms])
+        measured_peak = max(obs.peak_bytes.values(), default=0)
+        predicted_peak = max((ev.peak_bytes.get(d, 0) for d in obs.peak_bytes), default=0)
+        if measured_peak and predicted_peak:
+            self._memory.append(measured_peak / predicted_peak)
+        self.cost_model.refresh()
+        record = {"step": obs.step, "predicted_step_latency_s": self.predicted_step_s,
+                  "measured_stage_path_s": measured_path, "measured_step_latency_s": obs.step_latency_s,
+                  "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
+                  "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max}
+        return record
+
+    def transition_measured(self, predicted_s: float, measured_s: float) -> None:
+        """Learn the fixed cost of a transition, ``measured − predicted`` seconds (EMA, weight 0.5;
+        the first measurement is taken as is)."""
+        extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
+        self.transition_overhead_s = extra if not self._transitions_seen else (
+            0.5 * self.transition_overhead_s + 0.5 * extra)
+        self._transitions_seen += 1
+
+    # ---- decisions -------------------------------------------------------------------------
+    def _target(self, source: Plan, plan: Plan, problem: PlanProblem, usable: int) -> Target:
+        ev = evaluate(problem, plan, self.cost_model)
+        est = self.transitions.estimate(source, plan)
+        over = ev.over_capacity(usable)
+        reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
+        l_tran = est.l_tran_s + (self.transition_overhead_s if plan_key(plan) != plan_key(source) else 0.0)
+        return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over,
+                      reason)
+
+    def boundary(self, step: int, pool: tuple[int, ...], *, source: Plan | None = None,
+                 forced: Plan | None = None) -> Outcome | None:
+        """Triggers, replan and admission at the safe boundary after ``step``.
+
+        Args:
+            pool: devices available now (sorted).
+            source: the units the transition would start from when devices of :attr:`plan` are
+                gone (the intact units); ``None``: :attr:`plan` is whole.
+            forced: a plan the operator forces (admission checks feasibility only).
+
+        Returns:
+            None when nothing triggered; else the outcome. An admitted decision is *not* applied
+            here: the shell calls :meth:`switched` once the transition ran.
+        """
+        current_valid = source is None
+        source = source if source is not None else self.plan
+        length = self.lookahead(self.length)
+        problem = self.problem(pool, length)
+        headroom = self.headroom()
+        usable = usable_bytes(problem.site.device_memory_bytes, headroom)
+        signals = {SEQUENCE_LENGTH: float(self.length), EFFICIENCY: self.efficiency}
+        peak, current_s = None, math.inf
+        if current_valid:
+            ev = evaluate(problem, self.plan, self.cost_model)
+            peak, current_s = max(ev.peak_bytes.values()), ev.step_latency_s
+        triggers = self.monitor.observe(step, signals=signals, pool=pool, predicted_peak_bytes=peak,
+                                        usable_bytes=usable if peak is not None else None)
+        if not current_valid and not any(t.signal == GPU_POOL for t in triggers):
+            triggers.append(Trigger(GPU_POOL, True, len(pool), len(self.pool), "devices of the running plan lost"))
+        elif tuple(pool) != tuple(self.pool) and not any(t.signal == GPU_POOL for t in triggers):
+            # the monitor's first observation only sets its reference: a pool change at the
+            # first boundary must still replan (devices leaving may hold the plan)
+            triggers.append(Trigger(GPU_POOL, True, len(pool), len(self.pool), "the pool changed"))
+        if self.cfg.period and step % self.cfg.period == 0:
+            triggers.append(Trigger(PERIOD, False, step, None, f"every {self.cfg.period} steps"))
+        if forced is not None:
+            triggers.append(Trigger(FORCED, True, step, None, "layout forced by the job's adaptation.forced"))
+        frozen = self.cfg.policy == "frozen"
+        if frozen:   # static framework: only a pool change (DP rescale) or a forced layout
+            triggers = [t for t in triggers if t.signal in (GPU_POOL, FORCED)]
+        if not triggers:
+            self.predicted_step_s = current_s if current_valid else None
+            return None
+        urgent = any(t.urgent for t in triggers)
+        lines: list[str] = []
+        targets: list[Target] = []
+        if forced is not None:
+            targets.append(self._target(source, forced, problem, usable))
+        elif frozen:
+            rescaled = dp_rescale(self.plan, problem, current=source)
+            if rescaled is not None:
+                targets.append(dataclasses.replace(self._target(source, rescaled, problem, usable), feasible=True))
+        else:
+            result, lines = solve(problem, self.cost_model, self.plan, headroom, urgent)
+            if result is not None:
+                targets.append(self._target(source, result.plan, problem, usable))
+            rescaled = dp_rescale(self.plan, problem, current=source)
+            if rescaled is not None and (result is None or plan_key(rescaled) != plan_key(result.plan)) \
+                    and plan_key(rescaled) != plan_key(self.plan):
+                targets.append(self._target(source, rescaled, problem, usable))
+        horizons = [self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(self.cfg.period or 1)
+                    for t in triggers]
+        gamma = self.cfg.gamma
+        if not urgent and targets and plan_key(targets[0].plan) == plan_key(self.plan):
+            targets = targets[1:]   # the planner keeps the running plan: nothing to switch to
+        decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
+                         horizon_steps=min(horizons), gamma=gamma if math.isfinite(gamma) else 1e18,
+                         current_valid=current_valid)
+        if decision.verdict == ADMIT and plan_key(decision.target.plan) == plan_key(source):
+            decision = dataclasses.replace(decision, verdict="keep", reason="the planner keeps the running plan")
+        self.monitor.replanned(signals)
+        self.predicted_step_s = decision.target.step_latency_s if decision.admitted else (
+            current_s if current_valid else None)
+        return Outcome(decision, length, tuple(lines))
+
+    def restart_plan(self, pool: tuple[int, ...]) -> PlanResult:
+        """The plan a restart after an out-of-memory failure goes to: the planner's plan for the
+        longest response ``max_new_tokens`` (urgent path: smaller micro-batch, recomputation).
+
+        Raises:
+            Infeasible: when nothing holds it.
+        """
+        problem = self.problem(pool, self.job.config.rollout.max_new_tokens)
+        result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
+        if result is None:
+            raise Infeasible("no plan holds the longest response: " + "; ".join(lines))
+        return result
+
+    def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
+        """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""
+        self.plan, self.pool = plan, tuple(pool)
+
+    def pool_changed(self, pool: tuple[int, ...]) -> None:
+        """Devices joined without changing the plan (they stay spares until a replan uses them)."""
+        self.pool = tuple(pool)
+
+
+def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]) -> Plan:
+    """``current`` with the per-model-stage overrides of an ``adaptation.forced`` entry.
+
+    Unspecified degrees keep the current values; ``dp`` defaults to ``devices / (tp·pp)``.
+
+    Raises:
+        PlanError: naming the model-stage when the override does not fit its devices.
+    """
+    out = dict(current.candidates)
+    for name, cfg in overrides.items():
+        ms = ModelStage.parse(name)
+        cur = current[ms]
+        devices = tuple(cfg.devices) if cfg.devices is not None else cur.devices
+        tp, pp = cfg.tp or cur.tp, cfg.pp or cur.pp
+        if len(devices) % (tp * pp):
+            raise PlanError(f"adaptation.forced: {ms}: {len(devices)} devices are not a multiple of tp·pp={tp * pp}")
+        dp = cfg.dp or len(devices) // (tp * pp)
+        mb = cfg.micro_batch if cfg.micro_batch is not None else cur.micro_batch
+        out[ms] = dataclasses.replace(cur, tp=tp, pp=pp, dp=dp, devices=devices[:tp * pp * dp], micro_batch=mb,
+                                      recompute=cfg.recompute if cfg.recompute is not None else cur.recompute)
+    return Plan(out)

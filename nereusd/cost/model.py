@@ -1,0 +1,388 @@
+"""Cost model: predicted seconds of a model-stage candidate, of an RL step, and of data movement.
+
+Every prediction is a sum over operation classes of ``ideal_s / efficiency`` where ``ideal_s``
+is the time at hardware peak (site config) and ``efficiency`` comes from
+:class:`~nereusd.cost.calibration.Calibration` (paper §4.2). Formulas (DESIGN.md "Cost model"):
+
+- training FLOPs per token ``6·P + 12·L·q·s`` (Narayanan et al. 2021, "Efficient Large-Scale
+  Language Model Training on GPU Clusters", Eq. 3, with ``q = heads·head_dim``), ``8·P + 16·L·q·s``
+  with full recomputation; inference ``2·P + 4·L·q·s``;
+- decoding is memory-bound: per token step a replica reads its weights and KV cache from HBM
+  (roofline with the compute bound, Williams et al. 2009);
+- TP: two all-reduces per layer forward, four with backward (Shoeybi et al. 2019, §3), of
+  ``b·s·h`` activations; ring all-reduce ``2(n−1)/n · bytes / bw + 2(n−1)·α`` (Thakur et al. 2005);
+- PP: ``(m + pp − 1)`` micro-batch slots for ``m`` micro-batches (GPipe/1F1B bubble
+  ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus p2p activation sends;
+- DP: ring all-reduce of the gradient shard ``P/(tp·pp)`` per optimizer step on the slowest
+  link of the group;
+- the step latency is the critical path of the execution-overlap graph
+  (:meth:`nereusd.workflow.Workflow.critical_path_s`).
+
+Placement assumption: replicas are packed node by node (what :mod:`nereusd.planner.placement` does), so
+a TP group crosses nodes only when ``tp > devices_per_node``, a pipeline when ``tp·pp >
+devices_per_node`` and a DP group when ``tp·pp·dp > devices_per_node``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from nereusd.cost.calibration import ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class
+from nereusd.cost.memory import dtype_bytes, parameters_per_device
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Role, Stage
+from nereusd.config.site import SiteConfig
+
+ADAM_BYTES_MOVED_PER_PARAM = 32  # read and write param, grad, master, m, v (ZeRO-0, fp32 state)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Predicted seconds of one model-stage per RL step.
+
+    ``ideal_s_by_class`` are seconds at peak (efficiency 1) on the critical path, per
+    operation class; ``latency_s = Σ ideal / efficiency``. Calibration learns from the pair.
+    """
+
+    latency_s: float
+    ideal_s_by_class: Mapping[str, float]
+
+
+class _Acc:
+    """Accumulates ideal seconds per class."""
+
+    def __init__(self) -> None:
+        self.ideal: dict[str, float] = {}
+
+    def add(self, op_class: str, seconds: float) -> None:
+        if seconds > 0:
+            self.ideal[op_class] = self.ideal.get(op_class, 0.0) + seconds
+
+    def scaled(self, factor: float) -> "_Acc":
+        out = _Acc()
+        out.ideal = {k: v * factor for k, v in self.ideal.items()}
+        return out
+
+    def merge(self, other: "_Acc") -> None:
+        for k, v in other.ideal.items():
+            self.add(k, v)
+
+
+def layer_parameters(spec: ModelSpec) -> int:
+    """Weights of one decoder layer (q, k, v, o projections and SwiGLU MLP; norms excluded)."""
+    h, d = spec.hidden_size, spec.head_dim
+    return 2 * spec.num_heads * d * h + 2 * spec.num_kv_heads * d * h + 3 * spec.intermediate_size * h
+
+
+class CostModel:
+    """Pure cost arithmetic for one site and one calibration state.
+
+    Args:
+        site: hardware peaks and links.
+        calibration: efficiencies per operation class (a fresh, prior-only one if omitted).
+        dtype: compute dtype (default: the site's ``compute_dtype``).
+    """
+
+    def __init__(self, site: SiteConfig, calibration: Calibration | None = None, dtype: str | None = None):
+        self.site = site
+        self.calibration = calibration or Calibration()
+        self.dtype = dtype or site.compute_dtype
+        self.bytes_per_element = dtype_bytes(self.dtype)
+        self.peak_flops = site.peak_flops(self.dtype)
+        self._eff: dict[str, float] = {}
+        self._cache: dict[tuple, _Acc] = {}
+        self._specs: dict[int, tuple[ModelSpec, int]] = {}
+
+    def efficiency(self, op_class: str) -> float:
+        """Efficiency of ``op_class``, read once from the calibration (see :meth:`refresh`)."""
+        value = self._eff.get(op_class)
+        if value is None:
+            value = self._eff[op_class] = self.calibration.efficiency(op_class)
+        return value
+
+    def refresh(self) -> None:
+        """Forget cached efficiencies (and costs that depend on them) after calibrating."""
+        self._eff.clear()
+        self._cache.clear()
+
+    # ---- links -------------------------------------------------------------------------------
+    def link(self, spans_nodes: bool) -> tuple[str, float, float]:
+        """``(link type, bandwidth bytes/s, latency s)`` for a group inside a node or across nodes."""
+        net = self.site.network
+        if spans_nodes:
+            return "inter", net.inter_node_gbps * 1e9, net.inter_node_latency_us * 1e-6
+        return "intra", net.intra_node_gbps * 1e9, net.intra_node_latency_us * 1e-6
+
+    def spans_nodes(self, devices: int) -> bool:
+        """Whether a packed group of ``devices`` consecutive devices crosses a node boundary."""
+        return devices > self.site.devices_per_node
+
+    def _ring(self, acc: _Acc, collective: str, nbytes: float, n: int, spans: bool, count: float = 1.0) -> None:
+        """Ring collective of ``nbytes`` over ``n`` ranks: ``2(n−1)/n·bytes/bw + 2(n−1)·α``
+        for all-reduce (half of it for all-gather), Thakur et al. 2005."""
+        if n <= 1 or count <= 0:
+            return
+        link, bw, alpha = self.link(spans)
+        factor = 2.0 if collective == "all_reduce" else 1.0
+        seconds = factor * (n - 1) / n * nbytes / bw + factor * (n - 1) * alpha
+        acc.add(comm_class(collective, link), seconds * count)
+
+    def _p2p(self, acc: _Acc, nbytes: float, spans: bool, count: float = 1.0) -> None:
+        link, bw, alpha = self.link(spans)
+        acc.add(comm_class("p2p", link), (nbytes / bw + alpha) * count)
+
+    def transfer_s(self, nbytes: float, link: str, collective: str = "broadcast", concurrent: int = 1) -> float:
+        """Transition-cost hook: seconds to move ``nbytes`` per sender over ``link``.
+
+        For the transition DAG (DESIGN.md "Transition cost"): one primitive sends ``nbytes``
+        from each source rank over ``link`` (``"intra"`` or ``"inter"``) with ``concurrent``
+        transfers sharing the same per-device link; ``collective`` picks the calibrated class
+        (``broadcast``, ``all_gather``, ``p2p``). Add :meth:`communicator_setup_s` per new group.
+        """
+        if nbytes <= 0:
+            return 0.0
+        bw = (self.site.network.inter_node_gbps if link == "inter" else self.site.network.intra_node_gbps) * 1e9
+        alpha = self.link(link == "inter")[2]
+        ideal = nbytes * max(1, concurrent) / bw + alpha
+        return ideal / self.efficiency(comm_class(collective, link))
+
+    def communicator_setup_s(self, count: int = 1) -> float:
+        """Seconds to create ``count`` communicators one after another (site figure)."""
+        return self.site.network.communicator_setup_s * max(0, count)
+
+    # ---- model-stages ------------------------------------------------------------------------
+    def stage_cost(
+        self,
+        spec: ModelSpec,
+        model_stage: ModelStage,
+        *,
+        sequences: int,
+        prompt_length: int,
+        response_length: int,
+        tp: int,
+        pp: int,
+        dp: int,
+        micro_batch: int,
+        mini_batches: int = 1,
+        recompute: bool = False,
+    ) -> StageCost:
+        """Predicted seconds of ``model_stage`` as ``⟨tp, pp, dp⟩`` for one RL step.
+
+        Args:
+            sequences: sequences of the step (all replicas); a replica gets ``ceil(sequences/dp)``
+                — the slowest replica sets the latency.
+            micro_batch: per-replica micro-batch ``b`` (sequences).
+            mini_batches: optimizer steps per RL step (training).
+        """
+        acc = _Acc()
+        per_replica = math.ceil(sequences / dp)
+        if model_stage.stage is Stage.GENERATION:
+            self._generation(acc, spec, per_replica, min(micro_batch, per_replica), prompt_length,
+                             response_length, tp, pp, dp)
+        else:
+            training = model_stage.stage is Stage.TRAINING
+            self._forward_backward(acc, spec, model_stage.role, per_replica, prompt_length + response_length,
+                                   tp, pp, dp, micro_batch, mini_batches if training else 1, training, recompute)
+        eff = self.efficiency
+        latency = sum(s / eff(c) for c, s in acc.ideal.items())
+        return StageCost(latency, MappingProxyType(dict(acc.ideal)))
+
+    def stage_latency(
+        self,
+        spec: ModelSpec,
+        model_stage: ModelStage,
+        *,
+        sequences: int,
+        prompt_length: int,
+        response_length: int,
+        tp: int,
+        pp: int,
+        dp: int,
+        micro_batch: int,
+        mini_batches: int = 1,
+        recompute: bool = False,
+    ) -> tuple[float, dict[str, float]]:
+        """Fast path of :meth:`stage_cost` for the planner's enumeration: ``(latency_s,
+        ideal_s_by_class)`` with the same floating-point operations in the same order (so the
+        same bits), but per-micro-batch and per-decode costs, parameter counts and
+        efficiencies looked up once per shape instead of rebuilt per candidate.
+
+        Same arguments and units as :meth:`stage_cost`.
+        """
+        per_replica = -(-sequences // dp)
+        cache = self._cache
+        if model_stage.stage is Stage.GENERATION:
+            concurrent = max(1, min(micro_batch, per_replica))
+            prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, 1, False, False)
+            slots = per_replica + pp - 1
+            ideal = {k: v * slots for k, v in prefill}
+            key = ("decode", self._spec_key(spec), concurrent, prompt_length, response_length, tp, pp)
+            decode = cache.get(key)
+            if decode is None:
+                decode = cache[key] = self._decode(spec, concurrent, prompt_length, response_length, tp, pp)
+            waves = -(-per_replica // concurrent)
+            for k, v in decode.ideal.items():
+                ideal[k] = ideal.get(k, 0.0) + v * waves
+            spans = tp * pp * dp > self.site.devices_per_node
+            _, bw, alpha = self.link(spans)
+            seconds = self._params(spec, tp, pp) * self.bytes_per_element / bw + alpha
+            if seconds > 0:
+                c = comm_class("broadcast", "inter" if spans else "intra")
+                ideal[c] = ideal.get(c, 0.0) + seconds
+        else:
+            training = model_stage.stage is Stage.TRAINING
+            minis = mini_batches if training else 1
+            b = max(1, min(micro_batch, per_replica))
+            micro_per_opt = max(1, -(-per_replica // (b * minis)))
+            lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
+            per_mb = self._per_mb_items(spec, lm_head, prompt_length + response_length, tp, pp, b,
+                                        training, recompute)
+            slots = minis * (micro_per_opt + pp - 1)
+            ideal = {k: v * slots for k, v in per_mb}
+            if training:
+                shard = self._params(spec, tp, pp)
+                if dp > 1:
+                    link, bw, alpha = self.link(tp * pp * dp > self.site.devices_per_node)
+                    seconds = 2.0 * (dp - 1) / dp * (shard * self.bytes_per_element) / bw + 2.0 * (dp - 1) * alpha
+                    seconds *= minis
+                    if seconds > 0:
+                        c = comm_class("all_reduce", link)
+                        ideal[c] = ideal.get(c, 0.0) + seconds
+                seconds = minis * shard * ADAM_BYTES_MOVED_PER_PARAM / self.site.hbm_bytes_per_s
+                if seconds > 0:
+                    ideal[OPTIMIZER] = ideal.get(OPTIMIZER, 0.0) + seconds
+        eff = self._eff
+        latency = 0
+        for c, s in ideal.items():
+            e = eff.get(c)
+            if e is None:
+                e = self.efficiency(c)
+            latency += s / e
+        return latency, ideal
+
+    def _per_mb_items(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
+                      training: bool, recompute: bool) -> tuple[tuple[str, float], ...]:
+        """Cached ``(class, ideal s)`` items of :meth:`_micro_batch` (shared with :meth:`stage_cost`)."""
+        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute)
+        per_mb = self._cache.get(key)
+        if per_mb is None:
+            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute)
+        items_key = ("mb_items",) + key[1:]
+        items = self._cache.get(items_key)
+        if items is None:
+            items = self._cache[items_key] = tuple(per_mb.ideal.items())
+        return items
+
+    def _params(self, spec: ModelSpec, tp: int, pp: int) -> int:
+        """Cached :func:`~nereusd.cost.memory.parameters_per_device`."""
+        key = ("params", self._spec_key(spec), tp, pp)
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = parameters_per_device(spec, tp, pp)
+        return value
+
+    def _spec_key(self, spec: ModelSpec) -> int:
+        """A small cache key for ``spec`` (hashing the dataclass's fields on every lookup is
+        slow); the spec is kept referenced so its ``id`` cannot be reused while cached."""
+        entry = self._specs.get(id(spec))
+        if entry is None:
+            entry = self._specs[id(spec)] = (spec, len(self._specs))
+        return entry[1]
+
+    def _flops_s(self, flops: float) -> float:
+        return flops / self.peak_flops
+
+    def _forward_backward(self, acc: _Acc, spec: ModelSpec, role: Role, per_replica: int, seq: int,
+                          tp: int, pp: int, dp: int, micro_batch: int, mini_batches: int,
+                          training: bool, recompute: bool) -> None:
+        """Inference (forward) or training (forward + backward) of one replica, pipelined."""
+        e = self.bytes_per_element
+        b = max(1, min(micro_batch, per_replica))
+        micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
+        lm_head = role in (Role.ACTOR, Role.REFERENCE)
+        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute)
+        per_mb = self._cache.get(key)
+        if per_mb is None:
+            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute)
+        slots = mini_batches * (micro_per_opt + pp - 1)
+        acc.merge(per_mb.scaled(slots))
+        if training:
+            shard = parameters_per_device(spec, tp, pp)
+            self._ring(acc, "all_reduce", shard * e, dp, self.spans_nodes(tp * pp * dp), count=mini_batches)
+            acc.add(OPTIMIZER, mini_batches * shard * ADAM_BYTES_MOVED_PER_PARAM / self.site.hbm_bytes_per_s)
+
+    def _micro_batch(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
+                     training: bool, recompute: bool) -> _Acc:
+        """One micro-batch of ``b`` sequences through one pipeline stage (the last: it has the head)."""
+        e = self.bytes_per_element
+        h, q = spec.hidden_size, spec.num_heads * spec.head_dim
+        tokens = b * seq
+        layers = math.ceil(spec.num_layers / pp)
+        head = spec.vocab_size * h if lm_head else h
+        mult = (8 if recompute else 6) if training else 2
+        per_mb = _Acc()
+        per_mb.add(GEMM, self._flops_s(mult * (layers * layer_parameters(spec) + head) * tokens / tp))
+        per_mb.add(ATTENTION, self._flops_s(2 * mult * layers * q * seq * tokens / tp))
+        tp_collectives = (6 if recompute else 4) if training else 2
+        self._ring(per_mb, "all_reduce", tokens * h * e, tp, self.spans_nodes(tp), count=tp_collectives * layers)
+        if pp > 1:
+            self._p2p(per_mb, tokens * h * e, self.spans_nodes(tp * pp), count=2 if training else 1)
+        return per_mb
+
+    def _generation(self, acc: _Acc, spec: ModelSpec, per_replica: int, concurrent: int, prompt: int,
+                    response: int, tp: int, pp: int, dp: int) -> None:
+        """Prefill (compute-bound) plus ``response`` decode steps (memory-bound roofline) for each
+        wave of ``concurrent`` sequences (``ceil(per_replica/concurrent)`` waves)."""
+        e = self.bytes_per_element
+        weights_per_device = parameters_per_device(spec, tp, pp)
+        # prefill: inference over the prompts, one sequence per pipeline slot
+        self._forward_backward(acc, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, 1, 1, False, False)
+        concurrent = max(1, concurrent)
+        waves = math.ceil(per_replica / concurrent)
+        key = ("decode", self._spec_key(spec), concurrent, prompt, response, tp, pp)
+        decode = self._cache.get(key)
+        if decode is None:
+            decode = self._cache[key] = self._decode(spec, concurrent, prompt, response, tp, pp)
+        acc.merge(decode.scaled(waves))
+        # weight synchronisation from actor training: each device receives its shard once
+        link = self.spans_nodes(tp * pp * dp)
+        _, bw, alpha = self.link(link)
+        acc.add(comm_class("broadcast", "inter" if link else "intra"), weights_per_device * e / bw + alpha)
+
+    def _decode(self, spec: ModelSpec, per_replica: int, prompt: int, response: int, tp: int, pp: int) -> _Acc:
+        """``response`` decode steps of ``per_replica`` concurrent sequences.
+
+        Per token step each stage reads its weights once per micro-batch in flight (pp of
+        them) and its share of the KV cache at the mean context length; the step is bound by
+        HBM traffic or by compute, whichever is slower (roofline), plus a fixed dispatch time
+        per layer (site ``layer_launch_us``, class ``launch``) that does not shrink with the batch.
+        """
+        acc = _Acc()
+        e = self.bytes_per_element
+        h, d = spec.hidden_size, spec.head_dim
+        layers = math.ceil(spec.num_layers / pp)
+        q = spec.num_heads * d
+        weights_per_device = parameters_per_device(spec, tp, pp)
+        kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
+        mean_context = prompt + response / 2.0
+        kv_bytes = per_replica * mean_context * 2 * layers * kv_heads_rank * d * e
+        memory_s = (pp * weights_per_device * e + kv_bytes) / self.site.hbm_bytes_per_s
+        flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * per_replica / tp
+        flops += 4 * layers * q * mean_context * per_replica / tp
+        compute_s = self._flops_s(flops)
+        eff = self.efficiency
+        if memory_s / eff(DECODE) >= compute_s / eff(GEMM):
+            acc.add(DECODE, memory_s * response)
+        else:
+            acc.add(GEMM, compute_s * response)
+        if self.site.layer_launch_s:
+            acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * response)
+        step = _Acc()
+        self._ring(step, "all_reduce", per_replica * h * e / pp, tp, self.spans_nodes(tp), count=2 * spec.num_layers)
+        if pp > 1:
+            self._p2p(step, per_replica * h * e / pp, self.spans_nodes(tp * pp), count=pp)
+        acc.merge(step.scaled(response))
+        return acc

@@ -1,0 +1,137 @@
+"""Vectorised cost of many candidates of one model-stage at once (the planner's fast path).
+
+The planner costs thousands of candidates per replan (every DP degree of every ``(tp, pp,
+micro_batch)``). :func:`latencies` computes, for one ``(tp, pp)`` block and arrays of DP
+degrees and per-replica micro-batches, the same latencies as
+:meth:`nereusd.cost.model.CostModel.stage_cost` — the same formulas (see that module's
+docstring for their sources), evaluated with numpy over the DP axis instead of once per
+candidate. Per-micro-batch costs come from the cost model's own cache, so learned
+efficiencies and the roofline choice of decoding are shared with the scalar path. Results
+agree with :meth:`~nereusd.cost.model.CostModel.stage_cost` to floating-point rounding
+(summation order may differ; tests check agreement to 1e-12 relative).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, OPTIMIZER, comm_class
+from nereusd.cost.model import ADAM_BYTES_MOVED_PER_PARAM, CostModel, layer_parameters
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Role, Stage
+
+
+def _ceil_div(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+    return -(-np.asarray(a, dtype=np.int64) // np.asarray(b, dtype=np.int64))
+
+
+class _Sum:
+    """Seconds at peak per operation class as arrays over candidates."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.ideal: dict[str, np.ndarray] = {}
+
+    def add(self, op_class: str, seconds) -> None:
+        have = self.ideal.get(op_class)
+        if have is None:
+            self.ideal[op_class] = np.full(self.n, seconds, dtype=np.float64) if np.ndim(seconds) == 0 \
+                else np.asarray(seconds, dtype=np.float64)
+        else:
+            self.ideal[op_class] = have + seconds
+
+    def latency(self, cm: CostModel) -> np.ndarray:
+        out = np.zeros(self.n)
+        for c, s in self.ideal.items():
+            out += s / cm.efficiency(c)
+        return out
+
+
+def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequences: int, prompt_length: int,
+              response_length: int, tp: int, pp: int, dp: np.ndarray, micro_batch: np.ndarray,
+              recompute: np.ndarray, mini_batches: int = 1) -> np.ndarray:
+    """Predicted seconds per RL step of ``model_stage`` for each candidate ``⟨tp, pp, dp[i]⟩``
+    with per-replica micro-batch ``micro_batch[i]`` and recomputation ``recompute[i]``.
+
+    Args and units as :meth:`CostModel.stage_cost`; ``dp``, ``micro_batch`` and ``recompute``
+    are equal-length 1-d arrays. Returns a float64 array of seconds.
+    """
+    dp = np.asarray(dp, dtype=np.int64)
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    rc = np.asarray(recompute, dtype=bool)
+    n = len(dp)
+    acc = _Sum(n)
+    per_replica = _ceil_div(sequences, dp)
+    dpn = cm.site.devices_per_node
+    e = cm.bytes_per_element
+    if model_stage.stage is Stage.GENERATION:
+        _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, np.ones(n, np.int64), np.zeros(n, bool),
+                    per_replica + pp - 1, False)
+        concurrent = np.maximum(1, np.minimum(mb, per_replica))
+        waves = _ceil_div(per_replica, concurrent)
+        _add_decode(cm, acc, spec, concurrent, waves, prompt_length, response_length, tp, pp)
+        spans = tp * pp * dp > dpn
+        weights = cm._params(spec, tp, pp) * e
+        for flag, link in ((False, "intra"), (True, "inter")):
+            _, bw, alpha = cm.link(flag)
+            acc.add(comm_class("broadcast", link), np.where(spans == flag, weights / bw + alpha, 0.0))
+        return acc.latency(cm)
+    training = model_stage.stage is Stage.TRAINING
+    minis = mini_batches if training else 1
+    b = np.maximum(1, np.minimum(mb, per_replica))
+    micro_per_opt = np.maximum(1, _ceil_div(per_replica, b * minis))
+    lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
+    _add_per_mb(cm, acc, spec, lm_head, prompt_length + response_length, tp, pp, b, rc,
+                minis * (micro_per_opt + pp - 1), training)
+    if training:
+        shard = cm._params(spec, tp, pp)
+        spans = tp * pp * dp > dpn
+        for flag, link in ((False, "intra"), (True, "inter")):
+            _, bw, alpha = cm.link(flag)
+            seconds = 2.0 * (dp - 1) / dp * (shard * e) / bw + 2.0 * (dp - 1) * alpha
+            acc.add(comm_class("all_reduce", link), np.where((spans == flag) & (dp > 1), seconds * minis, 0.0))
+        acc.add(OPTIMIZER, minis * shard * ADAM_BYTES_MOVED_PER_PARAM / cm.site.hbm_bytes_per_s)
+    return acc.latency(cm)
+
+
+def _add_per_mb(cm: CostModel, acc: _Sum, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int,
+                b: np.ndarray, rc: np.ndarray, slots: np.ndarray, training: bool) -> None:
+    """``slots ×`` the cached per-micro-batch cost, for each distinct ``(b, recompute)``."""
+    groups = sorted(set(zip(b.tolist(), rc.tolist())))
+    for bb, rr in groups:
+        scaled = slots if len(groups) == 1 else np.where((b == bb) & (rc == rr), slots, 0)
+        for c, v in cm._per_mb_items(spec, lm_head, seq, tp, pp, bb, training, rr):
+            acc.add(c, v * scaled)
+
+
+def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarray, waves: np.ndarray,
+                prompt: int, response: int, tp: int, pp: int) -> None:
+    """``waves ×`` :meth:`CostModel._decode` of ``concurrent`` sequences, over arrays."""
+    e = cm.bytes_per_element
+    h, d = spec.hidden_size, spec.head_dim
+    layers = math.ceil(spec.num_layers / pp)
+    q = spec.num_heads * d
+    weights = cm._params(spec, tp, pp)
+    kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
+    mean_context = prompt + response / 2.0
+    c = concurrent.astype(np.float64)
+    kv_bytes = c * mean_context * 2 * layers * kv_heads_rank * d * e
+    memory_s = (pp * weights * e + kv_bytes) / cm.site.hbm_bytes_per_s
+    flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp
+    flops += 4 * layers * q * mean_context * c / tp
+    compute_s = flops / cm.peak_flops
+    memory_bound = memory_s / cm.efficiency(DECODE) >= compute_s / cm.efficiency(GEMM)
+    acc.add(DECODE, np.where(memory_bound, memory_s * response, 0.0) * waves)
+    acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * response) * waves)
+    if cm.site.layer_launch_s:
+        acc.add(LAUNCH, cm.site.layer_launch_s * spec.num_layers * response * waves)
+    nbytes = c * h * e / pp
+    if tp > 1:
+        link, bw, alpha = cm.link(cm.spans_nodes(tp))
+        seconds = 2.0 * (tp - 1) / tp * nbytes / bw + 2.0 * (tp - 1) * alpha
+        acc.add(comm_class("all_reduce", link), seconds * (2 * spec.num_layers) * response * waves)
+    if pp > 1:
+        link, bw, alpha = cm.link(cm.spans_nodes(tp * pp))
+        acc.add(comm_class("p2p", link), (nbytes / bw + alpha) * pp * response * waves)

@@ -1,0 +1,443 @@
+"""nereusd's control-plane endpoint: ZeroMQ ROUTER, agent registry, heartbeats, task dispatch.
+
+One thread owns the socket. The RL driver calls :meth:`ControlPlane.submit` and
+:meth:`ControlPlane.collect`; while it waits, :meth:`ControlPlane.poll` handles every other
+message (registrations, heartbeats, worker exits) so the registry stays current. A malformed
+or unexpected message is answered with an ``ErrorReply`` and logged; it never stops the daemon.
+
+With job keys (:mod:`nereusd.daemon.security`) the socket is a CURVE server that admits only the job's
+client key; a refused handshake is logged and journalled (``connection_refused``). Agents may
+register at any time (a ``grow`` allocation joining a running job); every registration after
+the first world formed, and every agent lost (heartbeat, or :meth:`ControlPlane.remove_node` for
+Slurm's node events), is reported to ``on_pool_change`` as a :class:`~nereusd.daemon.pool_events.PoolChange`.
+Other threads hand work to the loop through :meth:`ControlPlane.call_soon` (one queue, one consumer).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from nereusd import protocol as P
+from nereusd.errors import NereusError, ProtocolError, WorkerError
+from nereusd.daemon.pool_events import PoolChange, PoolChangeKind
+from nereusd.daemon.security import JobKeys, ServerAuth
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentRecord:
+    """What nereusd knows of one node's agent."""
+
+    node_id: str
+    identity: bytes
+    hostname: str
+    pid: int
+    devices: list[P.DeviceInfo]
+    global_devices: list[int]
+    last_seen_s: float
+    workers_alive: set[int] = field(default_factory=set)
+    slurm_job_id: str | None = None
+
+
+@dataclass
+class _PendingTask:
+    kind: str
+    devices: set[int]
+    results: dict[int, P.TaskResult] = field(default_factory=dict)
+
+
+class ControlPlane:
+    """The ROUTER socket agents connect to, with the registry and task bookkeeping.
+
+    Args:
+        bind: ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0 picks a free port; the bound
+            endpoint is :attr:`endpoint`).
+        heartbeat_timeout_s: an agent silent for longer is declared lost.
+        on_event: called with ``(event_name, fields)`` for the journal.
+        keys: the job's server keys; with them only CURVE clients holding the job's client key
+            can connect (``None``: plain TCP, for loopback-only local mode).
+        on_pool_change: called with every :class:`PoolChange` (agents joining or lost).
+        status: returns the dict a ``StatusRequest`` is answered with.
+    """
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", *, heartbeat_timeout_s: float = 15.0,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None, keys: JobKeys | None = None,
+                 on_pool_change: Callable[[PoolChange], None] | None = None,
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 on_pool_request: Callable[[int], dict[str, Any]] | None = None) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        self._auth = ServerAuth(self._ctx, keys) if keys is not None else None
+        if self._auth is not None:
+            self._auth.secure(self._sock)
+        self._sock.bind(bind)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.agents: dict[str, AgentRecord] = {}
+        self.ready_workers: set[int] = set()
+        self.exited_workers: dict[int, int | None] = {}
+        self.lost_agents: list[str] = []
+        self.device_losses: dict[int, dict[str, Any]] = {}
+        """Devices whose agent was lost (:meth:`remove_node`): ``{device: {node_id, cause, detail}}``."""
+        self._abandoned: set[int] = set()
+        self._device_to_agent: dict[int, str] = {}
+        self._pending: dict[int, _PendingTask] = {}
+        self._next_task_id = 1
+        self._next_global_device = 0
+        self._on_event = on_event or (lambda name, fields: None)
+        self._on_pool_change = on_pool_change or (lambda change: None)
+        self._status = status or (lambda: {})
+        self.on_pool_request = on_pool_request
+        self.released_devices: set[int] = set()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.world_formed = False
+        self.refused_messages = 0
+        self.refused_connections = 0
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the control-plane thread at its next :meth:`poll` (thread-safe)."""
+        self._calls.put(fn)
+
+    # ------------------------------------------------------------------ socket loop
+    def poll(self, timeout_s: float) -> None:
+        """Handle incoming messages for up to ``timeout_s`` seconds, then check heartbeats."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(remaining_ms, zmq.POLLIN):
+                break
+            frames = self._sock.recv_multipart()
+            self._receive(frames)
+            if time.monotonic() >= deadline:
+                break
+        self._check_auth()
+        while not self._calls.empty():
+            self._calls.get()()
+        self._check_heartbeats()
+
+    def _check_auth(self) -> None:
+        if self._auth is None:
+            return
+        for reason in self._auth.drain_monitor():
+            self.refused_connections += 1
+            log.warning("refused a connection: %s", reason)
+            self._on_event("connection_refused", {"reason": reason})
+
+    def _receive(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            self._refuse(identity, f"expected 1 payload frame, got {len(frames) - 1}")
+            return
+        try:
+            msg = P.decode(frames[1])
+            self._handle(identity, msg)
+        except ProtocolError as err:
+            self._refuse(identity, str(err))
+
+    def _refuse(self, identity: bytes, reason: str) -> None:
+        self.refused_messages += 1
+        log.warning("refused a message from peer %r: %s", identity, reason)
+        self._on_event("message_refused", {"peer": identity.hex(), "reason": reason})
+        self._send(identity, P.ErrorReply(reason=reason))
+
+    def _send(self, identity: bytes, msg: P._Message) -> None:
+        try:
+            self._sock.send_multipart([identity, P.encode(msg)])
+        except zmq.ZMQError as err:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
+            log.warning("cannot send %s to %r: %s", msg.type, identity, err)
+
+    def _handle(self, identity: bytes, msg: P._Message) -> None:
+        if isinstance(msg, P.RegisterAgent):
+            self._register(identity, msg)
+            return
+        if isinstance(msg, P.StatusRequest):
+            self._send(identity, P.StatusReply(status=self._status()))
+            return
+        if isinstance(msg, P.PoolRequest):
+            if self.on_pool_request is None:
+                raise ProtocolError("this nereusd does not change its pool on request")
+            self._send(identity, P.StatusReply(status=self.on_pool_request(msg.remove)))
+            return
+        agent = self._agent_by_identity(identity)
+        if agent is None:
+            raise ProtocolError(f"{msg.type!r} from an unregistered peer")
+        agent.last_seen_s = time.monotonic()
+        if isinstance(msg, P.Heartbeat):
+            agent.workers_alive = set(msg.workers_alive)
+            self._send(identity, P.Heartbeat(node_id=agent.node_id))  # the ack tells the agent we live
+        elif isinstance(msg, P.WorkerExited):
+            self._worker_exited(agent, msg)
+        elif isinstance(msg, P.FromWorker):
+            if msg.device not in agent.global_devices:
+                raise ProtocolError(f"agent {agent.node_id} relayed for device {msg.device} it does not own")
+            self._from_worker(msg.device, msg.payload)
+        elif isinstance(msg, P.ErrorReply):
+            log.error("agent %s reported an error: %s", agent.node_id, msg.reason)
+        else:
+            raise ProtocolError(f"nereusd does not accept {msg.type!r} messages")
+
+    def _register(self, identity: bytes, msg: P.RegisterAgent) -> None:
+        if msg.node_id in self.agents:
+            raise ProtocolError(f"node {msg.node_id!r} is already registered")
+        global_devices = list(range(self._next_global_device, self._next_global_device + len(msg.devices)))
+        self._next_global_device += len(msg.devices)
+        record = AgentRecord(msg.node_id, identity, msg.hostname, msg.pid, list(msg.devices),
+                             global_devices, time.monotonic(), slurm_job_id=msg.slurm_job_id)
+        self.agents[msg.node_id] = record
+        for dev in global_devices:
+            self._device_to_agent[dev] = msg.node_id
+        log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
+                 len(msg.devices), global_devices)
+        self._on_event("agent_registered", {"node_id": msg.node_id, "hostname": msg.hostname,
+                                            "devices": global_devices, "slurm_job_id": msg.slurm_job_id})
+        self._send(identity, P.Welcome(node_id=msg.node_id, global_devices=global_devices))
+        if self.world_formed:
+            self._on_pool_change(PoolChange(PoolChangeKind.JOINED, "registration", msg.node_id,
+                                            tuple(global_devices), f"node {msg.node_id} joined"))
+
+    def _agent_by_identity(self, identity: bytes) -> AgentRecord | None:
+        for agent in self.agents.values():
+            if agent.identity == identity:
+                return agent
+        return None
+
+    def _worker_exited(self, agent: AgentRecord, msg: P.WorkerExited) -> None:
+        self.exited_workers[msg.device] = msg.exitcode
+        self.ready_workers.discard(msg.device)
+        log.warning("worker of device %d on %s exited with %s", msg.device, agent.node_id, msg.exitcode)
+        self._on_event("worker_exited", {"device": msg.device, "node_id": agent.node_id, "exitcode": msg.exitcode})
+
+    def _from_worker(self, device: int, payload: P.WorkerReady | P.TaskResult) -> None:
+        if isinstance(payload, P.WorkerReady):
+            self.ready_workers.add(device)
+            self.exited_workers.pop(device, None)
+            return
+        if payload.task_id in self._abandoned:   # a failed task's straggler: nobody waits for it
+            log.debug("dropped a late result of abandoned task %d from device %d", payload.task_id, device)
+            return
+        pending = self._pending.get(payload.task_id)
+        if pending is None or device not in pending.devices:
+            raise ProtocolError(f"result for unknown task {payload.task_id} from device {device}")
+        pending.results[device] = payload
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for node_id, agent in list(self.agents.items()):
+            if now - agent.last_seen_s > self.heartbeat_timeout_s:
+                self.remove_node(node_id, "heartbeat",
+                                 f"agent on node {node_id} missed heartbeats for {now - agent.last_seen_s:.1f} s")
+
+    def remove_node(self, node_id: str, cause: str, detail: str) -> bool:
+        """Take a node's agent and devices out of the pool (lost heartbeat, Slurm DOWN/DRAIN/shrink).
+
+        Its workers count as exited, so a task waiting on them fails instead of hanging.
+        Returns False when no agent of that node is registered.
+        """
+        agent = self.agents.pop(node_id, None)
+        if agent is None:
+            return False
+        log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, agent.global_devices)
+        self._on_event("agent_lost", {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
+                                      "detail": detail})
+        self.lost_agents.append(node_id)
+        for dev in agent.global_devices:
+            self.device_losses[dev] = {"node_id": node_id, "cause": cause, "detail": detail}
+            self.exited_workers.setdefault(dev, None)
+            self.ready_workers.discard(dev)
+            self._device_to_agent.pop(dev, None)
+        self._send(agent.identity, P.Shutdown(reason=f"removed from the pool: {detail}"))
+        self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(agent.global_devices), detail))
+        return True
+
+    def release_devices(self, devices: list[int], reason: str, keep_in_pool: bool = False) -> None:
+        """Stop the workers of ``devices``; unless ``keep_in_pool`` (a restart), take the devices
+        out of the pool (their agents stay).
+
+        Used at a safe boundary after the plan moved off them, or to restart workers; the exits
+        the agents report are journalled as ``worker_exited``.
+        """
+        by_agent: dict[str, list[int]] = {}
+        for dev in devices:
+            node_id = self._device_to_agent.get(dev) if keep_in_pool else self._device_to_agent.pop(dev, None)
+            if node_id is not None:
+                by_agent.setdefault(node_id, []).append(dev)
+            if not keep_in_pool:
+                self.released_devices.add(dev)
+            self.ready_workers.discard(dev)
+        for node_id, devs in by_agent.items():
+            self._send(self.agents[node_id].identity, P.StopWorkers(devices=devs, reason=reason))
+        self._on_event("workers_stopped" if keep_in_pool else "devices_released",
+                       {"devices": sorted(devices), "reason": reason})
+
+    def wait_exited(self, devices: list[int], timeout_s: float = 15.0) -> bool:
+        """Poll until the workers of ``devices`` are reported exited; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not all(d in self.exited_workers for d in devices):
+            if time.monotonic() > deadline:
+                return False
+            self.poll(0.05)
+        return True
+
+    def lost_devices(self, devices: list[int]) -> dict[int, dict[str, Any]]:
+        """Which of ``devices`` are lost, from the registry (never from error messages): a device
+        whose agent was removed (heartbeat, Slurm) or whose worker process exited unasked.
+
+        Returns ``{device: {"cause", "node_id", ...}}``: cause ``worker_exited`` (with
+        ``exitcode``) or the agent's removal cause (``heartbeat``, ``slurm:node_down`` ...).
+        """
+        out: dict[int, dict[str, Any]] = {}
+        for dev in devices:
+            if dev in self.device_losses:
+                out[dev] = dict(self.device_losses[dev])
+            elif dev in self.exited_workers:
+                out[dev] = {"cause": "worker_exited", "node_id": self._device_to_agent.get(dev),
+                            "exitcode": self.exited_workers[dev]}
+        return out
+
+    def silent_agents(self, devices: list[int], silent_s: float) -> list[str]:
+        """Agents of ``devices`` not heard from for more than ``silent_s`` (not yet declared lost)."""
+        now = time.monotonic()
+        nodes = {self._device_to_agent[d] for d in devices if d in self._device_to_agent}
+        return sorted(n for n in nodes if n in self.agents and now - self.agents[n].last_seen_s > silent_s)
+
+    def abandon_tasks(self) -> list[int]:
+        """Forget every pending task (their workers are being stopped for a restart); late
+        results of them are dropped instead of refused. Returns the task ids."""
+        ids = sorted(self._pending)
+        self._abandoned.update(ids)
+        self._pending.clear()
+        return ids
+
+    # ------------------------------------------------------------------ pool
+    def devices(self) -> list[int]:
+        """Global indices of all devices of registered agents."""
+        return sorted(self._device_to_agent)
+
+    def wait_for_devices(self, count: int, timeout_s: float) -> list[int]:
+        """Wait until agents with at least ``count`` devices have registered.
+
+        Raises:
+            NereusError: on timeout, with what did register.
+        """
+        deadline = time.monotonic() + timeout_s
+        while len(self._device_to_agent) < count:
+            if time.monotonic() > deadline:
+                raise NereusError(
+                    f"only {len(self._device_to_agent)} of {count} devices registered within {timeout_s:.0f} s "
+                    f"(agents: {sorted(self.agents)})"
+                )
+            self.poll(0.2)
+        return self.devices()[:count]
+
+    def spawn_workers(self, *, generation: int, world: list[int], store_host: str, store_port: int,
+                      memory_capacity_bytes: int, run_dir: str, timeout_s: float = 120.0) -> None:
+        """Ask each agent to start the workers of ``world`` (rank = position in ``world``) and wait
+        until all are ready.
+
+        Raises:
+            WorkerError: if a worker exits or does not report ready within ``timeout_s``.
+        """
+        for device in world:   # a restart: the previous workers' exits are history
+            self.exited_workers.pop(device, None)
+        by_agent: dict[str, list[P.WorkerSpec]] = {}
+        for rank, device in enumerate(world):
+            node_id = self._device_to_agent[device]
+            local_index = self.agents[node_id].global_devices.index(device)
+            by_agent.setdefault(node_id, []).append(
+                P.WorkerSpec(device=device, local_index=local_index, memory_capacity_bytes=memory_capacity_bytes,
+                             rank=rank)
+            )
+        for node_id, workers in by_agent.items():
+            self._send(self.agents[node_id].identity, P.SpawnWorkers(
+                generation=generation, world_size=len(world), store_host=store_host, store_port=store_port,
+                workers=workers, run_dir=run_dir,
+            ))
+        deadline = time.monotonic() + timeout_s
+        while not set(world) <= self.ready_workers:
+            self._raise_if_lost(set(world))
+            if time.monotonic() > deadline:
+                missing = sorted(set(world) - self.ready_workers)
+                raise WorkerError(f"workers of devices {missing} did not start within {timeout_s:.0f} s")
+            self.poll(0.1)
+
+    def _raise_if_lost(self, devices: set[int]) -> None:
+        dead = sorted(d for d in devices if d in self.exited_workers)
+        if dead:
+            codes = {d: self.exited_workers[d] for d in dead}
+            raise WorkerError(f"worker process of device(s) {dead} exited (exit codes {codes})")
+
+    # ------------------------------------------------------------------ tasks
+    def submit(self, kind: str, args_by_device: dict[int, dict[str, Any]]) -> int:
+        """Send one task to several workers (each gets its own args); returns the task id."""
+        task_id = self._next_task_id
+        self._next_task_id += 1
+        self._pending[task_id] = _PendingTask(kind, set(args_by_device))
+        for device, args in args_by_device.items():
+            node_id = self._device_to_agent.get(device)
+            if node_id is None or node_id not in self.agents:
+                raise WorkerError(f"device {device} has no live agent")
+            task = P.Task(task_id=task_id, kind=kind, args=args)
+            self._send(self.agents[node_id].identity, P.ToWorker(device=device, task=task))
+        return task_id
+
+    def done(self, task_id: int) -> bool:
+        pending = self._pending[task_id]
+        return set(pending.results) == pending.devices
+
+    def collect(self, task_id: int, timeout_s: float | None = None) -> dict[int, P.TaskResult]:
+        """Wait for every worker's result of ``task_id``.
+
+        Raises:
+            WorkerError: if a worker reports failure (message carries its error), a worker
+                of the task exits, or ``timeout_s`` passes.
+        """
+        pending = self._pending[task_id]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done(task_id):
+            failed = [r for r in pending.results.values() if not r.ok]
+            if failed:
+                break
+            self._raise_if_lost(pending.devices - set(pending.results))
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(pending.devices - set(pending.results))
+                raise WorkerError(f"task {pending.kind} #{task_id}: no result from devices {missing} "
+                                  f"within {timeout_s:.0f} s")
+            self.poll(0.05)
+        del self._pending[task_id]
+        failed = sorted((r for r in pending.results.values() if not r.ok), key=lambda r: r.device)
+        if failed:
+            self._abandoned.add(task_id)   # the other workers' results may still come
+            first = failed[0]
+            err = WorkerError(f"{pending.kind} failed on device {first.device}: {first.error}")
+            err.error_kind = first.error_kind  # type: ignore[attr-defined]
+            raise err
+        return pending.results
+
+    def run(self, kind: str, args_by_device: dict[int, dict[str, Any]], timeout_s: float | None = None
+            ) -> dict[int, P.TaskResult]:
+        """:meth:`submit` then :meth:`collect`."""
+        return self.collect(self.submit(kind, args_by_device), timeout_s)
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown_agents(self, reason: str, wait_s: float = 10.0) -> None:
+        """Tell every agent to stop its workers and exit; wait up to ``wait_s`` for them to go."""
+        for agent in self.agents.values():
+            self._send(agent.identity, P.Shutdown(reason=reason))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(a.workers_alive for a in self.agents.values()):
+            self.poll(0.1)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.close()

@@ -1,0 +1,428 @@
+"""Live adaptation, the shell: executes the controller's decisions on the workers at the safe
+boundary (paper §6, DESIGN.md "One RL step", step 5): the end of a synchronous RL step, or
+the weight synchronisation of an asynchronous one (``rollout.max_staleness ≥ 1``,
+:mod:`nereusd.rl.driver`) — generations submitted before it have run; their rollouts keep the
+policy version they were generated with.
+
+:class:`LiveAdaptation.at_boundary` runs after every step, on the control-plane thread:
+
+1. journal ``step_prediction`` (predicted vs measured step latency and peak memory) and
+   calibrate (:meth:`nereusd.control.controller.Adapter.observe`);
+2. apply pool changes due now — the job's ``pool.schedule`` and ``pool.trace`` (local mode; due
+   events from :class:`nereusd.config.pool_schedule.PoolSchedule`, journalled as ``pool_schedule_due``,
+   and the ``pool_changed`` they cause names them in ``sources``) and ``nereus-launch pool
+   --remove`` requests: devices that *leave* are drained first (the plan moves off them
+   while their state is still alive, as after a preemption notice), then their workers are
+   stopped and the survivors re-form the world (new generation); devices that *join* get new
+   workers (started in a private world, then every worker re-forms the world with them);
+3. ask the controller (:meth:`~nereusd.control.controller.Adapter.boundary`) and journal ``trigger``,
+   ``replan`` and ``admission`` (ΔL, L_tran, H_x, γ, alternatives);
+4. run an admitted transition DAG (:class:`nereusd.transition.runner.TransitionRunner`) and
+   journal ``transition`` with per-op timings; an urgent decision with no feasible target is a
+   ``fallback``: checkpoint now, restart every worker into the plan that holds the longest
+   response, load the checkpoint and go on. A step that fails with ``DeviceOutOfMemory`` is
+   recovered the same way from the latest checkpoint (:meth:`LiveAdaptation.recover`), and so
+   is a step or transition that fails because devices were lost abruptly (a worker process
+   died, an agent went silent or Slurm took its node): the lost devices leave the world and the
+   pool, the survivors restart on a plan for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nereusd.control.controller import Adapter, StepObservation, forced_plan
+from nereusd.control.admission import ADMIT, RESTART
+from nereusd.errors import NereusError, WorkerError
+from nereusd.config.resolve import ResolvedJob
+from nereusd.journal import METRICS_FILE, Journal
+from nereusd.plan import ModelStage, Plan
+from nereusd.planner.search import Infeasible
+from nereusd.config.pool_schedule import net_change, schedule_for
+from nereusd.transition import plan_transition
+from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
+
+log = logging.getLogger(__name__)
+
+
+def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str) -> subprocess.Popen:
+    """Start a ``nereus-agent`` with ``devices`` virtual CPU devices that joins the job at ``endpoint``
+    (its own session; it exits when nereusd tells it to or goes silent). Log: ``logs/agent-<node_id>.log``."""
+    log_path = Path(run_dir) / "logs" / f"agent-{node_id}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", node_id,
+            "--run-dir", str(Path(run_dir).resolve()), "--cpu-devices", str(devices),
+            "--cpu-memory-bytes", str(memory_bytes)]
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=dict(os.environ))
+
+
+def drop_metrics_from(path: Path, step: int) -> list[int]:
+    """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
+    after a rewind, so every step appears once); returns their steps. Rewritten in place: the
+    journal's append-mode handle keeps writing at the (new) end."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, "r+", encoding="utf-8") as fh:
+        keep, dropped = [], []
+        for line in fh.readlines():
+            try:
+                rec_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):   # a torn last line: leave it be
+                rec_step = None
+            if rec_step is not None and rec_step >= step:
+                dropped.append(rec_step)
+            else:
+                keep.append(line)
+        if dropped:
+            fh.seek(0)
+            fh.truncate()
+            fh.writelines(keep)
+            fh.flush()
+    return dropped
+
+
+class LiveAdaptation:
+    """See the module docstring.
+
+    Args:
+        job: the resolved job; ``adapter``: its controller; ``driver``: the RL driver (its
+        ``plan`` changes here); ``control``: the control plane; ``store``: the rendezvous store
+        (world generations); ``world``: devices of the current world in rank order.
+    """
+
+    def __init__(self, job: ResolvedJob, adapter: Adapter, driver, control, store, journal: Journal,
+                 run_dir: Path, world: list[int]) -> None:
+        self.job, self.adapter, self.driver, self.control, self.store = job, adapter, driver, control, store
+        self.journal, self.run_dir, self.world = journal, Path(run_dir), list(world)
+        self.pending_remove = 0
+        self.switches = 0
+        self.restarts = 0
+        """Checkpoint/restarts (out of memory, nothing fits, devices lost)."""
+        self.lost_steps = 0
+        """Steps re-run after restarts."""
+        self.last_decision: dict[str, Any] | None = None
+        """The latest admission record (``nereus-launch status`` shows it)."""
+        self._added = 0
+        self._schedule = schedule_for(job)
+        self._first_step_start: float | None = None   # monotonic clock; time base of pool.schedule[].at_s
+        self._forced = {f.at_step: f for f in job.config.adaptation.forced}
+
+    # ------------------------------------------------------------------ requests
+    def request_remove(self, count: int) -> dict[str, Any]:
+        """``nereus-launch pool --remove``: queue ``count`` devices to leave at the next boundary."""
+        self.pending_remove += count
+        self.journal.event("pool_request", {"remove": count})
+        return {"queued_remove": self.pending_remove, "pool": self.control.devices()}
+
+    # ------------------------------------------------------------------ the boundary
+    def at_boundary(self, record: dict[str, Any]) -> None:
+        """Everything of the module docstring after step ``record['step']``.
+
+        Raises:
+            Infeasible: a restart found no plan that holds the longest response.
+            WorkerError / TransitionInterrupted: a worker failed during a transition.
+        """
+        step = int(record["step"])
+        if self._first_step_start is None:
+            self._first_step_start = time.monotonic() - float(record["step_latency_s"])
+        obs = StepObservation(step, int(record["response_length_max"]),
+                              {ModelStage.parse(k): v for k, v in record.get("model_stage_s", {}).items()},
+                              {int(d): int(b) for d, b in record["peak_memory_bytes"].items()},
+                              float(record["step_latency_s"]))
+        self.journal.event("step_prediction", self.adapter.observe(obs))
+        upcoming = step + 1
+        if upcoming >= self.job.config.steps:
+            return
+        self.driver.drain_rollouts()   # asynchronous: generations already ran, keep their versions
+        self.control.poll(0)
+        elapsed_s = time.monotonic() - self._first_step_start
+        due = self._schedule.due(upcoming, elapsed_s)
+        sources = [e.source for e in due]
+        if self.pending_remove:
+            sources.append(f"nereus-launch pool --remove {self.pending_remove}")
+        if due:
+            self.journal.event("pool_schedule_due", {"step": step, "elapsed_s": round(elapsed_s, 3),
+                                                     "events": [e.to_dict() for e in due]})
+        scheduled_remove, add = net_change(due)
+        remove = self.pending_remove + scheduled_remove
+        self.pending_remove = 0
+        if add:
+            self._add_devices(add)
+        forced = None
+        if upcoming in self._forced:
+            forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
+        leaving: list[int] = []
+        gone = self.control.lost_devices(self.world)   # lost between the step's last task and now
+        if gone:
+            if set(gone) & set(self.driver.plan.devices()):
+                # the plan's state on them is gone: the recovery path (checkpoint/restart)
+                raise WorkerError(f"devices {sorted(gone)} of the running plan were lost after step {step}")
+            leaving = sorted(gone)
+            self.world = [d for d in self.world if d not in gone]   # never in a world again
+            self.journal.event("device_lost", {
+                "step": step, "devices": leaving, "cause": ", ".join(sorted({v["cause"] for v in gone.values()})),
+                "survivors": list(self.world), "spare": True,
+                "detail": {str(d): v for d, v in sorted(gone.items())}})
+        if remove:
+            pool = [d for d in self.control.devices() if d in self.world and d not in gone]
+            removed = sorted(pool)[-remove:] if remove < len(pool) else []
+            leaving = sorted(set(leaving) | set(removed))
+            if not removed:
+                self.journal.event("pool_request_refused", {"remove": remove, "pool": pool, "sources": sources,
+                                                            "reason": "the job needs at least one device"})
+        joined = [d for d in self.control.devices() if d not in self.world]
+        if joined:
+            self._grow_world(joined)
+        pool = tuple(d for d in sorted(self.world) if d not in leaving)
+        if leaving or joined:
+            self.journal.event("pool_changed", {"step": step, "joined": joined, "leaving": leaving,
+                                                "pool_devices": list(pool), "verdict": "replan",
+                                                "sources": sources + (["an agent registered (nereus-launch pool --add)"]
+                                                                      if joined and not add else [])})
+        outcome = self.adapter.boundary(step, pool, forced=forced)
+        verdict = self._decide(step, outcome, leaving) if outcome is not None else None
+        if verdict == RESTART:
+            path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
+            self.driver.save_checkpoint(str(path))
+            why = outcome.decision.reason if outcome.decision.verdict == RESTART else (
+                f"devices {leaving} leave and no feasible plan moves off them ({outcome.decision.reason})")
+            self._restart([d for d in self.world if d not in leaving], leaving, step + 1, why,
+                          self.driver.last_checkpoint)
+        elif leaving:
+            self._release(leaving, verdict == ADMIT, step)
+        elif joined and verdict != ADMIT:
+            self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
+        if leaving or joined:
+            self.adapter.switched(self.driver.plan, tuple(sorted(self.world)))
+
+    def _decide(self, step: int, outcome, leaving: list[int]) -> str:
+        """Journal the decision and run an admitted transition; returns ``admit``, ``restart``
+        (nothing fits, or the plan cannot leave devices that go) or the verdict kept."""
+        d = outcome.decision
+        for trigger in d.triggers:
+            self.journal.event("trigger", {"step": step, **trigger.to_dict()})
+        self.journal.event("replan", {"step": step, "planned_length": outcome.planned_length,
+                                      "memory_ratio": self.adapter.memory_ratio(),
+                                      "headroom": self.adapter.headroom(), "planner_log": list(outcome.planner_log),
+                                      "targets": len(d.alternatives) + (1 if d.admitted else 0)})
+        self.last_decision = {k: v for k, v in d.to_dict().items() if k != "event"} | {
+            "current_plan": self.driver.plan.to_dict()}
+        self.journal.event("admission", self.last_decision)
+        log.info("step %d: %s (%s)", step, d.verdict, d.reason)
+        if d.verdict == ADMIT:
+            assert not set(leaving) & set(d.target.plan.devices()), "planned on the pool without them"
+            self._transition(self.driver.plan, d.target.plan, step, d.reason, predicted_s=d.l_tran_s)
+            self.switches += 1
+            return ADMIT
+        if d.verdict == RESTART or set(leaving) & set(self.driver.plan.devices()):
+            return RESTART
+        return d.verdict
+
+    # ------------------------------------------------------------------ failures
+    LOSS_GRACE_S = 5.0
+    """How long :meth:`recover` waits for the control plane to learn of a lost device after a
+    task failed (a survivor's collective can fail before the agent reports the dead worker)."""
+    SILENT_AGENT_S = 3.0
+    """An agent silent this long (heartbeats every second) may be lost: :meth:`recover` waits
+    for its heartbeat timeout instead of giving up after :attr:`LOSS_GRACE_S`."""
+
+    def recover(self, err: Exception) -> bool:
+        """Checkpoint/restart after a step or transition failed (DESIGN.md urgent path):
+
+        - *devices lost* (a worker process died, or its agent was lost — heartbeat, Slurm): the
+          lost devices come from the control plane's registry (:meth:`lost_devices`), leave the
+          world and the pool for good (journal ``device_lost``), and the survivors restart;
+        - *out of device memory* (the ``frozen`` policy's only remedy): every device restarts.
+
+        Restart (:meth:`_restart`): every worker is stopped and the survivors start again (new
+        world generation) on :meth:`Adapter.restart_plan`, training state comes from the latest
+        checkpoint (or the initial weights before any), and the driver rewinds to that
+        checkpoint's step and sample position; the steps since are lost (``fallback`` with
+        ``lost_steps``) and run again. Returns False (the failure stands) for any other error,
+        or when no plan fits the devices left (journal ``fallback`` with ``action: none``).
+        """
+        oom = getattr(err, "error_kind", None) == "DeviceOutOfMemory"
+        if not oom and not isinstance(err, (WorkerError, TransitionInterrupted)):
+            return False
+        step = self.driver.step_index
+        lost = self.lost_devices(wait=not oom)
+        if not lost and not oom:
+            return False
+        survivors = [d for d in self.world if d not in lost]
+        if lost:
+            causes = sorted({v["cause"] for v in lost.values()})
+            self.journal.event("device_lost", {
+                "step": step, "devices": sorted(lost), "cause": ", ".join(causes), "survivors": survivors,
+                "detail": {str(d): v for d, v in sorted(lost.items())}, "error": str(err)[:300]})
+            log.error("step %d: devices %s lost (%s); restarting on %s", step, sorted(lost), ", ".join(causes),
+                      survivors)
+            why = f"devices {sorted(lost)} lost ({', '.join(causes)})"
+        else:
+            why = f"out of memory: {str(err)[:300]}"
+        try:
+            if not survivors:
+                raise Infeasible("no device is left")
+            self.adapter.restart_plan(tuple(sorted(survivors)))
+        except Infeasible as reason:
+            self.journal.event("fallback", {"step": step, "action": "none", "reason": f"{why}: {reason}",
+                                            "survivors": survivors})
+            return False
+        self._restart(survivors, sorted(lost), step, why, self.driver.last_checkpoint,
+                      leave_reason=f"lost: {why}" if lost else "")
+        return True
+
+    def lost_devices(self, wait: bool = True) -> dict[int, dict[str, Any]]:
+        """Devices of the world that the control plane knows to be lost (``{device: {cause, ...}}``,
+        :meth:`nereusd.daemon.control_plane.ControlPlane.lost_devices`).
+
+        With ``wait``, poll up to :attr:`LOSS_GRACE_S` for the news, and while an agent of the
+        world has been silent for :attr:`SILENT_AGENT_S`, up to its heartbeat timeout (a killed
+        agent's workers outlive it until their task ends; its loss is known only by heartbeat).
+        """
+        start = time.monotonic()
+        grace_end = start + (self.LOSS_GRACE_S if wait else 0.0)
+        heartbeat_end = start + self.control.heartbeat_timeout_s + 2.0
+        while True:
+            self.control.poll(0.1 if wait else 0)
+            lost = self.control.lost_devices(self.world)
+            now = time.monotonic()
+            if lost or now >= grace_end and (now >= heartbeat_end or not
+                                             self.control.silent_agents(self.world, self.SILENT_AGENT_S)):
+                return lost
+
+    def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,
+                 checkpoint: tuple[str, int, int] | None, leave_reason: str = "") -> None:
+        """Stop every worker (those of ``leaving`` for good: they leave the pool), start ``world``
+        again in a new world generation on :meth:`Adapter.restart_plan`, load ``checkpoint``
+        (initial weights when ``None``) and rewind the driver to its step and sample position.
+        Metrics of the steps from there on leave ``metrics.jsonl`` (they run again).
+
+        Workers blocked in a collective with a dead peer do not read messages: the agents stop
+        them by signal (SIGTERM, SIGKILL after 3 s, :meth:`emu.agent.Agent.stop_devices`), so
+        nothing waits for the backend's timeout.
+
+        Raises:
+            NereusError: when the old workers do not stop; Infeasible: nothing fits ``world``.
+        """
+        start = time.perf_counter()
+        result = self.adapter.restart_plan(tuple(sorted(world)))
+        old = list(self.world)
+        abandoned = self.control.abandon_tasks()
+        if leaving:
+            self.control.release_devices(leaving, leave_reason or "removed from the local pool")
+        self.control.release_devices(world, "checkpoint/restart", keep_in_pool=True)
+        if not self.control.wait_exited(old):
+            raise NereusError(f"the workers of {old} did not stop for the restart")
+        generation = self.store.next_generation()
+        self.control.spawn_workers(generation=generation, world=world, store_host=self.store.host,
+                                   store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
+                                   run_dir=str(self.run_dir.resolve()))
+        self.control.run("build", {d: self.driver.build_args(Plan({})) for d in world}, 300)
+        self._reform(list(world), [])     # ranks follow the world's order, not device numbers
+        self.driver.plan = result.plan
+        self.driver.build(self.world)
+        step, position = 0, 0
+        if checkpoint is not None:
+            directory, step, position = checkpoint
+            members = sorted({d for ms, c in result.plan.items() if ms.stage.value == "training" for d in c.devices})
+            self.control.run("load_checkpoint", {d: {"dir": directory} for d in members}, 300)
+        self.driver.rewind(step, position)
+        dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
+        self.driver._sync_weights()
+        self.adapter.switched(result.plan, tuple(sorted(self.world)))
+        self.switches += 1
+        self.restarts += 1
+        self.lost_steps += max(0, failed_step - step)
+        self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "reason": why,
+                                        "checkpoint": checkpoint[0] if checkpoint else None, "resume_step": step,
+                                        "lost_steps": failed_step - step, "dropped_metrics": dropped,
+                                        "lost_devices": leaving, "abandoned_tasks": len(abandoned),
+                                        "to_plan": result.plan.to_dict(),
+                                        "world": self.world, "elapsed_s": time.perf_counter() - start})
+        log.warning("step %d: %s: restarted from %s at step %d on %s", failed_step, why,
+                    checkpoint[0] if checkpoint else "the initial weights", step, result.plan.describe())
+
+    # ------------------------------------------------------------------ execution
+    def _transition(self, current: Plan, target: Plan, step: int, why: str, predicted_s: float | None = None) -> None:
+        """Run ``current → target`` on the world as one DAG; the driver continues on ``target``.
+
+        Every changed model-stage moves in the same DAG, its ready primitives concurrently
+        (:class:`TransitionRunner`); each op has communicators of its own
+        (:class:`emu.state.primitives.Communicators`), so ops of two model-stages on the same ranks
+        never share a process group. An empty change still runs, to rebuild the engines after a
+        world re-formation. ``predicted_s`` is the admitted ``L̂_tran`` in seconds (``None``:
+        not predicted); the measured wall time is journalled and fed back to the adapter.
+
+        Raises:
+            TransitionInterrupted: if a worker died or failed mid-transition (the driver's plan
+                stays ``current``).
+        """
+        models = {role: rm.spec for role, rm in self.job.roles.items()}
+        dag = plan_transition(current, target, models, devices_per_node=1 << 20)
+        start = time.perf_counter()
+        progress = TransitionRunner(self.control, self.world).run(dag)
+        elapsed = time.perf_counter() - start
+        self.driver.plan = target
+        if predicted_s is not None:
+            self.adapter.transition_measured(predicted_s, elapsed)
+        self.adapter.switched(target, tuple(sorted(self.world)))
+        self.journal.event("transition", {
+            "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
+            "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
+            "setup_s": progress.setup_s, "world": self.world, "generation": self.store.generation,
+            "op_timings": progress.timings})
+        log.info("transition at step %d: %d ops in %.2f s -> %s", step, len(dag.ops), elapsed, target.describe())
+
+    def _reform(self, world: list[int], new: list[int]) -> None:
+        """Every worker of ``world`` joins a new world generation (rank = position in ``world``)."""
+        generation = self.store.next_generation()
+        start = time.perf_counter()
+        args = {"generation": generation, "devices": world, "timeout_s": 120}
+        self.control.run("reform_world", {d: args for d in world}, 300)
+        self.world = list(world)
+        self.journal.event("world_formed", {"generation": generation, "devices": world, "new_devices": new,
+                                            "elapsed_s": time.perf_counter() - start})
+
+    def _grow_world(self, joined: list[int]) -> None:
+        """Start workers for ``joined`` devices (a private world first, so that they can take the
+        same tasks as the others), then re-form the world with them."""
+        private = self.store.next_generation()
+        self.control.spawn_workers(generation=private, world=joined, store_host=self.store.host,
+                                   store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
+                                   run_dir=str(self.run_dir.resolve()))
+        args = self.driver.build_args(Plan({}))
+        self.control.run("build", {d: args for d in joined}, 300)
+        self.journal.event("workers_started", {"devices": joined, "generation": private})
+        self._reform(sorted(self.world) + joined, joined)
+
+    def _release(self, leaving: list[int], rebuilt: bool, step: int) -> None:
+        """Stop the workers of ``leaving`` (the plan no longer uses them) and re-form the world."""
+        assert not set(leaving) & set(self.driver.plan.devices()), "devices that leave still hold the plan"
+        self.control.release_devices(leaving, "removed from the local pool")
+        if not self.control.wait_exited(leaving):
+            raise NereusError(f"the workers of devices {leaving} did not stop")
+        survivors = [d for d in self.world if d not in leaving]
+        self._reform(survivors, [])
+        self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
+
+    def _add_devices(self, count: int) -> None:
+        """Start a local agent with ``count`` virtual devices and wait until it registered."""
+        self._added += 1
+        before = set(self.control.devices())
+        node = f"local-add{self._added}"
+        start_local_agent(self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node)
+        deadline = time.monotonic() + 120
+        while len(set(self.control.devices()) - before) < count:
+            if time.monotonic() > deadline:
+                raise NereusError(f"agent {node} with {count} devices did not register within 120 s")
+            self.control.poll(0.1)

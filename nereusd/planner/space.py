@@ -1,0 +1,360 @@
+"""The plan space: problems, search knobs, and the costed options of each model-stage.
+
+An :class:`Option` is a candidate without devices, ``(tp, pp, dp, micro_batch, recompute)``,
+with its predicted latency and memory. Rules (DESIGN.md "Planner"; paper §5.2 "plan space"):
+
+- TP is a power of two (any divisor with ``any_divisor``) that divides the attention heads and
+  is compatible with the kv heads (``kv % tp == 0`` or ``tp % kv == 0``); it stays inside a node
+  (``tp ≤ devices_per_node``) unless no such option fits memory;
+- PP is a power of two (any divisor) dividing the layers;
+- training DP keeps ``dp × b × a`` equal to the mini-batch exactly: ``dp`` divides the
+  mini-batch and ``b`` divides ``mini-batch/dp`` (``a`` follows); generation and inference
+  DP takes every degree that changes the per-replica share ``ceil(sequences/dp)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from nereusd.cost import vector as costvec
+from nereusd.cost.model import CostModel
+from nereusd.errors import ConfigError
+from nereusd.cost.memory import HEADROOM, stage_memory
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Plan, Role, Stage
+from nereusd.config.site import SiteConfig
+from nereusd.workflow import Workflow, Workload
+
+
+GENERATION_WAVE_CHOICES = 3
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """What to plan: a workflow, the model of each role, the step's workload, site and pool.
+
+    Raises:
+        ConfigError: if a role of the workflow has no model spec, or the pool is empty.
+    """
+
+    workflow: Workflow
+    specs: Mapping[Role, ModelSpec]
+    workload: Workload
+    site: SiteConfig
+    pool: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        missing = [r.value for r in self.workflow.roles if r not in self.specs]
+        if missing:
+            raise ConfigError(f"plan problem: no model spec for roles {missing}")
+        if not self.pool:
+            raise ConfigError("plan problem: the device pool is empty")
+        object.__setattr__(self, "pool", tuple(sorted(self.pool)))
+
+    def spec(self, model_stage: ModelStage) -> ModelSpec:
+        return self.specs[model_stage.role]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Search-space knobs.
+
+    Attributes:
+        any_divisor: TP/PP may be any divisor, not only powers of two.
+        micro_batches: per-replica micro-batch sizes to try; empty means the workload's, shrunk
+            to the largest divisor of the replica's share when it does not divide it.
+        allow_recompute: also try full activation recomputation (training).
+        headroom: memory fraction kept free (10 %).
+        generation_pp: also try pipeline parallelism for generation (vLLM can; Nereus's engine
+            and job schema fold PP into DP for generation, so plans the runtime executes keep
+            ``pp = 1`` there — the default).
+    """
+
+    any_divisor: bool = False
+    micro_batches: tuple[int, ...] = ()
+    allow_recompute: bool = False
+    headroom: float = HEADROOM
+    generation_pp: bool = False
+
+
+@dataclass(frozen=True)
+class Option:
+    """A costed candidate without devices."""
+
+    model_stage: ModelStage
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    recompute: bool
+    latency_s: float
+    peak_bytes: int
+    resident_bytes: int
+    cost_by_class: Mapping[str, float] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def layout(self) -> tuple[int, int, int, int, bool]:
+        return (self.tp, self.pp, self.dp, self.micro_batch, self.recompute)
+
+
+def degrees(limit: int, divides: int, any_divisor: bool) -> list[int]:
+    """Degrees ``d ≤ limit`` dividing ``divides``: powers of two, or every divisor."""
+    if any_divisor:
+        return [d for d in range(1, min(limit, divides) + 1) if divides % d == 0]
+    out, d = [], 1
+    while d <= min(limit, divides):
+        if divides % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+def tp_degrees(spec: ModelSpec, limit: int, any_divisor: bool) -> list[int]:
+    kv = spec.num_kv_heads
+    return [t for t in degrees(limit, spec.num_heads, any_divisor) if kv % t == 0 or t % kv == 0]
+
+
+@functools.lru_cache(maxsize=4096)
+def dp_degrees(model_stage: ModelStage, sequences: int, mini_batch: int, limit: int) -> list[int]:
+    """DP degrees: divisors of the mini-batch for training; for the other stages the smallest
+    ``dp`` giving each distinct share ``ceil(sequences/dp)``."""
+    if model_stage.stage is Stage.TRAINING:
+        return tuple(d for d in range(1, min(limit, mini_batch) + 1) if mini_batch % d == 0)
+    out, seen = [], set()
+    for d in range(1, min(limit, sequences) + 1):
+        share = math.ceil(sequences / d)
+        if share not in seen:
+            seen.add(share)
+            out.append(d)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptions, training: bool,
+                        generation: bool = False) -> list[int]:
+    """Per-replica micro-batches to try. Generation: the concurrent sequences (all of the
+    share, or the largest powers of two below it, for waves that fit the KV cache)."""
+    if generation:
+        out, b = [per_replica], 1 << max(0, (per_replica - 1).bit_length() - 1)
+        while b >= 1 and len(out) < GENERATION_WAVE_CHOICES:
+            if b < per_replica:
+                out.append(b)
+            b //= 2
+        return tuple(out)
+    if options.micro_batches:
+        wanted = sorted(set(options.micro_batches))
+    else:
+        wanted = [configured]
+    out = []
+    for b in wanted:
+        b = min(b, per_replica)
+        if training:
+            while per_replica % b:
+                b -= 1
+        out.append(max(1, b))
+    return tuple(sorted(set(out)))
+
+
+class _LazyCostByClass(Mapping):
+    """``Option.cost_by_class`` computed on first use (most options are never asked)."""
+
+    def __init__(self, cost_model: CostModel, spec: ModelSpec, model_stage: ModelStage, kwargs: dict) -> None:
+        self._args = (cost_model, spec, model_stage, kwargs)
+        self._value: dict[str, float] | None = None
+
+    def _get(self) -> dict[str, float]:
+        if self._value is None:
+            cost_model, spec, m, kwargs = self._args
+            self._value = cost_model.stage_latency(spec, m, **kwargs)[1]
+        return self._value
+
+    def __getitem__(self, key: str) -> float:
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+class OptionTable:
+    """All options of one model-stage as numpy columns, in enumeration order.
+
+    Columns: ``tp``, ``pp``, ``dp``, ``micro_batch``, ``recompute``, ``latency_s`` (s),
+    ``peak_bytes``, ``resident_bytes`` (bytes per device). :meth:`option` materialises one
+    :class:`Option` (with its cost per operation class); the planner does so only for the
+    options it keeps on a frontier.
+    """
+
+    def __init__(self, problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
+                 rows: list[tuple], latency_s: np.ndarray) -> None:
+        self.problem, self.model_stage, self.cost_model = problem, model_stage, cost_model
+        cols = list(zip(*rows)) if rows else [()] * 7
+        self.tp, self.pp, self.dp, self.micro_batch = (np.array(c, dtype=np.int64) for c in cols[:4])
+        self.recompute = np.array(cols[4], dtype=bool)
+        self.peak_bytes = np.array(cols[5], dtype=np.float64)
+        self.resident_bytes = np.array(cols[6], dtype=np.float64)
+        self.latency_s = np.asarray(latency_s, dtype=np.float64)
+        self.gpus = self.tp * self.pp * self.dp
+        self._options: dict[int, Option] = {}
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def option(self, i: int) -> Option:
+        """Row ``i`` as an :class:`Option` (memoised)."""
+        opt = self._options.get(i)
+        if opt is None:
+            m, wl = self.model_stage, self.problem.workload
+            tp, pp, dp, b = int(self.tp[i]), int(self.pp[i]), int(self.dp[i]), int(self.micro_batch[i])
+            rc = bool(self.recompute[i])
+            ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
+                sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
+                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
+                mini_batches=wl.mini_batches, recompute=rc))
+            opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
+                                            int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal)
+        return opt
+
+    def options(self) -> list[Option]:
+        return [self.option(i) for i in range(len(self))]
+
+
+def enumerate_options(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
+                      options: PlannerOptions, usable_bytes: float) -> list[Option]:
+    """Every option of ``model_stage`` whose own peak fits ``usable_bytes``, costed.
+
+    TP crosses nodes only if nothing fits with ``tp ≤ devices_per_node``.
+    """
+    return option_table(problem, model_stage, cost_model, options, usable_bytes).options()
+
+
+def option_table(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
+                 options: PlannerOptions, usable_bytes: float) -> OptionTable:
+    """:func:`enumerate_options` as an :class:`OptionTable` (costed with :mod:`nereusd.cost.vector`)."""
+    site = problem.site
+    out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, site.devices_per_node)
+    if not len(out) and len(problem.pool) > site.devices_per_node:
+        out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, len(problem.pool))
+    return out
+
+
+def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, options: PlannerOptions,
+               usable_bytes: float, tp_limit: int) -> OptionTable:
+    spec, wl, wf, site = problem.spec(m), problem.workload, problem.workflow, problem.site
+    n = len(problem.pool)
+    sequences = wf.sequences(m, wl)
+    training = m.stage is Stage.TRAINING
+    generation = m.stage is Stage.GENERATION
+    recompute_flags = (False, True) if (training and options.allow_recompute) else (False,)
+    rows: list[tuple] = []
+    lat_parts: list[np.ndarray] = []
+    memo: dict = {}
+    for tp in tp_degrees(spec, min(tp_limit, n), options.any_divisor):
+        pps = degrees(n // tp, spec.num_layers, options.any_divisor)
+        for pp in ((1,) if generation and not options.generation_pp else pps):
+            block: list[tuple] = []
+            for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
+                per_replica = -(-sequences // dp)
+                per_opt = wl.mini_batch_size // dp if training else per_replica
+                for b in micro_batch_choices(per_opt, wl.micro_batch, options, training, generation):
+                    for recompute in recompute_flags:
+                        # memory depends on the share only through b and the in-flight
+                        # micro-batches (see nereusd.cost.memory.stage_memory)
+                        key = (tp, pp, min(b, per_replica), recompute,
+                               min(pp, max(1, per_replica // b)) if training else 0)
+                        mem = memo.get(key)
+                        if mem is None:
+                            est = stage_memory(
+                                spec, m, sequences=sequences, prompt_length=wl.prompt_length,
+                                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
+                                recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind)
+                            mem = memo[key] = (est.peak_bytes, est.resident_bytes)
+                        if mem[0] > usable_bytes:
+                            continue
+                        block.append((tp, pp, dp, b, recompute, mem[0], mem[1]))
+            if block:
+                cols = list(zip(*block))
+                lat_parts.append(costvec.latencies(
+                    cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
+                    response_length=wl.response_length, tp=tp, pp=pp, dp=np.array(cols[2]),
+                    micro_batch=np.array(cols[3]), recompute=np.array(cols[4]), mini_batches=wl.mini_batches))
+                rows += block
+    latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
+    return OptionTable(problem, m, cost_model, rows, latency)
+
+
+def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: int, dp: int,
+                   micro_batch: int, recompute: bool, cost_model: CostModel) -> Option:
+    """Cost one given candidate layout (for evaluating the running plan under a new workload)."""
+    spec, wl = problem.spec(model_stage), problem.workload
+    sequences = problem.workflow.sequences(model_stage, wl)
+    b = micro_batch or wl.micro_batch
+    kw = dict(sequences=sequences, prompt_length=wl.prompt_length, response_length=wl.response_length,
+              tp=tp, pp=pp, dp=dp, micro_batch=b, recompute=recompute)
+    mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind, **kw)
+    cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
+    return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
+                  cost.ideal_s_by_class)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predictions for a given plan: step latency, per model-stage options, per device peaks."""
+
+    step_latency_s: float
+    options: Mapping[ModelStage, Option]
+    peak_bytes: Mapping[int, int]
+
+    def over_capacity(self, usable: int) -> dict[int, int]:
+        """Devices whose predicted peak exceeds ``usable`` bytes, with their peak."""
+        return {d: b for d, b in self.peak_bytes.items() if b > usable}
+
+
+def evaluate(problem: PlanProblem, plan: Plan, cost_model: CostModel) -> Evaluation:
+    """Predict step latency and per-device peaks of ``plan`` under ``problem``'s workload.
+
+    Raises:
+        ConfigError: if the plan lacks a model-stage of the workflow.
+    """
+    missing = [str(m) for m in problem.workflow.model_stages if m not in plan]
+    if missing:
+        raise ConfigError(f"plan lacks model-stages {missing}")
+    chosen = {m: cost_candidate(problem, m, c.tp, c.pp, c.dp, c.micro_batch, c.recompute, cost_model)
+              for m, c in plan.items() if m in problem.workflow.model_stages}
+    latency = problem.workflow.critical_path_s({m: o.latency_s for m, o in chosen.items()})
+    return Evaluation(latency, chosen, device_peaks(problem.workflow, plan, chosen))
+
+
+def device_peaks(workflow, plan: Plan, chosen: Mapping[ModelStage, Option]) -> dict[int, int]:
+    """Predicted peak per device from the actual co-location in ``plan``: for each phase ``p``
+    running on the device, its working peak plus the resident state of the model-stages of
+    other phases placed there (asynchronous generation devices hold generation only)."""
+    peaks: dict[int, int] = {}
+    masks: dict[int, int] = {}
+    stages = list(plan.candidates)   # canonical order, as Plan.model_stages_on
+    for bit, m in enumerate(stages):
+        flag = 1 << bit
+        for d in plan[m].devices:
+            masks[d] = masks.get(d, 0) | flag
+    worst_of: dict[int, int] = {}
+    for mask in set(masks.values()):
+        here = [m for bit, m in enumerate(stages) if mask >> bit & 1]
+        worst = 0
+        for m in here:
+            others = sum(chosen[o].resident_bytes for o in here if o != m)
+            worst = max(worst, chosen[m].peak_bytes + others)
+        worst_of[mask] = worst
+    for device in sorted(masks):
+        peaks[device] = worst_of[masks[device]]
+    return peaks

@@ -1,0 +1,440 @@
+"""The RL driver: runs the job's steps by dispatching model-stage tasks through the control plane.
+
+One step (DESIGN.md, "One RL step"): generation → inference (old/reference log-probs, values,
+reward-model scores) → advantages on the driver → training (actor, critic) → weight sync from
+each training model-stage to the other model-stages of its role. Tasks of model-stages on
+disjoint devices are submitted together and overlap; tasks on shared devices run in
+submission order on each worker. The driver holds the batch and hands each DP replica a
+contiguous share.
+
+Asynchronous execution (``rollout.max_staleness = s ≥ 1``; one-step off-policy at ``s = 1``, as
+in AReaL and Laminar, paper §2/§4.2): at the start of step ``k`` the driver submits the
+generation of step ``k + s`` before it trains step ``k``, so generation on its own devices
+overlaps inference and training of earlier rollouts. Every rollout carries the *policy version*
+it was generated with — the number of weight synchronisations before its generation was
+submitted — and since each worker runs its tasks in submission order, that version is
+deterministic: step ``k`` trains on a rollout of version ``max(0, k − s)``, staleness ≤ ``s``.
+The weight synchronisation at the end of a step runs on the generation devices after every
+generation submitted before it, so when it returns no generation is running: that is the
+asynchronous safe boundary (DESIGN.md vocabulary); rollouts already generated keep their version.
+``s = 0`` is the synchronous step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from nereusd.config.job import Algorithm
+from nereusd.daemon.control_plane import ControlPlane
+from nereusd.errors import WorkerError
+from nereusd.config.resolve import ResolvedJob
+from nereusd.journal import Journal
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.rl import advantages as adv
+from nereusd.rl.rollout import RolloutBatch, as_lists, mean_of, split_even
+from nereusd.tasks import PromptSampler, get_task
+from nereusd.transition.runner import TransitionInterrupted
+
+log = logging.getLogger(__name__)
+
+ACTOR_GEN = ModelStage(Role.ACTOR, Stage.GENERATION)
+ACTOR_INF = ModelStage(Role.ACTOR, Stage.INFERENCE)
+ACTOR_TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
+REF_INF = ModelStage(Role.REFERENCE, Stage.INFERENCE)
+CRITIC_INF = ModelStage(Role.CRITIC, Stage.INFERENCE)
+CRITIC_TRAIN = ModelStage(Role.CRITIC, Stage.TRAINING)
+REWARD_INF = ModelStage(Role.REWARD, Stage.INFERENCE)
+
+
+def derived_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (stable across processes and Python versions)."""
+    digest = hashlib.sha256(",".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class _Dispatch:
+    """A submitted per-replica task: which device reports each replica's result."""
+
+    task_id: int
+    model_stage: ModelStage
+    reporters: list[int]
+    ranges: list[tuple[int, int]]
+
+
+@dataclass
+class _Rollout:
+    """One step's generation, submitted and not yet trained on."""
+
+    index: int
+    """The step that trains on it (its prompts and sampling seeds follow from it)."""
+    position: int
+    """Sampler position of its first prompt."""
+    policy_version: int
+    """Weight synchronisations applied before its generation was submitted."""
+    batch: RolloutBatch
+    greedy_batch: RolloutBatch | None
+    pending: list[_Dispatch]
+    """Generation dispatches not collected yet (``[sampled]`` or ``[sampled, greedy]``)."""
+    greedy_scores: list[float] | None = None
+    peaks: dict[int, int] = field(default_factory=dict)
+    model_stage_s: float = 0.0
+
+
+class RLDriver:
+    """Runs ``job`` on the workers behind ``control``; writes metrics and events to ``journal``."""
+
+    def __init__(self, job: ResolvedJob, control: ControlPlane, journal: Journal,
+                 on_step: Callable[[dict[str, Any]], None] | None = None, plan: Plan | None = None) -> None:
+        self.job = job
+        self.cfg = job.config
+        self.control = control
+        self.journal = journal
+        self.plan: Plan = plan or job.plan
+        """The running plan; live adaptation replaces it at safe boundaries."""
+        self.task = get_task(self.cfg.task.name, **self.cfg.task.options)
+        self.tokenizer = self.task.tokenizer
+        self.sampler = PromptSampler(self.task)
+        self.on_step = on_step or (lambda record: None)
+        self.step_index = 0
+        self._ms_s: dict[str, float] = {}
+        self.last_checkpoint: tuple[str, int, int] | None = None
+        """``(directory, step, sample position)`` of the latest checkpoint."""
+        self.on_failure: Callable[[Exception], bool] | None = None
+        """Called when a step or its boundary (hook, transition, checkpoint) fails with a
+        ``WorkerError`` or ``TransitionInterrupted``; True when it recovered (restart) and rewound
+        the driver."""
+        self.max_staleness = self.cfg.rollout.max_staleness
+        self._rollouts: deque[_Rollout] = deque()
+        self._next_rollout = 0
+
+    @property
+    def prompt_length(self) -> int:
+        """Longest prompt of the task's first step, in tokens (the planner's prompt length)."""
+        if not hasattr(self.task, "prompt_at"):
+            return 8
+        return max(len(self.task.prompt_at(i).tokens) for i in range(self.cfg.rollout.prompts_per_step))
+
+    # ------------------------------------------------------------------ setup
+    def build_args(self, plan: Plan) -> dict[str, Any]:
+        """Arguments of the workers' ``build`` task for ``plan`` (an empty plan only records the
+        job's models and optimiser settings on a worker that joins later)."""
+        train = self.cfg.train
+        roles = {
+            role.value: {"spec": rm.spec.to_dict(), "path": rm.path, "value_head": rm.value_head}
+            for role, rm in self.job.roles.items()
+        }
+        lr = {str(ACTOR_TRAIN): train.actor_lr, str(CRITIC_TRAIN): train.critic_lr}
+        return {"plan": plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr, "seed": self.cfg.seed}
+
+    def build(self, world: list[int] | None = None) -> None:
+        """Create every model-stage's communicators and engines on the workers of ``world``
+        (default: devices ``0 … devices−1``), from the roles' initial weights."""
+        args = self.build_args(self.plan)
+        start = time.perf_counter()
+        world = world if world is not None else list(range(self.job.devices))
+        results = self.control.run("build", {d: args for d in world})
+        memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
+        self.journal.event("build", {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
+                                     "memory_in_use_bytes": memory})
+
+    # ------------------------------------------------------------------ dispatch helpers
+    def _submit_replicas(self, kind: str, ms: ModelStage, count: int,
+                         payload: Callable[[int, int, int], dict[str, Any]]) -> _Dispatch:
+        """Send ``kind`` to every device of ``ms``; replica ``r`` gets ``payload(r, start, stop)``
+        for its share ``[start, stop)`` of ``count`` items."""
+        cand: Candidate = self.plan[ms]
+        ranges = split_even(count, cand.dp)
+        args: dict[int, dict[str, Any]] = {}
+        for r, (lo, hi) in enumerate(ranges):
+            body = {"model_stage": str(ms), **payload(r, lo, hi)}
+            for device in cand.replica_devices(r):
+                args[device] = body
+        reporters = [cand.device_at(r, cand.pp - 1, 0) for r in range(cand.dp)]
+        return _Dispatch(self.control.submit(kind, args), ms, reporters, ranges)
+
+    def _gather(self, dispatch: _Dispatch, key: str) -> tuple[list[Any], dict[int, Any]]:
+        """Concatenate the replicas' ``key`` results in sample order; also return raw results."""
+        results = self.control.collect(dispatch.task_id)
+        self._note_time(dispatch.model_stage, results)
+        out: list[Any] = []
+        for device in dispatch.reporters:
+            out.extend(results[device].result[key])
+        return out, results
+
+    def _note_time(self, ms: ModelStage, results: dict[int, Any]) -> None:
+        """Add the slowest device's task time to ``ms``'s measured seconds of this step."""
+        key = str(ms)
+        self._ms_s[key] = self._ms_s.get(key, 0.0) + max((r.elapsed_s for r in results.values()), default=0.0)
+
+    # ------------------------------------------------------------------ one step
+    def _generate(self, batch: RolloutBatch, greedy: bool, index: int) -> _Dispatch:
+        roll = self.cfg.rollout
+        prompts = batch.prompts
+        return self._submit_replicas("generate", ACTOR_GEN, len(prompts), lambda r, lo, hi: {
+            "prompts": prompts[lo:hi], "max_new_tokens": roll.max_new_tokens, "temperature": roll.temperature,
+            "greedy": greedy, "eos_id": self.tokenizer.eos_id, "pad_id": self.tokenizer.pad_id,
+            "seed": derived_seed(self.cfg.seed, index, r, int(greedy)),
+            # one stream per sample of the step: the draws do not depend on the layout
+            "seeds": [derived_seed(self.cfg.seed, index, i, int(greedy), 1) for i in range(lo, hi)],
+        })
+
+    def _submit_rollouts(self) -> None:
+        """Submit the generations of steps up to ``step_index + max_staleness`` (not past the
+        last step), in step order, each tagged with the current policy version."""
+        roll, group = self.cfg.rollout, self.cfg.rollout.group_size
+        last = min(self.step_index + self.max_staleness, self.cfg.steps - 1)
+        while self._next_rollout <= last:
+            index = self._next_rollout
+            position = self.sampler.position
+            prompts = self.sampler.next_batch(roll.prompts_per_step)
+            batch = RolloutBatch(prompt_index=[p.index for p in prompts for _ in range(group)],
+                                 starts=[p.start for p in prompts for _ in range(group)],
+                                 prompts=[list(p.tokens) for p in prompts for _ in range(group)])
+            pending = [self._generate(batch, greedy=False, index=index)]
+            greedy_batch = None
+            if self.cfg.algorithm == Algorithm.REMAX:
+                greedy_batch = RolloutBatch([p.index for p in prompts], [p.start for p in prompts],
+                                            [list(p.tokens) for p in prompts])
+                pending.append(self._generate(greedy_batch, greedy=True, index=index))
+            self._rollouts.append(_Rollout(index, position, self.step_index, batch, greedy_batch, pending))
+            self._next_rollout += 1
+
+    def _collect_rollout(self, rollout: _Rollout) -> None:
+        """Wait for ``rollout``'s generation results (no-op once collected)."""
+        for dispatch in rollout.pending:
+            results = self.control.collect(dispatch.task_id)
+            rollout.model_stage_s += max((r.elapsed_s for r in results.values()), default=0.0)
+            for device, res in results.items():
+                rollout.peaks[device] = max(rollout.peaks.get(device, 0), int(res.result.get("peak_memory_bytes", 0)))
+            out: list[Any] = []
+            for device in dispatch.reporters:
+                out.extend(results[device].result["responses"])
+            if dispatch is rollout.pending[0]:
+                rollout.batch.responses = out
+            else:
+                per_prompt = self._rewards(rollout.greedy_batch, out)
+                rollout.greedy_scores = [s for s in per_prompt for _ in range(self.cfg.rollout.group_size)]
+        rollout.pending = []
+
+    def drain_rollouts(self) -> None:
+        """Collect the results of every submitted generation (the safe boundary: after a weight
+        synchronisation they are finished on the workers), so that a transition or a pool
+        change can follow; the rollouts keep their policy versions."""
+        for rollout in self._rollouts:
+            self._collect_rollout(rollout)
+
+    def rewind(self, step: int, position: int) -> None:
+        """Continue at ``step`` with the sampler at ``position`` (after a checkpoint/restart):
+        rollouts in flight are dropped (their workers are gone) and generated again."""
+        self._rollouts.clear()
+        self.step_index, self._next_rollout = step, step
+        self.sampler.position = position
+
+    @property
+    def resume_position(self) -> int:
+        """Sampler position of the next step's prompts (rollouts submitted ahead are not consumed)."""
+        return self._rollouts[0].position if self._rollouts else self.sampler.position
+
+    def _score_kind(self, batch: RolloutBatch, kind: str, ms: ModelStage) -> _Dispatch:
+        seqs, lens = batch.sequences, batch.prompt_lens
+        if kind == "scores":
+            return self._submit_replicas(kind, ms, len(seqs), lambda r, lo, hi: {"sequences": seqs[lo:hi]})
+        return self._submit_replicas(kind, ms, len(seqs), lambda r, lo, hi: {
+            "sequences": seqs[lo:hi], "prompt_lens": lens[lo:hi]})
+
+    def _rewards(self, batch: RolloutBatch, responses: list[list[int]]) -> list[float]:
+        return [self.task.score(start, resp) for start, resp in zip(batch.starts, responses)]
+
+    def step(self) -> dict[str, Any]:
+        """Run one RL step and return its metrics record."""
+        step_start = time.perf_counter()
+        stage_s: dict[str, float] = {}
+        peaks: dict[int, int] = {}
+        self._ms_s = {}
+
+        def note_peaks(results: dict[int, Any]) -> None:
+            for device, res in results.items():
+                peaks[device] = max(peaks.get(device, 0), int(res.result.get("peak_memory_bytes", 0)))
+
+        # generation: this step's rollout (asynchronous: submitted up to max_staleness steps ago,
+        # and the next ones are submitted now, to overlap this step's inference and training)
+        t0 = time.perf_counter()
+        self._submit_rollouts()
+        rollout = self._rollouts.popleft()
+        assert rollout.index == self.step_index, (rollout.index, self.step_index)
+        self._collect_rollout(rollout)
+        batch, greedy_scores, position = rollout.batch, rollout.greedy_scores, rollout.position
+        for device, peak in rollout.peaks.items():
+            peaks[device] = max(peaks.get(device, 0), peak)
+        self._ms_s[str(ACTOR_GEN)] = rollout.model_stage_s
+        stage_s["generation"] = time.perf_counter() - t0
+
+        # inference
+        t0 = time.perf_counter()
+        pending = {"old_logprobs": self._score_kind(batch, "logprobs", ACTOR_INF)}
+        if REF_INF in self.plan:
+            pending["ref_logprobs"] = self._score_kind(batch, "logprobs", REF_INF)
+        if CRITIC_INF in self.plan:
+            pending["old_values"] = self._score_kind(batch, "values", CRITIC_INF)
+        if REWARD_INF in self.plan:
+            pending["reward_scores"] = self._score_kind(batch, "scores", REWARD_INF)
+        key_of = {"old_logprobs": "logprobs", "ref_logprobs": "logprobs", "old_values": "values",
+                  "reward_scores": "scores"}
+        for name, dispatch in pending.items():
+            values, raw = self._gather(dispatch, key_of[name])
+            note_peaks(raw)
+            if name == "reward_scores":
+                batch.scores = [float(v) for v in values]
+            else:
+                batch.per_token[name] = values
+        if REWARD_INF not in self.plan:
+            batch.scores = self._rewards(batch, batch.responses)
+        stage_s["inference"] = time.perf_counter() - t0
+
+        self._advantages(batch, greedy_scores)
+
+        # training
+        t0 = time.perf_counter()
+        train_metrics = self._train(batch, note_peaks)
+        stage_s["training"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self._sync_weights()
+        stage_s["weight_sync"] = time.perf_counter() - t0
+
+        latency = time.perf_counter() - step_start
+        lengths = batch.response_lens
+        record = {
+            "step": self.step_index,
+            "step_latency_s": latency,
+            "stage_latency_s": stage_s,
+            "model_stage_s": dict(self._ms_s),
+            "reward_mean": float(np.mean(batch.scores)),
+            "response_length_mean": float(np.mean(lengths)),
+            "response_length_max": int(max(lengths)),
+            "tokens_per_s": float(sum(lengths) / latency),
+            "peak_memory_bytes": {str(d): peaks[d] for d in sorted(peaks)},
+            "plan": self.plan.to_dict(),
+            "sample_position": position,
+            "policy_version": rollout.policy_version,
+            "staleness": self.step_index - rollout.policy_version,
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        }
+        if greedy_scores is not None:
+            record["greedy_reward_mean"] = float(np.mean(greedy_scores))
+        self.step_index += 1
+        return record
+
+    def _advantages(self, batch: RolloutBatch, greedy_scores: list[float] | None) -> None:
+        cfg, train = self.cfg, self.cfg.train
+        lengths = batch.response_lens
+        if cfg.algorithm == Algorithm.PPO:
+            kl = [np.asarray(o) - np.asarray(r) for o, r in
+                  zip(batch.per_token["old_logprobs"], batch.per_token["ref_logprobs"])]
+            rewards = adv.token_rewards(batch.scores, lengths, kl=kl, kl_coef=train.kl_coef)
+            advantages, returns = adv.gae(rewards, batch.per_token["old_values"], gamma=train.gamma, lam=train.lam)
+            batch.per_token["advantages"] = as_lists(adv.whiten(advantages))
+            batch.per_token["returns"] = as_lists(returns)
+        elif cfg.algorithm == Algorithm.GRPO:
+            per_seq = adv.grpo_advantages(batch.scores, cfg.rollout.group_size)
+            batch.per_token["advantages"] = as_lists(adv.broadcast_to_tokens(per_seq, lengths))
+        else:
+            per_seq = adv.remax_advantages(batch.scores, greedy_scores)
+            batch.per_token["advantages"] = as_lists(adv.broadcast_to_tokens(per_seq, lengths))
+
+    def _train(self, batch: RolloutBatch, note_peaks: Callable[[dict[int, Any]], None]) -> dict[str, float]:
+        cfg, train = self.cfg, self.cfg.train
+        n = len(batch)
+        order = np.arange(n)
+        totals: dict[str, float] = {}
+        minibatches = 0
+        for epoch in range(train.epochs):
+            if epoch:
+                order = np.random.default_rng(derived_seed(cfg.seed, self.step_index, epoch)).permutation(n)
+            for lo in range(0, n, train.global_batch):
+                idx = [int(i) for i in order[lo:lo + train.global_batch]]
+                weights = adv.token_weights([batch.response_lens[i] for i in idx])
+                for j, i in enumerate(idx):
+                    batch.per_token.setdefault("weight", [[] for _ in range(n)])[i] = weights[j].tolist()
+                dispatches = []
+                actor_loss = {"kind": "policy", "clip": train.clip, "kl_coef": 0.0 if cfg.algorithm == Algorithm.PPO
+                              else train.kl_coef, "kl_estimator": train.kl_estimator,
+                              "entropy_coef": train.entropy_coef}
+                keys = ["old_logprobs", "ref_logprobs", "advantages", "weight"]
+                dispatches.append(self._train_dispatch(ACTOR_TRAIN, batch, idx, keys, actor_loss))
+                if CRITIC_TRAIN in self.plan:
+                    critic_loss = {"kind": "value", "value_clip": train.value_clip}
+                    dispatches.append(self._train_dispatch(CRITIC_TRAIN, batch, idx,
+                                                           ["old_values", "returns", "weight"], critic_loss))
+                for dispatch in dispatches:
+                    results = self.control.collect(dispatch.task_id)
+                    self._note_time(dispatch.model_stage, results)
+                    note_peaks(results)
+                    # every replica reports the same DP-reduced sums (engine _reduce_metrics): take
+                    # one, or the metrics would scale with the layout's DP degree
+                    metrics = mean_of([results[dispatch.reporters[0]].result["metrics"]])
+                    prefix = dispatch.model_stage.role.value
+                    for key, value in metrics.items():
+                        totals[f"{prefix}/{key}"] = totals.get(f"{prefix}/{key}", 0.0) + value
+                minibatches += 1
+        return {k: v / max(minibatches, 1) for k, v in totals.items()}
+
+    def _train_dispatch(self, ms: ModelStage, batch: RolloutBatch, idx: list[int], keys: list[str],
+                        loss: dict[str, Any]) -> _Dispatch:
+        def payload(r: int, lo: int, hi: int) -> dict[str, Any]:
+            return {**batch.select(idx[lo:hi], keys), "loss": loss}
+        return self._submit_replicas("train", ms, len(idx), payload)
+
+    def _sync_weights(self) -> None:
+        """Copy each training model-stage's new weights to the other model-stages of its role."""
+        dispatches = []
+        for source in (ACTOR_TRAIN, CRITIC_TRAIN):
+            if source not in self.plan:
+                continue
+            targets = [ms for ms in self.plan if ms.role == source.role and ms != source]
+            if not targets:
+                continue
+            members = sorted({d for ms in [source, *targets] for d in self.plan[ms].devices})
+            args = {"source": str(source), "targets": [str(t) for t in targets]}
+            dispatches.append(self.control.submit("sync_weights", {d: args for d in members}))
+        for task_id in dispatches:
+            self.control.collect(task_id)
+
+    # ------------------------------------------------------------------ run
+    def save_checkpoint(self, directory: str) -> None:
+        members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
+        start = time.perf_counter()
+        self.control.run("save_checkpoint", {d: {"dir": directory} for d in members})
+        self.last_checkpoint = (directory, self.step_index, self.resume_position)
+        self.journal.event("checkpoint", {"dir": directory, "step": self.step_index,
+                                          "sample_position": self.resume_position,
+                                          "elapsed_s": time.perf_counter() - start})
+
+    def run(self) -> list[dict[str, Any]]:
+        """Build, run every step, checkpoint; returns the metrics records."""
+        self.build()
+        records = []
+        every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
+        while self.step_index < self.cfg.steps:
+            try:   # the boundary too: a transition or checkpoint can lose a device as well
+                record = self.step()
+                self.journal.metric(record)
+                records.append(record)
+                self.on_step(record)
+                if every and self.step_index % every == 0 and self.step_index < self.cfg.steps:
+                    self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
+            except (WorkerError, TransitionInterrupted) as err:
+                if self.on_failure is None or not self.on_failure(err):
+                    raise
+                records = [r for r in records if r["step"] < self.step_index]   # rewound: steps re-run
+        if self.cfg.checkpoint.final:
+            self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / "final"))
+        return records

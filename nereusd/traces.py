@@ -1,0 +1,157 @@
+"""Traces that drive a simulated run: per-step sequence lengths and the GPU pool over time.
+
+Shipped copies live in ``nereusd/data/traces`` (provenance and licences in its
+``SOURCES.md``); a bare name resolves there, anything else is read as a path. Nothing here
+edits the data: scaling a 16-node availability trace to the simulated cluster and generating a
+length ramp are derivations, and a generated trace says so in its ``label``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from nereusd.errors import ConfigError
+
+DATA = Path(__file__).resolve().parent / "data" / "traces"
+LENGTH_DIR = DATA / "length"
+SPOT_DIR = DATA / "spot" / "availability" / "16-node" / "aws-08-27-2023"
+
+#: Short names of the shipped length traces: (file, column).
+LENGTH_TRACES = {
+    "verl-amd-7b-grpo": ("verl-amd_deepseek-llm-7b-chat_gsm8k_grpo_resp1024.csv", "response_length_mean"),
+    "verl-0.5b-ppo": ("verl-data_qwen2.5-0.5b-instruct_gsm8k_ppo_resp512.csv", "response_length_mean"),
+    "deepgrpo-baseline": ("deepgrpo_qwen2.5-0.5b-instruct_gsm8k_grpo_wandb.csv", "response_length_mean"),
+    "deepgrpo-tree": ("deepgrpo_qwen2.5-0.5b-instruct_gsm8k_grpo_wandb.csv", "response_length_mean_deepgrpo_run"),
+}
+#: Short names of the shipped spot availability traces.
+POOL_TRACES = {"us-east-2b": "us-east-2b_v100_1.json", "us-west-2a": "us-west-2a_v100_1.json"}
+GENERATED_RAMP = "generated-ramp"
+NOISE_SOURCE = "verl-amd-7b-grpo"
+
+
+@dataclass(frozen=True)
+class LengthTrace:
+    """Mean response length (tokens) per RL step; ``generated`` marks a synthetic trace."""
+
+    label: str
+    response_lengths: tuple[float, ...]
+    generated: bool = False
+
+    def at(self, step: int) -> float:
+        """Length of ``step`` (0-based); past the end the trace repeats from its start."""
+        return self.response_lengths[step % len(self.response_lengths)]
+
+
+@dataclass(frozen=True)
+class PoolTrace:
+    """Available fraction of the cluster over time.
+
+    ``fractions[i]`` holds from ``i·gap_s`` seconds (``0 ≤ f ≤ 1``); past the end it repeats.
+    A constant pool is ``fractions == (1.0,)``.
+    """
+
+    label: str
+    gap_s: float
+    fractions: tuple[float, ...]
+
+    def fraction_at(self, time_s: float) -> float:
+        if len(self.fractions) == 1:
+            return self.fractions[0]
+        return self.fractions[int(time_s // self.gap_s) % len(self.fractions)]
+
+    def devices_at(self, time_s: float, total_devices: int, devices_per_node: int) -> int:
+        """Devices available at ``time_s`` on a cluster of ``total_devices``: the fraction,
+        rounded to whole nodes (spot capacity comes and goes by instance)."""
+        nodes = total_devices // devices_per_node
+        return int(round(self.fraction_at(time_s) * nodes)) * devices_per_node
+
+    def next_change_s(self, time_s: float) -> float:
+        """Start of the next sample after ``time_s`` (``inf`` for a constant pool)."""
+        if len(self.fractions) == 1:
+            return math.inf
+        return (math.floor(time_s / self.gap_s) + 1) * self.gap_s
+
+
+def _read_column(path: Path, column: str) -> list[float]:
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if column not in (reader.fieldnames or []):
+            raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames})")
+        values = [float(row[column]) for row in reader if row[column] not in ("", None)]
+    if not values:
+        raise ConfigError(f"{path.name}: column {column!r} is empty")
+    return values
+
+
+def load_length_trace(name: str, steps: int | None = None, seed: int = 0) -> LengthTrace:
+    """A length trace by short name (:data:`LENGTH_TRACES`), ``generated-ramp[:start:end]``,
+    a shipped file name, or a CSV path with an optional ``:column``.
+
+    Raises:
+        ConfigError: for an unknown name, a missing file or column, or an empty column.
+    """
+    if name.startswith(GENERATED_RAMP):
+        parts = name.split(":")
+        start, end = (float(parts[1]), float(parts[2])) if len(parts) == 3 else (500.0, 8000.0)
+        return generated_ramp(steps or 1000, start, end, seed=seed)
+    if name in LENGTH_TRACES:
+        file, column = LENGTH_TRACES[name]
+        return LengthTrace(name, tuple(_read_column(LENGTH_DIR / file, column)))
+    base, _, column = name.partition(":") if not Path(name).exists() else (name, "", "")
+    path = Path(base) if Path(base).exists() else LENGTH_DIR / base
+    if not path.exists():
+        raise ConfigError(f"length trace {name!r}: not a shipped trace ({sorted(LENGTH_TRACES)}, "
+                          f"{GENERATED_RAMP}) nor a file")
+    return LengthTrace(path.stem, tuple(_read_column(path, column or "response_length_mean")))
+
+
+def generated_ramp(steps: int, start: float = 500.0, end: float = 8000.0, seed: int = 0,
+                   noise_from: str = NOISE_SOURCE) -> LengthTrace:
+    """A generated long-CoT ramp, geometric from ``start`` to ``end`` tokens over ``steps``
+    (the shape of the Nereus paper's Fig. 4a, for which no public per-step data exists), times
+    step-to-step noise resampled (seeded) from the relative changes ``x_t/x_{t−1}`` of the real
+    trace ``noise_from``. Labelled ``generated``.
+    """
+    real = _read_column(LENGTH_DIR / LENGTH_TRACES[noise_from][0], LENGTH_TRACES[noise_from][1])
+    ratios = [b / a for a, b in zip(real, real[1:]) if a > 0]
+    mean_log = sum(math.log(r) for r in ratios) / len(ratios)
+    rng = random.Random(seed)
+    values = []
+    for i in range(steps):
+        base = start * (end / start) ** (i / max(1, steps - 1))
+        values.append(base * math.exp(math.log(rng.choice(ratios)) - mean_log))
+    return LengthTrace(f"generated ramp {start:.0f}->{end:.0f} (noise from {noise_from})", tuple(values),
+                       generated=True)
+
+
+def load_pool_trace(name: str | None) -> PoolTrace:
+    """A pool trace by short name (:data:`POOL_TRACES`), file name or path; ``None`` or
+    ``constant`` gives the whole cluster at every step. The trace starts at its first sample
+    with every instance available (the job launches when its full allocation is granted).
+
+    Raises:
+        ConfigError: for an unknown name or a malformed file.
+    """
+    if name in (None, "", "constant"):
+        return PoolTrace("constant", math.inf, (1.0,))
+    path = Path(name) if Path(name).exists() else SPOT_DIR / POOL_TRACES.get(name, name)
+    if not path.exists():
+        raise ConfigError(f"pool trace {name!r}: not a shipped trace ({sorted(POOL_TRACES)}, constant) nor a file")
+    try:
+        data = json.loads(path.read_text())
+        gap = float(data["metadata"]["gap_seconds"])
+        counts = [int(x) for x in data["data"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{path.name}: expected {{'metadata': {{'gap_seconds': ..}}, 'data': [..]}}: {err!r}") from None
+    full = max(counts)
+    if full <= 0:
+        raise ConfigError(f"{path.name}: no instance is ever available")
+    first = counts.index(full)
+    counts = counts[first:] + counts[:first]
+    label = next((k for k, v in POOL_TRACES.items() if v == path.name), path.stem)
+    return PoolTrace(f"{label} (16-node spot trace scaled to the cluster)", gap, tuple(c / full for c in counts))

@@ -1,0 +1,183 @@
+"""Transition planning: from plan ``S`` to ``S*`` as a DAG of EMU primitives (paper §5–§6).
+
+Pure (no torch): the controller plans, checks and costs a transition here; workers receive
+the DAG as JSON (:meth:`TransitionDag.to_json`) and run its ops. Pieces:
+
+* :mod:`nereusd.transition.ops` — frozen plan objects (EMU, Op, Route, Edge, TransitionDag)
+  and their JSON form;
+* :mod:`nereusd.transition.local` — ``Δ_M``, ``T_sub`` and the local DAG
+  Split → Destroy → Extend → Merge of one model-stage;
+* :mod:`nereusd.transition.dag` — the global DAG (release-before-acquire, stage order), a
+  deterministic topological order, and the validator (acyclic, race-free, target reached,
+  never the last copy lost);
+* :mod:`nereusd.transition.memory` — per-device memory at every op against the budget;
+* :mod:`nereusd.transition.cost` — ``L̂_tran``, the DAG's critical path.
+
+Typical use::
+
+    dag = plan_transition(S, S_star, models, devices_per_node=8, state=state, budget=budget)
+    report = check_feasibility(dag, state, budget)          # admission: feasibility
+    cost = estimate_l_tran(dag, state.sizes, SiteLinkCosts.from_site(site))  # profitability
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping
+
+from nereusd.errors import PlanError
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Plan, Role
+from nereusd.shards import value_head_for
+from nereusd.transition.cost import (
+    CostModelLinks,
+    LinkCosts,
+    SiteLinkCosts,
+    TransitionCost,
+    estimate_l_tran,
+    op_duration_s,
+)
+from nereusd.transition.dag import join, topological_order
+from nereusd.transition.validate import validate
+from nereusd.transition.local import Delta, local_dag, t_sub
+from nereusd.transition.memory import (
+    AdamStateSizes,
+    FeasibilityReport,
+    MemoryBudget,
+    MemoryViolation,
+    StateModel,
+    StateSizes,
+    check_feasibility,
+    tight_devices,
+)
+from nereusd.transition.ops import (
+    Edge,
+    EdgeReason,
+    Emu,
+    Op,
+    OpKind,
+    Route,
+    TransitionDag,
+    emu_collection,
+    emu_collections,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AdamStateSizes", "CostModelLinks", "Delta", "Edge", "EdgeReason", "Emu", "FeasibilityReport",
+    "LinkCosts", "MemoryBudget", "MemoryViolation", "Op", "OpKind", "Route", "SiteLinkCosts",
+    "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
+    "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
+    "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
+    "assess_transition",
+]
+
+
+def deltas(current: Plan, target: Plan) -> list[Delta]:
+    """``Δ = {Δ_M}``: one entry per model-stage of either plan, in canonical order (paper §6.1)."""
+    stages = sorted(set(current) | set(target), key=ModelStage.sort_key)
+    return [Delta(m, current.candidates.get(m), target.candidates.get(m)) for m in stages]
+
+
+def plan_transition(
+    current: Plan,
+    target: Plan,
+    models: Mapping[Role, ModelSpec],
+    *,
+    devices_per_node: int,
+    state: StateModel | None = None,
+    budget: MemoryBudget | None = None,
+    check: bool = True,
+) -> TransitionDag:
+    """Plan the transition ``S → S*`` (paper §6.1).
+
+    Args:
+        current, target: the plans ``S`` and ``S*``.
+        models: model shapes per role (critic and reward carry a value head).
+        devices_per_node: for the node of a device (``device // devices_per_node``); Extend
+            prefers a sender on the receiver's node.
+        state, budget: with both, release-before-acquire edges are added on every device whose
+            worst case exceeds the budget (:func:`~nereusd.transition.memory.tight_devices`);
+            without, only at hand-overs of devices between model-stages.
+        check: run :func:`~nereusd.transition.dag.validate` on the result.
+
+    Returns:
+        The acyclic global DAG; ``len(dag) == 0`` when nothing changes.
+
+    Raises:
+        PlanError: if a role has no model spec, a layout cannot shard its model, or
+            ``devices_per_node`` < 1.
+    """
+    if devices_per_node < 1:
+        raise PlanError(f"devices_per_node must be >= 1, got {devices_per_node}")
+    local = []
+    for delta in deltas(current, target):
+        role = delta.model_stage.role
+        if role not in models:
+            raise PlanError(f"{delta.model_stage}: no model spec for role {role}")
+        local.append(local_dag(delta, models[role], value_head=value_head_for(role),
+                               node_of=lambda x: x // devices_per_node))
+    tight = None
+    if state is not None and budget is not None:
+        devices = tight_devices((op for ops, _ in local for op in ops), current, state, budget)
+        tight = devices.__contains__
+    dag = join(current, target, local, tight=tight)
+    if check:
+        validate(dag)
+    log.info("transition %s → %s: %d ops, %d edges", current.describe() or "∅",
+             target.describe() or "∅", len(dag.ops), len(dag.edges))
+    return dag
+
+
+@dataclass(frozen=True)
+class TransitionAssessment:
+    """What admission needs about one target (DESIGN.md "One RL step", step 4)."""
+
+    dag: TransitionDag
+    feasibility: FeasibilityReport
+    cost: TransitionCost
+
+    @property
+    def feasible(self) -> bool:
+        return self.feasibility.feasible
+
+    @property
+    def l_tran_s(self) -> float:
+        return self.cost.l_tran_s
+
+    @property
+    def reason(self) -> str:
+        """Why the transition does not fit, or ``""``."""
+        v = self.feasibility.violation
+        return "" if v is None else f"transition does not fit memory: {v.describe()}"
+
+
+def assess_transition(
+    current: Plan,
+    target: Plan,
+    models: Mapping[Role, ModelSpec],
+    site,
+    *,
+    cost_model=None,
+    sizes: StateSizes | None = None,
+    budget: MemoryBudget | None = None,
+) -> TransitionAssessment:
+    """Plan, check and cost ``S → S*`` on ``site`` (a ``nereusd.config.site.SiteConfig``).
+
+    Defaults: :meth:`AdamStateSizes.for_dtype` of the site's compute dtype,
+    :meth:`MemoryBudget.from_site`, and :class:`CostModelLinks` when a calibrated
+    ``cost_model`` (``nereusd.cost.model.CostModel``) is given, else :class:`SiteLinkCosts`.
+
+    Raises:
+        PlanError: as :func:`plan_transition`.
+    """
+    sizes = sizes or AdamStateSizes.for_dtype(site.compute_dtype)
+    budget = budget or MemoryBudget.from_site(site)
+    state = StateModel(models, sizes)
+    dag = plan_transition(current, target, models, devices_per_node=site.devices_per_node,
+                          state=state, budget=budget)
+    links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
+    report = check_feasibility(dag, state, budget)
+    return TransitionAssessment(dag, report, estimate_l_tran(dag, sizes, links))

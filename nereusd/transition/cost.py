@@ -1,0 +1,236 @@
+"""``L̂_tran``: the critical path of a transition DAG (paper §4.3 "Profitability", §6.2).
+
+Each primitive is costed by the bytes it moves over its links plus the set-up of the
+communicators it creates (DESIGN.md "Cost model", transition cost):
+
+* bytes of a route = shard elements × :meth:`StateSizes.moved_bytes_per_element`;
+* routes between the same two devices travel as one contiguous message (paper §6.2: each shard
+  sent once as a contiguous buffer); a message costs :meth:`LinkCosts.transfer_s`;
+* a device sends and receives its messages one after another, pairs of devices run
+  concurrently, so the transfer time of an op is the largest per-device send or receive time;
+  a Merge's local slices (``src == dst``) are added to the device's receive time;
+* communicators: a Split creates one per gather group (connected devices of its routes), an
+  Extend one per rank pair; a device creates its communicators one after another, devices in
+  parallel, so the set-up time is the largest per-device sum;
+* Destroy and Create cost nothing here (teardown is local; a Create's content comes from outside
+  the transition).
+
+``L̂_tran`` is the makespan of the DAG with these durations when every op starts as soon as its
+predecessors are done and the devices whose links it uses are free: ready primitives run
+concurrently (paper §6.2) but a device's link is shared (one port per device), so concurrent
+ops that share a device run one after another. Without shared devices this is the DAG's
+longest path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+from nereusd.transition.memory import StateSizes
+from nereusd.transition.ops import Op, OpKind, TransitionDag
+
+log = logging.getLogger(__name__)
+
+
+class LinkCosts(Protocol):
+    """Seconds to move bytes between devices and to create communicators."""
+
+    def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
+        """Seconds for one message of ``nbytes`` from ``src`` to ``dst`` (``src == dst``: a
+        local copy); ``collective`` is the primitive's collective (``all_gather`` for Split,
+        ``broadcast`` for Extend, ``p2p`` for Merge)."""
+        ...
+
+    def communicator_setup_s(self, devices: Sequence[int]) -> float:
+        """Seconds to create one communicator over ``devices``."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteLinkCosts:
+    """α-β link model from a site config (``nereusd.config.site.SiteConfig``).
+
+    ``transfer_s = latency + nbytes / bandwidth`` with the intra-node link when both devices
+    are on one node (``device // devices_per_node``) and the inter-node link otherwise; a local
+    copy reads and writes device memory, ``2 · nbytes / hbm``.
+    """
+
+    devices_per_node: int
+    intra_node_gbps: float
+    """GB/s (10^9 bytes/s) per device and direction inside a node."""
+    inter_node_gbps: float
+    """GB/s per device and direction across nodes."""
+    hbm_gbps: float
+    """Device memory bandwidth, GB/s."""
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 1e-5
+    setup_s: float = 0.5
+    """Seconds to create one communicator."""
+
+    @classmethod
+    def from_site(cls, site) -> "SiteLinkCosts":
+        """From a ``nereusd.config.site.SiteConfig`` (bandwidths, latencies, communicator set-up)."""
+        net = site.network
+        return cls(
+            devices_per_node=site.devices_per_node,
+            intra_node_gbps=net.intra_node_gbps,
+            inter_node_gbps=net.inter_node_gbps,
+            hbm_gbps=site.device.hbm_gbps,
+            intra_node_latency_s=net.intra_node_latency_us * 1e-6,
+            inter_node_latency_s=net.inter_node_latency_us * 1e-6,
+            setup_s=net.communicator_setup_s,
+        )
+
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
+        if src == dst:
+            return 2.0 * nbytes / (self.hbm_gbps * 1e9)
+        if self.node_of(src) == self.node_of(dst):
+            return self.intra_node_latency_s + nbytes / (self.intra_node_gbps * 1e9)
+        return self.inter_node_latency_s + nbytes / (self.inter_node_gbps * 1e9)
+
+    def communicator_setup_s(self, devices: Sequence[int]) -> float:
+        return self.setup_s if len(set(devices)) > 1 else 0.0
+
+
+class CostModelLinks:
+    """:class:`LinkCosts` from the calibrated :class:`nereusd.cost.model.CostModel`.
+
+    A message costs ``CostModel.transfer_s(nbytes, link, collective)`` — peak link bandwidth and
+    latency of the site, divided by the efficiency learned for that collective on that link
+    (paper §4.2) — with ``link`` intra-node when both devices are on one node; a local copy
+    costs ``2 · nbytes / hbm``; a communicator ``CostModel.communicator_setup_s()``.
+    """
+
+    def __init__(self, cost_model) -> None:
+        self.cost_model = cost_model
+        self.site = cost_model.site
+
+    def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
+        if src == dst:
+            return 2.0 * nbytes / self.site.hbm_bytes_per_s
+        link = "intra" if self.site.node_of(src) == self.site.node_of(dst) else "inter"
+        return self.cost_model.transfer_s(nbytes, link, collective=collective)
+
+    def communicator_setup_s(self, devices: Sequence[int]) -> float:
+        return self.cost_model.communicator_setup_s(1) if len(set(devices)) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class TransitionCost:
+    """``L̂_tran`` and the ASAP schedule behind it (seconds from the start of the transition)."""
+
+    l_tran_s: float
+    duration_s: Mapping[str, float]
+    start_s: Mapping[str, float]
+    critical_path: tuple[str, ...]
+    bytes_moved: int
+    """Bytes sent between distinct devices by all ops."""
+
+
+_COLLECTIVE = {OpKind.SPLIT: "all_gather", OpKind.EXTEND: "broadcast", OpKind.MERGE: "p2p"}
+
+
+def _communicators(op: Op) -> list[tuple[int, ...]]:
+    pairs = {(r.src, r.dst) for r in op.routes if r.src != r.dst}
+    if op.kind is OpKind.EXTEND:
+        return [tuple(sorted(p)) for p in sorted({tuple(sorted(p)) for p in pairs})]
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for a, b in pairs:
+        parent[find(a)] = find(b)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for x in list(parent):
+        groups[find(x)].append(x)
+    return [tuple(sorted(g)) for g in groups.values()]
+
+
+def op_duration_s(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int]:
+    """``(seconds, bytes sent between devices)`` of one op (module docstring).
+
+    Returns ``(0.0, 0)`` for Destroy and Create.
+    """
+    seconds, moved, _ = _profile(op, sizes, links)
+    return seconds, moved
+
+
+def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, set[int]]:
+    """Seconds, bytes moved, and the devices whose link (or memory, for local slices) it uses."""
+    if op.kind in (OpKind.DESTROY, OpKind.CREATE):
+        return 0.0, 0, set()
+    per_element = sizes.moved_bytes_per_element(op.model_stage)
+    message: dict[tuple[int, int], float] = defaultdict(float)
+    for r in op.routes:
+        message[(r.src, r.dst)] += r.shard.numel * per_element
+    send: dict[int, float] = defaultdict(float)
+    recv: dict[int, float] = defaultdict(float)
+    moved = 0
+    collective = _COLLECTIVE.get(op.kind, "p2p")
+    for (s, d), nbytes in message.items():
+        t = links.transfer_s(nbytes, s, d, collective)
+        recv[d] += t
+        if s != d:
+            send[s] += t
+            moved += int(nbytes)
+    setup: dict[int, float] = defaultdict(float)
+    for group in _communicators(op):
+        t = links.communicator_setup_s(group)
+        for x in group:
+            setup[x] += t
+    transfer = max([*send.values(), *recv.values(), 0.0])
+    return max(setup.values(), default=0.0) + transfer, moved, set(send) | set(recv) | set(setup)
+
+
+def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> TransitionCost:
+    """``L̂_tran``: makespan of the DAG with :func:`op_duration_s` per op (module docstring).
+
+    Ops are placed in the DAG's topological order (:func:`~nereusd.transition.dag.topological_order`),
+    each starting when its predecessors have finished and the devices whose links it uses are
+    free (one port per device: a device's sends, receives and communicator set-ups run one
+    after another, also across ops). Without shared devices this is the DAG's longest path.
+
+    Returns:
+        The makespan, per-op durations and start times, and the critical path: the chain of
+        ops, each started by the end of the previous one (a DAG predecessor or the previous user
+        of a shared device).
+
+    Raises:
+        PlanError: if the DAG has a cycle.
+    """
+    from nereusd.transition.dag import topological_order
+
+    duration, start, finish, via = {}, {}, {}, {}
+    moved = 0
+    preds: dict[str, list[str]] = defaultdict(list)
+    for e in dag.edges:
+        preds[e.dst].append(e.src)
+    port_free: dict[int, tuple[float, str]] = {}
+    order = topological_order(dag)
+    for op_id in order:
+        duration[op_id], nbytes, busy = _profile(dag.op(op_id), sizes, links)
+        moved += nbytes
+        blockers = [(finish[p], p) for p in preds[op_id]] + [port_free[x] for x in busy if x in port_free]
+        begin, by = max(blockers, default=(0.0, None))
+        start[op_id], via[op_id] = begin, by
+        finish[op_id] = begin + duration[op_id]
+        for x in busy:
+            port_free[x] = (finish[op_id], op_id)
+    rank = {x: i for i, x in enumerate(order)}
+    last = max(finish, key=lambda x: (finish[x], rank[x]), default=None)
+    path = []
+    while last is not None:
+        path.append(last)
+        last = via[last]
+    total = max(finish.values(), default=0.0)
+    log.debug("L_tran %.3f s over %d ops, %d bytes moved", total, len(dag.ops), moved)
+    return TransitionCost(total, duration, start, tuple(reversed(path)), moved)

@@ -1,0 +1,115 @@
+"""Transition cost and feasibility for the controller and the ground truth.
+
+Both call the transition engine's own :func:`nereusd.transition.assess_transition` (the DAG,
+its memory feasibility and ``L̂_tran``); they differ only in the cost model whose links price
+the DAG — the controller's calibrated one, or the ground truth's hidden one.
+
+Scale: planning the DAG of a 1,024-GPU transition takes seconds (every shard route is
+enumerated), which would dominate a simulation that assesses hundreds of targets. Above
+``max_devices`` the assessment runs on both plans *scaled down in DP* by the smallest power of
+two that brings them under the limit (same TP/PP layouts, ``ceil(dp/f)`` replicas, placed by
+:func:`nereusd.planner.placement.place` on a proportionally smaller pool). Replicas move concurrently
+and each device has one port (the engine's cost rule), so the makespan of the scaled DAG is the
+same per-device pattern as the full one; what this misses is link sharing between more
+replicas than the scaled plan has. This is an assumption of the simulator, stated in its
+README.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from nereusd.cost.model import CostModel
+from nereusd.errors import PlanError
+from nereusd.models import ModelSpec
+from nereusd.planner.placement import place
+from nereusd.plan import ModelStage, Plan, Role
+from nereusd.transition import assess_transition
+
+
+@dataclass(frozen=True)
+class TransitionEstimate:
+    """``l_tran_s`` seconds; ``feasible`` and ``reason`` from the DAG's memory check;
+    ``scale`` the DP reduction factor used (1: the full plans)."""
+
+    l_tran_s: float
+    feasible: bool
+    reason: str = ""
+    scale: int = 1
+
+
+def plan_key(plan: Plan) -> tuple:
+    """A hashable identity of a plan (layouts and devices)."""
+    return tuple((str(m), c.tp, c.pp, c.dp, c.micro_batch, c.recompute, c.devices) for m, c in plan.items())
+
+
+class TransitionEstimator:
+    """Memoised transition assessments for one site and one pricing cost model.
+
+    Args:
+        specs: model spec per role.
+        site: the cluster (``nereusd.config.site.SiteConfig``).
+        cost_model: prices links (calibrated controller model, or the ground truth's).
+        concurrent_sets: :meth:`Workflow.concurrent_sets`, for re-placing scaled plans.
+        max_devices: largest plan assessed at full size.
+    """
+
+    def __init__(self, specs: Mapping[Role, ModelSpec], site, cost_model: CostModel,
+                 concurrent_sets: Sequence[Sequence[ModelStage]], max_devices: int = 32) -> None:
+        self.specs = dict(specs)
+        self.site = site
+        self.cost_model = cost_model
+        self.sets = [tuple(s) for s in concurrent_sets]
+        self.max_devices = max_devices
+        self._memo: dict[tuple, TransitionEstimate] = {}
+
+    def estimate(self, current: Plan, target: Plan) -> TransitionEstimate:
+        """Assess ``current → target``; equal plans cost nothing.
+
+        Raises:
+            PlanError: from the transition planner (a layout that cannot shard a model).
+        """
+        key = (plan_key(current), plan_key(target))
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        if key[0] == key[1]:
+            est = TransitionEstimate(0.0, True)
+        else:
+            scale = 1
+            while max(self._span(current), self._span(target)) / scale > self.max_devices and \
+                    any(c.dp >= 2 * scale for p in (current, target) for c in p.candidates.values()):
+                scale *= 2
+            cur, tgt = (current, target) if scale == 1 else self._scaled(current, target, scale)
+            result = assess_transition(cur, tgt, self.specs, self.site, cost_model=self.cost_model)
+            est = TransitionEstimate(result.l_tran_s, result.feasible, result.reason, scale)
+        if len(self._memo) > 4096:
+            self._memo.clear()
+        self._memo[key] = est
+        return est
+
+    @staticmethod
+    def _span(plan: Plan) -> int:
+        return len(plan.devices())
+
+    def _scaled(self, current: Plan, target: Plan, scale: int) -> tuple[Plan, Plan]:
+        """Both plans with ``ceil(dp/scale)`` replicas, re-placed on a smaller pool."""
+        dpn = self.site.devices_per_node
+
+        def layouts(plan: Plan) -> dict:
+            return {m: (c.tp, c.pp, max(1, math.ceil(c.dp / scale)), c.micro_batch, c.recompute)
+                    for m, c in plan.items()}
+
+        lc, lt = layouts(current), layouts(target)
+        need = max(sum(lay[m][0] * lay[m][1] * lay[m][2] for m in group if m in lay)
+                   for lay in (lc, lt) for group in self.sets)
+        pool = tuple(range(math.ceil(need / dpn) * dpn))
+        try:
+            cur = place(lc, self.sets, pool, dpn)
+            return cur, place(lt, self.sets, pool, dpn, current=cur)
+        except PlanError:
+            pool = tuple(range(pool[-1] + 1 + 4 * dpn))
+            cur = place(lc, self.sets, pool, dpn)
+            return cur, place(lt, self.sets, pool, dpn, current=cur)

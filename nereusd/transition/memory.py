@@ -1,0 +1,350 @@
+"""Per-device memory of a transition: state sizes, budgets and the feasibility check (paper §4.3, §6.2).
+
+A transition is executable when, at every operation, each device can hold its retained state,
+the intermediate units Split creates, the new replicas Extend and Merge create, the collective
+staging buffers, and the co-resident state of every other model-stage (paper §4.3
+"Feasibility"; §6.2: Split keeps its source buffers live until the collectives reading them
+complete, Destroy releases memory only after teardown).
+
+Accounting, per op and device (bytes):
+
+* ``alloc`` — new holdings, allocated when the op starts (Split receivers: the ``T_sub``
+  shard; Extend targets: the copy; Merge: the ``T*`` slice; Create: the unit);
+* ``transient`` — staging buffers live only during the op, capped at
+  ``collective_buffer_bytes``: for a Split what the executor stages (:func:`split_staging_elements`:
+  the all-gather output, or the peers' whole holdings a receiver takes point-to-point); for a
+  Merge the pieces sent plus those received; otherwise the larger of bytes sent and received;
+* ``free`` — holdings released when the op ends (Split receivers: the ``T`` shard; Merge: the
+  ``T_sub`` shard; Destroy: what it frees).
+
+The check walks one topological order (:func:`nereusd.transition.dag.topological_order`
+unless another is given): in use before an op + ``alloc`` + ``transient`` must stay within
+``(1 − headroom) · capacity`` on every device it touches. This proves that an execution order
+within the budget exists; an executor that admits ready ops on a device only while their bytes
+fit (the worker's memory accounting, ``emu/state/devmem.py``) follows it without deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
+
+from nereusd.errors import PlanError
+from nereusd.cost.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dtype_bytes
+from nereusd.models import ModelSpec
+from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
+from nereusd.shards import Position, shard_elements, value_head_for
+from nereusd.transition.ops import Op, OpKind, TransitionDag
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+class StateSizes(Protocol):
+    """Bytes of a model-stage's state per parameter element (θ and ω, sharded alike)."""
+
+    def resident_bytes_per_element(self, model_stage: ModelStage) -> float:
+        """Bytes a device holds per parameter element of its shard (params, grads, optimizer)."""
+        ...
+
+    def moved_bytes_per_element(self, model_stage: ModelStage) -> float:
+        """Bytes a transition moves per parameter element (gradients hold no state at a
+        safe boundary and are not moved)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamStateSizes:
+    """ZeRO-0 Adam state per parameter element, as :mod:`nereusd.cost.memory` counts it.
+
+    Training model-stages hold the parameter in the compute dtype, an fp32 master copy when
+    that dtype is narrower, and Adam ``m``, ``v`` in fp32; generation and inference hold the
+    parameter only. Gradient buffers hold no state at a safe boundary (paper §6.2) and, as in
+    :attr:`nereusd.cost.memory.MemoryEstimate.resident_bytes`, are not resident then; set
+    ``grad_bytes`` for an engine that keeps them allocated. Default (bf16): 14 bytes per element
+    resident and moved in training, 2 elsewhere.
+    """
+
+    param_bytes: int = 2
+    """Bytes per parameter element in the compute dtype (2: bf16, 4: fp32)."""
+    master_bytes: int = 4
+    """fp32 master copy per element (0 when parameters are already fp32)."""
+    optimizer_bytes: int = 8
+    """Adam ``m`` and ``v`` per element."""
+    grad_bytes: int = 0
+    """Gradient bytes per element resident during a transition (never moved)."""
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "AdamStateSizes":
+        """Sizes for compute dtype ``dtype`` (``nereusd.cost.memory.dtype_bytes``): fp32 master only
+        when narrower than fp32."""
+        e = dtype_bytes(dtype)
+        return cls(param_bytes=e, master_bytes=4 if e < 4 else 0, optimizer_bytes=ADAM_STATE_BYTES)
+
+    def resident_bytes_per_element(self, model_stage: ModelStage) -> float:
+        if model_stage.stage is Stage.TRAINING:
+            return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+        return self.param_bytes
+
+    def moved_bytes_per_element(self, model_stage: ModelStage) -> float:
+        if model_stage.stage is Stage.TRAINING:
+            return self.param_bytes + self.master_bytes + self.optimizer_bytes
+        return self.param_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBudget:
+    """What each device may hold during a transition.
+
+    Raises:
+        PlanError: on a non-positive capacity, a headroom outside ``[0, 1)`` or negative bytes.
+    """
+
+    capacity_bytes: int
+    """Device capacity (``SiteConfig.device_memory_bytes``)."""
+    headroom: float = HEADROOM
+    """Fraction of capacity kept free (DESIGN.md: 10 %)."""
+    workspace_bytes: int = 0
+    """Bytes held by the framework on every device of either plan (``memory.WORKSPACE_BYTES``)."""
+    reserved_bytes: Mapping[int, int] = field(default_factory=dict)
+    """Further bytes per device held by other things than model state."""
+    collective_buffer_bytes: int = 64 * MIB
+    """Largest staging buffer one collective needs on one device."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise PlanError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
+        if not 0 <= self.headroom < 1:
+            raise PlanError(f"headroom must be in [0, 1), got {self.headroom!r}")
+        if self.collective_buffer_bytes < 0 or self.workspace_bytes < 0 or any(
+                v < 0 for v in self.reserved_bytes.values()):
+            raise PlanError("collective_buffer_bytes, workspace_bytes and reserved_bytes must be >= 0")
+
+    @classmethod
+    def from_site(cls, site, *, collective_buffer_bytes: int = 64 * MIB) -> "MemoryBudget":
+        """From a ``nereusd.config.site.SiteConfig``: its device capacity, the memory model's headroom
+        and the framework workspace of its device kind."""
+        return cls(capacity_bytes=site.device_memory_bytes, headroom=HEADROOM,
+                   workspace_bytes=WORKSPACE_BYTES[site.device_kind],
+                   collective_buffer_bytes=collective_buffer_bytes)
+
+    def baseline_bytes(self, devices: Iterable[int]) -> dict[int, int]:
+        """Workspace plus reserved bytes of each of ``devices``."""
+        return {x: self.workspace_bytes + self.reserved_bytes.get(x, 0) for x in devices}
+
+    @property
+    def limit_bytes(self) -> int:
+        """``⌊(1 − headroom) · capacity⌋``: the most a device may hold, reserved bytes included."""
+        return int((1.0 - self.headroom) * self.capacity_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryViolation:
+    """The first point of a schedule where a device would exceed its limit."""
+
+    op_id: str | None
+    """The op (``None``: the current plan itself does not fit)."""
+    device: int
+    model_stage: str
+    needed_bytes: int
+    """Bytes the op adds on the device (allocations and staging)."""
+    in_use_bytes: int
+    """Bytes in use on the device before the op."""
+    limit_bytes: int
+
+    def describe(self) -> str:
+        where = f"op {self.op_id}" if self.op_id else "the current plan"
+        return (f"device {self.device}: {where} ({self.model_stage}) needs {self.needed_bytes} bytes "
+                f"with {self.in_use_bytes} in use, limit {self.limit_bytes}")
+
+
+@dataclass(frozen=True)
+class FeasibilityReport:
+    """Result of :func:`check_feasibility`; per-device bytes include workspace and reserved bytes."""
+
+    violation: MemoryViolation | None
+    peak_bytes: Mapping[int, int]
+    final_bytes: Mapping[int, int]
+    order: tuple[str, ...]
+
+    @property
+    def feasible(self) -> bool:
+        return self.violation is None
+
+
+class StateModel:
+    """Bytes of holdings and ops for one job: model specs per role plus :class:`StateSizes`.
+
+    Raises:
+        PlanError: (from :meth:`spec`) if a model-stage's role has no model spec.
+    """
+
+    def __init__(self, models: Mapping[Role, ModelSpec], sizes: StateSizes) -> None:
+        self.models = dict(models)
+        self.sizes = sizes
+
+    def spec(self, model_stage: ModelStage) -> ModelSpec:
+        try:
+            return self.models[model_stage.role]
+        except KeyError:
+            raise PlanError(f"{model_stage}: no model spec for role {model_stage.role}") from None
+
+    def holding_bytes(self, model_stage: ModelStage, layout: Layout, position: Position) -> int:
+        """Resident bytes of ``model_stage``'s shard at ``position`` of ``layout``."""
+        elements = shard_elements(self.spec(model_stage), layout, position, value_head_for(model_stage.role))
+        return int(elements * self.sizes.resident_bytes_per_element(model_stage))
+
+    def plan_bytes(self, plan: Plan) -> dict[int, int]:
+        """Resident state bytes per device of ``plan`` (all model-stages, co-resident summed)."""
+        out: dict[int, int] = defaultdict(int)
+        for m, cand in plan.items():
+            for x in cand.devices:
+                _, p, t = cand.coords_of(x)
+                out[x] += self.holding_bytes(m, cand.layout, (p, t))
+        return dict(out)
+
+    def op_bytes(self, op: Op, collective_buffer_bytes: int) -> dict[int, tuple[int, int, int]]:
+        """``{device: (alloc, transient, free)}`` of ``op`` (module docstring)."""
+        m = op.model_stage
+        out: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+        src = {x: (op.source_layout, p) for x, p in zip(op.source_devices, op.source_positions)}
+        dst = {x: (op.target_layout, p) for x, p in zip(op.target_devices, op.target_positions)}
+        if op.kind in (OpKind.SPLIT, OpKind.EXTEND, OpKind.MERGE, OpKind.CREATE):
+            for x, (lay, p) in dst.items():
+                out[x][0] += self.holding_bytes(m, lay, p)
+        if op.kind is OpKind.SPLIT:
+            for x in dst:
+                out[x][2] += self.holding_bytes(m, *src[x])
+        elif op.kind in (OpKind.DESTROY, OpKind.MERGE):
+            for x, (lay, p) in src.items():
+                out[x][2] += self.holding_bytes(m, lay, p)
+        moved: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        per_element = self.sizes.moved_bytes_per_element(m)
+        for r in op.routes:
+            if r.src != r.dst:
+                nbytes = int(r.shard.numel * per_element)
+                moved[r.src][0] += nbytes
+                moved[r.dst][1] += nbytes
+        if op.kind is OpKind.SPLIT:
+            spec, vh = self.spec(m), value_head_for(m.role)
+            staged = split_staging_elements(op, lambda pos: shard_elements(spec, op.source_layout, pos, vh))
+            for x, elements in staged.items():
+                out[x][1] += min(collective_buffer_bytes, int(elements * per_element))
+        else:
+            # Merge sends copies of its pieces while receiving others: both live at once.
+            combine = (lambda a, b: a + b) if op.kind is OpKind.MERGE else max
+            for x, (sent, received) in moved.items():
+                out[x][1] += min(collective_buffer_bytes, combine(sent, received))
+        return {x: (a, t, f) for x, (a, t, f) in out.items()}
+
+
+def split_gather_groups(op: Op) -> list[list[tuple[int, Position]]]:
+    """A Split's gather groups that receive: the ``(device, T position)`` of its unit with one
+    ``T_sub`` position (the smallest enclosing TP/PP group), in unit order, when the group has a
+    receiver and more than one member."""
+    T, S = op.source_layout, op.target_layout
+    kp, kt = T.pp // S.pp, T.tp // S.tp
+    groups: dict[Position, list[tuple[int, Position]]] = defaultdict(list)
+    for x, (p, t) in zip(op.source_devices, op.source_positions):
+        groups[(p // kp, t // kt)].append((x, (p, t)))
+    receivers = set(op.target_devices)
+    return [g for _, g in sorted(groups.items()) if len(g) > 1 and receivers & {x for x, _ in g}]
+
+
+def split_all_gathers(group: Sequence[tuple[int, Position]], receivers: set[int],
+                      elements: Callable[[Position], int]) -> bool:
+    """Whether a gather group runs one all-gather (every member receives, one holding size)
+    rather than point-to-point sends of whole holdings to the receivers (emu/state/primitives.py)."""
+    return {x for x, _ in group} <= receivers and len({elements(p) for _, p in group}) == 1
+
+
+def split_staging_elements(op: Op, elements: Callable[[Position], int]) -> dict[int, int]:
+    """Staging per device of a Split, in parameter elements, as the executor stages it.
+
+    All-gather: every member stages ``k ×`` the holding (the gather output); point-to-point:
+    each receiver stages every peer's whole holding, senders send in place (nothing staged).
+    ``elements(position)`` gives the holding's parameter elements at a ``T`` position.
+    """
+    receivers = set(op.target_devices)
+    out: dict[int, int] = defaultdict(int)
+    for group in split_gather_groups(op):
+        if split_all_gathers(group, receivers, elements):
+            for x, p in group:
+                out[x] += len(group) * elements(p)
+        else:
+            for x, _ in group:
+                if x in receivers:
+                    out[x] += sum(elements(q) for y, q in group if y != x)
+    return dict(out)
+
+
+def tight_devices(ops: Iterable[Op], current: Plan, state: StateModel, budget: MemoryBudget) -> set[int]:
+    """Devices whose worst case — current state plus every allocation and staging buffer of
+    ``ops``, nothing released — exceeds ``budget.limit_bytes``. Only these need
+    release-before-acquire edges for memory (:func:`nereusd.transition.dag.join`)."""
+    worst = defaultdict(int, state.plan_bytes(current))
+    ops = list(ops)
+    touched = {x for op in ops for x in op.devices} | set(current.devices())
+    for x, v in budget.baseline_bytes(touched | set(budget.reserved_bytes)).items():
+        worst[x] += v
+    for op in ops:
+        for x, (alloc, transient, _) in state.op_bytes(op, budget.collective_buffer_bytes).items():
+            worst[x] += alloc + transient
+    return {x for x, v in worst.items() if v > budget.limit_bytes}
+
+
+def check_feasibility(
+    dag: TransitionDag,
+    state: StateModel,
+    budget: MemoryBudget,
+    order: Sequence[str] | None = None,
+) -> FeasibilityReport:
+    """Walk ``order`` (default: the DAG's topological order) and account every device's bytes.
+
+    Returns:
+        A report with the first :class:`MemoryViolation` (``None`` if the walk fits), the peak
+        and final bytes per device (reserved bytes included; the walk continues past a
+        violation so the figures cover every op).
+
+    Raises:
+        PlanError: if ``order`` is not a topological order of the DAG's ops.
+    """
+    from nereusd.transition.dag import topological_order
+
+    order = tuple(order) if order is not None else tuple(topological_order(dag))
+    _check_order(dag, order)
+    limit = budget.limit_bytes
+    in_use: dict[int, int] = defaultdict(int, state.plan_bytes(dag.current))
+    devices = set(dag.current.devices()) | set(dag.target.devices()) | set(budget.reserved_bytes)
+    for x, v in budget.baseline_bytes(devices).items():
+        in_use[x] += v
+    peak = dict(in_use)
+    violation = None
+    for x in sorted(in_use):
+        if in_use[x] > limit and violation is None:
+            owners = dag.current.model_stages_on(x)
+            violation = MemoryViolation(None, x, ",".join(map(str, owners)), 0, in_use[x], limit)
+    for op_id in order:
+        op = dag.op(op_id)
+        for x, (alloc, transient, free) in sorted(state.op_bytes(op, budget.collective_buffer_bytes).items()):
+            during = in_use[x] + alloc + transient
+            if during > limit and violation is None:
+                violation = MemoryViolation(op_id, x, str(op.model_stage), alloc + transient,
+                                            in_use[x], limit)
+            peak[x] = max(peak.get(x, 0), during)
+            in_use[x] += alloc - free
+    if violation is not None:
+        log.info("transition infeasible: %s", violation.describe())
+    return FeasibilityReport(violation, dict(peak), {x: v for x, v in in_use.items()}, order)
+
+
+def _check_order(dag: TransitionDag, order: Sequence[str]) -> None:
+    if sorted(order) != sorted(op.id for op in dag.ops):
+        raise PlanError("order must list every op of the DAG exactly once")
+    position = {x: i for i, x in enumerate(order)}
+    for e in dag.edges:
+        if position[e.src] > position[e.dst]:
+            raise PlanError(f"order runs {e.dst} before its predecessor {e.src}")
