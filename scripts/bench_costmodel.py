@@ -339,7 +339,7 @@ def _child(rank: int, tmp: str, layouts: list[dict], reps: int) -> None:
 
 def run_ranks(layouts: Sequence[Layout], reps: int) -> list[dict]:
     """Per rank, :func:`measure_rank`'s result, from :data:`WORLD` ranks forked from a
-    ``forkserver`` that imported torch once (tests/distributed_util.py's approach)."""
+    ``forkserver`` that imported torch once (tests/support/distributed.py's approach)."""
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine.stage"])

@@ -9,7 +9,7 @@ Cases. Random transitions on the H200 site (``site_configs/h200-ib.yaml``, 8 dev
 NVLink inside a node, InfiniBand across): a pool of 8–16 devices, two or three model-stages
 (actor generation, reward inference, actor and critic training) whose candidates mostly cover the
 whole pool, so that the model-stages share every device, as in
-``tests/test_transition_properties.py``; models ``counting-tiny``, a 1B (Llama-3.2-1B shapes) and
+``tests/unit/transition/test_properties.py``; models ``counting-tiny``, a 1B (Llama-3.2-1B shapes) and
 Llama-3.1-8B; the target keeps the model-stages (sometimes one joins or leaves) with new
 ``(tp, pp, dp)`` and devices. The pool is nearly full: every device also holds ``reserved_bytes``
 (KV cache, activations of other work) chosen so that the fuller of the two plans leaves a random

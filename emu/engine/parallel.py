@@ -16,7 +16,7 @@ summed — no Colwise/Rowwise placement expresses that; (2) per-token log-probab
 entropy over vocab-parallel logits need their own reductions anyway; (3) primitives move
 canonical per-parameter shards bit-exactly, which are plain tensors here; (4) measured on the
 2-core dev machine (2 gloo ranks, SwiGLU MLP forward+backward, medians of 20, two runs under
-load ~4.7; ``tests/bench_engine_tp.py``): DTensor 33–43 ms vs hand-written 9–10 ms at h=64
+load ~4.7; ``scripts/bench_engine_tp.py``): DTensor 33–43 ms vs hand-written 9–10 ms at h=64
 (3.7–4.5×), 270–279 ms vs 207–248 ms at h=512, 512 tokens (1.1–1.3×) — per-op dispatch
 overhead that dominates the tiny models local mode runs. Outputs and gradients agree (1e-5).
 PP uses ``torch.distributed.pipelining`` (``PipelineStage`` with static shapes, rebuilt per call

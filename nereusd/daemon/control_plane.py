@@ -378,17 +378,33 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ tasks
     def submit(self, kind: str, args_by_device: dict[int, dict[str, Any]]) -> int:
-        """Send one task to several workers (each gets its own args); returns the task id."""
+        """Send one task to several workers (each gets its own args); returns the task id.
+
+        Every device's agent is checked before anything is sent: a task that reached only some
+        of its workers would leave them blocked in its collectives.
+
+        Raises:
+            WorkerError: naming the devices that have no live agent (nothing was sent).
+        """
+        missing = sorted(d for d in args_by_device
+                         if self._device_to_agent.get(d) is None or self._device_to_agent[d] not in self.agents)
+        if missing:
+            raise WorkerError(f"task {kind}: devices {missing} have no live agent; nothing was sent")
         task_id = self._next_task_id
         self._next_task_id += 1
         self._pending[task_id] = _PendingTask(kind, set(args_by_device))
         for device, args in args_by_device.items():
-            node_id = self._device_to_agent.get(device)
-            if node_id is None or node_id not in self.agents:
-                raise WorkerError(f"device {device} has no live agent")
             task = P.Task(task_id=task_id, kind=kind, args=args)
-            self._send(self.agents[node_id].identity, P.ToWorker(device=device, task=task))
+            self._send(self.agents[self._device_to_agent[device]].identity, P.ToWorker(device=device, task=task))
         return task_id
+
+    def raise_if_lost(self, task_id: int) -> None:
+        """Raise if a worker of pending task ``task_id`` exited (without waiting for results).
+
+        Raises:
+            WorkerError: naming the exited devices and their exit codes.
+        """
+        self._raise_if_lost(self._pending[task_id].devices)
 
     def done(self, task_id: int) -> bool:
         pending = self._pending[task_id]

@@ -11,16 +11,12 @@
 3. ``transition_finish`` on every worker.
 
 Progress (completed ops) and per-op timings are kept in :class:`TransitionProgress`. When a
-worker dies (``WorkerError``), :func:`intact_holdings` says which holdings still exist — those of
-the current plan changed by the completed ops only, minus everything on dead devices and
-anything an unfinished op may have consumed — and :func:`intact_units` which complete units
-they form, the ``current`` plan from which the controller replans (paper §6.2: "a transition
-that stops partway loses no logical state unless the last copy is lost, and Nereus replans
-from the intact units"). The DAG never destroys a last copy (validated by
-:func:`nereusd.transition.validate.validate`), so unless every holder of some part died,
-:func:`intact_units` finds a unit of every model-stage.
-
-Pure functions here take no sockets; :class:`TransitionRunner` is the thin shell.
+worker dies or fails (``WorkerError``), the runner raises :class:`TransitionInterrupted` with
+what survived (:mod:`nereusd.transition.recovery`: the intact holdings and the complete units
+they form, and the model-stages whose last copy is gone). It is a ``WorkerError``, so the
+driver's recovery takes it like any failed task: today that is a checkpoint/restart of the
+survivors (:meth:`nereusd.daemon.live.LiveAdaptation.recover`); replanning from the intact
+units in memory (paper §6.2) is not implemented yet.
 """
 
 from __future__ import annotations
@@ -31,27 +27,35 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from nereusd.errors import NereusError, WorkerError
-from nereusd.plan import Candidate, Layout, ModelStage, Plan
+from nereusd.errors import WorkerError
+from nereusd.plan import ModelStage, Plan
 from nereusd.transition.dag import Holding, topological_order
 from nereusd.transition.ops import TransitionDag
-from nereusd.transition.validate import op_effects, plan_holdings
+from nereusd.transition.recovery import intact_holdings, intact_units
 
 log = logging.getLogger(__name__)
 
 
-class TransitionInterrupted(NereusError):
-    """A worker died during a transition; carries what survived.
+class TransitionInterrupted(WorkerError):
+    """A worker died or failed during a transition; carries what survived.
+
+    A :class:`~nereusd.errors.WorkerError`, so that whoever recovers from a failed task
+    (:meth:`nereusd.rl.driver.RLDriver.run`) recovers from this one too: with every holder of
+    some part of a model-stage dead, the state is not recoverable from memory, and the job
+    restarts from its latest checkpoint instead of failing.
 
     Attributes:
         progress: the :class:`TransitionProgress` at the failure.
         intact: the holdings that still exist (:func:`intact_holdings`).
-        units: the complete units they form (:func:`intact_units`), a plan to replan from.
+        units: the complete units they form (:func:`intact_units`), a plan to replan from;
+            model-stages with no complete unit are missing from it.
+        lost: the model-stages of which no complete unit survived (their last copy is gone).
     """
 
-    def __init__(self, message: str, progress: "TransitionProgress", intact: set[Holding], units: Plan) -> None:
+    def __init__(self, message: str, progress: "TransitionProgress | None", intact: set[Holding], units: Plan,
+                 lost: tuple[ModelStage, ...] = ()) -> None:
         super().__init__(message)
-        self.progress, self.intact, self.units = progress, intact, units
+        self.progress, self.intact, self.units, self.lost = progress, intact, units, tuple(lost)
 
 
 @dataclass
@@ -78,75 +82,6 @@ def ready_ops(dag: TransitionDag, completed: set[str], started: set[str]) -> lis
     """Ops not started whose predecessors all completed, in the DAG's deterministic order."""
     return [x for x in topological_order(dag)
             if x not in started and all(p in completed for p in dag.predecessors(x))]
-
-
-def intact_holdings(dag: TransitionDag, completed: Iterable[str], dead: Iterable[int]) -> set[Holding]:
-    """Holdings that certainly exist after ``completed`` ops, with ``dead`` devices gone.
-
-    Completed ops are applied to the current plan's holdings in topological order. Ops that
-    started but did not complete are not applied: their new holdings are not counted, and
-    their sources still count — the executor frees a source only after its replacement is
-    whole, so a source is gone only if its op completed (then it is applied). Holdings on dead
-    devices are dropped.
-    """
-    done = set(completed)
-    dead = set(dead)
-    held = set(plan_holdings(dag.current))
-    for op_id in topological_order(dag):
-        if op_id not in done:
-            continue
-        _, consumed, created = op_effects(dag.op(op_id))
-        held.difference_update(consumed)
-        held.update(created)
-    return {h for h in held if h[1] not in dead}
-
-
-def holdings_from_reports(reports: Mapping[int, list[list[Any]]]) -> set[Holding]:
-    """Holdings reported by workers' ``holdings`` task: ``{device: [[ms, tp, pp, p, t], …]}``."""
-    out = set()
-    for device, rows in reports.items():
-        for ms, tp, pp, p, t in rows:
-            out.add((ModelStage.parse(ms), int(device), Layout(int(tp), int(pp)), (int(p), int(t))))
-    return out
-
-
-def intact_units(holdings: Iterable[Holding]) -> Plan:
-    """Complete units in ``holdings``: per model-stage, the layout with the most complete units,
-    as a candidate whose DP replicas are those units (one device per position and unit).
-
-    Raises:
-        NereusError: naming a model-stage none of whose layouts has every position held (its
-            state is not recoverable from memory: restart from the last checkpoint).
-    """
-    by_ms: dict[ModelStage, dict[Layout, dict[tuple[int, int], list[int]]]] = defaultdict(
-        lambda: defaultdict(lambda: defaultdict(list)))
-    for ms, device, layout, pos in holdings:
-        by_ms[ms][layout][pos].append(device)
-    out: dict[ModelStage, Candidate] = {}
-    for ms, layouts in by_ms.items():
-        best = None
-        for layout, positions in layouts.items():
-            grid = [(p, t) for p in range(layout.pp) for t in range(layout.tp)]
-            used: set[int] = set()
-            units = []
-            while True:
-                unit = []
-                for pos in grid:
-                    free = [d for d in sorted(positions.get(pos, [])) if d not in used and d not in unit]
-                    if not free:
-                        break
-                    unit.append(free[0])
-                if len(unit) < len(grid):
-                    break
-                used.update(unit)
-                units.append(unit)
-            if units and (best is None or len(units) > len(best[1])):
-                best = (layout, units)
-        if best is None:
-            raise NereusError(f"{ms}: no complete unit survived; restart from the last checkpoint")
-        layout, units = best
-        out[ms] = Candidate(layout.tp, layout.pp, len(units), tuple(d for u in units for d in u))
-    return Plan(out)
 
 
 class TransitionRunner:
@@ -192,15 +127,20 @@ class TransitionRunner:
                 if pending and not ready:
                     self.control.poll(0.005)
                     for task in pending:  # raises WorkerError when a worker of a task died
-                        self.control._raise_if_lost(self.control._pending[task].devices)
+                        self.control.raise_if_lost(task)
             self.control.run("transition_finish", {d: {} for d in self.world}, self.timeout_s)
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)
-            units = intact_units(intact)
-            log.error("transition interrupted after %d of %d ops (dead devices %s): %s; intact units %s",
-                      len(progress.completed), len(dag.ops), sorted(dead), err, units.describe())
-            raise TransitionInterrupted(f"transition interrupted: {err}", progress, intact, units) from err
+            units, lost = intact_units(intact)
+            # a model-stage of the current plan with no holding left at all is lost as well
+            lost = tuple(sorted((set(dag.current) | set(lost)) - set(units), key=ModelStage.sort_key))
+            what = f"; no complete unit of {[str(m) for m in lost]} survived (restart from the last " \
+                   "checkpoint)" if lost else ""
+            log.error("transition interrupted after %d of %d ops (dead devices %s): %s; intact units %s%s",
+                      len(progress.completed), len(dag.ops), sorted(dead), err, units.describe(), what)
+            raise TransitionInterrupted(f"transition interrupted: {err}{what}", progress, intact, units,
+                                        lost) from err
         progress.elapsed_s = time.perf_counter() - start
         log.info("transition done: %d ops in %.3f s (set-up %.3f s)", len(dag.ops), progress.elapsed_s,
                  progress.setup_s)

@@ -1,0 +1,101 @@
+"""End to end, abrupt device loss with live adaptation (`nereus-launch local`, real nereusd, agent
+and workers): a worker process is SIGKILLed in the middle of a step; nereusd takes its device
+out of the world and the pool, restarts the survivors on a plan for them from the latest
+checkpoint, re-runs the lost steps and finishes. Every step appears once in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from nereusd.journal import read_jsonl
+from tests.support.e2e import finish, processes_mentioning, start, wait_for, worker_pid, write_job
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+name: e2e-device-loss
+algorithm: grpo
+seed: 5
+steps: 6
+devices: 3
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 3, group_size: 4, max_new_tokens: 12}
+train: {global_batch: 12, micro_batch: 2, kl_coef: 0.0}
+plan: {default: {tp: 1, pp: 1}}
+checkpoint: {every_steps: 2}
+"""
+
+
+
+
+
+
+def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", JOB), run_dir)
+    try:
+        # steps 0-2 done (checkpoint step000002 taken after step 1): kill device 2 inside step 3
+        records = wait_for("three steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3 and
+                           read_jsonl(run_dir / "metrics.jsonl"), 120, run_dir)
+        pid = worker_pid(run_dir, 2)
+        time.sleep(min(r["step_latency_s"] for r in records) / 3)
+        os.kill(pid, signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert len(lost) == 1 and lost[0]["devices"] == [2] and lost[0]["cause"] == "worker_exited", lost
+    assert lost[0]["step"] == 3 and lost[0]["survivors"] == [0, 1]
+    fallback = [e for e in events if e["event"] == "fallback"]
+    assert len(fallback) == 1 and fallback[0]["action"] == "checkpoint_restart", fallback
+    assert fallback[0]["resume_step"] == 2 and fallback[0]["lost_steps"] == 1
+    assert fallback[0]["checkpoint"].endswith("step000002") and fallback[0]["lost_devices"] == [2]
+    assert fallback[0]["dropped_metrics"] == [2]
+    assert any(e["event"] == "worker_exited" and e["device"] == 2 and e["exitcode"] == -9 for e in events)
+    # every step once; the re-run ones on the survivors only; device 2 never came back
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    assert all(set(r["peak_memory_bytes"]) == {"0", "1", "2"} for r in records[:2])
+    assert all(set(r["peak_memory_bytes"]) == {"0", "1"} for r in records[2:])
+    formed = [e for e in events if e["event"] == "world_formed"]
+    assert formed[-1]["devices"] == [0, 1]
+    assert not any(e["event"] == "job_failed" for e in events)
+    assert (run_dir / "checkpoints" / "final" / "actor" / ".metadata").is_file()
+    assert processes_mentioning(str(run_dir)) == []
+
+
+SPARE = JOB.replace("plan: {default: {tp: 1, pp: 1}}", "plan: {default: {tp: 1, pp: 1, devices: [0, 1]}}\n"
+                    "adaptation: {gamma: 0.0}")
+
+
+def test_spare_device_lost_leaves_the_world_without_a_restart(tmp_path):
+    # device 2 holds no model-stage: losing it costs a world re-formation, not a checkpoint/restart
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", SPARE), run_dir)
+    try:
+        wait_for("two steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 120, run_dir)
+        os.kill(worker_pid(run_dir, 2), signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert len(lost) == 1 and lost[0]["devices"] == [2] and lost[0]["spare"] and lost[0]["survivors"] == [0, 1]
+    assert not any(e["event"] == "fallback" for e in events)
+    assert [e["devices"] for e in events if e["event"] == "world_formed"][-1] == [0, 1]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
+    assert processes_mentioning(str(run_dir)) == []

@@ -1,0 +1,182 @@
+"""End to end: `nereus-launch local` runs the real nereusd, agent and workers for a few steps of
+each algorithm, on colocated and disjoint placements, and writes the documented files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nereusd.journal import read_jsonl
+
+from tests.support import REPO
+from tests.support.e2e import WARMSTART, processes_mentioning
+
+pytestmark = pytest.mark.slow
+
+METRIC_KEYS = {"step", "step_latency_s", "stage_latency_s", "reward_mean", "response_length_mean",
+               "response_length_max", "tokens_per_s", "peak_memory_bytes", "plan"}
+
+
+def launch(tmp_path: Path, job: str, timeout_s: float = 300.0) -> tuple[subprocess.CompletedProcess, Path]:
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(job.replace("@WARMSTART@", str(WARMSTART)))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
+                           "--quiet"], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    return proc, run_dir
+
+
+def check_run(proc, run_dir: Path, steps: int, devices: int) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (run_dir / "logs" / "nereusd.log").read_text()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))
+    for rec in records:
+        assert METRIC_KEYS <= set(rec)
+        assert set(rec["peak_memory_bytes"]) == {str(d) for d in range(devices)}
+        assert all(v > 0 for v in rec["peak_memory_bytes"].values())
+        assert rec["response_length_mean"] >= 1
+        assert set(rec["stage_latency_s"]) >= {"generation", "inference", "training"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == steps
+    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+    for name in ("nereusd_started", "agent_registered", "world_formed", "build", "checkpoint", "nereusd_stopped"):
+        assert name in events
+    assert (run_dir / "checkpoints" / "final" / "actor" / ".metadata").is_file()
+    assert "succeeded" in proc.stdout
+    assert processes_mentioning(str(run_dir)) == []  # torn down on success
+    return records
+
+
+def test_grpo_colocated_tp2(tmp_path):
+    proc, run_dir = launch(tmp_path, """
+name: e2e-grpo
+algorithm: grpo
+steps: 2
+devices: 2
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
+train: {global_batch: 16, micro_batch: 4}
+plan: {default: {tp: 2, pp: 1}}
+""")
+    records = check_run(proc, run_dir, steps=2, devices=2)
+    assert records[0]["plan"]["actor/training"]["tp"] == 2
+
+    # the DCP checkpoint holds the trained actor's slices and their Adam state (emu/state/checkpoint.py)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = tmp_path / "actor.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / "final" / "actor", out)
+    import torch
+    state = torch.load(out)
+    assert any(k.startswith("actor/training/model.embed_tokens.weight/param@") for k in state)
+    assert any("/exp_avg@" in k for k in state) and "actor/training/logical" in state
+    del dcp
+
+    plots = subprocess.run([sys.executable, "-m", "launcher.cli", "report", str(run_dir)], capture_output=True,
+                           text=True, cwd=REPO)
+    assert plots.returncode == 0, plots.stderr
+    assert (run_dir / "plots" / "reward.png").stat().st_size > 1000
+
+
+def test_ppo_disjoint_critic_and_pp2(tmp_path):
+    proc, run_dir = launch(tmp_path, """
+name: e2e-ppo
+algorithm: ppo
+steps: 2
+devices: 4
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 8, group_size: 1, max_new_tokens: 24}
+train: {global_batch: 8, micro_batch: 2}
+plan:
+  default: {tp: 1, pp: 1, devices: [0, 1]}
+  model_stages:
+    actor/training: {pp: 2, dp: 1}
+    critic/inference: {devices: [2, 3]}
+    critic/training: {tp: 2, devices: [2, 3]}
+""")
+    records = check_run(proc, run_dir, steps=2, devices=4)
+    assert "train/critic/value_loss" in records[-1]
+
+
+def test_remax(tmp_path):
+    proc, run_dir = launch(tmp_path, """
+name: e2e-remax
+algorithm: remax
+steps: 2
+devices: 2
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 4, group_size: 2, max_new_tokens: 24}
+train: {global_batch: 8, micro_batch: 2}
+""")
+    records = check_run(proc, run_dir, steps=2, devices=2)
+    assert "greedy_reward_mean" in records[0]
+
+
+def test_out_of_memory_stops_with_a_clear_message(tmp_path):
+    proc, run_dir = launch(tmp_path, """
+name: e2e-oom
+algorithm: grpo
+steps: 2
+devices: 2
+memory_gib: 0.002
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
+train: {global_batch: 16, micro_batch: 4}
+""", timeout_s=120)
+    assert proc.returncode == 1
+    assert "out of memory on device" in proc.stderr
+    assert "capacity 2147483 bytes" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_kind"] == "DeviceOutOfMemory"
+    assert processes_mentioning(str(run_dir)) == []  # nothing hangs after an error
+
+
+def test_bad_job_fails_before_anything_starts(tmp_path):
+    proc, run_dir = launch(tmp_path, "steps: 0\n", timeout_s=60)
+    assert proc.returncode == 2
+    assert "job.yaml: steps: Input should be greater than or equal to 1" in proc.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_tears_everything_down(tmp_path, signame):
+    # SIGINT: Ctrl-C; SIGTERM: `kill`, `timeout`, a batch system stopping the launcher
+    import os
+    import signal
+    import time
+
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(f"""
+name: e2e-interrupt
+algorithm: grpo
+steps: 500
+devices: 2
+models: {{actor: "{WARMSTART}"}}
+rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
+train: {{global_batch: 4, micro_batch: 2}}
+""")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 180
+    while not read_jsonl(run_dir / "metrics.jsonl"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step within 180 s"
+        time.sleep(0.2)
+    pids = {json.loads((run_dir / "nereusd.json").read_text())["pid"]}
+    proc.send_signal(getattr(signal, signame))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert "job_interrupted" in events and "nereusd_stopped" in events
+    # nereusd, the agent and every worker are gone
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert processes_mentioning(str(run_dir)) == []
+
+

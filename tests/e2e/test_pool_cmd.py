@@ -1,0 +1,68 @@
+"""End to end, ``nereus-launch pool RUN_DIR --remove N`` and ``--add N`` on a running local job:
+the request goes to nereusd over the control plane (removal) or starts another local agent
+(addition); both take effect at the next safe boundary and are journalled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nereusd.journal import read_jsonl
+from tests.support import REPO
+from tests.support.e2e import finish, processes_mentioning, start, wait_for, write_job
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+name: e2e-pool-cmd
+algorithm: grpo
+seed: 2
+steps: 9
+devices: 3
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 12}
+train: {global_batch: 8, micro_batch: 4, kl_coef: 0.0}
+checkpoint: {every_steps: 0}
+"""
+
+
+def pool(run_dir, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), *args],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", JOB), run_dir)
+    try:
+        wait_for("a step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 180, run_dir)
+        assert "leave at the next safe boundary" in pool(run_dir, "--remove", "1")
+
+        def left():
+            return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "pool_changed" and e.get("leaving")]
+        wait_for("the removal", left, 120, run_dir)
+        assert "joins" in pool(run_dir, "--add", "1")
+        finish(proc, run_dir, timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 9, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert any(e["event"] == "pool_request" and e["remove"] == 1 for e in events)
+    changes = [e for e in events if e["event"] == "pool_changed" and "step" in e and "leaving" in e]
+    assert [c["leaving"] for c in changes] == [[2], []] and [c["joined"] for c in changes] == [[], [3]]
+    assert any("nereus-launch pool --remove 1" in s for s in changes[0]["sources"])
+    assert any(e["event"] == "worker_exited" and e["device"] == 2 for e in events)
+    formed = [e["devices"] for e in events if e["event"] == "world_formed"]
+    assert formed[-1] == [0, 1, 3]
+    # the run has ended: the pool can no longer change
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), "--add", "1"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode != 0 and "the job has ended" in out.stderr
+    assert processes_mentioning(str(run_dir)) == []

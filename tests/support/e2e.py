@@ -1,0 +1,97 @@
+"""Helpers of the end-to-end tests: job files, launching ``nereus-launch local``, waiting on
+the run directory, and processes left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nereusd.journal import read_jsonl
+from tests.support import REPO
+
+WARMSTART = REPO / "examples" / "models" / "counting-warmstart"
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def write_job(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text.replace("@WARMSTART@", str(WARMSTART)))
+    return path
+
+
+def start(job: Path, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job), "--run-dir", str(run_dir),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 420) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    log = (run_dir / "logs" / "nereusd.log")
+    assert proc.returncode == 0, out + (log.read_text()[-4000:] if log.exists() else "")
+    return out
+
+
+def run_fixed_and_switched(tmp_path: Path, template: str, forced: str) -> tuple[list[dict], list[dict]]:
+    """Run ``template`` without adaptation and with the ``forced`` switches, side by side;
+    returns both runs' metrics records."""
+    fixed = write_job(tmp_path, "fixed", template.replace("@ENABLED@", "false").replace("@FORCED@", "[]"))
+    switched = write_job(tmp_path, "switched", template.replace("@ENABLED@", "true").replace("@FORCED@", forced))
+    procs = [(start(fixed, tmp_path / "fixed"), tmp_path / "fixed"),
+             (start(switched, tmp_path / "switched"), tmp_path / "switched")]
+    for proc, run_dir in procs:
+        finish(proc, run_dir)
+    return read_jsonl(tmp_path / "fixed" / "metrics.jsonl"), read_jsonl(tmp_path / "switched" / "metrics.jsonl")
+
+
+def assert_trains_alike(a: list[dict], b: list[dict]) -> None:
+    """Per step: the same samples, rewards and lengths; losses within reduction tolerance."""
+    for x, y in zip(a, b):
+        assert x["sample_position"] == y["sample_position"]
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], rel=1e-6, abs=1e-9), x["step"]
+        assert x["response_length_mean"] == y["response_length_mean"], x["step"]
+        for key in ("train/actor/loss", "train/actor/grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-5), (x["step"], key)
+
+
+def worker_pid(run_dir: Path, device: int) -> int:
+    """The pid of the live worker process of ``device`` in ``run_dir``'s job (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if "emu.worker" in args and str(run_dir.resolve()) in args and args[args.index("--device") + 1] == str(device):
+            return int(entry.name)
+    raise AssertionError(f"no worker process of device {device} found")
+
+
+def wait_for(what: str, check, timeout_s: float, run_dir: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    log = run_dir / "logs" / "nereusd.log"
+    raise AssertionError(f"timed out waiting for {what}:\n" + (log.read_text()[-4000:] if log.exists() else ""))

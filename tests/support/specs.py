@@ -1,0 +1,17 @@
+"""The tiny model shapes the tests share (one definition each, instead of a copy per file)."""
+
+from __future__ import annotations
+
+from nereusd.models import ModelSpec
+from nereusd.plan import Role
+
+TINY = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8, num_kv_heads=2)
+"""Shards at tp 1, 2, 4, 8 (kv heads replicated past 2) and pp 1, 2, 4; 4 layers."""
+TINY_MODELS = {r: TINY for r in Role}
+"""Every role with :data:`TINY`."""
+ENGINE = ModelSpec(vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                   max_position=64)
+"""What the engine tests run forward and backward (tp ≤ 4, pp ≤ 4)."""
+SMALL_1B = ModelSpec(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16,
+                     num_kv_heads=4)
+"""A ~1.1 B-parameter shape for planner and simulator tests (nothing runs it)."""

@@ -1,0 +1,76 @@
+"""Pure helpers of scripts/bench_costmodel.py on hand-made data (no processes, < 5 s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from nereusd.cost.calibration import GEMM
+from nereusd.config.site import load_site
+from tests.support import REPO
+
+_PATH = REPO / "scripts" / "bench_costmodel.py"
+_spec = importlib.util.spec_from_file_location("bench_costmodel", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_costmodel"] = bench  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(bench)
+
+
+def test_errors_and_mape():
+    assert bench.percent_errors([110.0, 90.0], [100.0, 100.0]) == pytest.approx([10.0, -10.0])
+    assert bench.mape([110.0, 95.0], [100.0, 100.0]) == pytest.approx(7.5)
+    assert bench.max_abs_error([110.0, 70.0], [100.0, 100.0]) == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="2 predictions for 1"):
+        bench.mape([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        bench.mape([1.0], [0.0])
+
+
+def test_split_alternates_and_holds_something_out():
+    calib, held = bench.split_layouts(list("abcde"))
+    assert calib == ["a", "c", "e"] and held == ["b", "d"]
+    assert bench.split_layouts(list("abcdef"), every=3) == (["a", "d"], ["b", "c", "e", "f"])
+    with pytest.raises(ValueError, match="every must be >= 2"):
+        bench.split_layouts([1, 2], every=1)
+
+
+def test_layouts_fill_the_four_devices():
+    assert len(bench.LAYOUTS) >= 10
+    assert all(x.tp * x.pp * x.dp == bench.WORLD for x in bench.LAYOUTS)
+    factorisations = {(1, 1, 4), (2, 1, 2), (4, 1, 1), (1, 2, 2), (2, 2, 1), (1, 4, 1)}
+    assert {(x.tp, x.pp, x.dp) for x in bench.LAYOUTS} == factorisations
+    assert len({x.micro_batch for x in bench.LAYOUTS}) > 2 and len({x.seq_len for x in bench.LAYOUTS}) > 2
+
+
+def test_fit_recovers_efficiencies_of_exact_data():
+    true = {"gemm": 0.4, "all_reduce_intra": 0.2}
+    ideals = [{"gemm": 1.0, "all_reduce_intra": 0.5}, {"gemm": 2.0, "all_reduce_intra": 0.1},
+              {"gemm": 0.5, "all_reduce_intra": 1.0}]
+    samples = [(i, sum(s / true[c] for c, s in i.items())) for i in ideals]
+    fit = bench.fit_efficiencies(samples, ridge=1e-9)
+    assert fit == pytest.approx(true, rel=1e-4)
+    assert bench.fit_efficiencies([]) == {}
+
+
+def test_calibrate_then_predict_on_synthetic_times():
+    """Times that are exactly 2x the prior prediction: the online calibration learns it."""
+    site = load_site("local")
+    layouts = bench.LAYOUTS[:4]
+    prior = bench.CostModel(site)
+    samples = [(x, 2.0 * bench.predict(prior, bench.SPEC, x).latency_s) for x in layouts]
+    cal = bench.calibrate(site, bench.SPEC, samples, rounds=3)
+    assert cal.samples(GEMM) == 12
+    cm = bench.CostModel(site, cal)
+    pred = [bench.predict(cm, bench.SPEC, x).latency_s for x in layouts]
+    assert bench.mape(pred, [m for _, m in samples]) < 1.0
+
+
+def test_predicted_memory_components():
+    site = load_site("local")
+    x = bench.Layout(2, 1, 2, 2, 128)
+    flash = bench.predicted_peak_bytes(bench.SPEC, x, site)
+    scores = bench.predicted_peak_bytes(bench.SPEC, x, site, flash_attention=False)
+    assert flash["parameters"] == scores["parameters"] > 0
+    assert scores["activations"] > flash["activations"]

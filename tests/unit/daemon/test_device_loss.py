@@ -1,0 +1,204 @@
+"""Abrupt device loss with live adaptation, below the end-to-end test (tests/e2e/test_device_loss.py):
+which devices count as lost (the control plane's registry, not error messages), how long
+:meth:`LiveAdaptation.recover` waits to learn of a loss, what it hands the restart, the metrics
+rewind, the checkpoint default and the pool controller's verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nereusd import protocol as P
+from nereusd.config.job import ADAPTIVE_CHECKPOINT_EVERY, CheckpointConfig
+from nereusd.daemon.control_plane import ControlPlane
+from nereusd.errors import NereusError, WorkerError
+from nereusd.journal import METRICS_FILE, Journal, read_jsonl
+from nereusd.daemon.live import LiveAdaptation, drop_metrics_from
+from nereusd.planner.search import Infeasible
+from nereusd.daemon.pool import PoolController
+from nereusd.daemon.pool_events import PoolChange, PoolChangeKind
+from nereusd.transition.runner import TransitionInterrupted
+from tests.support.agents import fake_agent
+
+
+
+
+def test_control_plane_names_lost_devices_from_its_registry():
+    control = ControlPlane(heartbeat_timeout_s=0.6)
+    n0, n1 = fake_agent(control, "n0", 2), fake_agent(control, "n1", 1)   # devices 0, 1 and 2
+    try:
+        n0.send(P.encode(P.WorkerExited(node_id="n0", device=1, exitcode=-9)))
+        deadline = time.monotonic() + 5
+        while "n1" not in control.lost_agents and time.monotonic() < deadline:   # n1 falls silent
+            n0.send(P.encode(P.Heartbeat(node_id="n0", workers_alive=[0])))
+            control.poll(0.05)
+            if time.monotonic() < deadline - 4.7:
+                assert control.silent_agents([0, 1, 2], 0.1) in ([], ["n1"])
+        lost = control.lost_devices([0, 1, 2])
+        assert lost == {1: {"cause": "worker_exited", "node_id": "n0", "exitcode": -9},
+                        2: {"cause": "heartbeat", "node_id": "n1", "detail": lost[2]["detail"]}}
+        assert control.devices() == [0, 1]   # the dead worker's device leaves when recovery releases it
+        assert control.silent_agents([0, 1, 2], 0.3) == []
+        control.release_devices([1], "lost")
+        assert control.devices() == [0]
+        # a lost node that registers again joins with new device numbers, like any added node
+        again = fake_agent(control, "n1", 1)
+        assert control.devices() == [0, 3]
+        again.close()
+    finally:
+        n0.close()
+        n1.close()
+        control.close()
+
+
+def test_late_results_of_abandoned_tasks_are_dropped():
+    control = ControlPlane()
+    n0 = fake_agent(control, "n0", 2)
+    try:
+        task = control.submit("noop", {0: {}, 1: {}})
+        assert control.abandon_tasks() == [task]
+        n0.send(P.encode(P.FromWorker(device=0, payload=P.TaskResult(task_id=task, device=0, ok=True))))
+        control.poll(0.2)
+        assert control.refused_messages == 0
+    finally:
+        n0.close()
+        control.close()
+
+
+class FakeControl:
+    """The parts of ControlPlane that recover reads: a loss becomes known after ``known_after`` polls."""
+
+    def __init__(self, lost: dict, known_after: int = 0, silent: list[str] | None = None,
+                 heartbeat_timeout_s: float = 0.5) -> None:
+        self.lost, self.known_after, self.silent = lost, known_after, silent or []
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.polls = 0
+
+    def poll(self, timeout_s: float) -> None:
+        self.polls += 1
+        time.sleep(min(timeout_s, 0.01))
+
+    def lost_devices(self, devices: list[int]) -> dict:
+        return {d: v for d, v in self.lost.items() if d in devices} if self.polls > self.known_after else {}
+
+    def silent_agents(self, devices: list[int], silent_s: float) -> list[str]:
+        return self.silent
+
+
+def _live(tmp_path: Path, control: FakeControl, world: list[int], restart_ok: bool = True) -> LiveAdaptation:
+    live = LiveAdaptation.__new__(LiveAdaptation)
+    live.control, live.world, live.journal = control, list(world), Journal(tmp_path)
+    live.driver = SimpleNamespace(step_index=7, last_checkpoint=("ck/step000006", 6, 24))
+
+    def restart_plan(pool):
+        if not restart_ok:
+            raise Infeasible("nothing holds the longest response")
+        return SimpleNamespace(plan=None)
+
+    live.adapter = SimpleNamespace(restart_plan=restart_plan)
+    live.restarts = []
+    live._restart = lambda *args, **kw: live.restarts.append((args, kw))
+    live.LOSS_GRACE_S = 0.3
+    return live
+
+
+def _events(tmp_path: Path, name: str) -> list[dict]:
+    return [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == name]
+
+
+def test_recover_waits_for_the_news_of_a_loss_then_restarts_the_survivors(tmp_path):
+    lost = {2: {"cause": "worker_exited", "node_id": "local0", "exitcode": -9}}
+    live = _live(tmp_path, FakeControl(lost, known_after=3), [0, 1, 2, 3])
+    # a survivor's collective failed before the agent reported the dead worker
+    assert live.recover(WorkerError("actor/training failed on device 1: Connection closed by peer"))
+    (args, kw), = live.restarts
+    assert args == ([0, 1, 3], [2], 7, "devices [2] lost (worker_exited)", ("ck/step000006", 6, 24))
+    event, = _events(tmp_path, "device_lost")
+    assert event["devices"] == [2] and event["cause"] == "worker_exited" and event["step"] == 7
+    assert event["survivors"] == [0, 1, 3] and event["detail"]["2"]["exitcode"] == -9
+
+
+def test_recover_takes_an_interrupted_transition(tmp_path):
+    live = _live(tmp_path, FakeControl({0: {"cause": "heartbeat", "node_id": "n0"}}), [0, 1])
+    assert live.recover(TransitionInterrupted("transition interrupted: device 0 has no live agent", None, set(), None))
+    assert live.restarts[0][0][:3] == ([1], [0], 7)
+
+
+def test_recover_leaves_other_failures_alone(tmp_path):
+    live = _live(tmp_path, FakeControl({}), [0, 1])
+    start = time.monotonic()
+    assert not live.recover(WorkerError("train failed on device 0: ValueError: bad"))
+    assert 0.3 <= time.monotonic() - start < 2.0     # the grace period, not the heartbeat timeout
+    assert not live.recover(NereusError("not a task failure"))
+    assert live.restarts == [] and _events(tmp_path, "device_lost") == []
+
+
+def test_recover_waits_out_a_silentfake_agent(tmp_path):
+    """A killed agent's loss is known by heartbeat only: wait for it while the agent is silent."""
+    lost = {1: {"cause": "heartbeat", "node_id": "n1", "detail": "silent"}}
+    control = FakeControl(lost, known_after=60, silent=["n1"], heartbeat_timeout_s=1.0)
+    live = _live(tmp_path, control, [0, 1])
+    assert live.recover(WorkerError("generate failed on device 0: Connection reset by peer"))
+    assert live.restarts[0][0][:2] == ([0], [1])
+    assert _events(tmp_path, "device_lost")[0]["cause"] == "heartbeat"
+
+
+def test_recover_stops_when_nothing_fits_the_survivors(tmp_path):
+    live = _live(tmp_path, FakeControl({1: {"cause": "worker_exited", "exitcode": -9}}), [0, 1], restart_ok=False)
+    assert not live.recover(WorkerError("worker process of device(s) [1] exited"))
+    assert live.restarts == []
+    event, = _events(tmp_path, "fallback")
+    assert event["action"] == "none" and "nothing holds" in event["reason"] and event["survivors"] == [0]
+    live = _live(tmp_path, FakeControl({0: {"cause": "heartbeat"}}), [0])
+    assert not live.recover(WorkerError("lost"))
+    assert "no device is left" in _events(tmp_path, "fallback")[-1]["reason"]
+
+
+def test_out_of_memory_restarts_every_device_without_waiting(tmp_path):
+    live = _live(tmp_path, FakeControl({}), [0, 1])
+    err = WorkerError("train failed on device 0: out of memory")
+    err.error_kind = "DeviceOutOfMemory"
+    start = time.monotonic()
+    assert live.recover(err)
+    assert time.monotonic() - start < 0.2
+    assert live.restarts[0][0][:2] == ([0, 1], [])
+
+
+def test_drop_metrics_from_rewinds_the_open_journal(tmp_path):
+    journal = Journal(tmp_path)
+    for step in range(5):
+        journal.metric({"step": step})
+    assert drop_metrics_from(tmp_path / METRICS_FILE, 3) == [3, 4]
+    journal.metric({"step": 3})    # the append handle writes at the new end
+    journal.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, 1, 2, 3]
+    assert drop_metrics_from(tmp_path / "missing.jsonl", 0) == []
+
+
+def test_checkpoint_default_follows_adaptation():
+    assert CheckpointConfig().interval(adaptive=True) == ADAPTIVE_CHECKPOINT_EVERY
+    assert CheckpointConfig().interval(adaptive=False) == 0
+    assert CheckpointConfig(every_steps=0).interval(adaptive=True) == 0
+    assert CheckpointConfig(every_steps=3).interval(adaptive=False) == 3
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_pool_controller_lets_live_adaptation_recover_a_lost_plan_device(tmp_path, live):
+    controller = PoolController(Journal(tmp_path), tmp_path, "job", 10)
+    controller.live = live
+    controller.world_formed({}, [0, 1, 2, 3])
+    controller.on_pool_change(PoolChange(PoolChangeKind.LOST, "slurm:node_down", "n1", (2, 3), "node n1 is down"))
+    event, = _events(tmp_path, "pool_changed")
+    failure = controller.explain_failure(WorkerError("worker process of device(s) [2] exited"))
+    if not live:   # unchanged: the job stops, PoolShrunk
+        assert event["verdict"] == "stop" and controller.stop_reason and "node n1 is down" in failure
+        return
+    assert event["verdict"] == "recover" and controller.stop_reason is None
+    assert controller.status()["state"] == "running"
+    assert "no plan that fits the remaining devices" in failure     # only if recovery failed
+    controller.recovered({}, [0, 1])
+    assert controller.explain_failure(WorkerError("x")) is None and controller.plan_devices == {0, 1}

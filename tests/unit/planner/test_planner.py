@@ -1,0 +1,108 @@
+"""Planner: every plan satisfies memory and GPU budgets; placement keeps TP groups in nodes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from nereusd.cost.model import CostModel
+from nereusd.models import preset
+from nereusd.planner.search import Infeasible, Planner, frontier, solve_concurrent
+from nereusd.planner.space import PlannerOptions, evaluate
+from nereusd.config.site import load_site
+from tests.support.specs import SMALL_1B as SMALL
+from tests.support.planning import problem
+
+H200 = load_site("h200-ib")
+
+
+
+
+def check_plan(pb, result):
+    dpn = pb.site.devices_per_node
+    wf = pb.workflow
+    assert set(result.plan) == set(wf.model_stages)
+    for group in wf.concurrent_sets():
+        used = [d for m in group for d in result.plan[m].devices]
+        assert len(used) == len(set(used)) <= len(pb.pool)
+        assert set(used) <= set(pb.pool)
+    for m, cand in result.plan.items():
+        if cand.tp <= dpn:
+            for g in cand.tp_groups():
+                assert len({d // dpn for d in g}) == 1, (m, g)
+        if m.stage.value == "training":
+            assert pb.workload.mini_batch_size % cand.dp == 0
+            assert (pb.workload.mini_batch_size // cand.dp) % cand.micro_batch == 0
+    assert max(result.peak_bytes.values()) <= result.usable_bytes
+    ev = evaluate(pb, result.plan, CostModel(pb.site))
+    assert ev.step_latency_s == pytest.approx(result.predicted_step_latency_s)
+    assert not ev.over_capacity(result.usable_bytes)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "remax"])
+def test_synthetic_clusters(nodes, algorithm):
+    pb = problem(nodes, algorithm)
+    check_plan(pb, Planner(pb, CostModel(pb.site)).solve())
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_async_generation_disjoint(nodes):
+    pb = problem(nodes, "ppo", asynchronous=True)
+    res = Planner(pb, CostModel(pb.site)).solve()
+    check_plan(pb, res)
+    gen = set(res.plan[pb.workflow.phases[0][0]].devices)
+    others = {d for m, c in res.plan.items() if m not in pb.workflow.phases[0] for d in c.devices}
+    assert not gen & others
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=st.sampled_from([1, 2, 4]), response=st.sampled_from([128, 1024, 4096, 16384]),
+       batch=st.sampled_from([8, 64, 256]), algorithm=st.sampled_from(["ppo", "grpo", "remax"]),
+       memory_gib=st.sampled_from([16, 40, 80, 140]), dpn=st.sampled_from([2, 4, 8]),
+       any_divisor=st.booleans())
+def test_property_constraints(nodes, response, batch, algorithm, memory_gib, dpn, any_divisor):
+    import dataclasses
+    site = dataclasses.replace(H200, devices_per_node=dpn,
+                               device=dataclasses.replace(H200.device, memory_gib=memory_gib))
+    pb = problem(nodes, algorithm, spec=SMALL, response=response, batch=batch, site=site)
+    try:
+        res = Planner(pb, CostModel(site), PlannerOptions(any_divisor=any_divisor, allow_recompute=True)).solve()
+    except Infeasible as err:
+        assert "GiB" in str(err) or "devices" in str(err)
+        return
+    check_plan(pb, res)
+
+
+def test_smaller_reward_model():
+    pb = problem(2, reward=preset("counting-tiny").__class__(
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=4))
+    res = Planner(pb, CostModel(pb.site)).solve()
+    check_plan(pb, res)
+
+
+def test_infeasible_names_model_stage():
+    pb = problem(1, spec=preset("llama-3.3-70b"), batch=64)
+    with pytest.raises(Infeasible, match=r"actor/training cannot fit on 8 devices: needs at least .* GiB short"):
+        Planner(pb, CostModel(pb.site)).solve()
+
+
+def test_placement_prefers_current_devices():
+    pb = problem(2)
+    first = Planner(pb, CostModel(pb.site)).solve()
+    again = Planner(pb, CostModel(pb.site)).solve(current=first.plan)
+    for m in first.plan:
+        assert set(again.plan[m].devices) == set(first.plan[m].devices)
+
+
+def test_frontier_and_min_max_exact():
+    from nereusd.planner.space import Option
+    from nereusd.plan import ModelStage
+    m = ModelStage.parse("actor/inference")
+    opts = [Option(m, 1, 1, g, 1, False, 10.0 / g, 1, 1) for g in (1, 2, 3, 4)]
+    opts.append(Option(m, 1, 1, 5, 1, False, 5.0, 1, 1))  # dominated
+    f = frontier(opts)
+    assert [o.gpus for o in f] == [1, 2, 3, 4]
+    lat, picks = solve_concurrent([f, f], 5)
+    assert sorted(o.gpus for o in picks) == [2, 3] and lat == pytest.approx(5.0)
+    assert solve_concurrent([f, f], 1) is None

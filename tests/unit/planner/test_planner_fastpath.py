@@ -1,0 +1,119 @@
+"""The planner's fast path (vectorised costing, pre-sorted frontiers) gives the plans of the
+scalar implementation it replaced.
+
+``data/planner_golden_before.json`` holds the plans and predicted step latencies the planner
+returned *before* the fast path (commit 0b331be), on 72 small cases (1–4 H200 nodes, PPO / GRPO
+/ ReMax, synchronous and asynchronous, 512 and 4,096 response tokens, with and without
+any-divisor TP/PP and recomputation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nereusd.cost import vector as costvec
+from nereusd.cost.model import CostModel
+from nereusd.planner.search import Planner, frontier
+from nereusd.planner.space import PlannerOptions, enumerate_options
+from tests.support.planning import problem
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "planner_golden_before.json").read_text())
+
+
+@pytest.mark.parametrize("entry", GOLDEN, ids=lambda e: "-".join(f"{v}" for v in e["case"].values()))
+def test_same_plan_as_before(entry):
+    c = entry["case"]
+    pb = problem(c["nodes"], c["algorithm"], asynchronous=c["asynchronous"], response=c["response"])
+    # the golden plans predate the runtime's pp = 1 rule for generation: search as they did
+    res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"], generation_pp=True,
+                                                         allow_recompute=c["recompute"])).solve()
+    assert res.plan.to_dict() == entry["plan"]
+    assert res.predicted_step_latency_s == pytest.approx(entry["step_latency_s"], rel=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "remax"])
+def test_vectorised_costs_equal_stage_cost(algorithm):
+    pb = problem(2, algorithm, response=2048)
+    cm = CostModel(pb.site)
+    opts = PlannerOptions(allow_recompute=True, micro_batches=(1, 2, 4))
+    for m in pb.workflow.model_stages:
+        for o in enumerate_options(pb, m, cm, opts, float("inf")):
+            kw = dict(sequences=pb.workflow.sequences(m, pb.workload), prompt_length=pb.workload.prompt_length,
+                      response_length=pb.workload.response_length, tp=o.tp, pp=o.pp, dp=o.dp,
+                      micro_batch=o.micro_batch, recompute=o.recompute)
+            ref = cm.stage_cost(pb.spec(m), m, **kw)
+            assert o.latency_s == pytest.approx(ref.latency_s, rel=1e-12), (m, o)
+            assert dict(o.cost_by_class) == pytest.approx(dict(ref.ideal_s_by_class), rel=1e-12)
+            fast = costvec.latencies(cm, pb.spec(m), m, dp=np.array([o.dp]), micro_batch=np.array([o.micro_batch]),
+                                     recompute=np.array([o.recompute]),
+                                     **{k: v for k, v in kw.items() if k not in ("dp", "micro_batch", "recompute")})
+            assert fast[0] == pytest.approx(ref.latency_s, rel=1e-12)
+
+
+def test_sorted_frontier_equals_frontier():
+    pb = problem(2, "ppo", response=4096)
+    planner = Planner(pb, CostModel(pb.site), PlannerOptions(allow_recompute=True))
+    for m, opts in planner.all_options.items():
+        peaks = sorted({o.peak_bytes for o in opts})
+        for max_peak in (float("inf"), peaks[len(peaks) // 2], peaks[0]):
+            for max_res in (float("inf"), min(o.resident_bytes for o in opts)):
+                want = frontier(opts, max_peak, max_res)
+                got = planner._sorted[m].frontier(max_peak, max_res)
+                assert [o.layout for o in got] == [o.layout for o in want]
+
+
+def _reference_take(free, count, prefer, index=None):
+    """``placement._take`` as it was before the preference index (commit 0b331be)."""
+    best, best_key = None, None
+    nodes = {d_node for d_node, devs in free.items() if prefer and any(d in prefer for d in devs)}
+    for node in nodes:
+        devs = free[node]
+        if len(devs) < count:
+            continue
+        key = (-min(sum(d in prefer for d in devs), count), len(devs), node)
+        if best_key is None or key < best_key:
+            best, best_key = node, key
+    if best is None:
+        for node, devs in free.items():
+            if len(devs) >= count and (best_key is None or (len(devs), node) < best_key):
+                best, best_key = node, (len(devs), node)
+                if len(devs) == count:
+                    break
+    if best is None:
+        return None
+    devs = free[best]
+    chosen = [d for d in devs if d in prefer][:count]
+    chosen += [d for d in devs if d not in chosen][: count - len(chosen)]
+    free[best] = [d for d in devs if d not in chosen]
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("nodes,first,second,shrink", [(2, 512, 4096, 0), (4, 1024, 8192, 0), (4, 512, 512, 8),
+                                                       (3, 4096, 512, 4)])
+def test_preferred_placement_same_as_before(monkeypatch, nodes, first, second, shrink):
+    import dataclasses
+
+    from nereusd.planner import placement
+    pb = problem(nodes, "ppo", response=first)
+    start = Planner(pb, CostModel(pb.site)).solve().plan
+    pb2 = problem(nodes, "ppo", response=second)
+    pb2 = dataclasses.replace(pb2, pool=pb2.pool[shrink:])
+    fast = Planner(pb2, CostModel(pb2.site)).solve(start)
+    monkeypatch.setattr(placement, "_take", _reference_take)
+    slow = Planner(pb2, CostModel(pb2.site)).solve(start)
+    assert fast.plan.to_dict() == slow.plan.to_dict()
+
+
+def test_generation_keeps_pp_1_by_default():
+    # the runtime folds PP into DP for generation: the default search never proposes otherwise
+    cases = [e["case"] for e in GOLDEN if any(c["pp"] > 1 for k, c in e["plan"].items() if k.endswith("generation"))]
+    assert cases, "the golden set should contain plans with pipelined generation"
+    for c in cases[:4]:
+        pb = problem(c["nodes"], c["algorithm"], asynchronous=c["asynchronous"], response=c["response"])
+        res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"],
+                                                             allow_recompute=c["recompute"])).solve()
+        assert all(cand.pp == 1 for ms, cand in res.plan.items() if ms.stage.value == "generation"), c

@@ -1,0 +1,205 @@
+"""Simulator: the replay's bookkeeping on small hand-made traces whose answers are known, traces,
+policies, and that the simulated controller is the project's controller code."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from nereusd.errors import ConfigError
+from nereusd.plan import Role
+from nereusd.planner.space import PlanProblem
+from nereusd.sim.policies import parse_policies, parse_policy
+from nereusd.sim.replay import Simulation
+from nereusd.traces import LengthTrace, PoolTrace, load_length_trace, load_pool_trace
+from nereusd.sim.truth import TruthConfig
+from nereusd.config.site import load_site
+from nereusd.workflow import Workload, build_workflow
+from tests.support.specs import SMALL_1B as SMALL
+
+CONSTANT = PoolTrace("constant", math.inf, (1.0,))
+QUIET = TruthConfig(noise_sigma=0.0, contention_per_h=0.0, spread_sd=0.0, spread_mean=1.0, checkpoint_interval=4)
+
+
+def small_problem(nodes=2, memory_gib=140, batch=64):
+    site = load_site("h200-ib")
+    site = dataclasses.replace(site, device=dataclasses.replace(site.device, memory_gib=memory_gib)).with_nodes(nodes)
+    wl = Workload(prompt_length=256, response_length=256, global_batch=batch)
+    return PlanProblem(build_workflow("ppo"), {r: SMALL for r in Role}, wl, site, tuple(range(nodes * 8)))
+
+
+def check_books(res):
+    """Time sums: total = executed steps + lost + transitions + restarts + stalls."""
+    parts = sum(r.step_s + r.lost_s + r.transition_s + r.restart_s + r.stall_s for r in res.records)
+    assert res.total_s == pytest.approx(parts)
+    assert res.mean_step_s == pytest.approx((res.total_s - res.stall_s) / res.steps)
+    completed = [r for r in res.records if not r.oom and not r.rerun]
+    assert sorted(r.step for r in completed) == list(range(res.steps))
+    assert res.switches == sum(r.switched for r in res.records)
+    starts = [r.start_s for r in res.records]
+    assert starts == sorted(starts)
+
+
+def test_constant_conditions_have_known_totals():
+    lengths = LengthTrace("hand-made flat", (512.0,))
+    sim = Simulation(small_problem(), lengths, CONSTANT, 12, QUIET)
+    frozen = sim.run(parse_policy("frozen"))
+    check_books(frozen)
+    step = frozen.records[0].step_s
+    assert all(r.step_s == pytest.approx(step) for r in frozen.records)
+    assert frozen.total_s == pytest.approx(12 * step)
+    assert (frozen.switches, frozen.oom_events, frozen.restarts, frozen.stall_s) == (0, 0, 0, 0.0)
+    oracle = sim.run(parse_policy("oracle"))
+    check_books(oracle)
+    assert oracle.total_s == pytest.approx(frozen.total_s)   # same launch plan, nothing moves
+    assert oracle.transition_s == 0.0
+
+
+def test_periodic_replans_every_k_steps_and_switches_only_on_gain():
+    lengths = LengthTrace("hand-made flat", (512.0,))
+    sim = Simulation(small_problem(), lengths, CONSTANT, 10, QUIET)
+    res = sim.run(parse_policy("periodic-3"))
+    check_books(res)
+    periodic = [d for d in res.decisions if any(t["signal"] == "period" for t in d["triggers"])]
+    assert [d["step"] for d in periodic] == [0, 3, 6, 9]
+    admitted = [d for d in res.decisions if d["verdict"] == "admit"]
+    assert res.switches == len(admitted)
+    assert all(d["delta_l_s"] > 0 for d in admitted)
+
+
+def test_oom_costs_lost_step_restart_and_rerun_since_checkpoint():
+    # 16 GiB devices; the launch plan fits 256-token responses, not 16,384 from step 10 on
+    lengths = LengthTrace("hand-made jump", tuple([256.0] * 10 + [16384.0] * 10))
+    sim = Simulation(small_problem(memory_gib=16), lengths, CONSTANT, 20, QUIET)
+    res = sim.run(parse_policy("frozen"))
+    check_books(res)
+    failed = [r for r in res.records if r.oom]
+    assert [r.step for r in failed] == [10] and res.oom_events == 1
+    assert failed[0].step_s == 0.0 and failed[0].restart_s > QUIET.restart_s
+    pre = [r for r in res.records if r.step == 9 and not r.rerun][0]
+    assert failed[0].lost_s > 0
+    # checkpoint every 4 steps: the last before step 10 is at 8, so steps 8 and 9 run again
+    assert sorted(r.step for r in res.records if r.rerun) == [8, 9]
+    assert len(res.records) == 20 + 1 + 2 and pre.step_s > 0
+    oracle = sim.run(parse_policy("oracle"))
+    assert oracle.oom_events == 0 and oracle.total_s < res.total_s
+    # a replan during the re-run must not go back to the layout that failed (it once looped)
+    periodic = sim.run(parse_policy("periodic-1"))
+    check_books(periodic)
+    assert periodic.oom_events == 1
+
+
+def test_pool_changes_rescale_frozen_and_trigger_the_controller():
+    # the pool halves after 20 s and comes back after 40 s, and so on (a hand-made trace)
+    pool = PoolTrace("hand-made halving", 20.0, (1.0, 0.5))
+    lengths = LengthTrace("hand-made flat", (1024.0,))
+    sim = Simulation(small_problem(nodes=4), lengths, pool, 60, QUIET)
+    for name in ("frozen", "nereus"):
+        res = sim.run(parse_policy(name))
+        check_books(res)
+        assert {r.pool for r in res.records} == {16, 32}
+        changes = sum(1 for a, b in zip(res.records, res.records[1:]) if a.pool != b.pool)
+        assert changes >= 2
+        # every pool change is handled at its boundary: a switch or a restart
+        handled = [r for r in res.records if r.switched or r.restart_s > 0]
+        assert len(handled) >= changes
+    assert any(t["signal"] == "gpu_pool" and t["urgent"] for d in res.decisions for t in d["triggers"])
+
+
+def test_stall_when_pool_is_empty_is_not_step_latency():
+    pool = PoolTrace("hand-made outage", 5.0, (1.0, 0.0, 0.0, 1.0))
+    sim = Simulation(small_problem(), LengthTrace("flat", (512.0,)), pool, 40, QUIET)
+    res = sim.run(parse_policy("frozen"))
+    check_books(res)
+    assert res.stall_s > 0
+    assert res.mean_step_s == pytest.approx((res.total_s - res.stall_s) / 40)
+    assert res.restarts >= 1   # every replica was lost with the pool
+
+
+def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
+    real = load_length_trace("verl-amd-7b-grpo")
+    assert len(real.response_lengths) == 1119 and not real.generated
+    tree = load_length_trace("deepgrpo-tree")
+    assert len(tree.response_lengths) == 2958
+    ramp = load_length_trace("generated-ramp", steps=100)
+    assert ramp.generated and "generated" in ramp.label
+    assert 300 < ramp.at(0) < 800 and 5000 < ramp.at(99) < 13000
+    spot = load_pool_trace("us-east-2b")
+    assert spot.gap_s == 300 and spot.fractions[0] == 1.0
+    assert spot.devices_at(0.0, 64, 8) == 64
+    assert all(spot.devices_at(i * 300.0, 64, 8) % 8 == 0 for i in range(200))
+    with pytest.raises(ConfigError, match="not a shipped trace"):
+        load_length_trace("no-such-trace")
+    with pytest.raises(ConfigError, match="not a shipped trace"):
+        load_pool_trace("eu-nowhere-1")
+
+
+def test_policy_names():
+    assert [p.name for p in parse_policies("frozen,nereus,greedy,periodic-3,oracle,nereus@0.25")] == \
+        ["frozen", "nereus", "greedy", "periodic-3", "oracle", "nereus@0.25"]
+    assert parse_policy("nereus@0").gamma == 0 and parse_policy("greedy").gamma == math.inf
+    assert parse_policy("periodic-5").period == 5
+    with pytest.raises(ConfigError, match="periodic-3"):
+        parse_policy("periodic-x")
+    with pytest.raises(ConfigError, match="twice"):
+        parse_policies("frozen,frozen")
+
+
+def test_simulated_controller_is_the_project_controller(monkeypatch):
+    """The controller calls the project's monitor, planner, admission and transition engine,
+    and never the ground truth."""
+    import ast
+    import inspect
+
+    import nereusd.control.admission
+    import nereusd.control.monitor
+    import nereusd.planner.search
+    import nereusd.transition
+    from nereusd.sim import controller
+    from nereusd.transition import estimate as transitions
+
+    assert controller.admit is nereusd.control.admission.admit
+    assert controller.urgent_replan is nereusd.control.admission.urgent_replan
+    assert controller.Monitor is nereusd.control.monitor.Monitor
+    assert controller.Planner is nereusd.planner.search.Planner
+    assert transitions.assess_transition is nereusd.transition.assess_transition
+    for module in (controller, transitions):
+        imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(module)))
+                    if isinstance(n, ast.ImportFrom)}
+        assert not imported & {"nereusd.sim.truth", "nereusd.sim.replay"}
+    calls = []
+    real_admit = controller.admit
+    monkeypatch.setattr(controller, "admit", lambda **kw: calls.append(kw) or real_admit(**kw))
+    sim = Simulation(small_problem(), LengthTrace("hand-made growth", tuple(256.0 * 1.05 ** i for i in range(30))),
+                     CONSTANT, 30, QUIET)
+    res = sim.run(parse_policy("nereus"))
+    assert len(calls) == len(res.decisions) > 0
+
+
+def test_cli_json_and_plots(tmp_path, capsys):
+    import json
+
+    import argparse
+
+    from launcher import cli, simulate_cmd
+    assert "launcher.simulate_cmd" in cli.SUBCOMMAND_MODULES
+    parser = argparse.ArgumentParser()
+    simulate_cmd.register(parser.add_subparsers())
+
+    def main(argv):
+        args = parser.parse_args(argv)
+        try:
+            return args.func(args)
+        except ConfigError:
+            return 2
+    assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "12", "--global-batch", "64", "--policies",
+                 "frozen,nereus,oracle", "--out", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["length_generated"] is True and "generated" in out["length_trace"]
+    assert [r["policy"] for r in out["summary"]] == ["frozen", "nereus", "oracle"]
+    assert out["summary"][0]["vs_frozen_pct"] == 0.0
+    for name in ("step_latency.png", "plan_timeline.png", "pool.png", "sequence_length.png", "summary.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert main(["simulate", "--gpus", "12", "--steps", "5"]) == 2

@@ -1,0 +1,73 @@
+"""The transition DAG travels to workers as JSON: exact round trips and strict refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nereusd.errors import PlanError
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.transition import Op, OpKind, TransitionDag, plan_transition, validate
+from nereusd.transition.ops import SCHEMA_VERSION
+from tests.support.specs import TINY_MODELS as MODELS
+
+AG = ModelStage(Role.ACTOR, Stage.GENERATION)
+AT = ModelStage(Role.ACTOR, Stage.TRAINING)
+CT = ModelStage(Role.CRITIC, Stage.TRAINING)
+RI = ModelStage(Role.REWARD, Stage.INFERENCE)
+
+
+@pytest.fixture(scope="module")
+def dag() -> TransitionDag:
+    """Every op kind: split, destroy, extend, merge, create, and a discard."""
+    cur = Plan({AT: Candidate(4, 1, 1, (0, 1, 2, 3)), CT: Candidate(1, 2, 1, (4, 5)),
+                RI: Candidate(1, 1, 1, (6,))})
+    tgt = Plan({AT: Candidate(2, 1, 2, (0, 1, 2, 3)), CT: Candidate(2, 2, 1, (4, 6, 5, 7)),
+                AG: Candidate(2, 1, 1, (6, 7))})
+    return plan_transition(cur, tgt, MODELS, devices_per_node=4)
+
+
+def test_round_trip_is_exact(dag):
+    assert {op.kind for op in dag.ops} == set(OpKind)
+    text = dag.to_json()
+    back = TransitionDag.from_json(text)
+    assert back == dag and back.to_json() == text
+    validate(back)
+    assert [Op.from_dict(o.to_dict()) for o in dag.ops] == list(dag.ops)
+
+
+def test_json_is_plain_and_versioned(dag):
+    data = json.loads(dag.to_json())
+    assert data["version"] == SCHEMA_VERSION
+    assert set(data) == {"version", "current", "target", "ops", "edges"}
+    extend = next(o for o in data["ops"] if o["kind"] == "extend")
+    src, dst, shard = extend["routes"][0]
+    assert isinstance(src, int) and isinstance(dst, int) and shard[0].startswith("model.")
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(version=99), "schema version 99"),
+    (lambda d: d.update(extra=1), "unknown field 'extra'"),
+    (lambda d: d["ops"][0].update(kind="teleport"), "unknown kind 'teleport'"),
+    (lambda d: d["ops"][0].pop("routes"), "missing field 'routes'"),
+    (lambda d: d["ops"][0].update(colour="red"), "unknown field 'colour'"),
+    (lambda d: d["ops"][0].update(model_stage="actor/dreaming"), "unknown stage 'dreaming'"),
+    (lambda d: d["ops"][0].update(source_positions=[[0, 0]]), "source devices but 1 positions"),
+    (lambda d: d["ops"][0].update(routes=[[1, 2]]), "expected \\[src, dst, shard\\]"),
+    (lambda d: d["edges"].append(["a", "b", "state"]), "names unknown op 'a'"),
+    (lambda d: d["edges"].append([d["ops"][0]["id"], d["ops"][1]["id"], "whim"]), "malformed"),
+    (lambda d: d.pop("edges"), "missing field 'edges'"),
+])
+def test_malformed_json_is_refused(dag, mutate, message):
+    data = json.loads(dag.to_json())
+    mutate(data)
+    with pytest.raises(PlanError, match=message):
+        TransitionDag.from_dict(data)
+
+
+def test_not_json_is_refused():
+    with pytest.raises(PlanError, match="not valid JSON"):
+        TransitionDag.from_json("{")
+    with pytest.raises(PlanError, match="expected an object"):
+        TransitionDag.from_json("[]")

@@ -1,0 +1,109 @@
+"""Per-device memory of a transition at every op, with hand-computed bytes (paper §4.3, §6.2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereusd.errors import PlanError
+from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
+from nereusd.config.site import load_site
+from nereusd.transition import (
+    AdamStateSizes,
+    EdgeReason,
+    MemoryBudget,
+    StateModel,
+    check_feasibility,
+    plan_transition,
+)
+from tests.support.specs import TINY_MODELS as MODELS
+
+STATE = StateModel(MODELS, AdamStateSizes())  # bf16 + fp32 master + Adam: 14 bytes/element in training
+AT = ModelStage(Role.ACTOR, Stage.TRAINING)
+CT = ModelStage(Role.CRITIC, Stage.TRAINING)
+AG = ModelStage(Role.ACTOR, Stage.GENERATION)
+# P = 64·32 embed + 4·(32·32 q + 2·8·32 kv + 32·32 o + 3·64·32 mlp + 2·32 norms) + 32 + 64·32 head
+P = 39_200
+P_TP2 = 19_744  # per rank at tp2: halves of everything but the 4·2·32 + 32 norm elements
+CRITIC = 2_048 + 4 * 8_768 + 32 + 32 + 1  # value head [1, 32] + bias instead of lm_head
+
+
+def test_sizes_per_element():
+    assert STATE.holding_bytes(AT, Layout(1, 1), (0, 0)) == 14 * P
+    assert STATE.holding_bytes(AG, Layout(1, 1), (0, 0)) == 2 * P
+    assert STATE.holding_bytes(AT, Layout(2, 1), (0, 1)) == 14 * P_TP2
+    assert STATE.holding_bytes(CT, Layout(1, 1), (0, 0)) == 14 * CRITIC
+    fp32 = AdamStateSizes.for_dtype("fp32")
+    assert (fp32.resident_bytes_per_element(AT), fp32.moved_bytes_per_element(AT)) == (12, 12)
+    assert fp32.resident_bytes_per_element(AG) == 4
+    assert AdamStateSizes(grad_bytes=2).resident_bytes_per_element(AT) == 16
+
+
+def test_device_move_peaks_and_final_bytes():
+    cur, tgt = Plan({AT: Candidate(1, 1, 1, (0,))}), Plan({AT: Candidate(1, 1, 1, (1,))})
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4)
+    budget = MemoryBudget(capacity_bytes=10**7, collective_buffer_bytes=1_000)
+    report = check_feasibility(dag, STATE, budget)
+    assert report.feasible and report.order == ("actor/training:extend0", "actor/training:destroy0")
+    # During the Extend both ends hold a 1,000-byte staging buffer; the copy lands on device 1.
+    assert report.peak_bytes == {0: 14 * P + 1_000, 1: 14 * P + 1_000}
+    assert report.final_bytes == {0: 0, 1: 14 * P}
+
+
+def test_first_violation_names_op_device_and_bytes():
+    """The critic already fills most of device 1, so the actor's copy does not fit there."""
+    cur = Plan({AT: Candidate(1, 1, 1, (0,)), CT: Candidate(1, 1, 1, (1,))})
+    tgt = Plan({AT: Candidate(1, 1, 1, (1,)), CT: Candidate(1, 1, 1, (1,))})
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4)
+    limit = 14 * CRITIC + 14 * P + 999  # one byte short of copy + staging
+    budget = MemoryBudget(capacity_bytes=limit, headroom=0.0, collective_buffer_bytes=1_000)
+    v = check_feasibility(dag, STATE, budget).violation
+    assert (v.op_id, v.device, v.model_stage) == ("actor/training:extend0", 1, "actor/training")
+    assert (v.needed_bytes, v.in_use_bytes, v.limit_bytes) == (14 * P + 1_000, 14 * CRITIC, limit)
+    assert "device 1: op actor/training:extend0 (actor/training) needs" in v.describe()
+    budget_ok = MemoryBudget(capacity_bytes=limit + 1, headroom=0.0, collective_buffer_bytes=1_000)
+    assert check_feasibility(dag, STATE, budget_ok).feasible
+
+
+def test_current_plan_over_capacity_is_reported_before_any_op():
+    plan = Plan({AT: Candidate(1, 1, 1, (0,))})
+    dag = plan_transition(plan, plan, MODELS, devices_per_node=1)
+    v = check_feasibility(dag, STATE, MemoryBudget(capacity_bytes=1_000)).violation
+    assert v.op_id is None and v.device == 0 and v.in_use_bytes == 14 * P
+
+
+def test_tight_devices_get_release_before_acquire_inside_a_model_stage():
+    """tp2·dp2 → tp4 on the same devices: devices 1 and 2 each swap halves. With room for both
+    halves no ordering is added; on a tight budget each Extend waits for the Destroy of the
+    half its device gives up, and the walk then fits."""
+    cur = Plan({AT: Candidate(2, 1, 2, (0, 1, 2, 3))})
+    tgt = Plan({AT: Candidate(4, 1, 1, (0, 1, 2, 3))})
+    ample = MemoryBudget(capacity_bytes=10**8, collective_buffer_bytes=0)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=ample)
+    assert not [e for e in dag.edges if e.reason is EdgeReason.RESOURCE]
+    # Room for one tp2 half plus the tp4 quarter Merge allocates (≈ 0.5 of a half) — not two halves.
+    tight = MemoryBudget(capacity_bytes=int(14 * P_TP2 * 1.6), headroom=0.0, collective_buffer_bytes=0)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=tight)
+    resource = sorted((e.src, e.dst) for e in dag.edges if e.reason is EdgeReason.RESOURCE)
+    assert resource == [("actor/training:destroy0", "actor/training:extend1"),
+                        ("actor/training:destroy1", "actor/training:extend0")]
+    assert check_feasibility(dag, STATE, tight).feasible
+
+
+def test_co_resident_model_stages_are_counted():
+    cur = Plan({AG: Candidate(1, 1, 1, (0,)), AT: Candidate(1, 1, 1, (0,))})
+    tgt = Plan({AG: Candidate(1, 1, 2, (0, 1)), AT: Candidate(1, 1, 1, (0,))})
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4)
+    report = check_feasibility(dag, STATE, MemoryBudget(capacity_bytes=10**8, collective_buffer_bytes=0,
+                                                        workspace_bytes=7, reserved_bytes={1: 5}))
+    assert report.final_bytes == {0: 2 * P + 14 * P + 7, 1: 2 * P + 12}
+
+
+def test_budget_checks_and_site_defaults():
+    with pytest.raises(PlanError, match="headroom must be in"):
+        MemoryBudget(capacity_bytes=1, headroom=1.0)
+    with pytest.raises(PlanError, match="capacity_bytes must be a positive integer"):
+        MemoryBudget(capacity_bytes=0)
+    site = load_site("local")
+    b = MemoryBudget.from_site(site)
+    assert b.capacity_bytes == 512 * 2**20 and b.headroom == 0.1 and b.workspace_bytes == 16 << 20
+    assert b.limit_bytes == int(0.9 * 512 * 2**20)

@@ -1,0 +1,77 @@
+"""The controller side of a transition when workers die: what it raises and what it says survived.
+
+:class:`ScriptedControl` stands in for :class:`nereusd.daemon.control_plane.ControlPlane`: it
+answers the runner's calls from a script (which task fails, which workers exited) so that each
+failure case is exact; the real control plane under a real transition is exercised by
+``tests/e2e/test_device_loss.py`` and ``tests/distributed/test_executor_fault.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from nereusd.errors import WorkerError
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.transition import plan_transition
+from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
+
+MS = ModelStage(Role.ACTOR, Stage.TRAINING)
+
+
+class ScriptedControl:
+    """The control-plane calls :class:`TransitionRunner` makes; ``transition_run`` fails with the
+    workers of ``dead`` exited."""
+
+    def __init__(self, dead: dict[int, int]) -> None:
+        self.dead = dead
+        self.exited_workers: dict[int, int] = {}
+        self.kinds: list[str] = []
+
+    def run(self, kind, args, timeout_s=None):
+        self.kinds.append(kind)
+        return {d: SimpleNamespace(result={"setup_s": 0.0}) for d in args}
+
+    def submit(self, kind, args):
+        self.kinds.append(kind)
+        return len(self.kinds)
+
+    def done(self, task_id):
+        return True
+
+    def collect(self, task_id, timeout_s=None):
+        self.exited_workers.update(self.dead)
+        raise WorkerError(f"worker process of device(s) {sorted(self.dead)} exited")
+
+    def poll(self, timeout_s):
+        pass
+
+    def raise_if_lost(self, task_id):
+        pass
+
+
+def test_every_holder_dead_is_a_worker_error_naming_the_lost_model_stage(tiny_models):
+    """Both devices of the only unit die: no copy is left in memory. The runner must raise what
+    the driver recovers from (a WorkerError: checkpoint/restart), not a plain error that fails
+    the job."""
+    current = Plan({MS: Candidate(2, 1, 1, (0, 1))})
+    target = Plan({MS: Candidate(1, 1, 2, (2, 3))})
+    dag = plan_transition(current, target, tiny_models, devices_per_node=4)
+    control = ScriptedControl(dead={0: -9, 1: -9})
+    with pytest.raises(TransitionInterrupted, match=r"no complete unit of \['actor/training'\]") as info:
+        TransitionRunner(control, [0, 1, 2, 3]).run(dag)
+    err = info.value
+    assert isinstance(err, WorkerError)
+    assert err.lost == (MS,) and MS not in err.units and err.intact == set()
+
+
+def test_one_holder_of_two_replicas_dead_keeps_the_other_unit(tiny_models):
+    current = Plan({MS: Candidate(1, 1, 2, (0, 1))})
+    target = Plan({MS: Candidate(2, 1, 1, (2, 3))})
+    dag = plan_transition(current, target, tiny_models, devices_per_node=4)
+    with pytest.raises(TransitionInterrupted) as info:
+        TransitionRunner(ScriptedControl(dead={0: -9}), [0, 1, 2, 3]).run(dag)
+    err = info.value
+    assert err.lost == () and err.units[MS].devices == (1,)
+    assert "no complete unit" not in str(err)
