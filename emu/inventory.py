@@ -18,10 +18,6 @@ from nereusd.protocol import DeviceInfo
 log = logging.getLogger(__name__)
 
 
-def _visible(count: int) -> list[int]:
-    """Local indices visible to this job (``CUDA_VISIBLE_DEVICES`` / ``ROCR_VISIBLE_DEVICES`` are
-    honoured by the runtime itself, so indices here are always ``0..count-1``)."""
-    return list(range(count))
 
 
 def probe_nvidia() -> list[DeviceInfo]:

@@ -264,6 +264,8 @@ class SlurmClient:
             if len(fields) != 6:
                 raise SlurmError(f"squeue line {line!r}: expected 6 '|'-separated fields")
             if fields[0] == str(job_id):
+                if not (fields[2] or "0").isdigit():
+                    raise SlurmError(f"squeue line {line!r}: node count {fields[2]!r} is not an integer")
                 return JobInfo(fields[0], fields[1], int(fields[2] or 0), fields[3],
                                tuple(parse_nodelist(fields[4])), fields[5])
         return None
@@ -328,6 +330,8 @@ class AllocationWatcher:
         self._lock = threading.Lock()
         self.polls = 0
         self.failures = 0
+        self.last_error: str | None = None
+        """Why the latest failed poll failed."""
 
     def add_job(self, job_id: str) -> None:
         """Watch another allocation (a ``grow`` job) too."""
@@ -388,6 +392,10 @@ class AllocationWatcher:
         return self.interval_s * random.uniform(0.9, 1.1)
 
     def _loop(self) -> None:
+        """Poll until :meth:`stop`. A failed poll backs off and tries again, whatever it raised: a
+        watcher thread that died would end pool tracking for good, silently. Slurm's own failures
+        (:class:`SlurmError`: a command failed, output that does not parse) are warnings; anything
+        else is a bug here and is logged with its traceback (:attr:`last_error` keeps it)."""
         while not self._stop.is_set():
             failed = changed = False
             try:
@@ -395,7 +403,13 @@ class AllocationWatcher:
             except SlurmError as err:
                 failed = True
                 self.failures += 1
+                self.last_error = str(err)
                 log.warning("allocation watcher: %s (next try in %.1f s)", err, self.interval_s * 2)
+            except Exception as err:  # noqa: BLE001 - see the docstring: the thread must outlive it
+                failed = True
+                self.failures += 1
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.exception("allocation watcher: poll failed (next try in %.1f s)", self.interval_s * 2)
             self._stop.wait(self._next_interval(changed, failed))
 
     def start(self) -> None:

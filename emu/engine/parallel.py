@@ -43,9 +43,6 @@ from nereusd.plan import Candidate
 log = logging.getLogger(__name__)
 
 
-def backend_for(device: torch.device) -> str:
-    """Collective backend for a device type: ``nccl`` on CUDA, ``gloo`` on CPU."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def validate_candidate(spec: ModelSpec, candidate: Candidate, *, generation: bool = False,

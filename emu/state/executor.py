@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
 
 from emu.state.primitives import Communicators, HoldingStore, Specs, create_communicators, run_op
-from nereusd.errors import NereusError
 from nereusd.transition.dag import topological_order
 from nereusd.transition.ops import Op, TransitionDag
 
@@ -167,8 +166,3 @@ def merge_timings(per_device: Iterable[Iterable[dict]]) -> dict[str, dict]:
     return out
 
 
-def check_complete(dag: TransitionDag, done: set[str]) -> None:
-    """Raises: NereusError naming the ops of ``dag`` not in ``done``."""
-    missing = [op.id for op in dag.ops if op.id not in done]
-    if missing:
-        raise NereusError(f"transition incomplete: {len(missing)} ops not run: {missing[:5]}")

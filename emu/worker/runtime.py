@@ -95,7 +95,6 @@ class WorkerRuntime(TransitionTasks):
             "transition_prepare": self.transition_prepare,
             "transition_run": self.transition_run,
             "transition_finish": self.transition_finish,
-            "holdings": self.holdings,
             "reform_world": self.reform_world,
             "memory_report": self.memory_report,
         }

@@ -12,8 +12,6 @@ Mixed into :class:`emu.worker.runtime.WorkerRuntime`. Task kinds (args → resul
 ``transition_finish`` (every world rank)
     Communicators destroyed; engines of the target plan built, in canonical order (group creation
     is collective), on the holdings the transition produced → ``model_stages``.
-``holdings`` → ``holdings``: ``[[model_stage, tp, pp, pp_rank, tp_rank], …]`` held here now (what
-    the controller reads after a failure to know which units are intact).
 ``reform_world`` (every surviving or new worker; ``generation``, ``devices``)
     Engines detached into holdings, the old world destroyed, generation ``generation`` of the
     world joined with world rank = index of this device in ``devices``; tensors stay in memory.
@@ -155,13 +153,6 @@ class TransitionTasks:
         self._plan_syncs()
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
-
-    def holdings(self, args: dict[str, Any]) -> dict[str, Any]:
-        out = [[str(h.model_stage), h.layout.tp, h.layout.pp, *h.position] for h in self.store.items.values()]
-        for ms, engine in self.engines.items():
-            g = engine.groups
-            out.append([str(ms), engine.candidate.tp, engine.candidate.pp, g.pp_rank, g.tp_rank])
-        return {"holdings": out}
 
     def reform_world(self, args: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()

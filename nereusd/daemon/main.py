@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from nereusd.control.controller import Adapter, launch_plan
@@ -28,7 +29,7 @@ from nereusd.rl.driver import RLDriver
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import load_and_resolve
-from nereusd.journal import Journal
+from nereusd.journal import METRICS_FILE, Journal, read_jsonl
 from nereusd.planner.search import Infeasible
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
@@ -184,17 +185,28 @@ def run(args: argparse.Namespace) -> int:
         summary.update(status="interrupted", error=f"nereusd received {err}")
         journal.event("job_interrupted", {"signal": str(err)})
         code = 130
+    except Exception as err:  # noqa: BLE001 - a bug in nereusd: record it as a failure, then stop everything
+        log.exception("nereusd crashed")
+        summary.update(status="failed", error=f"nereusd crashed: {type(err).__name__}: {err}",
+                       error_kind=type(err).__name__)
+        journal.event("job_failed", {"error": summary["error"], "error_kind": type(err).__name__,
+                                     "traceback": traceback.format_exc(limit=20)})
     finally:
-        if watcher is not None:
-            watcher.stop()
+        # the agents and workers stop first: nothing below may leave them running
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if watcher is not None:
+            watcher.stop()
+        control.shutdown_agents(summary["status"])
         summary["wall_time_s"] = round(time.time() - started, 3)
         if live:
             summary.update(switches=live[0].switches, restarts=live[0].restarts, lost_steps=live[0].lost_steps)
-        _summarise_metrics(run_dir, summary)
+        try:
+            _summarise_metrics(run_dir, summary)
+        except Exception as err:  # noqa: BLE001 - the summary is still written, with why its figures are missing
+            log.exception("cannot summarise %s", run_dir / METRICS_FILE)
+            summary["summary_error"] = f"{type(err).__name__}: {err}"
         journal.summary(summary)
-        control.shutdown_agents(summary["status"])
         journal.event("nereusd_stopped", {"status": summary["status"]})
         journal.close()
         control.close()
@@ -202,8 +214,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summarise_metrics(run_dir: Path, summary: dict) -> None:
-    from nereusd.journal import METRICS_FILE, read_jsonl
-
     records = read_jsonl(run_dir / METRICS_FILE)
     if not records:
         return

@@ -4,6 +4,7 @@ errors, the allocation watcher's events and back-off, and the pool-change verdic
 from __future__ import annotations
 
 import subprocess
+import threading
 
 import pytest
 
@@ -152,14 +153,37 @@ def test_watcher_backs_off():
 
 
 def test_watcher_thread_survives_failures():
+    """Slurm down, then output nobody expected (a bug's ValueError): the thread keeps polling and
+    reports the node that goes down afterwards."""
     fake = FakeSlurm()
     fake.fail = True
-    watcher = AllocationWatcher(fake, ["10"], lambda e: None, min_interval_s=0.01, max_interval_s=0.02)
+    calls = {"n": 0}
+    real_job = fake.job
+
+    def job(job_id):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("invalid literal for int() with base 10: 'N/A'")
+        if calls["n"] == 4:
+            fake.fail = False
+            fake.states["n2"] = NodeInfo("n2", "down", "test")
+        return real_job(job_id)
+
+    fake.job = job
+    seen = threading.Event()
+    watcher = AllocationWatcher(fake, ["10"], lambda e: seen.set() if e.node == "n2" else None,
+                                min_interval_s=0.001, max_interval_s=0.002)
     watcher.start()
-    import time
-    time.sleep(0.2)
-    watcher.stop()
-    assert watcher.failures >= 2 and watcher.polls == 0
+    try:
+        assert seen.wait(30), (watcher.failures, watcher.last_error)
+    finally:
+        watcher.stop()
+    assert watcher.failures == 3 and watcher.polls >= 1
+
+
+def test_client_refuses_a_node_count_that_is_no_integer():
+    with pytest.raises(SlurmError, match=r"node count 'N/A' is not an integer"):
+        SlurmClient(runner=_runner(0, "7|RUNNING|N/A|nrs1|nrs[1-2]|None\n")).job("7")
 
 
 def test_assess():

@@ -1,0 +1,70 @@
+"""nereusd's own failures: a crash is a failed job with its reason, and the agents always stop.
+
+Faults are injected into the real entry point (:func:`nereusd.daemon.main.run`, in this process,
+with no agent registered): an exception nobody expects where the driver is built, and one where
+the metrics are summarised at the end. What is checked is what a user sees afterwards —
+``summary.json`` and ``events.jsonl`` — and that nereusd told the agents to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from nereusd.daemon import main
+from nereusd.daemon.control_plane import ControlPlane
+from nereusd.journal import read_jsonl
+
+JOB = """name: crash
+steps: 1
+devices: 1
+models: {actor_config: {vocab_size: 16, hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 4,
+                        num_kv_heads: 2, max_position: 64}}
+rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 8}
+train: {global_batch: 4, micro_batch: 2}
+adaptation: {enabled: false}
+"""
+
+
+@pytest.fixture
+def daemon(tmp_path, monkeypatch):
+    """``run(args)`` for a one-device job; records every ``shutdown_agents`` call; restores the
+    signal handlers ``run`` installs."""
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    stops: list[str] = []
+    real = ControlPlane.shutdown_agents
+    monkeypatch.setattr(ControlPlane, "shutdown_agents", lambda self, reason, wait_s=10.0: (
+        stops.append(reason), real(self, reason, 0.0))[1])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
+    args = main.build_parser().parse_args([str(job), "--run-dir", str(tmp_path / "run"), "--register-timeout-s", "1"])
+    yield (lambda: main.run(args)), tmp_path / "run", stops
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def _crash(*args, **kwargs):
+    raise RuntimeError("injected fault")
+
+
+def test_a_crash_is_a_failed_job_and_the_agents_stop(daemon, monkeypatch):
+    run, run_dir, stops = daemon
+    monkeypatch.setattr(main, "RLDriver", _crash)
+    assert run() == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_kind"] == "RuntimeError"
+    assert "injected fault" in summary["error"]
+    failed, = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "job_failed"]
+    assert "RuntimeError" in failed["traceback"]
+    assert stops == ["failed"]
+
+
+def test_a_failing_summary_still_stops_the_agents_and_writes_the_status(daemon, monkeypatch):
+    run, run_dir, stops = daemon
+    monkeypatch.setattr(main, "_summarise_metrics", _crash)
+    assert run() == 1   # no agent registers within 1 s: the job fails, and then the summary fails too
+    assert stops == ["failed"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "injected fault" in summary["summary_error"]
