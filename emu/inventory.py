@@ -1,6 +1,6 @@
 """Device inventory of one node: NVIDIA GPUs via NVML, AMD GPUs via amdsmi, else virtual CPU devices.
 
-Each probe fails in its own way on a machine without that hardware (see PLATFORM.md): NVML
+Each probe fails in its own way on a machine without that hardware (see docs/platform.md): NVML
 raises ``NVMLError_LibraryNotFound`` (or another ``NVMLError``), ``import amdsmi`` raises
 ``KeyError: 'libamd_smi.so'`` (after printing to stdout) or ``ImportError``. Those exact
 failures mean "no such device here"; anything else propagates.

@@ -13,9 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nereusd.errors import NereusError
+
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 SUMMARY_FILE = "summary.json"
+
+
+class JournalError(NereusError):
+    """A journal file is damaged: a line other than a torn last one is not a JSON object."""
 
 
 def _default(value: Any) -> Any:
@@ -60,18 +66,55 @@ class Journal:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All complete JSON lines of ``path`` (a partially written last line is skipped)."""
-    records = []
+    """Every record of the JSONL file at ``path`` (``[]`` when it does not exist).
+
+    Only the last line may be incomplete: a writer that died mid-line (the journal flushes whole
+    lines, so nothing else can tear one) leaves it without its newline, and it is skipped. Any
+    other line that is not a JSON object means the file is damaged or not a journal.
+
+    Raises:
+        JournalError: naming the file, the line number and what is wrong with it.
+    """
     try:
         with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+            lines = fh.readlines()
     except FileNotFoundError:
         return []
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        torn = number == len(lines) and not line.endswith("\n")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if torn:
+                break
+            raise JournalError(f"{path}:{number}: not a JSON line ({err.msg}): {line.strip()[:80]!r}") from None
+        if not isinstance(record, dict):
+            raise JournalError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
     return records
+
+
+def drop_metrics_from(path: str | Path, step: int) -> list[int]:
+    """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
+    after a rewind, so every step appears once); returns their steps. Rewritten in place (a torn
+    last line goes too): the journal's append-mode handle keeps writing at the (new) end.
+
+    Raises:
+        JournalError: as :func:`read_jsonl`.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = read_jsonl(path)
+    keep = [r for r in records if int(r["step"]) < step]
+    dropped = [int(r["step"]) for r in records if int(r["step"]) >= step]
+    if dropped:
+        with open(path, "r+", encoding="utf-8") as fh:
+            fh.seek(0)
+            fh.truncate()
+            fh.writelines(json.dumps(r, default=_default) + "\n" for r in keep)
+            fh.flush()
+    return dropped

@@ -32,12 +32,14 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from nereusd.journal import read_jsonl  # noqa: E402
 DEMO = REPO / "examples" / "counting_grpo.yaml"
 POLICIES = {
-    "nereus": {"policy": "nereus", "gamma": 0.5},
+    "nereus": {"policy": "nereus", "payback_margin": 0.5},
     "frozen": {"policy": "frozen"},
-    "greedy": {"policy": "nereus", "gamma": float("inf")},
-    "periodic-3": {"policy": "nereus", "gamma": float("inf"), "period": 3},
+    "greedy": {"policy": "nereus", "payback_margin": float("inf")},
+    "periodic-3": {"policy": "nereus", "payback_margin": float("inf"), "period": 3},
 }
 
 
@@ -52,10 +54,6 @@ def job_yaml(policy: str, args: argparse.Namespace) -> dict:
     job["adaptation"] = {**POLICIES[policy], "launch_response_length": args.launch_length}
     job["pool"] = {"schedule": [{"at_step": args.pool_step, "remove": 1}]}
     return job
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def measure(run_dir: Path) -> dict:

@@ -334,7 +334,7 @@ def _child(rank: int, tmp: str, layouts: list[dict], reps: int) -> None:
     except BaseException:
         Path(tmp, f"error.{rank}").write_text(traceback.format_exc())
         raise
-    os._exit(0)  # after a clean teardown: skips a slow interpreter exit (PLATFORM.md)
+    os._exit(0)  # after a clean teardown: skips a slow interpreter exit (docs/platform.md)
 
 
 def run_ranks(layouts: Sequence[Layout], reps: int) -> list[dict]:

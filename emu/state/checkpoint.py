@@ -12,7 +12,7 @@ intersect it (each slice is a plain tensor in the checkpoint) and copies the int
 place — resharding on load, bit-exact since values are only copied. Loading needs no process
 group (``no_dist``): every rank reads what it needs independently.
 
-PLATFORM.md measured DCP at ~10 ms × ranks fixed cost, then 1–5 GB/s on page cache.
+docs/platform.md: DCP measured at ~10 ms × ranks fixed cost, then 1–5 GB/s on page cache.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class HoldingStore:
     def preallocate(self, model_stage: ModelStage, layout: Layout, position: Position, numel: int) -> None:
         """Allocate and touch the buffer a later :meth:`allocate` of this key will use.
 
-        PLATFORM.md: receiving into untouched pages was 3× slower than into touched ones; a new
+        docs/platform.md: receiving into untouched pages was 3× slower than into touched ones; a new
         worker can touch its receive buffers while communicators come up. Booked at :meth:`allocate`.
         """
         buf = torch.empty(numel, dtype=torch.float32, device=self.device)

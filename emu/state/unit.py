@@ -9,7 +9,7 @@ position)`` on this device, :class:`EmuShard`. Its logical state ``Λ = (θ, ω,
   fp32 buffer** per holding, slot-major: slot ``k`` (``param``, then Adam ``exp_avg``,
   ``exp_avg_sq`` for a training model-stage) is ``buffer[k·n : (k+1)·n]`` with ``n`` the
   holding's parameter elements, and shard ``i`` sits at ``[off_i, off_i + numel_i)`` of every
-  slot. The parameters alone are thus a prefix (weight synchronisation sends them without a copy). A holding is therefore sent as one contiguous buffer (PLATFORM.md: one
+  slot. The parameters alone are thus a prefix (weight synchronisation sends them without a copy). A holding is therefore sent as one contiguous buffer (docs/platform.md: one
   flat buffer is 2× faster than per-tensor sends) and never packed at transition time;
 * ``c, v, p`` and the seed of RNG/dataloader state — :class:`LogicalState`, a few integers that
   travel with the holding.

@@ -242,7 +242,7 @@ class WorkerRuntime(TransitionTasks):
         return {"in_use_bytes": self.memory.in_use_bytes, "by_model_stage": self.memory.by_model_stage()}
 
     def close(self) -> None:
-        """Tear down cleanly (barrier, drop tensors, barrier, destroy) — see PLATFORM.md."""
+        """Tear down cleanly (barrier, drop tensors, barrier, destroy) — see docs/platform.md."""
         if not dist.is_initialized():
             return
         try:

@@ -169,8 +169,12 @@ class AdaptationConfig(_Strict):
     """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
     rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
     checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
-    gamma: float = Field(0.5, ge=0.0)
-    """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain)."""
+    payback_margin: float = Field(0.5, ge=0.0)
+    """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain; 0:
+    urgent switches only)."""
+    gamma: float | None = Field(None, exclude=True)
+    """Removed: the payback margin was renamed :attr:`payback_margin` (``train.gamma`` is the RL
+    discount); the old key is refused with a message naming the new one."""
     period: int = Field(0, ge=0)
     """Also re-plan every N steps (0: on triggers only)."""
     delta_length: float = Field(0.30, gt=0.0)
@@ -181,6 +185,14 @@ class AdaptationConfig(_Strict):
     forced: list["ForcedSwitchConfig"] = Field(default_factory=list)
     """Switches the operator forces at given steps (admission bypassed; e.g. to test that a run
     that switches trains like one that does not)."""
+
+
+    @field_validator("gamma")
+    @classmethod
+    def _renamed(cls, value: float | None) -> None:
+        if value is not None:
+            raise ValueError("renamed: use adaptation.payback_margin (train.gamma is the RL discount)")
+        return None
 
 
 class ForcedSwitchConfig(_Strict):

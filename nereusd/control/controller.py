@@ -302,7 +302,7 @@ class Adapter:
                 targets.append(self._target(source, rescaled, problem, usable))
         horizons = [self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(self.cfg.period or 1)
                     for t in triggers]
-        gamma = self.cfg.gamma
+        gamma = self.cfg.payback_margin
         if not urgent and targets and plan_key(targets[0].plan) == plan_key(self.plan):
             targets = targets[1:]   # the planner keeps the running plan: nothing to switch to
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,

@@ -29,7 +29,6 @@ policy version they were generated with.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -42,7 +41,7 @@ from nereusd.control.controller import Adapter, StepObservation, forced_plan
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
-from nereusd.journal import METRICS_FILE, Journal
+from nereusd.journal import METRICS_FILE, Journal, drop_metrics_from
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.search import Infeasible
 from nereusd.config.pool_schedule import net_change, schedule_for
@@ -65,30 +64,6 @@ def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: 
                                 start_new_session=True, env=dict(os.environ))
 
 
-def drop_metrics_from(path: Path, step: int) -> list[int]:
-    """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
-    after a rewind, so every step appears once); returns their steps. Rewritten in place: the
-    journal's append-mode handle keeps writing at the (new) end."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    with open(path, "r+", encoding="utf-8") as fh:
-        keep, dropped = [], []
-        for line in fh.readlines():
-            try:
-                rec_step = int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):   # a torn last line: leave it be
-                rec_step = None
-            if rec_step is not None and rec_step >= step:
-                dropped.append(rec_step)
-            else:
-                keep.append(line)
-        if dropped:
-            fh.seek(0)
-            fh.truncate()
-            fh.writelines(keep)
-            fh.flush()
-    return dropped
 
 
 class LiveAdaptation:

@@ -128,7 +128,7 @@ train: {global_batch: 8, micro_batch: 4, kl_coef: 0.05}
 plan: {default: {tp: 1, pp: 1}}
 adaptation:
   enabled: @ENABLED@
-  gamma: 0.0
+  payback_margin: 0.0
   forced: @FORCED@
 """
 FORCED = """

@@ -36,7 +36,7 @@ plan:
     actor/generation: {tp: 1, devices: [0]}
 adaptation:
   enabled: @ENABLED@
-  gamma: 0.0
+  payback_margin: 0.0
   forced: @FORCED@
 """
 FORCED = """

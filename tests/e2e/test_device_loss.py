@@ -76,7 +76,7 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
 
 
 SPARE = JOB.replace("plan: {default: {tp: 1, pp: 1}}", "plan: {default: {tp: 1, pp: 1, devices: [0, 1]}}\n"
-                    "adaptation: {gamma: 0.0}")
+                    "adaptation: {payback_margin: 0.0}")
 
 
 def test_spare_device_lost_leaves_the_world_without_a_restart(tmp_path):

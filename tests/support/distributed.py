@@ -3,7 +3,7 @@
 Ranks are forked from a ``forkserver`` that preloaded torch. Each rank rendezvouses through a ``file://`` store in a temporary directory (no ports), runs
 ``fn(rank, world_size, *args)``, saves the return value with ``torch.save`` as its success
 marker, and tears the process group down cleanly (barrier, ``gc.collect()``, barrier,
-``destroy_process_group``; PLATFORM.md). The parent judges every rank by its exit code *and*
+``destroy_process_group``; docs/platform.md). The parent judges every rank by its exit code *and*
 its marker, and re-raises a rank's exception text.
 """
 
@@ -38,12 +38,12 @@ def _child(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> N
     except BaseException:
         (out / f"error.{rank}").write_text(traceback.format_exc())
         raise
-    os._exit(0)  # after a clean teardown: skips a slow interpreter exit (PLATFORM.md)
+    os._exit(0)  # after a clean teardown: skips a slow interpreter exit (docs/platform.md)
 
 
 def _context_method() -> str:
     """``forkserver`` with torch preloaded: children fork from a server that imported torch once
-    and ran no ops (no threads), instead of each re-importing torch (PLATFORM.md: ~1 CPU-s each,
+    and ran no ops (no threads), instead of each re-importing torch (docs/platform.md: ~0.55 CPU-s each,
     18 s for 4 ranks on a loaded 2-core machine)."""
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine.stage"])
     return "forkserver"

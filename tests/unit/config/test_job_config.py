@@ -36,6 +36,8 @@ def tiny_job(extra: str = "") -> str:
     ("train:\n  micro_batch: 0\n", r"job.yaml: train.micro_batch: Input should be greater than or equal to 1"),
     ("- a\n- b\n", r"job.yaml: expected a mapping at the top level, got list"),
     ("steps: [1\n", r"job.yaml: not valid YAML at line"),
+    ("adaptation:\n  gamma: 0.5\n", r"job.yaml: adaptation.gamma: renamed: use adaptation.payback_margin "
+                                      r"\(train.gamma is the RL discount\), got 0.5"),
 ])
 def test_schema_errors_name_file_and_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):

@@ -117,7 +117,7 @@ def test_a_pool_change_at_the_first_boundary_replans(demo):
 def test_small_gain_is_rejected_by_payback(demo):
     job, site = demo
     adapter = Adapter(dataclasses.replace(job, config=job.config.model_copy(
-        update={"adaptation": job.config.adaptation.model_copy(update={"gamma": 0.0})})), site, job.plan, PROMPT)
+        update={"adaptation": job.config.adaptation.model_copy(update={"payback_margin": 0.0})})), site, job.plan, PROMPT)
     observe(adapter, 0, 12)
     adapter.boundary(0, adapter.pool)
     observe(adapter, 1, 18)   # +50 %: drift, opportunistic; γ = 0 admits urgent switches only
@@ -137,9 +137,9 @@ def test_forced_plan_overrides_the_current_plan(demo):
 
 def test_schema_of_adaptation_and_pool():
     job = parse_job({"pool": {"schedule": [{"at_step": 3, "remove": 1}, {"at_step": 5, "add": 2}]},
-                     "adaptation": {"gamma": 0.25, "forced": [{"at_step": 2, "model_stages": {
+                     "adaptation": {"payback_margin": 0.25, "forced": [{"at_step": 2, "model_stages": {
                          "actor/training": {"tp": 2}}}]}}, "j.yaml")
-    assert job.pool.schedule[1].add == 2 and job.adaptation.gamma == 0.25
+    assert job.pool.schedule[1].add == 2 and job.adaptation.payback_margin == 0.25
     with pytest.raises(ConfigError, match=r"j.yaml: pool.schedule\[0\]: .*exactly one of remove or add"):
         parse_job({"pool": {"schedule": [{"at_step": 3}]}}, "j.yaml")
     with pytest.raises(ConfigError, match="j.yaml: adaptation.gama: unknown key"):

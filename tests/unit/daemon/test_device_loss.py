@@ -16,8 +16,8 @@ from nereusd import protocol as P
 from nereusd.config.job import ADAPTIVE_CHECKPOINT_EVERY, CheckpointConfig
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError, WorkerError
-from nereusd.journal import METRICS_FILE, Journal, read_jsonl
-from nereusd.daemon.live import LiveAdaptation, drop_metrics_from
+from nereusd.journal import Journal, read_jsonl
+from nereusd.daemon.live import LiveAdaptation
 from nereusd.planner.search import Infeasible
 from nereusd.daemon.pool import PoolController
 from nereusd.daemon.pool_events import PoolChange, PoolChangeKind
@@ -168,15 +168,6 @@ def test_out_of_memory_restarts_every_device_without_waiting(tmp_path):
     assert live.restarts[0][0][:2] == ([0, 1], [])
 
 
-def test_drop_metrics_from_rewinds_the_open_journal(tmp_path):
-    journal = Journal(tmp_path)
-    for step in range(5):
-        journal.metric({"step": step})
-    assert drop_metrics_from(tmp_path / METRICS_FILE, 3) == [3, 4]
-    journal.metric({"step": 3})    # the append handle writes at the new end
-    journal.close()
-    assert [r["step"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, 1, 2, 3]
-    assert drop_metrics_from(tmp_path / "missing.jsonl", 0) == []
 
 
 def test_checkpoint_default_follows_adaptation():

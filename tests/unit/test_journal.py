@@ -1,0 +1,40 @@
+"""The journal's reader: a torn last line is skipped, any other damage is an error naming the line."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereusd.journal import METRICS_FILE, Journal, JournalError, drop_metrics_from, read_jsonl
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    journal = Journal(tmp_path)
+    journal.metric({"step": 0})
+    journal.metric({"step": 1})
+    journal.close()
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 2, "rew')            # the writer died mid-line
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+@pytest.mark.parametrize("damage, match", [
+    ('{"step": 0}\n{"step": 1, oops}\n{"step": 2}\n', r"metrics.jsonl:2: not a JSON line"),
+    ('{"step": 0}\n{"step": 1, "x\n', r"metrics.jsonl:2: not a JSON line"),   # has its newline: not torn
+    ('{"step": 0}\n[1, 2]\n', r"metrics.jsonl:2: expected a JSON object, got list"),
+])
+def test_damage_before_the_last_line_is_an_error(tmp_path, damage, match):
+    (tmp_path / "metrics.jsonl").write_text(damage)
+    with pytest.raises(JournalError, match=match):
+        read_jsonl(tmp_path / "metrics.jsonl")
+
+
+def test_drop_metrics_from_rewinds_the_open_journal(tmp_path):
+    journal = Journal(tmp_path)
+    for step in range(5):
+        journal.metric({"step": step})
+    assert drop_metrics_from(tmp_path / METRICS_FILE, 3) == [3, 4]
+    journal.metric({"step": 3})    # the append handle writes at the new end
+    journal.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, 1, 2, 3]
+    assert drop_metrics_from(tmp_path / "missing.jsonl", 0) == []
