@@ -164,27 +164,37 @@ def shard_dim(name: str, spec: ModelSpec, tp: int) -> int | None:
     return None
 
 
-def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False) -> None:
-    """Check that ``layout`` can shard ``spec`` (as :func:`emu.engine.parallel.validate_candidate`).
+def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False, generation: bool = False) -> None:
+    """Check that ``layout`` can shard ``spec`` per the sharding table of this module — the one
+    layout rule of the project: the job loader, the transition planner and the engine call it.
+
+    ``tp`` divides the attention heads, the vocabulary and the MLP width (whole heads, equal
+    vocab-parallel and column chunks), and ``tp`` and ``num_kv_heads`` divide one another (kv heads
+    split, or replicated when ``tp`` is a multiple); ``pp`` divides the layers; tied embeddings
+    need the embedding and the output head on one stage (``pp = 1``) unless the model has a value
+    head instead of ``lm_head``; generation folds PP into DP (``pp = 1``).
 
     Raises:
-        PlanError: naming the degree and the model dimension it does not divide; when ``tp``
-            and ``num_kv_heads`` do not divide one another; for tied embeddings with ``pp > 1``.
+        PlanError: ``layout tp<t>·pp<p>:`` and every rule that fails, naming the degree and the
+            model dimension.
     """
     tp, pp = layout.tp, layout.pp
-    for which, degree, field, value in (
+    problems = [f"{which}={degree} does not divide model {field}={value}" for which, degree, field, value in (
         ("tp", tp, "num_heads", spec.num_heads),
         ("tp", tp, "vocab_size", spec.vocab_size),
         ("tp", tp, "intermediate_size", spec.intermediate_size),
         ("pp", pp, "num_layers", spec.num_layers),
-    ):
-        if value % degree:
-            raise PlanError(f"layout tp{tp}·pp{pp}: {which}={degree} does not divide model {field}={value}")
+    ) if value % degree]
     kv = spec.num_kv_heads
     if kv % tp and tp % kv:
-        raise PlanError(f"layout tp{tp}·pp{pp}: tp={tp} and num_kv_heads={kv}: one must divide the other")
+        problems.append(f"tp={tp} and num_kv_heads={kv}: one must divide the other (kv heads are split when "
+                        "tp divides them, replicated when tp is a multiple)")
     if pp > 1 and spec.tie_word_embeddings and not value_head:
-        raise PlanError(f"layout tp{tp}·pp{pp}: tie_word_embeddings needs pp=1")
+        problems.append("tie_word_embeddings needs pp=1 (embedding and head on one stage)")
+    if pp > 1 and generation:
+        problems.append("generation needs pp=1 (PP is folded into DP for generation)")
+    if problems:
+        raise PlanError(f"layout tp{tp}·pp{pp}: " + "; ".join(problems))
 
 
 def layer_range(spec: ModelSpec, pp: int, pp_rank: int) -> range:

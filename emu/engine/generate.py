@@ -4,7 +4,7 @@ Prompts of different lengths are left-padded to a common length, so every sequen
 next token at the same cache position; the attention mask hides the padding and position ids
 count only real tokens (``cumsum(mask) - 1``). The prompt is run once (prefill), then one token
 per step (decode). Generation model-stages have ``pp == 1`` (PP is folded into DP for
-generation, :func:`emu.engine.parallel.validate_candidate`); heads and the KV cache are TP-sharded.
+generation, :func:`nereusd.shards.check_layout`); heads and the KV cache are TP-sharded.
 
 Every TP rank ends with identical tokens: the vocab-parallel logits of the last position are
 all-gathered, TP rank 0 picks the next tokens (greedy ``argmax``, or sampling from

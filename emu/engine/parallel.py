@@ -36,48 +36,13 @@ from torch import nn
 
 from emu.engine.canonical import canonical_shapes, shard_dim
 from emu.engine.model import TPGroup, reduce_from_tp
-from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate
+from nereusd.shards import layer_range
 
 log = logging.getLogger(__name__)
 
 
-
-
-def validate_candidate(spec: ModelSpec, candidate: Candidate, *, generation: bool = False,
-                       value_head: bool = False) -> None:
-    """Check that ``candidate`` can shard ``spec``.
-
-    Raises:
-        PlanError: naming the bad degree and the model dimension it does not divide; for
-            ``pp > 1`` in generation (PP is folded into DP for generation); for tied
-            embeddings with ``pp > 1``.
-    """
-    tp, pp = candidate.tp, candidate.pp
-    desc = candidate.describe()
-    checks = [
-        ("tp", tp, "num_heads", spec.num_heads), ("tp", tp, "vocab_size", spec.vocab_size),
-        ("tp", tp, "intermediate_size", spec.intermediate_size),
-        ("pp", pp, "num_layers", spec.num_layers),
-    ]
-    for which, degree, field, value in checks:
-        if value % degree:
-            raise PlanError(f"{desc}: {which}={degree} does not divide model {field}={value}")
-    kv = spec.num_kv_heads
-    if kv % tp and tp % kv:
-        raise PlanError(f"{desc}: tp={tp} and num_kv_heads={kv}: one must divide the other "
-                        "(kv heads are split when tp divides them, replicated when tp is a multiple)")
-    if generation and pp > 1:
-        raise PlanError(f"{desc}: generation needs pp=1 (PP is folded into DP for generation)")
-    if pp > 1 and spec.tie_word_embeddings and not value_head:
-        raise PlanError(f"{desc}: tie_word_embeddings needs pp=1 (embedding and head on one stage)")
-
-
-def layer_range(spec: ModelSpec, pp: int, pp_rank: int) -> range:
-    """Contiguous decoder layers of pipeline stage ``pp_rank`` (``num_layers / pp`` each)."""
-    per = spec.num_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
 
 
 @dataclass(frozen=True)

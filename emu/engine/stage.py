@@ -33,11 +33,12 @@ from emu.state.devmem import DeviceMemory, activation_bytes
 from emu.engine.generate import SamplingParams, generate, kv_cache_shape
 from emu.engine.canonical import init_full_state, replicated_grad_names, shard_dim, shard_full_tensor
 from emu.engine.model import KVCache, LlamaModel
-from emu.engine.parallel import (StageGroups, gather_pp, gather_tp, layer_range, pipeline_in_flight, run_pipeline,
-                          validate_candidate, vocab_parallel_logprobs_entropy)
+from emu.engine.parallel import (StageGroups, gather_pp, gather_tp, pipeline_in_flight, run_pipeline,
+                                vocab_parallel_logprobs_entropy)
 from nereusd.errors import NereusError, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Stage
+from nereusd.shards import check_layout, layer_range
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class StageEngine:
     """This rank's shard of one model-stage replica set (see module docstring for conventions).
 
     Raises:
-        PlanError: if the candidate cannot shard the model (:func:`emu.engine.parallel.validate_candidate`),
+        PlanError: if the candidate cannot shard the model (:func:`nereusd.shards.check_layout`),
             ``micro_batch < 1``, or ``rank`` is not in the candidate.
         DeviceOutOfMemory: if parameters (and, when trainable, gradients and Adam state) do not
             fit ``memory``.
@@ -59,7 +60,7 @@ class StageEngine:
                  trainable: bool, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, grad_clip: Optional[float], micro_batch: int,
                  recompute: bool = False) -> None:
-        validate_candidate(spec, candidate, generation=model_stage.stage is Stage.GENERATION, value_head=value_head)
+        check_layout(spec, candidate.layout, generation=model_stage.stage is Stage.GENERATION, value_head=value_head)
         if micro_batch < 1:
             raise PlanError(f"{model_stage}: micro_batch must be >= 1, got {micro_batch}")
         if rank not in candidate.devices or groups is None or groups.rank != rank:

@@ -9,7 +9,6 @@ in :class:`ResolvedJob` (see ``nereusd/config/resolve.py``).
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -17,14 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nereusd.errors import ConfigError
-
-
-class Algorithm(str, enum.Enum):
-    """RL algorithm of the job."""
-
-    PPO = "ppo"
-    GRPO = "grpo"
-    REMAX = "remax"
+from nereusd.workflow import Algorithm
 
 
 class _Strict(BaseModel):

@@ -11,44 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nereusd.config.job import Algorithm, JobConfig, StagePlanConfig, load_job
+from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec
-from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
-
-#: Model-stages of each algorithm (before the optional reward model), in canonical order.
-#: Sources: PPO (Ouyang et al., 2022; paper Fig. 2), GRPO (Shao et al., 2024: no critic),
-#: ReMax (Li et al., 2024: no critic, a greedy rollout as baseline).
-_BASE_STAGES: dict[Algorithm, tuple[ModelStage, ...]] = {
-    Algorithm.PPO: (
-        ModelStage(Role.ACTOR, Stage.GENERATION),
-        ModelStage(Role.ACTOR, Stage.INFERENCE),
-        ModelStage(Role.CRITIC, Stage.INFERENCE),
-        ModelStage(Role.REFERENCE, Stage.INFERENCE),
-        ModelStage(Role.ACTOR, Stage.TRAINING),
-        ModelStage(Role.CRITIC, Stage.TRAINING),
-    ),
-    Algorithm.GRPO: (
-        ModelStage(Role.ACTOR, Stage.GENERATION),
-        ModelStage(Role.ACTOR, Stage.INFERENCE),
-        ModelStage(Role.REFERENCE, Stage.INFERENCE),
-        ModelStage(Role.ACTOR, Stage.TRAINING),
-    ),
-    Algorithm.REMAX: (
-        ModelStage(Role.ACTOR, Stage.GENERATION),
-        ModelStage(Role.ACTOR, Stage.INFERENCE),
-        ModelStage(Role.REFERENCE, Stage.INFERENCE),
-        ModelStage(Role.ACTOR, Stage.TRAINING),
-    ),
-}
-
+from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
+from nereusd.shards import check_layout, value_head_for
+from nereusd.workflow import Algorithm, build_workflow
 
 def job_model_stages(algorithm: Algorithm, reward_model: bool) -> tuple[ModelStage, ...]:
-    """Model-stages of one RL step for ``algorithm`` (plus ``reward/inference`` when scored by a model)."""
-    stages = _BASE_STAGES[algorithm]
-    if reward_model:
-        stages = stages + (ModelStage(Role.REWARD, Stage.INFERENCE),)
-    return tuple(sorted(stages, key=ModelStage.sort_key))
+    """Model-stages of one RL step for ``algorithm`` (plus ``reward/inference`` when scored by a
+    model), in canonical order: those of :func:`nereusd.workflow.build_workflow`."""
+    return build_workflow(algorithm, reward_model=reward_model).model_stages
 
 
 @dataclass(frozen=True)
@@ -135,27 +108,6 @@ def _resolve_roles(job: JobConfig, base_dir: Path, source: str, reward_model: bo
     return roles
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int, where: str) -> None:
-    """Check that ``(tp, pp)`` can shard ``spec`` per DESIGN.md's sharding table.
-
-    Raises:
-        PlanError: naming ``where`` and the divisibility that fails.
-    """
-    problems = []
-    if spec.num_heads % tp:
-        problems.append(f"num_heads={spec.num_heads} is not divisible by tp={tp}")
-    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-        problems.append(f"num_kv_heads={spec.num_kv_heads} and tp={tp}: one must divide the other")
-    if spec.intermediate_size % tp:
-        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
-    if spec.vocab_size % tp:
-        problems.append(f"vocab_size={spec.vocab_size} is not divisible by tp={tp}")
-    if spec.num_layers % pp:
-        problems.append(f"num_layers={spec.num_layers} is not divisible by pp={pp}")
-    if problems:
-        raise PlanError(f"{where}: " + "; ".join(problems))
-
-
 def _resolve_candidate(
     ms: ModelStage, default: StagePlanConfig, override: StagePlanConfig | None, devices: int,
     spec: ModelSpec, job: JobConfig, source: str,
@@ -184,7 +136,7 @@ def _resolve_candidate(
             f"{source}: {key}: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but {len(devs)} devices given"
         )
     try:
-        check_layout(spec, tp, pp, f"{source}: {key}")
+        check_layout(spec, Layout(tp, pp), value_head=value_head_for(ms.role))
         micro_batch = merged["micro_batch"] or job.train.micro_batch
         cand = Candidate(tp, pp, dp, tuple(devs), micro_batch=micro_batch, recompute=bool(merged["recompute"]))
     except PlanError as err:

@@ -31,12 +31,12 @@ from types import MappingProxyType
 from typing import Mapping
 
 from nereusd.cost.calibration import ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class
+from nereusd.cost.formulas import adam_update_s, p2p_s, ring_collective_s
 from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
 from nereusd.config.site import SiteConfig
 
-ADAM_BYTES_MOVED_PER_PARAM = 32  # read and write param, grad, master, m, v (ZeRO-0, fp32 state)
 
 
 @dataclass(frozen=True)
@@ -121,18 +121,15 @@ class CostModel:
         return devices > self.site.devices_per_node
 
     def _ring(self, acc: _Acc, collective: str, nbytes: float, n: int, spans: bool, count: float = 1.0) -> None:
-        """Ring collective of ``nbytes`` over ``n`` ranks: ``2(n−1)/n·bytes/bw + 2(n−1)·α``
-        for all-reduce (half of it for all-gather), Thakur et al. 2005."""
+        """Ring collective of ``nbytes`` over ``n`` ranks (:func:`~nereusd.cost.formulas.ring_collective_s`)."""
         if n <= 1 or count <= 0:
             return
         link, bw, alpha = self.link(spans)
-        factor = 2.0 if collective == "all_reduce" else 1.0
-        seconds = factor * (n - 1) / n * nbytes / bw + factor * (n - 1) * alpha
-        acc.add(comm_class(collective, link), seconds * count)
+        acc.add(comm_class(collective, link), ring_collective_s(collective, nbytes, n, bw, alpha) * count)
 
     def _p2p(self, acc: _Acc, nbytes: float, spans: bool, count: float = 1.0) -> None:
         link, bw, alpha = self.link(spans)
-        acc.add(comm_class("p2p", link), (nbytes / bw + alpha) * count)
+        acc.add(comm_class("p2p", link), p2p_s(nbytes, bw, alpha) * count)
 
     def transfer_s(self, nbytes: float, link: str, collective: str = "broadcast", concurrent: int = 1) -> float:
         """Transition-cost hook: seconds to move ``nbytes`` per sender over ``link``.
@@ -144,10 +141,8 @@ class CostModel:
         """
         if nbytes <= 0:
             return 0.0
-        bw = (self.site.network.inter_node_gbps if link == "inter" else self.site.network.intra_node_gbps) * 1e9
-        alpha = self.link(link == "inter")[2]
-        ideal = nbytes * max(1, concurrent) / bw + alpha
-        return ideal / self.efficiency(comm_class(collective, link))
+        _, bw, alpha = self.link(link == "inter")
+        return p2p_s(nbytes * max(1, concurrent), bw, alpha) / self.efficiency(comm_class(collective, link))
 
     def communicator_setup_s(self, count: int = 1) -> float:
         """Seconds to create ``count`` communicators one after another (site figure)."""
@@ -228,7 +223,7 @@ class CostModel:
                 ideal[k] = ideal.get(k, 0.0) + v * waves
             spans = tp * pp * dp > self.site.devices_per_node
             _, bw, alpha = self.link(spans)
-            seconds = self._params(spec, tp, pp) * self.bytes_per_element / bw + alpha
+            seconds = p2p_s(self._params(spec, tp, pp) * self.bytes_per_element, bw, alpha)
             if seconds > 0:
                 c = comm_class("broadcast", "inter" if spans else "intra")
                 ideal[c] = ideal.get(c, 0.0) + seconds
@@ -246,12 +241,11 @@ class CostModel:
                 shard = self._params(spec, tp, pp)
                 if dp > 1:
                     link, bw, alpha = self.link(tp * pp * dp > self.site.devices_per_node)
-                    seconds = 2.0 * (dp - 1) / dp * (shard * self.bytes_per_element) / bw + 2.0 * (dp - 1) * alpha
-                    seconds *= minis
+                    seconds = ring_collective_s("all_reduce", shard * self.bytes_per_element, dp, bw, alpha) * minis
                     if seconds > 0:
                         c = comm_class("all_reduce", link)
                         ideal[c] = ideal.get(c, 0.0) + seconds
-                seconds = minis * shard * ADAM_BYTES_MOVED_PER_PARAM / self.site.hbm_bytes_per_s
+                seconds = adam_update_s(shard, minis, self.site.hbm_bytes_per_s)
                 if seconds > 0:
                     ideal[OPTIMIZER] = ideal.get(OPTIMIZER, 0.0) + seconds
         eff = self._eff
@@ -312,7 +306,7 @@ class CostModel:
         if training:
             shard = parameters_per_device(spec, tp, pp)
             self._ring(acc, "all_reduce", shard * e, dp, self.spans_nodes(tp * pp * dp), count=mini_batches)
-            acc.add(OPTIMIZER, mini_batches * shard * ADAM_BYTES_MOVED_PER_PARAM / self.site.hbm_bytes_per_s)
+            acc.add(OPTIMIZER, adam_update_s(shard, mini_batches, self.site.hbm_bytes_per_s))
 
     def _micro_batch(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
                      training: bool, recompute: bool) -> _Acc:
@@ -350,7 +344,7 @@ class CostModel:
         # weight synchronisation from actor training: each device receives its shard once
         link = self.spans_nodes(tp * pp * dp)
         _, bw, alpha = self.link(link)
-        acc.add(comm_class("broadcast", "inter" if link else "intra"), weights_per_device * e / bw + alpha)
+        acc.add(comm_class("broadcast", "inter" if link else "intra"), p2p_s(weights_per_device * e, bw, alpha))
 
     def _decode(self, spec: ModelSpec, per_replica: int, prompt: int, response: int, tp: int, pp: int) -> _Acc:
         """``response`` decode steps of ``per_replica`` concurrent sequences.

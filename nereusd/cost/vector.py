@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, OPTIMIZER, comm_class
-from nereusd.cost.model import ADAM_BYTES_MOVED_PER_PARAM, CostModel, layer_parameters
+from nereusd.cost.formulas import adam_update_s, p2p_s, ring_collective_s
+from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
 
@@ -76,7 +77,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         weights = cm._params(spec, tp, pp) * e
         for flag, link in ((False, "intra"), (True, "inter")):
             _, bw, alpha = cm.link(flag)
-            acc.add(comm_class("broadcast", link), np.where(spans == flag, weights / bw + alpha, 0.0))
+            acc.add(comm_class("broadcast", link), np.where(spans == flag, p2p_s(weights, bw, alpha), 0.0))
         return acc.latency(cm)
     training = model_stage.stage is Stage.TRAINING
     minis = mini_batches if training else 1
@@ -90,9 +91,9 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         spans = tp * pp * dp > dpn
         for flag, link in ((False, "intra"), (True, "inter")):
             _, bw, alpha = cm.link(flag)
-            seconds = 2.0 * (dp - 1) / dp * (shard * e) / bw + 2.0 * (dp - 1) * alpha
+            seconds = ring_collective_s("all_reduce", shard * e, dp, bw, alpha)
             acc.add(comm_class("all_reduce", link), np.where((spans == flag) & (dp > 1), seconds * minis, 0.0))
-        acc.add(OPTIMIZER, minis * shard * ADAM_BYTES_MOVED_PER_PARAM / cm.site.hbm_bytes_per_s)
+        acc.add(OPTIMIZER, adam_update_s(shard, minis, cm.site.hbm_bytes_per_s))
     return acc.latency(cm)
 
 
@@ -130,8 +131,8 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarra
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))
-        seconds = 2.0 * (tp - 1) / tp * nbytes / bw + 2.0 * (tp - 1) * alpha
+        seconds = ring_collective_s("all_reduce", nbytes, tp, bw, alpha)
         acc.add(comm_class("all_reduce", link), seconds * (2 * spec.num_layers) * response * waves)
     if pp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp * pp))
-        acc.add(comm_class("p2p", link), (nbytes / bw + alpha) * pp * response * waves)
+        acc.add(comm_class("p2p", link), p2p_s(nbytes, bw, alpha) * pp * response * waves)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from nereusd.config.job import Algorithm
+from nereusd.workflow import Algorithm
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import WorkerError
 from nereusd.config.resolve import ResolvedJob

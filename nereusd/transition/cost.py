@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
+from nereusd.cost.formulas import local_copy_s, p2p_s
 from nereusd.transition.memory import StateSizes
 from nereusd.transition.ops import Op, OpKind, TransitionDag
 
@@ -89,10 +90,10 @@ class SiteLinkCosts:
 
     def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
         if src == dst:
-            return 2.0 * nbytes / (self.hbm_gbps * 1e9)
+            return local_copy_s(nbytes, self.hbm_gbps * 1e9)
         if self.node_of(src) == self.node_of(dst):
-            return self.intra_node_latency_s + nbytes / (self.intra_node_gbps * 1e9)
-        return self.inter_node_latency_s + nbytes / (self.inter_node_gbps * 1e9)
+            return p2p_s(nbytes, self.intra_node_gbps * 1e9, self.intra_node_latency_s)
+        return p2p_s(nbytes, self.inter_node_gbps * 1e9, self.inter_node_latency_s)
 
     def communicator_setup_s(self, devices: Sequence[int]) -> float:
         return self.setup_s if len(set(devices)) > 1 else 0.0
@@ -113,7 +114,7 @@ class CostModelLinks:
 
     def transfer_s(self, nbytes: float, src: int, dst: int, collective: str = "p2p") -> float:
         if src == dst:
-            return 2.0 * nbytes / self.site.hbm_bytes_per_s
+            return local_copy_s(nbytes, self.site.hbm_bytes_per_s)
         link = "intra" if self.site.node_of(src) == self.site.node_of(dst) else "inter"
         return self.cost_model.transfer_s(nbytes, link, collective=collective)
 

@@ -54,7 +54,7 @@ def test_missing_file_is_named(tmp_path):
     ("plan:\n  model_stages:\n    actor/training: {tp: 1, pp: 1, dp: 3}\n",
      r"plan.model_stages.actor/training: tp·pp·dp = 1·1·3 = 3 but 4 devices given"),
     ("plan:\n  model_stages:\n    actor/training: {pp: 3, dp: 1, devices: [0, 1, 2]}\n",
-     r"plan.model_stages.actor/training: num_layers=4 is not divisible by pp=3"),
+     r"plan.model_stages.actor/training: layout tp1·pp3: pp=3 does not divide model num_layers=4"),
     ("plan:\n  model_stages:\n    critic/training: {tp: 1}\n",
      r"plan.model_stages.critic/training: not a model-stage of grpo"),
     ("plan:\n  model_stages:\n    actor/training: {devices: [0, 7]}\n",

@@ -10,7 +10,8 @@ from emu.state.devmem import activation_bytes
 from emu.engine.stage import StageEngine
 from emu.engine.generate import SamplingParams, generate
 from emu.engine.model import LlamaModel, init_full_state
-from emu.engine.parallel import build_stage_groups, validate_candidate
+from emu.engine.parallel import build_stage_groups
+from nereusd.shards import check_layout
 from nereusd.errors import DeviceOutOfMemory, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Role, Stage
@@ -43,19 +44,19 @@ def cand(tp, pp, dp=1):
 ])
 def test_plan_errors_name_the_degree_and_the_dimension(candidate, generation, message):
     with pytest.raises(PlanError, match=message):
-        validate_candidate(SPEC, candidate, generation=generation)
+        check_layout(SPEC, candidate.layout, generation=generation)
 
 
 def test_plan_errors_for_vocab_and_kv_heads():
     odd_vocab = ModelSpec(vocab_size=15, hidden_size=64, intermediate_size=128, num_layers=4,
                           num_heads=4, num_kv_heads=2)
     with pytest.raises(PlanError, match="tp=2 does not divide model vocab_size=15"):
-        validate_candidate(odd_vocab, cand(2, 1))
+        check_layout(odd_vocab, cand(2, 1).layout)
     three_kv = ModelSpec(vocab_size=16, hidden_size=96, intermediate_size=128, num_layers=4,
                          num_heads=6, num_kv_heads=3)
     with pytest.raises(PlanError, match="tp=2 and num_kv_heads=3"):
-        validate_candidate(three_kv, cand(2, 1))
-    validate_candidate(SPEC, cand(4, 1))  # tp > kv heads: replicated kv, allowed
+        check_layout(three_kv, cand(2, 1).layout)
+    check_layout(SPEC, cand(4, 1).layout)  # tp > kv heads: replicated kv, allowed
     with pytest.raises(PlanError, match="generation needs pp=1"):
         StageEngine(model_stage=ACTOR_GEN, spec=SPEC, candidate=cand(1, 2), rank=0, groups=None,
                     device=torch.device("cpu"), memory=DeviceMemory(0, 1 << 30), value_head=False,

@@ -1,0 +1,46 @@
+"""The cost model's communication and update terms, each written once.
+
+Every function is plain arithmetic, so it takes scalars or numpy arrays alike: the scalar cost
+model (:mod:`nereusd.cost.model`), its vectorised fast path (:mod:`nereusd.cost.vector`) and the
+transition engine's link prices (:mod:`nereusd.transition.cost`) call the same expression in the
+same order of operations, which is why their results agree to the bit. Units: bytes, bytes per
+second, seconds.
+"""
+
+from __future__ import annotations
+
+ADAM_BYTES_MOVED_PER_PARAM = 32
+"""Bytes read and written per parameter by one Adam update at ZeRO-0 with fp32 state: parameter,
+gradient, master copy, ``m`` and ``v``, each read and written."""
+
+_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+
+
+def ring_collective_s(collective: str, nbytes, ranks, bandwidth_bytes_per_s: float, latency_s: float):
+    """Seconds of a ring ``collective`` of ``nbytes`` per rank over ``ranks`` ranks.
+
+    All-reduce: ``2(n−1)/n · bytes / bw + 2(n−1)·α``; all-gather and reduce-scatter half of it
+    (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
+    MPICH", IJHPCA 2005, §4). One rank costs nothing: ``(n−1) = 0``.
+
+    Raises:
+        KeyError: for another collective.
+    """
+    factor = _RING_FACTOR[collective]
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s + factor * (ranks - 1) * latency_s
+
+
+def p2p_s(nbytes, bandwidth_bytes_per_s: float, latency_s: float):
+    """Seconds of one message of ``nbytes``: ``bytes / bw + α`` (the α-β model, Hockney 1994)."""
+    return nbytes / bandwidth_bytes_per_s + latency_s
+
+
+def local_copy_s(nbytes, hbm_bytes_per_s: float):
+    """Seconds to copy ``nbytes`` inside one device's memory: read and write, ``2 · bytes / hbm``."""
+    return 2.0 * nbytes / hbm_bytes_per_s
+
+
+def adam_update_s(parameters, optimizer_steps, hbm_bytes_per_s: float):
+    """Seconds of ``optimizer_steps`` Adam updates of ``parameters`` on one device: memory-bound,
+    ``steps · P · ADAM_BYTES_MOVED_PER_PARAM / hbm`` (:data:`ADAM_BYTES_MOVED_PER_PARAM`)."""
+    return optimizer_steps * parameters * ADAM_BYTES_MOVED_PER_PARAM / hbm_bytes_per_s
