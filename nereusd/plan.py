@@ -276,6 +276,11 @@ class Plan:
     def describe(self) -> str:
         return "; ".join(f"{m} {c.describe()}" for m, c in self.candidates.items())
 
+    def key(self) -> tuple:
+        """A hashable identity (model-stages, layouts, micro-batches and devices): equal plans,
+        equal keys."""
+        return tuple((str(m), c.tp, c.pp, c.dp, c.micro_batch, c.recompute, c.devices) for m, c in self.items())
+
     def to_dict(self) -> dict:
         return {str(m): c.to_dict() for m, c in self.candidates.items()}
 

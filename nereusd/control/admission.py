@@ -4,19 +4,21 @@
   engine) is skipped; the next, slightly slower target with a cheaper transition is tried
   before keeping the current plan.
 - *Profitability* (opportunistic transitions): admit when ``L_tran / ΔL ≤ γ · H_x`` with
-  ``ΔL = L̂_step(S) − L̂_step(S*)``, ``γ = 0.5`` by default, ``H_x`` the smallest horizon of the
-  triggering signals. ``γ = 0`` admits only urgent transitions.
+  ``ΔL = L̂_step(S) − L̂_step(S*)``, the payback margin ``γ = 0.5`` by default, ``H_x`` the
+  smallest horizon of the triggering signals. ``γ = 0`` admits only urgent transitions.
 - *Urgent path* (pool change, predicted OOM): profitability is waived; the first feasible
   target is taken; if the planner finds none, smaller micro-batches and then recomputation are
   tried (:func:`urgent_replan`); if still nothing fits, the verdict is checkpoint/restart.
 
 Every decision is a :class:`Decision` whose :meth:`Decision.to_json_line` is one JSONL record
-explaining it (trigger, ΔL, L_tran, H_x, γ, verdict, alternatives).
+explaining it (trigger, ΔL, L_tran, H_x, payback margin γ, verdict, alternatives).
 """
 
 from __future__ import annotations
 
+import enum
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -25,9 +27,28 @@ from nereusd.control.monitor import Trigger
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible, Planner, PlanResult
 from nereusd.planner.space import PlannerOptions, PlanProblem
+from nereusd.transition.ops import TransitionDag
 
-DEFAULT_GAMMA = 0.5
-ADMIT, REJECT, KEEP, RESTART = "admit", "reject", "keep", "checkpoint_restart"
+DEFAULT_PAYBACK_MARGIN = 0.5
+
+
+class Verdict(str, enum.Enum):
+    """What admission decides (a ``str``: journal records and comparisons read the value)."""
+
+    ADMIT = "admit"
+    """Execute the transition to the target."""
+    REJECT = "reject"
+    """Opportunistic: nothing feasible pays for itself; keep the current plan."""
+    KEEP = "keep"
+    """Urgent, but no feasible target; the current plan still runs."""
+    RESTART = "checkpoint_restart"
+    """Urgent, no feasible target and the current plan cannot run: checkpoint/restart."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ADMIT, REJECT, KEEP, RESTART = Verdict.ADMIT, Verdict.REJECT, Verdict.KEEP, Verdict.RESTART
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,7 @@ class Target:
         transition_s: ``L̂_tran`` of the transition DAG from the current plan.
         feasible: whether the DAG fits memory at every operation.
         reason: why not, when infeasible.
+        dag: see below.
     """
 
     plan: Plan
@@ -47,6 +69,10 @@ class Target:
     transition_s: float
     feasible: bool = True
     reason: str = ""
+    dag: TransitionDag | None = field(default=None, compare=False, repr=False)
+    """The transition DAG that was assessed (its memory feasibility, its ``L̂_tran``): the one
+    an admitted transition executes. ``None`` only where the assessment was scaled (the
+    simulator) or nothing moves."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +80,11 @@ class Decision:
     """One admission decision and everything that explains it."""
 
     step: int
-    verdict: str
+    verdict: Verdict
     urgent: bool
     triggers: tuple[Trigger, ...]
     current_step_latency_s: float
-    gamma: float
+    payback_margin: float
     horizon_steps: float
     target: Target | None = None
     delta_l_s: float | None = None
@@ -78,7 +104,8 @@ class Decision:
             "current_step_latency_s": self.current_step_latency_s,
             "target_step_latency_s": self.target.step_latency_s if self.target else None,
             "delta_l_s": self.delta_l_s, "l_tran_s": self.l_tran_s, "h_x": self.horizon_steps,
-            "gamma": self.gamma, "payback_steps": self.payback_steps,
+            "payback_margin": self.payback_margin if math.isfinite(self.payback_margin) else "inf",
+            "payback_steps": self.payback_steps,
             "target_plan": self.target.plan.to_dict() if self.target and self.admitted else None,
             "alternatives": list(self.alternatives), "reason": self.reason,
         }
@@ -95,7 +122,7 @@ def admit(
     current_step_latency_s: float,
     targets: Sequence[Target],
     horizon_steps: float,
-    gamma: float = DEFAULT_GAMMA,
+    payback_margin: float = DEFAULT_PAYBACK_MARGIN,
     current_valid: bool = True,
 ) -> Decision:
     """Decide whether to execute a transition.
@@ -105,6 +132,7 @@ def admit(
         current_step_latency_s: ``L̂_step(S)`` under the coming step's conditions.
         targets: ``S*`` first, then slower fallbacks with cheaper transitions.
         horizon_steps: ``H_x`` (the smallest of the triggering signals').
+        payback_margin: ``γ``; ``inf`` admits any positive gain, 0 urgent switches only.
         current_valid: False when the current plan cannot run any more (lost devices, OOM).
 
     Returns:
@@ -113,7 +141,8 @@ def admit(
     """
     urgent = any(t.urgent for t in triggers)
     common = dict(step=step, urgent=urgent, triggers=tuple(triggers),
-                  current_step_latency_s=current_step_latency_s, gamma=gamma, horizon_steps=horizon_steps)
+                  current_step_latency_s=current_step_latency_s, payback_margin=payback_margin,
+                  horizon_steps=horizon_steps)
     tried: list[dict] = []
     for target in targets:
         delta = current_step_latency_s - target.step_latency_s
@@ -130,13 +159,14 @@ def admit(
         if delta <= 0:
             tried.append(record | {"verdict": "no_gain", "reason": "not faster than the current plan"})
             continue
-        if gamma > 0 and payback <= gamma * horizon_steps:
+        bound = payback_margin * horizon_steps if payback_margin > 0 else 0.0
+        if payback_margin > 0 and payback <= bound:
             return Decision(verdict=ADMIT, target=target, delta_l_s=delta, l_tran_s=target.transition_s,
                             payback_steps=payback, alternatives=tuple(tried),
-                            reason=f"payback {payback:.2f} steps <= gamma*H_x = {gamma * horizon_steps:.2f}",
+                            reason=f"payback {payback:.2f} steps <= γ·H_x = {bound:.2f}",
                             **common)
         tried.append(record | {"verdict": "unprofitable",
-                               "reason": f"payback {payback:.2f} steps > gamma*H_x = {gamma * horizon_steps:.2f}"})
+                               "reason": f"payback {payback:.2f} steps > γ·H_x = {bound:.2f}"})
     if urgent:
         if current_valid:
             return Decision(verdict=KEEP, alternatives=tuple(tried),

@@ -1,63 +1,108 @@
-"""Live adaptation, the pure controller: measurements in, decisions out (paper §4; DESIGN.md
-"One RL step", steps 2–4).
+"""The adaptation controller: measurements in, decisions out (paper §4; DESIGN.md "One RL step",
+steps 2–4). Live jobs and the simulator run this one class; adaptation policies differ only in
+the :class:`ControlPolicy` they pass.
 
-At every safe boundary the job hands :meth:`Adapter.observe` what its last step measured and then
-asks :meth:`Adapter.boundary` what to do:
+At every safe boundary the caller hands :meth:`Controller.observe` what its last step measured
+and then asks :meth:`Controller.boundary` what to do:
 
 1. *calibration* — each model-stage's measured task time refines the cost model's efficiency per
-   operation class (:meth:`nereusd.cost.calibration.Calibration.observe_stage`); measured peak memory
-   per device against the predicted peak gives a memory ratio (the largest of recent steps) that
-   widens the planner's headroom, ``1 − (1 − headroom)/ratio``; measured minus predicted
-   transition time gives the fixed cost of a transition (communicators, engine rebuilds) that
-   the DAG's byte-and-link model leaves out, added to every ``L̂_tran``;
+   operation class (:meth:`nereusd.cost.calibration.Calibration.observe_stage`); measured peak
+   memory per device against the predicted peak gives a memory ratio (the largest of the last
+   ``memory_window`` steps) that widens the planner's headroom, ``1 − (1 − headroom)/ratio``;
+   measured minus predicted transition time gives the fixed cost of a transition
+   (communicators, engine rebuilds) that the DAG's byte-and-link model leaves out, added to
+   every ``L̂_tran`` (:meth:`Controller.transition_measured`);
 2. *triggers* — :class:`nereusd.control.monitor.Monitor`: the pool changed or the current plan's
    predicted peak for the coming step exceeds the usable memory (urgent); the response length
    or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
-   ``period`` steps;
+   ``period`` steps; a layout the operator forces;
 3. *replan* — :class:`nereusd.planner.search.Planner` (on the urgent path
-   :func:`nereusd.control.admission.urgent_replan`: smaller micro-batches, then recomputation), plus the
-   DP-only rescale of the current plan as a cheaper fallback target;
-4. *admission* — :func:`nereusd.control.admission.admit` with ``L̂_tran`` and memory feasibility of the
-   transition DAG (:func:`nereusd.transition.assess_transition`, memoised by
-   :class:`nereusd.transition.estimate.TransitionEstimator`).
+   :func:`nereusd.control.admission.urgent_replan`: smaller micro-batches, then recomputation),
+   plus the DP-only rescale of the current plan as a cheaper fallback target
+   (:func:`nereusd.planner.rescale.dp_rescale`); the ``frozen`` policy only rescales DP;
+4. *admission* — :func:`nereusd.control.admission.admit` with ``L̂_tran`` and the memory
+   feasibility of the transition DAG (:class:`nereusd.transition.estimate.TransitionEstimator`).
+   Each target carries the DAG it was assessed with; a live job executes that DAG.
 
 Length. The engine pads every micro-batch to its longest sequence and decodes until the longest
 response of a wave ends, so time and memory follow the *longest* response of a step, not the
 mean; the length signal is the step's longest response. The coming step's length is unknown:
-plans are checked and chosen for ``min(max_new_tokens, ⌈L·(1 + δ_len)⌉)``, the longest response
-the monitor would not yet call drift — so a plan is left *before* growth makes it run out of
-memory, not after.
+plans are checked and chosen for ``min(max_response_length, ⌈L·(1 + δ_len)⌉)``, the longest
+response the monitor would not yet call drift — so a plan is left *before* growth makes it run
+out of memory, not after.
 
-Pure: no torch, no sockets, no clock. The shell that executes decisions is
-:mod:`nereusd.daemon.live`.
+Pure: no torch, no sockets, no clock. The shell that executes decisions on workers is
+:mod:`nereusd.daemon.live`; the simulator's is :mod:`nereusd.sim.replay`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
 
-from nereusd.control.admission import ADMIT, Decision, Target, admit, urgent_replan
+from nereusd.config.job import AdaptationConfig
+from nereusd.config.resolve import ResolvedJob
+from nereusd.config.site import SiteConfig
+from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit, urgent_replan
+from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.cost.calibration import Calibration
+from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.cost.model import CostModel
 from nereusd.errors import PlanError
-from nereusd.config.resolve import ResolvedJob
-from nereusd.cost.memory import HEADROOM, usable_bytes
-from nereusd.control.monitor import EFFICIENCY, GPU_POOL, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.plan import ModelStage, Plan
+from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, Planner, PlanResult
 from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
-from nereusd.planner.rescale import dp_rescale
-from nereusd.transition.estimate import TransitionEstimator, plan_key
-from nereusd.config.site import SiteConfig
+from nereusd.transition.estimate import TransitionEstimator
 from nereusd.workflow import Workload, build_workflow
 
-PERIOD, FORCED = "period", "forced"
 MEMORY_WINDOW = 8
 """Steps whose measured/predicted peak ratio is remembered (the largest one is used)."""
+MAX_HEADROOM = 0.6
+"""The memory ratio never widens the planner's headroom past this fraction."""
+
+
+class PolicyKind(str, enum.Enum):
+    """How the controller reacts to triggers."""
+
+    NEREUS = "nereus"
+    """Monitor → planner → payback admission (the paper's controller)."""
+    FROZEN = "frozen"
+    """A static framework: keep the layouts; on a pool change rescale DP only; a forced layout."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlPolicy:
+    """Everything that distinguishes one adaptation policy from another.
+
+    Attributes:
+        name: label for tables and journals (``nereus``, ``greedy``, ``periodic-3``, ...).
+        kind: :class:`PolicyKind`.
+        payback_margin: ``γ`` of payback admission; ``inf``: any positive gain (``greedy``); 0:
+            urgent switches only.
+        period: also replan every ``period`` steps (0: on triggers only).
+        delta_length: drift threshold ``δ_len`` of the response length (relative).
+        delta_efficiency: drift threshold of the achieved efficiency (relative).
+        memory_window: steps whose measured/predicted peak ratio is remembered.
+    """
+
+    name: str = "nereus"
+    kind: PolicyKind = PolicyKind.NEREUS
+    payback_margin: float = 0.5
+    period: int = 0
+    delta_length: float = 0.30
+    delta_efficiency: float = 0.20
+    memory_window: int = MEMORY_WINDOW
+
+    @classmethod
+    def from_config(cls, cfg: AdaptationConfig) -> "ControlPolicy":
+        """The policy a job's ``adaptation`` section describes."""
+        return cls(name=cfg.policy, kind=PolicyKind(cfg.policy), payback_margin=cfg.payback_margin,
+                   period=cfg.period, delta_length=cfg.delta_length)
 
 
 @dataclass(frozen=True)
@@ -80,11 +125,26 @@ class StepObservation:
     step_latency_s: float
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """A decision, the length it was planned for and the planner's log."""
+
+    decision: Decision
+    planned_length: int
+    planner_log: tuple[str, ...] = ()
+
+
+def site_for_pool(site: SiteConfig, pool: tuple[int, ...]) -> SiteConfig:
+    """``site`` with enough nodes to number every device of ``pool`` (devices that joined a
+    running job get numbers past the allocation's)."""
+    nodes = max(site.nodes, math.ceil((max(pool, default=0) + 1) / site.devices_per_node))
+    return site if nodes == site.nodes else dataclasses.replace(site, nodes=nodes)
+
+
 def job_site(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...] = ()) -> SiteConfig:
     """``site`` with the job's device memory and enough nodes to number every device of ``pool``."""
     device = dataclasses.replace(site.device, memory_gib=job.device_memory_bytes / float(1 << 30))
-    nodes = max(site.nodes, math.ceil((max(pool, default=0) + 1) / site.devices_per_node))
-    return dataclasses.replace(site, device=device, nodes=nodes)
+    return site_for_pool(dataclasses.replace(site, device=device), pool)
 
 
 def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], response_length: int,
@@ -135,62 +195,64 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
     return result
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """A decision, the length it was planned for and the planner's log."""
-
-    decision: Decision
-    planned_length: int
-    planner_log: tuple[str, ...] = ()
-
-
-class Adapter:
+class Controller:
     """Calibrate, trigger, replan and admit for one running job (module docstring).
 
     Args:
-        job: the resolved job (adaptation settings, models, batch).
-        site: the site as loaded (its memory is replaced by the job's).
+        problem: the job's plan problem — workflow, model specs, a step's workload (its response
+            length is replaced by the planned one), the site with the job's device memory.
         plan: the running plan.
-        prompt_length: prompt tokens per sequence.
+        policy: the adaptation policy (default: ``nereus`` with γ = 0.5).
+        max_response_length: the longest response a step can generate (``max_new_tokens``):
+            the cap of the lookahead and the length a restart plans for.
+        pool: devices of the world (default: the plan's); a boundary on another pool replans.
         calibration: initial calibration (priors when omitted).
+        transition_scale_limit: assess transitions between plans of more devices than this on
+            DP-scaled plans (the simulator's approximation, :mod:`nereusd.transition.estimate`);
+            ``None`` (live jobs): every DAG at full size, so that it can be executed.
     """
 
-    def __init__(self, job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_length: int,
-                 calibration: Calibration | None = None, pool: tuple[int, ...] | None = None) -> None:
-        self.job, self.site, self.plan = job, site, plan
-        self.cfg = job.config.adaptation
-        self.prompt_length = prompt_length
+    def __init__(self, problem: PlanProblem, plan: Plan, policy: ControlPolicy | None = None, *,
+                 max_response_length: int, pool: tuple[int, ...] | None = None,
+                 calibration: Calibration | None = None, transition_scale_limit: int | None = None) -> None:
+        self.base_problem, self.plan = problem, plan
+        self.policy = policy or ControlPolicy()
+        self.max_response_length = int(max_response_length)
         self.pool: tuple[int, ...] = tuple(sorted(pool)) if pool is not None else plan.devices()
         """Devices of the world (default: the plan's); a boundary on another pool replans."""
         self.calibration = calibration or Calibration()
-        problem = self.problem(self.pool, job.config.rollout.max_new_tokens)
         self.cost_model = CostModel(problem.site, self.calibration)
-        self.monitor = Monitor(deltas={SEQUENCE_LENGTH: self.cfg.delta_length, EFFICIENCY: 0.20})
+        self.monitor = Monitor(deltas={SEQUENCE_LENGTH: self.policy.delta_length,
+                                       EFFICIENCY: self.policy.delta_efficiency})
         self.transitions = TransitionEstimator(problem.specs, problem.site, self.cost_model,
-                                               problem.workflow.concurrent_sets())
-        self._memory: deque[float] = deque(maxlen=MEMORY_WINDOW)
+                                               problem.workflow.concurrent_sets(), max_devices=transition_scale_limit)
+        self._memory: deque[float] = deque(maxlen=self.policy.memory_window)
         self.transition_overhead_s = 0.0
         self._transitions_seen = 0
         self.efficiency = 1.0
         self.length = 1
         self.predicted_step_s: float | None = None
+        self._replay_until, self._replay_length = 0, 0
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
-        return job_problem(self.job, self.site, pool, length, self.prompt_length)
+        """The plan problem on ``pool`` for responses of ``length`` tokens."""
+        base = self.base_problem
+        workload = dataclasses.replace(base.workload, response_length=max(1, int(length)))
+        return dataclasses.replace(base, workload=workload, site=site_for_pool(base.site, tuple(pool)),
+                                   pool=tuple(pool))
 
     def lookahead(self, length: int) -> int:
-        """The longest response the monitor would not call drift, capped at ``max_new_tokens``."""
-        cap = self.job.config.rollout.max_new_tokens
-        return int(min(cap, math.ceil(length * (1.0 + self.cfg.delta_length))))
+        """The longest response the monitor would not call drift, capped at the longest possible."""
+        return int(min(self.max_response_length, math.ceil(length * (1.0 + self.policy.delta_length))))
 
     def memory_ratio(self) -> float:
         """Largest recent measured/predicted device peak (1 before any measurement)."""
         return max(self._memory, default=1.0)
 
     def headroom(self) -> float:
-        """Planner headroom widened by the memory ratio (at most 0.6)."""
-        return min(0.6, 1.0 - (1.0 - HEADROOM) / max(1.0, self.memory_ratio()))
+        """Planner headroom widened by the memory ratio (at most :data:`MAX_HEADROOM`)."""
+        return min(MAX_HEADROOM, 1.0 - (1.0 - HEADROOM) / max(1.0, self.memory_ratio()))
 
     # ---- measurements ----------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> dict:
@@ -216,11 +278,10 @@ class Adapter:
         if measured_peak and predicted_peak:
             self._memory.append(measured_peak / predicted_peak)
         self.cost_model.refresh()
-        record = {"step": obs.step, "predicted_step_latency_s": self.predicted_step_s,
-                  "measured_stage_path_s": measured_path, "measured_step_latency_s": obs.step_latency_s,
-                  "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
-                  "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max}
-        return record
+        return {"step": obs.step, "predicted_step_latency_s": self.predicted_step_s,
+                "measured_stage_path_s": measured_path, "measured_step_latency_s": obs.step_latency_s,
+                "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
+                "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max}
 
     def transition_measured(self, predicted_s: float, measured_s: float) -> None:
         """Learn the fixed cost of a transition, ``measured − predicted`` seconds (EMA, weight 0.5;
@@ -236,9 +297,8 @@ class Adapter:
         est = self.transitions.estimate(source, plan)
         over = ev.over_capacity(usable)
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
-        l_tran = est.l_tran_s + (self.transition_overhead_s if plan_key(plan) != plan_key(source) else 0.0)
-        return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over,
-                      reason)
+        l_tran = est.l_tran_s + (self.transition_overhead_s if plan != source else 0.0)
+        return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason, dag=est.dag)
 
     def boundary(self, step: int, pool: tuple[int, ...], *, source: Plan | None = None,
                  forced: Plan | None = None) -> Outcome | None:
@@ -252,11 +312,13 @@ class Adapter:
 
         Returns:
             None when nothing triggered; else the outcome. An admitted decision is *not* applied
-            here: the shell calls :meth:`switched` once the transition ran.
+            here: the caller runs its ``target.dag`` and then calls :meth:`switched`.
         """
         current_valid = source is None
         source = source if source is not None else self.plan
         length = self.lookahead(self.length)
+        if step < self._replay_until:   # re-running the steps before an out-of-memory failure
+            length = max(length, self._replay_length)
         problem = self.problem(pool, length)
         headroom = self.headroom()
         usable = usable_bytes(problem.site.device_memory_bytes, headroom)
@@ -273,11 +335,12 @@ class Adapter:
             # the monitor's first observation only sets its reference: a pool change at the
             # first boundary must still replan (devices leaving may hold the plan)
             triggers.append(Trigger(GPU_POOL, True, len(pool), len(self.pool), "the pool changed"))
-        if self.cfg.period and step % self.cfg.period == 0:
-            triggers.append(Trigger(PERIOD, False, step, None, f"every {self.cfg.period} steps"))
+        period = self.policy.period
+        if period and step % period == 0:
+            triggers.append(Trigger(PERIOD, False, step, None, f"every {period} steps"))
         if forced is not None:
             triggers.append(Trigger(FORCED, True, step, None, "layout forced by the job's adaptation.forced"))
-        frozen = self.cfg.policy == "frozen"
+        frozen = self.policy.kind is PolicyKind.FROZEN
         if frozen:   # static framework: only a pool change (DP rescale) or a forced layout
             triggers = [t for t in triggers if t.signal in (GPU_POOL, FORCED)]
         if not triggers:
@@ -297,36 +360,46 @@ class Adapter:
             if result is not None:
                 targets.append(self._target(source, result.plan, problem, usable))
             rescaled = dp_rescale(self.plan, problem, current=source)
-            if rescaled is not None and (result is None or plan_key(rescaled) != plan_key(result.plan)) \
-                    and plan_key(rescaled) != plan_key(self.plan):
+            if rescaled is not None and (result is None or rescaled != result.plan) and rescaled != self.plan:
                 targets.append(self._target(source, rescaled, problem, usable))
-        horizons = [self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(self.cfg.period or 1)
+        horizons = [self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(period or 1)
                     for t in triggers]
-        gamma = self.cfg.payback_margin
-        if not urgent and targets and plan_key(targets[0].plan) == plan_key(self.plan):
+        if not urgent and targets and targets[0].plan == self.plan:
             targets = targets[1:]   # the planner keeps the running plan: nothing to switch to
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
-                         horizon_steps=min(horizons), gamma=gamma if math.isfinite(gamma) else 1e18,
+                         horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
                          current_valid=current_valid)
-        if decision.verdict == ADMIT and plan_key(decision.target.plan) == plan_key(source):
-            decision = dataclasses.replace(decision, verdict="keep", reason="the planner keeps the running plan")
+        if decision.verdict == ADMIT and decision.target.plan == source:
+            decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         self.monitor.replanned(signals)
         self.predicted_step_s = decision.target.step_latency_s if decision.admitted else (
             current_s if current_valid else None)
         return Outcome(decision, length, tuple(lines))
 
     def restart_plan(self, pool: tuple[int, ...]) -> PlanResult:
-        """The plan a restart after an out-of-memory failure goes to: the planner's plan for the
-        longest response ``max_new_tokens`` (urgent path: smaller micro-batch, recomputation).
+        """The plan a checkpoint/restart goes to (out of memory, nothing fits, devices lost): the
+        planner's plan for the longest response, :attr:`max_response_length` (urgent path:
+        smaller micro-batch, recomputation).
 
         Raises:
             Infeasible: when nothing holds it.
         """
-        problem = self.problem(pool, self.job.config.rollout.max_new_tokens)
+        problem = self.problem(pool, self.max_response_length)
         result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
         if result is None:
             raise Infeasible("no plan holds the longest response: " + "; ".join(lines))
         return result
+
+    def failed(self, step: int, length: int | None = None) -> None:
+        """Step ``step`` ran out of memory at responses of ``length`` tokens (default, when the
+        caller does not know: :attr:`max_response_length`). Until the job is past it again —
+        the steps since the checkpoint re-run the same batches — plans are chosen for at least
+        that length, so that a replan during the re-run does not return to a layout that
+        failed (without this a job can fail, restart and fail again at the same step forever;
+        ``tests/unit/sim/test_sim.py`` replays such a run)."""
+        length = self.max_response_length if length is None else int(length)
+        self._replay_length = max(self._replay_length if step < self._replay_until else 0, length)
+        self._replay_until = max(self._replay_until, step + 1)
 
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""
@@ -335,6 +408,16 @@ class Adapter:
     def pool_changed(self, pool: tuple[int, ...]) -> None:
         """Devices joined without changing the plan (they stay spares until a replan uses them)."""
         self.pool = tuple(pool)
+
+
+def controller_for_job(job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_length: int,
+                       pool: tuple[int, ...] | None = None, calibration: Calibration | None = None) -> Controller:
+    """The controller of a live job: its plan problem, its ``adaptation`` policy, every
+    transition assessed at full size (the DAG admission assesses is the one executed)."""
+    pool = tuple(sorted(pool)) if pool is not None else plan.devices()
+    problem = job_problem(job, site, pool, job.config.rollout.max_new_tokens, prompt_length)
+    return Controller(problem, plan, ControlPolicy.from_config(job.config.adaptation),
+                      max_response_length=job.config.rollout.max_new_tokens, pool=pool, calibration=calibration)
 
 
 def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]) -> Plan:

@@ -15,13 +15,34 @@ Pure, clocked logic: the caller passes the step number; nothing reads a clock.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Mapping
 
-SEQUENCE_LENGTH = "sequence_length"
-GPU_POOL = "gpu_pool"
-PEAK_MEMORY = "peak_memory"
-EFFICIENCY = "efficiency"
+
+class Signal(str, enum.Enum):
+    """What a trigger reacts to (a ``str``: journal records and comparisons read the value)."""
+
+    SEQUENCE_LENGTH = "sequence_length"
+    """The step's longest response (drift)."""
+    GPU_POOL = "gpu_pool"
+    """Devices joined or left (urgent)."""
+    PEAK_MEMORY = "peak_memory"
+    """The current plan's predicted peak for the coming step exceeds the usable memory (urgent)."""
+    EFFICIENCY = "efficiency"
+    """Predicted over measured step time (drift)."""
+    PERIOD = "period"
+    """Every ``period`` steps (a policy's knob, not a measurement)."""
+    FORCED = "forced"
+    """The operator forces a layout (``adaptation.forced``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SEQUENCE_LENGTH, GPU_POOL, PEAK_MEMORY, EFFICIENCY = (Signal.SEQUENCE_LENGTH, Signal.GPU_POOL, Signal.PEAK_MEMORY,
+                                                       Signal.EFFICIENCY)
+PERIOD, FORCED = Signal.PERIOD, Signal.FORCED
 DEFAULT_DELTAS = {SEQUENCE_LENGTH: 0.30, EFFICIENCY: 0.20}
 DEFAULT_EMA_ALPHA = 0.5
 
@@ -30,14 +51,14 @@ DEFAULT_EMA_ALPHA = 0.5
 class Trigger:
     """Why a replan starts. ``urgent`` triggers waive profitability."""
 
-    signal: str
+    signal: Signal
     urgent: bool
     value: float
     reference: float | None
     detail: str = ""
 
     def to_dict(self) -> dict:
-        return {"signal": self.signal, "urgent": self.urgent, "value": self.value,
+        return {"signal": Signal(self.signal).value, "urgent": self.urgent, "value": self.value,
                 "reference": self.reference, "detail": self.detail}
 
 
@@ -122,7 +143,7 @@ class Monitor:
             change = abs(value - s.reference) / abs(s.reference)
             if change > delta:
                 self._crossed(name, step)
-                triggers.append(Trigger(name, False, float(value), s.reference,
+                triggers.append(Trigger(Signal(name), False, float(value), s.reference,
                                         f"changed {change:.0%} > δ={delta:.0%}"))
         return triggers
 

@@ -7,7 +7,7 @@ policy version they were generated with.
 :class:`LiveAdaptation.at_boundary` runs after every step, on the control-plane thread:
 
 1. journal ``step_prediction`` (predicted vs measured step latency and peak memory) and
-   calibrate (:meth:`nereusd.control.controller.Adapter.observe`);
+   calibrate (:meth:`nereusd.control.controller.Controller.observe`);
 2. apply pool changes due now — the job's ``pool.schedule`` and ``pool.trace`` (local mode; due
    events from :class:`nereusd.config.pool_schedule.PoolSchedule`, journalled as ``pool_schedule_due``,
    and the ``pool_changed`` they cause names them in ``sources``) and ``nereus-launch pool
@@ -15,7 +15,7 @@ policy version they were generated with.
    while their state is still alive, as after a preemption notice), then their workers are
    stopped and the survivors re-form the world (new generation); devices that *join* get new
    workers (started in a private world, then every worker re-forms the world with them);
-3. ask the controller (:meth:`~nereusd.control.controller.Adapter.boundary`) and journal ``trigger``,
+3. ask the controller (:meth:`~nereusd.control.controller.Controller.boundary`) and journal ``trigger``,
    ``replan`` and ``admission`` (ΔL, L_tran, H_x, γ, alternatives);
 4. run an admitted transition DAG (:class:`nereusd.transition.runner.TransitionRunner`) and
    journal ``transition`` with per-op timings; an urgent decision with no feasible target is a
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nereusd.control.controller import Adapter, StepObservation, forced_plan
+from nereusd.control.controller import Controller, StepObservation, forced_plan
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
@@ -45,7 +45,7 @@ from nereusd.journal import METRICS_FILE, Journal, drop_metrics_from
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.search import Infeasible
 from nereusd.config.pool_schedule import net_change, schedule_for
-from nereusd.transition import plan_transition
+from nereusd.transition.ops import TransitionDag
 from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,14 @@ class LiveAdaptation:
     """See the module docstring.
 
     Args:
-        job: the resolved job; ``adapter``: its controller; ``driver``: the RL driver (its
+        job: the resolved job; ``controller``: its controller; ``driver``: the RL driver (its
         ``plan`` changes here); ``control``: the control plane; ``store``: the rendezvous store
         (world generations); ``world``: devices of the current world in rank order.
     """
 
-    def __init__(self, job: ResolvedJob, adapter: Adapter, driver, control, store, journal: Journal,
+    def __init__(self, job: ResolvedJob, controller: Controller, driver, control, store, journal: Journal,
                  run_dir: Path, world: list[int]) -> None:
-        self.job, self.adapter, self.driver, self.control, self.store = job, adapter, driver, control, store
+        self.job, self.controller, self.driver, self.control, self.store = job, controller, driver, control, store
         self.journal, self.run_dir, self.world = journal, Path(run_dir), list(world)
         self.pending_remove = 0
         self.switches = 0
@@ -114,7 +114,7 @@ class LiveAdaptation:
                               {ModelStage.parse(k): v for k, v in record.get("model_stage_s", {}).items()},
                               {int(d): int(b) for d, b in record["peak_memory_bytes"].items()},
                               float(record["step_latency_s"]))
-        self.journal.event("step_prediction", self.adapter.observe(obs))
+        self.journal.event("step_prediction", self.controller.observe(obs))
         upcoming = step + 1
         if upcoming >= self.job.config.steps:
             return
@@ -164,7 +164,7 @@ class LiveAdaptation:
                                                 "pool_devices": list(pool), "verdict": "replan",
                                                 "sources": sources + (["an agent registered (nereus-launch pool --add)"]
                                                                       if joined and not add else [])})
-        outcome = self.adapter.boundary(step, pool, forced=forced)
+        outcome = self.controller.boundary(step, pool, forced=forced)
         verdict = self._decide(step, outcome, leaving) if outcome is not None else None
         if verdict == RESTART:
             path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
@@ -176,9 +176,9 @@ class LiveAdaptation:
         elif leaving:
             self._release(leaving, verdict == ADMIT, step)
         elif joined and verdict != ADMIT:
-            self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
+            self._transition(self.driver.plan, step, "rebuild after re-forming the world")
         if leaving or joined:
-            self.adapter.switched(self.driver.plan, tuple(sorted(self.world)))
+            self.controller.switched(self.driver.plan, tuple(sorted(self.world)))
 
     def _decide(self, step: int, outcome, leaving: list[int]) -> str:
         """Journal the decision and run an admitted transition; returns ``admit``, ``restart``
@@ -187,8 +187,8 @@ class LiveAdaptation:
         for trigger in d.triggers:
             self.journal.event("trigger", {"step": step, **trigger.to_dict()})
         self.journal.event("replan", {"step": step, "planned_length": outcome.planned_length,
-                                      "memory_ratio": self.adapter.memory_ratio(),
-                                      "headroom": self.adapter.headroom(), "planner_log": list(outcome.planner_log),
+                                      "memory_ratio": self.controller.memory_ratio(),
+                                      "headroom": self.controller.headroom(), "planner_log": list(outcome.planner_log),
                                       "targets": len(d.alternatives) + (1 if d.admitted else 0)})
         self.last_decision = {k: v for k, v in d.to_dict().items() if k != "event"} | {
             "current_plan": self.driver.plan.to_dict()}
@@ -196,7 +196,7 @@ class LiveAdaptation:
         log.info("step %d: %s (%s)", step, d.verdict, d.reason)
         if d.verdict == ADMIT:
             assert not set(leaving) & set(d.target.plan.devices()), "planned on the pool without them"
-            self._transition(self.driver.plan, d.target.plan, step, d.reason, predicted_s=d.l_tran_s)
+            self._transition(d.target.plan, step, d.reason, dag=d.target.dag, predicted_s=d.l_tran_s)
             self.switches += 1
             return ADMIT
         if d.verdict == RESTART or set(leaving) & set(self.driver.plan.devices()):
@@ -220,7 +220,7 @@ class LiveAdaptation:
         - *out of device memory* (the ``frozen`` policy's only remedy): every device restarts.
 
         Restart (:meth:`_restart`): every worker is stopped and the survivors start again (new
-        world generation) on :meth:`Adapter.restart_plan`, training state comes from the latest
+        world generation) on :meth:`Controller.restart_plan`, training state comes from the latest
         checkpoint (or the initial weights before any), and the driver rewinds to that
         checkpoint's step and sample position; the steps since are lost (``fallback`` with
         ``lost_steps``) and run again. Returns False (the failure stands) for any other error,
@@ -244,10 +244,11 @@ class LiveAdaptation:
             why = f"devices {sorted(lost)} lost ({', '.join(causes)})"
         else:
             why = f"out of memory: {str(err)[:300]}"
+            self.controller.failed(step)   # the re-run plans for the longest response until past it
         try:
             if not survivors:
                 raise Infeasible("no device is left")
-            self.adapter.restart_plan(tuple(sorted(survivors)))
+            self.controller.restart_plan(tuple(sorted(survivors)))
         except Infeasible as reason:
             self.journal.event("fallback", {"step": step, "action": "none", "reason": f"{why}: {reason}",
                                             "survivors": survivors})
@@ -278,7 +279,7 @@ class LiveAdaptation:
     def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,
                  checkpoint: tuple[str, int, int] | None, leave_reason: str = "") -> None:
         """Stop every worker (those of ``leaving`` for good: they leave the pool), start ``world``
-        again in a new world generation on :meth:`Adapter.restart_plan`, load ``checkpoint``
+        again in a new world generation on :meth:`Controller.restart_plan`, load ``checkpoint``
         (initial weights when ``None``) and rewind the driver to its step and sample position.
         Metrics of the steps from there on leave ``metrics.jsonl`` (they run again).
 
@@ -290,7 +291,7 @@ class LiveAdaptation:
             NereusError: when the old workers do not stop; Infeasible: nothing fits ``world``.
         """
         start = time.perf_counter()
-        result = self.adapter.restart_plan(tuple(sorted(world)))
+        result = self.controller.restart_plan(tuple(sorted(world)))
         old = list(self.world)
         abandoned = self.control.abandon_tasks()
         if leaving:
@@ -314,7 +315,7 @@ class LiveAdaptation:
         self.driver.rewind(step, position)
         dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
         self.driver._sync_weights()
-        self.adapter.switched(result.plan, tuple(sorted(self.world)))
+        self.controller.switched(result.plan, tuple(sorted(self.world)))
         self.switches += 1
         self.restarts += 1
         self.lost_steps += max(0, failed_step - step)
@@ -328,29 +329,40 @@ class LiveAdaptation:
                     checkpoint[0] if checkpoint else "the initial weights", step, result.plan.describe())
 
     # ------------------------------------------------------------------ execution
-    def _transition(self, current: Plan, target: Plan, step: int, why: str, predicted_s: float | None = None) -> None:
-        """Run ``current → target`` on the world as one DAG; the driver continues on ``target``.
+    def _transition(self, target: Plan, step: int, why: str, dag: TransitionDag | None = None,
+                    predicted_s: float | None = None) -> None:
+        """Run the transition from the driver's plan to ``target`` on the world as one DAG; the
+        driver continues on ``target``.
 
-        Every changed model-stage moves in the same DAG, its ready primitives concurrently
-        (:class:`TransitionRunner`); each op has communicators of its own
-        (:class:`emu.state.primitives.Communicators`), so ops of two model-stages on the same ranks
-        never share a process group. An empty change still runs, to rebuild the engines after a
-        world re-formation. ``predicted_s`` is the admitted ``L̂_tran`` in seconds (``None``:
-        not predicted); the measured wall time is journalled and fed back to the adapter.
+        ``dag`` is the DAG admission assessed (:attr:`nereusd.control.admission.Target.dag`),
+        executed as it is; ``None`` only for a change that moves no state (the same plan, after
+        the world re-formed: every engine is rebuilt). Every changed model-stage moves in the
+        same DAG, its ready primitives concurrently (:class:`TransitionRunner`); each op has
+        communicators of its own (:class:`emu.state.primitives.Communicators`), so ops of two
+        model-stages on the same ranks never share a process group. ``predicted_s`` is the
+        admitted ``L̂_tran`` in seconds (``None``: not predicted); the measured wall time is
+        journalled and fed back to the controller.
 
         Raises:
+            NereusError: the DAG does not start from the driver's plan or end at ``target``.
             TransitionInterrupted: if a worker died or failed mid-transition (the driver's plan
-                stays ``current``).
+                stays the current one).
         """
-        models = {role: rm.spec for role, rm in self.job.roles.items()}
-        dag = plan_transition(current, target, models, devices_per_node=1 << 20)
+        current = self.driver.plan
+        if dag is None:
+            if target != current:
+                raise NereusError(f"no assessed transition DAG for {current.describe()} -> {target.describe()}")
+            dag = TransitionDag(current, target, (), ())
+        if dag.current != current or dag.target != target:
+            raise NereusError(f"the admitted DAG runs {dag.current.describe()} -> {dag.target.describe()}, but the "
+                              f"job is at {current.describe()} and switches to {target.describe()}")
         start = time.perf_counter()
         progress = TransitionRunner(self.control, self.world).run(dag)
         elapsed = time.perf_counter() - start
         self.driver.plan = target
         if predicted_s is not None:
-            self.adapter.transition_measured(predicted_s, elapsed)
-        self.adapter.switched(target, tuple(sorted(self.world)))
+            self.controller.transition_measured(predicted_s, elapsed)
+        self.controller.switched(target, tuple(sorted(self.world)))
         self.journal.event("transition", {
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
             "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
@@ -388,7 +400,7 @@ class LiveAdaptation:
             raise NereusError(f"the workers of devices {leaving} did not stop")
         survivors = [d for d in self.world if d not in leaving]
         self._reform(survivors, [])
-        self._transition(self.driver.plan, self.driver.plan, step, "rebuild after re-forming the world")
+        self._transition(self.driver.plan, step, "rebuild after re-forming the world")
 
     def _add_devices(self, count: int) -> None:
         """Start a local agent with ``count`` virtual devices and wait until it registered."""

@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from nereusd.control.controller import Adapter, launch_plan
+from nereusd.control.controller import controller_for_job, launch_plan
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.rl.driver import RLDriver
 from nereusd.daemon.live import LiveAdaptation
@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
         journal.event("world_formed", {"generation": store.generation, "devices": world})
         controller.world_formed(driver.plan.to_dict(), world)
         if adaptive:
-            adapter = Adapter(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
-            live.append(LiveAdaptation(job, adapter, driver, control, store, journal, run_dir, world))
+            decisions = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
+            live.append(LiveAdaptation(job, decisions, driver, control, store, journal, run_dir, world))
 
         def on_step(record: dict) -> None:
             controller.after_step(record, driver.save_checkpoint)

@@ -1,13 +1,16 @@
-"""Policy names of the simulator and their parameters.
+"""Policy names of the simulator and the controller policies they stand for.
 
-- ``frozen``: the fastest launch layout for the initial conditions and budget (the oracle's
-  first plan); DP scaling on a pool change (:func:`nereusd.planner.rescale.dp_rescale`);
-  checkpoint/restart into a layout that fits after an OOM;
-- ``nereus`` / ``nereus@G``: the controller with payback admission, ``γ = 0.5`` or ``G``;
+Every policy but the oracle runs the one controller (:class:`nereusd.control.controller.Controller`)
+with its own :class:`~nereusd.control.controller.ControlPolicy`:
+
+- ``frozen``: a static framework's behaviour — keep the layouts, rescale DP on a pool change
+  (:func:`nereusd.planner.rescale.dp_rescale`), checkpoint/restart into the controller's restart
+  plan after an OOM;
+- ``nereus`` / ``nereus@G``: payback admission with the payback margin ``γ = 0.5`` or ``G``;
 - ``greedy``: the same triggers, any positive predicted gain admitted (``γ = ∞``);
 - ``periodic-k``: replan every ``k`` steps (and on urgent triggers), any positive gain admitted;
-- ``oracle``: the best plan for every step under the ground truth (lengths, contention and
-  memory of the step known), transitions free — a lower bound.
+- ``oracle`` (no controller): the best plan for every step under the ground truth (lengths,
+  contention and memory of the step known), transitions free — a lower bound.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nereusd.control.controller import ControlPolicy, PolicyKind
 from nereusd.errors import ConfigError
 
 FROZEN, NEREUS, GREEDY, PERIODIC, ORACLE = "frozen", "nereus", "greedy", "periodic", "oracle"
@@ -22,17 +26,20 @@ FROZEN, NEREUS, GREEDY, PERIODIC, ORACLE = "frozen", "nereus", "greedy", "period
 
 @dataclass(frozen=True)
 class Policy:
-    """A policy: ``kind`` (one of the names above), its ``gamma`` and ``period``."""
+    """A named policy: ``control`` is the controller's policy (``None`` for the oracle)."""
 
     name: str
     kind: str
-    gamma: float = 0.5
-    period: int = 0
+    control: ControlPolicy | None
 
     @property
-    def adaptive(self) -> bool:
-        """Runs the controller (triggers, planner, admission)."""
-        return self.kind in (NEREUS, GREEDY, PERIODIC)
+    def payback_margin(self) -> float:
+        """``γ`` of the controller (0 for the oracle, which admits nothing)."""
+        return self.control.payback_margin if self.control is not None else 0.0
+
+    @property
+    def period(self) -> int:
+        return self.control.period if self.control is not None else 0
 
 
 def parse_policy(text: str) -> Policy:
@@ -44,23 +51,23 @@ def parse_policy(text: str) -> Policy:
     name = text.strip()
     try:
         if name == FROZEN:
-            return Policy(name, FROZEN, gamma=0.0)
+            return Policy(name, FROZEN, ControlPolicy(name=name, kind=PolicyKind.FROZEN, payback_margin=0.0))
         if name == ORACLE:
-            return Policy(name, ORACLE, gamma=0.0)
+            return Policy(name, ORACLE, None)
         if name == GREEDY:
-            return Policy(name, GREEDY, gamma=math.inf)
+            return Policy(name, GREEDY, ControlPolicy(name=name, payback_margin=math.inf))
         if name == NEREUS:
-            return Policy(name, NEREUS, gamma=0.5)
+            return Policy(name, NEREUS, ControlPolicy(name=name, payback_margin=0.5))
         if name.startswith(NEREUS + "@"):
-            gamma = float(name.split("@", 1)[1])
-            if not 0 <= gamma:
-                raise ValueError(gamma)
-            return Policy(name, NEREUS, gamma=gamma)
+            margin = float(name.split("@", 1)[1])
+            if not 0 <= margin:
+                raise ValueError(margin)
+            return Policy(name, NEREUS, ControlPolicy(name=name, payback_margin=margin))
         if name.startswith(PERIODIC + "-"):
             period = int(name.split("-", 1)[1])
             if period < 1:
                 raise ValueError(period)
-            return Policy(name, PERIODIC, gamma=math.inf, period=period)
+            return Policy(name, PERIODIC, ControlPolicy(name=name, payback_margin=math.inf, period=period))
     except ValueError:
         raise ConfigError(f"policy {name!r}: bad parameter (e.g. nereus@0.25, periodic-3)") from None
     raise ConfigError(f"policy {name!r}: expected frozen, nereus, nereus@<gamma>, greedy, periodic-<k> or oracle")

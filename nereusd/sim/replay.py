@@ -1,18 +1,26 @@
 """Discrete-event replay of an RL job under one policy.
 
-Events happen at safe boundaries (the end of each synchronous RL step) on one wall clock:
+Events happen at safe boundaries (the end of each synchronous RL step) on one wall clock. The
+controller is the one live jobs run (:class:`nereusd.control.controller.Controller`), fed what a
+live job's shell feeds it (:mod:`nereusd.daemon.live`), in the same order:
 
 1. at step ``i`` the ground truth prices the running plan at the trace's length ``L_i``: if a
    device's true peak exceeds its capacity the step fails (half of it is lost, an assumption),
-   the job restarts from the last checkpoint (:class:`~nereusd.sim.truth.TruthConfig`) into a
-   layout the controller plans with what it measured, and the steps since the checkpoint run
-   again; otherwise the clock advances by the true step time;
-2. the controller receives the step's measurements (times, peaks, length) and calibrates;
-3. at the boundary the pool trace gives the devices now available; the policy decides
-   (:mod:`nereusd.sim.policies`) and an admitted transition costs its *true* ``L_tran``
-   (the transition engine priced with the hidden efficiencies). A pool that lost every replica
-   of some model-stage, or a verdict of checkpoint/restart, costs a restart instead; a pool too
-   small for any plan stalls the job until the trace changes, then restarts it.
+   the job restarts from the last checkpoint (:class:`~nereusd.sim.truth.TruthConfig`) into the
+   controller's restart plan (:meth:`Controller.restart_plan`, the plan for the longest
+   response), and the steps since the checkpoint run again; otherwise the clock advances by the
+   true step time;
+2. the controller observes the step (:class:`~nereusd.control.controller.StepObservation`:
+   true model-stage times, true per-device peaks, the trace's length as the step's longest
+   response) and calibrates;
+3. at the boundary the pool trace gives the devices now available; the controller decides
+   (:meth:`Controller.boundary`; a pool that took devices of the plan passes the surviving
+   replicas as ``source``) and an admitted transition costs its *true* ``L_tran`` (the
+   transition engine priced with the hidden efficiencies), which the controller then learns
+   from (:meth:`Controller.transition_measured`), as a live job learns the measured one. A pool
+   that lost every replica of some model-stage, or a verdict of checkpoint/restart, costs a
+   restart instead; a pool too small for any plan stalls the job until the trace changes, then
+   restarts it.
 
 Bookkeeping (checked by the tests): ``total_s = Σ executed step_s + lost_s + transition_s +
 restart_s + stall_s``; ``mean_step_s = (total_s − stall_s) / steps`` (step latency including
@@ -25,17 +33,19 @@ import math
 from dataclasses import dataclass, field, replace
 
 from nereusd.control.admission import ADMIT, RESTART
+from nereusd.control.controller import Controller, StepObservation
 from nereusd.errors import NereusError
-from nereusd.plan import Plan
+from nereusd.plan import Candidate, Plan
 from nereusd.planner.search import Infeasible, Planner
 from nereusd.planner.space import PlannerOptions, PlanProblem
-from nereusd.sim.controller import Controller, ControllerConfig, StepMeasurement, length_bucket
-from nereusd.sim.policies import FROZEN, ORACLE, Policy
-from nereusd.planner.rescale import dp_rescale
+from nereusd.sim.policies import ORACLE, Policy
+from nereusd.sim.truth import GroundTruth, TruthConfig
 from nereusd.traces import LengthTrace, PoolTrace
 from nereusd.transition.estimate import TransitionEstimator
-from nereusd.sim.truth import GroundTruth, TruthConfig
 
+TRANSITION_SCALE_LIMIT = 32
+"""Transitions between plans of more devices are assessed on DP-scaled plans
+(:mod:`nereusd.transition.estimate`): an assumption of the simulator, for speed."""
 OOM_LOST_FRACTION = 0.5
 
 
@@ -117,11 +127,14 @@ class Simulation:
         lengths, pool_trace: the traces.
         steps: RL steps to complete.
         truth: ground-truth assumptions.
+        max_response_length: the job's ``max_new_tokens`` (default: the longest length of the
+            trace over the run, rounded up).
     """
 
     def __init__(self, problem: PlanProblem, lengths: LengthTrace, pool_trace: PoolTrace, steps: int,
-                 truth: TruthConfig | None = None) -> None:
+                 truth: TruthConfig | None = None, max_response_length: int | None = None) -> None:
         self.problem = problem
+        self.max_response_length = max_response_length or math.ceil(max(lengths.at(i) for i in range(steps)))
         self.lengths = lengths
         self.pool_trace = pool_trace
         self.steps = steps
@@ -150,10 +163,12 @@ class Simulation:
         """Replay the whole run under ``policy``."""
         truth = GroundTruth(self.problem, self.truth_config)
         links = TransitionEstimator(self.problem.specs, self.problem.site, truth.cost_model(False),
-                                    self.problem.workflow.concurrent_sets())
-        ctl = Controller(self.problem, self.launch, ControllerConfig(gamma=policy.gamma, period=policy.period))
+                                    self.problem.workflow.concurrent_sets(), max_devices=TRANSITION_SCALE_LIMIT)
+        ctl = None if policy.kind == ORACLE else Controller(
+            self.problem, self.launch, policy.control, max_response_length=self.max_response_length,
+            pool=self.problem.pool, transition_scale_limit=TRANSITION_SCALE_LIMIT)
         res = PolicyResult(policy, self.steps)
-        plan, base = self.launch, self.launch
+        plan = self.launch
         ids: dict[str, int] = {}
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
@@ -162,7 +177,7 @@ class Simulation:
                 raise SimulationError(f"{policy.name} makes no progress: {len(res.records)} records "
                                       f"for {self.steps} steps (repeated failures)")
             length = self.lengths.at(i)
-            if policy.kind == ORACLE:
+            if ctl is None:
                 plan = self._oracle.plan(i, length, pool, t) or plan
             desc = plan.describe()
             rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done)
@@ -171,13 +186,11 @@ class Simulation:
             res.records.append(rec)
             stage_s = truth.stage_times(plan, length, i, t)
             step_s = self.problem.workflow.critical_path_s(stage_s)
-            peaks = {m: p for m, (p, _) in truth.stage_peaks(plan, length, i).items()}
             if truth.oom(plan, length, i):
                 rec.oom, rec.lost_s = True, OOM_LOST_FRACTION * step_s
-                ctl.observe(StepMeasurement(i, length, {}, peaks))
-                ctl.failed(i, length)
-                plan = self._restart(ctl, rec, truth, plan, length, pool, urgent=True)
-                base = plan
+                if ctl is not None:
+                    ctl.failed(i, math.ceil(length))
+                plan = self._restart(ctl, rec, truth, plan, length, pool, t)
                 t += rec.lost_s + rec.restart_s
                 i = ckpt
                 continue
@@ -187,8 +200,9 @@ class Simulation:
             i += 1
             if i % self.truth_config.checkpoint_interval == 0:
                 ckpt = i
-            if policy.kind != ORACLE:
-                ctl.observe(StepMeasurement(i - 1, length, stage_s, peaks))
+            if ctl is not None:
+                ctl.observe(StepObservation(i - 1, max(1, math.ceil(length)), stage_s,
+                                            truth.device_peaks(plan, length, i - 1), step_s))
             # ---- safe boundary ----
             new_pool = self.pool_at(t)
             while len(new_pool) < self.min_devices:
@@ -199,59 +213,71 @@ class Simulation:
                 t = nxt
                 new_pool = self.pool_at(t)
             outage = rec.stall_s > 0   # the pool fell below any plan: every replica is gone
-            lost = outage or any(d >= len(new_pool) for d in plan.devices())
-            state_lost = outage or (lost and _state_lost(plan, len(new_pool)))
-            if policy.kind == ORACLE:
+            source = None if outage else surviving_units(plan, len(new_pool))
+            if ctl is None:
                 pool = new_pool
                 continue
-            if policy.kind == FROZEN:
-                if new_pool != pool or outage:
-                    target = dp_rescale(base, replace(self.problem, pool=new_pool), current=plan)
-                    if target is None or state_lost:
-                        plan = self._restart(ctl, rec, truth, plan, length, new_pool, urgent=True,
-                                             prefer=target)
-                        base = plan
-                    else:
-                        rec.transition_s = links.estimate(plan, target).l_tran_s
-                        rec.switched = True
-                        plan = target
-                        ctl.restarted(plan)
+            if outage or source is None:   # some model-stage lost every replica
                 pool = new_pool
-                t += rec.transition_s + rec.restart_s
+                plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                t += rec.restart_s
                 continue
-            outcome = ctl.boundary(i - 1, length, new_pool, current_valid=not lost)
+            outcome = ctl.boundary(i - 1, new_pool, source=None if source == plan else source)
             pool = new_pool
-            if outcome is not None:
-                d = outcome.decision
+            d = outcome.decision if outcome is not None else None
+            if d is not None:
                 res.decisions.append(d.to_dict() | {"time_s": t})
-                if d.verdict == ADMIT and not state_lost:
-                    rec.transition_s = links.estimate(plan, d.target.plan).l_tran_s
-                    rec.switched = True
-                    plan = d.target.plan
-                elif d.verdict == RESTART or state_lost:
-                    plan = self._restart(ctl, rec, truth, plan, length, pool, urgent=True,
-                                         prefer=d.target.plan if d.admitted else None)
+            if d is not None and d.verdict == ADMIT:
+                rec.transition_s = links.estimate(source, d.target.plan).l_tran_s
+                rec.switched = True
+                ctl.transition_measured(d.l_tran_s, rec.transition_s)
+                plan = d.target.plan
+                ctl.switched(plan, pool)
+            elif source != plan or (d is not None and d.verdict == RESTART):
+                plan = self._restart(ctl, rec, truth, plan, length, pool, t)
             t += rec.transition_s + rec.restart_s
         return res
 
-    def _restart(self, ctl: Controller, rec: StepRecord, truth: GroundTruth, plan: Plan, length: float,
-                 pool: tuple[int, ...], urgent: bool, prefer: Plan | None = None) -> Plan:
-        """Checkpoint/restart into ``prefer`` or the controller's plan for ``pool``."""
-        target = prefer
+    def _restart(self, ctl: Controller | None, rec: StepRecord, truth: GroundTruth, plan: Plan, length: float,
+                 pool: tuple[int, ...], time_s: float) -> Plan:
+        """Checkpoint/restart into the controller's restart plan for ``pool`` (the oracle: its
+        best plan for the step)."""
+        if ctl is None:
+            target = self._oracle.plan(rec.step, length, pool, time_s)
+        else:
+            try:
+                target = ctl.restart_plan(pool).plan
+            except Infeasible:
+                target = None
         if target is None:
-            ctl.plan = plan
-            result = ctl._solve(length, pool, urgent)
-            if result is None:
-                raise SimulationError(f"no plan fits {len(pool)} devices at length {length:.0f}")
-            target = result.plan
+            raise SimulationError(f"no plan fits {len(pool)} devices at length {length:.0f}")
         rec.restart_s += truth.restart_s(target)
-        ctl.restarted(target)
+        if ctl is not None:
+            ctl.switched(target, pool)
         return target
 
 
-def _state_lost(plan: Plan, n: int) -> bool:
-    """Some model-stage has no replica left entirely on devices ``< n``."""
-    return any(all(any(d >= n for d in c.replica_devices(r)) for r in range(c.dp)) for c in plan.candidates.values())
+def surviving_units(plan: Plan, n: int) -> Plan | None:
+    """``plan`` with only the replicas that lie entirely on devices ``< n`` (the intact units
+    after the pool shrank to ``n`` devices); ``None`` when some model-stage keeps none."""
+    out = {}
+    for m, c in plan.items():
+        keep = [r for r in range(c.dp) if all(d < n for d in c.replica_devices(r))]
+        if not keep:
+            return None
+        if len(keep) == c.dp:
+            out[m] = c
+        else:
+            out[m] = Candidate(c.tp, c.pp, len(keep), tuple(d for r in keep for d in c.replica_devices(r)),
+                               micro_batch=c.micro_batch, recompute=c.recompute)
+    return Plan(out)
+
+
+def length_bucket(length: float, per_octave: int) -> int:
+    """``length`` rounded up to the grid ``2^(k/per_octave)`` tokens (an integer ≥ 1)."""
+    if length <= 1:
+        return 1
+    return int(math.ceil(2 ** (math.ceil(per_octave * math.log2(length) - 1e-9) / per_octave)))
 
 
 class _Oracle:

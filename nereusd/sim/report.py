@@ -23,7 +23,7 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
     for r in results:
         total = r.total_s
         rows.append({
-            "policy": r.policy.name, "gamma": r.policy.gamma if r.policy.gamma != float("inf") else "inf",
+            "policy": r.policy.name, "payback_margin": r.policy.payback_margin if r.policy.payback_margin != float("inf") else "inf",
             "mean_step_s": r.mean_step_s, "total_s": total, "switches": r.switches,
             "transition_s": r.transition_s, "transition_share_pct": 100.0 * r.transition_s / total if total else 0.0,
             "oom_events": r.oom_events, "restarts": r.restarts, "restart_s": r.restart_s, "stall_s": r.stall_s,

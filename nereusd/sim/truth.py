@@ -1,8 +1,8 @@
 """Ground truth of a simulated cluster: what a step, a transition and a restart really cost.
 
 The controller never reads this module's state; it only receives the measurements the replay
-hands it (:class:`nereusd.sim.controller.StepMeasurement`) and must calibrate, exactly as the
-live job does. The truth is built from the same cost and memory formulas as the controller's
+hands it (:class:`nereusd.control.controller.StepObservation`: model-stage times, per-device
+peaks, the step's length) and must calibrate, exactly as the live job does. The truth is built from the same cost and memory formulas as the controller's
 model (:mod:`nereusd.cost.model`, :mod:`nereusd.cost.memory`) but with:
 
 - **hidden efficiencies** per operation class: the controller's conservative prior times a
@@ -156,6 +156,18 @@ class GroundTruth:
                                dp=c.dp, micro_batch=c.micro_batch or wl.micro_batch, recompute=c.recompute,
                                dtype=self.problem.site.compute_dtype, device_kind=self.problem.site.device_kind)
             out[m] = (est.peak_bytes, est.resident_bytes)
+        return out
+
+    def device_peaks(self, plan: Plan, response_length: float, step: int) -> dict[int, int]:
+        """True peak bytes per device at ``step``: for each model-stage on the device, its own
+        working peak plus the resident state of the others there (what a live worker's memory
+        accounting measures)."""
+        peaks = self.stage_peaks(plan, response_length, step)
+        out: dict[int, int] = {}
+        for m, c in plan.items():
+            for d in c.devices:
+                others = sum(peaks[o][1] for o in plan.model_stages_on(d) if o != m)
+                out[d] = max(out.get(d, 0), peaks[m][0] + others)
         return out
 
     def oom(self, plan: Plan, response_length: float, step: int) -> str:

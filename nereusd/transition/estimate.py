@@ -1,18 +1,20 @@
-"""Transition cost and feasibility for the controller and the ground truth.
+"""Memoised transition assessments: the DAG of ``S → S*``, its memory feasibility and ``L̂_tran``.
 
-Both call the transition engine's own :func:`nereusd.transition.assess_transition` (the DAG,
-its memory feasibility and ``L̂_tran``); they differ only in the cost model whose links price
-the DAG — the controller's calibrated one, or the ground truth's hidden one.
+The controller and the simulator's ground truth both call the transition engine's own
+:func:`nereusd.transition.assess_transition`; they differ only in the cost model whose links
+price the DAG — the controller's calibrated one, or the ground truth's hidden one. The assessed
+DAG travels with the estimate (:attr:`TransitionEstimate.dag`): a live job executes exactly the
+DAG that admission assessed.
 
-Scale: planning the DAG of a 1,024-GPU transition takes seconds (every shard route is
-enumerated), which would dominate a simulation that assesses hundreds of targets. Above
-``max_devices`` the assessment runs on both plans *scaled down in DP* by the smallest power of
-two that brings them under the limit (same TP/PP layouts, ``ceil(dp/f)`` replicas, placed by
-:func:`nereusd.planner.placement.place` on a proportionally smaller pool). Replicas move concurrently
-and each device has one port (the engine's cost rule), so the makespan of the scaled DAG is the
-same per-device pattern as the full one; what this misses is link sharing between more
-replicas than the scaled plan has. This is an assumption of the simulator, stated in its
-README.
+Scale (the simulator only): planning the DAG of a 1,024-GPU transition takes seconds (every
+shard route is enumerated), which would dominate a simulation that assesses hundreds of targets.
+With ``max_devices`` set, plans above it are assessed *scaled down in DP* by the smallest power
+of two that brings them under the limit (same TP/PP layouts, ``ceil(dp/f)`` replicas, placed by
+:func:`nereusd.planner.placement.place` on a proportionally smaller pool). Replicas move
+concurrently and each device has one port (the engine's cost rule), so the makespan of the
+scaled DAG is the same per-device pattern as the full one; what this misses is link sharing
+between more replicas than the scaled plan has. Such an estimate has no DAG to execute
+(``dag is None``). Live jobs assess every plan at full size (``max_devices=None``).
 """
 
 from __future__ import annotations
@@ -24,25 +26,23 @@ from typing import Mapping, Sequence
 from nereusd.cost.model import CostModel
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
-from nereusd.planner.placement import place
 from nereusd.plan import ModelStage, Plan, Role
+from nereusd.planner.placement import place
 from nereusd.transition import assess_transition
+from nereusd.transition.ops import TransitionDag
 
 
 @dataclass(frozen=True)
 class TransitionEstimate:
-    """``l_tran_s`` seconds; ``feasible`` and ``reason`` from the DAG's memory check;
-    ``scale`` the DP reduction factor used (1: the full plans)."""
+    """``l_tran_s`` seconds; ``feasible`` and ``reason`` from the DAG's memory check; ``scale``
+    the DP reduction factor used (1: the full plans); ``dag`` the assessed DAG (``None`` when
+    nothing changes or the plans were scaled)."""
 
     l_tran_s: float
     feasible: bool
     reason: str = ""
     scale: int = 1
-
-
-def plan_key(plan: Plan) -> tuple:
-    """A hashable identity of a plan (layouts and devices)."""
-    return tuple((str(m), c.tp, c.pp, c.dp, c.micro_batch, c.recompute, c.devices) for m, c in plan.items())
+    dag: TransitionDag | None = None
 
 
 class TransitionEstimator:
@@ -50,14 +50,15 @@ class TransitionEstimator:
 
     Args:
         specs: model spec per role.
-        site: the cluster (``nereusd.config.site.SiteConfig``).
+        site: the cluster (``nereusd.config.site.SiteConfig``, with the job's device memory).
         cost_model: prices links (calibrated controller model, or the ground truth's).
         concurrent_sets: :meth:`Workflow.concurrent_sets`, for re-placing scaled plans.
-        max_devices: largest plan assessed at full size.
+        max_devices: largest plan assessed at full size (``None``: every plan; see the module
+            docstring).
     """
 
     def __init__(self, specs: Mapping[Role, ModelSpec], site, cost_model: CostModel,
-                 concurrent_sets: Sequence[Sequence[ModelStage]], max_devices: int = 32) -> None:
+                 concurrent_sets: Sequence[Sequence[ModelStage]], max_devices: int | None = None) -> None:
         self.specs = dict(specs)
         self.site = site
         self.cost_model = cost_model
@@ -71,7 +72,7 @@ class TransitionEstimator:
         Raises:
             PlanError: from the transition planner (a layout that cannot shard a model).
         """
-        key = (plan_key(current), plan_key(target))
+        key = (current.key(), target.key())
         hit = self._memo.get(key)
         if hit is not None:
             return hit
@@ -79,12 +80,14 @@ class TransitionEstimator:
             est = TransitionEstimate(0.0, True)
         else:
             scale = 1
-            while max(self._span(current), self._span(target)) / scale > self.max_devices and \
+            while self.max_devices is not None and \
+                    max(self._span(current), self._span(target)) / scale > self.max_devices and \
                     any(c.dp >= 2 * scale for p in (current, target) for c in p.candidates.values()):
                 scale *= 2
             cur, tgt = (current, target) if scale == 1 else self._scaled(current, target, scale)
             result = assess_transition(cur, tgt, self.specs, self.site, cost_model=self.cost_model)
-            est = TransitionEstimate(result.l_tran_s, result.feasible, result.reason, scale)
+            est = TransitionEstimate(result.l_tran_s, result.feasible, result.reason, scale,
+                                     result.dag if scale == 1 else None)
         if len(self._memo) > 4096:
             self._memo.clear()
         self._memo[key] = est

@@ -96,7 +96,7 @@ def test_growth_switches_before_oom_and_survives_pool_changes(tmp_path):
     assert growth and growth[0]["step"] < 5, "the growth switch must come from the job's own lengths"
     for e in admitted:   # the decision log explains every switch
         assert e["reason"] and e["triggers"] and e["target_plan"]
-        for key in ("delta_l_s", "l_tran_s", "h_x", "gamma", "alternatives", "current_step_latency_s"):
+        for key in ("delta_l_s", "l_tran_s", "h_x", "payback_margin", "alternatives", "current_step_latency_s"):
             assert key in e
     transitions = [e for e in events if e["event"] == "transition"]
     assert len(transitions) >= len(admitted) and all("op_timings" in e for e in transitions)

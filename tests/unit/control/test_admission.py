@@ -83,12 +83,12 @@ def target(latency, tran, feasible=True):
        gamma=st.floats(0, 1))
 def test_payback_rule(cur, new, tran, h, gamma):
     d = admit(step=1, triggers=[DRIFT], current_step_latency_s=cur, targets=[target(new, tran)],
-              horizon_steps=h, gamma=gamma)
+              horizon_steps=h, payback_margin=gamma)
     delta = cur - new
     expected = gamma > 0 and delta > 0 and tran / delta <= gamma * h
     assert d.admitted == expected
     rec = json.loads(d.to_json_line())
-    assert rec["gamma"] == gamma and rec["h_x"] == h and rec["verdict"] in (ADMIT, REJECT)
+    assert rec["payback_margin"] == gamma and rec["h_x"] == h and rec["verdict"] in (ADMIT, REJECT)
     if d.admitted:
         assert rec["delta_l_s"] == pytest.approx(delta) and rec["l_tran_s"] == tran
 
@@ -102,7 +102,7 @@ def test_feasibility_falls_back_to_slower_cheaper_target():
 
 def test_urgent_waives_profitability_and_restart():
     d = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[target(50.0, 999.0)],
-              horizon_steps=1.0, gamma=0.0)
+              horizon_steps=1.0, payback_margin=0.0)
     assert d.admitted and d.urgent
     none = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[], horizon_steps=1.0,
                  current_valid=False)

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from launcher.report import plan_segments
-from nereusd.control.controller import Adapter, StepObservation, forced_plan, job_problem, launch_plan
+from nereusd.control.controller import (Controller, StepObservation, controller_for_job, forced_plan, job_problem,
+                                       launch_plan)
 from nereusd.config.job import StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
@@ -29,7 +30,7 @@ def demo():
     return job, load_site(job.config.site)
 
 
-def observe(adapter: Adapter, step: int, length: int, scale: float = 1.0) -> dict:
+def observe(adapter: Controller, step: int, length: int, scale: float = 1.0) -> dict:
     """Feed a step whose measurements are the *prior* model's predictions × ``scale`` (a machine
     ``1/scale`` as fast as the priors say) and whose peaks are exactly the predicted ones."""
     problem = adapter.problem(adapter.pool, length)
@@ -52,7 +53,7 @@ def test_launch_plan_holds_the_longest_response(demo):
 
 def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
     job, site = demo
-    adapter = Adapter(job, site, job.plan, PROMPT)
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
     capacity = adapter.problem(adapter.pool, 1).site.device_memory_bytes
     admitted = None
     for step, length in enumerate([16, 24, 32, 40, 48, 56, 64, 76, 96]):
@@ -69,7 +70,7 @@ def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
     d = admitted.decision
     assert d.urgent and any(t.signal == "peak_memory" for t in d.triggers)
     record = d.to_dict()
-    for key in ("delta_l_s", "l_tran_s", "h_x", "gamma", "alternatives", "triggers"):
+    for key in ("delta_l_s", "l_tran_s", "h_x", "payback_margin", "alternatives", "triggers"):
         assert key in record
     target = evaluate(adapter.problem(adapter.pool, admitted.planned_length), d.target.plan, adapter.cost_model)
     assert max(target.peak_bytes.values()) <= usable_bytes(capacity, adapter.headroom())
@@ -77,7 +78,7 @@ def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
 
 def test_calibration_learns_the_machine_speed(demo):
     job, site = demo
-    adapter = Adapter(job, site, job.plan, PROMPT)
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
     before = evaluate(adapter.problem(adapter.pool, 40), job.plan, adapter.cost_model).step_latency_s
     for step in range(6):
         record = observe(adapter, step, 40, scale=4.0)
@@ -91,7 +92,7 @@ def test_calibration_learns_the_machine_speed(demo):
 
 def test_lost_devices_replan_onto_the_pool(demo):
     job, site = demo
-    adapter = Adapter(job, site, job.plan, PROMPT)
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
     observe(adapter, 0, 20)
     adapter.boundary(0, adapter.pool)
     observe(adapter, 1, 20)
@@ -106,7 +107,7 @@ def test_lost_devices_replan_onto_the_pool(demo):
 def test_a_pool_change_at_the_first_boundary_replans(demo):
     # the monitor's first observation only sets its reference; the adapter knows the world
     job, site = demo
-    adapter = Adapter(job, site, job.plan, PROMPT, pool=(0, 1, 2, 3))
+    adapter = controller_for_job(job, site, job.plan, PROMPT, pool=(0, 1, 2, 3))
     observe(adapter, 0, 20)
     outcome = adapter.boundary(0, (0, 1, 2))
     assert outcome is not None and outcome.decision.admitted
@@ -116,7 +117,7 @@ def test_a_pool_change_at_the_first_boundary_replans(demo):
 
 def test_small_gain_is_rejected_by_payback(demo):
     job, site = demo
-    adapter = Adapter(dataclasses.replace(job, config=job.config.model_copy(
+    adapter = controller_for_job(dataclasses.replace(job, config=job.config.model_copy(
         update={"adaptation": job.config.adaptation.model_copy(update={"payback_margin": 0.0})})), site, job.plan, PROMPT)
     observe(adapter, 0, 12)
     adapter.boundary(0, adapter.pool)

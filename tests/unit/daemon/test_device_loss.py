@@ -99,7 +99,7 @@ def _live(tmp_path: Path, control: FakeControl, world: list[int], restart_ok: bo
             raise Infeasible("nothing holds the longest response")
         return SimpleNamespace(plan=None)
 
-    live.adapter = SimpleNamespace(restart_plan=restart_plan)
+    live.controller = SimpleNamespace(restart_plan=restart_plan, failed=lambda step, length=None: None)
     live.restarts = []
     live._restart = lambda *args, **kw: live.restarts.append((args, kw))
     live.LOSS_GRACE_S = 0.3
