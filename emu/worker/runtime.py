@@ -121,7 +121,7 @@ class WorkerRuntime(TransitionTasks):
 
         Args (from nereusd): ``plan`` (Plan.to_dict), ``roles`` ({role: {spec, path,
         value_head}}), ``train`` (optimiser settings), ``lr`` ({model_stage: lr}),
-        ``seed``.
+        ``seed``, ``syncs`` (the plan's weight-sync DAGs, :func:`nereusd.transition.weight_sync_dags`).
         """
         plan = Plan.from_dict(args["plan"])
         roles = args["roles"]
@@ -144,7 +144,7 @@ class WorkerRuntime(TransitionTasks):
             bind_engine(engine, logical=LogicalState(seed=seed))
             self.engines[ms] = engine
         states.clear()
-        self._plan_syncs()
+        self._plan_syncs(args.get("syncs", []))
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
 

@@ -9,16 +9,18 @@ Mixed into :class:`emu.worker.runtime.WorkerRuntime`. Task kinds (args → resul
     in DAG order → ``setup_s``.
 ``transition_run`` (the devices of ``ops``)
     This device's part of ``ops`` (a ready set) → ``timings`` (:class:`emu.state.executor.OpTiming`).
-``transition_finish`` (every world rank)
+``transition_finish`` (every world rank; ``syncs``: the target plan's weight-sync DAGs)
     Communicators destroyed; engines of the target plan built, in canonical order (group creation
-    is collective), on the holdings the transition produced → ``model_stages``.
+    is collective), on the holdings the transition produced; the weight-sync communicators
+    created → ``model_stages``.
 ``reform_world`` (every surviving or new worker; ``generation``, ``devices``)
     Engines detached into holdings, the old world destroyed, generation ``generation`` of the
     world joined with world rank = index of this device in ``devices``; tensors stay in memory.
 ``sync_weights`` (source and target devices; ``source``, ``targets``)
     Each target model-stage receives the source's parameters through the transition machinery:
-    the DAG from the source's candidate to the target's (planned, and its communicators created,
-    at ``build``/``transition_finish``) runs on parameter-only views of the source's holdings.
+    the DAG from the source's candidate to the target's (planned by nereusd with the site's node
+    size and sent with ``build``/``transition_finish``, which create its communicators) runs on
+    parameter-only views of the source's holdings.
 """
 
 from __future__ import annotations
@@ -38,16 +40,11 @@ from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_of, slots
 from emu.worker.world import join_world
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
-from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.plan import Candidate, ModelStage, Plan, Role
 from nereusd.shards import value_head_for
-from nereusd.transition import plan_transition
 from nereusd.transition.ops import TransitionDag
 
 log = logging.getLogger(__name__)
-
-SYNC_DEVICES_PER_NODE = 1 << 20
-"""Weight sync picks Extend senders without node preference (local mode: one node)."""
-
 
 def rank_space(cand: Candidate, rank_of) -> Candidate:
     """``cand`` with world ranks in place of global devices (they differ after a re-formation)."""
@@ -100,23 +97,17 @@ class TransitionTasks:
             engine.module.recompute = cand.recompute
         engine.candidate = rank_space(cand, self.rank_of)
 
-    def _plan_syncs(self) -> None:
-        """Plan every weight-sync DAG of the current plan and create its communicators (collective)."""
+    def _plan_syncs(self, syncs: list[dict[str, Any]]) -> None:
+        """Create the communicators of the current plan's weight-sync DAGs (collective), as nereusd
+        planned them (``[{"source", "target", "dag"}]``, :func:`nereusd.transition.weight_sync_dags`)."""
         for comms in getattr(self, "_sync", {}).values():
             comms[1].destroy()
         self._sync: dict[tuple[ModelStage, ModelStage], tuple[TransitionDag, Communicators]] = {}
-        models = self._models()
-        for source, cand in self.plan.items():
-            if source.stage is not Stage.TRAINING:
-                continue
-            for target, tcand in self.plan.items():
-                if target.role != source.role or target == source:
-                    continue
-                dag = plan_transition(Plan({target: cand}), Plan({target: tcand}), models,
-                                      devices_per_node=SYNC_DEVICES_PER_NODE)
-                comms = Communicators(self.rank_of)
-                create_communicators(dag, comms)
-                self._sync[(source, target)] = (dag, comms)
+        for entry in syncs:
+            dag = TransitionDag.from_json(entry["dag"])
+            comms = Communicators(self.rank_of)
+            create_communicators(dag, comms)
+            self._sync[(ModelStage.parse(entry["source"]), ModelStage.parse(entry["target"]))] = (dag, comms)
 
     # ------------------------------------------------------------------ tasks
     def transition_prepare(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +141,7 @@ class TransitionTasks:
             if ms not in rebuild and ms in target:
                 self._retune(engine, target[ms])
         self.plan = target
-        self._plan_syncs()
+        self._plan_syncs(args.get("syncs", []))
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
 

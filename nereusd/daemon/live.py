@@ -357,7 +357,7 @@ class LiveAdaptation:
             raise NereusError(f"the admitted DAG runs {dag.current.describe()} -> {dag.target.describe()}, but the "
                               f"job is at {current.describe()} and switches to {target.describe()}")
         start = time.perf_counter()
-        progress = TransitionRunner(self.control, self.world).run(dag)
+        progress = TransitionRunner(self.control, self.world).run(dag, syncs=self.driver.sync_args(target))
         elapsed = time.perf_counter() - start
         self.driver.plan = target
         if predicted_s is not None:

@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
     summary: dict = {"job": job.config.name, "algorithm": job.config.algorithm.value, "status": "running"}
     code = 1
     try:
-        driver = RLDriver(job, control, journal)
         site = load_site(job.config.site)
+        driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
         why = "the job's plan"
         if adaptive and "plan" not in job.config.model_fields_set:
             try:

@@ -40,6 +40,7 @@ from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.rl import advantages as adv
 from nereusd.rl.rollout import RolloutBatch, as_lists, mean_of, split_even
 from nereusd.tasks import PromptSampler, get_task
+from nereusd.transition import sync_dags_to_json, weight_sync_dags
 from nereusd.transition.runner import TransitionInterrupted
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,11 @@ class RLDriver:
     """Runs ``job`` on the workers behind ``control``; writes metrics and events to ``journal``."""
 
     def __init__(self, job: ResolvedJob, control: ControlPlane, journal: Journal,
-                 on_step: Callable[[dict[str, Any]], None] | None = None, plan: Plan | None = None) -> None:
+                 on_step: Callable[[dict[str, Any]], None] | None = None, plan: Plan | None = None, *,
+                 devices_per_node: int) -> None:
         self.job = job
+        self.devices_per_node = devices_per_node
+        """The site's node size: weight-sync DAGs prefer senders on the receiver's node."""
         self.cfg = job.config
         self.control = control
         self.journal = journal
@@ -132,7 +136,13 @@ class RLDriver:
             for role, rm in self.job.roles.items()
         }
         lr = {str(ACTOR_TRAIN): train.actor_lr, str(CRITIC_TRAIN): train.critic_lr}
-        return {"plan": plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr, "seed": self.cfg.seed}
+        return {"plan": plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr, "seed": self.cfg.seed,
+                "syncs": self.sync_args(plan)}
+
+    def sync_args(self, plan: Plan) -> list[dict[str, Any]]:
+        """The weight-sync DAGs of ``plan`` as task arguments (planned here, executed as they are)."""
+        models = {role: rm.spec for role, rm in self.job.roles.items()}
+        return sync_dags_to_json(weight_sync_dags(plan, models, devices_per_node=self.devices_per_node))
 
     def build(self, world: list[int] | None = None) -> None:
         """Create every model-stage's communicators and engines on the workers of ``world``

@@ -28,7 +28,7 @@ from typing import Mapping
 
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
-from nereusd.plan import ModelStage, Plan, Role
+from nereusd.plan import ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for
 from nereusd.transition.cost import (
     CostModelLinks,
@@ -71,7 +71,7 @@ __all__ = [
     "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
-    "assess_transition",
+    "assess_transition", "weight_sync_dags",
 ]
 
 
@@ -181,3 +181,32 @@ def assess_transition(
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
     report = check_feasibility(dag, state, budget)
     return TransitionAssessment(dag, report, estimate_l_tran(dag, sizes, links))
+
+
+def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,
+                     devices_per_node: int) -> dict[tuple[ModelStage, ModelStage], TransitionDag]:
+    """The DAGs of one weight synchronisation of ``plan`` (DESIGN.md "One RL step", step 1):
+    for each training model-stage, the transition from its candidate to that of every other
+    model-stage of its role (run on parameter-only views of the training holdings).
+
+    Planned here, once per plan, with the site's node size (Extend prefers a sender on the
+    receiver's node) and sent to the workers, which execute these DAGs as they are.
+
+    Raises:
+        PlanError: as :func:`plan_transition`.
+    """
+    out = {}
+    for source, cand in plan.items():
+        if source.stage is not Stage.TRAINING:
+            continue
+        for target, tcand in plan.items():
+            if target.role != source.role or target == source:
+                continue
+            out[(source, target)] = plan_transition(Plan({target: cand}), Plan({target: tcand}), models,
+                                                    devices_per_node=devices_per_node)
+    return out
+
+
+def sync_dags_to_json(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list[dict]:
+    """:func:`weight_sync_dags` as task arguments: ``[{"source", "target", "dag"}]``."""
+    return [{"source": str(s), "target": str(t), "dag": dag.to_json()} for (s, t), dag in dags.items()]

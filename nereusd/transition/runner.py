@@ -96,8 +96,10 @@ class TransitionRunner:
     def __init__(self, control, world: Iterable[int], timeout_s: float = 600.0) -> None:
         self.control, self.world, self.timeout_s = control, sorted(world), timeout_s
 
-    def run(self, dag: TransitionDag) -> TransitionProgress:
-        """Execute ``dag``; returns the progress with every op completed.
+    def run(self, dag: TransitionDag, syncs: list[dict[str, Any]] | None = None) -> TransitionProgress:
+        """Execute ``dag``; returns the progress with every op completed. ``syncs``: the target
+        plan's weight-sync DAGs (:func:`nereusd.transition.sync_dags_to_json`), handed to the
+        workers with ``transition_finish``.
 
         Raises:
             TransitionInterrupted: if a worker died or failed mid-transition (with the intact
@@ -128,7 +130,7 @@ class TransitionRunner:
                     self.control.poll(0.005)
                     for task in pending:  # raises WorkerError when a worker of a task died
                         self.control.raise_if_lost(task)
-            self.control.run("transition_finish", {d: {} for d in self.world}, self.timeout_s)
+            self.control.run("transition_finish", {d: {"syncs": syncs or []} for d in self.world}, self.timeout_s)
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)
