@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from nereusd.control.controller import Controller, StepObservation, forced_plan
-from nereusd.control.admission import ADMIT, RESTART
+from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import METRICS_FILE, Journal, drop_metrics_from
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.search import Infeasible
-from nereusd.config.pool_schedule import net_change, schedule_for
+from nereusd.config.pool_schedule import schedule_for
 from nereusd.transition.ops import TransitionDag
 from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
 
@@ -101,11 +101,14 @@ class LiveAdaptation:
 
     # ------------------------------------------------------------------ the boundary
     def at_boundary(self, record: dict[str, Any]) -> None:
-        """Everything of the module docstring after step ``record['step']``.
+        """Everything of the module docstring after step ``record['step']``: gather the inputs,
+        plan with :func:`~nereusd.daemon.boundary.plan_pool` and
+        :func:`~nereusd.daemon.boundary.plan_actions`, execute.
 
         Raises:
             Infeasible: a restart found no plan that holds the longest response.
-            WorkerError / TransitionInterrupted: a worker failed during a transition.
+            WorkerError / TransitionInterrupted: devices of the plan were lost, or a worker
+                failed during a transition.
         """
         step = int(record["step"])
         if self._first_step_start is None:
@@ -122,67 +125,56 @@ class LiveAdaptation:
         self.control.poll(0)
         elapsed_s = time.monotonic() - self._first_step_start
         due = self._schedule.due(upcoming, elapsed_s)
-        sources = [e.source for e in due]
-        if self.pending_remove:
-            sources.append(f"nereus-launch pool --remove {self.pending_remove}")
         if due:
             self.journal.event("pool_schedule_due", {"step": step, "elapsed_s": round(elapsed_s, 3),
                                                      "events": [e.to_dict() for e in due]})
-        scheduled_remove, add = net_change(due)
-        remove = self.pending_remove + scheduled_remove
+        pool_actions = plan_pool(world=self.world, registered=self.control.devices(),
+                                 lost=self.control.lost_devices(self.world),   # since the step's last task
+                                 plan_devices=self.driver.plan.devices(), pending_remove=self.pending_remove,
+                                 due=due)
         self.pending_remove = 0
-        if add:
-            self._add_devices(add)
-        forced = None
-        if upcoming in self._forced:
-            forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
-        leaving: list[int] = []
-        gone = self.control.lost_devices(self.world)   # lost between the step's last task and now
-        if gone:
-            if set(gone) & set(self.driver.plan.devices()):
-                # the plan's state on them is gone: the recovery path (checkpoint/restart)
-                raise WorkerError(f"devices {sorted(gone)} of the running plan were lost after step {step}")
-            leaving = sorted(gone)
+        if pool_actions.add:
+            self._add_devices(pool_actions.add)
+        if pool_actions.lost_plan_devices:   # their state is gone: the recovery path (checkpoint/restart)
+            raise WorkerError(f"devices {list(pool_actions.lost_plan_devices)} of the running plan were lost "
+                              f"after step {step}")
+        leaving = list(pool_actions.leaving)
+        if pool_actions.lost_spares:
+            gone = pool_actions.lost_spares
             self.world = [d for d in self.world if d not in gone]   # never in a world again
             self.journal.event("device_lost", {
-                "step": step, "devices": leaving, "cause": ", ".join(sorted({v["cause"] for v in gone.values()})),
+                "step": step, "devices": sorted(gone), "cause": ", ".join(sorted({v["cause"] for v in gone.values()})),
                 "survivors": list(self.world), "spare": True,
                 "detail": {str(d): v for d, v in sorted(gone.items())}})
-        if remove:
-            pool = [d for d in self.control.devices() if d in self.world and d not in gone]
-            removed = sorted(pool)[-remove:] if remove < len(pool) else []
-            leaving = sorted(set(leaving) | set(removed))
-            if not removed:
-                self.journal.event("pool_request_refused", {"remove": remove, "pool": pool, "sources": sources,
-                                                            "reason": "the job needs at least one device"})
+        if pool_actions.refused_remove:
+            self.journal.event("pool_request_refused", {
+                "remove": pool_actions.refused_remove, "sources": list(pool_actions.sources),
+                "pool": [d for d in self.control.devices() if d in self.world],
+                "reason": "the job needs at least one device"})
         joined = [d for d in self.control.devices() if d not in self.world]
         if joined:
             self._grow_world(joined)
         pool = tuple(d for d in sorted(self.world) if d not in leaving)
         if leaving or joined:
-            self.journal.event("pool_changed", {"step": step, "joined": joined, "leaving": leaving,
-                                                "pool_devices": list(pool), "verdict": "replan",
-                                                "sources": sources + (["an agent registered (nereus-launch pool --add)"]
-                                                                      if joined and not add else [])})
+            self.journal.event("pool_changed", {
+                "step": step, "joined": joined, "leaving": leaving, "pool_devices": list(pool), "verdict": "replan",
+                "sources": list(pool_actions.sources) + (["an agent registered (nereus-launch pool --add)"]
+                                                         if joined and not pool_actions.add else [])})
+        forced = None
+        if upcoming in self._forced:
+            forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
         outcome = self.controller.boundary(step, pool, forced=forced)
-        verdict = self._decide(step, outcome, leaving) if outcome is not None else None
-        if verdict == RESTART:
-            path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
-            self.driver.save_checkpoint(str(path))
-            why = outcome.decision.reason if outcome.decision.verdict == RESTART else (
-                f"devices {leaving} leave and no feasible plan moves off them ({outcome.decision.reason})")
-            self._restart([d for d in self.world if d not in leaving], leaving, step + 1, why,
-                          self.driver.last_checkpoint)
-        elif leaving:
-            self._release(leaving, verdict == ADMIT, step)
-        elif joined and verdict != ADMIT:
-            self._transition(self.driver.plan, step, "rebuild after re-forming the world")
+        if outcome is not None:
+            self._journal_decision(step, outcome)
+        actions = plan_actions(outcome.decision if outcome is not None else None, plan=self.driver.plan,
+                               leaving=leaving, joined=joined)
+        for action in actions:
+            self._execute(action, step)
         if leaving or joined:
             self.controller.switched(self.driver.plan, tuple(sorted(self.world)))
 
-    def _decide(self, step: int, outcome, leaving: list[int]) -> str:
-        """Journal the decision and run an admitted transition; returns ``admit``, ``restart``
-        (nothing fits, or the plan cannot leave devices that go) or the verdict kept."""
+    def _journal_decision(self, step: int, outcome) -> None:
+        """Journal ``trigger``, ``replan`` and ``admission`` for the controller's outcome."""
         d = outcome.decision
         for trigger in d.triggers:
             self.journal.event("trigger", {"step": step, **trigger.to_dict()})
@@ -194,14 +186,21 @@ class LiveAdaptation:
             "current_plan": self.driver.plan.to_dict()}
         self.journal.event("admission", self.last_decision)
         log.info("step %d: %s (%s)", step, d.verdict, d.reason)
-        if d.verdict == ADMIT:
-            assert not set(leaving) & set(d.target.plan.devices()), "planned on the pool without them"
-            self._transition(d.target.plan, step, d.reason, dag=d.target.dag, predicted_s=d.l_tran_s)
+
+    def _execute(self, action: Action, step: int) -> None:
+        """Execute one :class:`~nereusd.daemon.boundary.Action` planned at the boundary after ``step``."""
+        if action.kind is ActionKind.TRANSITION:
+            self._transition(action.target, step, action.why, dag=action.dag, predicted_s=action.predicted_s)
             self.switches += 1
-            return ADMIT
-        if d.verdict == RESTART or set(leaving) & set(self.driver.plan.devices()):
-            return RESTART
-        return d.verdict
+        elif action.kind is ActionKind.RESTART:
+            path = self.run_dir / "checkpoints" / f"fallback-step{step + 1:06d}"
+            self.driver.save_checkpoint(str(path))
+            self._restart([d for d in self.world if d not in action.devices], list(action.devices), step + 1,
+                          action.why, self.driver.last_checkpoint)
+        elif action.kind is ActionKind.RELEASE:
+            self._release(list(action.devices), step)
+        else:
+            self._transition(self.driver.plan, step, action.why)
 
     # ------------------------------------------------------------------ failures
     LOSS_GRACE_S = 5.0
@@ -392,8 +391,9 @@ class LiveAdaptation:
         self.journal.event("workers_started", {"devices": joined, "generation": private})
         self._reform(sorted(self.world) + joined, joined)
 
-    def _release(self, leaving: list[int], rebuilt: bool, step: int) -> None:
-        """Stop the workers of ``leaving`` (the plan no longer uses them) and re-form the world."""
+    def _release(self, leaving: list[int], step: int) -> None:
+        """Stop the workers of ``leaving`` (the plan no longer uses them), re-form the world and
+        rebuild the engines on it."""
         assert not set(leaving) & set(self.driver.plan.devices()), "devices that leave still hold the plan"
         self.control.release_devices(leaving, "removed from the local pool")
         if not self.control.wait_exited(leaving):

@@ -1,0 +1,70 @@
+"""The safe boundary as pure plans (nereusd.daemon.boundary), without processes or sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereusd.config.pool_schedule import PoolEvent
+from nereusd.control.admission import Decision, Target, Verdict
+from nereusd.control.monitor import GPU_POOL, Trigger
+from nereusd.daemon.boundary import ActionKind, plan_actions, plan_pool
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.transition import plan_transition
+from tests.support.specs import TINY_MODELS
+
+MS = ModelStage(Role.ACTOR, Stage.TRAINING)
+ON_0123 = Plan({MS: Candidate(1, 1, 4, (0, 1, 2, 3))})
+ON_012 = Plan({MS: Candidate(1, 1, 3, (0, 1, 2))})
+ON_01 = Plan({MS: Candidate(1, 1, 2, (0, 1))})
+
+
+def decision(verdict: Verdict, target: Plan | None = None, current: Plan = ON_01) -> Decision:
+    tgt = None if target is None else Target(target, 1.0, 0.5, dag=plan_transition(
+        current, target, TINY_MODELS, devices_per_node=4))
+    return Decision(step=3, verdict=verdict, urgent=True, triggers=(Trigger(GPU_POOL, True, 3, 4),),
+                    current_step_latency_s=2.0, payback_margin=0.5, horizon_steps=1.0, target=tgt,
+                    l_tran_s=0.5 if tgt else None, reason=f"{verdict}")
+
+
+def test_removals_take_the_highest_numbered_devices_and_never_the_last():
+    due = [PoolEvent(remove=1, add=0, source="pool.schedule[0]")]
+    actions = plan_pool(world=[0, 1, 2, 3], registered=[0, 1, 2, 3], lost={}, plan_devices=[0, 1],
+                        pending_remove=1, due=due)
+    assert actions.leaving == (2, 3) and actions.add == 0 and actions.refused_remove == 0
+    assert actions.sources == ("pool.schedule[0]", "nereus-launch pool --remove 1")
+    refused = plan_pool(world=[0], registered=[0], lost={}, plan_devices=[0], pending_remove=1, due=[])
+    assert refused.leaving == () and refused.refused_remove == 1
+
+
+def test_a_lost_spare_leaves_and_a_lost_plan_device_plans_nothing_but_the_joins():
+    lost = {3: {"cause": "worker_exited"}}
+    spare = plan_pool(world=[0, 1, 2, 3], registered=[0, 1, 2, 3], lost=lost, plan_devices=[0, 1],
+                      pending_remove=0, due=[])
+    assert spare.leaving == (3,) and spare.lost_spares == lost and spare.lost_plan_devices == ()
+    hit = plan_pool(world=[0, 1, 2, 3], registered=[0, 1, 2, 3], lost=lost, plan_devices=[0, 1, 2, 3],
+                    pending_remove=2, due=[PoolEvent(remove=0, add=2, source="trace")])
+    assert hit.lost_plan_devices == (3,) and hit.leaving == () and hit.add == 2
+
+
+def test_an_admitted_transition_runs_admissions_own_dag_then_releases():
+    d = decision(Verdict.ADMIT, ON_01, current=ON_0123)
+    actions = plan_actions(d, plan=ON_0123, leaving=[2, 3], joined=[])
+    assert [a.kind for a in actions] == [ActionKind.TRANSITION, ActionKind.RELEASE]
+    assert actions[0].dag is d.target.dag and actions[0].target == ON_01 and actions[0].predicted_s == 0.5
+    assert actions[1].devices == (2, 3)
+
+
+@pytest.mark.parametrize("verdict", [Verdict.KEEP, Verdict.RESTART])
+def test_devices_that_leave_under_the_plan_restart_it(verdict):
+    actions = plan_actions(decision(verdict), plan=ON_0123, leaving=[3], joined=[])
+    assert [a.kind for a in actions] == [ActionKind.RESTART] and actions[0].devices == (3,)
+
+
+def test_joined_devices_rebuild_unless_a_transition_ran():
+    assert [a.kind for a in plan_actions(decision(Verdict.KEEP), plan=ON_01, leaving=[], joined=[2])] == \
+        [ActionKind.REBUILD]
+    admitted = plan_actions(decision(Verdict.ADMIT, ON_012), plan=ON_01, leaving=[], joined=[2])
+    assert [a.kind for a in admitted] == [ActionKind.TRANSITION]
+    assert plan_actions(None, plan=ON_01, leaving=[], joined=[]) == ()
+    with pytest.raises(ValueError, match="uses devices \\[2\\] that leave"):
+        plan_actions(decision(Verdict.ADMIT, ON_012), plan=ON_01, leaving=[2], joined=[])

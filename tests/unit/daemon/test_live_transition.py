@@ -1,0 +1,95 @@
+"""The transition a live job executes is the one admission assessed, on a site of 8 devices per node.
+
+The shell (:class:`nereusd.daemon.live.LiveAdaptation`) runs with the real controller, driver,
+journal and transition runner; :class:`WorkerStand` stands in for the control plane and records
+what would reach the workers (the real dispatch is covered end to end in ``tests/e2e``). A forced
+switch at the boundary before step 1 adds replicas of ``actor/training`` on devices 2 and 3 next to
+those on devices 0 and 8 (nodes 0 and 1): both must be fed from device 0, on their node (a DAG
+planned as if every device shared one node feeds device 3 from device 8, the least-used sender).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from nereusd.config.resolve import load_and_resolve
+from nereusd.config.site import load_site
+from nereusd.control.controller import controller_for_job
+from nereusd.daemon.live import LiveAdaptation
+from nereusd.journal import Journal
+from nereusd.plan import ModelStage, Role, Stage
+from nereusd.rl.driver import RLDriver
+from nereusd.transition import OpKind
+from nereusd.transition.ops import TransitionDag
+
+TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
+JOB = """name: dag-identity
+algorithm: grpo
+steps: 4
+site: h200-ib
+devices: 16
+models: {actor_config: {vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 4, num_heads: 8,
+                        num_kv_heads: 2, max_position: 64}}
+rollout: {prompts_per_step: 4, group_size: 2, max_new_tokens: 8}
+train: {global_batch: 8, micro_batch: 1}
+plan: {default: {tp: 1, pp: 1, devices: [0, 8]}}
+adaptation:
+  forced: [{at_step: 1, model_stages: {actor/training: {devices: [0, 8, 2, 3], dp: 4}}}]
+"""
+
+
+class WorkerStand:
+    """The control-plane calls the shell and the transition runner make, answered at once; every
+    task is recorded as ``(kind, {device: args})``."""
+
+    def __init__(self, devices: int) -> None:
+        self.registered = list(range(devices))
+        self.exited_workers: dict[int, int] = {}
+        self.tasks: list[tuple[str, dict]] = []
+
+    def poll(self, timeout_s): pass
+    def devices(self): return list(self.registered)
+    def lost_devices(self, devices): return {}
+    def done(self, task_id): return True
+    def raise_if_lost(self, task_id): pass
+
+    def submit(self, kind, args):
+        self.tasks.append((kind, args))
+        return len(self.tasks)
+
+    def collect(self, task_id, timeout_s=None):
+        return {d: SimpleNamespace(result={}, elapsed_s=0.0) for d in self.tasks[task_id - 1][1]}
+
+    def run(self, kind, args, timeout_s=None):
+        return self.collect(self.submit(kind, args), timeout_s)
+
+
+def test_the_executed_dag_is_the_assessed_one(tmp_path):
+    (tmp_path / "job.yaml").write_text(JOB)
+    job = load_and_resolve(tmp_path / "job.yaml")
+    site = load_site(job.config.site)
+    control, journal = WorkerStand(job.devices), Journal(tmp_path / "run")
+    driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
+    controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(range(job.devices)))
+    outcomes = []
+    boundary = controller.boundary
+    controller.boundary = lambda *a, **kw: outcomes.append(boundary(*a, **kw)) or outcomes[-1]
+    live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
+                          list(range(job.devices)))
+    live.at_boundary({"step": 0, "step_latency_s": 1.0, "response_length_max": 8, "model_stage_s": {},
+                      "peak_memory_bytes": {}})
+
+    decision = outcomes[0].decision
+    assert decision.admitted and decision.target.dag is not None
+    sent = {args["dag"] for kind, per_device in control.tasks if kind == "transition_prepare"
+            for args in per_device.values()}
+    assert len(sent) == 1, "every worker gets the same DAG"
+    executed = TransitionDag.from_json(sent.pop())
+    assert executed == decision.target.dag
+    extends = [op for op in executed.ops if op.kind is OpKind.EXTEND and op.model_stage == TRAIN]
+    fed = {r.dst: r.src for op in extends for r in op.routes}
+    assert fed == {2: 0, 3: 0}, f"devices 2 and 3 (node 0) must be fed from device 0 (node 0): {fed}"
+    assert driver.plan == decision.target.plan and controller.plan == decision.target.plan
+    # the weight-sync DAGs handed over with transition_finish were planned with 8 devices per node
+    finish = [args for kind, per_device in control.tasks if kind == "transition_finish" for args in per_device.values()]
+    assert finish and finish[0]["syncs"] == driver.sync_args(decision.target.plan)
