@@ -42,7 +42,8 @@ from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import METRICS_FILE, Journal, drop_metrics_from
-from nereusd.plan import ModelStage, Plan
+from nereusd.plan import Plan
+from nereusd.rl.record import StepRecord
 from nereusd.planner.search import Infeasible
 from nereusd.config.pool_schedule import schedule_for
 from nereusd.transition.ops import TransitionDag
@@ -100,8 +101,8 @@ class LiveAdaptation:
         return {"queued_remove": self.pending_remove, "pool": self.control.devices()}
 
     # ------------------------------------------------------------------ the boundary
-    def at_boundary(self, record: dict[str, Any]) -> None:
-        """Everything of the module docstring after step ``record['step']``: gather the inputs,
+    def at_boundary(self, record: StepRecord) -> None:
+        """Everything of the module docstring after step ``record.step``: gather the inputs,
         plan with :func:`~nereusd.daemon.boundary.plan_pool` and
         :func:`~nereusd.daemon.boundary.plan_actions`, execute.
 
@@ -110,13 +111,11 @@ class LiveAdaptation:
             WorkerError / TransitionInterrupted: devices of the plan were lost, or a worker
                 failed during a transition.
         """
-        step = int(record["step"])
+        step = record.step
         if self._first_step_start is None:
-            self._first_step_start = time.monotonic() - float(record["step_latency_s"])
-        obs = StepObservation(step, int(record["response_length_max"]),
-                              {ModelStage.parse(k): v for k, v in record.get("model_stage_s", {}).items()},
-                              {int(d): int(b) for d, b in record["peak_memory_bytes"].items()},
-                              float(record["step_latency_s"]))
+            self._first_step_start = time.monotonic() - record.step_latency_s
+        obs = StepObservation(step, record.response_length_max, record.model_stage_s, record.peak_memory_bytes,
+                              record.step_latency_s)
         self.journal.event("step_prediction", self.controller.observe(obs))
         upcoming = step + 1
         if upcoming >= self.job.config.steps:

@@ -26,6 +26,7 @@ from pathlib import Path
 from nereusd.control.controller import controller_for_job, launch_plan
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.rl.driver import RLDriver
+from nereusd.rl.record import StepRecord
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import load_and_resolve
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             decisions = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
             live.append(LiveAdaptation(job, decisions, driver, control, store, journal, run_dir, world))
 
-        def on_step(record: dict) -> None:
+        def on_step(record: StepRecord) -> None:
             controller.after_step(record, driver.save_checkpoint)
             if live:
                 live[0].at_boundary(record)

@@ -18,6 +18,7 @@ from typing import Any
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError
 from nereusd.journal import Journal
+from nereusd.rl.record import StepRecord
 from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, Verdict, assess
 from nereusd.slurm import AllocationWatcher, SlurmPoolEvent
 
@@ -115,19 +116,19 @@ class PoolController:
         if self.control is not None:
             self.control.world_formed = True
 
-    def after_step(self, record: dict[str, Any], save_checkpoint) -> None:
+    def after_step(self, record: StepRecord, save_checkpoint) -> None:
         """At the safe boundary after a step: checkpoint and raise :class:`PoolStop` on preemption.
 
         Raises:
             PoolStop: after saving ``checkpoints/preempted-stepNNNNNN``.
         """
-        self.step = record["step"]
-        self.last_metrics = {k: record[k] for k in ("reward_mean", "response_length_mean", "step_latency_s")
-                             if k in record}
+        self.step = record.step
+        self.last_metrics = {"reward_mean": record.reward_mean, "response_length_mean": record.response_length_mean,
+                             "step_latency_s": record.step_latency_s}
         if self.control is not None:
             self.control.poll(0)  # handle queued events (signals, watcher) before deciding
         if self.preempt_reason:
-            path = self.run_dir / "checkpoints" / f"preempted-step{record['step'] + 1:06d}"
+            path = self.run_dir / "checkpoints" / f"preempted-step{record.step + 1:06d}"
             save_checkpoint(str(path))
             raise PoolStop(f"{self.preempt_reason}; checkpoint saved in {path}")
 

@@ -38,10 +38,10 @@ from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import Journal
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.rl import advantages as adv
+from nereusd.rl.record import StepRecord
 from nereusd.rl.rollout import RolloutBatch, as_lists, mean_of, split_even
 from nereusd.tasks import PromptSampler, get_task
 from nereusd.transition import sync_dags_to_json, weight_sync_dags
-from nereusd.transition.runner import TransitionInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class RLDriver:
     """Runs ``job`` on the workers behind ``control``; writes metrics and events to ``journal``."""
 
     def __init__(self, job: ResolvedJob, control: ControlPlane, journal: Journal,
-                 on_step: Callable[[dict[str, Any]], None] | None = None, plan: Plan | None = None, *,
+                 on_step: Callable[[StepRecord], None] | None = None, plan: Plan | None = None, *,
                  devices_per_node: int) -> None:
         self.job = job
         self.devices_per_node = devices_per_node
@@ -109,6 +109,7 @@ class RLDriver:
         self.on_step = on_step or (lambda record: None)
         self.step_index = 0
         self._ms_s: dict[str, float] = {}
+        self._peaks: dict[int, int] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None
         """``(directory, step, sample position)`` of the latest checkpoint."""
         self.on_failure: Callable[[Exception], bool] | None = None
@@ -263,32 +264,63 @@ class RLDriver:
     def _rewards(self, batch: RolloutBatch, responses: list[list[int]]) -> list[float]:
         return [self.task.score(start, resp) for start, resp in zip(batch.starts, responses)]
 
-    def step(self) -> dict[str, Any]:
-        """Run one RL step and return its metrics record."""
+    def step(self) -> StepRecord:
+        """Run one RL step (generation → inference → advantages → training → weight sync) and
+        return what it measured."""
         step_start = time.perf_counter()
         stage_s: dict[str, float] = {}
-        peaks: dict[int, int] = {}
         self._ms_s = {}
-
-        def note_peaks(results: dict[int, Any]) -> None:
-            for device, res in results.items():
-                peaks[device] = max(peaks.get(device, 0), int(res.result.get("peak_memory_bytes", 0)))
-
-        # generation: this step's rollout (asynchronous: submitted up to max_staleness steps ago,
-        # and the next ones are submitted now, to overlap this step's inference and training)
+        self._peaks = {}
         t0 = time.perf_counter()
+        rollout = self._generation_phase()
+        stage_s["generation"] = time.perf_counter() - t0
+        batch = rollout.batch
+        t0 = time.perf_counter()
+        self._inference_phase(batch)
+        stage_s["inference"] = time.perf_counter() - t0
+        self._advantages(batch, rollout.greedy_scores)
+        t0 = time.perf_counter()
+        train_metrics = self._train(batch)
+        stage_s["training"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._sync_weights()
+        stage_s["weight_sync"] = time.perf_counter() - t0
+        latency = time.perf_counter() - step_start
+        lengths = batch.response_lens
+        record = StepRecord(
+            step=self.step_index, step_latency_s=latency, stage_latency_s=stage_s,
+            model_stage_s={ModelStage.parse(k): v for k, v in self._ms_s.items()},
+            reward_mean=float(np.mean(batch.scores)), response_length_mean=float(np.mean(lengths)),
+            response_length_max=int(max(lengths)), tokens_per_s=float(sum(lengths) / latency),
+            peak_memory_bytes=dict(self._peaks), plan=self.plan, sample_position=rollout.position,
+            policy_version=rollout.policy_version, staleness=self.step_index - rollout.policy_version,
+            train_metrics=train_metrics,
+            greedy_reward_mean=float(np.mean(rollout.greedy_scores)) if rollout.greedy_scores is not None else None)
+        self.step_index += 1
+        return record
+
+    def _note_peaks(self, results: dict[int, Any]) -> None:
+        """Fold the devices' peak bytes of one task into the step's peaks."""
+        for device, res in results.items():
+            self._peaks[device] = max(self._peaks.get(device, 0), int(res.result.get("peak_memory_bytes", 0)))
+
+    def _generation_phase(self) -> _Rollout:
+        """This step's rollout, generated. Asynchronous: it was submitted up to
+        ``max_staleness`` steps ago, and the next ones are submitted now, to overlap this
+        step's inference and training."""
         self._submit_rollouts()
         rollout = self._rollouts.popleft()
         assert rollout.index == self.step_index, (rollout.index, self.step_index)
         self._collect_rollout(rollout)
-        batch, greedy_scores, position = rollout.batch, rollout.greedy_scores, rollout.position
         for device, peak in rollout.peaks.items():
-            peaks[device] = max(peaks.get(device, 0), peak)
+            self._peaks[device] = max(self._peaks.get(device, 0), peak)
         self._ms_s[str(ACTOR_GEN)] = rollout.model_stage_s
-        stage_s["generation"] = time.perf_counter() - t0
+        return rollout
 
-        # inference
-        t0 = time.perf_counter()
+    def _inference_phase(self, batch: RolloutBatch) -> None:
+        """Old and reference log-probs, values and reward-model scores of ``batch`` (the
+        model-stages of the plan, concurrently where their devices are disjoint); the verifier
+        scores the responses when no reward model does."""
         pending = {"old_logprobs": self._score_kind(batch, "logprobs", ACTOR_INF)}
         if REF_INF in self.plan:
             pending["ref_logprobs"] = self._score_kind(batch, "logprobs", REF_INF)
@@ -300,48 +332,13 @@ class RLDriver:
                   "reward_scores": "scores"}
         for name, dispatch in pending.items():
             values, raw = self._gather(dispatch, key_of[name])
-            note_peaks(raw)
+            self._note_peaks(raw)
             if name == "reward_scores":
                 batch.scores = [float(v) for v in values]
             else:
                 batch.per_token[name] = values
         if REWARD_INF not in self.plan:
             batch.scores = self._rewards(batch, batch.responses)
-        stage_s["inference"] = time.perf_counter() - t0
-
-        self._advantages(batch, greedy_scores)
-
-        # training
-        t0 = time.perf_counter()
-        train_metrics = self._train(batch, note_peaks)
-        stage_s["training"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        self._sync_weights()
-        stage_s["weight_sync"] = time.perf_counter() - t0
-
-        latency = time.perf_counter() - step_start
-        lengths = batch.response_lens
-        record = {
-            "step": self.step_index,
-            "step_latency_s": latency,
-            "stage_latency_s": stage_s,
-            "model_stage_s": dict(self._ms_s),
-            "reward_mean": float(np.mean(batch.scores)),
-            "response_length_mean": float(np.mean(lengths)),
-            "response_length_max": int(max(lengths)),
-            "tokens_per_s": float(sum(lengths) / latency),
-            "peak_memory_bytes": {str(d): peaks[d] for d in sorted(peaks)},
-            "plan": self.plan.to_dict(),
-            "sample_position": position,
-            "policy_version": rollout.policy_version,
-            "staleness": self.step_index - rollout.policy_version,
-            **{f"train/{k}": v for k, v in train_metrics.items()},
-        }
-        if greedy_scores is not None:
-            record["greedy_reward_mean"] = float(np.mean(greedy_scores))
-        self.step_index += 1
-        return record
 
     def _advantages(self, batch: RolloutBatch, greedy_scores: list[float] | None) -> None:
         cfg, train = self.cfg, self.cfg.train
@@ -360,7 +357,9 @@ class RLDriver:
             per_seq = adv.remax_advantages(batch.scores, greedy_scores)
             batch.per_token["advantages"] = as_lists(adv.broadcast_to_tokens(per_seq, lengths))
 
-    def _train(self, batch: RolloutBatch, note_peaks: Callable[[dict[int, Any]], None]) -> dict[str, float]:
+    def _train(self, batch: RolloutBatch) -> dict[str, float]:
+        """The training phase: every mini-batch of every epoch to the training model-stages;
+        returns their metrics averaged over mini-batches (``{"actor/loss": …}``)."""
         cfg, train = self.cfg, self.cfg.train
         n = len(batch)
         order = np.arange(n)
@@ -387,7 +386,7 @@ class RLDriver:
                 for dispatch in dispatches:
                     results = self.control.collect(dispatch.task_id)
                     self._note_time(dispatch.model_stage, results)
-                    note_peaks(results)
+                    self._note_peaks(results)
                     # every replica reports the same DP-reduced sums (engine _reduce_metrics): take
                     # one, or the metrics would scale with the layout's DP degree
                     metrics = mean_of([results[dispatch.reporters[0]].result["metrics"]])
@@ -428,23 +427,23 @@ class RLDriver:
                                           "sample_position": self.resume_position,
                                           "elapsed_s": time.perf_counter() - start})
 
-    def run(self) -> list[dict[str, Any]]:
-        """Build, run every step, checkpoint; returns the metrics records."""
+    def run(self) -> list[StepRecord]:
+        """Build, run every step, checkpoint; returns the step records (re-run steps once)."""
         self.build()
-        records = []
+        records: list[StepRecord] = []
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
         while self.step_index < self.cfg.steps:
             try:   # the boundary too: a transition or checkpoint can lose a device as well
                 record = self.step()
-                self.journal.metric(record)
+                self.journal.metric(record.to_dict())
                 records.append(record)
                 self.on_step(record)
                 if every and self.step_index % every == 0 and self.step_index < self.cfg.steps:
                     self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
-            except (WorkerError, TransitionInterrupted) as err:
+            except WorkerError as err:   # TransitionInterrupted is one
                 if self.on_failure is None or not self.on_failure(err):
                     raise
-                records = [r for r in records if r["step"] < self.step_index]   # rewound: steps re-run
+                records = [r for r in records if r.step < self.step_index]   # rewound: steps re-run
         if self.cfg.checkpoint.final:
             self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / "final"))
         return records

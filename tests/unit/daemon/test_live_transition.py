@@ -19,6 +19,7 @@ from nereusd.daemon.live import LiveAdaptation
 from nereusd.journal import Journal
 from nereusd.plan import ModelStage, Role, Stage
 from nereusd.rl.driver import RLDriver
+from nereusd.rl.record import StepRecord
 from nereusd.transition import OpKind
 from nereusd.transition.ops import TransitionDag
 
@@ -76,8 +77,10 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
     controller.boundary = lambda *a, **kw: outcomes.append(boundary(*a, **kw)) or outcomes[-1]
     live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
                           list(range(job.devices)))
-    live.at_boundary({"step": 0, "step_latency_s": 1.0, "response_length_max": 8, "model_stage_s": {},
-                      "peak_memory_bytes": {}})
+    live.at_boundary(StepRecord(step=0, step_latency_s=1.0, stage_latency_s={}, model_stage_s={}, reward_mean=0.0,
+                                response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
+                                peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
+                                staleness=0))
 
     decision = outcomes[0].decision
     assert decision.admitted and decision.target.dag is not None
