@@ -46,7 +46,16 @@ class DeviceOutOfMemory(NereusError):
 
 
 class WorkerError(NereusError):
-    """A worker reported a failure of a task, or died."""
+    """A worker reported a failure of a task, or died.
+
+    Attributes:
+        error_kind: the exception class the worker's task raised (``DeviceOutOfMemory``,
+            ``PlanError``, ...), ``None`` when no worker reported one (a worker died, a timeout).
+    """
+
+    def __init__(self, message: str, error_kind: str | None = None) -> None:
+        super().__init__(message)
+        self.error_kind = error_kind
 
 
 class SlurmError(NereusError):

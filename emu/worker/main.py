@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
             continue
         start = time.perf_counter()
         try:
-            result = runtime.handle(msg.kind, msg.args)
+            result = runtime.handle(msg.args)
             reply = P.TaskResult(task_id=msg.task_id, device=args.device, ok=True, result=result,
                                  elapsed_s=time.perf_counter() - start)
         except Exception as err:  # noqa: BLE001 - every failure is reported to nereusd, which stops the job

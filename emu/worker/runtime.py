@@ -31,6 +31,7 @@ from emu.state.primitives import HoldingStore
 from emu.worker.transition_tasks import TransitionTasks, rank_space
 from emu.state.unit import LogicalState, bind_engine, holding_of
 from emu.rl.losses import policy_loss_fn, value_loss_fn
+from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
@@ -38,7 +39,7 @@ from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 log = logging.getLogger(__name__)
 
 
-def initial_state(role_info: dict[str, Any], spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Full canonical tensors a role starts from: its HF directory, or a seeded initialisation.
 
     A critic initialised from the actor keeps the actor's trunk, drops ``lm_head`` and gets a
@@ -46,8 +47,8 @@ def initial_state(role_info: dict[str, Any], spec: ModelSpec, seed: int) -> dict
     """
     from emu.engine.model import LlamaModel
 
-    value_head = bool(role_info["value_head"])
-    path = role_info.get("path")
+    value_head = role_info.value_head
+    path = role_info.path
     gen = torch.Generator().manual_seed(seed)
     if path:
         state = load_state(path)
@@ -81,7 +82,7 @@ class WorkerRuntime(TransitionTasks):
         self.rank_of = lambda device: device
         self._transition = None
         self._rebuild_all = False
-        self._build_args: dict[str, Any] = {}
+        self._build_args: P.BuildArgs | None = None
         self._handlers = {
             "build": self.build,
             "generate": self.generate,
@@ -98,16 +99,15 @@ class WorkerRuntime(TransitionTasks):
             "reform_world": self.reform_world,
             "memory_report": self.memory_report,
         }
+        assert set(self._handlers) == set(P.TASK_KINDS), "every task kind of the protocol has a handler"
 
-    def handle(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Run task ``kind``.
+    def handle(self, args: P.TaskArgs) -> dict[str, Any]:
+        """Run the task whose typed payload is ``args`` (its ``kind`` selects the handler).
 
         Raises:
-            NereusError: unknown task kind, or what the handler raises.
+            NereusError: what the handler raises.
         """
-        handler = self._handlers.get(kind)
-        if handler is None:
-            raise NereusError(f"unknown task kind {kind!r} (known: {sorted(self._handlers)})")
+        handler = self._handlers[args.kind]
         self.memory.reset_peak()
         start = time.perf_counter()
         result = handler(args)
@@ -116,16 +116,12 @@ class WorkerRuntime(TransitionTasks):
         return result
 
     # ------------------------------------------------------------------ build
-    def build(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Create communicators for every model-stage and the engines this rank holds.
-
-        Args (from nereusd): ``plan`` (Plan.to_dict), ``roles`` ({role: {spec, path,
-        value_head}}), ``train`` (optimiser settings), ``lr`` ({model_stage: lr}),
-        ``seed``, ``syncs`` (the plan's weight-sync DAGs, :func:`nereusd.transition.weight_sync_dags`).
-        """
-        plan = Plan.from_dict(args["plan"])
-        roles = args["roles"]
-        seed = int(args["seed"])
+    def build(self, args: P.BuildArgs) -> dict[str, Any]:
+        """Create communicators for every model-stage and the engines this rank holds
+        (:class:`nereusd.protocol.tasks.BuildArgs`) → ``model_stages``, ``memory_in_use_bytes``."""
+        plan = Plan.from_dict(args.plan)
+        roles = args.roles
+        seed = args.seed
         self.plan = plan
         self._build_args = args
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
@@ -136,7 +132,7 @@ class WorkerRuntime(TransitionTasks):
             if self.device_index not in cand.devices:
                 continue
             info = roles[ms.role.value]
-            spec = ModelSpec.from_dict(info["spec"])
+            spec = ModelSpec.from_dict(info.spec)
             if ms.role not in states:
                 states[ms.role] = initial_state(info, spec, seed + list(Role).index(ms.role))
             engine = self._make_engine(ms, cand, self.stage_groups[ms])
@@ -144,7 +140,7 @@ class WorkerRuntime(TransitionTasks):
             bind_engine(engine, logical=LogicalState(seed=seed))
             self.engines[ms] = engine
         states.clear()
-        self._plan_syncs(args.get("syncs", []))
+        self._plan_syncs(args.syncs)
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
 
@@ -154,20 +150,20 @@ class WorkerRuntime(TransitionTasks):
 
     def _make_engine(self, ms: ModelStage, cand: Candidate, groups) -> StageEngine:
         """An engine of ``ms`` for this rank's place in ``cand`` (build arguments from ``build``)."""
-        args, train = self._build_args, self._build_args["train"]
-        info = args["roles"][ms.role.value]
+        args, train = self._build_args, self._build_args.train
+        info = args.roles[ms.role.value]
         return StageEngine(
-            model_stage=ms, spec=ModelSpec.from_dict(info["spec"]), candidate=rank_space(cand, self.rank_of),
+            model_stage=ms, spec=ModelSpec.from_dict(info.spec), candidate=rank_space(cand, self.rank_of),
             rank=self.rank, groups=groups, device=self.torch_device, memory=self.memory,
-            value_head=bool(info["value_head"]), trainable=ms.stage == Stage.TRAINING,
-            lr=float(args["lr"].get(str(ms), 0.0) or 1e-4), weight_decay=float(train["weight_decay"]),
-            grad_clip=train["grad_clip"], micro_batch=cand.micro_batch or int(train["micro_batch"]),
+            value_head=info.value_head, trainable=ms.stage == Stage.TRAINING,
+            lr=float(args.lr.get(str(ms), 0.0) or 1e-4), weight_decay=train.weight_decay,
+            grad_clip=train.grad_clip, micro_batch=cand.micro_batch or train.micro_batch,
             recompute=cand.recompute,
         )
 
     # ------------------------------------------------------------------ stage tasks
-    def _engine(self, args: dict[str, Any]) -> StageEngine:
-        ms = ModelStage.parse(args["model_stage"])
+    def _engine(self, args) -> StageEngine:
+        ms = ModelStage.parse(args.model_stage)
         engine = self.engines.get(ms)
         if engine is None:
             raise NereusError(f"device {self.device_index} holds no shard of {ms}")
@@ -178,48 +174,45 @@ class WorkerRuntime(TransitionTasks):
         _, pp_rank, tp_rank = cand.coords_of(self.rank)
         return pp_rank == cand.pp - 1 and tp_rank == 0
 
-    def generate(self, args: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, args: P.GenerateArgs) -> dict[str, Any]:
         engine = self._engine(args)
         responses = engine.generate(
-            args["prompts"], max_new_tokens=int(args["max_new_tokens"]), temperature=float(args["temperature"]),
-            greedy=bool(args["greedy"]), eos_id=int(args["eos_id"]), pad_id=int(args["pad_id"]),
-            seed=int(args["seed"]), seeds=args.get("seeds"),
+            args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=args.greedy,
+            eos_id=args.eos_id, pad_id=args.pad_id, seed=args.seed, seeds=args.seeds,
         )
         return {"responses": responses} if self._reporting(engine) else {}
 
-    def logprobs(self, args: dict[str, Any]) -> dict[str, Any]:
+    def logprobs(self, args: P.LogprobsArgs) -> dict[str, Any]:
         engine = self._engine(args)
-        out = engine.logprobs(args["sequences"], args["prompt_lens"])
+        out = engine.logprobs(args.sequences, args.prompt_lens)
         return {"logprobs": out} if self._reporting(engine) else {}
 
-    def values(self, args: dict[str, Any]) -> dict[str, Any]:
+    def values(self, args: P.ValuesArgs) -> dict[str, Any]:
         engine = self._engine(args)
-        out = engine.values(args["sequences"], args["prompt_lens"])
+        out = engine.values(args.sequences, args.prompt_lens)
         return {"values": out} if self._reporting(engine) else {}
 
-    def scores(self, args: dict[str, Any]) -> dict[str, Any]:
+    def scores(self, args: P.ScoresArgs) -> dict[str, Any]:
         engine = self._engine(args)
-        out = engine.scores(args["sequences"])
+        out = engine.scores(args.sequences)
         return {"scores": out} if self._reporting(engine) else {}
 
-    def train(self, args: dict[str, Any]) -> dict[str, Any]:
+    def train(self, args: P.TrainArgs) -> dict[str, Any]:
         engine = self._engine(args)
-        loss = args["loss"]
-        if loss["kind"] == "policy":
-            loss_fn = policy_loss_fn(clip=float(loss["clip"]), kl_coef=float(loss["kl_coef"]),
-                                     kl_estimator=loss["kl_estimator"], entropy_coef=float(loss["entropy_coef"]))
-        elif loss["kind"] == "value":
-            loss_fn = value_loss_fn(value_clip=float(loss["value_clip"]))
+        loss = args.loss
+        if isinstance(loss, P.PolicyLoss):
+            loss_fn = policy_loss_fn(clip=loss.clip, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
+                                     entropy_coef=loss.entropy_coef)
         else:
-            raise NereusError(f"unknown loss kind {loss['kind']!r}")
-        metrics = engine.train_step(args["sequences"], args["prompt_lens"], args["per_token"], loss_fn)
+            loss_fn = value_loss_fn(value_clip=loss.value_clip)
+        metrics = engine.train_step(args.sequences, args.prompt_lens, args.per_token, loss_fn)
         return {"metrics": metrics} if self._reporting(engine) else {}
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def save_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+    def save_checkpoint(self, args: P.SaveCheckpointArgs) -> dict[str, Any]:
         """Save every training model-stage's holdings (parameters, Adam state, logical state)
         with torch DCP (:mod:`emu.state.checkpoint`), one checkpoint per role under ``<dir>/<role>/``."""
-        root = Path(args["dir"])
+        root = Path(args.dir)
         assert self.plan is not None
         for ms, cand in self.plan.items():
             if ms.stage != Stage.TRAINING or self.device_index not in cand.devices:
@@ -228,9 +221,9 @@ class WorkerRuntime(TransitionTasks):
                           process_group=self.stage_pg[ms])
         return {}
 
-    def load_checkpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+    def load_checkpoint(self, args: P.LoadCheckpointArgs) -> dict[str, Any]:
         """Load every training model-stage this rank holds from ``<dir>/<role>/`` (any saved layout)."""
-        root = Path(args["dir"])
+        root = Path(args.dir)
         for ms, engine in self.engines.items():
             if ms.stage == Stage.TRAINING:
                 holding = holding_of(engine)
@@ -238,7 +231,7 @@ class WorkerRuntime(TransitionTasks):
                 bind_engine(engine, holding)
         return {}
 
-    def memory_report(self, args: dict[str, Any]) -> dict[str, Any]:
+    def memory_report(self, args: P.MemoryReportArgs) -> dict[str, Any]:
         return {"in_use_bytes": self.memory.in_use_bytes, "by_model_stage": self.memory.by_model_stage()}
 
     def close(self) -> None:

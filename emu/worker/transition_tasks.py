@@ -38,6 +38,7 @@ from emu.state.executor import TransitionExecutor
 from emu.state.primitives import Communicators, HoldingStore, create_communicators
 from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_of, slots_for
 from emu.worker.world import join_world
+from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role
@@ -57,7 +58,7 @@ class TransitionTasks:
 
     # ------------------------------------------------------------------ helpers
     def _models(self) -> dict[Role, ModelSpec]:
-        return {Role(r): ModelSpec.from_dict(info["spec"]) for r, info in self._build_args["roles"].items()}
+        return {Role(r): ModelSpec.from_dict(info.spec) for r, info in self._build_args.roles.items()}
 
     def _specs(self, plan: Plan) -> dict[ModelStage, tuple[ModelSpec, bool, tuple[str, ...]]]:
         models = self._models()
@@ -91,27 +92,27 @@ class TransitionTasks:
         """Apply what a candidate can change without moving state — micro-batch (generation
         waves, training micro-batches) and recomputation — to a live engine; the transition DAG
         has no op for such a change, so without this the engine would keep the old values."""
-        engine.micro_batch = cand.micro_batch or int(self._build_args["train"]["micro_batch"])
+        engine.micro_batch = cand.micro_batch or self._build_args.train.micro_batch
         engine.recompute = cand.recompute
         if engine.module is not None:
             engine.module.recompute = cand.recompute
         engine.candidate = rank_space(cand, self.rank_of)
 
-    def _plan_syncs(self, syncs: list[dict[str, Any]]) -> None:
+    def _plan_syncs(self, syncs: list[P.SyncDag]) -> None:
         """Create the communicators of the current plan's weight-sync DAGs (collective), as nereusd
         planned them (``[{"source", "target", "dag"}]``, :func:`nereusd.transition.weight_sync_dags`)."""
         for comms in getattr(self, "_sync", {}).values():
             comms[1].destroy()
         self._sync: dict[tuple[ModelStage, ModelStage], tuple[TransitionDag, Communicators]] = {}
         for entry in syncs:
-            dag = TransitionDag.from_json(entry["dag"])
+            dag = TransitionDag.from_json(entry.dag)
             comms = Communicators(self.rank_of)
             create_communicators(dag, comms)
-            self._sync[(ModelStage.parse(entry["source"]), ModelStage.parse(entry["target"]))] = (dag, comms)
+            self._sync[(ModelStage.parse(entry.source), ModelStage.parse(entry.target))] = (dag, comms)
 
     # ------------------------------------------------------------------ tasks
-    def transition_prepare(self, args: dict[str, Any]) -> dict[str, Any]:
-        dag = TransitionDag.from_json(args["dag"])
+    def transition_prepare(self, args: P.TransitionPrepareArgs) -> dict[str, Any]:
+        dag = TransitionDag.from_json(args.dag)
         changed = {op.model_stage for op in dag.ops}
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
@@ -120,13 +121,13 @@ class TransitionTasks:
                                               rank_of=self.rank_of)
         return {"setup_s": self._transition.prepare()}
 
-    def transition_run(self, args: dict[str, Any]) -> dict[str, Any]:
+    def transition_run(self, args: P.TransitionRunArgs) -> dict[str, Any]:
         if self._transition is None:
             raise NereusError("transition_run before transition_prepare")
-        timings = self._transition.run(args["ops"])
+        timings = self._transition.run(args.ops)
         return {"timings": [t.to_dict() for t in timings]}
 
-    def transition_finish(self, args: dict[str, Any]) -> dict[str, Any]:
+    def transition_finish(self, args: P.TransitionFinishArgs) -> dict[str, Any]:
         ex, self._transition = self._transition, None
         if ex is None:
             raise NereusError("transition_finish before transition_prepare")
@@ -141,11 +142,11 @@ class TransitionTasks:
             if ms not in rebuild and ms in target:
                 self._retune(engine, target[ms])
         self.plan = target
-        self._plan_syncs(args.get("syncs", []))
+        self._plan_syncs(args.syncs)
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
 
-    def reform_world(self, args: dict[str, Any]) -> dict[str, Any]:
+    def reform_world(self, args: P.ReformWorldArgs) -> dict[str, Any]:
         start = time.perf_counter()
         for ms in list(self.engines):
             self._detach(ms)
@@ -154,19 +155,19 @@ class TransitionTasks:
         self._sync = {}
         self.stage_groups.clear()
         self.stage_pg.clear()
-        devices = [int(d) for d in args["devices"]]
+        devices = list(args.devices)
         dist.destroy_process_group()
         self.rank = devices.index(self.device_index)
-        join_world(self.store_client, generation=int(args["generation"]), rank=self.rank,
-                   world_size=len(devices), backend=self.backend, timeout=timedelta(seconds=float(args.get("timeout_s", 300))))
+        join_world(self.store_client, generation=args.generation, rank=self.rank, world_size=len(devices),
+                   backend=self.backend, timeout=timedelta(seconds=args.timeout_s))
         mapping = {d: i for i, d in enumerate(devices)}
         self.rank_of = mapping.__getitem__
         self._rebuild_all = True
         return {"rank": self.rank, "reform_s": time.perf_counter() - start}
 
-    def sync_weights(self, args: dict[str, Any]) -> dict[str, Any]:
-        source = ModelStage.parse(args["source"])
-        for target in (ModelStage.parse(t) for t in args["targets"]):
+    def sync_weights(self, args: P.SyncWeightsArgs) -> dict[str, Any]:
+        source = ModelStage.parse(args.source)
+        for target in (ModelStage.parse(t) for t in args.targets):
             dag, comms = self._sync[(source, target)]
             store = HoldingStore(self.memory, self.torch_device)
             if source in self.engines:

@@ -19,7 +19,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import zmq
 
@@ -377,15 +377,21 @@ class ControlPlane:
             raise WorkerError(f"worker process of device(s) {dead} exited (exit codes {codes})")
 
     # ------------------------------------------------------------------ tasks
-    def submit(self, kind: str, args_by_device: dict[int, dict[str, Any]]) -> int:
-        """Send one task to several workers (each gets its own args); returns the task id.
+    def submit(self, args_by_device: Mapping[int, P.TaskArgs]) -> int:
+        """Send one task to several workers (each gets its own typed args, all of one kind);
+        returns the task id.
 
         Every device's agent is checked before anything is sent: a task that reached only some
         of its workers would leave them blocked in its collectives.
 
         Raises:
             WorkerError: naming the devices that have no live agent (nothing was sent).
+            ProtocolError: for args of different kinds in one task.
         """
+        kinds = {a.kind for a in args_by_device.values()}
+        if len(kinds) != 1:
+            raise ProtocolError(f"one task, one kind: got {sorted(kinds) or 'no args'}")
+        kind = kinds.pop()
         missing = sorted(d for d in args_by_device
                          if self._device_to_agent.get(d) is None or self._device_to_agent[d] not in self.agents)
         if missing:
@@ -394,7 +400,7 @@ class ControlPlane:
         self._next_task_id += 1
         self._pending[task_id] = _PendingTask(kind, set(args_by_device))
         for device, args in args_by_device.items():
-            task = P.Task(task_id=task_id, kind=kind, args=args)
+            task = P.Task(task_id=task_id, args=args)
             self._send(self.agents[self._device_to_agent[device]].identity, P.ToWorker(device=device, task=task))
         return task_id
 
@@ -434,15 +440,14 @@ class ControlPlane:
         if failed:
             self._abandoned.add(task_id)   # the other workers' results may still come
             first = failed[0]
-            err = WorkerError(f"{pending.kind} failed on device {first.device}: {first.error}")
-            err.error_kind = first.error_kind  # type: ignore[attr-defined]
-            raise err
+            raise WorkerError(f"{pending.kind} failed on device {first.device}: {first.error}",
+                              error_kind=first.error_kind)
         return pending.results
 
-    def run(self, kind: str, args_by_device: dict[int, dict[str, Any]], timeout_s: float | None = None
+    def run(self, args_by_device: Mapping[int, P.TaskArgs], timeout_s: float | None = None
             ) -> dict[int, P.TaskResult]:
         """:meth:`submit` then :meth:`collect`."""
-        return self.collect(self.submit(kind, args_by_device), timeout_s)
+        return self.collect(self.submit(args_by_device), timeout_s)
 
     # ------------------------------------------------------------------ teardown
     def shutdown_agents(self, reason: str, wait_s: float = 10.0) -> None:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nereusd import protocol as P
 from nereusd.control.controller import Controller, StepObservation, forced_plan
 from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
 from nereusd.errors import NereusError, WorkerError
@@ -224,7 +225,7 @@ class LiveAdaptation:
         ``lost_steps``) and run again. Returns False (the failure stands) for any other error,
         or when no plan fits the devices left (journal ``fallback`` with ``action: none``).
         """
-        oom = getattr(err, "error_kind", None) == "DeviceOutOfMemory"
+        oom = isinstance(err, WorkerError) and err.error_kind == "DeviceOutOfMemory"
         if not oom and not isinstance(err, (WorkerError, TransitionInterrupted)):
             return False
         step = self.driver.step_index
@@ -301,7 +302,8 @@ class LiveAdaptation:
         self.control.spawn_workers(generation=generation, world=world, store_host=self.store.host,
                                    store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
                                    run_dir=str(self.run_dir.resolve()))
-        self.control.run("build", {d: self.driver.build_args(Plan({})) for d in world}, 300)
+        args = self.driver.build_args(Plan({}))
+        self.control.run({d: args for d in world}, 300)
         self._reform(list(world), [])     # ranks follow the world's order, not device numbers
         self.driver.plan = result.plan
         self.driver.build(self.world)
@@ -309,7 +311,8 @@ class LiveAdaptation:
         if checkpoint is not None:
             directory, step, position = checkpoint
             members = sorted({d for ms, c in result.plan.items() if ms.stage.value == "training" for d in c.devices})
-            self.control.run("load_checkpoint", {d: {"dir": directory} for d in members}, 300)
+            load = P.LoadCheckpointArgs(dir=directory)
+            self.control.run({d: load for d in members}, 300)
         self.driver.rewind(step, position)
         dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
         self.driver._sync_weights()
@@ -372,8 +375,8 @@ class LiveAdaptation:
         """Every worker of ``world`` joins a new world generation (rank = position in ``world``)."""
         generation = self.store.next_generation()
         start = time.perf_counter()
-        args = {"generation": generation, "devices": world, "timeout_s": 120}
-        self.control.run("reform_world", {d: args for d in world}, 300)
+        args = P.ReformWorldArgs(generation=generation, devices=world, timeout_s=120)
+        self.control.run({d: args for d in world}, 300)
         self.world = list(world)
         self.journal.event("world_formed", {"generation": generation, "devices": world, "new_devices": new,
                                             "elapsed_s": time.perf_counter() - start})
@@ -386,7 +389,7 @@ class LiveAdaptation:
                                    store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
                                    run_dir=str(self.run_dir.resolve()))
         args = self.driver.build_args(Plan({}))
-        self.control.run("build", {d: args for d in joined}, 300)
+        self.control.run({d: args for d in joined}, 300)
         self.journal.event("workers_started", {"devices": joined, "generation": private})
         self._reform(sorted(self.world) + joined, joined)
 

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         code = 0
     except WorkerError as err:
         pool_reason = controller.explain_failure(err)
-        kind = "PoolShrunk" if pool_reason else (getattr(err, "error_kind", None) or "WorkerError")
+        kind = "PoolShrunk" if pool_reason else (err.error_kind or "WorkerError")
         message = pool_reason or str(err)
         summary.update(status="stopped" if pool_reason else "failed", error=message, error_kind=kind)
         journal.event("job_stopped" if pool_reason else "job_failed", {"error": message, "error_kind": kind})

@@ -34,6 +34,7 @@ import numpy as np
 from nereusd.workflow import Algorithm
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import WorkerError
+from nereusd import protocol as P
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import Journal
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
@@ -41,7 +42,7 @@ from nereusd.rl import advantages as adv
 from nereusd.rl.record import StepRecord
 from nereusd.rl.rollout import RolloutBatch, as_lists, mean_of, split_even
 from nereusd.tasks import PromptSampler, get_task
-from nereusd.transition import sync_dags_to_json, weight_sync_dags
+from nereusd.transition import sync_dag_args, weight_sync_dags
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +129,22 @@ class RLDriver:
         return max(len(self.task.prompt_at(i).tokens) for i in range(self.cfg.rollout.prompts_per_step))
 
     # ------------------------------------------------------------------ setup
-    def build_args(self, plan: Plan) -> dict[str, Any]:
+    def build_args(self, plan: Plan) -> P.BuildArgs:
         """Arguments of the workers' ``build`` task for ``plan`` (an empty plan only records the
         job's models and optimiser settings on a worker that joins later)."""
         train = self.cfg.train
-        roles = {
-            role.value: {"spec": rm.spec.to_dict(), "path": rm.path, "value_head": rm.value_head}
-            for role, rm in self.job.roles.items()
-        }
+        roles = {role.value: P.RoleArgs(spec=rm.spec.to_dict(), path=rm.path, value_head=rm.value_head)
+                 for role, rm in self.job.roles.items()}
         lr = {str(ACTOR_TRAIN): train.actor_lr, str(CRITIC_TRAIN): train.critic_lr}
-        return {"plan": plan.to_dict(), "roles": roles, "train": train.model_dump(), "lr": lr, "seed": self.cfg.seed,
-                "syncs": self.sync_args(plan)}
+        settings = P.EngineSettings(micro_batch=train.micro_batch, weight_decay=train.weight_decay,
+                                    grad_clip=train.grad_clip)
+        return P.BuildArgs(plan=plan.to_dict(), roles=roles, train=settings, lr=lr, seed=self.cfg.seed,
+                           syncs=self.sync_args(plan))
 
-    def sync_args(self, plan: Plan) -> list[dict[str, Any]]:
-        """The weight-sync DAGs of ``plan`` as task arguments (planned here, executed as they are)."""
+    def sync_args(self, plan: Plan) -> list[P.SyncDag]:
+        """The weight-sync DAGs of ``plan`` as task payloads (planned here, executed as they are)."""
         models = {role: rm.spec for role, rm in self.job.roles.items()}
-        return sync_dags_to_json(weight_sync_dags(plan, models, devices_per_node=self.devices_per_node))
+        return sync_dag_args(weight_sync_dags(plan, models, devices_per_node=self.devices_per_node))
 
     def build(self, world: list[int] | None = None) -> None:
         """Create every model-stage's communicators and engines on the workers of ``world``
@@ -151,7 +152,7 @@ class RLDriver:
         args = self.build_args(self.plan)
         start = time.perf_counter()
         world = world if world is not None else list(range(self.job.devices))
-        results = self.control.run("build", {d: args for d in world})
+        results = self.control.run({d: args for d in world})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
         self.journal.event("build", {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
                                      "memory_in_use_bytes": memory})
@@ -163,13 +164,13 @@ class RLDriver:
         for its share ``[start, stop)`` of ``count`` items."""
         cand: Candidate = self.plan[ms]
         ranges = split_even(count, cand.dp)
-        args: dict[int, dict[str, Any]] = {}
+        args: dict[int, Any] = {}
         for r, (lo, hi) in enumerate(ranges):
-            body = {"model_stage": str(ms), **payload(r, lo, hi)}
+            body = P.task_args(kind, {"model_stage": str(ms), **payload(r, lo, hi)})
             for device in cand.replica_devices(r):
                 args[device] = body
         reporters = [cand.device_at(r, cand.pp - 1, 0) for r in range(cand.dp)]
-        return _Dispatch(self.control.submit(kind, args), ms, reporters, ranges)
+        return _Dispatch(self.control.submit(args), ms, reporters, ranges)
 
     def _gather(self, dispatch: _Dispatch, key: str) -> tuple[list[Any], dict[int, Any]]:
         """Concatenate the replicas' ``key`` results in sample order; also return raw results."""
@@ -412,8 +413,8 @@ class RLDriver:
             if not targets:
                 continue
             members = sorted({d for ms in [source, *targets] for d in self.plan[ms].devices})
-            args = {"source": str(source), "targets": [str(t) for t in targets]}
-            dispatches.append(self.control.submit("sync_weights", {d: args for d in members}))
+            args = P.SyncWeightsArgs(source=str(source), targets=[str(t) for t in targets])
+            dispatches.append(self.control.submit({d: args for d in members}))
         for task_id in dispatches:
             self.control.collect(task_id)
 
@@ -421,7 +422,8 @@ class RLDriver:
     def save_checkpoint(self, directory: str) -> None:
         members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
         start = time.perf_counter()
-        self.control.run("save_checkpoint", {d: {"dir": directory} for d in members})
+        save = P.SaveCheckpointArgs(dir=directory)
+        self.control.run({d: save for d in members})
         self.last_checkpoint = (directory, self.step_index, self.resume_position)
         self.journal.event("checkpoint", {"dir": directory, "step": self.step_index,
                                           "sample_position": self.resume_position,

@@ -71,7 +71,7 @@ __all__ = [
     "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
-    "assess_transition", "weight_sync_dags",
+    "assess_transition", "weight_sync_dags", "sync_dag_args",
 ]
 
 
@@ -207,6 +207,8 @@ def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,
     return out
 
 
-def sync_dags_to_json(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list[dict]:
-    """:func:`weight_sync_dags` as task arguments: ``[{"source", "target", "dag"}]``."""
-    return [{"source": str(s), "target": str(t), "dag": dag.to_json()} for (s, t), dag in dags.items()]
+def sync_dag_args(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list:
+    """:func:`weight_sync_dags` as task payloads (:class:`nereusd.protocol.tasks.SyncDag`)."""
+    from nereusd.protocol.tasks import SyncDag   # the wire format; the planner itself needs no protocol
+
+    return [SyncDag(source=str(s), target=str(t), dag=dag.to_json()) for (s, t), dag in dags.items()]

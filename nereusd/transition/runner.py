@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from nereusd import protocol as P
 from nereusd.errors import WorkerError
 from nereusd.plan import ModelStage, Plan
 from nereusd.transition.dag import Holding, topological_order
@@ -96,9 +97,9 @@ class TransitionRunner:
     def __init__(self, control, world: Iterable[int], timeout_s: float = 600.0) -> None:
         self.control, self.world, self.timeout_s = control, sorted(world), timeout_s
 
-    def run(self, dag: TransitionDag, syncs: list[dict[str, Any]] | None = None) -> TransitionProgress:
+    def run(self, dag: TransitionDag, syncs: list[P.SyncDag] | None = None) -> TransitionProgress:
         """Execute ``dag``; returns the progress with every op completed. ``syncs``: the target
-        plan's weight-sync DAGs (:func:`nereusd.transition.sync_dags_to_json`), handed to the
+        plan's weight-sync DAGs (:func:`nereusd.transition.sync_dag_args`), handed to the
         workers with ``transition_finish``.
 
         Raises:
@@ -110,17 +111,17 @@ class TransitionRunner:
         started: set[str] = set()
         pending: dict[int, list[str]] = {}
         try:
-            res = self.control.run("transition_prepare", {d: {"dag": dag.to_json()} for d in self.world},
-                                   self.timeout_s)
+            prepare = P.TransitionPrepareArgs(dag=dag.to_json())
+            res = self.control.run({d: prepare for d in self.world}, self.timeout_s)
             progress.setup_s = max((r.result.get("setup_s", 0.0) for r in res.values()), default=0.0)
             while len(progress.completed) < len(dag.ops):
                 ready = ready_ops(dag, progress.completed, started)
                 if ready:
-                    args: dict[int, dict[str, Any]] = defaultdict(lambda: {"ops": []})
+                    ops: dict[int, list[str]] = defaultdict(list)
                     for op_id in ready:
                         for d in _op_devices(dag, op_id):
-                            args[d]["ops"].append(op_id)
-                    task = self.control.submit("transition_run", dict(args))
+                            ops[d].append(op_id)
+                    task = self.control.submit({d: P.TransitionRunArgs(ops=o) for d, o in ops.items()})
                     pending[task] = ready
                     started.update(ready)
                 for task in [t for t in pending if self.control.done(t)]:
@@ -130,7 +131,8 @@ class TransitionRunner:
                     self.control.poll(0.005)
                     for task in pending:  # raises WorkerError when a worker of a task died
                         self.control.raise_if_lost(task)
-            self.control.run("transition_finish", {d: {"syncs": syncs or []} for d in self.world}, self.timeout_s)
+            finish = P.TransitionFinishArgs(syncs=syncs or [])
+            self.control.run({d: finish for d in self.world}, self.timeout_s)
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)

@@ -16,9 +16,10 @@ def test_a_task_with_a_device_without_agent_is_sent_to_no_device():
     control = ControlPlane()
     agent = fake_agent(control, "n0", 2)
     try:
+        report = P.MemoryReportArgs()
         with pytest.raises(WorkerError, match=r"devices \[5\] have no live agent; nothing was sent"):
-            control.submit("train", {0: {}, 1: {}, 5: {}})
-        task = control.submit("noop", {0: {}})
+            control.submit({0: report, 1: report, 5: report})
+        task = control.submit({0: report})
         first = P.decode(agent.recv())   # per-connection order: the first task sent comes first
         assert isinstance(first, P.ToWorker) and first.task.task_id == task and first.device == 0
     finally:

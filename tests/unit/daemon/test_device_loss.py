@@ -59,7 +59,7 @@ def test_late_results_of_abandoned_tasks_are_dropped():
     control = ControlPlane()
     n0 = fake_agent(control, "n0", 2)
     try:
-        task = control.submit("noop", {0: {}, 1: {}})
+        task = control.submit({0: P.MemoryReportArgs(), 1: P.MemoryReportArgs()})
         assert control.abandon_tasks() == [task]
         n0.send(P.encode(P.FromWorker(device=0, payload=P.TaskResult(task_id=task, device=0, ok=True))))
         control.poll(0.2)

@@ -41,7 +41,7 @@ adaptation:
 
 class WorkerStand:
     """The control-plane calls the shell and the transition runner make, answered at once; every
-    task is recorded as ``(kind, {device: args})``."""
+    task is recorded as ``(kind, {device: typed args})``."""
 
     def __init__(self, devices: int) -> None:
         self.registered = list(range(devices))
@@ -54,15 +54,15 @@ class WorkerStand:
     def done(self, task_id): return True
     def raise_if_lost(self, task_id): pass
 
-    def submit(self, kind, args):
-        self.tasks.append((kind, args))
+    def submit(self, args):
+        self.tasks.append((next(iter(args.values())).kind, args))
         return len(self.tasks)
 
     def collect(self, task_id, timeout_s=None):
         return {d: SimpleNamespace(result={}, elapsed_s=0.0) for d in self.tasks[task_id - 1][1]}
 
-    def run(self, kind, args, timeout_s=None):
-        return self.collect(self.submit(kind, args), timeout_s)
+    def run(self, args, timeout_s=None):
+        return self.collect(self.submit(args), timeout_s)
 
 
 def test_the_executed_dag_is_the_assessed_one(tmp_path):
@@ -84,7 +84,7 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
 
     decision = outcomes[0].decision
     assert decision.admitted and decision.target.dag is not None
-    sent = {args["dag"] for kind, per_device in control.tasks if kind == "transition_prepare"
+    sent = {args.dag for kind, per_device in control.tasks if kind == "transition_prepare"
             for args in per_device.values()}
     assert len(sent) == 1, "every worker gets the same DAG"
     executed = TransitionDag.from_json(sent.pop())
@@ -95,4 +95,4 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
     assert driver.plan == decision.target.plan and controller.plan == decision.target.plan
     # the weight-sync DAGs handed over with transition_finish were planned with 8 devices per node
     finish = [args for kind, per_device in control.tasks if kind == "transition_finish" for args in per_device.values()]
-    assert finish and finish[0]["syncs"] == driver.sync_args(decision.target.plan)
+    assert finish and finish[0].syncs == driver.sync_args(decision.target.plan)

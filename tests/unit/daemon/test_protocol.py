@@ -11,7 +11,8 @@ from nereusd.errors import ProtocolError
 
 
 def test_round_trip_of_every_path():
-    task = P.Task(task_id=3, kind="generate", args={"prompts": [[1, 2, 3]]})
+    task = P.Task(task_id=3, args=P.GenerateArgs(model_stage="actor/generation", prompts=[[1, 2, 3]], max_new_tokens=4,
+                                                 temperature=1.0, greedy=False, eos_id=0, pad_id=0, seed=1))
     msgs = [
         P.RegisterAgent(node_id="n1", hostname="h", pid=1,
                         devices=[P.DeviceInfo(local_index=0, kind="cpu", name="virtual-cpu", memory_bytes=10)]),
@@ -32,7 +33,14 @@ def test_round_trip_of_every_path():
     (json.dumps({"v": 1, "type": "heartbeat"}).encode(), r"malformed 'heartbeat' message: node_id: Field required"),
     (json.dumps({"v": 1, "type": "heartbeat", "node_id": "a", "evil": 1}).encode(),
      r"malformed 'heartbeat' message: evil: Extra inputs are not permitted"),
-    (json.dumps({"v": 1, "type": "task", "task_id": -1, "kind": "x"}).encode(), r"task_id: Input should be greater"),
+    (json.dumps({"v": 1, "type": "task", "task_id": -1, "args": {"kind": "memory_report"}}).encode(),
+     r"task_id: Input should be greater"),
+    (json.dumps({"v": 1, "type": "task", "task_id": 1, "args": {"kind": "reboot"}}).encode(),
+     r"malformed 'task' message: args: Input tag 'reboot' found using 'kind' does not match"),
+    (json.dumps({"v": 1, "type": "task", "task_id": 1, "args": {"kind": "save_checkpoint"}}).encode(),
+     r"malformed 'task' message: args.save_checkpoint.dir: Field required"),
+    (json.dumps({"v": 1, "type": "task", "task_id": 1, "args": {"kind": "transition_run", "ops": "a"}}).encode(),
+     r"args.transition_run.ops: Input should be a valid list"),
 ])
 def test_decode_refuses(frame, match):
     with pytest.raises(ProtocolError, match=match):
@@ -103,3 +111,17 @@ def test_heartbeat_loss_declares_agent_lost():
     finally:
         sock.close()
         control.close()
+
+
+def test_task_payloads_are_typed_per_kind():
+    args = P.task_args("train", {"model_stage": "actor/training", "sequences": [[1, 2]], "prompt_lens": [1],
+                                 "per_token": {"advantages": [[0.5]]},
+                                 "loss": {"kind": "value", "value_clip": 0.2}})
+    assert isinstance(args, P.TrainArgs) and isinstance(args.loss, P.ValueLoss)
+    with pytest.raises(ProtocolError, match="unknown task kind 'noop'"):
+        P.task_args("noop", {})
+    with pytest.raises(ProtocolError, match=r"malformed 'generate' task: .*max_new_tokens: Field required"):
+        P.task_args("generate", {"model_stage": "actor/generation", "prompts": [[1]]})
+    with pytest.raises(ProtocolError, match=r"loss.policy.clip: Field required"):
+        P.task_args("train", {"model_stage": "actor/training", "sequences": [], "prompt_lens": [], "per_token": {},
+                              "loss": {"kind": "policy"}})

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from emu.state.devmem import DeviceMemory
 from emu.worker.runtime import WorkerRuntime
+from nereusd import protocol as P
 from nereusd.config.resolve import load_and_resolve
 from nereusd.plan import Candidate, ModelStage, Plan
 from nereusd.transition import plan_transition
@@ -44,19 +45,21 @@ rollout: {{prompts_per_step: 2, group_size: 4, max_new_tokens: 8}}
 train: {{global_batch: 8, micro_batch: 4}}
 """)
     job = load_and_resolve(job_path)
-    roles = {r.value: {"spec": rm.spec.to_dict(), "path": rm.path, "value_head": rm.value_head}
+    roles = {r.value: P.RoleArgs(spec=rm.spec.to_dict(), path=rm.path, value_head=rm.value_head)
              for r, rm in job.roles.items()}
-    runtime.build({"plan": job.plan.to_dict(), "roles": roles, "train": job.config.train.model_dump(),
-                   "lr": {str(TRAIN): 1e-4}, "seed": 0})
+    train = job.config.train
+    runtime.build(P.BuildArgs(plan=job.plan.to_dict(), roles=roles, lr={str(TRAIN): 1e-4}, seed=0,
+                              train=P.EngineSettings(micro_batch=train.micro_batch, weight_decay=train.weight_decay,
+                                                     grad_clip=train.grad_clip)))
     assert runtime.engines[GEN].micro_batch == 4 and runtime.engines[TRAIN].micro_batch == 4
     target = Plan({**job.plan.candidates,
                    GEN: Candidate(1, 1, 1, (0,), micro_batch=2),
                    TRAIN: Candidate(1, 1, 1, (0,), micro_batch=2, recompute=True)})
     dag = plan_transition(job.plan, target, {r: rm.spec for r, rm in job.roles.items()}, devices_per_node=1)
     assert not dag.ops, "a micro-batch change moves no state"
-    runtime.transition_prepare({"dag": dag.to_json()})
-    runtime.transition_run({"ops": []})
-    runtime.transition_finish({})
+    runtime.transition_prepare(P.TransitionPrepareArgs(dag=dag.to_json()))
+    runtime.transition_run(P.TransitionRunArgs(ops=[]))
+    runtime.transition_finish(P.TransitionFinishArgs())
     gen, train = runtime.engines[GEN], runtime.engines[TRAIN]
     assert gen.micro_batch == 2 and gen.candidate.micro_batch == 2
     assert train.micro_batch == 2 and train.recompute and train.module.recompute

@@ -29,12 +29,12 @@ class ScriptedControl:
         self.exited_workers: dict[int, int] = {}
         self.kinds: list[str] = []
 
-    def run(self, kind, args, timeout_s=None):
-        self.kinds.append(kind)
+    def run(self, args, timeout_s=None):
+        self.kinds.append(next(iter(args.values())).kind)
         return {d: SimpleNamespace(result={"setup_s": 0.0}) for d in args}
 
-    def submit(self, kind, args):
-        self.kinds.append(kind)
+    def submit(self, args):
+        self.kinds.append(next(iter(args.values())).kind)
         return len(self.kinds)
 
     def done(self, task_id):

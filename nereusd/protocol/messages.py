@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from nereusd.errors import ProtocolError
+from nereusd.protocol.tasks import TaskArgs
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -115,12 +116,16 @@ class WorkerExited(_Message):
 
 
 class Task(_Message):
-    """A unit of work for one worker; ``kind`` selects the handler, ``args`` its inputs."""
+    """A unit of work for one worker: ``args`` is the typed payload of its kind
+    (:mod:`nereusd.protocol.tasks`), whose ``kind`` selects the handler."""
 
     type: Literal["task"] = "task"
     task_id: int = Field(ge=0)
-    kind: str
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: TaskArgs
+
+    @property
+    def kind(self) -> str:
+        return self.args.kind
 
 
 class TaskResult(_Message):
