@@ -25,7 +25,7 @@ import yaml
 from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
-from nereusd.journal import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
+from nereusd.journal import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, read_jsonl
 
 ENDPOINT_FILE = "nereusd.json"
 
@@ -217,23 +217,23 @@ def compact_plan(plan: dict) -> str:
 def describe_event(ev: dict) -> str | None:
     """One progress line for an admitted switch, a fallback or a pool change; else ``None``."""
     kind = ev.get("event")
-    if kind == "admission" and ev.get("verdict") == "admit":
+    if kind == Event.ADMISSION and ev.get("verdict") == "admit":
         why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
         changed = [f"{ms} tp{c['tp']}·pp{c['pp']}·dp{c['dp']}" for ms, c in (ev.get("target_plan") or {}).items()
                    if c != (ev.get("current_plan") or {}).get(ms)]
         gain = ev.get("delta_l_s")
         return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
                 + (f" (ΔL {gain:+.2f} s/step, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
-    if kind == "launch_plan" and ev.get("source") == "planner":
+    if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
         plan = "; ".join(f"{ms} tp{c['tp']}·pp{c['pp']}·dp{c['dp']}" for ms, c in ev["plan"].items())
         return f"nereus: planner's launch plan: {plan}"
-    if kind == "fallback":
+    if kind == Event.FALLBACK:
         return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
-    if kind == "pool_changed" and "step" in ev:
+    if kind == Event.POOL_CHANGED and "step" in ev:
         why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
         return (f"nereus: step {ev['step']}: pool change (joined {ev.get('joined')}, leaving {ev.get('leaving')}) "
                 f"-> {len(ev.get('pool_devices', []))} devices{why}")
-    if kind == "pool_request_refused":
+    if kind == Event.POOL_REQUEST_REFUSED:
         why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
         return f"nereus: pool change refused: remove {ev.get('remove')}: {ev.get('reason')}{why}"
     return None
@@ -262,7 +262,7 @@ class _Progress:
         self.seen = len(records)
         events = read_jsonl(run_dir / EVENTS_FILE)
         for ev in events[self.events_seen:]:
-            if ev.get("event") == "admission" and ev.get("verdict") == "admit":
+            if ev.get("event") == Event.ADMISSION and ev.get("verdict") == "admit":
                 self.switches += 1
             line = describe_event(ev)
             if line and not self.quiet:

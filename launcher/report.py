@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from nereusd.errors import NereusError
-from nereusd.journal import METRICS_FILE, read_jsonl
+from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl
 
 #: (file name, title, y label, series key(s)) of the per-step plots.
 _SERIES = (
@@ -112,8 +112,6 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     """``plan_timeline.png`` (layout of every model-stage per step; admitted switches and pool
     changes marked) and ``predicted_vs_measured.png`` (the controller's step-latency prediction
     against the measured critical path of model-stage times and the step's wall time)."""
-    from nereusd.journal import EVENTS_FILE
-
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
     segments = plan_segments(records)
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * max(1, len(segments))))
@@ -125,12 +123,12 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
             ax.text((lo + hi) / 2, row, short, ha="center", va="center", fontsize=7 if hi - lo >= 2 else 5,
                     rotation=0 if hi - lo >= 2 else 90)
     for e in events:
-        if e.get("event") == "admission" and e.get("verdict") == "admit":
+        if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
             ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
             why = ",".join(t["signal"] for t in e.get("triggers", []))
             ax.text(e["step"] + 0.55, len(segments) - 0.4, f"switch ({why})", color="red", fontsize=7, rotation=90,
                     va="top")
-        elif e.get("event") == "pool_changed" and "step" in e:
+        elif e.get("event") == Event.POOL_CHANGED and "step" in e:
             ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
     ax.set_yticks(range(len(segments)), list(segments))
     ax.set(title="Plan timeline (red: admitted switch, purple: pool change)", xlabel="step")
@@ -138,7 +136,7 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     fig.savefig(out_dir / "plan_timeline.png", dpi=100)
     plt.close(fig)
 
-    preds = [e for e in events if e.get("event") == "step_prediction"]
+    preds = [e for e in events if e.get("event") == Event.STEP_PREDICTION]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     if preds:
         steps = [e["step"] for e in preds]
@@ -146,7 +144,7 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
         ax.plot(steps, [e.get("measured_stage_path_s") for e in preds], "s-", label="measured (model-stage path)")
         ax.plot(steps, [e.get("measured_step_latency_s") for e in preds], ".:", label="measured (step wall time)")
         for e in events:
-            if e.get("event") == "admission" and e.get("verdict") == "admit":
+            if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
                 ax.axvline(e["step"] + 0.5, color="red", lw=1)
         ax.legend()
     ax.set(title="Step latency: predicted vs measured (red: switch)", xlabel="step", ylabel="seconds")

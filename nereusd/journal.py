@@ -7,6 +7,7 @@ Each line is flushed as it is written, so a crash loses at most the line being w
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import time
@@ -18,6 +19,74 @@ from nereusd.errors import NereusError
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 SUMMARY_FILE = "summary.json"
+
+
+class Event(str, enum.Enum):
+    """The kinds of ``events.jsonl`` records (a ``str``: a record's ``event`` field is the value)."""
+
+    NEREUSD_STARTED = "nereusd_started"
+    """nereusd bound its endpoint; the job, its devices and whether it adapts."""
+    NEREUSD_STOPPED = "nereusd_stopped"
+    """nereusd stopped every agent and exits (with the job's status)."""
+    AGENT_REGISTERED = "agent_registered"
+    """an agent registered its devices (their global numbers)."""
+    AGENT_LOST = "agent_lost"
+    """an agent left the pool: heartbeats stopped, or Slurm took its node."""
+    CONNECTION_REFUSED = "connection_refused"
+    """a peer failed the CURVE handshake."""
+    MESSAGE_REFUSED = "message_refused"
+    """a malformed or unexpected message was answered with an error."""
+    WORKER_EXITED = "worker_exited"
+    """a worker process ended (with its exit code)."""
+    WORKERS_STOPPED = "workers_stopped"
+    """nereusd stopped workers to restart them (the devices stay in the pool)."""
+    DEVICES_RELEASED = "devices_released"
+    """nereusd stopped the workers of devices that leave the pool."""
+    WORKERS_STARTED = "workers_started"
+    """workers of devices that joined started in a private world."""
+    WORLD_FORMED = "world_formed"
+    """every worker joined a world generation."""
+    LAUNCH_PLAN = "launch_plan"
+    """the plan the job starts on, and where it came from."""
+    BUILD = "build"
+    """the workers built every model-stage's engines."""
+    CHECKPOINT = "checkpoint"
+    """a DCP checkpoint of the trained roles was saved."""
+    STEP_PREDICTION = "step_prediction"
+    """the controller's prediction of the step against what it measured."""
+    TRIGGER = "trigger"
+    """a signal that started a replan."""
+    REPLAN = "replan"
+    """a replan: the length planned for, the headroom, the planner's log."""
+    ADMISSION = "admission"
+    """admission's verdict with ΔL, L_tran, H_x, the payback margin and the alternatives."""
+    TRANSITION = "transition"
+    """a transition ran: its ops, predicted and measured time, per-op timings."""
+    FALLBACK = "fallback"
+    """a checkpoint/restart (or none possible), why, and the steps lost."""
+    DEVICE_LOST = "device_lost"
+    """devices were lost abruptly (a worker died, an agent went silent)."""
+    POOL_CHANGED = "pool_changed"
+    """devices joined or left, with the verdict and what caused it."""
+    POOL_REQUEST = "pool_request"
+    """nereus-launch pool asked for devices to leave."""
+    POOL_REQUEST_REFUSED = "pool_request_refused"
+    """a removal that would leave the job no device."""
+    POOL_SCHEDULE_DUE = "pool_schedule_due"
+    """the job's pool schedule or trace has events due at this boundary."""
+    SLURM_EVENT = "slurm_event"
+    """the allocation watcher saw Slurm change a node or a job."""
+    JOB_FAILED = "job_failed"
+    """the job failed (its error and error kind)."""
+    JOB_STOPPED = "job_stopped"
+    """the job stopped because the pool lost devices it needs."""
+    JOB_PREEMPTED = "job_preempted"
+    """the job checkpointed and stopped on Slurm's preemption warning."""
+    JOB_INTERRUPTED = "job_interrupted"
+    """nereusd received SIGTERM or SIGINT."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class JournalError(NereusError):
@@ -48,9 +117,13 @@ class Journal:
         self._metrics.write(json.dumps(record, default=_default) + "\n")
         self._metrics.flush()
 
-    def event(self, name: str, fields: dict[str, Any] | None = None) -> None:
-        """Append one event ``{"time_s", "event", ...fields}``."""
-        record = {"time_s": round(time.time(), 3), "event": name, **(fields or {})}
+    def event(self, kind: Event, fields: dict[str, Any] | None = None) -> None:
+        """Append one event ``{"time_s", "event", ...fields}``.
+
+        Raises:
+            ValueError: ``kind`` is not an :class:`Event` (an unknown name is a bug here).
+        """
+        record = {"time_s": round(time.time(), 3), "event": Event(kind).value, **(fields or {})}
         self._events.write(json.dumps(record, default=_default) + "\n")
         self._events.flush()
 

@@ -25,6 +25,7 @@ import zmq
 
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError, WorkerError
+from nereusd.journal import Event
 from nereusd.daemon.pool_events import PoolChange, PoolChangeKind
 from nereusd.daemon.security import JobKeys, ServerAuth
 
@@ -131,7 +132,7 @@ class ControlPlane:
         for reason in self._auth.drain_monitor():
             self.refused_connections += 1
             log.warning("refused a connection: %s", reason)
-            self._on_event("connection_refused", {"reason": reason})
+            self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
 
     def _receive(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -147,7 +148,7 @@ class ControlPlane:
     def _refuse(self, identity: bytes, reason: str) -> None:
         self.refused_messages += 1
         log.warning("refused a message from peer %r: %s", identity, reason)
-        self._on_event("message_refused", {"peer": identity.hex(), "reason": reason})
+        self._on_event(Event.MESSAGE_REFUSED, {"peer": identity.hex(), "reason": reason})
         self._send(identity, P.ErrorReply(reason=reason))
 
     def _send(self, identity: bytes, msg: P._Message) -> None:
@@ -198,7 +199,7 @@ class ControlPlane:
             self._device_to_agent[dev] = msg.node_id
         log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
                  len(msg.devices), global_devices)
-        self._on_event("agent_registered", {"node_id": msg.node_id, "hostname": msg.hostname,
+        self._on_event(Event.AGENT_REGISTERED, {"node_id": msg.node_id, "hostname": msg.hostname,
                                             "devices": global_devices, "slurm_job_id": msg.slurm_job_id})
         self._send(identity, P.Welcome(node_id=msg.node_id, global_devices=global_devices))
         if self.world_formed:
@@ -215,7 +216,7 @@ class ControlPlane:
         self.exited_workers[msg.device] = msg.exitcode
         self.ready_workers.discard(msg.device)
         log.warning("worker of device %d on %s exited with %s", msg.device, agent.node_id, msg.exitcode)
-        self._on_event("worker_exited", {"device": msg.device, "node_id": agent.node_id, "exitcode": msg.exitcode})
+        self._on_event(Event.WORKER_EXITED, {"device": msg.device, "node_id": agent.node_id, "exitcode": msg.exitcode})
 
     def _from_worker(self, device: int, payload: P.WorkerReady | P.TaskResult) -> None:
         if isinstance(payload, P.WorkerReady):
@@ -247,7 +248,7 @@ class ControlPlane:
         if agent is None:
             return False
         log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, agent.global_devices)
-        self._on_event("agent_lost", {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
+        self._on_event(Event.AGENT_LOST, {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
                                       "detail": detail})
         self.lost_agents.append(node_id)
         for dev in agent.global_devices:
@@ -276,7 +277,7 @@ class ControlPlane:
             self.ready_workers.discard(dev)
         for node_id, devs in by_agent.items():
             self._send(self.agents[node_id].identity, P.StopWorkers(devices=devs, reason=reason))
-        self._on_event("workers_stopped" if keep_in_pool else "devices_released",
+        self._on_event(Event.WORKERS_STOPPED if keep_in_pool else "devices_released",
                        {"devices": sorted(devices), "reason": reason})
 
     def wait_exited(self, devices: list[int], timeout_s: float = 15.0) -> bool:

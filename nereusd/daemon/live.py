@@ -42,7 +42,7 @@ from nereusd.control.controller import Controller, StepObservation, forced_plan
 from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
-from nereusd.journal import METRICS_FILE, Journal, drop_metrics_from
+from nereusd.journal import Event, Journal, METRICS_FILE, drop_metrics_from
 from nereusd.plan import Plan
 from nereusd.rl.record import StepRecord
 from nereusd.planner.search import Infeasible
@@ -98,7 +98,7 @@ class LiveAdaptation:
     def request_remove(self, count: int) -> dict[str, Any]:
         """``nereus-launch pool --remove``: queue ``count`` devices to leave at the next boundary."""
         self.pending_remove += count
-        self.journal.event("pool_request", {"remove": count})
+        self.journal.event(Event.POOL_REQUEST, {"remove": count})
         return {"queued_remove": self.pending_remove, "pool": self.control.devices()}
 
     # ------------------------------------------------------------------ the boundary
@@ -117,7 +117,7 @@ class LiveAdaptation:
             self._first_step_start = time.monotonic() - record.step_latency_s
         obs = StepObservation(step, record.response_length_max, record.model_stage_s, record.peak_memory_bytes,
                               record.step_latency_s)
-        self.journal.event("step_prediction", self.controller.observe(obs))
+        self.journal.event(Event.STEP_PREDICTION, self.controller.observe(obs))
         upcoming = step + 1
         if upcoming >= self.job.config.steps:
             return
@@ -126,7 +126,7 @@ class LiveAdaptation:
         elapsed_s = time.monotonic() - self._first_step_start
         due = self._schedule.due(upcoming, elapsed_s)
         if due:
-            self.journal.event("pool_schedule_due", {"step": step, "elapsed_s": round(elapsed_s, 3),
+            self.journal.event(Event.POOL_SCHEDULE_DUE, {"step": step, "elapsed_s": round(elapsed_s, 3),
                                                      "events": [e.to_dict() for e in due]})
         pool_actions = plan_pool(world=self.world, registered=self.control.devices(),
                                  lost=self.control.lost_devices(self.world),   # since the step's last task
@@ -142,12 +142,12 @@ class LiveAdaptation:
         if pool_actions.lost_spares:
             gone = pool_actions.lost_spares
             self.world = [d for d in self.world if d not in gone]   # never in a world again
-            self.journal.event("device_lost", {
+            self.journal.event(Event.DEVICE_LOST, {
                 "step": step, "devices": sorted(gone), "cause": ", ".join(sorted({v["cause"] for v in gone.values()})),
                 "survivors": list(self.world), "spare": True,
                 "detail": {str(d): v for d, v in sorted(gone.items())}})
         if pool_actions.refused_remove:
-            self.journal.event("pool_request_refused", {
+            self.journal.event(Event.POOL_REQUEST_REFUSED, {
                 "remove": pool_actions.refused_remove, "sources": list(pool_actions.sources),
                 "pool": [d for d in self.control.devices() if d in self.world],
                 "reason": "the job needs at least one device"})
@@ -156,7 +156,7 @@ class LiveAdaptation:
             self._grow_world(joined)
         pool = tuple(d for d in sorted(self.world) if d not in leaving)
         if leaving or joined:
-            self.journal.event("pool_changed", {
+            self.journal.event(Event.POOL_CHANGED, {
                 "step": step, "joined": joined, "leaving": leaving, "pool_devices": list(pool), "verdict": "replan",
                 "sources": list(pool_actions.sources) + (["an agent registered (nereus-launch pool --add)"]
                                                          if joined and not pool_actions.add else [])})
@@ -177,14 +177,14 @@ class LiveAdaptation:
         """Journal ``trigger``, ``replan`` and ``admission`` for the controller's outcome."""
         d = outcome.decision
         for trigger in d.triggers:
-            self.journal.event("trigger", {"step": step, **trigger.to_dict()})
-        self.journal.event("replan", {"step": step, "planned_length": outcome.planned_length,
+            self.journal.event(Event.TRIGGER, {"step": step, **trigger.to_dict()})
+        self.journal.event(Event.REPLAN, {"step": step, "planned_length": outcome.planned_length,
                                       "memory_ratio": self.controller.memory_ratio(),
                                       "headroom": self.controller.headroom(), "planner_log": list(outcome.planner_log),
                                       "targets": len(d.alternatives) + (1 if d.admitted else 0)})
         self.last_decision = {k: v for k, v in d.to_dict().items() if k != "event"} | {
             "current_plan": self.driver.plan.to_dict()}
-        self.journal.event("admission", self.last_decision)
+        self.journal.event(Event.ADMISSION, self.last_decision)
         log.info("step %d: %s (%s)", step, d.verdict, d.reason)
 
     def _execute(self, action: Action, step: int) -> None:
@@ -235,7 +235,7 @@ class LiveAdaptation:
         survivors = [d for d in self.world if d not in lost]
         if lost:
             causes = sorted({v["cause"] for v in lost.values()})
-            self.journal.event("device_lost", {
+            self.journal.event(Event.DEVICE_LOST, {
                 "step": step, "devices": sorted(lost), "cause": ", ".join(causes), "survivors": survivors,
                 "detail": {str(d): v for d, v in sorted(lost.items())}, "error": str(err)[:300]})
             log.error("step %d: devices %s lost (%s); restarting on %s", step, sorted(lost), ", ".join(causes),
@@ -249,7 +249,7 @@ class LiveAdaptation:
                 raise Infeasible("no device is left")
             self.controller.restart_plan(tuple(sorted(survivors)))
         except Infeasible as reason:
-            self.journal.event("fallback", {"step": step, "action": "none", "reason": f"{why}: {reason}",
+            self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
                                             "survivors": survivors})
             return False
         self._restart(survivors, sorted(lost), step, why, self.driver.last_checkpoint,
@@ -320,7 +320,7 @@ class LiveAdaptation:
         self.switches += 1
         self.restarts += 1
         self.lost_steps += max(0, failed_step - step)
-        self.journal.event("fallback", {"step": failed_step, "action": "checkpoint_restart", "reason": why,
+        self.journal.event(Event.FALLBACK, {"step": failed_step, "action": "checkpoint_restart", "reason": why,
                                         "checkpoint": checkpoint[0] if checkpoint else None, "resume_step": step,
                                         "lost_steps": failed_step - step, "dropped_metrics": dropped,
                                         "lost_devices": leaving, "abandoned_tasks": len(abandoned),
@@ -364,7 +364,7 @@ class LiveAdaptation:
         if predicted_s is not None:
             self.controller.transition_measured(predicted_s, elapsed)
         self.controller.switched(target, tuple(sorted(self.world)))
-        self.journal.event("transition", {
+        self.journal.event(Event.TRANSITION, {
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
             "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
             "setup_s": progress.setup_s, "world": self.world, "generation": self.store.generation,
@@ -378,7 +378,7 @@ class LiveAdaptation:
         args = P.ReformWorldArgs(generation=generation, devices=world, timeout_s=120)
         self.control.run({d: args for d in world}, 300)
         self.world = list(world)
-        self.journal.event("world_formed", {"generation": generation, "devices": world, "new_devices": new,
+        self.journal.event(Event.WORLD_FORMED, {"generation": generation, "devices": world, "new_devices": new,
                                             "elapsed_s": time.perf_counter() - start})
 
     def _grow_world(self, joined: list[int]) -> None:
@@ -390,7 +390,7 @@ class LiveAdaptation:
                                    run_dir=str(self.run_dir.resolve()))
         args = self.driver.build_args(Plan({}))
         self.control.run({d: args for d in joined}, 300)
-        self.journal.event("workers_started", {"devices": joined, "generation": private})
+        self.journal.event(Event.WORKERS_STARTED, {"devices": joined, "generation": private})
         self._reform(sorted(self.world) + joined, joined)
 
     def _release(self, leaving: list[int], step: int) -> None:

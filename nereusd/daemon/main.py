@@ -30,7 +30,7 @@ from nereusd.rl.record import StepRecord
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import load_and_resolve
-from nereusd.journal import METRICS_FILE, Journal, read_jsonl
+from nereusd.journal import Event, Journal, METRICS_FILE, read_jsonl
 from nereusd.planner.search import Infeasible
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                                "curve": keys is not None, "slurm_job_id": args.slurm_job_id,
                                "device_memory_bytes": job.device_memory_bytes}))
     os.replace(tmp, run_dir / ENDPOINT_FILE)
-    journal.event("nereusd_started", {"endpoint": endpoint, "job": job.config.name,
+    journal.event(Event.NEREUSD_STARTED, {"endpoint": endpoint, "job": job.config.name,
                                       "algorithm": job.config.algorithm.value, "devices": job.devices,
                                       "curve": keys is not None, "adaptive": adaptive,
                                       "slurm_job_id": args.slurm_job_id, "nodes": args.nodes})
@@ -129,19 +129,19 @@ def run(args: argparse.Namespace) -> int:
             try:
                 chosen = launch_plan(job, site, driver.prompt_length)
                 driver.plan, why = chosen.plan, "planner"
-                journal.event("launch_plan", {"plan": chosen.plan.to_dict(), "source": why,
+                journal.event(Event.LAUNCH_PLAN, {"plan": chosen.plan.to_dict(), "source": why,
                                               "predicted_step_latency_s": chosen.predicted_step_latency_s,
                                               "response_length": job.config.adaptation.launch_response_length
                                               or job.config.rollout.max_new_tokens})
             except Infeasible as err:   # run the default plan: the workers say what does not fit
                 why = f"the job's default plan (the planner found none: {err})"
         if why != "planner":
-            journal.event("launch_plan", {"plan": driver.plan.to_dict(), "source": why})
+            journal.event(Event.LAUNCH_PLAN, {"plan": driver.plan.to_dict(), "source": why})
         world = control.wait_for_devices(job.devices, args.register_timeout_s)
         control.spawn_workers(generation=store.generation, world=world, store_host=store.host,
                               store_port=store.port, memory_capacity_bytes=job.device_memory_bytes,
                               run_dir=str(run_dir.resolve()))
-        journal.event("world_formed", {"generation": store.generation, "devices": world})
+        journal.event(Event.WORLD_FORMED, {"generation": store.generation, "devices": world})
         controller.world_formed(driver.plan.to_dict(), world)
         if adaptive:
             decisions = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         code = 0
     except PoolStop as err:
         summary.update(status="preempted", error=str(err), error_kind="Preempted")
-        journal.event("job_preempted", {"reason": str(err)})
+        journal.event(Event.JOB_PREEMPTED, {"reason": str(err)})
         log.warning("job stopped: %s", err)
         code = 0
     except WorkerError as err:
@@ -176,21 +176,21 @@ def run(args: argparse.Namespace) -> int:
         kind = "PoolShrunk" if pool_reason else (err.error_kind or "WorkerError")
         message = pool_reason or str(err)
         summary.update(status="stopped" if pool_reason else "failed", error=message, error_kind=kind)
-        journal.event("job_stopped" if pool_reason else "job_failed", {"error": message, "error_kind": kind})
+        journal.event(Event.JOB_STOPPED if pool_reason else "job_failed", {"error": message, "error_kind": kind})
         log.error("job %s: %s", summary["status"], message)
     except NereusError as err:
         summary.update(status="failed", error=str(err), error_kind=type(err).__name__)
-        journal.event("job_failed", {"error": str(err), "error_kind": type(err).__name__})
+        journal.event(Event.JOB_FAILED, {"error": str(err), "error_kind": type(err).__name__})
         log.error("job failed: %s", err)
     except _Terminated as err:
         summary.update(status="interrupted", error=f"nereusd received {err}")
-        journal.event("job_interrupted", {"signal": str(err)})
+        journal.event(Event.JOB_INTERRUPTED, {"signal": str(err)})
         code = 130
     except Exception as err:  # noqa: BLE001 - a bug in nereusd: record it as a failure, then stop everything
         log.exception("nereusd crashed")
         summary.update(status="failed", error=f"nereusd crashed: {type(err).__name__}: {err}",
                        error_kind=type(err).__name__)
-        journal.event("job_failed", {"error": summary["error"], "error_kind": type(err).__name__,
+        journal.event(Event.JOB_FAILED, {"error": summary["error"], "error_kind": type(err).__name__,
                                      "traceback": traceback.format_exc(limit=20)})
     finally:
         # the agents and workers stop first: nothing below may leave them running
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             log.exception("cannot summarise %s", run_dir / METRICS_FILE)
             summary["summary_error"] = f"{type(err).__name__}: {err}"
         journal.summary(summary)
-        journal.event("nereusd_stopped", {"status": summary["status"]})
+        journal.event(Event.NEREUSD_STOPPED, {"status": summary["status"]})
         journal.close()
         control.close()
     return code

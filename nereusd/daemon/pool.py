@@ -17,7 +17,7 @@ from typing import Any
 
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError
-from nereusd.journal import Journal
+from nereusd.journal import Event, Journal
 from nereusd.rl.record import StepRecord
 from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, Verdict, assess
 from nereusd.slurm import AllocationWatcher, SlurmPoolEvent
@@ -77,7 +77,7 @@ class PoolController:
         record = {"kind": change.kind.value, "cause": change.cause, "node_id": change.node_id,
                   "devices": list(change.devices), "verdict": label, "reason": reason,
                   "pool_devices": left or []}
-        self.journal.event("pool_changed", record)
+        self.journal.event(Event.POOL_CHANGED, record)
         self.last_decision = {"time_s": round(time.time(), 3), **record}
         log.warning("pool change: %s -> %s", reason, label)
         if label == Verdict.STOP.value and self.stop_reason is None:
@@ -91,7 +91,7 @@ class PoolController:
 
     def on_slurm_event(self, event: SlurmPoolEvent) -> None:
         """A node Slurm took leaves the pool; a grow allocation that ends takes its nodes along."""
-        self.journal.event("slurm_event", {"kind": event.kind, "job_id": event.job_id, "node": event.node,
+        self.journal.event(Event.SLURM_EVENT, {"kind": event.kind, "job_id": event.job_id, "node": event.node,
                                            "detail": event.detail})
         if self.control is None:
             return

@@ -36,7 +36,7 @@ from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import WorkerError
 from nereusd import protocol as P
 from nereusd.config.resolve import ResolvedJob
-from nereusd.journal import Journal
+from nereusd.journal import Event, Journal
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.rl import advantages as adv
 from nereusd.rl.record import StepRecord
@@ -154,7 +154,7 @@ class RLDriver:
         world = world if world is not None else list(range(self.job.devices))
         results = self.control.run({d: args for d in world})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
-        self.journal.event("build", {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
+        self.journal.event(Event.BUILD, {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
                                      "memory_in_use_bytes": memory})
 
     # ------------------------------------------------------------------ dispatch helpers
@@ -425,7 +425,7 @@ class RLDriver:
         save = P.SaveCheckpointArgs(dir=directory)
         self.control.run({d: save for d in members})
         self.last_checkpoint = (directory, self.step_index, self.resume_position)
-        self.journal.event("checkpoint", {"dir": directory, "step": self.step_index,
+        self.journal.event(Event.CHECKPOINT, {"dir": directory, "step": self.step_index,
                                           "sample_position": self.resume_position,
                                           "elapsed_s": time.perf_counter() - start})
 

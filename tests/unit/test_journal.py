@@ -38,3 +38,14 @@ def test_drop_metrics_from_rewinds_the_open_journal(tmp_path):
     journal.close()
     assert [r["step"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, 1, 2, 3]
     assert drop_metrics_from(tmp_path / "missing.jsonl", 0) == []
+
+
+def test_events_are_of_a_known_kind(tmp_path):
+    from nereusd.journal import Event
+
+    journal = Journal(tmp_path)
+    journal.event(Event.TRANSITION, {"step": 3})
+    with pytest.raises(ValueError, match="'transtion' is not a valid Event"):
+        journal.event("transtion", {"step": 3})
+    journal.close()
+    assert read_jsonl(tmp_path / "events.jsonl")[0]["event"] == "transition"
