@@ -25,9 +25,8 @@ import yaml
 from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
-from nereusd.journal import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, read_jsonl
+from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, read_jsonl
 
-ENDPOINT_FILE = "nereusd.json"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

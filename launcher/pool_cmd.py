@@ -19,6 +19,7 @@ import zmq
 
 from nereusd import protocol as P
 from nereusd.errors import NereusError
+from nereusd.journal import ENDPOINT_FILE
 from nereusd.daemon.live import start_local_agent
 from nereusd.daemon.security import load_keys, make_client
 
@@ -44,7 +45,7 @@ def _endpoint(run_dir: Path) -> dict:
         NereusError: no such file, the job has finished, or its nereusd process is gone.
     """
     try:
-        info = json.loads((run_dir / "nereusd.json").read_text())
+        info = json.loads((run_dir / ENDPOINT_FILE).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise NereusError(f"{run_dir}: no running nereusd ({err})") from None
     try:

@@ -27,7 +27,7 @@ from nereusd import protocol as P
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import resolve_job
-from nereusd.journal import SUMMARY_FILE
+from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.slurm import SlurmClient
@@ -138,7 +138,7 @@ def resolve_run_dir(job: str) -> Path:
 def ask_nereusd(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
     """nereusd's live status over the control plane, or ``None`` when it does not answer."""
     try:
-        info = json.loads((run_dir / "nereusd.json").read_text())
+        info = json.loads((run_dir / ENDPOINT_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -229,7 +229,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_grow(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(args.job)
     record = _read_record(run_dir)
-    if not (run_dir / "nereusd.json").is_file():
+    if not (run_dir / ENDPOINT_FILE).is_file():
         raise NereusError(f"{run_dir}: nereusd has not started yet (no nereusd.json); grow a running job")
     ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=args.nodes, account="", time="")
     site, req = _prepare(ns, str(run_dir), "grow")

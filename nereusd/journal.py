@@ -19,6 +19,8 @@ from nereusd.errors import NereusError
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 SUMMARY_FILE = "summary.json"
+ENDPOINT_FILE = "nereusd.json"
+"""Where a running nereusd says how to reach it (endpoint, store, pid), in the run directory."""
 
 
 class Event(str, enum.Enum):

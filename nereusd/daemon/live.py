@@ -40,6 +40,7 @@ from typing import Any
 from nereusd import protocol as P
 from nereusd.control.controller import Controller, StepObservation, forced_plan
 from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
+from nereusd.daemon.pool import PoolController
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import Event, Journal, METRICS_FILE, drop_metrics_from
@@ -74,14 +75,14 @@ class LiveAdaptation:
     Args:
         job: the resolved job; ``controller``: its controller; ``driver``: the RL driver (its
         ``plan`` changes here); ``control``: the control plane; ``store``: the rendezvous store
-        (world generations); ``world``: devices of the current world in rank order.
+        (world generations); ``pool``: the owner of the pool state (the world in rank order,
+        requested removals).
     """
 
     def __init__(self, job: ResolvedJob, controller: Controller, driver, control, store, journal: Journal,
-                 run_dir: Path, world: list[int]) -> None:
+                 run_dir: Path, pool: PoolController) -> None:
         self.job, self.controller, self.driver, self.control, self.store = job, controller, driver, control, store
-        self.journal, self.run_dir, self.world = journal, Path(run_dir), list(world)
-        self.pending_remove = 0
+        self.journal, self.run_dir, self.pool = journal, Path(run_dir), pool
         self.switches = 0
         self.restarts = 0
         """Checkpoint/restarts (out of memory, nothing fits, devices lost)."""
@@ -94,12 +95,14 @@ class LiveAdaptation:
         self._first_step_start: float | None = None   # monotonic clock; time base of pool.schedule[].at_s
         self._forced = {f.at_step: f for f in job.config.adaptation.forced}
 
-    # ------------------------------------------------------------------ requests
-    def request_remove(self, count: int) -> dict[str, Any]:
-        """``nereus-launch pool --remove``: queue ``count`` devices to leave at the next boundary."""
-        self.pending_remove += count
-        self.journal.event(Event.POOL_REQUEST, {"remove": count})
-        return {"queued_remove": self.pending_remove, "pool": self.control.devices()}
+    @property
+    def world(self) -> list[int]:
+        """Devices of the current world in rank order (held by the pool owner)."""
+        return self.pool.world
+
+    @world.setter
+    def world(self, devices: list[int]) -> None:
+        self.pool.world = list(devices)
 
     # ------------------------------------------------------------------ the boundary
     def at_boundary(self, record: StepRecord) -> None:
@@ -130,9 +133,9 @@ class LiveAdaptation:
                                                      "events": [e.to_dict() for e in due]})
         pool_actions = plan_pool(world=self.world, registered=self.control.devices(),
                                  lost=self.control.lost_devices(self.world),   # since the step's last task
-                                 plan_devices=self.driver.plan.devices(), pending_remove=self.pending_remove,
+                                 plan_devices=self.driver.plan.devices(), pending_remove=self.pool.pending_remove,
                                  due=due)
-        self.pending_remove = 0
+        self.pool.pending_remove = 0
         if pool_actions.add:
             self._add_devices(pool_actions.add)
         if pool_actions.lost_plan_devices:   # their state is gone: the recovery path (checkpoint/restart)

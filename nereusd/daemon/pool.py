@@ -1,6 +1,11 @@
-"""nereusd's reaction to pool changes, and the job status that ``nereus-launch status`` shows.
+"""The job's pool state, nereusd's reaction to pool changes, and the job status that
+``nereus-launch status`` shows.
 
-:class:`PoolController` receives every :class:`~nereusd.daemon.pool_events.PoolChange` (from the
+:class:`PoolController` is the one owner of the job's pool state: the world (devices of the
+current world generation, in rank order), the removals requested for the next boundary, and why
+the job must stop. The control plane keeps the agent registry (which devices are registered and
+which were lost); :class:`nereusd.daemon.live.LiveAdaptation` changes the world at safe
+boundaries through this object. It receives every :class:`~nereusd.daemon.pool_events.PoolChange` (from the
 control plane: registrations, lost heartbeats, nodes Slurm took; from the ``SIGUSR2``
 handler: preemption), journals it as ``pool_changed`` with the verdict of
 :func:`~nereusd.daemon.pool_events.assess`, and keeps what the driver's step hook needs: whether to
@@ -34,6 +39,10 @@ class PoolController:
 
     def __init__(self, journal: Journal, run_dir: Path, job_name: str, steps: int,
                  slurm_job_id: str | None = None) -> None:
+        self.world: list[int] = []
+        """Devices of the current world generation, in rank order (empty until it forms)."""
+        self.pending_remove = 0
+        """Devices ``nereus-launch pool --remove`` asked to release at the next safe boundary."""
         self.journal = journal
         self.run_dir = run_dir
         self.job_name = job_name
@@ -41,7 +50,6 @@ class PoolController:
         self.slurm_job_id = slurm_job_id
         self.control: ControlPlane | None = None
         self.watcher: AllocationWatcher | None = None
-        self.plan_devices: set[int] = set()
         self.plan: dict[str, Any] = {}
         self.step: int | None = None
         self.last_metrics: dict[str, Any] = {}
@@ -110,11 +118,27 @@ class PoolController:
             self.control.call_soon(lambda: self.on_pool_change(change))
 
     # ------------------------------------------------------------------ the driver's hook
+    @property
+    def plan_devices(self) -> set[int]:
+        """Devices the job's workers run on (the world): a change that takes one needs a replan
+        or a recovery."""
+        return set(self.world)
+
     def world_formed(self, plan: dict[str, Any], devices: list[int]) -> None:
+        """The world (re-)formed on ``devices`` (rank order) running ``plan``."""
         self.plan = plan
-        self.plan_devices = set(devices)
+        self.world = list(devices)
         if self.control is not None:
             self.control.world_formed = True
+
+    def request_remove(self, count: int) -> dict[str, Any]:
+        """``nereus-launch pool --remove``: queue ``count`` devices to leave at the next boundary
+        (answered with the queue and the pool)."""
+        if not self.live or not self.world:
+            return {"error": "live adaptation is off or the world is not formed yet"}
+        self.pending_remove += count
+        self.journal.event(Event.POOL_REQUEST, {"remove": count})
+        return {"queued_remove": self.pending_remove, "pool": self.control.devices() if self.control else []}
 
     def after_step(self, record: StepRecord, save_checkpoint) -> None:
         """At the safe boundary after a step: checkpoint and raise :class:`PoolStop` on preemption.

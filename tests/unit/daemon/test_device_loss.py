@@ -91,7 +91,8 @@ class FakeControl:
 
 def _live(tmp_path: Path, control: FakeControl, world: list[int], restart_ok: bool = True) -> LiveAdaptation:
     live = LiveAdaptation.__new__(LiveAdaptation)
-    live.control, live.world, live.journal = control, list(world), Journal(tmp_path)
+    live.control, live.journal = control, Journal(tmp_path)
+    live.pool = SimpleNamespace(world=list(world))
     live.driver = SimpleNamespace(step_index=7, last_checkpoint=("ck/step000006", 6, 24))
 
     def restart_plan(pool):

@@ -16,6 +16,7 @@ from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.control.controller import controller_for_job
 from nereusd.daemon.live import LiveAdaptation
+from nereusd.daemon.pool import PoolController
 from nereusd.journal import Journal
 from nereusd.plan import ModelStage, Role, Stage
 from nereusd.rl.driver import RLDriver
@@ -75,8 +76,10 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
     outcomes = []
     boundary = controller.boundary
     controller.boundary = lambda *a, **kw: outcomes.append(boundary(*a, **kw)) or outcomes[-1]
+    pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
+    pool.world_formed(driver.plan.to_dict(), list(range(job.devices)))
     live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
-                          list(range(job.devices)))
+                          pool)
     live.at_boundary(StepRecord(step=0, step_latency_s=1.0, stage_latency_s={}, model_stage_s={}, reward_mean=0.0,
                                 response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
                                 peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,

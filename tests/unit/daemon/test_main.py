@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from nereusd.daemon import main
+from nereusd.daemon import app, main
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.journal import read_jsonl
 
@@ -51,7 +51,7 @@ def _crash(*args, **kwargs):
 
 def test_a_crash_is_a_failed_job_and_the_agents_stop(daemon, monkeypatch):
     run, run_dir, stops = daemon
-    monkeypatch.setattr(main, "RLDriver", _crash)
+    monkeypatch.setattr(app, "RLDriver", _crash)
     assert run() == 1
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error_kind"] == "RuntimeError"
@@ -63,7 +63,7 @@ def test_a_crash_is_a_failed_job_and_the_agents_stop(daemon, monkeypatch):
 
 def test_a_failing_summary_still_stops_the_agents_and_writes_the_status(daemon, monkeypatch):
     run, run_dir, stops = daemon
-    monkeypatch.setattr(main, "_summarise_metrics", _crash)
+    monkeypatch.setattr(app, "summarise_metrics", _crash)
     assert run() == 1   # no agent registers within 1 s: the job fails, and then the summary fails too
     assert stops == ["failed"]
     summary = json.loads((run_dir / "summary.json").read_text())

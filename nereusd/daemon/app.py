@@ -1,0 +1,255 @@
+"""The composition root of ``nereusd``: every object of the daemon is built here, in one place,
+and wired to the others; :meth:`Daemon.run` runs the job and always stops what it started.
+
+Objects and who owns what:
+
+- :class:`~nereusd.journal.Journal` — the run directory's journals;
+- :class:`~nereusd.daemon.pool.PoolController` — the one owner of the job's pool state: the
+  world (devices in rank order), pending removals, the plan's devices, why the job must stop;
+- :class:`~nereusd.daemon.control_plane.ControlPlane` — sockets, the agent registry, task dispatch;
+- :class:`~nereusd.slurm.AllocationWatcher` (under Slurm) and the
+  :class:`~nereusd.daemon.rendezvous.RendezvousStore`;
+- :class:`~nereusd.rl.driver.RLDriver` — the RL steps; with live adaptation the
+  :class:`~nereusd.control.controller.Controller` and its shell
+  :class:`~nereusd.daemon.live.LiveAdaptation` at every safe boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from nereusd.config.resolve import ResolvedJob, load_and_resolve
+from nereusd.config.site import SiteConfig, load_site
+from nereusd.control.controller import controller_for_job, launch_plan
+from nereusd.daemon.control_plane import ControlPlane
+from nereusd.daemon.live import LiveAdaptation
+from nereusd.daemon.pool import PoolController, PoolStop
+from nereusd.daemon.rendezvous import RendezvousStore
+from nereusd.daemon.security import load_keys
+from nereusd.errors import NereusError, WorkerError
+from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, read_jsonl
+from nereusd.planner.search import Infeasible
+from nereusd.rl.driver import RLDriver
+from nereusd.rl.record import StepRecord
+from nereusd.slurm import AllocationWatcher, SlurmClient
+
+log = logging.getLogger(__name__)
+
+class Terminated(Exception):
+    """SIGTERM or SIGINT reached nereusd (raised by the entry point's signal handler)."""
+
+
+def loopback(bind: str) -> bool:
+    """Whether ``bind`` is reachable from this host only."""
+    return bind.startswith(("tcp://127.", "tcp://localhost:", "ipc://", "inproc://"))
+
+
+class Daemon:
+    """nereusd for one job (module docstring).
+
+    Args:
+        args: the parsed command line (:func:`nereusd.daemon.main.build_parser`).
+
+    Raises:
+        ConfigError: the job or its site is invalid (nothing was started).
+        NereusError: a control plane reachable from other hosts without the job's keys.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_dir = Path(args.run_dir)
+        self.job: ResolvedJob = load_and_resolve(args.job)
+        keys = load_keys(args.keys_dir, "server") if args.keys_dir else None
+        if keys is None and not loopback(args.bind):
+            raise NereusError(f"--bind {args.bind} is reachable from other hosts: pass --keys-dir with the job's "
+                              "CURVE keys")
+        self.curve = keys is not None
+        self.journal = Journal(self.run_dir)
+        self.pool = PoolController(self.journal, self.run_dir, self.job.config.name, self.job.config.steps,
+                                   args.slurm_job_id)
+        self.pool.live = self.job.config.adaptation.enabled
+        self.control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=self.journal.event,
+                                    keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
+                                    on_pool_request=self.pool.request_remove)
+        self.pool.control = self.control
+        self.watcher: AllocationWatcher | None = None
+        if args.slurm_job_id:
+            self.watcher = AllocationWatcher(
+                SlurmClient(), [args.slurm_job_id],
+                on_event=lambda ev: self.control.call_soon(lambda: self.pool.on_slurm_event(ev)))
+            self.pool.watcher = self.watcher
+        self.store = RendezvousStore(args.store_host)
+        self.driver: RLDriver | None = None
+        self.live: LiveAdaptation | None = None
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        """Run the job; returns the exit code (0 succeeded or preempted, 130 interrupted, 1
+        failed). ``summary.json`` always gets the status, and every agent is stopped first."""
+        signal.signal(signal.SIGUSR2, lambda signum, frame: self.pool.request_preemption("SIGUSR2"))
+        if self.watcher is not None:
+            self.watcher.start()
+        endpoint = self._announce()
+        self.journal.event(Event.NEREUSD_STARTED, {
+            "endpoint": endpoint, "job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
+            "devices": self.job.devices, "curve": self.curve, "adaptive": self.pool.live,
+            "slurm_job_id": self.args.slurm_job_id, "nodes": self.args.nodes})
+        started = time.time()
+        summary: dict[str, Any] = {"job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
+                                   "status": "running"}
+        code = 1
+        try:
+            records = self._run_job()
+            summary.update(status="succeeded", steps=len(records))
+            code = 0
+        except PoolStop as err:
+            summary.update(status="preempted", error=str(err), error_kind="Preempted")
+            self.journal.event(Event.JOB_PREEMPTED, {"reason": str(err)})
+            log.warning("job stopped: %s", err)
+            code = 0
+        except WorkerError as err:
+            pool_reason = self.pool.explain_failure(err)
+            kind = "PoolShrunk" if pool_reason else (err.error_kind or "WorkerError")
+            message = pool_reason or str(err)
+            summary.update(status="stopped" if pool_reason else "failed", error=message, error_kind=kind)
+            self.journal.event(Event.JOB_STOPPED if pool_reason else Event.JOB_FAILED,
+                               {"error": message, "error_kind": kind})
+            log.error("job %s: %s", summary["status"], message)
+        except NereusError as err:
+            summary.update(status="failed", error=str(err), error_kind=type(err).__name__)
+            self.journal.event(Event.JOB_FAILED, {"error": str(err), "error_kind": type(err).__name__})
+            log.error("job failed: %s", err)
+        except Terminated as err:
+            summary.update(status="interrupted", error=f"nereusd received {err}")
+            self.journal.event(Event.JOB_INTERRUPTED, {"signal": str(err)})
+            code = 130
+        except Exception as err:  # noqa: BLE001 - a bug in nereusd: record it as a failure, then stop everything
+            log.exception("nereusd crashed")
+            summary.update(status="failed", error=f"nereusd crashed: {type(err).__name__}: {err}",
+                           error_kind=type(err).__name__)
+            self.journal.event(Event.JOB_FAILED, {"error": summary["error"], "error_kind": type(err).__name__,
+                                                  "traceback": traceback.format_exc(limit=20)})
+        finally:
+            self._stop(summary, started)
+        return code
+
+    def _announce(self) -> str:
+        """Write ``nereusd.json`` (endpoint, store, pid) atomically; returns the endpoint agents use."""
+        endpoint = self.control.endpoint
+        if self.args.advertise_host:
+            endpoint = f"tcp://{self.args.advertise_host}:{endpoint.rsplit(':', 1)[1]}"
+        tmp = self.run_dir / (ENDPOINT_FILE + ".tmp")
+        tmp.write_text(json.dumps({"endpoint": endpoint, "pid": os.getpid(),
+                                   "store": f"{self.store.host}:{self.store.port}", "curve": self.curve,
+                                   "slurm_job_id": self.args.slurm_job_id,
+                                   "device_memory_bytes": self.job.device_memory_bytes}))
+        os.replace(tmp, self.run_dir / ENDPOINT_FILE)
+        return endpoint
+
+    def _run_job(self) -> list[StepRecord]:
+        """Launch plan, world, workers, the controller and its shell; then every step."""
+        job = self.job
+        site = load_site(job.config.site)
+        self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
+        driver.plan = self._launch_plan(site, driver)
+        world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
+        self.control.spawn_workers(generation=self.store.generation, world=world, store_host=self.store.host,
+                                   store_port=self.store.port, memory_capacity_bytes=job.device_memory_bytes,
+                                   run_dir=str(self.run_dir.resolve()))
+        self.journal.event(Event.WORLD_FORMED, {"generation": self.store.generation, "devices": world})
+        self.pool.world_formed(driver.plan.to_dict(), world)
+        if self.pool.live:
+            controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
+            self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
+                                       self.pool)
+            driver.on_failure = self._on_failure
+        driver.on_step = self._on_step
+        return driver.run()
+
+    def _launch_plan(self, site: SiteConfig, driver: RLDriver):
+        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan."""
+        job = self.job
+        why = "the job's plan"
+        if self.pool.live and "plan" not in job.config.model_fields_set:
+            try:
+                chosen = launch_plan(job, site, driver.prompt_length)
+                self.journal.event(Event.LAUNCH_PLAN, {
+                    "plan": chosen.plan.to_dict(), "source": "planner",
+                    "predicted_step_latency_s": chosen.predicted_step_latency_s,
+                    "response_length": job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens})
+                return chosen.plan
+            except Infeasible as err:   # run the default plan: the workers say what does not fit
+                why = f"the job's default plan (the planner found none: {err})"
+        self.journal.event(Event.LAUNCH_PLAN, {"plan": driver.plan.to_dict(), "source": why})
+        return driver.plan
+
+    def _on_step(self, record: StepRecord) -> None:
+        """The safe boundary after a step: preemption checkpoint, then live adaptation."""
+        self.pool.after_step(record, self.driver.save_checkpoint)
+        if self.live is not None:
+            self.live.at_boundary(record)
+            self.pool.plan = self.driver.plan.to_dict()
+            self.pool.last_decision = self.live.last_decision or self.pool.last_decision
+
+    def _on_failure(self, err: Exception) -> bool:
+        """A step or boundary failed: True when live adaptation restarted the job."""
+        if not self.live.recover(err):
+            return False
+        self.pool.recovered(self.driver.plan.to_dict(), self.pool.world)
+        return True
+
+    def _stop(self, summary: dict[str, Any], started: float) -> None:
+        """Stop every agent first (nothing below may leave them running), then write the summary."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.control.shutdown_agents(summary["status"])
+        summary["wall_time_s"] = round(time.time() - started, 3)
+        if self.live is not None:
+            summary.update(switches=self.live.switches, restarts=self.live.restarts, lost_steps=self.live.lost_steps)
+        try:
+            summarise_metrics(self.run_dir, summary)
+        except Exception as err:  # noqa: BLE001 - the summary is still written, with why its figures are missing
+            log.exception("cannot summarise %s", self.run_dir / METRICS_FILE)
+            summary["summary_error"] = f"{type(err).__name__}: {err}"
+        self.journal.summary(summary)
+        self.journal.event(Event.NEREUSD_STOPPED, {"status": summary["status"]})
+        self.journal.close()
+        self.control.close()
+
+
+def summarise_metrics(run_dir: Path, summary: dict) -> None:
+    """Add the run's figures from ``metrics.jsonl`` to ``summary``: steps, reward and response
+    length of the first and last 10 % of steps, mean step latency, the final plan.
+
+    Raises:
+        JournalError: a damaged ``metrics.jsonl``.
+    """
+    records = read_jsonl(run_dir / METRICS_FILE)
+    if not records:
+        return
+    k = max(1, len(records) // 10)
+    first, last = records[:k], records[-k:]
+
+    def mean(rs: list, key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs)
+
+    summary.update(
+        steps_completed=len(records),
+        reward_first_10pct=mean(first, "reward_mean"), reward_last_10pct=mean(last, "reward_mean"),
+        response_length_first_10pct=mean(first, "response_length_mean"),
+        response_length_last_10pct=mean(last, "response_length_mean"),
+        mean_step_latency_s=mean(records, "step_latency_s"),
+        final_plan=records[-1]["plan"],
+    )
+    summary["response_length_growth"] = summary["response_length_last_10pct"] / max(
+        summary["response_length_first_10pct"], 1e-9)
