@@ -209,6 +209,8 @@ class LiveAdaptation:
     LOSS_GRACE_S = 5.0
     """How long :meth:`recover` waits for the control plane to learn of a lost device after a
     task failed (a survivor's collective can fail before the agent reports the dead worker)."""
+    clock = staticmethod(time.monotonic)
+    """Seconds, monotonic: how :meth:`lost_devices` measures its waits."""
     SILENT_AGENT_S = 3.0
     """An agent silent this long (heartbeats every second) may be lost: :meth:`recover` waits
     for its heartbeat timeout instead of giving up after :attr:`LOSS_GRACE_S`."""
@@ -267,13 +269,13 @@ class LiveAdaptation:
         world has been silent for :attr:`SILENT_AGENT_S`, up to its heartbeat timeout (a killed
         agent's workers outlive it until their task ends; its loss is known only by heartbeat).
         """
-        start = time.monotonic()
+        start = self.clock()
         grace_end = start + (self.LOSS_GRACE_S if wait else 0.0)
         heartbeat_end = start + self.control.heartbeat_timeout_s + 2.0
         while True:
             self.control.poll(0.1 if wait else 0)
             lost = self.control.lost_devices(self.world)
-            now = time.monotonic()
+            now = self.clock()
             if lost or now >= grace_end and (now >= heartbeat_end or not
                                              self.control.silent_agents(self.world, self.SILENT_AGENT_S)):
                 return lost

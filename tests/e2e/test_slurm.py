@@ -20,6 +20,7 @@ import pytest
 from nereusd.journal import read_jsonl
 
 from tests.support import REPO
+from tests.support.e2e import wait_for
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 JOB = """
@@ -76,18 +77,6 @@ def submit(env, tmp_path, name, steps, every=0, nodes=2):
     return job_id, run_dir
 
 
-def wait_for(what, cond, timeout_s, run_dir=None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.25)
-    logs = ""
-    if run_dir is not None:
-        for log in sorted((run_dir / "logs").glob("*")):
-            logs += f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{logs}")
 
 
 def squeue_states(env, *job_ids):

@@ -86,12 +86,20 @@ def worker_pid(run_dir: Path, device: int) -> int:
     raise AssertionError(f"no worker process of device {device} found")
 
 
-def wait_for(what: str, check, timeout_s: float, run_dir: Path):
+def wait_for(what: str, check, timeout_s: float, run_dir: Path | None = None):
+    """Poll ``check()`` until it returns something true (returned), at most ``timeout_s``.
+
+    Raises:
+        AssertionError: on timeout, with the tails of the run directory's logs.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(0.05)
-    log = run_dir / "logs" / "nereusd.log"
-    raise AssertionError(f"timed out waiting for {what}:\n" + (log.read_text()[-4000:] if log.exists() else ""))
+    logs = ""
+    if run_dir is not None:
+        for log in sorted((run_dir / "logs").glob("*")):
+            logs += f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{logs}")

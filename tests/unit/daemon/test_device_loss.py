@@ -70,17 +70,23 @@ def test_late_results_of_abandoned_tasks_are_dropped():
 
 
 class FakeControl:
-    """The parts of ControlPlane that recover reads: a loss becomes known after ``known_after`` polls."""
+    """The parts of ControlPlane that recover reads: a loss becomes known after ``known_after``
+    polls. Time is its own: each poll advances :meth:`clock` by the poll's timeout, so waits are
+    counted, not slept."""
 
     def __init__(self, lost: dict, known_after: int = 0, silent: list[str] | None = None,
                  heartbeat_timeout_s: float = 0.5) -> None:
         self.lost, self.known_after, self.silent = lost, known_after, silent or []
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.polls = 0
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def poll(self, timeout_s: float) -> None:
         self.polls += 1
-        time.sleep(min(timeout_s, 0.01))
+        self.now += timeout_s
 
     def lost_devices(self, devices: list[int]) -> dict:
         return {d: v for d, v in self.lost.items() if d in devices} if self.polls > self.known_after else {}
@@ -104,6 +110,7 @@ def _live(tmp_path: Path, control: FakeControl, world: list[int], restart_ok: bo
     live.restarts = []
     live._restart = lambda *args, **kw: live.restarts.append((args, kw))
     live.LOSS_GRACE_S = 0.3
+    live.clock = control.clock
     return live
 
 
@@ -113,7 +120,7 @@ def _events(tmp_path: Path, name: str) -> list[dict]:
 
 def test_recover_waits_for_the_news_of_a_loss_then_restarts_the_survivors(tmp_path):
     lost = {2: {"cause": "worker_exited", "node_id": "local0", "exitcode": -9}}
-    live = _live(tmp_path, FakeControl(lost, known_after=3), [0, 1, 2, 3])
+    live = _live(tmp_path, FakeControl(lost, known_after=2), [0, 1, 2, 3])
     # a survivor's collective failed before the agent reported the dead worker
     assert live.recover(WorkerError("actor/training failed on device 1: Connection closed by peer"))
     (args, kw), = live.restarts
@@ -130,10 +137,10 @@ def test_recover_takes_an_interrupted_transition(tmp_path):
 
 
 def test_recover_leaves_other_failures_alone(tmp_path):
-    live = _live(tmp_path, FakeControl({}), [0, 1])
-    start = time.monotonic()
+    control = FakeControl({}, heartbeat_timeout_s=15.0)
+    live = _live(tmp_path, control, [0, 1])
     assert not live.recover(WorkerError("train failed on device 0: ValueError: bad"))
-    assert 0.3 <= time.monotonic() - start < 2.0     # the grace period, not the heartbeat timeout
+    assert 0.3 <= control.now < 0.5     # the grace period (polls of 0.1 s), not the heartbeat timeout
     assert not live.recover(NereusError("not a task failure"))
     assert live.restarts == [] and _events(tmp_path, "device_lost") == []
 
@@ -141,9 +148,10 @@ def test_recover_leaves_other_failures_alone(tmp_path):
 def test_recover_waits_out_a_silentfake_agent(tmp_path):
     """A killed agent's loss is known by heartbeat only: wait for it while the agent is silent."""
     lost = {1: {"cause": "heartbeat", "node_id": "n1", "detail": "silent"}}
-    control = FakeControl(lost, known_after=60, silent=["n1"], heartbeat_timeout_s=1.0)
+    control = FakeControl(lost, known_after=20, silent=["n1"], heartbeat_timeout_s=1.0)
     live = _live(tmp_path, control, [0, 1])
     assert live.recover(WorkerError("generate failed on device 0: Connection reset by peer"))
+    assert control.now > 2 * live.LOSS_GRACE_S   # waited past the grace period for the heartbeat news
     assert live.restarts[0][0][:2] == ([0], [1])
     assert _events(tmp_path, "device_lost")[0]["cause"] == "heartbeat"
 
@@ -161,11 +169,9 @@ def test_recover_stops_when_nothing_fits_the_survivors(tmp_path):
 
 def test_out_of_memory_restarts_every_device_without_waiting(tmp_path):
     live = _live(tmp_path, FakeControl({}), [0, 1])
-    err = WorkerError("train failed on device 0: out of memory")
-    err.error_kind = "DeviceOutOfMemory"
-    start = time.monotonic()
+    err = WorkerError("train failed on device 0: out of memory", error_kind="DeviceOutOfMemory")
     assert live.recover(err)
-    assert time.monotonic() - start < 0.2
+    assert live.control.polls == 1 and live.control.now == 0.0   # one look at the registry, no wait
     assert live.restarts[0][0][:2] == ([0, 1], [])
 
 
