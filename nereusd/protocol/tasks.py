@@ -79,22 +79,24 @@ class GenerateArgs(_Args):
     """One sampling seed per prompt (draws independent of the layout)."""
 
 
-class LogprobsArgs(_Args):
-    """Per-token log-probabilities of the responses in ``sequences`` (prompt then response)."""
+class _Sequences(_Args):
+    """A replica's share of the step's sequences (token ids, prompt then response)."""
 
-    kind: Literal["logprobs"] = "logprobs"
     model_stage: str
     sequences: list[list[int]]
     prompt_lens: list[int]
 
 
-class ValuesArgs(_Args):
+class LogprobsArgs(_Sequences):
+    """Per-token log-probabilities of the responses in ``sequences``."""
+
+    kind: Literal["logprobs"] = "logprobs"
+
+
+class ValuesArgs(_Sequences):
     """Per-token values of the responses in ``sequences`` (critic)."""
 
     kind: Literal["values"] = "values"
-    model_stage: str
-    sequences: list[list[int]]
-    prompt_lens: list[int]
 
 
 class ScoresArgs(_Args):
@@ -122,13 +124,10 @@ class ValueLoss(_Args):
     value_clip: float
 
 
-class TrainArgs(_Args):
+class TrainArgs(_Sequences):
     """One optimizer step of this replica's share of a mini-batch."""
 
     kind: Literal["train"] = "train"
-    model_stage: str
-    sequences: list[list[int]]
-    prompt_lens: list[int]
     per_token: dict[str, list[list[float]]]
     """Per-token inputs of the loss (``old_logprobs``, ``advantages``, ``weight``, ...)."""
     loss: Annotated[Union[PolicyLoss, ValueLoss], Field(discriminator="kind")]
@@ -142,18 +141,21 @@ class SyncWeightsArgs(_Args):
     targets: list[str]
 
 
-class SaveCheckpointArgs(_Args):
+class _Directory(_Args):
+    dir: str
+    """The checkpoint's directory (one DCP checkpoint per role below it)."""
+
+
+class SaveCheckpointArgs(_Directory):
     """Save every training model-stage this rank holds under ``dir`` (DCP)."""
 
     kind: Literal["save_checkpoint"] = "save_checkpoint"
-    dir: str
 
 
-class LoadCheckpointArgs(_Args):
+class LoadCheckpointArgs(_Directory):
     """Load every training model-stage this rank holds from ``dir`` (any saved layout)."""
 
     kind: Literal["load_checkpoint"] = "load_checkpoint"
-    dir: str
 
 
 class TransitionPrepareArgs(_Args):
