@@ -4,7 +4,10 @@ the weight synchronisation of an asynchronous one (``rollout.max_staleness ≥ 1
 :mod:`nereusd.rl.driver`) — generations submitted before it have run; their rollouts keep the
 policy version they were generated with.
 
-:class:`LiveAdaptation.at_boundary` runs after every step, on the control-plane thread:
+:class:`LiveAdaptation.at_boundary` runs after every step, on the control-plane thread. What to
+do is planned as pure values (:mod:`nereusd.daemon.boundary`: :func:`plan_pool` for the pool
+change, :func:`plan_actions` for what follows the decision); this class gathers their inputs
+and executes them:
 
 1. journal ``step_prediction`` (predicted vs measured step latency and peak memory) and
    calibrate (:meth:`nereusd.control.controller.Controller.observe`);
@@ -17,8 +20,9 @@ policy version they were generated with.
    workers (started in a private world, then every worker re-forms the world with them);
 3. ask the controller (:meth:`~nereusd.control.controller.Controller.boundary`) and journal ``trigger``,
    ``replan`` and ``admission`` (ΔL, L_tran, H_x, γ, alternatives);
-4. run an admitted transition DAG (:class:`nereusd.transition.runner.TransitionRunner`) and
-   journal ``transition`` with per-op timings; an urgent decision with no feasible target is a
+4. run an admitted transition — the DAG admission assessed, as it is
+   (:class:`nereusd.transition.runner.TransitionRunner`) — and journal ``transition`` with
+   per-op timings; an urgent decision with no feasible target is a
    ``fallback``: checkpoint now, restart every worker into the plan that holds the longest
    response, load the checkpoint and go on. A step that fails with ``DeviceOutOfMemory`` is
    recovered the same way from the latest checkpoint (:meth:`LiveAdaptation.recover`), and so

@@ -24,7 +24,7 @@ from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError
 from nereusd.journal import Event, Journal
 from nereusd.rl.record import StepRecord
-from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, Verdict, assess
+from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, PoolVerdict, assess
 from nereusd.slurm import AllocationWatcher, SlurmPoolEvent
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,14 @@ class PoolController:
         With live adaptation, a lost device the job uses is not a stop: the task that fails on it
         is recovered (:meth:`nereusd.daemon.live.LiveAdaptation.recover`: the survivors
         restart from the latest checkpoint); the reason is kept for :meth:`explain_failure` in
-        case nothing fits the survivors. Verdict ``recover``.
+        case nothing fits the survivors. PoolVerdict ``recover``.
         """
         verdict, reason = assess(change, self.plan_devices, self.live)
         label = verdict.value
         left = self.control.devices() if self.control else None
-        if self.live and change.kind == PoolChangeKind.LOST and verdict == Verdict.STOP and left == []:
+        if self.live and change.kind == PoolChangeKind.LOST and verdict == PoolVerdict.STOP and left == []:
             reason = f"{change.detail}: no device is left in the pool; the job stops"
-        elif self.live and change.kind == PoolChangeKind.LOST and verdict == Verdict.STOP:
+        elif self.live and change.kind == PoolChangeKind.LOST and verdict == PoolVerdict.STOP:
             hit = sorted(self.plan_devices & set(change.devices))
             label, reason = "recover", (f"{change.detail}: the job uses devices {hit} of it; live adaptation "
                                         "restarts it on the remaining devices from the latest checkpoint")
@@ -88,9 +88,9 @@ class PoolController:
         self.journal.event(Event.POOL_CHANGED, record)
         self.last_decision = {"time_s": round(time.time(), 3), **record}
         log.warning("pool change: %s -> %s", reason, label)
-        if label == Verdict.STOP.value and self.stop_reason is None:
+        if label == PoolVerdict.STOP.value and self.stop_reason is None:
             self.stop_reason = reason
-        elif verdict == Verdict.CHECKPOINT_AND_STOP and self.preempt_reason is None:
+        elif verdict == PoolVerdict.CHECKPOINT_AND_STOP and self.preempt_reason is None:
             self.preempt_reason = reason
         if change.kind == PoolChangeKind.JOINED and self.control is not None and self.watcher is not None:
             agent = self.control.agents.get(change.node_id or "")

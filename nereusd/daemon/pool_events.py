@@ -27,7 +27,7 @@ class PoolChangeKind(str, enum.Enum):
     PREEMPTION = "preemption"
 
 
-class Verdict(str, enum.Enum):
+class PoolVerdict(str, enum.Enum):
     """What the job does about a pool change."""
 
     CONTINUE = "continue"
@@ -60,7 +60,7 @@ class PoolChange:
     detail: str
 
 
-def assess(change: PoolChange, plan_devices: Iterable[int], live: bool = False) -> tuple[Verdict, str]:
+def assess(change: PoolChange, plan_devices: Iterable[int], live: bool = False) -> tuple[PoolVerdict, str]:
     """Decide what the job does about ``change`` given the devices the current plan uses.
 
     With ``live`` (live adaptation on), devices that join, and spares that leave, make the job
@@ -71,19 +71,19 @@ def assess(change: PoolChange, plan_devices: Iterable[int], live: bool = False) 
     """
     plan = set(plan_devices)
     if change.kind == PoolChangeKind.PREEMPTION:
-        return Verdict.CHECKPOINT_AND_STOP, f"{change.detail}: checkpoint at the next step boundary and stop"
+        return PoolVerdict.CHECKPOINT_AND_STOP, f"{change.detail}: checkpoint at the next step boundary and stop"
     if live and change.kind == PoolChangeKind.JOINED:
-        return Verdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} join the pool; the job "
+        return PoolVerdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} join the pool; the job "
                                 "re-plans onto them at the next safe boundary")
     if change.kind == PoolChangeKind.JOINED:
-        return Verdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} join the pool as spares "
+        return PoolVerdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} join the pool as spares "
                                   "(the current plan is kept until live re-planning uses them)")
     hit = sorted(plan & set(change.devices))
     if not hit and live:
-        return Verdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
+        return PoolVerdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
                                 "not use them; the job re-plans at the next safe boundary")
     if not hit:
-        return Verdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
+        return PoolVerdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
                                   "not use them, the job continues on the remaining devices")
-    return Verdict.STOP, (f"{change.detail}: the plan uses devices {hit} of it and live re-planning is not "
+    return PoolVerdict.STOP, (f"{change.detail}: the plan uses devices {hit} of it and live re-planning is not "
                           "available yet; the job stops")

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from nereusd.errors import SlurmError
-from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, Verdict, assess
+from nereusd.daemon.pool_events import PoolChange, PoolChangeKind, PoolVerdict, assess
 from nereusd.slurm import (SLURM_ENV, AllocationWatcher, JobInfo, NodeInfo, SlurmClient, SlurmContext,
                            parse_nodelist, visible_gpus)
 
@@ -188,10 +188,10 @@ def test_client_refuses_a_node_count_that_is_no_integer():
 
 def test_assess():
     lost_spare = PoolChange(PoolChangeKind.LOST, "slurm:node_down", "n2", (4, 5, 6, 7), "node n2 is down")
-    assert assess(lost_spare, [0, 1])[0] == Verdict.CONTINUE
+    assert assess(lost_spare, [0, 1])[0] == PoolVerdict.CONTINUE
     verdict, reason = assess(PoolChange(PoolChangeKind.LOST, "heartbeat", "n1", (0, 1, 2, 3), "n1 silent"), [0, 1])
-    assert verdict == Verdict.STOP and "the plan uses devices [0, 1]" in reason
+    assert verdict == PoolVerdict.STOP and "the plan uses devices [0, 1]" in reason
     joined = PoolChange(PoolChangeKind.JOINED, "registration", "n3", (8, 9), "node n3 joined")
-    assert assess(joined, [0, 1])[0] == Verdict.CONTINUE
+    assert assess(joined, [0, 1])[0] == PoolVerdict.CONTINUE
     pre = PoolChange(PoolChangeKind.PREEMPTION, "signal:SIGUSR2", None, (), "USR2")
-    assert assess(pre, [0])[0] == Verdict.CHECKPOINT_AND_STOP
+    assert assess(pre, [0])[0] == PoolVerdict.CHECKPOINT_AND_STOP
