@@ -47,18 +47,18 @@ from typing import Mapping
 from nereusd.config.job import AdaptationConfig
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
-from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit, urgent_replan
+from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
 from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.control.problem import job_problem, site_for_pool, solve
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.cost.model import CostModel
 from nereusd.errors import PlanError
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
-from nereusd.planner.search import Infeasible, Planner, PlanResult
-from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
+from nereusd.planner.search import Infeasible, PlanResult
+from nereusd.planner.space import PlanProblem, evaluate
 from nereusd.transition.estimate import TransitionEstimator
-from nereusd.workflow import Workload, build_workflow
 
 MEMORY_WINDOW = 8
 """Steps whose measured/predicted peak ratio is remembered (the largest one is used)."""
@@ -134,65 +134,14 @@ class Outcome:
     planner_log: tuple[str, ...] = ()
 
 
-def site_for_pool(site: SiteConfig, pool: tuple[int, ...]) -> SiteConfig:
-    """``site`` with enough nodes to number every device of ``pool`` (devices that joined a
-    running job get numbers past the allocation's)."""
-    nodes = max(site.nodes, math.ceil((max(pool, default=0) + 1) / site.devices_per_node))
-    return site if nodes == site.nodes else dataclasses.replace(site, nodes=nodes)
 
 
-def job_site(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...] = ()) -> SiteConfig:
-    """``site`` with the job's device memory and enough nodes to number every device of ``pool``."""
-    device = dataclasses.replace(site.device, memory_gib=job.device_memory_bytes / float(1 << 30))
-    return site_for_pool(dataclasses.replace(site, device=device), pool)
 
 
-def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], response_length: int,
-                prompt_length: int) -> PlanProblem:
-    """The plan problem of ``job``: its workflow, role models, one step's workload, ``pool``.
-
-    ``global_batch`` of the workload is the step's sequences; ``mini_batches`` the optimizer
-    steps per RL step (``sequences / train.global_batch``).
-    """
-    cfg = job.config
-    workflow = build_workflow(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
-                              asynchronous=cfg.rollout.max_staleness > 0)
-    seqs = job.sequences_per_step
-    workload = Workload(prompt_length=max(1, prompt_length), response_length=max(1, int(response_length)),
-                        global_batch=seqs, mini_batches=seqs // cfg.train.global_batch,
-                        micro_batch=cfg.train.micro_batch)
-    specs = {role: rm.spec for role, rm in job.roles.items()}
-    return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool))
 
 
-def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, headroom: float,
-          urgent: bool) -> tuple[PlanResult | None, list[str]]:
-    """The planner's best plan (urgent: widening micro-batch and recomputation); log lines."""
-    options = PlannerOptions(headroom=headroom)
-    if urgent:
-        return urgent_replan(problem, cost_model, current, options)
-    try:
-        return Planner(problem, cost_model, options).solve(current), []
-    except Infeasible as err:
-        return None, [str(err)]
 
 
-def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
-                calibration: Calibration | None = None) -> PlanResult:
-    """The plan for the job's initial conditions when its YAML gives none (paper §4.2).
-
-    Chosen for ``adaptation.launch_response_length`` (default ``rollout.max_new_tokens``) on
-    devices ``0 … devices−1``.
-
-    Raises:
-        Infeasible: when nothing fits, even with smaller micro-batches and recomputation.
-    """
-    length = job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens
-    problem = job_problem(job, site, tuple(range(job.devices)), length, prompt_length)
-    result, lines = solve(problem, CostModel(problem.site, calibration or Calibration()), None, HEADROOM, True)
-    if result is None:
-        raise Infeasible(f"no launch plan fits {job.devices} devices: " + "; ".join(lines))
-    return result
 
 
 class Controller:

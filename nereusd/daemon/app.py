@@ -28,7 +28,8 @@ from typing import Any
 
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
-from nereusd.control.controller import controller_for_job, launch_plan
+from nereusd.control.controller import controller_for_job
+from nereusd.control.problem import launch_plan
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.pool import PoolController, PoolStop

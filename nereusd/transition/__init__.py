@@ -29,6 +29,7 @@ from typing import Mapping
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Plan, Role, Stage
+from nereusd.protocol.tasks import SyncDag
 from nereusd.shards import value_head_for
 from nereusd.transition.cost import (
     CostModelLinks,
@@ -207,8 +208,6 @@ def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,
     return out
 
 
-def sync_dag_args(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list:
+def sync_dag_args(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list[SyncDag]:
     """:func:`weight_sync_dags` as task payloads (:class:`nereusd.protocol.tasks.SyncDag`)."""
-    from nereusd.protocol.tasks import SyncDag   # the wire format; the planner itself needs no protocol
-
     return [SyncDag(source=str(s), target=str(t), dag=dag.to_json()) for (s, t), dag in dags.items()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nereusd.control.controller import job_problem
+from nereusd.control.problem import job_problem
 from nereusd.cost.model import CostModel
 from nereusd.config.resolve import load_and_resolve
 from nereusd.journal import read_jsonl

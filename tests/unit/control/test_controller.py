@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from launcher.report import plan_segments
-from nereusd.control.controller import (Controller, StepObservation, controller_for_job, forced_plan, job_problem,
-                                       launch_plan)
+from nereusd.control.controller import Controller, StepObservation, controller_for_job, forced_plan
+from nereusd.control.problem import job_problem, launch_plan
 from nereusd.config.job import StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError

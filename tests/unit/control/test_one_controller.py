@@ -18,6 +18,7 @@ import pytest
 from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.control import controller as control
+from nereusd.control.problem import job_problem
 from nereusd.sim import replay
 from nereusd.sim.policies import parse_policy
 from nereusd.sim.truth import TruthConfig
@@ -66,7 +67,7 @@ def test_simulated_decisions_are_the_live_controllers(monkeypatch):
     job = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
     site = load_site(job.config.site)
     pool = tuple(range(job.devices))
-    problem = control.job_problem(job, site, pool, job.config.rollout.max_new_tokens, PROMPT)
+    problem = job_problem(job, site, pool, job.config.rollout.max_new_tokens, PROMPT)
     lengths = LengthTrace("hand-made growth", tuple(min(96.0, 10.0 * 1.25 ** i) for i in range(16)))
     sim = replay.Simulation(problem, lengths, PoolTrace("constant", math.inf, (1.0,)), 16,
                             TruthConfig(noise_sigma=0.0, contention_per_h=0.0),
