@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -27,65 +28,65 @@ class Event(str, enum.Enum):
     """The kinds of ``events.jsonl`` records (a ``str``: a record's ``event`` field is the value)."""
 
     NEREUSD_STARTED = "nereusd_started"
-    """nereusd bound its endpoint; the job, its devices and whether it adapts."""
+    """Nereusd bound its endpoint; the job, its devices and whether it adapts."""
     NEREUSD_STOPPED = "nereusd_stopped"
-    """nereusd stopped every agent and exits (with the job's status)."""
+    """Nereusd stopped every agent and exits (with the job's status)."""
     AGENT_REGISTERED = "agent_registered"
-    """an agent registered its devices (their global numbers)."""
+    """An agent registered its devices (their global numbers)."""
     AGENT_LOST = "agent_lost"
-    """an agent left the pool: heartbeats stopped, or Slurm took its node."""
+    """An agent left the pool: heartbeats stopped, or Slurm took its node."""
     CONNECTION_REFUSED = "connection_refused"
-    """a peer failed the CURVE handshake."""
+    """A peer failed the CURVE handshake."""
     MESSAGE_REFUSED = "message_refused"
-    """a malformed or unexpected message was answered with an error."""
+    """A malformed or unexpected message was answered with an error."""
     WORKER_EXITED = "worker_exited"
-    """a worker process ended (with its exit code)."""
+    """A worker process ended (with its exit code)."""
     WORKERS_STOPPED = "workers_stopped"
-    """nereusd stopped workers to restart them (the devices stay in the pool)."""
+    """Nereusd stopped workers to restart them (the devices stay in the pool)."""
     DEVICES_RELEASED = "devices_released"
-    """nereusd stopped the workers of devices that leave the pool."""
+    """Nereusd stopped the workers of devices that leave the pool."""
     WORKERS_STARTED = "workers_started"
-    """workers of devices that joined started in a private world."""
+    """Workers of devices that joined started in a private world."""
     WORLD_FORMED = "world_formed"
-    """every worker joined a world generation."""
+    """Every worker joined a world generation."""
     LAUNCH_PLAN = "launch_plan"
-    """the plan the job starts on, and where it came from."""
+    """The plan the job starts on, and where it came from."""
     BUILD = "build"
-    """the workers built every model-stage's engines."""
+    """The workers built every model-stage's engines."""
     CHECKPOINT = "checkpoint"
-    """a DCP checkpoint of the trained roles was saved."""
+    """A DCP checkpoint of the trained roles was saved."""
     STEP_PREDICTION = "step_prediction"
-    """the controller's prediction of the step against what it measured."""
+    """The controller's prediction of the step against what it measured."""
     TRIGGER = "trigger"
-    """a signal that started a replan."""
+    """A signal that started a replan."""
     REPLAN = "replan"
-    """a replan: the length planned for, the headroom, the planner's log."""
+    """A replan: the length planned for, the headroom, the planner's log."""
     ADMISSION = "admission"
-    """admission's verdict with ΔL, L_tran, H_x, the payback margin and the alternatives."""
+    """Admission's verdict with ΔL, L_tran, H_x, the payback margin and the alternatives."""
     TRANSITION = "transition"
-    """a transition ran: its ops, predicted and measured time, per-op timings."""
+    """A transition ran: its ops, predicted and measured time, per-op timings."""
     FALLBACK = "fallback"
-    """a checkpoint/restart (or none possible), why, and the steps lost."""
+    """A checkpoint/restart (or none possible), why, and the steps lost."""
     DEVICE_LOST = "device_lost"
-    """devices were lost abruptly (a worker died, an agent went silent)."""
+    """Devices were lost abruptly (a worker died, an agent went silent)."""
     POOL_CHANGED = "pool_changed"
-    """devices joined or left, with the verdict and what caused it."""
+    """Devices joined or left, with the verdict and what caused it."""
     POOL_REQUEST = "pool_request"
-    """nereus-launch pool asked for devices to leave."""
+    """Nereus-launch pool asked for devices to leave."""
     POOL_REQUEST_REFUSED = "pool_request_refused"
-    """a removal that would leave the job no device."""
+    """A removal that would leave the job no device."""
     POOL_SCHEDULE_DUE = "pool_schedule_due"
-    """the job's pool schedule or trace has events due at this boundary."""
+    """The job's pool schedule or trace has events due at this boundary."""
     SLURM_EVENT = "slurm_event"
-    """the allocation watcher saw Slurm change a node or a job."""
+    """The allocation watcher saw Slurm change a node or a job."""
     JOB_FAILED = "job_failed"
-    """the job failed (its error and error kind)."""
+    """The job failed (its error and error kind)."""
     JOB_STOPPED = "job_stopped"
-    """the job stopped because the pool lost devices it needs."""
+    """The job stopped because the pool lost devices it needs."""
     JOB_PREEMPTED = "job_preempted"
-    """the job checkpointed and stopped on Slurm's preemption warning."""
+    """The job checkpointed and stopped on Slurm's preemption warning."""
     JOB_INTERRUPTED = "job_interrupted"
-    """nereusd received SIGTERM or SIGINT."""
+    """Nereusd received SIGTERM or SIGINT."""
 
     def __str__(self) -> str:
         return self.value
@@ -105,6 +106,24 @@ def _default(value: Any) -> Any:
     return str(value)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or ``"nan"``:
+    JSON has no such numbers (Python writes ``Infinity``, which strict readers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(record: Any, **kwargs: Any) -> str:
+    """``record`` as strict JSON (no ``NaN``/``Infinity``; numpy values and objects with
+    ``to_dict`` converted)."""
+    return json.dumps(_finite(json.loads(json.dumps(record, default=_default))), allow_nan=False, **kwargs)
+
+
 class Journal:
     """Append-only JSONL writers for one run directory."""
 
@@ -116,7 +135,7 @@ class Journal:
 
     def metric(self, record: dict[str, Any]) -> None:
         """Append one step's metrics."""
-        self._metrics.write(json.dumps(record, default=_default) + "\n")
+        self._metrics.write(to_json(record) + "\n")
         self._metrics.flush()
 
     def event(self, kind: Event, fields: dict[str, Any] | None = None) -> None:
@@ -126,13 +145,13 @@ class Journal:
             ValueError: ``kind`` is not an :class:`Event` (an unknown name is a bug here).
         """
         record = {"time_s": round(time.time(), 3), "event": Event(kind).value, **(fields or {})}
-        self._events.write(json.dumps(record, default=_default) + "\n")
+        self._events.write(to_json(record) + "\n")
         self._events.flush()
 
     def summary(self, record: dict[str, Any]) -> None:
         """Write ``summary.json`` atomically."""
         tmp = self.run_dir / (SUMMARY_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=_default) + "\n")
+        tmp.write_text(to_json(record, indent=2) + "\n")
         os.replace(tmp, self.run_dir / SUMMARY_FILE)
 
     def close(self) -> None:
@@ -190,6 +209,6 @@ def drop_metrics_from(path: str | Path, step: int) -> list[int]:
         with open(path, "r+", encoding="utf-8") as fh:
             fh.seek(0)
             fh.truncate()
-            fh.writelines(json.dumps(r, default=_default) + "\n" for r in keep)
+            fh.writelines(to_json(r) + "\n" for r in keep)
             fh.flush()
     return dropped

@@ -49,3 +49,17 @@ def test_events_are_of_a_known_kind(tmp_path):
         journal.event("transtion", {"step": 3})
     journal.close()
     assert read_jsonl(tmp_path / "events.jsonl")[0]["event"] == "transition"
+
+
+def test_journals_are_strict_json(tmp_path):
+    """No ``Infinity``/``NaN`` tokens: strict readers (JavaScript, Go) refuse them."""
+    from nereusd.journal import Event
+
+    journal = Journal(tmp_path)
+    journal.event(Event.ADMISSION, {"payback_steps": float("inf"), "alternatives": [{"x": float("-inf")}],
+                                    "gap": float("nan")})
+    journal.close()
+    line = (tmp_path / "events.jsonl").read_text()
+    assert "Infinity" not in line and "NaN" not in line
+    record = read_jsonl(tmp_path / "events.jsonl")[0]
+    assert record["payback_steps"] == "inf" and record["alternatives"] == [{"x": "-inf"}] and record["gap"] == "nan"
