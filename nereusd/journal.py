@@ -130,8 +130,8 @@ class Journal:
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
-        self._events = open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8")
+        self._metrics = _open_append(self.run_dir / METRICS_FILE)
+        self._events = _open_append(self.run_dir / EVENTS_FILE)
 
     def metric(self, record: dict[str, Any]) -> None:
         """Append one step's metrics."""
@@ -144,7 +144,7 @@ class Journal:
         Raises:
             ValueError: ``kind`` is not an :class:`Event` (an unknown name is a bug here).
         """
-        record = {"time_s": round(time.time(), 3), "event": Event(kind).value, **(fields or {})}
+        record = {**(fields or {}), "time_s": round(time.time(), 3), "event": Event(kind).value}
         self._events.write(to_json(record) + "\n")
         self._events.flush()
 
@@ -157,6 +157,17 @@ class Journal:
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
+
+
+def _open_append(path: Path):
+    """``path`` opened for appending, after cutting a torn last line (a writer that died mid-line
+    left it without its newline): an appended record would otherwise run on into it."""
+    if path.exists():
+        with open(path, "rb+") as fh:
+            data = fh.read()
+            if data and not data.endswith(b"\n"):
+                fh.truncate(data.rfind(b"\n") + 1)
+    return open(path, "a", encoding="utf-8")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -174,6 +185,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             lines = fh.readlines()
     except FileNotFoundError:
         return []
+    except UnicodeDecodeError as err:
+        raise JournalError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -181,10 +194,11 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         torn = number == len(lines) and not line.endswith("\n")
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:
             if torn:
                 break
-            raise JournalError(f"{path}:{number}: not a JSON line ({err.msg}): {line.strip()[:80]!r}") from None
+            raise JournalError(f"{path}:{number}: not a JSON line ({type(err).__name__}: {str(err)[:80]}): "
+                               f"{line.strip()[:80]!r}") from None
         if not isinstance(record, dict):
             raise JournalError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         records.append(record)
@@ -193,8 +207,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def drop_metrics_from(path: str | Path, step: int) -> list[int]:
     """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
-    after a rewind, so every step appears once); returns their steps. Rewritten in place (a torn
-    last line goes too): the journal's append-mode handle keeps writing at the (new) end.
+    after a rewind, so every step appears once); returns their steps. Rewritten in place when
+    anything goes (a torn last line goes too): the journal's append-mode handle keeps writing at
+    the (new) end.
 
     Raises:
         JournalError: as :func:`read_jsonl`.
@@ -203,9 +218,15 @@ def drop_metrics_from(path: str | Path, step: int) -> list[int]:
     if not path.exists():
         return []
     records = read_jsonl(path)
-    keep = [r for r in records if int(r["step"]) < step]
-    dropped = [int(r["step"]) for r in records if int(r["step"]) >= step]
-    if dropped:
+    steps = []
+    for number, r in enumerate(records, 1):
+        value = r.get("step")
+        if type(value) is not int:
+            raise JournalError(f"{path}: record {number} has no integer step ({value!r})")
+        steps.append(value)
+    keep = [r for r, s in zip(records, steps) if s < step]
+    dropped = [s for s in steps if s >= step]
+    if dropped or len(records) != sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()):
         with open(path, "r+", encoding="utf-8") as fh:
             fh.seek(0)
             fh.truncate()

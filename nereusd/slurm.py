@@ -343,43 +343,53 @@ class AllocationWatcher:
     def poll_once(self) -> list[SlurmPoolEvent]:
         """One round over every watched job; returns (and reports) the new events.
 
+        What the watcher knows of a job changes only once the whole round over it succeeded,
+        and an event counts as reported only once ``on_event`` took it: a round that fails
+        part-way (``sinfo`` after ``squeue``, or ``on_event`` raising) is seen again, whole, by
+        the next one.
+
         Raises:
-            SlurmError: from the client.
+            SlurmError: from the client; whatever ``on_event`` raises.
         """
         events: list[SlurmPoolEvent] = []
+        seen: dict[str, set[str]] = {}
         with self._lock:
             job_ids = list(self.job_ids)
         for job_id in job_ids:
             info = self.client.job(job_id)
-            known = self._known_nodes.setdefault(job_id, set())
+            known = self._known_nodes.get(job_id, set())
             if info is None or info.state not in ("RUNNING", "PENDING", "CONFIGURING"):
                 state = info.state if info else "GONE"
-                events += self._once("job_ending", job_id, None, f"job {job_id} is {state}")
+                events += self._new("job_ending", job_id, None, f"job {job_id} is {state}")
                 continue
             current = set(info.nodes)
             left = known - current
-            known.clear()
-            known.update(current)
             states = self.client.nodes(sorted(current | left))
             for name in sorted(left):  # Slurm drops a DOWN node from a --no-kill job's list at once
                 node = states.get(name)
                 if node is None or not (node.down or node.draining):
-                    events += self._once("node_released", job_id, name, f"node {name} left job {job_id} (job shrink)")
+                    events += self._new("node_released", job_id, name, f"node {name} left job {job_id} (job shrink)")
             for node in states.values():
                 if node.down:
-                    events += self._once("node_down", job_id, node.name, f"node {node.name} is {node.state}: {node.reason}")
+                    events += self._new("node_down", job_id, node.name, f"node {node.name} is {node.state}: {node.reason}")
                 elif node.draining:
-                    events += self._once("node_drain", job_id, node.name, f"node {node.name} is {node.state}: {node.reason}")
+                    events += self._new("node_drain", job_id, node.name, f"node {node.name} is {node.state}: {node.reason}")
+            seen[job_id] = current
         self.polls += 1
         for event in events:
             self.on_event(event)
+            self._reported.add(self._key(event.kind, event.node, event.job_id))
+        self._known_nodes.update(seen)
         return events
 
-    def _once(self, kind: str, job_id: str, node: str | None, detail: str) -> list[SlurmPoolEvent]:
-        key = (kind, node or job_id)
-        if key in self._reported:
+    @staticmethod
+    def _key(kind: str, node: str | None, job_id: str) -> tuple[str, str]:
+        return (kind, node or job_id)
+
+    def _new(self, kind: str, job_id: str, node: str | None, detail: str) -> list[SlurmPoolEvent]:
+        """``[the event]`` unless it was reported already (each node is reported once per kind)."""
+        if self._key(kind, node, job_id) in self._reported:
             return []
-        self._reported.add(key)
         return [SlurmPoolEvent(kind, job_id, node, detail)]
 
     def _next_interval(self, changed: bool, failed: bool) -> float:

@@ -164,7 +164,7 @@ class AdaptationConfig(_Strict):
     payback_margin: float = Field(0.5, ge=0.0)
     """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain; 0:
     urgent switches only)."""
-    gamma: float | None = Field(None, exclude=True)
+    gamma: Any = Field(None, exclude=True)
     """Removed: the payback margin was renamed :attr:`payback_margin` (``train.gamma`` is the RL
     discount); the old key is refused with a message naming the new one."""
     period: int = Field(0, ge=0)

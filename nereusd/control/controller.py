@@ -53,7 +53,7 @@ from nereusd.control.problem import job_problem, site_for_pool, solve
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.cost.model import CostModel
-from nereusd.errors import PlanError
+from nereusd.errors import ConfigError, PlanError
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, PlanResult
@@ -88,6 +88,9 @@ class ControlPolicy:
         delta_length: drift threshold ``δ_len`` of the response length (relative).
         delta_efficiency: drift threshold of the achieved efficiency (relative).
         memory_window: steps whose measured/predicted peak ratio is remembered.
+
+    Raises:
+        ConfigError: naming every knob out of range.
     """
 
     name: str = "nereus"
@@ -97,6 +100,21 @@ class ControlPolicy:
     delta_length: float = 0.30
     delta_efficiency: float = 0.20
     memory_window: int = MEMORY_WINDOW
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.payback_margin >= 0:   # NaN fails too
+            problems.append(f"payback_margin must be >= 0 (inf: any gain), got {self.payback_margin!r}")
+        if not isinstance(self.period, int) or self.period < 0:
+            problems.append(f"period must be a whole number >= 0, got {self.period!r}")
+        for name in ("delta_length", "delta_efficiency"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                problems.append(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.memory_window, int) or self.memory_window < 1:
+            problems.append(f"memory_window must be a whole number >= 1, got {self.memory_window!r}")
+        if problems:
+            raise ConfigError(f"control policy {self.name!r}: " + "; ".join(problems))
 
     @classmethod
     def from_config(cls, cfg: AdaptationConfig) -> "ControlPolicy":

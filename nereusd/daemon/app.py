@@ -73,7 +73,10 @@ class Daemon:
             raise NereusError(f"--bind {args.bind} is reachable from other hosts: pass --keys-dir with the job's "
                               "CURVE keys")
         self.curve = keys is not None
-        self.journal = Journal(self.run_dir)
+        try:
+            self.journal = Journal(self.run_dir)
+        except OSError as err:   # a file in the way, a read-only or full file system
+            raise NereusError(f"run directory {self.run_dir}: cannot write its journals: {err}") from None
         self.pool = PoolController(self.journal, self.run_dir, self.job.config.name, self.job.config.steps,
                                    args.slurm_job_id)
         self.pool.live = self.job.config.adaptation.enabled

@@ -58,7 +58,13 @@ def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[
         plan_devices: devices the running plan uses.
         pending_remove: devices ``nereus-launch pool --remove`` asked to release.
         due: the pool schedule's events due now.
+
+    Raises:
+        ValueError: a negative removal request (callers validate what users ask for).
     """
+    if pending_remove < 0:
+        raise ValueError(f"pending_remove must be >= 0, got {pending_remove}")
+    registered = sorted(set(registered))
     sources = [e.source for e in due] + ([f"nereus-launch pool --remove {pending_remove}"] if pending_remove else [])
     scheduled_remove, add = net_change(due)
     hit = tuple(sorted(set(lost) & set(plan_devices)))

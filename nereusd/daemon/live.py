@@ -139,12 +139,12 @@ class LiveAdaptation:
                                  lost=self.control.lost_devices(self.world),   # since the step's last task
                                  plan_devices=self.driver.plan.devices(), pending_remove=self.pool.pending_remove,
                                  due=due)
-        self.pool.pending_remove = 0
         if pool_actions.add:
             self._add_devices(pool_actions.add)
-        if pool_actions.lost_plan_devices:   # their state is gone: the recovery path (checkpoint/restart)
-            raise WorkerError(f"devices {list(pool_actions.lost_plan_devices)} of the running plan were lost "
+        if pool_actions.lost_plan_devices:   # their state is gone: the recovery path (checkpoint/restart);
+            raise WorkerError(                # a queued removal waits for the next boundaryf"devices {list(pool_actions.lost_plan_devices)} of the running plan were lost "
                               f"after step {step}")
+        self.pool.pending_remove = 0
         leaving = list(pool_actions.leaving)
         if pool_actions.lost_spares:
             gone = pool_actions.lost_spares

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 
@@ -29,6 +30,17 @@ def _on_signal(signum: int, _frame: object) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (NaN would make a deadline that never passes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nereusd",
@@ -39,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bind", default="tcp://127.0.0.1:0",
                         help="control-plane endpoint agents connect to (default tcp://127.0.0.1:0, a free port)")
     parser.add_argument("--store-host", default="127.0.0.1", help="address workers reach the rendezvous store on")
-    parser.add_argument("--register-timeout-s", type=float, default=120.0,
-                        help="how long to wait for agents to register the job's devices")
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=15.0)
+    parser.add_argument("--register-timeout-s", type=_seconds, default=120.0, metavar="S",
+                        help="how long to wait for agents to register the job's devices (default 120)")
+    parser.add_argument("--heartbeat-timeout-s", type=_seconds, default=15.0, metavar="S",
+                        help="an agent silent this long leaves the pool (default 15)")
     parser.add_argument("--advertise-host", default=None,
                         help="address agents reach nereusd on, written to nereusd.json (default: the bound address)")
     parser.add_argument("--keys-dir", default=None, help="the job's CURVE keys (RUN_DIR/keys); required unless --bind "

@@ -30,14 +30,14 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
     v: Literal[1] = PROTOCOL_VERSION
 
 
 class DeviceInfo(BaseModel):
     """One accelerator (or virtual CPU device) seen by an agent."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
     local_index: int = Field(ge=0)
     kind: Literal["cpu", "cuda", "rocm"]
     name: str
@@ -72,7 +72,7 @@ class Heartbeat(_Message):
 class WorkerSpec(BaseModel):
     """One worker an agent must start."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
     device: int = Field(ge=0)
     """Global device index."""
     local_index: int = Field(ge=0)
@@ -200,7 +200,8 @@ _KNOWN_TYPES = {
 
 
 def encode(message: _Message) -> bytes:
-    """Serialise a message to one frame (UTF-8 JSON)."""
+    """Serialise a message to one frame (UTF-8 JSON; non-finite floats as ``NaN``/``Infinity``,
+    which :func:`decode` reads back — a diverged loss must reach nereusd as a number)."""
     return message.model_dump_json().encode()
 
 
@@ -215,18 +216,20 @@ def decode(frame: bytes) -> _Message:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         data = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ProtocolError(f"message is not JSON: {err}") from None
+    except (ValueError, RecursionError) as err:   # not UTF-8, not JSON, nested too deep, a huge integer
+        raise ProtocolError(f"message is not JSON: {type(err).__name__}: {str(err)[:200]}") from None
     if not isinstance(data, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(data).__name__}")
     version = data.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
     kind = data.get("type")
-    if kind not in _KNOWN_TYPES:
+    if not isinstance(kind, str) or kind not in _KNOWN_TYPES:
         raise ProtocolError(f"unknown message type {kind!r}")
     try:
         return _ADAPTER.validate_python(data)
+    except RecursionError:
+        raise ProtocolError(f"malformed {kind!r} message: nested too deep") from None
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'][1:]) or '<message>'}: {e['msg']}" for e in err.errors()

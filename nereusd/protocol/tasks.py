@@ -20,7 +20,7 @@ from nereusd.errors import ProtocolError
 
 
 class _Args(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
 
 class RoleArgs(_Args):

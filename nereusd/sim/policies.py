@@ -16,6 +16,7 @@ with its own :class:`~nereusd.control.controller.ControlPolicy`:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from nereusd.control.controller import ControlPolicy, PolicyKind
@@ -48,7 +49,13 @@ def parse_policy(text: str) -> Policy:
     Raises:
         ConfigError: for an unknown name or a bad parameter.
     """
+    if not isinstance(text, str):
+        raise ConfigError(f"policy {text!r}: expected a name such as nereus or periodic-3")
     name = text.strip()
+    if name.startswith(NEREUS + "@") and not re.fullmatch(r"nereus@(\d+(\.\d*)?|\.\d+|inf)", name, re.ASCII):
+        raise ConfigError(f"policy {name!r}: bad parameter (e.g. nereus@0.25, nereus@inf)")
+    if name.startswith(PERIODIC + "-") and not re.fullmatch(r"periodic-[1-9]\d*", name, re.ASCII):
+        raise ConfigError(f"policy {name!r}: bad parameter (e.g. periodic-3)")
     try:
         if name == FROZEN:
             return Policy(name, FROZEN, ControlPolicy(name=name, kind=PolicyKind.FROZEN, payback_margin=0.0))

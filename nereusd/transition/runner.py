@@ -54,8 +54,8 @@ class TransitionInterrupted(WorkerError):
     """
 
     def __init__(self, message: str, progress: "TransitionProgress | None", intact: set[Holding], units: Plan,
-                 lost: tuple[ModelStage, ...] = ()) -> None:
-        super().__init__(message)
+                 lost: tuple[ModelStage, ...] = (), error_kind: str | None = None) -> None:
+        super().__init__(message, error_kind=error_kind)
         self.progress, self.intact, self.units, self.lost = progress, intact, units, tuple(lost)
 
 
@@ -144,7 +144,7 @@ class TransitionRunner:
             log.error("transition interrupted after %d of %d ops (dead devices %s): %s; intact units %s%s",
                       len(progress.completed), len(dag.ops), sorted(dead), err, units.describe(), what)
             raise TransitionInterrupted(f"transition interrupted: {err}{what}", progress, intact, units,
-                                        lost) from err
+                                        lost, error_kind=err.error_kind) from err
         progress.elapsed_s = time.perf_counter() - start
         log.info("transition done: %d ops in %.3f s (set-up %.3f s)", len(dag.ops), progress.elapsed_s,
                  progress.setup_s)

@@ -63,3 +63,37 @@ def test_journals_are_strict_json(tmp_path):
     assert "Infinity" not in line and "NaN" not in line
     record = read_jsonl(tmp_path / "events.jsonl")[0]
     assert record["payback_steps"] == "inf" and record["alternatives"] == [{"x": "-inf"}] and record["gap"] == "nan"
+
+
+def test_a_journal_reopened_after_a_torn_write_cuts_the_fragment(tmp_path):
+    journal = Journal(tmp_path)
+    journal.metric({"step": 0})
+    journal.close()
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 1, "rew')
+    journal = Journal(tmp_path)           # a new nereusd on the same run directory
+    journal.metric({"step": 1})
+    journal.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+def test_event_fields_cannot_overwrite_the_kind(tmp_path):
+    from nereusd.journal import Event
+
+    journal = Journal(tmp_path)
+    journal.event(Event.TRIGGER, {"event": "forged", "time_s": -1})
+    journal.close()
+    record, = read_jsonl(tmp_path / "events.jsonl")
+    assert record["event"] == "trigger" and record["time_s"] > 0
+
+
+def test_other_damage_is_a_journal_error(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"step": 0}\n\xff\xfe\n')
+    with pytest.raises(JournalError, match="not UTF-8"):
+        read_jsonl(tmp_path / "a.jsonl")
+    (tmp_path / "b.jsonl").write_text("[" * 5000 + "]" * 5000 + "\n{}\n")
+    with pytest.raises(JournalError, match="b.jsonl:1: not a JSON line"):
+        read_jsonl(tmp_path / "b.jsonl")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"reward": 1}\n')
+    with pytest.raises(JournalError, match="record 2 has no integer step"):
+        drop_metrics_from(tmp_path / "metrics.jsonl", 0)

@@ -156,3 +156,17 @@ def test_plan_timeline_segments():
     runs = plan_segments(records)["actor/training"]
     assert [(lo, hi) for lo, hi, _ in runs] == [(0, 1), (2, 3), (4, 4)]
     assert runs[1][2].startswith("tp2·pp1·dp1")
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"payback_margin": float("nan")}, "payback_margin must be >= 0"),
+    ({"payback_margin": -1.0}, "payback_margin must be >= 0"),
+    ({"period": -2}, "period must be a whole number >= 0"),
+    ({"delta_length": -5.0}, "delta_length must be a positive number"),
+    ({"memory_window": 0}, "memory_window must be a whole number >= 1"),
+])
+def test_a_control_policy_out_of_range_is_refused(knobs, match):
+    from nereusd.control.controller import ControlPolicy
+
+    with pytest.raises(ConfigError, match=match):
+        ControlPolicy(**knobs)

@@ -68,3 +68,8 @@ def test_joined_devices_rebuild_unless_a_transition_ran():
     assert plan_actions(None, plan=ON_01, leaving=[], joined=[]) == ()
     with pytest.raises(ValueError, match="uses devices \\[2\\] that leave"):
         plan_actions(decision(Verdict.ADMIT, ON_012), plan=ON_01, leaving=[2], joined=[])
+
+
+def test_a_negative_removal_is_refused():
+    with pytest.raises(ValueError, match="pending_remove must be >= 0"):
+        plan_pool(world=[0, 1], registered=[0, 1], lost={}, plan_devices=[0], pending_remove=-1, due=[])

@@ -68,3 +68,21 @@ def test_a_failing_summary_still_stops_the_agents_and_writes_the_status(daemon, 
     assert stops == ["failed"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "injected fault" in summary["summary_error"]
+
+
+def test_an_unwritable_run_directory_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "afile").write_text("")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert main.main([str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "afile" / "run")]) == 2
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert "cannot write its journals" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-3", "soon"])
+def test_timeouts_are_positive_finite_seconds(tmp_path, value):
+    with pytest.raises(SystemExit):
+        main.build_parser().parse_args(["job.yaml", "--run-dir", str(tmp_path), "--register-timeout-s", value])

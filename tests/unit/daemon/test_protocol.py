@@ -1,6 +1,7 @@
 """The wire protocol refuses malformed messages with clear errors; nereusd keeps serving."""
 
 import json
+import math
 
 import pytest
 import zmq
@@ -41,6 +42,10 @@ def test_round_trip_of_every_path():
      r"malformed 'task' message: args.save_checkpoint.dir: Field required"),
     (json.dumps({"v": 1, "type": "task", "task_id": 1, "args": {"kind": "transition_run", "ops": "a"}}).encode(),
      r"args.transition_run.ops: Input should be a valid list"),
+    (b'{"v": 1, "type": []}', r"unknown message type \[\]"),
+    (b'{"v": true, "type": "heartbeat", "node_id": "a"}', r"protocol version True is not supported"),
+    (b'{"v": 1, "type": "pool_request", "remove": ' + b"1" * 5000 + b"}", r"not JSON: ValueError: Exceeds the limit"),
+    (b"[" * 1000 + b"]" * 1000, r"not JSON: RecursionError"),
 ])
 def test_decode_refuses(frame, match):
     with pytest.raises(ProtocolError, match=match):
@@ -125,3 +130,17 @@ def test_task_payloads_are_typed_per_kind():
     with pytest.raises(ProtocolError, match=r"loss.policy.clip: Field required"):
         P.task_args("train", {"model_stage": "actor/training", "sequences": [], "prompt_lens": [], "per_token": {},
                               "loss": {"kind": "policy"}})
+
+
+def test_non_finite_numbers_cross_the_wire():
+    """A diverged loss or a NaN advantage must arrive as a number, not as a frame the other side
+    refuses (which left the task pending)."""
+    nan = float("nan")
+    result = P.FromWorker(device=0, payload=P.TaskResult(task_id=1, device=0, ok=True, result={"metrics": {"loss": nan}},
+                                                         elapsed_s=float("inf")))
+    back = P.decode(P.encode(result))
+    assert math.isnan(back.payload.result["metrics"]["loss"])
+    assert back.payload.elapsed_s == float("inf")
+    task = P.task_args("train", {"model_stage": "actor/training", "sequences": [[1]], "prompt_lens": [1],
+                                 "per_token": {"advantages": [[nan]]}, "loss": {"kind": "value", "value_clip": 0.2}})
+    assert math.isnan(P.decode(P.encode(P.Task(task_id=2, args=task))).args.per_token["advantages"][0][0])

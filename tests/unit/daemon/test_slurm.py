@@ -181,6 +181,33 @@ def test_watcher_thread_survives_failures():
     assert watcher.failures == 3 and watcher.polls >= 1
 
 
+def test_a_round_that_fails_part_way_is_seen_again_whole():
+    fake, seen = FakeSlurm(), []
+    watcher = AllocationWatcher(fake, ["10"], seen.append)
+    watcher.poll_once()
+    fake.jobs["10"] = JobInfo("10", "RUNNING", 2, "n1", ("n1", "n2"), "None")   # n3 released ...
+    real_nodes = fake.nodes
+    fake.nodes = lambda names: (_ for _ in ()).throw(SlurmError("['sinfo'] failed with exit code 1"))
+    with pytest.raises(SlurmError):
+        watcher.poll_once()                                                      # ... but sinfo fails
+    fake.nodes = real_nodes
+    assert [(e.kind, e.node) for e in watcher.poll_once()] == [("node_released", "n3")]
+    # an on_event that fails for the first of two events: both come again next round
+    fake.states["n1"] = NodeInfo("n1", "down", "x")
+    fake.states["n2"] = NodeInfo("n2", "down", "y")
+    calls = []
+
+    def flaky(event):
+        calls.append(event.node)
+        if len(calls) == 1:
+            raise RuntimeError("queue full")
+    watcher.on_event = flaky
+    with pytest.raises(RuntimeError):
+        watcher.poll_once()
+    watcher.poll_once()
+    assert calls == ["n1", "n1", "n2"]
+
+
 def test_client_refuses_a_node_count_that_is_no_integer():
     with pytest.raises(SlurmError, match=r"node count 'N/A' is not an integer"):
         SlurmClient(runner=_runner(0, "7|RUNNING|N/A|nrs1|nrs[1-2]|None\n")).job("7")

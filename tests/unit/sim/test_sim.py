@@ -145,6 +145,10 @@ def test_policy_names():
         parse_policy("periodic-x")
     with pytest.raises(ConfigError, match="twice"):
         parse_policies("frozen,frozen")
+    for odd in ("periodic-03", "periodic-+3", "periodic-0", "nereus@1e309", "nereus@1_0", "nereus@-1", "nereus@nan",
+                "periodic-1\u0661"):
+        with pytest.raises(ConfigError, match="bad parameter"):
+            parse_policy(odd)
 
 
 

@@ -24,8 +24,8 @@ class ScriptedControl:
     """The control-plane calls :class:`TransitionRunner` makes; ``transition_run`` fails with the
     workers of ``dead`` exited."""
 
-    def __init__(self, dead: dict[int, int]) -> None:
-        self.dead = dead
+    def __init__(self, dead: dict[int, int], error_kind: str | None = None) -> None:
+        self.dead, self.error_kind = dead, error_kind
         self.exited_workers: dict[int, int] = {}
         self.kinds: list[str] = []
 
@@ -42,7 +42,7 @@ class ScriptedControl:
 
     def collect(self, task_id, timeout_s=None):
         self.exited_workers.update(self.dead)
-        raise WorkerError(f"worker process of device(s) {sorted(self.dead)} exited")
+        raise WorkerError(f"worker process of device(s) {sorted(self.dead)} exited", error_kind=self.error_kind)
 
     def poll(self, timeout_s):
         pass
@@ -75,3 +75,12 @@ def test_one_holder_of_two_replicas_dead_keeps_the_other_unit(tiny_models):
     err = info.value
     assert err.lost == () and err.units[MS].devices == (1,)
     assert "no complete unit" not in str(err)
+
+
+def test_an_out_of_memory_transition_stays_an_out_of_memory_failure(tiny_models):
+    """Recovery restarts every device after an out-of-memory failure: the kind must survive."""
+    dag = plan_transition(Plan({MS: Candidate(1, 1, 2, (0, 1))}), Plan({MS: Candidate(2, 1, 1, (2, 3))}), tiny_models,
+                          devices_per_node=4)
+    with pytest.raises(TransitionInterrupted) as info:
+        TransitionRunner(ScriptedControl(dead={}, error_kind="DeviceOutOfMemory"), [0, 1, 2, 3]).run(dag)
+    assert info.value.error_kind == "DeviceOutOfMemory"
