@@ -18,9 +18,15 @@ from pathlib import Path
 import pytest
 
 from nereusd.journal import read_jsonl
-
 from tests.support import REPO
-from tests.support.e2e import wait_for
+from tests.support.e2e import wait_for as _wait_for
+
+
+def wait_for(what, cond, timeout_s, run_dir=None):
+    """Poll Slurm at most four times a second."""
+    return _wait_for(what, cond, timeout_s, run_dir, interval_s=0.25)
+
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 JOB = """

@@ -86,8 +86,9 @@ def worker_pid(run_dir: Path, device: int) -> int:
     raise AssertionError(f"no worker process of device {device} found")
 
 
-def wait_for(what: str, check, timeout_s: float, run_dir: Path | None = None):
-    """Poll ``check()`` until it returns something true (returned), at most ``timeout_s``.
+def wait_for(what: str, check, timeout_s: float, run_dir: Path | None = None, interval_s: float = 0.05):
+    """Poll ``check()`` every ``interval_s`` until it returns something true (returned), at most
+    ``timeout_s``.
 
     Raises:
         AssertionError: on timeout, with the tails of the run directory's logs.
@@ -97,7 +98,7 @@ def wait_for(what: str, check, timeout_s: float, run_dir: Path | None = None):
         value = check()
         if value:
             return value
-        time.sleep(0.05)
+        time.sleep(interval_s)
     logs = ""
     if run_dir is not None:
         for log in sorted((run_dir / "logs").glob("*")):
