@@ -1,7 +1,8 @@
-"""Model specifications: the shapes of a Llama-architecture decoder.
+"""Model specifications: the shapes and architecture of a Llama-family decoder.
 
-A :class:`ModelSpec` is built from a Hugging Face ``config.json`` (``LlamaConfig`` /
-``Qwen2Config`` / ``Qwen3Config`` field names) or from a preset (:data:`PRESETS`,
+A :class:`ModelSpec` is built from a Hugging Face ``config.json`` (``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; anything else is refused, naming the field) or from
+a preset (:data:`PRESETS`,
 :func:`preset`, :func:`resolve_model`), and is what the engine (`emu/engine/model.py`), the cost and
 memory models and the planner agree on. Roles of one job may use different specs (e.g. a
 smaller reward model).
@@ -17,9 +18,16 @@ from typing import Any, Mapping
 from nereusd.errors import ConfigError
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""The decoders the engine implements (``model_type`` → HF ``architectures`` entry)."""
+ROPE_TYPES = ("default", "llama3")
+"""RoPE variants the engine implements (Llama-3's frequency-dependent scaling, ``llama3``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Shapes of a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+    """Shapes of a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) and the
+    architecture details that change the function it computes.
 
     Attributes:
         vocab_size: vocabulary size ``V``.
@@ -34,6 +42,11 @@ class ModelSpec:
         tie_word_embeddings: output head shares the token embedding.
         explicit_head_dim: per-head width when it is not ``hidden_size // num_heads``
             (Qwen3-32B: 64 heads of 128 on a 5120-wide model); 0 means the quotient.
+        architecture: ``llama``, ``qwen2`` (q/k/v biases, :attr:`attention_bias`) or ``qwen3``
+            (per-head q/k norms, :attr:`qk_norm`); :data:`ARCHITECTURES`.
+        rope_type: ``default`` or ``llama3`` (:data:`ROPE_TYPES`).
+        rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position:
+            the ``llama3`` scaling's parameters (Llama-3.1: 8, 1, 4, 8192).
     """
 
     vocab_size: int
@@ -47,6 +60,12 @@ class ModelSpec:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     explicit_head_dim: int = 0
+    architecture: str = "llama"
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -65,19 +84,46 @@ class ModelSpec:
                 f"model.num_kv_heads: num_heads={self.num_heads} is not divisible by "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim: RoPE needs an even head dimension, got {self.head_dim}")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"model.architecture: {self.architecture!r} is not implemented "
+                              f"(one of {sorted(ARCHITECTURES)})")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"model.rope_type: {self.rope_type!r} is not implemented (one of {list(ROPE_TYPES)})")
+        if self.rope_type == "llama3" and not (self.rope_factor > 0 and
+                                               0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ConfigError(f"model.rope_factor/rope_low_freq_factor/rope_high_freq_factor: need factor > 0 and "
+                              f"0 < low < high, got {self.rope_factor}, {self.rope_low_freq_factor}, "
+                              f"{self.rope_high_freq_factor}")
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.num_heads
 
+    @property
+    def attention_bias(self) -> bool:
+        """q/k/v projections have biases (Qwen2, Qwen2.5), sharded with their rows."""
+        return self.architecture == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Queries and keys get a per-head RMSNorm before RoPE (Qwen3), replicated over TP."""
+        return self.architecture == "qwen3"
+
     def num_parameters(self, value_head: bool = False) -> int:
-        """Parameter count ``P``: embedding, layers, final norm, and either the output head
-        (a policy) or, with ``value_head``, a scalar value head in its place (critic, reward
-        model: the engine drops ``lm_head`` there)."""
-        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
+        """Parameter count ``P``: embedding, layers (with q/k/v biases and q/k norms when the
+        architecture has them), final norm, and either the output head (a policy) or, with
+        ``value_head``, a scalar value head in its place (critic, reward model: the engine drops
+        ``lm_head`` there)."""
+        h, f, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        q = self.num_heads * d
+        kv = self.num_kv_heads * d
         per_layer = q * h + 2 * kv * h + h * q + 3 * f * h + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * d
         if value_head:
             head = h + 1
         else:
@@ -85,51 +131,49 @@ class ModelSpec:
         return v * h + self.num_layers * per_layer + h + head
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A Hugging Face ``LlamaConfig``-style dict (what ``config.json`` holds)."""
-        extra = {"head_dim": self.explicit_head_dim} if self.explicit_head_dim else {}
-        return extra | {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        """The Hugging Face ``config.json`` of this model (``LlamaConfig`` / ``Qwen2Config`` /
+        ``Qwen3Config`` fields), which ``transformers`` loads back into the same function."""
+        cfg: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.architecture]],
+            "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
             "max_position_embeddings": self.max_position,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
+            "attention_dropout": 0.0,
             "torch_dtype": "float32",
         }
+        if self.architecture == "llama":
+            cfg.update(attention_bias=False, mlp_bias=False)
+        elif self.architecture == "qwen3":
+            cfg.update(attention_bias=False)
+        if self.architecture in ("qwen2", "qwen3"):
+            cfg.update(use_sliding_window=False, sliding_window=None)
+        if self.rope_type == "llama3":
+            cfg["rope_scaling"] = {"rope_type": "llama3", "factor": self.rope_factor,
+                                   "low_freq_factor": self.rope_low_freq_factor,
+                                   "high_freq_factor": self.rope_high_freq_factor,
+                                   "original_max_position_embeddings": self.rope_original_max_position}
+        return cfg
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> "ModelSpec":
-        """Build from a Hugging Face config dict.
+        """Build from a Hugging Face config dict (:func:`spec_fields_from_hf`).
 
         Raises:
-            ConfigError: naming ``source`` and the key when a required field is missing or bad.
+            ConfigError: naming ``source`` and the key when a required field is missing or bad,
+                or when the config asks for something the engine does not implement.
         """
-        def need(key: str) -> Any:
-            if key not in config:
-                raise ConfigError(f"{source}: {key}: required field is missing")
-            return config[key]
-
         try:
-            return cls(
-                vocab_size=need("vocab_size"),
-                hidden_size=need("hidden_size"),
-                intermediate_size=need("intermediate_size"),
-                num_layers=need("num_hidden_layers"),
-                num_heads=need("num_attention_heads"),
-                num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-                max_position=config.get("max_position_embeddings", 2048),
-                rope_theta=float(config.get("rope_theta", 10000.0)),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                explicit_head_dim=_explicit_head_dim(config),
-            )
+            return cls(**spec_fields_from_hf(config, source))
         except ConfigError as err:
             msg = str(err)
             raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
@@ -160,6 +204,117 @@ class ModelSpec:
         return cls(**dict(data))
 
 
+#: Keys of a Hugging Face config that change nothing the engine computes (bookkeeping, generation
+#: defaults, output flags). Every other key must be understood, or the config is refused.
+HF_METADATA_KEYS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "return_dict",
+    "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type",
+    "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class", "prefix", "task_specific_params",
+    "max_window_layers", "quantization_config_ignored", "bad_words_ids", "begin_suppress_tokens",
+    "decoder_start_token_id", "sep_token_id", "tf_legacy_loss", "torchscript", "use_bfloat16",
+    "cross_attention_hidden_size", "add_cross_attention", "finetuning_task", "tie_encoder_decoder",
+    "is_decoder", "pruned_heads", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+})
+_IMPLEMENTED_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+    "head_dim", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout", "rope_scaling",
+    "rope_parameters", "use_sliding_window", "sliding_window", "layer_types", "pretraining_tp",
+})
+
+
+def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """:class:`ModelSpec` keyword arguments from a Hugging Face ``config.json``.
+
+    Reads ``LlamaForCausalLM`` (with Llama-3's ``llama3`` RoPE scaling), ``Qwen2ForCausalLM``
+    (q/k/v biases) and ``Qwen3ForCausalLM`` (q/k norms, explicit ``head_dim``), with RoPE in the
+    ``rope_theta``/``rope_scaling`` form or transformers 5's ``rope_parameters``. Anything the
+    engine does not compute is refused, never ignored: another architecture, an unknown key,
+    sliding-window or sliding layers, an activation other than SiLU, attention dropout, MLP
+    biases, Llama or Qwen3 ``attention_bias`` (biases on every projection), another RoPE type.
+
+    Raises:
+        ConfigError: ``<source>: <key>: ...`` naming the field.
+    """
+    def fail(key: str, why: str) -> None:
+        raise ConfigError(f"{source}: {key}: {why}")
+
+    def need(key: str) -> Any:
+        if key not in config:
+            fail(key, "required field is missing")
+        return config[key]
+
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    if model_type is None and archs:
+        model_type = {v: k for k, v in ARCHITECTURES.items()}.get(archs[0])
+    if model_type not in ARCHITECTURES:
+        fail("model_type", f"{model_type!r} ({', '.join(map(str, archs)) or 'no architectures'}) is not implemented; "
+                           f"one of {sorted(ARCHITECTURES)} ({', '.join(ARCHITECTURES.values())})")
+    if archs and list(archs) != [ARCHITECTURES[model_type]]:
+        fail("architectures", f"{list(archs)} is not implemented for model_type {model_type!r} "
+                              f"(expected [{ARCHITECTURES[model_type]!r}])")
+    unknown = sorted(k for k in config if k not in HF_METADATA_KEYS and k not in _IMPLEMENTED_KEYS)
+    if unknown:
+        fail(unknown[0], f"not implemented (unknown to the engine; also unknown: {unknown[1:]})" if unknown[1:]
+             else "not implemented (unknown to the engine)")
+    if config.get("hidden_act", "silu") != "silu":
+        fail("hidden_act", f"{config['hidden_act']!r} is not implemented (SwiGLU with silu only)")
+    if float(config.get("attention_dropout", 0.0) or 0.0) != 0.0:
+        fail("attention_dropout", f"{config['attention_dropout']} is not implemented (0 only)")
+    if config.get("mlp_bias"):
+        fail("mlp_bias", "true is not implemented (MLP projections without biases only)")
+    if int(config.get("pretraining_tp", 1) or 1) != 1:
+        fail("pretraining_tp", f"{config['pretraining_tp']} is not implemented (1 only)")
+    if config.get("use_sliding_window"):
+        fail("use_sliding_window", "true is not implemented (full attention in every layer only)")
+    if model_type == "llama" and config.get("sliding_window") is not None:
+        fail("sliding_window", f"{config['sliding_window']} is not implemented")
+    layer_types = config.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        fail("layer_types", f"{sorted(set(layer_types))}: only full_attention layers are implemented")
+    if model_type in ("llama", "qwen3") and config.get("attention_bias"):
+        fail("attention_bias", f"true is not implemented for {model_type} (biases on q/k/v/o)")
+    rope = _rope(config, source)
+    fields: dict[str, Any] = dict(
+        vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"), num_heads=need("num_attention_heads"),
+        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        max_position=config.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        explicit_head_dim=_explicit_head_dim(config),
+        architecture=model_type, **rope)
+    return fields
+
+
+def _rope(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """RoPE fields of a HF config: ``rope_theta`` and ``rope_scaling`` (transformers 4), or
+    ``rope_parameters`` (transformers 5).
+
+    Raises:
+        ConfigError: for a RoPE type other than default and ``llama3``.
+    """
+    params = dict(config.get("rope_parameters") or {})
+    scaling = dict(config.get("rope_scaling") or {})
+    merged = {**params, **scaling}
+    key = "rope_scaling" if scaling else "rope_parameters"
+    theta = float(merged.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{source}: {key}.rope_type: {kind!r} is not implemented (one of {list(ROPE_TYPES)})")
+    out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
+    if kind == "llama3":
+        try:
+            out.update(rope_factor=float(merged["factor"]), rope_low_freq_factor=float(merged["low_freq_factor"]),
+                       rope_high_freq_factor=float(merged["high_freq_factor"]),
+                       rope_original_max_position=int(merged["original_max_position_embeddings"]))
+        except KeyError as err:
+            raise ConfigError(f"{source}: {key}.{err.args[0]}: required by rope_type 'llama3'") from None
+    return out
+
+
 def _explicit_head_dim(config: Mapping[str, Any]) -> int:
     """``head_dim`` from a HF config when it differs from ``hidden_size // num_attention_heads``."""
     head_dim = config.get("head_dim")
@@ -172,25 +327,27 @@ def _explicit_head_dim(config: Mapping[str, Any]) -> int:
 
 #: Presets keyed by lower-case name. Shapes from each model's Hugging Face ``config.json``
 #: (meta-llama/Llama-3.1-8B, Qwen/Qwen3-14B, Qwen/Qwen3-32B, meta-llama/Llama-3.3-70B-Instruct);
-#: ``counting-tiny`` is the local demo model. Qwen3's per-head q/k RMSNorm weights
-#: (2·head_dim per layer, < 0.001 % of P) are not counted.
+#: ``counting-tiny`` is the local demo model.
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                    rope_original_max_position=8192)
 PRESETS: dict[str, ModelSpec] = {
     "llama-3.1-8b": ModelSpec(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+        num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5, **_LLAMA3_ROPE,
     ),
     "qwen3-14b": ModelSpec(
         vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
         num_kv_heads=8, max_position=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        architecture="qwen3",
     ),
     "qwen3-32b": ModelSpec(
         vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
         num_kv_heads=8, max_position=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        explicit_head_dim=128,
+        explicit_head_dim=128, architecture="qwen3",
     ),
     "llama-3.3-70b": ModelSpec(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-        num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+        num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5, **_LLAMA3_ROPE,
     ),
     "counting-tiny": ModelSpec(
         vocab_size=16, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,

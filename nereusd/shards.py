@@ -11,11 +11,12 @@ parameter                   TP                                        PP
 ==========================  ========================================  ====================
 embedding ``[V, h]``        dim 0 (vocab-parallel)                    first stage
 q/k/v ``[heads·d, h]``      dim 0, whole heads; k/v replicated when   owning layer's stage
-                            ``tp > num_kv_heads``
+and their biases            ``tp > num_kv_heads``
 o ``[h, heads·d]``          dim 1                                     owning layer's stage
 gate/up ``[f, h]``          dim 0                                     owning layer's stage
 down ``[h, f]``             dim 1                                     owning layer's stage
-norms, value head           replicated                                final ones: last stage
+norms (q/k norms too),      replicated                                final ones: last stage
+value head
 lm head ``[V, h]``          dim 0                                     last stage
 ==========================  ========================================  ====================
 
@@ -117,20 +118,32 @@ def value_head_for(role: Role) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> Mapping[str, tuple[int, ...]]:
-    """Full shape of every canonical parameter (Hugging Face names, in HF order).
+    """Full shape of every canonical parameter (Hugging Face names, in HF order): the one table
+    the engine (:mod:`emu.engine.canonical`), the transition planner and the primitives use.
 
-    Same table as :func:`emu.engine.canonical.canonical_shapes`.
+    Qwen2 adds ``q/k/v_proj.bias`` (``[heads·d]``, ``[kv·d]``), Qwen3 ``q_norm``/``k_norm``
+    (``[d]``, one RMSNorm shared by every head).
     """
     h, f, v, d = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
-    kv = spec.num_kv_heads * d
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
+        attn: dict[str, tuple[int, ...]] = {p + "self_attn.q_proj.weight": (q, h)}
+        if spec.attention_bias:
+            attn[p + "self_attn.q_proj.bias"] = (q,)
+        attn[p + "self_attn.k_proj.weight"] = (kv, h)
+        if spec.attention_bias:
+            attn[p + "self_attn.k_proj.bias"] = (kv,)
+        attn[p + "self_attn.v_proj.weight"] = (kv, h)
+        if spec.attention_bias:
+            attn[p + "self_attn.v_proj.bias"] = (kv,)
+        attn[p + "self_attn.o_proj.weight"] = (h, q)
+        if spec.qk_norm:
+            attn[p + "self_attn.q_norm.weight"] = (d,)
+            attn[p + "self_attn.k_norm.weight"] = (d,)
+        shapes.update(attn)
         shapes.update({
-            p + "self_attn.q_proj.weight": (spec.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
             p + "mlp.gate_proj.weight": (f, h),
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
@@ -147,15 +160,14 @@ def canonical_shapes(spec: ModelSpec, value_head: bool = False) -> Mapping[str, 
 
 
 def shard_dim(name: str, spec: ModelSpec, tp: int) -> int | None:
-    """The dim along which ``name`` is split over ``tp`` ranks, or ``None`` when replicated.
-
-    Same rule as :func:`emu.engine.canonical.shard_dim` (DESIGN.md sharding table).
+    """The dim along which ``name`` is split over ``tp`` ranks, or ``None`` when replicated
+    (DESIGN.md sharding table; q/k/v biases shard with their rows, q/k norms replicate).
     """
     if tp == 1:
         return None
-    if name.endswith(("k_proj.weight", "v_proj.weight")):
+    if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
         return None if tp > spec.num_kv_heads else 0
-    if name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+    if name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")):
         return 0
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0

@@ -37,7 +37,7 @@ def init_parameter(name: str, shape: tuple[int, ...], seed: Optional[int]) -> to
     by ``(seed, crc32(name))``, so a shard can initialise only what it holds and still match
     the one-process model bit for bit (``seed=None``: torch's global RNG).
     """
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
@@ -68,15 +68,22 @@ def num_parameters(module: nn.Module) -> int:
 
 
 def replicated_grad_names(names: list[str], spec: ModelSpec, tp: int) -> list[str]:
-    """Replicated parameters whose TP ranks compute *different* partial gradients.
+    """Replicated parameters whose TP ranks compute *different* partial gradients, to be summed
+    over the TP group:
 
-    Only k/v projections replicated because ``tp > num_kv_heads``: each rank uses one kv head,
-    so their gradients must be summed over the TP group. (Norms and the value head see
-    identical inputs and gradients on every TP rank and need no reduction.)
+    - k/v projections (and their biases) replicated because ``tp > num_kv_heads``: each rank
+      uses one kv head;
+    - Qwen3's ``q_norm``/``k_norm``: one weight shared by every head, each rank normalises only
+      its own heads.
+
+    (Layer norms and the value head see identical inputs and gradients on every TP rank.)
     """
-    if tp == 1 or not kv_replicated(spec, tp):
+    if tp == 1:
         return []
-    return [n for n in names if n.endswith(("k_proj.weight", "v_proj.weight"))]
+    ends = ("q_norm.weight", "k_norm.weight")
+    if kv_replicated(spec, tp):
+        ends += ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
+    return [n for n in names if n.endswith(ends)]
 
 
 def shard_full_tensor(name: str, full: torch.Tensor, spec: ModelSpec, tp: int, tp_rank: int) -> torch.Tensor:

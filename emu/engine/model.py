@@ -1,4 +1,6 @@
-"""A Llama-architecture decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), fp32.
+"""A Llama-family decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), fp32: Llama and
+Llama-3 (``llama3`` RoPE scaling), Qwen2/Qwen2.5 (q/k/v biases) and Qwen3 (q/k norms), with
+tied or separate output embeddings.
 
 The module tree and parameter names follow Hugging Face ``LlamaForCausalLM``
 (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, …,
@@ -28,6 +30,7 @@ et al., "Megatron-LM" (2019), §3 for the tensor-parallel split and its ``f``/``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -120,13 +123,37 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` of ``spec``.
+
+    ``inv_freq_i = theta^(-2i/d)`` (Su et al., "RoFormer", 2021); with ``rope_type == "llama3"``
+    Llama-3's frequency-dependent scaling (Meta, Llama 3.1, 2024; as in transformers'
+    ``_compute_llama3_parameters``): wavelengths longer than ``original / low_freq_factor`` are
+    divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and those between
+    interpolated smoothly.
+    """
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    if spec.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    original = spec.rope_original_max_position
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables for ``position_ids [B, S]``: ``cos, sin`` of shape ``[B, 1, S, head_dim]``.
 
-    HF Llama convention: ``inv_freq = theta^(-2i/d)``, angles duplicated across the two halves.
+    HF Llama convention: angles ``position · inv_freq`` (:func:`rope_inv_freq`) duplicated
+    across the two halves of a head.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=position_ids.device) / head_dim))
+    inv_freq = rope_inv_freq(spec, position_ids.device)
     angles = position_ids.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)[:, None]
     return emb.cos(), emb.sin()
@@ -174,7 +201,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention, column-parallel q/k/v and row-parallel o."""
+    """Grouped-query self-attention, column-parallel q/k/v and row-parallel o. Qwen2 gives q/k/v
+    biases (sharded with their rows); Qwen3 normalises each query and key head (RMSNorm over
+    ``head_dim``, one weight shared by the heads) before RoPE."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup, layer: int) -> None:
         super().__init__()
@@ -186,10 +215,16 @@ class Attention(nn.Module):
         self.n_kv_heads = 1 if self.kv_replicated else n_kv_weight
         # With replicated k/v the local q heads all belong to one kv group.
         self.kv_select = tp.rank * self.n_heads // (spec.num_heads // spec.num_kv_heads)
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, n_kv_weight * d, bias=False)
-        self.v_proj = nn.Linear(h, n_kv_weight * d, bias=False)
+        bias = spec.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, n_kv_weight * d, bias=bias)
+        self.v_proj = nn.Linear(h, n_kv_weight * d, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor, kv_cache: Optional[KVCache]) -> torch.Tensor:
@@ -202,6 +237,8 @@ class Attention(nn.Module):
         if self.kv_replicated:
             k = k[:, self.kv_select:self.kv_select + 1]
             v = v[:, self.kv_select:self.kv_select + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer, k, v)
@@ -371,7 +408,7 @@ class LlamaModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=device).expand(b, s)
         x = self.model.embed_tokens(inputs) if self.is_first else inputs
-        cos, sin = rope_cos_sin(position_ids, self.spec.head_dim, self.spec.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.spec)
         mask = attention_mask_4d(attention_mask, s, past, b, device)
         for layer in self.model.layers.values():
             if self.recompute and kv_cache is None and torch.is_grad_enabled():

@@ -17,6 +17,7 @@ import torch
 from tests.support.distributed import run_distributed
 from emu.state.devmem import DeviceMemory
 from emu.engine.stage import StageEngine
+from emu.engine.canonical import init_full_state
 from emu.engine.parallel import build_stage_groups, gather_pp, gather_tp
 from nereusd.plan import Candidate, ModelStage, Role, Stage
 from tests.support.specs import ENGINE as SPEC
@@ -75,9 +76,9 @@ def critic_loss(outputs, batch):
     return loss, {"vf": loss.detach()}
 
 
-def make_engine(rank, cand, groups, value_head, model_stage=None, trainable=True):
+def make_engine(rank, cand, groups, value_head, model_stage=None, trainable=True, spec=SPEC):
     return StageEngine(
-        model_stage=model_stage or TRAIN[value_head], spec=SPEC, candidate=cand, rank=rank, groups=groups,
+        model_stage=model_stage or TRAIN[value_head], spec=spec, candidate=cand, rank=rank, groups=groups,
         device=torch.device("cpu"), memory=DeviceMemory(rank, 1 << 30), value_head=value_head,
         trainable=trainable, lr=1e-2, eps=ADAM_EPS, grad_clip=0.5, micro_batch=2)
 
@@ -87,20 +88,34 @@ def share(items, dp, dp_rank):
     return items[dp_rank * n // dp:(dp_rank + 1) * n // dp]
 
 
-def train_once(rank, cand, groups, value_head):
+def perturbed_state(spec, value_head: bool) -> dict:
+    """The seed-7 initial state with every bias and norm weight moved off its initial 0 or 1, so
+    that their sharding shows in the outputs."""
+    state = init_full_state(spec, value_head=value_head, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    for name, tensor in state.items():
+        if name.endswith(".bias") or "norm" in name:
+            state[name] = tensor + 0.1 * torch.randn(tensor.shape, generator=gen)
+    return state
+
+
+def train_once(rank, cand, groups, value_head, spec=SPEC, perturb=False):
     """Forward outputs, metrics, gradients, parameters and Adam state after one step."""
     seqs, pls = sequences()
     per_token = per_token_inputs(seqs, pls)
     d = groups.dp_rank
-    eng = make_engine(rank, cand, groups, value_head)
-    eng.initialize(seed=7)
+    eng = make_engine(rank, cand, groups, value_head, spec=spec)
+    if perturb:
+        eng.load_full_state(perturbed_state(spec, value_head))
+    else:
+        eng.initialize(seed=7)
     my_seqs, my_pls = share(seqs, cand.dp, d), share(pls, cand.dp, d)
     fwd = eng.values(my_seqs, my_pls) if value_head else eng.logprobs(my_seqs, my_pls)
     scores = eng.scores(my_seqs) if value_head else None
     metrics = eng.train_step(my_seqs, my_pls, {k: share(v, cand.dp, d) for k, v in per_token.items()},
                              critic_loss if value_head else policy_loss)
-    grads = gather_pp({n: gather_tp(n, p.grad, SPEC, groups) for n, p in eng.params.items()},
-                      SPEC, value_head, groups)
+    grads = gather_pp({n: gather_tp(n, p.grad, spec, groups) for n, p in eng.params.items()},
+                      spec, value_head, groups)
     return dict(fwd=fwd, scores=scores, metrics=metrics, grads=grads, state=eng.full_state(),
                 opt=eng.optimizer_full_state(), lo=d * len(seqs) // cand.dp)
 
@@ -179,3 +194,34 @@ def test_every_layout_matches_one_process():
             for key, value in diffs.items():
                 assert value < TOL, f"rank {rank} {layout} value_head={what}: {key} differs by {value:.3g}"
     assert len(seen) == len(layouts(4)), sorted(seen)
+
+
+def architectures_rank(rank: int, world: int) -> list[tuple]:
+    """Each architecture of :data:`tests.support.specs.ARCHITECTURES` at tp×pp 2×1 and 1×2 (tied
+    embeddings: 2×1 only, they are refused at pp > 1) against one process, policy and value head."""
+    from tests.support.specs import ARCHITECTURES
+
+    own = Candidate(1, 1, 1, (rank,))
+    own_groups = build_stage_groups(own, rank)
+    results = []
+    for name, spec in ARCHITECTURES.items():
+        refs = {vh: train_once(rank, own, own_groups, vh, spec, perturb=True) for vh in (False, True)}
+        for cand in (Candidate(2, 1, 1, (0, 1)), Candidate(1, 2, 1, (0, 1))):
+            groups = build_stage_groups(cand, rank)
+            for vh in (False, True):
+                if cand.pp > 1 and spec.tie_word_embeddings and not vh:
+                    continue
+                case = train_once(rank, cand, groups, vh, spec, perturb=True)
+                results.append((name, cand.describe(), vh, compare(case, refs[vh])))
+    return results
+
+
+@pytest.mark.slow
+def test_every_architecture_matches_one_process_at_tp2_and_pp2():
+    seen = set()
+    for rank, results in enumerate(run_distributed(architectures_rank, 2)):
+        for name, layout, vh, diffs in results:
+            seen.add((name, layout))
+            for key, value in diffs.items():
+                assert value < TOL, f"rank {rank} {name} {layout} value_head={vh}: {key} differs by {value:.3g}"
+    assert {n for n, _ in seen} == {"llama3", "qwen2-tied", "qwen3"} and len(seen) == 6

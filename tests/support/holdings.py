@@ -31,8 +31,9 @@ def logical_for(seed: int, ms: ModelStage) -> LogicalState:
     return LogicalState(step=seed % 7, version=3, policy_version=seed % 5, position=64 * seed, seed=seed)
 
 
-def specs_for(plan: Plan):
-    return {m: (SPEC, value_head_for(m.role), slots_for(m)) for m in plan}
+def specs_for(plan: Plan, spec=SPEC):
+    """What the executor needs per model-stage of ``plan``: ``(spec, value head, slots)``."""
+    return {m: (spec, value_head_for(m.role), slots_for(m)) for m in plan}
 
 
 def check_holdings(store: HoldingStore, plan: Plan, rank: int, seed: int, where: object) -> None:
