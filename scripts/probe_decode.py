@@ -42,7 +42,7 @@ def main() -> None:
         for _ in range(args.repeats):
             start = time.perf_counter()
             with torch.no_grad():
-                generate(model, prompts, SamplingParams(max_new_tokens=args.steps, eos_id=None, seed=0))
+                generate(model, prompts, SamplingParams(max_new_tokens=args.steps, stop_ids=(), seed=0))
             best = min(best, time.perf_counter() - start)
         per_step[batch] = best / args.steps
         print(f"batch {batch:4d}: {per_step[batch] * 1e3:8.3f} ms per decode step")

@@ -68,7 +68,7 @@ def rollout(model: LlamaModel, task: CountingTask, starts: list[int], temperatur
     if any(len(p) != prompt_len for p in prompts):
         raise ValueError("tune_rl expects prompts of one length (start numbers with equal digit counts)")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                            eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+                            stop_ids=(tok.eos_id,), pad_id=tok.pad_id, seed=seed)
     model.eval()
     responses = generate(model, prompts, params)
     verdicts = [task.verify(s, r) for s, r in zip(starts, responses)]

@@ -36,7 +36,8 @@ class SamplingParams:
         max_new_tokens: at most this many tokens per response.
         temperature: softmax temperature (> 0) when sampling.
         greedy: take the argmax instead of sampling.
-        eos_id: a sequence stops after producing it (``None``: never).
+        stop_ids: a sequence stops after producing any of these (the tokenizer's EOS and the
+            generation config's stop tokens; empty: never).
         pad_id: token used for left padding of prompts.
         seed: seed of the sampling generator.
         seeds: one seed per sequence (overrides ``seed``): each sequence samples from its own
@@ -46,7 +47,7 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     greedy: bool = False
-    eos_id: Optional[int] = None
+    stop_ids: tuple[int, ...] = ()
     pad_id: int = 0
     seed: int = 0
     seeds: Optional[tuple[int, ...]] = None
@@ -116,7 +117,7 @@ def generate(model: LlamaModel, prompts: list[list[int]], params: SamplingParams
             positions (allocated here when ``None``).
 
     Returns:
-        One response per prompt: generated ids, including ``eos_id`` when produced; at most
+        One response per prompt: generated ids, including the stop id when produced; at most
         ``max_new_tokens`` long. Identical on every TP rank.
 
     Raises:
@@ -155,8 +156,8 @@ def generate(model: LlamaModel, prompts: list[list[int]], params: SamplingParams
         chosen = _next_tokens(logits[:, -1], groups, params, gen)
         for i in torch.nonzero(~done).flatten().tolist():
             responses[i].append(int(chosen[i]))
-        if params.eos_id is not None:
-            done |= chosen == params.eos_id
+        if params.stop_ids:
+            done |= torch.isin(chosen, torch.tensor(params.stop_ids, device=chosen.device))
         if bool(done.all()) or step + 1 == params.max_new_tokens:
             break
         length = kv_cache.length + 1

@@ -178,7 +178,7 @@ class StageEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False, eos_id: Optional[int] = None, pad_id: int = 0,
+                 greedy: bool = False, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
                  seed: int = 0, seeds: Optional[list[int]] = None) -> list[list[int]]:
         """Responses for this replica's prompts (:func:`emu.engine.generate.generate`), on every TP rank.
 
@@ -201,12 +201,12 @@ class StageEngine:
             out: list[list[int]] = []
             for w, lo in enumerate(range(0, len(prompts), self.micro_batch)):
                 out += self.generate(prompts[lo:lo + self.micro_batch], max_new_tokens=max_new_tokens,
-                                     temperature=temperature, greedy=greedy, eos_id=eos_id, pad_id=pad_id,
+                                     temperature=temperature, greedy=greedy, stop_ids=stop_ids, pad_id=pad_id,
                                      seed=seed if w == 0 else (seed ^ (w * 0x9E3779B1)) & 0x7FFFFFFF,
                                      seeds=None if seeds is None else seeds[lo:lo + self.micro_batch])
             return out
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                                eos_id=eos_id, pad_id=pad_id, seed=seed,
+                                stop_ids=tuple(stop_ids), pad_id=pad_id, seed=seed,
                                 seeds=None if seeds is None else tuple(seeds))
         width = max(len(p) for p in prompts)
         shape = kv_cache_shape(self.module, len(prompts), width + max_new_tokens)

@@ -178,7 +178,7 @@ class WorkerRuntime(TransitionTasks):
         engine = self._engine(args)
         responses = engine.generate(
             args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=args.greedy,
-            eos_id=args.eos_id, pad_id=args.pad_id, seed=args.seed, seeds=args.seeds,
+            stop_ids=tuple(args.stop_ids), pad_id=args.pad_id, seed=args.seed, seeds=args.seeds,
         )
         return {"responses": responses} if self._reporting(engine) else {}
 

@@ -72,7 +72,8 @@ class GenerateArgs(_Args):
     max_new_tokens: int = Field(ge=1)
     temperature: float = Field(gt=0.0)
     greedy: bool
-    eos_id: int
+    stop_ids: list[int]
+    """A response ends at any of these (EOS and the generation config's stop tokens)."""
     pad_id: int
     seed: int
     seeds: list[int] | None = None

@@ -192,7 +192,7 @@ class RLDriver:
         prompts = batch.prompts
         return self._submit_replicas("generate", ACTOR_GEN, len(prompts), lambda r, lo, hi: {
             "prompts": prompts[lo:hi], "max_new_tokens": roll.max_new_tokens, "temperature": roll.temperature,
-            "greedy": greedy, "eos_id": self.tokenizer.eos_id, "pad_id": self.tokenizer.pad_id,
+            "greedy": greedy, "stop_ids": list(self.tokenizer.stop_ids), "pad_id": self.tokenizer.pad_id,
             "seed": derived_seed(self.cfg.seed, index, r, int(greedy)),
             # one stream per sample of the step: the draws do not depend on the layout
             "seeds": [derived_seed(self.cfg.seed, index, i, int(greedy), 1) for i in range(lo, hi)],

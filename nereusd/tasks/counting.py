@@ -72,6 +72,11 @@ class CharTokenizer:
     def eos_id(self) -> int:
         return self._ids[self.EOS]
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens a response ends at: ``<eos>``."""
+        return (self.eos_id,)
+
     def encode(self, text: str) -> list[int]:
         """Ids of the characters of ``text`` (digits, ``,`` and ``:`` only; no special tokens).
 

@@ -147,7 +147,7 @@ def generate_once(rank, cand, groups, greedy):
     eng.initialize(seed=3)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [2, 2], [7, 1, 3], [9]]
     mine = share(prompts, cand.dp, groups.dp_rank)
-    return eng.generate(mine, max_new_tokens=6, temperature=0.7, greedy=greedy, eos_id=0, seed=groups.dp_rank)
+    return eng.generate(mine, max_new_tokens=6, temperature=0.7, greedy=greedy, stop_ids=(0,), seed=groups.dp_rank)
 
 
 def all_layouts_rank(rank: int, world: int) -> list[tuple]:
@@ -177,7 +177,7 @@ def generate_once_reference(rank, cand, own_groups, greedy, dp_rank):
     eng.initialize(seed=3)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [2, 2], [7, 1, 3], [9]]
     return eng.generate(share(prompts, cand.dp, dp_rank), max_new_tokens=6, temperature=0.7, greedy=greedy,
-                        eos_id=0, seed=dp_rank)
+                        stop_ids=(0,), seed=dp_rank)
 
 
 @pytest.mark.slow

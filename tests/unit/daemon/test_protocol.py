@@ -13,7 +13,7 @@ from nereusd.errors import ProtocolError
 
 def test_round_trip_of_every_path():
     task = P.Task(task_id=3, args=P.GenerateArgs(model_stage="actor/generation", prompts=[[1, 2, 3]], max_new_tokens=4,
-                                                 temperature=1.0, greedy=False, eos_id=0, pad_id=0, seed=1))
+                                                 temperature=1.0, greedy=False, stop_ids=(0,), pad_id=0, seed=1))
     msgs = [
         P.RegisterAgent(node_id="n1", hostname="h", pid=1,
                         devices=[P.DeviceInfo(local_index=0, kind="cpu", name="virtual-cpu", memory_bytes=10)]),

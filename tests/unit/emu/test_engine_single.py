@@ -167,7 +167,7 @@ def test_kv_cache_generation_equals_full_recomputation():
     model = LlamaModel(SPEC, seed=9)
     prompts = [[3, 1, 4, 1, 5], [9], [2, 6], [5, 3, 5, 8]]
     with torch.no_grad():
-        got = generate(model, prompts, SamplingParams(max_new_tokens=8, greedy=True, eos_id=7))
+        got = generate(model, prompts, SamplingParams(max_new_tokens=8, greedy=True, stop_ids=(7,)))
         want = [_greedy_by_recomputation(model, p, 8, 7) for p in prompts]
     assert got == want
     assert any(r and r[-1] == 7 for r in got) or all(len(r) == 8 for r in got)
@@ -177,7 +177,7 @@ def test_sampling_is_seeded_and_engine_books_the_kv_cache():
     mem = DeviceMemory(0, 1 << 30)
     eng = engine(mem, trainable=False, model_stage=ACTOR_GEN)
     eng.initialize(seed=2)
-    kw = dict(max_new_tokens=5, temperature=1.5, eos_id=None, seed=123)
+    kw = dict(max_new_tokens=5, temperature=1.5, stop_ids=(), seed=123)
     a, b = eng.generate([[1, 2], [3]], **kw), eng.generate([[1, 2], [3]], **kw)
     assert a == b and all(len(r) == 5 for r in a)
     assert eng.generate([[1, 2], [3]], **{**kw, "seed": 124}) != a
@@ -226,7 +226,7 @@ def test_cuda_engine_matches_cpu():
         eng.initialize(seed=3)
         logprobs = eng.logprobs(seqs, pls)
         metrics = eng.train_step(seqs, pls, per_token, loss_fn)
-        tokens = eng.generate([[1, 2], [3]], max_new_tokens=6, greedy=True, eos_id=0)
+        tokens = eng.generate([[1, 2], [3]], max_new_tokens=6, greedy=True, stop_ids=(0,))
         results.append((logprobs, metrics, {n: t.cpu() for n, t in eng.full_state().items()}, tokens))
         if device == "cuda":
             assert metrics["cuda_peak_bytes"] > 0 and mem.cuda_peak_bytes() > 0

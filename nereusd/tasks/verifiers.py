@@ -1,0 +1,116 @@
+"""Rule-based verifiers of math answers: GSM8K's ``#### <number>`` and MATH's ``\\boxed{...}``.
+
+- :func:`gsm8k_answer` takes the number after the last ``####`` of a text (the GSM8K answer
+  format, Cobbe et al., "Training Verifiers to Solve Math Word Problems", 2021) and normalises it
+  (thousands separators, a currency sign, a trailing full stop, ``+`` signs, trailing zeros of a
+  decimal); :func:`verify_gsm8k` compares a response's with the ground truth's as exact decimals.
+- :func:`verify_math` compares a response with a ground truth the way verl and OpenRLHF do, with
+  Hugging Face's ``math-verify``: both are parsed (LaTeX, ``\\boxed{}`` first, or plain
+  expressions) and compared symbolically (``1/2`` equals ``\\frac{1}{2}`` equals ``0.5``).
+
+Each verifier returns a reward in ``{0.0, 1.0}``. A response that has no answer in the expected
+form earns 0; so does one the checker cannot decide within its time limit (``timeout_s``; the
+limit uses ``SIGALRM`` and so applies in the main thread, where nereusd's driver runs). Inputs are
+bounded (:data:`MAX_ANSWER_CHARS`) so that a degenerate response cannot stall the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from decimal import Decimal, InvalidOperation
+
+log = logging.getLogger(__name__)
+
+MAX_ANSWER_CHARS = 200
+"""Longest answer string compared (a 200-digit number is no GSM8K answer)."""
+MAX_RESPONSE_CHARS = 20_000
+"""Longest response text handed to the MATH checker (its tail is kept: answers come last)."""
+
+_GSM8K_NUMBER = re.compile(r"[-+]?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?|[-+]?\$?\s*\.[0-9]+")
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The normalised number after the last ``####`` of ``text``, or ``None`` when there is none.
+
+    Normalised: no thousands separators, currency sign, ``+`` or trailing full stop; a decimal
+    without trailing zeros (``12.50`` → ``12.5``, ``3.0`` → ``3``); ``-0`` → ``0``. Digits other
+    than ASCII (``٤٢``) are not a GSM8K answer.
+    """
+    if "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip()
+    match = _GSM8K_NUMBER.match(tail)
+    if match is None:
+        return None
+    raw = match.group(0).replace(",", "").replace("$", "").replace(" ", "").replace("+", "")
+    if len(raw) > MAX_ANSWER_CHARS:
+        return None
+    try:
+        value = Decimal(raw)
+    except InvalidOperation:
+        return None
+    if value == 0:
+        return "0"
+    text_value = format(value.normalize(), "f")
+    return text_value
+
+
+def verify_gsm8k(response: str, ground_truth: str) -> float:
+    """1.0 when the response's ``#### <number>`` equals the ground truth's number, else 0.0.
+
+    ``ground_truth`` is a GSM8K ``answer`` (reasoning then ``#### 42``) or the bare number.
+    """
+    truth = gsm8k_answer(ground_truth) if "####" in ground_truth else gsm8k_answer(f"#### {ground_truth}")
+    got = gsm8k_answer(response)
+    if truth is None or got is None:
+        return 0.0
+    return 1.0 if Decimal(truth) == Decimal(got) else 0.0
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) of ``text``, braces balanced;
+    ``None`` when there is none or it is not closed."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    if not starts:
+        return None
+    start = starts[-1]
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def verify_math(response: str, ground_truth: str, timeout_s: int = 5) -> float:
+    """1.0 when ``math-verify`` finds the response's answer equal to the ground truth, else 0.0.
+
+    ``ground_truth`` is a MATH ``solution`` (its last ``\\boxed{}`` is the answer) or the answer
+    itself. The response's answer is its last ``\\boxed{}``; a response without one earns 0.
+    """
+    from math_verify import parse, verify
+
+    boxed = last_boxed(response[-MAX_RESPONSE_CHARS:])
+    if boxed is None or len(boxed) > MAX_ANSWER_CHARS:
+        return 0.0
+    truth = last_boxed(ground_truth)
+    truth = ground_truth if truth is None else truth
+    if len(truth) > MAX_ANSWER_CHARS:
+        return 0.0
+    try:
+        gold = parse(f"\\boxed{{{truth}}}", parsing_timeout=timeout_s)
+        pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout_s)
+        if not gold or not pred:
+            return 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=timeout_s) else 0.0
+    except Exception as err:  # noqa: BLE001 - a response the checker chokes on earns 0, and the job goes on
+        log.debug("math-verify could not compare %r with %r: %s", boxed, truth, err)
+        return 0.0
+
+
+VERIFIERS = {"gsm8k": verify_gsm8k, "boxed": verify_math}
+"""Answer formats a dataset can declare, and their verifier."""
