@@ -63,6 +63,8 @@ class Event(str, enum.Enum):
     """A replan: the length planned for, the headroom, the planner's log."""
     ADMISSION = "admission"
     """Admission's verdict with ΔL, L_tran, H_x, the payback margin and the alternatives."""
+    EVALUATION = "evaluation"
+    """Pass@1 of the greedy policy on the held-out prompts."""
     TRANSITION = "transition"
     """A transition ran: its ops, predicted and measured time, per-op timings."""
     FALLBACK = "fallback"

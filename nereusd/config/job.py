@@ -278,6 +278,15 @@ class PoolConfig(_Strict):
 AdaptationConfig.model_rebuild()
 
 
+class EvaluationConfig(_Strict):
+    """Evaluation on the task's held-out prompts (``math``: ``task.options.eval_size`` records)."""
+
+    every_steps: int = Field(0, ge=0)
+    """Evaluate before step 0 and after every N steps, and after the last (0: never)."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Evaluate on at most this many held-out prompts (default: all)."""
+
+
 class JobConfig(_Strict):
     """A whole job YAML."""
 
@@ -300,6 +309,7 @@ class JobConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     adaptation: AdaptationConfig = AdaptationConfig()
     pool: PoolConfig = PoolConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
 
     @field_validator("name")
     @classmethod

@@ -51,6 +51,8 @@ class ResolvedJob:
     roles: dict[Role, RoleModel]
     plan: Plan
     grad_accum: dict[ModelStage, int] = field(default_factory=dict)
+    max_prompt_tokens: int = 1
+    """The task's longest prompt in tokens (what the planner plans for)."""
 
     @property
     def sequences_per_step(self) -> int:
@@ -218,14 +220,27 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
             cand, accum = _fallback_candidate(ms, devices, roles[ms.role].spec, job, source)
         candidates[ms] = cand
         grad_accum[ms] = accum
-    max_len = max(s.spec.max_position for s in roles.values())
-    prompt_budget = 16
-    if job.rollout.max_new_tokens + prompt_budget > max_len:
+    from nereusd.tasks import get_task   # the task reads its dataset and tokenizer
+
+    try:
+        task = get_task(job.task.name, job.task.options, base_dir=base_dir, model_dir=roles[Role.ACTOR].path)
+    except ConfigError as err:
+        msg = str(err)
+        raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
+    prompt = task.max_prompt_tokens
+    limit_role = min(roles.values(), key=lambda rm: rm.spec.max_position)
+    if job.rollout.max_new_tokens + prompt > limit_role.spec.max_position:
         raise ConfigError(
-            f"{source}: rollout.max_new_tokens: {job.rollout.max_new_tokens} plus the prompt exceeds the "
-            f"model's max_position={max_len}"
+            f"{source}: rollout.max_new_tokens: {job.rollout.max_new_tokens} plus the longest prompt ({prompt} "
+            f"tokens) exceeds the {limit_role.role.value} model's max_position={limit_role.spec.max_position}"
         )
-    return ResolvedJob(job, source, base_dir, devices, memory, site_name, roles, Plan(candidates), grad_accum)
+    vocab = task.tokenizer.vocab_size
+    small = [rm for rm in roles.values() if rm.spec.vocab_size < vocab]
+    if small:
+        raise ConfigError(f"{source}: the task's tokenizer has {vocab} tokens but the {small[0].role.value} model's "
+                          f"vocab_size is {small[0].spec.vocab_size}")
+    return ResolvedJob(job, source, base_dir, devices, memory, site_name, roles, Plan(candidates), grad_accum,
+                       max_prompt_tokens=prompt)
 
 
 def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:

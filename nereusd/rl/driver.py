@@ -22,6 +22,7 @@ asynchronous safe boundary (DESIGN.md vocabulary); rollouts already generated ke
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -104,7 +105,8 @@ class RLDriver:
         self.journal = journal
         self.plan: Plan = plan or job.plan
         """The running plan; live adaptation replaces it at safe boundaries."""
-        self.task = get_task(self.cfg.task.name, **self.cfg.task.options)
+        self.task = get_task(self.cfg.task.name, self.cfg.task.options, base_dir=job.base_dir,
+                             model_dir=job.roles[Role.ACTOR].path)
         self.tokenizer = self.task.tokenizer
         self.sampler = PromptSampler(self.task)
         self.on_step = on_step or (lambda record: None)
@@ -118,15 +120,15 @@ class RLDriver:
         ``WorkerError`` or ``TransitionInterrupted``; True when it recovered (restart) and rewound
         the driver."""
         self.max_staleness = self.cfg.rollout.max_staleness
+        limit = self.cfg.evaluation.max_prompts
+        self._eval_prompts = self.task.eval_prompts()[:limit] if limit else self.task.eval_prompts()
         self._rollouts: deque[_Rollout] = deque()
         self._next_rollout = 0
 
     @property
     def prompt_length(self) -> int:
-        """Longest prompt of the task's first step, in tokens (the planner's prompt length)."""
-        if not hasattr(self.task, "prompt_at"):
-            return 8
-        return max(len(self.task.prompt_at(i).tokens) for i in range(self.cfg.rollout.prompts_per_step))
+        """Longest prompt of the task, in tokens (the planner's prompt length)."""
+        return self.task.max_prompt_tokens
 
     # ------------------------------------------------------------------ setup
     def build_args(self, plan: Plan) -> P.BuildArgs:
@@ -208,12 +210,12 @@ class RLDriver:
             position = self.sampler.position
             prompts = self.sampler.next_batch(roll.prompts_per_step)
             batch = RolloutBatch(prompt_index=[p.index for p in prompts for _ in range(group)],
-                                 starts=[p.start for p in prompts for _ in range(group)],
+                                 references=[p.reference for p in prompts for _ in range(group)],
                                  prompts=[list(p.tokens) for p in prompts for _ in range(group)])
             pending = [self._generate(batch, greedy=False, index=index)]
             greedy_batch = None
             if self.cfg.algorithm == Algorithm.REMAX:
-                greedy_batch = RolloutBatch([p.index for p in prompts], [p.start for p in prompts],
+                greedy_batch = RolloutBatch([p.index for p in prompts], [p.reference for p in prompts],
                                             [list(p.tokens) for p in prompts])
                 pending.append(self._generate(greedy_batch, greedy=True, index=index))
             self._rollouts.append(_Rollout(index, position, self.step_index, batch, greedy_batch, pending))
@@ -263,7 +265,7 @@ class RLDriver:
             "sequences": seqs[lo:hi], "prompt_lens": lens[lo:hi]})
 
     def _rewards(self, batch: RolloutBatch, responses: list[list[int]]) -> list[float]:
-        return [self.task.score(start, resp) for start, resp in zip(batch.starts, responses)]
+        return [self.task.score(ref, resp) for ref, resp in zip(batch.references, responses)]
 
     def step(self) -> StepRecord:
         """Run one RL step (generation → inference → advantages → training → weight sync) and
@@ -358,6 +360,29 @@ class RLDriver:
             per_seq = adv.remax_advantages(batch.scores, greedy_scores)
             batch.per_token["advantages"] = as_lists(adv.broadcast_to_tokens(per_seq, lengths))
 
+    def _eval_due(self, step: int) -> bool:
+        """Whether an evaluation follows ``step`` (``-1``: before the first step)."""
+        every = self.cfg.evaluation.every_steps
+        if not every or not self._eval_prompts:
+            return False
+        return step == -1 or (step + 1) % every == 0 or step + 1 == self.cfg.steps
+
+    def evaluate(self) -> float:
+        """pass@1 of the policy on the held-out prompts: greedy responses (one per prompt) on the
+        generation devices, scored by the task's verifier; the fraction answered right (reward
+        of at least 1). Journalled as ``evaluation``."""
+        prompts = self._eval_prompts
+        batch = RolloutBatch([p.index for p in prompts], [p.reference for p in prompts],
+                             [list(p.tokens) for p in prompts])
+        dispatch = self._generate(batch, greedy=True, index=-1)
+        responses, _ = self._gather(dispatch, "responses")
+        scores = self._rewards(batch, responses)
+        passed = sum(1 for x in scores if x >= 1.0) / len(scores)
+        self.journal.event(Event.EVALUATION, {
+            "step": self.step_index - 1, "prompts": len(prompts), "pass_at_1": passed,
+            "response_length_mean": float(np.mean([len(r) for r in responses]))})
+        return passed
+
     def _train(self, batch: RolloutBatch) -> dict[str, float]:
         """The training phase: every mini-batch of every epoch to the training model-stages;
         returns their metrics averaged over mini-batches (``{"actor/loss": …}``)."""
@@ -436,7 +461,13 @@ class RLDriver:
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
         while self.step_index < self.cfg.steps:
             try:   # the boundary too: a transition or checkpoint can lose a device as well
+                if not records and self.step_index == 0 and self._eval_due(-1):
+                    self.evaluate()   # the policy before any training (journalled)
                 record = self.step()
+                if self._eval_due(record.step):
+                    start = time.perf_counter()
+                    record = dataclasses.replace(record, eval_pass_at_1=self.evaluate(),
+                                                 eval_s=time.perf_counter() - start)
                 self.journal.metric(record.to_dict())
                 records.append(record)
                 self.on_step(record)

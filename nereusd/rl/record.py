@@ -29,6 +29,7 @@ class StepRecord:
         staleness: ``step − policy_version``.
         train_metrics: losses and norms, ``{"actor/loss": …}`` (mean over mini-batches).
         greedy_reward_mean: ReMax's greedy-baseline reward (``None`` otherwise).
+        eval_pass_at_1, eval_s: see below.
     """
 
     step: int
@@ -46,6 +47,11 @@ class StepRecord:
     staleness: int
     train_metrics: Mapping[str, float] = field(default_factory=dict)
     greedy_reward_mean: float | None = None
+    eval_pass_at_1: float | None = None
+    """Fraction of held-out prompts the greedy policy answers right, after this step (when an
+    evaluation ran: ``evaluation.every_steps``)."""
+    eval_s: float | None = None
+    """Wall time of that evaluation (not part of ``step_latency_s``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` line (model-stages and devices as strings, losses as
@@ -62,4 +68,7 @@ class StepRecord:
         }
         if self.greedy_reward_mean is not None:
             out["greedy_reward_mean"] = self.greedy_reward_mean
+        if self.eval_pass_at_1 is not None:
+            out["eval/pass@1"] = self.eval_pass_at_1
+            out["eval_s"] = self.eval_s
         return out

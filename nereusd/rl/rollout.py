@@ -32,7 +32,8 @@ class RolloutBatch:
     one prompt are contiguous (``group_size`` of them)."""
 
     prompt_index: list[int]
-    starts: list[int]
+    references: list
+    """What each response's verifier compares it with (the task's ``Prompt.reference``)."""
     prompts: list[list[int]]
     responses: list[list[int]] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)

@@ -1,33 +1,51 @@
 """Verifiable RL tasks, looked up by name from a job's ``task.name``.
 
-A task supplies a tokenizer, a deterministic global prompt order (``prompt_at(index)``) and a
-verifier (``score(start, response_ids)``). It is pure Python so the driver can use it anywhere.
+A task supplies a tokenizer (``pad_id``, ``stop_ids``, ``encode``/``decode``), a deterministic
+global prompt order (``prompt_at(index)``: a prompt with its ``index``, ``tokens`` and the
+``reference`` its verifier needs), a verifier (``score(reference, response_ids)``), the longest
+prompt (``max_prompt_tokens``) and a held-out set (``eval_prompts()``, possibly empty):
+
+- ``counting`` (:mod:`nereusd.tasks.counting`): the counting toy, a character tokenizer;
+- ``math`` (:mod:`nereusd.tasks.math`): GSM8K- or MATH-style datasets, the actor's tokenizer
+  and chat template, rule-based verifiers.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from nereusd.errors import ConfigError
 from nereusd.tasks.counting import CharTokenizer, CountingPrompt, CountingTask, PromptSampler, Verdict
 
-TASKS: dict[str, type[CountingTask]] = {
-    CountingTask.name: CountingTask,
-}
+TASKS = ("counting", "math")
 
 
-def get_task(name: str, **options: Any) -> CountingTask:
-    """Build the task registered as ``name`` with keyword ``options``.
+def get_task(name: str, options: dict[str, Any] | None = None, *, base_dir: str | Path = ".",
+             model_dir: str | None = None):
+    """Build the task registered as ``name`` with ``options`` (the job's ``task.options``).
+
+    Args:
+        base_dir: the job file's directory (a dataset path is relative to it).
+        model_dir: the actor's model directory (whose tokenizer a task may use).
 
     Raises:
         ConfigError: unknown task name (the message lists the known ones), or bad options.
     """
+    options = dict(options or {})
+    if name == "counting":
+        cls, extra = CountingTask, {}
+    elif name == "math":
+        from nereusd.tasks.math import MathTask   # transformers: only when a job uses it
+
+        cls, extra = MathTask, {"base_dir": Path(base_dir), "model_dir": model_dir}
+    else:
+        raise ConfigError(f"task.name: unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    for key in ("base_dir", "model_dir"):
+        if key in options:
+            raise ConfigError(f"task.options.{key}: unknown option")
     try:
-        cls = TASKS[name]
-    except (KeyError, TypeError):
-        raise ConfigError(f"task.name: unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
-    try:
-        return cls(**options)
+        return cls(**options, **extra)
     except TypeError as err:
         raise ConfigError(f"task {name!r}: bad options {sorted(options)}: {err}") from None
 

@@ -113,6 +113,11 @@ class CountingPrompt:
     start: int
     tokens: tuple[int, ...]
 
+    @property
+    def reference(self) -> int:
+        """What the verifier compares a response with: the start number."""
+        return self.start
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -166,6 +171,15 @@ class CountingTask:
     @property
     def tokenizer(self) -> CharTokenizer:
         return _TOKENIZER
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt in tokens: ``<bos>``, the digits of ``max_start`` and ``:``."""
+        return 2 + len(str(self.max_start))
+
+    def eval_prompts(self) -> list[CountingPrompt]:
+        """The counting task has no held-out set (every start number is a training prompt)."""
+        return []
 
     # ---- prompts ------------------------------------------------------------------------------
 

@@ -131,11 +131,11 @@ def test_sampler_state_errors():
 
 def test_registry():
     assert "counting" in TASKS
-    assert get_task("counting", seed=3).seed == 3
+    assert get_task("counting", {"seed": 3}).seed == 3
     with pytest.raises(ConfigError, match="unknown task 'sorting'; known tasks: counting"):
         get_task("sorting")
     with pytest.raises(ConfigError, match="bad options"):
-        get_task("counting", colour="red")
+        get_task("counting", {"colour": "red"})
     with pytest.raises(ConfigError, match="task.min_start: 9 exceeds max_start=3"):
         CountingTask(min_start=9, max_start=3)
     with pytest.raises(ConfigError, match="truncated_reward"):
