@@ -20,7 +20,7 @@ import sys
 
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
-from nereusd.models import resolve_model
+from nereusd.models import resolve_model, shortest_context
 from nereusd.plan import Role
 from nereusd.planner.search import Infeasible, Planner
 from nereusd.planner.space import PlannerOptions, PlanProblem
@@ -70,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
                         global_batch=args.global_batch, mini_batches=args.mini_batches,
                         micro_batch=args.micro_batch)
+    warnings = []
+    short = shortest_context({r.value: s for r, s in specs.items()}, args.prompt_length + args.response_length)
+    if short:
+        warnings.append(f"--prompt-length {args.prompt_length} plus --response-length {args.response_length} exceeds "
+                        f"the {short[0]} model's max_position={short[1].max_position}: a job of this shape "
+                        f"is refused at launch")
+    for line in warnings if not args.json else []:
+        print(f"warning: {line}", file=sys.stderr)
     problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)))
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
     options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute)
@@ -77,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         result = Planner(problem, CostModel(site, calibration), options).solve()
     except Infeasible as err:
         if args.json:
-            print(json.dumps({"error": str(err), "model_stage": str(err.model_stage) if err.model_stage else None,
+            print(json.dumps({"error": str(err), "warnings": warnings, "model_stage": str(err.model_stage) if err.model_stage else None,
                               "need_gib": err.need_bytes / GIB, "usable_gib": err.usable_bytes / GIB}))
         else:
             print(f"infeasible: {err}", file=sys.stderr)
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         })
     out = {"plan": rows, "predicted_step_latency_s": round(result.predicted_step_latency_s, 4),
            "search_time_ms": round(result.search_time_s * 1e3, 2),
-           "site": site.name, "gpus": args.gpus, "algorithm": args.algorithm, "asynchronous": args.asynchronous}
+           "site": site.name, "gpus": args.gpus, "algorithm": args.algorithm, "asynchronous": args.asynchronous, "warnings": warnings}
     if args.json:
         print(json.dumps(out))
         return 0

@@ -204,6 +204,19 @@ class ModelSpec:
         return cls(**dict(data))
 
 
+def shortest_context(specs: Mapping[str, ModelSpec], sequence_tokens: int) -> tuple[str, ModelSpec] | None:
+    """The named model whose ``max_position`` is shortest, when ``sequence_tokens`` exceeds it.
+
+    ``specs`` maps a name (a role) to its model; ``sequence_tokens`` is prompt plus response.
+    Returns ``(name, spec)`` for the first model a sequence of that length does not fit, else None.
+    ``nereus-launch run`` refuses such a job; ``nereus-launch plan`` warns.
+    """
+    if not specs:
+        return None
+    name = min(specs, key=lambda n: specs[n].max_position)
+    return (name, specs[name]) if sequence_tokens > specs[name].max_position else None
+
+
 #: Keys of a Hugging Face config that change nothing the engine computes (bookkeeping, generation
 #: defaults, output flags). Every other key must be understood, or the config is refused.
 HF_METADATA_KEYS = frozenset({

@@ -11,12 +11,14 @@ Writes (deterministic for a given ``--seed``)::
 (addition, subtraction, multiplication), each answer a worked line and ``#### <number>``, as in
 GSM8K (Cobbe et al. 2021). Users point ``task.options.dataset`` at a real GSM8K parquet instead.
 
-**The tokenizer** is byte-level BPE trained with ``tokenizers`` on the dataset's text, with a
-ChatML chat template (``<|im_start|>role ... <|im_end|>``, as Qwen2.5's) and ``<|im_end|>`` as
-EOS. **The model** is ``Qwen2ForCausalLM`` (q/k/v biases), 128 wide, 4 layers, 4 heads of 32,
+**The tokenizer** is byte-level BPE trained with ``tokenizers`` on the dataset's text, with Qwen2's
+pre-tokenizer (so ``transformers`` loads it as ``Qwen2Tokenizer`` with the same ids whether or not
+``config.json`` is beside it), a ChatML chat template (``<|im_start|>role ... <|im_end|>``, as
+Qwen2.5's) and ``<|im_end|>`` as EOS. **The model** is ``Qwen2ForCausalLM`` (q/k/v biases), 128 wide, 4 layers, 4 heads of 32,
 2 kv heads. It is trained by supervised fine-tuning on half of the training split (the rows the
 job's ``eval_size`` holds out are never seen), so that pass@1 starts above zero and RL has
-something to raise. On the development machine (one thread) it takes a few minutes::
+something to raise; 250 steps leave it short of memorising the set (greedy held-out pass@1 0.29
+on the development machine), so RL has room. There (two threads) it takes about 80 s::
 
     .venv/bin/python scripts/make_math_warmstart.py
 """
@@ -40,14 +42,11 @@ from emu.engine.hf_io import save_pretrained  # noqa: E402
 from emu.engine.model import LlamaModel  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
 from nereusd.tasks.dataset import read_records, split  # noqa: E402
-from nereusd.tasks.tokenizer import HFTokenizer  # noqa: E402
+from nereusd.tasks.tokenizer import HFTokenizer, train_bpe_tokenizer  # noqa: E402
 from nereusd.tasks.verifiers import verify_gsm8k  # noqa: E402
 
 NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max"]
 ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "stamps", "marbles"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EVAL_SIZE = 100
 """Rows the example job holds out (``task.options.eval_size``): the warm start never sees them."""
 
@@ -84,23 +83,6 @@ def write_dataset(path: Path, rows: int, seed: int) -> None:
             fh.write(json.dumps(problem(rng)) + "\n")
 
 
-def write_tokenizer(out: Path, texts: list[str], vocab: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    eos = fast.convert_tokens_to_ids("<|im_end|>")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos], "do_sample": True}) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=REPO / "examples" / "data" / "gsm8k-generated.jsonl")
@@ -108,17 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     write_dataset(args.data, args.rows, args.seed)
     records = read_records(args.data, "question", "answer")
     args.out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(args.out, [r.prompt + "\n" + r.answer for r in records], args.vocab)
+    train_bpe_tokenizer(args.out, [r.prompt + "\n" + r.answer for r in records], args.vocab)
     tok = HFTokenizer(args.out)
     vocab = -(-tok.vocab_size // 8) * 8   # divisible by tp 1, 2, 4, 8
     spec = ModelSpec(vocab_size=vocab, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,

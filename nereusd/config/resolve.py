@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
-from nereusd.models import ModelSpec
+from nereusd.models import ModelSpec, shortest_context
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
 from nereusd.shards import check_layout, value_head_for
 from nereusd.workflow import Algorithm, build_workflow
@@ -228,11 +228,11 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
         msg = str(err)
         raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
     prompt = task.max_prompt_tokens
-    limit_role = min(roles.values(), key=lambda rm: rm.spec.max_position)
-    if job.rollout.max_new_tokens + prompt > limit_role.spec.max_position:
+    short = shortest_context({r.value: rm.spec for r, rm in roles.items()}, job.rollout.max_new_tokens + prompt)
+    if short:
         raise ConfigError(
             f"{source}: rollout.max_new_tokens: {job.rollout.max_new_tokens} plus the longest prompt ({prompt} "
-            f"tokens) exceeds the {limit_role.role.value} model's max_position={limit_role.spec.max_position}"
+            f"tokens) exceeds the {short[0]} model's max_position={short[1].max_position}"
         )
     vocab = task.tokenizer.vocab_size
     small = [rm for rm in roles.values() if rm.spec.vocab_size < vocab]

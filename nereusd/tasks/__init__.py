@@ -32,6 +32,8 @@ def get_task(name: str, options: dict[str, Any] | None = None, *, base_dir: str 
     Raises:
         ConfigError: unknown task name (the message lists the known ones), or bad options.
     """
+    from pydantic import TypeAdapter, ValidationError
+
     options = dict(options or {})
     if name == "counting":
         cls, extra = CountingTask, {}
@@ -44,10 +46,11 @@ def get_task(name: str, options: dict[str, Any] | None = None, *, base_dir: str 
     for key in ("base_dir", "model_dir"):
         if key in options:
             raise ConfigError(f"task.options.{key}: unknown option")
-    try:
-        return cls(**options, **extra)
-    except TypeError as err:
-        raise ConfigError(f"task {name!r}: bad options {sorted(options)}: {err}") from None
-
+    try:   # pydantic checks each option's type against the task's fields; unknown ones are refused
+        return TypeAdapter(cls).validate_python({**options, **extra})
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"task.options.{key}: {first['msg']} (task {name!r}, got {first.get('input')!r})") from None
 
 __all__ = ["TASKS", "CharTokenizer", "CountingPrompt", "CountingTask", "PromptSampler", "Verdict", "get_task"]

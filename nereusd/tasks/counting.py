@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from pydantic import ConfigDict
+
 from nereusd.errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
@@ -155,18 +157,19 @@ class CountingTask:
     truncated_reward: str = "items"
 
     name = "counting"
+    __pydantic_config__ = ConfigDict(extra="forbid")   # get_task validates options with pydantic
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"task.seed: expected an integer, got {self.seed!r}")
+            raise ConfigError(f"task.options.seed: expected an integer, got {self.seed!r}")
         for key in ("min_start", "max_start"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"task.{key}: expected a non-negative integer, got {value!r}")
+                raise ConfigError(f"task.options.{key}: expected a non-negative integer, got {value!r}")
         if self.min_start > self.max_start:
-            raise ConfigError(f"task.min_start: {self.min_start} exceeds max_start={self.max_start}")
+            raise ConfigError(f"task.options.min_start: {self.min_start} exceeds max_start={self.max_start}")
         if self.truncated_reward not in ("items", "zero"):
-            raise ConfigError(f"task.truncated_reward: expected 'items' or 'zero', got {self.truncated_reward!r}")
+            raise ConfigError(f"task.options.truncated_reward: expected 'items' or 'zero', got {self.truncated_reward!r}")
 
     @property
     def tokenizer(self) -> CharTokenizer:

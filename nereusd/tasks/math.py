@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from pydantic import ConfigDict
+
 from nereusd.errors import ConfigError
 from nereusd.tasks.dataset import SampleOrder, read_records, split
 from nereusd.tasks.tokenizer import HFTokenizer
@@ -69,6 +71,7 @@ class MathTask:
     model_dir: str | None = field(default=None, repr=False)
 
     name = "math"
+    __pydantic_config__ = ConfigDict(extra="forbid")   # get_task validates options with pydantic
 
     def __post_init__(self) -> None:
         if self.format not in VERIFIERS:

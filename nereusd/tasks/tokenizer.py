@@ -88,3 +88,56 @@ class HFTokenizer:
 
     def token_lengths(self, texts: Sequence[str]) -> list[int]:
         return [len(self.encode(t)) for t in texts]
+
+
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A ChatML chat template (``<|im_start|>role\\n…<|im_end|>``, the layout of Qwen2.5's)."""
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+"""Qwen2's pre-tokenizer split (its ``tokenizer.json``; ``transformers``' ``Qwen2Tokenizer``):
+words, single digits, punctuation runs, newlines, spaces."""
+
+
+def train_bpe_tokenizer(out: str | Path, texts: Iterable[str], vocab_size: int, *,
+                        chat_template: str | None = CHATML_TEMPLATE) -> Path:
+    """Train a byte-level BPE tokenizer on ``texts`` with ``tokenizers`` and save it as a Hugging
+    Face tokenizer directory ``out`` (created): ``tokenizer.json``, ``tokenizer_config.json``
+    (class ``Qwen2Tokenizer``), the chat template, and a ``generation_config.json`` whose
+    ``eos_token_id`` is ``<|im_end|>``.
+
+    The tokenizer is Qwen2's kind: NFC normalisation, :data:`QWEN2_PRETOKENIZE_REGEX` (single
+    digits), byte-level BPE; special tokens :data:`CHATML_SPECIALS`, ``<|im_end|>`` EOS and
+    ``<|endoftext|>`` pad. It is written as a ``Qwen2Tokenizer`` because ``transformers`` loads a
+    directory whose ``config.json`` says ``qwen2`` with that class, which imposes this
+    normalisation and split: trained any other way, the tokenizer would encode differently once the
+    model's ``config.json`` sits beside it. For example and test models
+    (``scripts/make_math_warmstart.py``, tiny test checkpoints); a real model brings its own.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    eos = fast.convert_tokens_to_ids("<|im_end|>")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}) + "\n")
+    return out

@@ -10,7 +10,8 @@
 
 Each verifier returns a reward in ``{0.0, 1.0}``. A response that has no answer in the expected
 form earns 0; so does one the checker cannot decide within its time limit (``timeout_s``; the
-limit uses ``SIGALRM`` and so applies in the main thread, where nereusd's driver runs). Inputs are
+limit uses ``SIGALRM`` and so applies only in the main thread, where nereusd's driver runs; in other
+threads the check runs without it rather than failing). Inputs are
 bounded (:data:`MAX_ANSWER_CHARS`) so that a degenerate response cannot stall the driver.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from decimal import Decimal, InvalidOperation
 
 log = logging.getLogger(__name__)
@@ -101,12 +103,15 @@ def verify_math(response: str, ground_truth: str, timeout_s: int = 5) -> float:
     truth = ground_truth if truth is None else truth
     if len(truth) > MAX_ANSWER_CHARS:
         return 0.0
+    # math-verify's limit is SIGALRM, which only the main thread may set: elsewhere it would raise
+    # and score every response 0, so off the main thread the length caps above are the only bound.
+    limit = timeout_s if threading.current_thread() is threading.main_thread() else None
     try:
-        gold = parse(f"\\boxed{{{truth}}}", parsing_timeout=timeout_s)
-        pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout_s)
+        gold = parse(f"\\boxed{{{truth}}}", parsing_timeout=limit)
+        pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=limit)
         if not gold or not pred:
             return 0.0
-        return 1.0 if verify(gold, pred, timeout_seconds=timeout_s) else 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
     except Exception as err:  # noqa: BLE001 - a response the checker chokes on earns 0, and the job goes on
         log.debug("math-verify could not compare %r with %r: %s", boxed, truth, err)
         return 0.0

@@ -33,3 +33,18 @@ def test_plan_infeasible(capsys):
     err = capsys.readouterr().err
     assert rc == 1
     assert "actor/training cannot fit on 8 devices" in err and "GiB short" in err
+
+
+def test_plan_warns_when_a_sequence_is_longer_than_the_models_context(capsys):
+    """counting-tiny holds 160 positions; 100 + 100 tokens do not fit (the plan is still shown), 16 + 32 do."""
+    args = ["plan", "--model", "counting-tiny", "--algorithm", "grpo", "--site", "local", "--gpus", "4",
+            "--global-batch", "16"]
+    assert main(args + ["--prompt-length", "100", "--response-length", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --prompt-length 100 plus --response-length 100 exceeds" in err
+    assert "max_position=160" in err
+    assert main(args + ["--prompt-length", "100", "--response-length", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["warnings"]) == 1 and "max_position=160" in out["warnings"][0]
+    assert main(args + ["--prompt-length", "16", "--response-length", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []

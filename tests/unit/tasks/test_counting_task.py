@@ -134,9 +134,9 @@ def test_registry():
     assert get_task("counting", {"seed": 3}).seed == 3
     with pytest.raises(ConfigError, match="unknown task 'sorting'; known tasks: counting"):
         get_task("sorting")
-    with pytest.raises(ConfigError, match="bad options"):
+    with pytest.raises(ConfigError, match="task.options.colour: Unexpected keyword"):
         get_task("counting", {"colour": "red"})
-    with pytest.raises(ConfigError, match="task.min_start: 9 exceeds max_start=3"):
+    with pytest.raises(ConfigError, match="task.options.min_start: 9 exceeds max_start=3"):
         CountingTask(min_start=9, max_start=3)
     with pytest.raises(ConfigError, match="truncated_reward"):
         CountingTask(truncated_reward="half")

@@ -85,3 +85,15 @@ def test_last_boxed_balances_braces():
     assert last_boxed(r"x \boxed{\frac{a}{b}} y") == r"\frac{a}{b}"
     assert last_boxed(r"\boxed{a} \boxed {b}") == "b"
     assert last_boxed("none") is None
+
+
+def test_math_is_checked_off_the_main_thread_too():
+    """math-verify's time limit needs SIGALRM (main thread only); elsewhere the check still runs."""
+    import threading
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(
+        (verify_math(r"so \boxed{1/2}", r"\frac{1}{2}"), verify_math(r"\boxed{3}", "2"))))
+    worker.start()
+    worker.join()
+    assert got == [(1.0, 0.0)]
