@@ -20,8 +20,9 @@ _SERIES = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report", help="write PNG plots of a run directory's metrics",
-        description="Plot reward, response length, step and stage latency, throughput and peak memory per "
-                    "device from RUN_DIR/metrics.jsonl into RUN_DIR/plots/ (or --out).",
+        description="Plot reward, response length, step and stage latency, throughput, peak memory per "
+                    "device and held-out pass@1 (when the job evaluates) from RUN_DIR/metrics.jsonl and "
+                    "events.jsonl into RUN_DIR/plots/ (or --out).",
     )
     parser.add_argument("run_dir", help="a run directory written by 'nereus-launch local'")
     parser.add_argument("--out", help="output directory (default RUN_DIR/plots)")
@@ -86,7 +87,25 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
     plt.close(fig)
     written.append(out_dir / "peak_memory.png")
     written += adaptation_plots(run_dir, records, out_dir, plt)
+    written += evaluation_plot(run_dir, out_dir, plt)
     return written
+
+
+def evaluation_plot(run_dir: Path, out_dir: Path, plt) -> list[Path]:
+    """``eval_pass_at_1.png``: held-out pass@1 against the steps completed (0: before the first
+    step), from the journal's ``evaluation`` events; nothing when the job ran no evaluation."""
+    evals = [e for e in read_jsonl(run_dir / EVENTS_FILE) if e.get("event") == Event.EVALUATION.value]
+    if not evals:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([e["step"] + 1 for e in evals], [e["pass_at_1"] for e in evals], marker="o")
+    ax.set(title=f"Held-out pass@1 ({evals[-1]['prompts']} prompts, greedy)", xlabel="steps completed",
+           ylabel="pass@1", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "eval_pass_at_1.png", dpi=100)
+    plt.close(fig)
+    return [out_dir / "eval_pass_at_1.png"]
 
 
 def _layout(cand: dict) -> str:

@@ -50,6 +50,10 @@ class Workload:
         mini_batches: optimizer steps per RL step; the training global batch of one optimizer
             step is ``global_batch / mini_batches`` and must stay exactly that under DP scaling.
         micro_batch: default per-replica micro-batch in sequences for inference and training.
+        max_tokens_per_micro_batch: when set, the engine forms inference and training
+            micro-batches by this token budget (packed, padding-free; ``train.`` key of the same
+            name) and they are priced by :meth:`priced_micro_batch`; ``micro_batch`` then only
+            splits the global batch (``dp × micro_batch × grad_accum``).
 
     Raises:
         ConfigError: on non-positive values or ``mini_batches`` not dividing ``global_batch``.
@@ -60,12 +64,16 @@ class Workload:
     global_batch: int
     mini_batches: int = 1
     micro_batch: int = 1
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt_length", "response_length", "global_batch", "mini_batches", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"workload.{name}: expected a positive integer, got {value!r}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ConfigError(f"workload.max_tokens_per_micro_batch: expected a positive integer, got {budget!r}")
         if self.global_batch % self.mini_batches:
             raise ConfigError(
                 f"workload.mini_batches: {self.mini_batches} does not divide global_batch={self.global_batch}"
@@ -80,6 +88,19 @@ class Workload:
     def mini_batch_size(self) -> int:
         """Sequences per optimizer step, ``global_batch / mini_batches``: ``dp × b × a``."""
         return self.global_batch // self.mini_batches
+
+    def priced_micro_batch(self, stage: Stage, micro_batch: int) -> int:
+        """Sequences per micro-batch the engine runs for ``stage`` at plan micro-batch ``micro_batch``.
+
+        By count, ``micro_batch``. By token budget ``B`` (inference and training), a packed row
+        holds ``max(1, B // seq_length)`` sequences of the step's mean length (:attr:`seq_length`,
+        ``response_length`` being the mean), whatever ``micro_batch`` is: the memory model and the
+        cost model price micro-batches of that many sequences and no padding. Generation is
+        unaffected (its micro-batch is the concurrent sequences).
+        """
+        if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
+            return micro_batch
+        return max(1, self.max_tokens_per_micro_batch // self.seq_length)
 
     def with_response_length(self, response_length: int) -> "Workload":
         return replace(self, response_length=response_length)

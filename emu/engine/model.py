@@ -246,7 +246,11 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, tuple):   # packed row (b == 1): each segment attends causally to itself
+            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True) for qs, ks, vs in
+                             zip(q.split(mask, 2), k.split(mask, 2), v.split(mask, 2))], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * d)
         return reduce_from_tp(self.o_proj(out), self.tp)
 
@@ -388,7 +392,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None,
+                segments: Optional[list[int]] = None) -> torch.Tensor:
         """Run this shard.
 
         Args:
@@ -397,6 +402,10 @@ class LlamaModel(nn.Module):
                 all real (right padding needs no mask: causal attention never sees it).
             position_ids: ``[B, S]``; default ``past + arange(S)``.
             kv_cache: a :class:`KVCache` to append to and attend over (generation).
+            segments: a packed row (``B == 1``, no ``kv_cache`` or ``attention_mask``): the token
+                lengths of the sequences laid end to end in it, summing to ``S``; each attends
+                causally to itself only (give ``position_ids`` restarting at 0 per segment).
+                Exactly what each sequence computes alone (:mod:`emu.engine.batch`).
 
         Returns:
             On the last stage logits ``[B, S, V/tp]`` (``V`` when ``tp == 1``) or values
@@ -409,7 +418,12 @@ class LlamaModel(nn.Module):
             position_ids = torch.arange(past, past + s, device=device).expand(b, s)
         x = self.model.embed_tokens(inputs) if self.is_first else inputs
         cos, sin = rope_cos_sin(position_ids, self.spec)
-        mask = attention_mask_4d(attention_mask, s, past, b, device)
+        if segments is not None:
+            if b != 1 or kv_cache is not None or attention_mask is not None or sum(segments) != s:
+                raise ValueError(f"segments {list(segments)} need one row of {s} tokens, no kv_cache and no mask")
+            mask = tuple(segments)
+        else:
+            mask = attention_mask_4d(attention_mask, s, past, b, device)
         for layer in self.model.layers.values():
             if self.recompute and kv_cache is None and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)

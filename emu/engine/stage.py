@@ -59,10 +59,12 @@ class StageEngine:
                  groups: StageGroups, device: torch.device, memory: DeviceMemory, value_head: bool,
                  trainable: bool, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, grad_clip: Optional[float], micro_batch: int,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, max_tokens_per_micro_batch: Optional[int] = None) -> None:
         check_layout(spec, candidate.layout, generation=model_stage.stage is Stage.GENERATION, value_head=value_head)
         if micro_batch < 1:
             raise PlanError(f"{model_stage}: micro_batch must be >= 1, got {micro_batch}")
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise PlanError(f"{model_stage}: max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         if rank not in candidate.devices or groups is None or groups.rank != rank:
             raise PlanError(f"{model_stage}: rank {rank} is not a member of {candidate.describe()}")
         self.model_stage, self.ms = model_stage, str(model_stage)
@@ -70,6 +72,8 @@ class StageEngine:
         self.device, self.memory = torch.device(device), memory
         self.value_head, self.trainable = value_head, trainable
         self.grad_clip, self.micro_batch, self.recompute = grad_clip, micro_batch, recompute
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        """Token budget of a forward/training micro-batch (packed, padding-free); ``None``: by count."""
         self.layers = layer_range(spec, candidate.pp, groups.pp_rank)
         with torch.device("meta"):
             module = LlamaModel(spec, value_head=value_head, tp=groups.tp, layer_range=self.layers)
@@ -89,9 +93,11 @@ class StageEngine:
                                               weight_decay=weight_decay)
         else:
             self.module.requires_grad_(False)
-        log.info("rank %d %s: %s shard dp%d pp%d tp%d, layers %s, %d parameter bytes", rank, self.ms,
-                 candidate.describe(), groups.dp_rank, groups.pp_rank, groups.tp_rank,
-                 f"{self.layers.start}-{self.layers.stop - 1}", self._param_bytes)
+        log.info("rank %d %s: %s shard dp%d pp%d tp%d, layers %s, %d parameter bytes, micro-batches of %s", rank,
+                 self.ms, candidate.describe(), groups.dp_rank, groups.pp_rank, groups.tp_rank,
+                 f"{self.layers.start}-{self.layers.stop - 1}", self._param_bytes,
+                 f"{micro_batch} sequences" if max_tokens_per_micro_batch is None
+                 else f"<= {max_tokens_per_micro_batch} tokens (packed)")
 
     # ------------------------------------------------------------------ state
 
@@ -257,12 +263,12 @@ class StageEngine:
     def _read(self, sequences: list[list[int]], index: list[list[int]], key: str) -> Optional[list[list[float]]]:
         if not sequences:
             return [] if self.groups.is_last_stage else None
-        batch = PackedBatch.build(sequences, index, self.micro_batch, self.device)
+        batch = PackedBatch.build(sequences, index, self.micro_batch, self.device,
+                                  max_tokens=self.max_tokens_per_micro_batch)
         results = self._run(batch, lambda out, i: self._head(out, batch, i, entropy=False)[key], train=False)
         if not self.groups.is_last_stage:
             return None
-        rows = torch.cat(results).cpu()
-        return [rows[i, :len(ix)].tolist() for i, ix in enumerate(index)]
+        return batch.rows_of(torch.cat(results).cpu(), [len(ix) for ix in index])
 
     def _head(self, out: torch.Tensor, batch: "PackedBatch", i: int, entropy: bool) -> dict[str, torch.Tensor]:
         """Per-token outputs ``[mb, T]`` of micro-batch ``i`` from the last stage's output."""
@@ -274,24 +280,33 @@ class StageEngine:
         return {"logprobs": lp, "entropy": ent} if entropy else {"logprobs": lp}
 
     def _run(self, batch: "PackedBatch", head_fn, train: bool) -> list:
-        """Run every micro-batch (pipelined when ``pp > 1``) with activations booked first."""
-        n, mb, seq = batch.n_micro, self.micro_batch, batch.tokens.shape[1]
+        """Run every micro-batch (pipelined when ``pp > 1``) with activations booked first.
+
+        Padded micro-batches at ``pp == 1`` are cut to their own longest sequence; pipeline stages
+        exchange one shape, so there every micro-batch keeps the call's width.
+        """
+        n, mb, seq = batch.n_micro, batch.mb, batch.tokens.shape[1]
         tp, pp = self.groups.tp.size, self.candidate.pp
+        pairs = max(batch.attention_pairs(i) for i in range(n))
         per_mb = activation_bytes(self.spec, tp=tp, layers=len(self.layers), batch=mb, seq=seq, train=train,
                                   recompute=self.recompute, head_positions=batch.index.shape[1],
-                                  vocab_head=not self.value_head)
+                                  vocab_head=not self.value_head, attention_pairs=pairs)
+        module = self.module if batch.segments is None else _PackedRows(self.module, batch)
         self.memory.allocate(self.ms, "activations", per_mb * pipeline_in_flight(n, pp, self.groups.pp_rank))
         try:
             if pp == 1:
                 results = []
                 for i in range(n):
-                    res = head_fn(self.module(batch.micro(batch.tokens, i)), i)
+                    tokens = batch.micro(batch.tokens, i)
+                    if batch.segments is None:
+                        tokens = tokens[:, :max(1, int((batch.micro(batch.positions, i) >= 0).sum(1).max()))]
+                    res = head_fn(module(tokens), i)
                     if train:
                         res.backward()
                     results.append(res)
                 return results
             out_shape = (mb, seq) if self.value_head else (mb, seq, self.spec.vocab_size // tp)
-            return run_pipeline(self.module, self.groups, self.device,
+            return run_pipeline(module, self.groups, self.device,
                                 tokens=batch.tokens if self.groups.is_first_stage else None, n_micro=n,
                                 hidden_size=self.spec.hidden_size, out_shape=out_shape,
                                 loss_fn=lambda out, index: head_fn(out, int(index[0])), train=train)
@@ -335,7 +350,8 @@ class StageEngine:
         for p in self.params.values():
             p.grad.zero_()
         if sequences:
-            batch = PackedBatch.build(sequences, index, self.micro_batch, self.device, per_token)
+            batch = PackedBatch.build(sequences, index, self.micro_batch, self.device, per_token,
+                                      max_tokens=self.max_tokens_per_micro_batch)
             self._run(batch, head_fn, train=True)
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
@@ -393,3 +409,18 @@ class StageEngine:
                                        group_src=StageGroups.group_rank(g.pp_ranks, self.candidate.pp - 1))
             sums = box[0]
         return dict(sums)
+
+
+class _PackedRows(torch.nn.Module):
+    """``module`` called on packed rows: each forward gets the next micro-batch's positions and
+    segments. Pipeline schedules (1F1B, GPipe) run a stage's forwards in micro-batch order, and
+    recomputation re-runs layers, not this call, so a counter names the micro-batch."""
+
+    def __init__(self, module: LlamaModel, batch: PackedBatch) -> None:
+        super().__init__()
+        self.inner, self._batch, self._next = module, batch, 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        i, self._next = self._next, self._next + 1
+        positions = self._batch.micro(self._batch.positions, i).clamp(min=0)
+        return self.inner(inputs, position_ids=positions, segments=self._batch.segments[i])

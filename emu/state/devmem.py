@@ -117,7 +117,8 @@ class DeviceMemory:
 
 
 def activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, seq: int, train: bool,
-                     recompute: bool, head_positions: int, vocab_head: bool) -> int:
+                     recompute: bool, head_positions: int, vocab_head: bool,
+                     attention_pairs: Optional[int] = None) -> int:
     """Estimated activation bytes of one micro-batch on one shard (fp32).
 
     Per layer, training without sequence parallelism stores ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``
@@ -125,9 +126,12 @@ def activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, seq: 
     Transformer Models", 2022, Eq. 2 with TP); ×2 for fp32. With recomputation only the layer
     input ``s·b·h`` is kept per layer plus one layer's full set. Inference keeps one layer's set.
     The head adds logits of the read positions over ``V/t`` (values, softmax, exp: ×3).
+    The ``5as/(ht)`` term is the attention scores of ``b·s²`` query-key pairs; a packed row
+    (:mod:`emu.engine.batch`) computes only ``attention_pairs = Σ len²`` of them.
     """
     s, b, h, a, t = seq, batch, spec.hidden_size, spec.num_heads, tp
-    per_layer = int(2 * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    pairs = b * s * s if attention_pairs is None else attention_pairs
+    per_layer = int(2 * s * b * h * (10 + 24 / t) + 10 * a * pairs / t)
     if not train:
         body = per_layer
     elif recompute:

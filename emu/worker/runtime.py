@@ -159,6 +159,7 @@ class WorkerRuntime(TransitionTasks):
             lr=float(args.lr.get(str(ms), 0.0) or 1e-4), weight_decay=train.weight_decay,
             grad_clip=train.grad_clip, micro_batch=cand.micro_batch or train.micro_batch,
             recompute=cand.recompute,
+            max_tokens_per_micro_batch=None if ms.stage == Stage.GENERATION else train.max_tokens_per_micro_batch,
         )
 
     # ------------------------------------------------------------------ stage tasks

@@ -83,7 +83,12 @@ class TrainConfig(_Strict):
     global_batch: int = Field(64, ge=1)
     """Sequences per optimizer step; ``dp × micro_batch × grad_accum`` must equal it."""
     micro_batch: int = Field(8, ge=1)
-    """Sequences per micro-batch on one replica."""
+    """Sequences per micro-batch on one replica (and the unit of ``global_batch``'s split)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Form training and inference micro-batches by this token budget instead of by count:
+    sequences are packed padding-free into rows of at most this many tokens (verl's dynamic
+    batch size). Must hold the longest sequence (prompt plus ``rollout.max_new_tokens``).
+    Generation is unaffected. ``None`` (default): ``micro_batch`` sequences, padded."""
     epochs: int = Field(1, ge=1)
     """Passes over each step's rollout (PPO epochs)."""
     actor_lr: float = Field(3e-4, gt=0.0)

@@ -234,6 +234,12 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
             f"{source}: rollout.max_new_tokens: {job.rollout.max_new_tokens} plus the longest prompt ({prompt} "
             f"tokens) exceeds the {short[0]} model's max_position={short[1].max_position}"
         )
+    budget = job.train.max_tokens_per_micro_batch
+    if budget is not None and budget < job.rollout.max_new_tokens + prompt:
+        raise ConfigError(
+            f"{source}: train.max_tokens_per_micro_batch: {budget} tokens cannot hold the longest sequence "
+            f"(prompt {prompt} + rollout.max_new_tokens {job.rollout.max_new_tokens})"
+        )
     vocab = task.tokenizer.vocab_size
     small = [rm for rm in roles.values() if rm.spec.vocab_size < vocab]
     if small:

@@ -49,7 +49,8 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
     seqs = job.sequences_per_step
     workload = Workload(prompt_length=max(1, prompt_length), response_length=max(1, int(response_length)),
                         global_batch=seqs, mini_batches=seqs // cfg.train.global_batch,
-                        micro_batch=cfg.train.micro_batch)
+                        micro_batch=cfg.train.micro_batch,
+                        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
     specs = {role: rm.spec for role, rm in job.roles.items()}
     return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool))
 

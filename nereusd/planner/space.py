@@ -220,8 +220,8 @@ class OptionTable:
             rc = bool(self.recompute[i])
             ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
                 sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
-                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
-                mini_batches=wl.mini_batches, recompute=rc))
+                response_length=wl.response_length, tp=tp, pp=pp, dp=dp,
+                micro_batch=wl.priced_micro_batch(m.stage, b), mini_batches=wl.mini_batches, recompute=rc))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
                                             int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal)
         return opt
@@ -267,17 +267,21 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
             for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
                 per_replica = -(-sequences // dp)
                 per_opt = wl.mini_batch_size // dp if training else per_replica
-                for b in micro_batch_choices(per_opt, wl.micro_batch, options, training, generation):
+                choices = micro_batch_choices(per_opt, wl.micro_batch, options, training, generation)
+                if wl.max_tokens_per_micro_batch is not None and not generation:
+                    choices = choices[:1]   # a token budget prices every plan micro-batch alike
+                for b in choices:
+                    priced = wl.priced_micro_batch(m.stage, b)
                     for recompute in recompute_flags:
                         # memory depends on the share only through b and the in-flight
                         # micro-batches (see nereusd.cost.memory.stage_memory)
-                        key = (tp, pp, min(b, per_replica), recompute,
-                               min(pp, max(1, per_replica // b)) if training else 0)
+                        key = (tp, pp, min(priced, per_replica), recompute,
+                               min(pp, max(1, per_replica // priced)) if training else 0)
                         mem = memo.get(key)
                         if mem is None:
                             est = stage_memory(
                                 spec, m, sequences=sequences, prompt_length=wl.prompt_length,
-                                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=b,
+                                response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=priced,
                                 recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind)
                             mem = memo[key] = (est.peak_bytes, est.resident_bytes)
                         if mem[0] > usable_bytes:
@@ -288,7 +292,8 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 lat_parts.append(costvec.latencies(
                     cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                     response_length=wl.response_length, tp=tp, pp=pp, dp=np.array(cols[2]),
-                    micro_batch=np.array(cols[3]), recompute=np.array(cols[4]), mini_batches=wl.mini_batches))
+                    micro_batch=np.array([wl.priced_micro_batch(m.stage, b) for b in cols[3]]),
+                    recompute=np.array(cols[4]), mini_batches=wl.mini_batches))
                 rows += block
     latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
     return OptionTable(problem, m, cost_model, rows, latency)
@@ -301,7 +306,7 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
     sequences = problem.workflow.sequences(model_stage, wl)
     b = micro_batch or wl.micro_batch
     kw = dict(sequences=sequences, prompt_length=wl.prompt_length, response_length=wl.response_length,
-              tp=tp, pp=pp, dp=dp, micro_batch=b, recompute=recompute)
+              tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b), recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind, **kw)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,

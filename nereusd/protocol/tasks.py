@@ -39,6 +39,8 @@ class EngineSettings(_Args):
     """Sequences per micro-batch on one replica (a candidate's own ``micro_batch`` wins)."""
     weight_decay: float = Field(ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of a training/inference micro-batch (packed, padding-free); ``None``: by count."""
 
 
 class SyncDag(_Args):

@@ -139,7 +139,8 @@ class RLDriver:
                  for role, rm in self.job.roles.items()}
         lr = {str(ACTOR_TRAIN): train.actor_lr, str(CRITIC_TRAIN): train.critic_lr}
         settings = P.EngineSettings(micro_batch=train.micro_batch, weight_decay=train.weight_decay,
-                                    grad_clip=train.grad_clip)
+                                    grad_clip=train.grad_clip,
+                                    max_tokens_per_micro_batch=train.max_tokens_per_micro_batch)
         return P.BuildArgs(plan=plan.to_dict(), roles=roles, train=settings, lr=lr, seed=self.cfg.seed,
                            syncs=self.sync_args(plan))
 

@@ -76,11 +76,12 @@ def critic_loss(outputs, batch):
     return loss, {"vf": loss.detach()}
 
 
-def make_engine(rank, cand, groups, value_head, model_stage=None, trainable=True, spec=SPEC):
+def make_engine(rank, cand, groups, value_head, model_stage=None, trainable=True, spec=SPEC, max_tokens=None):
     return StageEngine(
         model_stage=model_stage or TRAIN[value_head], spec=spec, candidate=cand, rank=rank, groups=groups,
         device=torch.device("cpu"), memory=DeviceMemory(rank, 1 << 30), value_head=value_head,
-        trainable=trainable, lr=1e-2, eps=ADAM_EPS, grad_clip=0.5, micro_batch=2)
+        trainable=trainable, lr=1e-2, eps=ADAM_EPS, grad_clip=0.5, micro_batch=2,
+        max_tokens_per_micro_batch=max_tokens)
 
 
 def share(items, dp, dp_rank):
@@ -99,12 +100,12 @@ def perturbed_state(spec, value_head: bool) -> dict:
     return state
 
 
-def train_once(rank, cand, groups, value_head, spec=SPEC, perturb=False):
+def train_once(rank, cand, groups, value_head, spec=SPEC, perturb=False, max_tokens=None):
     """Forward outputs, metrics, gradients, parameters and Adam state after one step."""
     seqs, pls = sequences()
     per_token = per_token_inputs(seqs, pls)
     d = groups.dp_rank
-    eng = make_engine(rank, cand, groups, value_head, spec=spec)
+    eng = make_engine(rank, cand, groups, value_head, spec=spec, max_tokens=max_tokens)
     if perturb:
         eng.load_full_state(perturbed_state(spec, value_head))
     else:
@@ -225,3 +226,29 @@ def test_every_architecture_matches_one_process_at_tp2_and_pp2():
             for key, value in diffs.items():
                 assert value < TOL, f"rank {rank} {name} {layout} value_head={vh}: {key} differs by {value:.3g}"
     assert {n for n, _ in seen} == {"llama3", "qwen2-tied", "qwen3"} and len(seen) == 6
+
+
+def token_budget_rank(rank: int, world: int) -> list[tuple]:
+    """Micro-batches packed by a token budget (16 tokens: two or three of the 3-11-token
+    sequences per row; 11: one or two) at tp×pp 1×1, 2×1 and 1×2 against one padded process."""
+    own = Candidate(1, 1, 1, (rank,))
+    own_groups = build_stage_groups(own, rank)
+    refs = {vh: train_once(rank, own, own_groups, vh, perturb=True) for vh in (False, True)}
+    results = []
+    for cand in (own, Candidate(2, 1, 1, (0, 1)), Candidate(1, 2, 1, (0, 1))):
+        groups = own_groups if cand is own else build_stage_groups(cand, rank)
+        for vh, budget in itertools.product((False, True), (16, 11)):
+            case = train_once(rank, cand, groups, vh, perturb=True, max_tokens=budget)
+            results.append((f"tp{cand.tp}·pp{cand.pp}", vh, budget, compare(case, refs[vh])))
+    return results
+
+
+@pytest.mark.slow
+def test_token_budget_micro_batches_match_padded_ones_at_tp2_and_pp2():
+    seen = set()
+    for rank, results in enumerate(run_distributed(token_budget_rank, 2)):
+        for layout, vh, budget, diffs in results:
+            seen.add(layout)
+            for key, value in diffs.items():
+                assert value < TOL, f"rank {rank} {layout} value_head={vh} budget {budget}: {key} differs by {value:.3g}"
+    assert len(seen) == 3

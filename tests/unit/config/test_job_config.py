@@ -65,6 +65,10 @@ def test_missing_file_is_named(tmp_path):
      r"plan.default: global_batch=64 is not dp·micro_batch·grad_accum for dp=4, micro_batch=12"),
     ("devices: 8\n", r"job.yaml: devices: 8 requested but site 'local' has 4"),
     ("rollout:\n  group_size: 1\ntrain: {global_batch: 8}\n", r"rollout.group_size: GRPO needs groups of at least 2"),
+    ("rollout:\n  max_new_tokens: 200\n", r"job.yaml: rollout.max_new_tokens: 200 plus the longest prompt \(\d+ "
+                                          r"tokens\) exceeds the \w+ model's max_position=160"),
+    ("train:\n  max_tokens_per_micro_batch: 8\n", r"job.yaml: train.max_tokens_per_micro_batch: 8 tokens cannot "
+                                                  r"hold the longest sequence \(prompt \d+ \+ rollout.max_new_tokens"),
 ])
 def test_plan_errors_name_file_and_key(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):

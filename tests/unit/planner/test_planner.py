@@ -106,3 +106,34 @@ def test_frontier_and_min_max_exact():
     lat, picks = solve_concurrent([f, f], 5)
     assert sorted(o.gpus for o in picks) == [2, 3] and lat == pytest.approx(5.0)
     assert solve_concurrent([f, f], 1) is None
+
+
+def test_a_token_budget_is_priced_as_the_mean_length_sequences_it_holds():
+    """With ``max_tokens_per_micro_batch`` B, an inference/training micro-batch is priced as
+    ``B // seq_length`` sequences of the mean length whatever the plan's micro_batch; generation
+    keeps its own."""
+    import dataclasses
+
+    from nereusd.plan import ModelStage, Role, Stage
+    from nereusd.planner.space import cost_candidate
+    from nereusd.workflow import Workload
+
+    padded = problem(1, response=768)   # seq_length 1024
+    budget = dataclasses.replace(padded, workload=dataclasses.replace(padded.workload, max_tokens_per_micro_batch=4096))
+    wl = budget.workload
+    assert wl.priced_micro_batch(Stage.TRAINING, 1) == 4 and wl.priced_micro_batch(Stage.INFERENCE, 16) == 4
+    assert wl.priced_micro_batch(Stage.GENERATION, 16) == 16
+    assert dataclasses.replace(wl, max_tokens_per_micro_batch=100).priced_micro_batch(Stage.TRAINING, 8) == 1
+    cm = CostModel(padded.site)
+    train = ModelStage(Role.ACTOR, Stage.TRAINING)
+    for b in (1, 8):
+        with_budget = cost_candidate(budget, train, 1, 1, 8, b, False, cm)
+        as_four = cost_candidate(padded, train, 1, 1, 8, 4, False, cm)
+        assert (with_budget.peak_bytes, with_budget.latency_s) == (as_four.peak_bytes, as_four.latency_s)
+        assert with_budget.micro_batch == b   # the plan's micro_batch still splits the global batch
+    assert cost_candidate(padded, train, 1, 1, 8, 1, False, cm).peak_bytes < as_four.peak_bytes
+    result = Planner(budget, cm).solve()
+    assert {m: c.micro_batch for m, c in result.plan.items() if m.stage is not Stage.GENERATION} == \
+        {m: padded.workload.micro_batch for m in result.plan if m.stage is not Stage.GENERATION}
+    with pytest.raises(Exception, match="max_tokens_per_micro_batch: expected a positive integer"):
+        Workload(prompt_length=1, response_length=1, global_batch=1, max_tokens_per_micro_batch=0)
