@@ -23,10 +23,11 @@ import numpy as np
 
 from nereusd.cost import vector as costvec
 from nereusd.cost.model import CostModel
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, PlanError
 from nereusd.cost.memory import HEADROOM, stage_memory
 from nereusd.models import ModelSpec
-from nereusd.plan import ModelStage, Plan, Role, Stage
+from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
+from nereusd.shards import check_layout, value_head_for
 from nereusd.config.site import SiteConfig
 from nereusd.workflow import Workflow, Workload
 
@@ -121,6 +122,18 @@ def degrees(limit: int, divides: int, any_divisor: bool) -> list[int]:
 def tp_degrees(spec: ModelSpec, limit: int, any_divisor: bool) -> list[int]:
     kv = spec.num_kv_heads
     return [t for t in degrees(limit, spec.num_heads, any_divisor) if kv % t == 0 or t % kv == 0]
+
+
+@functools.lru_cache(maxsize=4096)
+def shardable(spec: ModelSpec, value_head: bool, tp: int, pp: int, generation: bool) -> bool:
+    """Whether ``tp × pp`` passes :func:`nereusd.shards.check_layout` (vocabulary and MLP width
+    divisible by ``tp``, tied embeddings at ``pp = 1``, generation at ``pp = 1``, …): the planner
+    offers no layout the engine would refuse."""
+    try:
+        check_layout(spec, Layout(tp, pp), value_head=value_head, generation=generation)
+    except PlanError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -263,6 +276,8 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
     for tp in tp_degrees(spec, min(tp_limit, n), options.any_divisor):
         pps = degrees(n // tp, spec.num_layers, options.any_divisor)
         for pp in ((1,) if generation and not options.generation_pp else pps):
+            if not shardable(spec, value_head_for(m.role), tp, pp, generation and not options.generation_pp):
+                continue
             block: list[tuple] = []
             for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
                 per_replica = -(-sequences // dp)

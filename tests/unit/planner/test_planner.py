@@ -137,3 +137,25 @@ def test_a_token_budget_is_priced_as_the_mean_length_sequences_it_holds():
         {m: padded.workload.micro_batch for m in result.plan if m.stage is not Stage.GENERATION}
     with pytest.raises(Exception, match="max_tokens_per_micro_batch: expected a positive integer"):
         Workload(prompt_length=1, response_length=1, global_batch=1, max_tokens_per_micro_batch=0)
+
+
+def test_the_planner_offers_only_layouts_the_engine_accepts():
+    """Tied embeddings (Qwen2.5-0.5B style) cannot be pipelined and a vocabulary of 151936 = 2^7·1187
+    is not split 256 ways: no plan option breaks nereusd.shards.check_layout."""
+    import dataclasses
+
+    from nereusd.plan import Layout
+    from nereusd.planner.space import option_table
+    from nereusd.shards import check_layout, value_head_for
+
+    tied = dataclasses.replace(SMALL, vocab_size=151936, tie_word_embeddings=True, num_heads=16, num_kv_heads=2)
+    pb = problem(2, spec=tied)
+    cm = CostModel(pb.site)
+    seen_pp = set()
+    for m in pb.workflow.model_stages:
+        for opt in option_table(pb, m, cm, PlannerOptions(), pb.site.device_memory_bytes).options():
+            check_layout(tied, Layout(opt.tp, opt.pp), value_head=value_head_for(m.role),
+                         generation=m.stage.value == "generation")
+            seen_pp.add((m.role.value, opt.pp))
+    assert ("actor", 1) in seen_pp and not any(role == "actor" and pp > 1 for role, pp in seen_pp)
+    assert any(role == "critic" and pp > 1 for role, pp in seen_pp)   # a value head is not tied
