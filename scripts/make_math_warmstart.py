@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,6 +43,7 @@ from nereusd.models import ModelSpec  # noqa: E402
 from nereusd.tasks.dataset import read_records, split  # noqa: E402
 from nereusd.tasks.tokenizer import HFTokenizer, train_bpe_tokenizer  # noqa: E402
 from nereusd.tasks.verifiers import verify_gsm8k  # noqa: E402
+from warmstart_sft import sft_step  # noqa: E402 - scripts/, beside this file
 
 NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max"]
 ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "stamps", "marbles"]
@@ -117,23 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     start = time.perf_counter()
     for step in range(args.steps):
-        batch = rng.sample(examples, args.batch)
-        width = max(len(x) for x, _ in batch)
-        tokens = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(batch), width - 1)
-        for i, (seq, pl) in enumerate(batch):
-            tokens[i, :len(seq)] = torch.tensor(seq)
-            mask[i, pl - 1:len(seq) - 1] = 1.0
-        logits = model(tokens[:, :-1])
-        nll = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = sft_step(model, opt, sched, rng.sample(examples, args.batch), tok.pad_id, vocab)
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.4f}  {time.perf_counter() - start:6.1f}s", flush=True)
+            print(f"step {step:4d}  loss {loss:.4f}  {time.perf_counter() - start:6.1f}s", flush=True)
     model.eval()
     right = 0
     held = [records[i] for i in eval_rows]

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from emu.engine.hf_io import save_pretrained
 from emu.engine.model import LlamaModel
 from nereusd.models import preset
 from nereusd.tasks.counting import CountingTask, sample_hash
+from warmstart_sft import sft_step  # scripts/, beside this file
 
 log = logging.getLogger("make_warmstart")
 
@@ -58,17 +58,6 @@ def sft_example(task: CountingTask, seed: int, index: int, min_items: int, max_i
         items = rng.randint(min_items, max_items)
     prompt = task.prompt_tokens(start)
     return prompt + task.reference_response(start, items), len(prompt)
-
-
-def make_batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(inputs [B, S-1], targets [B, S-1], loss mask [B, S-1])``: right-padded, response only."""
-    width = max(len(seq) for seq, _ in examples)
-    tokens = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(examples), width - 1)
-    for i, (seq, prompt_len) in enumerate(examples):
-        tokens[i, : len(seq)] = torch.tensor(seq)
-        mask[i, prompt_len - 1: len(seq) - 1] = 1.0
-    return tokens[:, :-1], tokens[:, 1:], mask
 
 
 @torch.no_grad()
@@ -113,17 +102,9 @@ def train(args: argparse.Namespace) -> LlamaModel:
         base = step * args.batch
         examples = [sft_example(task, args.seed, base + i, args.min_items, args.max_items,
                                 args.tail_frac, args.tail_max_items) for i in range(args.batch)]
-        inputs, targets, mask = make_batch(examples, task.tokenizer.pad_id)
-        logits = model(inputs)
-        nll = F.cross_entropy(logits.reshape(-1, SPEC.vocab_size), targets.reshape(-1), reduction="none")
-        loss = (nll * mask.reshape(-1)).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = sft_step(model, opt, sched, examples, task.tokenizer.pad_id, SPEC.vocab_size)
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.4f}  {time.perf_counter() - t0:6.1f}s", flush=True)
+            print(f"step {step:4d}  loss {loss:.4f}  {time.perf_counter() - t0:6.1f}s", flush=True)
     return model
 
 

@@ -181,6 +181,11 @@ def generate_once_reference(rank, cand, own_groups, greedy, dp_rank):
                         stop_ids=(0,), seed=dp_rank)
 
 
+def assert_within_tol(diffs: dict[str, float], label: str) -> None:
+    for key, value in diffs.items():
+        assert value < TOL, f"{label}: {key} differs by {value:.3g}"
+
+
 @pytest.mark.slow
 def test_every_layout_matches_one_process():
     per_rank = run_distributed(all_layouts_rank, 4)
@@ -223,8 +228,7 @@ def test_every_architecture_matches_one_process_at_tp2_and_pp2():
     for rank, results in enumerate(run_distributed(architectures_rank, 2)):
         for name, layout, vh, diffs in results:
             seen.add((name, layout))
-            for key, value in diffs.items():
-                assert value < TOL, f"rank {rank} {name} {layout} value_head={vh}: {key} differs by {value:.3g}"
+            assert_within_tol(diffs, f"rank {rank} {name} {layout} value_head={vh}")
     assert {n for n, _ in seen} == {"llama3", "qwen2-tied", "qwen3"} and len(seen) == 6
 
 
@@ -249,6 +253,5 @@ def test_token_budget_micro_batches_match_padded_ones_at_tp2_and_pp2():
     for rank, results in enumerate(run_distributed(token_budget_rank, 2)):
         for layout, vh, budget, diffs in results:
             seen.add(layout)
-            for key, value in diffs.items():
-                assert value < TOL, f"rank {rank} {layout} value_head={vh} budget {budget}: {key} differs by {value:.3g}"
+            assert_within_tol(diffs, f"rank {rank} {layout} value_head={vh} budget {budget}")
     assert len(seen) == 3
