@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4, help="padded micro-batch (sequences)")
     parser.add_argument("--scale", type=float, default=4.0, help="divide every length by this")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (more than the idle cores makes "
+                        "both timings noisy)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

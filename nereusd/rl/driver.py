@@ -158,7 +158,7 @@ class RLDriver:
         results = self.control.run({d: args for d in world})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
         self.journal.event(Event.BUILD, {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
-                                     "memory_in_use_bytes": memory})
+                                     "memory_in_use_bytes": memory, "task": self.task.to_dict()})
 
     # ------------------------------------------------------------------ dispatch helpers
     def _submit_replicas(self, kind: str, ms: ModelStage, count: int,

@@ -45,12 +45,15 @@ def get_task(name: str, options: dict[str, Any] | None = None, *, base_dir: str 
         raise ConfigError(f"task.name: unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     for key in ("base_dir", "model_dir"):
         if key in options:
-            raise ConfigError(f"task.options.{key}: unknown option")
+            raise ConfigError(f"task.options.{key}: unknown key")
     try:   # pydantic checks each option's type against the task's fields; unknown ones are refused
         return TypeAdapter(cls).validate_python({**options, **extra})
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(x) for x in first["loc"])
+        if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            fields = sorted(k for k in getattr(cls, "__dataclass_fields__", {}) if k not in extra)
+            raise ConfigError(f"task.options.{key}: unknown key for task {name!r} (options: {', '.join(fields)})") from None
         raise ConfigError(f"task.options.{key}: {first['msg']} (task {name!r}, got {first.get('input')!r})") from None
 
 __all__ = ["TASKS", "CharTokenizer", "CountingPrompt", "CountingTask", "PromptSampler", "Verdict", "get_task"]

@@ -73,6 +73,18 @@ def _rows(path: Path) -> list[Any]:
     raise ConfigError(f"{path}: expected a .jsonl, .json (JSON lines) or .parquet file")
 
 
+def _column(data: Any, key: str, option: str, where: str) -> Any:
+    """``data``'s value at the dotted ``key``; a missing one names the option and the columns there are."""
+    try:
+        return _get(data, key)
+    except KeyError as err:
+        missing = err.args[0]
+        inner = f" ({missing!r} of {key!r})" if missing != key else ""
+        columns = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"{where}: task.options.{option}: no column {key!r}{inner}; the row's columns: "
+                          f"{columns}") from None
+
+
 def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[Record]:
     """Every record of the dataset at ``path``.
 
@@ -87,14 +99,8 @@ def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[Rec
     out = []
     for row, data in enumerate(_rows(path)):
         where = f"{path}: row {row}"
-        try:
-            prompt = _get(data, prompt_key)
-        except KeyError as err:
-            raise ConfigError(f"{where}: no prompt column {prompt_key!r} (missing {err.args[0]!r})") from None
-        try:
-            answer = _get(data, answer_key)
-        except KeyError as err:
-            raise ConfigError(f"{where}: no answer column {answer_key!r} (missing {err.args[0]!r})") from None
+        prompt = _column(data, prompt_key, "prompt_key", where)
+        answer = _column(data, answer_key, "answer_key", where)
         if isinstance(prompt, list):
             if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in prompt) or not prompt:

@@ -91,17 +91,21 @@ class MathTask:
         records = read_records(self.base_dir / self.dataset, self.prompt_key, self.answer_key)
         train_rows, eval_rows = split(len(records), self.eval_size, self.seed)
         self.dropped = 0
-        """Prompts dropped as longer than ``max_prompt_length`` (``overlong: filter``)."""
+        """Prompts dropped as longer than ``max_prompt_length`` (``overlong: filter``), both splits."""
         self.truncated = 0
         """Prompts cut to ``max_prompt_length`` (``overlong: truncate``)."""
         self._train = self._prompts([records[i] for i in train_rows])
+        self.eval_dropped = -self.dropped
         self._eval = self._prompts([records[i] for i in eval_rows])
+        self.eval_dropped += self.dropped
+        """Of :attr:`dropped`, those of the held-out split (it is then smaller than ``eval_size``)."""
         if not self._train:
             raise ConfigError(f"{self.dataset}: every training prompt is longer than task.options.max_prompt_length="
                               f"{self.max_prompt_length} (overlong: filter)")
         if self.dropped or self.truncated:
-            log.warning("%s: %d prompts dropped and %d truncated at %s tokens", self.dataset, self.dropped,
-                        self.truncated, self.max_prompt_length)
+            log.warning("%s: %d prompts longer than task.options.max_prompt_length=%s tokens dropped (%d of "
+                        "them held out: %d evaluation prompts remain) and %d truncated", self.dataset, self.dropped,
+                        self.max_prompt_length, self.eval_dropped, len(self._eval), self.truncated)
         self._order = SampleOrder(len(self._train), self.seed)
 
     def _prompts(self, records) -> list[tuple[tuple[int, ...], str]]:
@@ -150,4 +154,4 @@ class MathTask:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "format": self.format, "train": len(self._train), "eval": len(self._eval),
-                "dropped": self.dropped, "truncated": self.truncated}
+                "dropped": self.dropped, "eval_dropped": self.eval_dropped, "truncated": self.truncated}

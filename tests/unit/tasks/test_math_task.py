@@ -49,8 +49,8 @@ def test_dotted_keys_chat_messages_and_numeric_answers(tmp_path):
 
 
 @pytest.mark.parametrize("content, match", [
-    ('{"question": "q"}\n', r"row 0: no answer column 'answer'"),
-    ('{"q": "x", "answer": "1"}\n', r"row 0: no prompt column 'question'"),
+    ('{"question": "q"}\n', r"row 0: task.options.answer_key: no column 'answer'; the row's columns: question"),
+    ('{"q": "x", "answer": "1"}\n', r"row 0: task.options.prompt_key: no column 'question'; the row's columns: q, answer"),
     ('{"question": "q", "answer": "1"}\n{oops\n', r"d.jsonl:2: not a JSON line"),
     ('{"question": 5, "answer": "1"}\n', r"expected text or chat messages, got int"),
     ('{"question": [{"role": "user"}], "answer": "1"}\n', r"must be chat messages"),
@@ -182,6 +182,9 @@ def test_overlong_prompts_are_filtered_or_truncated_and_counted(math_dir):
     assert tail.endswith("<|im_start|>assistant\n")   # the end with the generation prompt stays
     with pytest.raises(ConfigError, match="every training prompt is longer"):
         _task(math_dir, max_prompt_length=3)
+    held = _task(math_dir, eval_size=10, max_prompt_length=limit)   # the held-out split shrinks too
+    assert 0 < held.eval_dropped == 10 - len(held.eval_prompts()) and held.to_dict()["eval_dropped"] == held.eval_dropped
+    assert held.dropped == held.eval_dropped + (30 - held.train_size)
 
 
 def test_the_verifier_scores_decoded_responses(math_dir):
@@ -206,8 +209,8 @@ def test_the_instruction_is_appended_to_each_question(math_dir):
     ({"max_prompt_length": 0}, r"max_prompt_length: expected a positive integer"),
     ({"eval_size": "ten"}, r"task.options.eval_size: Input should be a valid integer"),
     ({"eval_size": 40}, r"eval_size: 40 must be >= 0 and below the dataset's 40 records"),
-    ({"epochs": 3}, r"task.options.epochs: Unexpected keyword argument"),
-    ({"prompt_key": "problem"}, r"row 0: no prompt column 'problem'"),
+    ({"epochs": 3}, r"task.options.epochs: unknown key for task .math. \(options: answer_key, "),
+    ({"prompt_key": "problem"}, r"row 0: task.options.prompt_key: no column 'problem'"),
     ({"dataset": "absent.jsonl"}, r"absent.jsonl: no such dataset file"),
 ])
 def test_bad_options_are_refused_naming_the_option(math_dir, options, match):
