@@ -94,7 +94,8 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
 def evaluation_plot(run_dir: Path, out_dir: Path, plt) -> list[Path]:
     """``eval_pass_at_1.png``: held-out pass@1 against the steps completed (0: before the first
     step), from the journal's ``evaluation`` events; nothing when the job ran no evaluation."""
-    evals = [e for e in read_jsonl(run_dir / EVENTS_FILE) if e.get("event") == Event.EVALUATION.value]
+    by_step = {e["step"]: e for e in read_jsonl(run_dir / EVENTS_FILE) if e.get("event") == Event.EVALUATION.value}
+    evals = [by_step[k] for k in sorted(by_step)]   # after a rewind, a step's last evaluation
     if not evals:
         return []
     fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -89,18 +89,20 @@ class Workload:
         """Sequences per optimizer step, ``global_batch / mini_batches``: ``dp × b × a``."""
         return self.global_batch // self.mini_batches
 
-    def priced_micro_batch(self, stage: Stage, micro_batch: int) -> int:
+    def priced_micro_batch(self, stage: Stage, micro_batch: int, share: int) -> int:
         """Sequences per micro-batch the engine runs for ``stage`` at plan micro-batch ``micro_batch``.
 
-        By count, ``micro_batch``. By token budget ``B`` (inference and training), a packed row
-        holds ``max(1, B // seq_length)`` sequences of the step's mean length (:attr:`seq_length`,
-        ``response_length`` being the mean), whatever ``micro_batch`` is: the memory model and the
-        cost model price micro-batches of that many sequences and no padding. Generation is
-        unaffected (its micro-batch is the concurrent sequences).
+        By count, ``micro_batch``. By token budget ``B`` (inference and training), packed rows
+        fill to nearly ``B`` tokens, so a micro-batch is priced as ``ceil(B / seq_length)``
+        sequences of the step's mean length (:attr:`seq_length`, ``response_length`` being the
+        mean; rounding up never books fewer than ``B`` tokens), at most ``share`` — the sequences
+        one replica processes per pass (training: per optimizer step) — whatever
+        ``micro_batch`` is. The memory model and the cost model price that and no padding.
+        Generation is unaffected (its micro-batch is the concurrent sequences).
         """
         if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
             return micro_batch
-        return max(1, self.max_tokens_per_micro_batch // self.seq_length)
+        return max(1, min(share, -(-self.max_tokens_per_micro_batch // self.seq_length)))
 
     def with_response_length(self, response_length: int) -> "Workload":
         return replace(self, response_length=response_length)

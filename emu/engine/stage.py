@@ -246,6 +246,8 @@ class StageEngine:
         """Value head at each sequence's last token (reward model); ``None`` off the last stage."""
         if not self.value_head:
             raise PlanError(f"{self.ms}: scores needs a value head")
+        if any(not s for s in sequences):
+            raise ValueError(f"{self.ms}: scores of an empty sequence (sequence {[len(s) for s in sequences].index(0)})")
         out = self._read(sequences, [[len(s) - 1] for s in sequences], "values")
         return None if out is None else [row[0] for row in out]
 

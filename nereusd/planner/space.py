@@ -234,7 +234,8 @@ class OptionTable:
             ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
                 sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp,
-                micro_batch=wl.priced_micro_batch(m.stage, b), mini_batches=wl.mini_batches, recompute=rc))
+                micro_batch=wl.priced_micro_batch(m.stage, b, _share(self.problem, m, dp)),
+                mini_batches=wl.mini_batches, recompute=rc))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
                                             int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal)
         return opt
@@ -286,7 +287,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 if wl.max_tokens_per_micro_batch is not None and not generation:
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike
                 for b in choices:
-                    priced = wl.priced_micro_batch(m.stage, b)
+                    priced = wl.priced_micro_batch(m.stage, b, per_opt)
                     for recompute in recompute_flags:
                         # memory depends on the share only through b and the in-flight
                         # micro-batches (see nereusd.cost.memory.stage_memory)
@@ -307,11 +308,19 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 lat_parts.append(costvec.latencies(
                     cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                     response_length=wl.response_length, tp=tp, pp=pp, dp=np.array(cols[2]),
-                    micro_batch=np.array([wl.priced_micro_batch(m.stage, b) for b in cols[3]]),
+                    micro_batch=np.array([wl.priced_micro_batch(m.stage, b, _share(problem, m, dp))
+                                          for b, dp in zip(cols[3], cols[2])]),
                     recompute=np.array(cols[4]), mini_batches=wl.mini_batches))
                 rows += block
     latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
     return OptionTable(problem, m, cost_model, rows, latency)
+
+
+def _share(problem: PlanProblem, model_stage: ModelStage, dp: int) -> int:
+    """Sequences one of ``dp`` replicas processes per pass: training, per optimizer step."""
+    if model_stage.stage is Stage.TRAINING:
+        return problem.workload.mini_batch_size // dp
+    return -(-problem.workflow.sequences(model_stage, problem.workload) // dp)
 
 
 def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: int, dp: int,
@@ -321,7 +330,8 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
     sequences = problem.workflow.sequences(model_stage, wl)
     b = micro_batch or wl.micro_batch
     kw = dict(sequences=sequences, prompt_length=wl.prompt_length, response_length=wl.response_length,
-              tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b), recompute=recompute)
+              tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, _share(problem, model_stage, dp)),
+              recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind, **kw)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,

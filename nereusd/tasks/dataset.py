@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,16 +60,21 @@ def _rows(path: Path) -> list[Any]:
     if suffix in (".jsonl", ".json"):
         rows = []
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")   # a leading byte-order mark is not data
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-        for number, line in enumerate(text.splitlines(), 1):
+        # JSON lines end at "\n" only: str.splitlines would also cut at U+2028 and U+0085, which
+        # JSON allows raw inside strings.
+        for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except (ValueError, RecursionError) as err:
                 raise ConfigError(f"{path}:{number}: not a JSON line: {str(err)[:80]}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append(row)
         return rows
     raise ConfigError(f"{path}: expected a .jsonl, .json (JSON lines) or .parquet file")
 
@@ -109,7 +115,12 @@ def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[Rec
             prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
         elif not isinstance(prompt, str):
             raise ConfigError(f"{where}: {prompt_key}: expected text or chat messages, got {type(prompt).__name__}")
-        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        if isinstance(answer, float):
+            if not math.isfinite(answer):
+                raise ConfigError(f"{where}: {answer_key}: expected a finite number, got {answer!r}")
+            # positional, never exponent form ("1e+20" would read as 1); float32 columns as written
+            answer = format(Decimal(repr(answer)).normalize(), "f")
+        elif isinstance(answer, int) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str):
             raise ConfigError(f"{where}: {answer_key}: expected text or a number, got {type(answer).__name__}")

@@ -10,8 +10,8 @@
 
 Each verifier returns a reward in ``{0.0, 1.0}``. A response that has no answer in the expected
 form earns 0; so does one the checker cannot decide within its time limit (``timeout_s``; the
-limit uses ``SIGALRM`` and so applies only in the main thread, where nereusd's driver runs; in other
-threads the check runs without it rather than failing). Inputs are
+limit uses ``SIGALRM``, so the check runs only in the main thread, where nereusd's driver runs; in
+another thread it is refused, since an answer such as ``(10^9)!`` would never finish). Inputs are
 bounded (:data:`MAX_ANSWER_CHARS`) so that a degenerate response cannot stall the driver.
 """
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from decimal import Decimal, InvalidOperation
+from decimal import Context, Decimal, InvalidOperation
+
+from nereusd.errors import NereusError
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,8 @@ def gsm8k_answer(text: str) -> str | None:
         return None
     if value == 0:
         return "0"
-    text_value = format(value.normalize(), "f")
+    # normalize() rounds to its context's precision; MAX_ANSWER_CHARS digits keep it exact
+    text_value = format(value.normalize(Context(prec=MAX_ANSWER_CHARS + 2)), "f")
     return text_value
 
 
@@ -88,11 +91,15 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def verify_math(response: str, ground_truth: str, timeout_s: int = 5) -> float:
+def verify_math(response: str, ground_truth: str, timeout_s: int = 2) -> float:
     """1.0 when ``math-verify`` finds the response's answer equal to the ground truth, else 0.0.
 
     ``ground_truth`` is a MATH ``solution`` (its last ``\\boxed{}`` is the answer) or the answer
     itself. The response's answer is its last ``\\boxed{}``; a response without one earns 0.
+    Each of the two parses and the comparison is cut off after ``timeout_s`` seconds (score 0).
+
+    Raises:
+        NereusError: when called off the main thread (the time limit needs ``SIGALRM``).
     """
     from math_verify import parse, verify
 
@@ -103,9 +110,12 @@ def verify_math(response: str, ground_truth: str, timeout_s: int = 5) -> float:
     truth = ground_truth if truth is None else truth
     if len(truth) > MAX_ANSWER_CHARS:
         return 0.0
-    # math-verify's limit is SIGALRM, which only the main thread may set: elsewhere it would raise
-    # and score every response 0, so off the main thread the length caps above are the only bound.
-    limit = timeout_s if threading.current_thread() is threading.main_thread() else None
+    # math-verify's limit is SIGALRM, which only the main thread may set. Without it a short answer
+    # such as (10^9)! never finishes, so a check elsewhere is refused rather than left unbounded.
+    if threading.current_thread() is not threading.main_thread():
+        raise NereusError("verify_math: math-verify bounds each check with SIGALRM, so it must run in the main "
+                          "thread (nereusd's driver does)")
+    limit = timeout_s
     try:
         gold = parse(f"\\boxed{{{truth}}}", parsing_timeout=limit)
         pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=limit)

@@ -78,3 +78,17 @@ def test_token_budget_books_fewer_activation_bytes_on_a_long_tailed_batch():
         states.append(eng.full_state())
     assert peaks[1] < peaks[0] / 2
     assert all(torch.allclose(states[0][n], states[1][n], atol=1e-6) for n in states[0])
+
+
+def test_scores_refuse_an_empty_sequence_instead_of_reading_its_neighbour():
+    ms = ModelStage(Role.REWARD, Stage.INFERENCE)
+    cand = Candidate(1, 1, 1, (0,))
+    eng = StageEngine(model_stage=ms, spec=SPEC, candidate=cand, rank=0, groups=build_stage_groups(cand, 0),
+                      device=torch.device("cpu"), memory=DeviceMemory(0, 1 << 30), value_head=True, trainable=False,
+                      lr=0.0, grad_clip=None, micro_batch=2, max_tokens_per_micro_batch=5)
+    eng.initialize(seed=0)
+    with pytest.raises(ValueError, match="scores of an empty sequence \\(sequence 2\\)"):
+        eng.scores([[3, 4, 5], [1, 2], []])
+    packed = eng.scores([[3, 4, 5], [1, 2]])
+    eng.max_tokens_per_micro_batch = None
+    assert packed == pytest.approx(eng.scores([[3, 4, 5], [1, 2]]), abs=1e-6)

@@ -121,9 +121,12 @@ def test_a_token_budget_is_priced_as_the_mean_length_sequences_it_holds():
     padded = problem(1, response=768)   # seq_length 1024
     budget = dataclasses.replace(padded, workload=dataclasses.replace(padded.workload, max_tokens_per_micro_batch=4096))
     wl = budget.workload
-    assert wl.priced_micro_batch(Stage.TRAINING, 1) == 4 and wl.priced_micro_batch(Stage.INFERENCE, 16) == 4
-    assert wl.priced_micro_batch(Stage.GENERATION, 16) == 16
-    assert dataclasses.replace(wl, max_tokens_per_micro_batch=100).priced_micro_batch(Stage.TRAINING, 8) == 1
+    assert wl.priced_micro_batch(Stage.TRAINING, 1, 64) == 4 and wl.priced_micro_batch(Stage.INFERENCE, 16, 64) == 4
+    assert wl.priced_micro_batch(Stage.GENERATION, 16, 64) == 16
+    assert wl.priced_micro_batch(Stage.TRAINING, 1, 2) == 2   # never more than the replica's share
+    assert dataclasses.replace(wl, max_tokens_per_micro_batch=100).priced_micro_batch(Stage.TRAINING, 8, 64) == 1
+    # rows fill to nearly B: rounded up, the priced tokens never fall below B
+    assert dataclasses.replace(wl, max_tokens_per_micro_batch=4097).priced_micro_batch(Stage.TRAINING, 1, 64) == 5
     cm = CostModel(padded.site)
     train = ModelStage(Role.ACTOR, Stage.TRAINING)
     for b in (1, 8):

@@ -46,6 +46,19 @@ def test_dotted_keys_chat_messages_and_numeric_answers(tmp_path):
                    "reward_model": {"ground_truth": 2}}]
     recs = read_records(_jsonl(tmp_path / "v.jsonl", verl_style), "prompt", "reward_model.ground_truth")
     assert recs[0].prompt[1] == {"role": "user", "content": "1+1?"} and recs[0].answer == "2"
+    floats = [{"question": "q", "answer": x} for x in (1e20, 5e-05, 72.0)]
+    assert [r.answer for r in read_records(_jsonl(tmp_path / "f.jsonl", floats), "question", "answer")] == \
+        ["100000000000000000000", "0.00005", "72"]   # positional: "1e+20" would read as 1
+
+
+def test_jsonl_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path):
+    """U+2028 and U+0085 are allowed raw inside JSON strings (str.splitlines would cut there)."""
+    import json
+
+    path = tmp_path / "u.jsonl"
+    path.write_text("\ufeff" + json.dumps({"question": "a\u2028b\u0085c", "answer": "1"}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    assert read_records(path, "question", "answer")[0].prompt == "a\u2028b\u0085c"
 
 
 @pytest.mark.parametrize("content, match", [
@@ -56,6 +69,8 @@ def test_dotted_keys_chat_messages_and_numeric_answers(tmp_path):
     ('{"question": [{"role": "user"}], "answer": "1"}\n', r"must be chat messages"),
     ('{"question": "q", "answer": null}\n', r"expected text or a number, got NoneType"),
     ('\n\n', r"has no records"),
+    ('["question", "answer"]\n', r"d.jsonl:1: expected a JSON object per line, got list"),
+    ('{"question": "q", "answer": NaN}\n', r"answer: expected a finite number, got nan"),
 ])
 def test_bad_rows_name_the_file_row_and_key(tmp_path, content, match):
     path = tmp_path / "d.jsonl"

@@ -87,13 +87,31 @@ def test_last_boxed_balances_braces():
     assert last_boxed("none") is None
 
 
-def test_math_is_checked_off_the_main_thread_too():
-    """math-verify's time limit needs SIGALRM (main thread only); elsewhere the check still runs."""
+def test_math_is_refused_off_the_main_thread():
+    """math-verify's time limit needs SIGALRM (main thread only); without it ``(10^9)!`` never
+    finishes, so a check from another thread is refused, not left unbounded."""
     import threading
 
+    from nereusd.errors import NereusError
+
     got = []
-    worker = threading.Thread(target=lambda: got.append(
-        (verify_math(r"so \boxed{1/2}", r"\frac{1}{2}"), verify_math(r"\boxed{3}", "2"))))
+
+    def check():
+        try:
+            verify_math(r"\boxed{(10^{9})!}", "1")
+        except NereusError as err:
+            got.append(str(err))
+
+    worker = threading.Thread(target=check, daemon=True)
     worker.start()
-    worker.join()
-    assert got == [(1.0, 0.0)]
+    worker.join(10)
+    assert not worker.is_alive() and "must run in the main thread" in got[0]
+
+
+def test_a_degenerate_answer_is_cut_off_by_the_time_limit():
+    assert verify_math(r"\boxed{9^{9^{9^{9}}}}", "1", timeout_s=1) == 0.0
+
+
+def test_gsm8k_answers_are_exact_beyond_28_digits():
+    assert verify_gsm8k("#### 1234567890123456789012345678999", "1234567890123456789012345678901") == 0.0
+    assert gsm8k_answer("#### 42.000000000000000000000000000000001") == "42.000000000000000000000000000000001"
