@@ -204,6 +204,38 @@ class ModelSpec:
         return cls(**dict(data))
 
 
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of a model directory's ``model.safetensors`` (or the shards its
+    ``model.safetensors.index.json`` names), from the files' headers only (nothing is loaded).
+
+    Raises:
+        ConfigError: naming the file, if there are no weights, the index is not JSON with a
+            ``weight_map``, or a file is not a readable safetensors file (truncated, corrupt).
+    """
+    from safetensors import safe_open
+
+    src = Path(path)
+    files = [src / "model.safetensors"]
+    if not files[0].exists():
+        index = src / "model.safetensors.index.json"
+        if not index.exists():
+            raise ConfigError(f"{src}: neither model.safetensors nor model.safetensors.index.json found")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [src / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"{index}: expected JSON with a 'weight_map' object ({err})") from None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as fh:
+                for name in fh.keys():
+                    shapes[name] = tuple(fh.get_slice(name).get_shape())
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own and OS errors alike
+            raise ConfigError(f"{file}: not a readable safetensors file: {err}") from None
+    return shapes
+
+
 def shortest_context(specs: Mapping[str, ModelSpec], sequence_tokens: int) -> tuple[str, ModelSpec] | None:
     """The named model whose ``max_position`` is shortest, when ``sequence_tokens`` exceeds it.
 

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from nereusd.errors import PlanError
+from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, Role
 
@@ -207,6 +207,30 @@ def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False, g
         problems.append("generation needs pp=1 (PP is folded into DP for generation)")
     if problems:
         raise PlanError(f"layout tp{tp}·pp{pp}: " + "; ".join(problems))
+
+
+def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]], *, value_head: bool,
+                            source: str) -> None:
+    """Check a checkpoint's tensor shapes (:func:`nereusd.models.safetensors_shapes`) against the
+    canonical table of ``spec``: every parameter is present with its full shape. A value head
+    may be absent (a critic or reward model starting from a policy draws one); other names are
+    ignored, as loading ignores them.
+
+    Raises:
+        ConfigError: ``source`` and the missing names or wrong shapes (at most five of each).
+    """
+    expected = canonical_shapes(spec, value_head)
+    missing = [n for n in expected if n not in shapes and not n.startswith("value_head.")
+               and not (value_head and n.startswith("lm_head"))]
+    wrong = [f"{n} {tuple(shapes[n])} (config.json says {tuple(expected[n])})" for n in expected
+             if n in shapes and tuple(shapes[n]) != tuple(expected[n])]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensors: {', '.join(missing[:5])}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensors of the wrong shape: {'; '.join(wrong[:5])}")
+    if problems:
+        raise ConfigError(f"{source}: the weights do not match config.json: " + "; ".join(problems))
 
 
 def layer_range(spec: ModelSpec, pp: int, pp_rank: int) -> range:

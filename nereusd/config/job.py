@@ -12,15 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nereusd.config.yamlfile import read_yaml
 from nereusd.errors import ConfigError
 from nereusd.workflow import Algorithm
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False, allow_inf_nan=False)
 
 
 class ModelsConfig(_Strict):
@@ -316,6 +316,13 @@ class JobConfig(_Strict):
     pool: PoolConfig = PoolConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
 
+    @model_validator(mode="after")
+    def _some_step_trains_on_a_rollout(self) -> "JobConfig":
+        if self.rollout.max_staleness >= self.steps:
+            raise ValueError(f"rollout.max_staleness: {self.rollout.max_staleness} is not below steps={self.steps}: "
+                             "step k trains on step k - max_staleness's rollout, so no step would train")
+        return self
+
     @field_validator("name")
     @classmethod
     def _name_is_simple(cls, value: str) -> str:
@@ -324,13 +331,23 @@ class JobConfig(_Strict):
         return value
 
 
+MAX_ERROR_LINES = 20
+"""Problems :func:`format_validation_error` lists before it counts the rest."""
+
+
 def format_validation_error(source: str, err: ValidationError) -> str:
-    """One line per problem: ``<source>: <dotted.key[index]>: <message>, got <value>``."""
+    """One line per problem: ``<source>: <dotted.key[index]>: <message>, got <value>``; at most
+    :data:`MAX_ERROR_LINES` of them, then how many more. A check across sections names its keys
+    in its message, without the value of the whole file."""
     lines = []
-    for item in err.errors():
+    errors = err.errors()
+    for item in errors[:MAX_ERROR_LINES]:
         key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in item["loc"]).lstrip(".")
-        key = key or "<top>"
         msg = item["msg"].removeprefix("Value error, ")
+        if not key and item["type"] == "value_error":
+            lines.append(f"{source}: {msg}")
+            continue
+        key = key or "<top>"
         if item["type"] == "extra_forbidden":
             msg = "unknown key"
         elif item["type"] == "missing":
@@ -338,6 +355,8 @@ def format_validation_error(source: str, err: ValidationError) -> str:
         got = item.get("input")
         suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {got!r}"
         lines.append(f"{source}: {key}: {msg}{suffix}")
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"{source}: … and {len(errors) - MAX_ERROR_LINES} more problems")
     return "\n".join(lines)
 
 
@@ -345,21 +364,10 @@ def load_yaml_mapping(path: Path) -> Mapping[str, Any]:
     """Read a YAML file whose top level must be a mapping.
 
     Raises:
-        ConfigError: if the file is missing, not YAML, or not a mapping.
+        ConfigError: if the file is missing, too large, not UTF-8, not YAML, repeats a key, or
+            is not a mapping (:func:`nereusd.config.yamlfile.read_yaml`).
     """
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    data = read_yaml(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
-from nereusd.models import ModelSpec, shortest_context
+from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
-from nereusd.shards import check_layout, value_head_for
+from nereusd.shards import check_checkpoint_shapes, check_layout, value_head_for
 from nereusd.workflow import Algorithm, build_workflow
 
 def job_model_stages(algorithm: Algorithm, reward_model: bool) -> tuple[ModelStage, ...]:
@@ -183,6 +183,15 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
     memory = int(job.memory_gib * 2**30) if job.memory_gib else site_memory_bytes
     reward_model = job.reward.kind == "model"
     roles = _resolve_roles(job, base_dir, source, reward_model)
+    checked = set()
+    for rm in roles.values():   # corrupt or mismatched weights fail here, not in a worker
+        if rm.path and (rm.path, rm.value_head) not in checked:
+            checked.add((rm.path, rm.value_head))
+            try:
+                check_checkpoint_shapes(rm.spec, safetensors_shapes(rm.path), value_head=rm.value_head,
+                                        source=rm.path)
+            except ConfigError as err:
+                raise ConfigError(f"{source}: models.{rm.role.value}: {err}") from None
     stages = job_model_stages(job.algorithm, reward_model)
     seqs = job.rollout.prompts_per_step * job.rollout.group_size
     if seqs % job.train.global_batch:

@@ -30,7 +30,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
-import yaml
 
 from nereusd.errors import ConfigError
 from nereusd.config.site_slurm import ContainerSpec, SlurmSpec, check_env, check_slurm  # noqa: F401 (re-exported)
@@ -204,14 +203,10 @@ def load_site(path_or_name: str | os.PathLike) -> SiteConfig:
         ConfigError: ``<file>: <dotted.key>: <problem>`` for unknown or missing keys and values
             of the wrong type or range; also for unreadable files or YAML syntax errors.
     """
+    from nereusd.config.yamlfile import read_yaml
+
     path = resolve_site_path(path_or_name)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path.name}: not valid YAML: {err}") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err}") from None
-    return site_from_dict(data, source=str(path))
+    return site_from_dict(read_yaml(path), source=str(path))
 
 
 def site_from_dict(data: Any, source: str = "<site>") -> SiteConfig:

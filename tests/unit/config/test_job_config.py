@@ -44,6 +44,38 @@ def test_schema_errors_name_file_and_key(tmp_path, text, match):
         load_job(write(tmp_path, text))
 
 
+@pytest.mark.parametrize("content, match", [
+    (b"\xff\xfe\x00garbage", r"job.yaml: not UTF-8 text \(invalid start byte at byte 0\)"),
+    (b"steps: 3\nsteps: 5\n", r"job.yaml: not valid YAML at line 2, column 1: duplicate key 'steps' \(first at line 1\)"),
+    (b"train:\n  actor_lr: 1.0e-4\n  actor_lr: 3.0e-4\n", r"duplicate key 'actor_lr' \(first at line 2\)"),
+    (b"train: {actor_lr: .inf}\n", r"job.yaml: train.actor_lr: Input should be a finite number, got inf"),
+    (b"train: {kl_coef: .nan}\n", r"job.yaml: train.kl_coef: Input should be a finite number"),
+    (b"steps: 10\nrollout: {max_staleness: 10}\n", r"^job.yaml: rollout.max_staleness: 10 is not below steps=10"),
+])
+def test_job_file_gaps_are_refused_naming_the_file(tmp_path, content, match):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=match):
+        load_job(path)
+
+
+def test_a_huge_job_file_is_refused_at_once_and_errors_are_capped(tmp_path):
+    from nereusd.config.yamlfile import MAX_YAML_BYTES
+
+    path = tmp_path / "job.yaml"
+    path.write_text("#" * (MAX_YAML_BYTES + 1))
+    with pytest.raises(ConfigError, match=r"job.yaml: \d+ bytes is larger than a configuration file may be"):
+        load_job(path)
+    path.write_text("".join(f"key{i}: 1\n" for i in range(100)))
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 21 and lines[-1] == "job.yaml: … and 80 more problems"
+    path.write_text("a: &x {tp: 1}\nplan:\n  default:\n    <<: *x\n    tp: 2\n")   # a merge key may be overridden
+    with pytest.raises(ConfigError, match="a: unknown key"):
+        load_job(path)
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"nope.yaml: no such file"):
         load_job(tmp_path / "nope.yaml")
@@ -123,3 +155,30 @@ def test_pool_schedule_is_checked_against_the_job(tmp_path, schedule, match):
     with pytest.raises(ConfigError, match=match):
         resolve(write(tmp_path, tiny_job(text)))
     resolve(write(tmp_path, tiny_job("steps: 6\npool: {schedule: [{at_step: 5, remove: 3}, {at_step: 5, add: 2}]}\n")))
+
+
+def test_corrupt_or_mismatched_weights_are_refused_before_launch(tmp_path):
+    """The safetensors headers are read (nothing loaded) and checked against config.json."""
+    import shutil
+
+    from tests.support import REPO
+
+    model = tmp_path / "m"
+    shutil.copytree(REPO / "examples" / "models" / "counting-warmstart", model)
+    job = write(tmp_path, "models: {actor: m}\n")
+    resolve(job)   # the shipped warm start is fine
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(weights[:1000])
+    with pytest.raises(ConfigError, match=r"job.yaml: models.actor: .*model.safetensors: not a readable "
+                                          r"safetensors file"):
+        resolve(job)
+    from safetensors.numpy import load_file, save_file
+
+    (model / "model.safetensors").write_bytes(weights)
+    state = load_file(str(model / "model.safetensors"))
+    del state["model.norm.weight"]
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:, :8]
+    save_file(state, str(model / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"models.actor: .*missing 1 tensors: model.norm.weight; 1 tensors of "
+                                          r"the wrong shape: model.embed_tokens.weight"):
+        resolve(job)

@@ -95,7 +95,7 @@ def test_slurm_and_env_sections(tmp_path):
 def test_yaml_syntax_error(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"^bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML at line 2"):
         load_site(str(path))
 
 
