@@ -58,5 +58,10 @@ class WorkerError(NereusError):
         self.error_kind = error_kind
 
 
+class StorageError(NereusError):
+    """A checkpoint or journal write or read failed (disk full, read-only, quota): a fault of the
+    storage, not of a device. The message names the path and the cause."""
+
+
 class SlurmError(NereusError):
     """A Slurm command failed; the message carries argv, exit code and stderr."""

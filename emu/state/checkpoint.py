@@ -17,6 +17,7 @@ docs/platform.md: DCP measured at ~10 ms × ranks fixed cost, then 1–5 GB/s on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -25,9 +26,10 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from emu.state.unit import EmuShard, LogicalState, shard_shape
-from nereusd.errors import NereusError
+from nereusd.errors import NereusError, StorageError
 from nereusd.plan import ModelStage, Plan
 from nereusd.shards import Shard
 
@@ -52,6 +54,22 @@ def parse_key(key: str) -> Optional[tuple[str, str, str, int, int, int]]:
     return f"{role}/{stage}", name, slot, dim, start, stop
 
 
+@contextlib.contextmanager
+def _storage_faults(what: str, directory: str | Path):
+    """Re-raise DCP's failures as :class:`StorageError`. torch's ``CheckpointException`` derives
+    from ``BaseException``, so without this a full disk at checkpoint time escaped the worker's
+    task handler and killed the worker, which nereusd then read as a lost device."""
+    try:
+        yield
+    except (CheckpointException, OSError) as err:
+        cause = err
+        if isinstance(err, CheckpointException):   # one failure per rank: say the first
+            failures = list(getattr(err, "failures", {}).values())
+            cause = failures[0] if failures else err
+            cause = cause[0] if isinstance(cause, tuple) else cause   # (exception, its traceback)
+        raise StorageError(f"checkpoint {what} in {directory} failed: {type(cause).__name__}: {cause}") from None
+
+
 def save_holdings(holdings: Iterable[EmuShard], directory: str | Path, *, plan: Optional[Plan] = None,
                   process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Save this rank's holdings into the DCP checkpoint ``directory`` (collective over
@@ -70,7 +88,8 @@ def save_holdings(holdings: Iterable[EmuShard], directory: str | Path, *, plan: 
     if plan is not None:
         state[PLAN_KEY] = torch.frombuffer(bytearray(json.dumps(plan.to_dict()).encode()), dtype=torch.uint8)
     no_dist = not dist.is_initialized()
-    dcp.save(state, checkpoint_id=str(directory), process_group=process_group, no_dist=no_dist)
+    with _storage_faults("save", directory):
+        dcp.save(state, checkpoint_id=str(directory), process_group=process_group, no_dist=no_dist)
 
 
 def saved_plan(directory: str | Path) -> Optional[Plan]:
@@ -124,7 +143,8 @@ def load_holdings(targets: Iterable[EmuShard], directory: str | Path) -> None:
     wanted = {slice_key(_ms(h), p, slot): (p, slot) for h, _, slot, p in plans}
     buffers = {k: torch.empty(shard_shape(p)) for k, (p, _) in wanted.items()}
     logical = {f"{h.model_stage}/logical": torch.zeros(len(LogicalState.FIELDS), dtype=torch.int64) for h in targets}
-    dcp.load({**buffers, **logical}, checkpoint_id=str(directory), no_dist=True)
+    with _storage_faults("load", directory):
+        dcp.load({**buffers, **logical}, checkpoint_id=str(directory), no_dist=True)
     for h, inter, slot, piece in plans:
         src = buffers[slice_key(_ms(h), piece, slot)]
         mine = h.shard(inter.name)
