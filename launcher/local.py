@@ -25,7 +25,7 @@ import yaml
 from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
-from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, read_jsonl
+from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir, read_jsonl
 
 
 
@@ -146,11 +146,7 @@ def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
 
 def _prepare_run_dir(job: ResolvedJob, run_dir: str | None, overwrite: bool) -> Path:
     path = Path(run_dir) if run_dir else Path("runs") / f"{job.config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise NereusError(f"run directory {path} exists and is not empty; pass --overwrite or another --run-dir")
-        shutil.rmtree(path)
-    (path / "logs").mkdir(parents=True, exist_ok=True)
+    clear_run_dir(path, overwrite)
     return path
 
 

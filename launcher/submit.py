@@ -27,7 +27,7 @@ from nereusd import protocol as P
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import resolve_job
-from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE
+from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.slurm import SlurmClient
@@ -168,12 +168,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     site, req = _prepare(args, str(run_dir))
     script = render(load_template(), site, req)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not args.overwrite:
-            raise NereusError(f"run directory {run_dir} exists and is not empty; pass --overwrite or another --run-dir")
-        import shutil
-        shutil.rmtree(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    clear_run_dir(run_dir, args.overwrite)
     init_keys(run_dir)
     (run_dir / "nereus.sbatch").write_text(script)
     job_id = SlurmClient().sbatch(script)

@@ -8,9 +8,11 @@ Each line is flushed as it is written, so a crash loses at most the line being w
 from __future__ import annotations
 
 import enum
+import fcntl
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,70 @@ def to_json(record: Any, **kwargs: Any) -> str:
     """``record`` as strict JSON (no ``NaN``/``Infinity``; numpy values and objects with
     ``to_dict`` converted)."""
     return json.dumps(_finite(json.loads(json.dumps(record, default=_default))), allow_nan=False, **kwargs)
+
+
+LOCK_FILE = "nereusd.lock"
+"""Held (``fcntl.flock``, exclusive) by the nereusd that owns the run directory; it holds its pid."""
+
+
+class RunDirLock:
+    """The running job's claim on its run directory: taken by nereusd at start-up and released by
+    the kernel when that process ends, however it ends (``kill -9`` included).
+
+    Raises:
+        NereusError: when another live process holds it (its pid is named).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        path = Path(run_dir) / LOCK_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(path, "a+")
+        try:
+            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._fh.seek(0)
+            owner = self._fh.read().strip() or "?"
+            self._fh.close()
+            raise NereusError(f"run directory {run_dir} is in use by another job (nereusd pid {owner})") from None
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._fh.write(f"{os.getpid()}\n")
+        self._fh.flush()
+
+    def release(self) -> None:
+        """Give the claim up (process exit does the same)."""
+        self._fh.close()
+
+
+def run_dir_owner(run_dir: str | Path) -> str | None:
+    """The pid of the live nereusd holding ``run_dir``'s lock, or None when no process does."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.exists():
+        return None
+    with open(path) as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return fh.read().strip() or "?"
+    return None
+
+
+def clear_run_dir(path: Path, overwrite: bool) -> None:
+    """Make ``path`` an empty run directory (with ``logs/``) for a new job.
+
+    Raises:
+        NereusError: when it exists and is not empty and ``overwrite`` is false, or when a running
+            job owns it (:class:`RunDirLock`): ``--overwrite`` never deletes a live job's files.
+    """
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise NereusError(f"run directory {path} exists and is not empty; pass --overwrite or another --run-dir")
+        owner = run_dir_owner(path)
+        if owner is not None:
+            raise NereusError(f"run directory {path} belongs to a running job (nereusd pid {owner}); --overwrite "
+                              "does not delete a live job's files: stop it, or choose another --run-dir")
+        shutil.rmtree(path)
+    (path / "logs").mkdir(parents=True, exist_ok=True)
 
 
 class Journal:

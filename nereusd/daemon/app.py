@@ -36,7 +36,7 @@ from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import NereusError, WorkerError
-from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, read_jsonl
+from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, read_jsonl
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
@@ -74,6 +74,7 @@ class Daemon:
                               "CURVE keys")
         self.curve = keys is not None
         try:
+            self.run_dir_lock = RunDirLock(self.run_dir)   # before anything is written there
             self.journal = Journal(self.run_dir)
         except OSError as err:   # a file in the way, a read-only or full file system
             raise NereusError(f"run directory {self.run_dir}: cannot write its journals: {err}") from None

@@ -97,3 +97,30 @@ def test_other_damage_is_a_journal_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"reward": 1}\n')
     with pytest.raises(JournalError, match="record 2 has no integer step"):
         drop_metrics_from(tmp_path / "metrics.jsonl", 0)
+
+
+def test_a_live_jobs_run_directory_is_locked_and_overwrite_refuses_it(tmp_path):
+    """nereusd holds an flock on its run directory; ``--overwrite`` (clear_run_dir) refuses to
+    delete a directory whose lock is held, and takes it once the owner is gone."""
+    import os
+
+    from nereusd.errors import NereusError
+    from nereusd.journal import RunDirLock, clear_run_dir, run_dir_owner
+
+    run = tmp_path / "run"
+    clear_run_dir(run, overwrite=False)
+    assert (run / "logs").is_dir() and run_dir_owner(run) is None
+    lock = RunDirLock(run)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert run_dir_owner(run) == str(os.getpid())
+    with pytest.raises(NereusError, match=rf"run directory .*run is in use by another job \(nereusd pid {os.getpid()}\)"):
+        RunDirLock(run)
+    with pytest.raises(NereusError, match="exists and is not empty; pass --overwrite"):
+        clear_run_dir(run, overwrite=False)
+    with pytest.raises(NereusError, match=rf"belongs to a running job \(nereusd pid {os.getpid()}\).*does not delete"):
+        clear_run_dir(run, overwrite=True)
+    assert (run / "metrics.jsonl").exists()   # nothing of the live job was lost
+    lock.release()
+    assert run_dir_owner(run) is None
+    clear_run_dir(run, overwrite=True)
+    assert list(run.iterdir()) == [run / "logs"]
