@@ -72,8 +72,11 @@ class ControlPlane:
                  on_event: Callable[[str, dict[str, Any]], None] | None = None, keys: JobKeys | None = None,
                  on_pool_change: Callable[[PoolChange], None] | None = None,
                  status: Callable[[], dict[str, Any]] | None = None,
-                 on_pool_request: Callable[[int], dict[str, Any]] | None = None) -> None:
+                 on_pool_request: Callable[[int], dict[str, Any]] | None = None,
+                 max_devices_per_agent: int | None = None) -> None:
         self._ctx = zmq.Context.instance()
+        self.max_devices_per_agent = max_devices_per_agent
+        """A registration claiming more devices than this (the site's node size) is refused."""
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -190,6 +193,11 @@ class ControlPlane:
     def _register(self, identity: bytes, msg: P.RegisterAgent) -> None:
         if msg.node_id in self.agents:
             raise ProtocolError(f"node {msg.node_id!r} is already registered")
+        if self.max_devices_per_agent is not None and len(msg.devices) > self.max_devices_per_agent:
+            raise ProtocolError(f"agent {msg.node_id!r} claims {len(msg.devices)} devices; a node of this site has at "
+                                f"most {self.max_devices_per_agent}")
+        if self._agent_by_identity(identity) is not None:
+            raise ProtocolError(f"peer already registered as agent {self._agent_by_identity(identity).node_id!r}")
         global_devices = list(range(self._next_global_device, self._next_global_device + len(msg.devices)))
         self._next_global_device += len(msg.devices)
         record = AgentRecord(msg.node_id, identity, msg.hostname, msg.pid, list(msg.devices),
@@ -213,6 +221,8 @@ class ControlPlane:
         return None
 
     def _worker_exited(self, agent: AgentRecord, msg: P.WorkerExited) -> None:
+        if msg.device not in agent.global_devices:   # only the owner may report its worker's exit
+            raise ProtocolError(f"agent {agent.node_id} reported the exit of device {msg.device} it does not own")
         self.exited_workers[msg.device] = msg.exitcode
         self.ready_workers.discard(msg.device)
         log.warning("worker of device %d on %s exited with %s", msg.device, agent.node_id, msg.exitcode)

@@ -144,3 +144,34 @@ def test_non_finite_numbers_cross_the_wire():
     task = P.task_args("train", {"model_stage": "actor/training", "sequences": [[1]], "prompt_lens": [1],
                                  "per_token": {"advantages": [[nan]]}, "loss": {"kind": "value", "value_clip": 0.2}})
     assert math.isnan(P.decode(P.encode(P.Task(task_id=2, args=task))).args.per_token["advantages"][0][0])
+
+
+def test_an_agent_may_report_only_its_own_workers_and_not_claim_more_than_a_node():
+    """A peer registered with no devices once made nereusd drop a healthy device of another
+    agent by sending ``worker_exited`` for it; a fake agent claiming 1,000 devices made the job
+    re-plan onto them. Both are refused; the real agent's devices stay."""
+    control = ControlPlane(max_devices_per_agent=4)
+    real, fake = _dealer(control.endpoint), _dealer(control.endpoint)
+
+    def devices(n):
+        return [P.DeviceInfo(local_index=i, kind="cpu", name="virtual-cpu", memory_bytes=1) for i in range(n)]
+
+    try:
+        real.send(P.encode(P.RegisterAgent(node_id="n0", hostname="h", pid=1, devices=devices(2))))
+        assert isinstance(_reply(control, real), P.Welcome)
+        fake.send(P.encode(P.RegisterAgent(node_id="n9", hostname="h", pid=2, devices=devices(1000))))
+        reply = _reply(control, fake)
+        assert isinstance(reply, P.ErrorReply) and "claims 1000 devices; a node of this site has at most 4" in reply.reason
+        fake.send(P.encode(P.RegisterAgent(node_id="n1", hostname="h", pid=2, devices=[])))
+        assert isinstance(_reply(control, fake), P.Welcome)
+        fake.send(P.encode(P.RegisterAgent(node_id="n2", hostname="h", pid=2, devices=[])))
+        reply = _reply(control, fake)   # one peer, one agent
+        assert isinstance(reply, P.ErrorReply) and "already registered as agent 'n1'" in reply.reason
+        fake.send(P.encode(P.WorkerExited(node_id="n1", device=1, exitcode=-9)))
+        reply = _reply(control, fake)
+        assert isinstance(reply, P.ErrorReply) and "exit of device 1 it does not own" in reply.reason
+        assert control.exited_workers == {} and control.devices() == [0, 1]
+    finally:
+        real.close()
+        fake.close()
+        control.close()
