@@ -222,9 +222,17 @@ def schedule_for(job) -> PoolSchedule:
     """The :class:`PoolSchedule` of a resolved job (:class:`nereusd.config.resolve.ResolvedJob`).
 
     Raises:
-        ConfigError: see :class:`ScaledTrace`.
+        ConfigError: see :class:`ScaledTrace`; and an ``add`` of more devices than one node of
+            the job's site holds (an added device is a new local agent's: one node's worth at most).
     """
+    from nereusd.config.site import load_site
+
     cfg = job.config
+    per_node = load_site(cfg.site).devices_per_node
+    for i, e in enumerate(cfg.pool.schedule):
+        if e.add > per_node:
+            raise ConfigError(f"pool.schedule[{i}].add: {e.add} devices, but a node of site {cfg.site!r} has "
+                              f"{per_node}: one added agent holds one node's devices at most")
     floor = job_min_devices(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
                             asynchronous=cfg.rollout.max_staleness > 0)
     return PoolSchedule(cfg.pool, job.devices, floor)

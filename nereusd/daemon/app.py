@@ -156,7 +156,8 @@ class Daemon:
         tmp.write_text(json.dumps({"endpoint": endpoint, "pid": os.getpid(),
                                    "store": f"{self.store.host}:{self.store.port}", "curve": self.curve,
                                    "slurm_job_id": self.args.slurm_job_id,
-                                   "device_memory_bytes": self.job.device_memory_bytes}))
+                                   "device_memory_bytes": self.job.device_memory_bytes,
+                                   "max_devices_per_agent": self.control.max_devices_per_agent}))
         os.replace(tmp, self.run_dir / ENDPOINT_FILE)
         return endpoint
 

@@ -233,3 +233,25 @@ def test_trace_floor_defaults_to_the_fewest_devices_the_job_runs_on():
     assert min(n for _, n in ScaledTrace(trace, 4, job_min_devices=2).changes(48.0)) >= 2
     explicit = pool(trace={"name": "us-west-2a", "steps_per_trace_hour": 2, "min_devices": 1}).trace
     assert ScaledTrace(explicit, 4, job_min_devices=2).min_devices == 1
+
+
+def test_an_added_agent_holds_at_most_one_node_of_the_site(tmp_path):
+    """``add: 10000`` once spawned 246 workers before the machine gave up; it is refused before
+    any process starts, and ``nereus-launch pool --add`` is bounded by the running job's node size."""
+    import os
+
+    from launcher.pool_cmd import run as pool_run
+    from nereusd.config.pool_schedule import schedule_for
+    from nereusd.config.resolve import load_and_resolve
+
+    job = tmp_path / "job.yaml"
+    job.write_text(f"models: {{actor: {REPO / 'examples' / 'models' / 'counting-warmstart'}}}\n"
+                   "pool: {schedule: [{at_step: 2, add: 4}, {at_step: 3, add: 10000}]}\n")
+    with pytest.raises(ConfigError, match=r"pool.schedule\[1\].add: 10000 devices, but a node of site 'local' has 4"):
+        schedule_for(load_and_resolve(job))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid(), "curve": False,
+                                                  "max_devices_per_agent": 4}))
+    with pytest.raises(NereusError, match=r"--add: 10000 devices, but a node of this job's site has 4"):
+        pool_run(argparse.Namespace(run_dir=str(run), remove=None, add=10000, timeout_s=1.0))
