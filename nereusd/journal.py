@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import fcntl
 import json
+import logging
 import math
 import os
 import shutil
@@ -17,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nereusd.errors import NereusError
+from nereusd.errors import NereusError, StorageError
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
@@ -193,34 +196,68 @@ def clear_run_dir(path: Path, overwrite: bool) -> None:
 
 
 class Journal:
-    """Append-only JSONL writers for one run directory."""
+    """Append-only JSONL writers for one run directory.
+
+    A write the storage refuses (disk full, quota, read-only) leaves no torn line: the file is
+    cut back to where the record began, and :class:`StorageError` names the file and the cause,
+    so the job stops as a storage fault, not as a crash. After that first fault the journal is
+    :attr:`fault`-y: later events are logged and dropped instead of raising again, so the
+    job's teardown still runs; ``summary.json`` is tried once more.
+    """
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = _open_append(self.run_dir / METRICS_FILE)
         self._events = _open_append(self.run_dir / EVENTS_FILE)
+        self.fault: str | None = None
+        """The first storage fault, once one happened."""
+
+    def _append(self, fh, line: str, name: str) -> None:
+        data = line.encode("utf-8")
+        start = os.fstat(fh.fileno()).st_size   # O_APPEND writes at the end, wherever tell() says
+        try:
+            if fh.write(data) != len(data):
+                raise OSError(28, "short write (no space left on device?)")
+        except OSError as err:
+            try:
+                fh.truncate(start)   # no torn line for the next reader
+            except OSError:
+                pass
+            self.fault = f"{self.run_dir / name}: cannot append: {err.strerror or err}"
+            raise StorageError(self.fault + " (free space or fix the run directory; the last checkpoint stays)") from None
 
     def metric(self, record: dict[str, Any]) -> None:
-        """Append one step's metrics."""
-        self._metrics.write(to_json(record) + "\n")
-        self._metrics.flush()
+        """Append one step's metrics.
+
+        Raises:
+            StorageError: the storage refused the write.
+        """
+        self._append(self._metrics, to_json(record) + "\n", METRICS_FILE)
 
     def event(self, kind: Event, fields: dict[str, Any] | None = None) -> None:
         """Append one event ``{"time_s", "event", ...fields}``.
 
         Raises:
             ValueError: ``kind`` is not an :class:`Event` (an unknown name is a bug here).
+            StorageError: the storage refused the write (the first time; later events are
+                logged and dropped, see the class docstring).
         """
         record = {**(fields or {}), "time_s": round(time.time(), 3), "event": Event(kind).value}
-        self._events.write(to_json(record) + "\n")
-        self._events.flush()
+        if self.fault is not None:
+            log.error("event %s not journalled (%s): %s", record["event"], self.fault, to_json(record)[:500])
+            return
+        self._append(self._events, to_json(record) + "\n", EVENTS_FILE)
 
     def summary(self, record: dict[str, Any]) -> None:
-        """Write ``summary.json`` atomically."""
+        """Write ``summary.json`` atomically; a storage fault is logged (the job is ending)."""
         tmp = self.run_dir / (SUMMARY_FILE + ".tmp")
-        tmp.write_text(to_json(record, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / SUMMARY_FILE)
+        try:
+            tmp.write_text(to_json(record, indent=2) + "\n")
+            os.replace(tmp, self.run_dir / SUMMARY_FILE)
+        except OSError as err:
+            log.error("cannot write %s: %s; the summary was %s", self.run_dir / SUMMARY_FILE, err,
+                      to_json(record)[:2000])
 
     def close(self) -> None:
         self._metrics.close()
@@ -235,7 +272,7 @@ def _open_append(path: Path):
             data = fh.read()
             if data and not data.endswith(b"\n"):
                 fh.truncate(data.rfind(b"\n") + 1)
-    return open(path, "a", encoding="utf-8")
+    return open(path, "ab", buffering=0)   # one write per record: all of it reaches the file or none
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

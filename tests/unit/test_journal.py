@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nereusd.journal import METRICS_FILE, Journal, JournalError, drop_metrics_from, read_jsonl
+from nereusd.journal import METRICS_FILE, Event, Journal, JournalError, drop_metrics_from, read_jsonl
 
 
 def test_a_torn_last_line_is_skipped(tmp_path):
@@ -124,3 +124,34 @@ def test_a_live_jobs_run_directory_is_locked_and_overwrite_refuses_it(tmp_path):
     assert run_dir_owner(run) is None
     clear_run_dir(run, overwrite=True)
     assert list(run.iterdir()) == [run / "logs"]
+
+
+def test_a_full_disk_is_a_storage_error_and_leaves_no_torn_line(tmp_path, caplog):
+    """/dev/full answers every write with ENOSPC; a short write (what a nearly full disk does) is
+    cut back so the file ends at its last whole record. After the first fault, events are
+    logged and dropped so that the job's teardown runs."""
+    import io
+
+    from nereusd.errors import StorageError
+    from nereusd.journal import Journal
+
+    journal = Journal(tmp_path)
+    journal.metric({"step": 0})
+    journal._metrics = open("/dev/full", "ab", buffering=0)
+    with pytest.raises(StorageError, match=r"metrics.jsonl: cannot append: No space left on device"):
+        journal.metric({"step": 1})
+    journal.event(Event.JOB_FAILED, {"error": "disk full"})   # dropped and logged, not raised
+    assert "event job_failed not journalled" in caplog.text
+    assert read_jsonl(tmp_path / "events.jsonl") == []
+
+    class HalfWrites(io.FileIO):
+        def write(self, data):
+            return super().write(bytes(data)[: len(data) // 2])
+
+    journal = Journal(tmp_path / "b")
+    journal.event(Event.JOB_FAILED, {"error": "first"})
+    journal._events = HalfWrites(tmp_path / "b" / "events.jsonl", "ab")
+    with pytest.raises(StorageError, match="events.jsonl: cannot append: short write"):
+        journal.event(Event.JOB_FAILED, {"error": "second, torn"})
+    assert (tmp_path / "b" / "events.jsonl").read_bytes().endswith(b"}\n")
+    assert [e["error"] for e in read_jsonl(tmp_path / "b" / "events.jsonl")] == ["first"]
