@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise NereusError("--add starts a local agent; this job uses CURVE keys (a cluster job: use 'grow')")
     limit = info.get("max_devices_per_agent")
     if limit is not None and args.add > limit:
-        raise NereusError(f"--add: {args.add} devices, but a node of this job's site has {limit}: add them in "
-                          f"agents of at most {limit}")
+        raise NereusError(f"--add: {args.add} devices, but an agent may register at most {limit}: add them "
+                          f"in steps of at most {limit}")
     memory = int(info.get("device_memory_bytes") or 2**30)
     node = f"local-cli{int(time.time())}"
     proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node)

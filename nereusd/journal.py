@@ -169,11 +169,14 @@ def run_dir_owner(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / LOCK_FILE
     if not path.exists():
         return None
-    with open(path) as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return fh.read().strip() or "?"
+    try:
+        with open(path) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return fh.read().strip() or "?"
+    except OSError as err:   # a directory in its place, another user's file
+        raise NereusError(f"{path}: cannot check whether a job owns this run directory: {err.strerror or err}") from None
     return None
 
 
@@ -184,6 +187,8 @@ def clear_run_dir(path: Path, overwrite: bool) -> None:
         NereusError: when it exists and is not empty and ``overwrite`` is false, or when a running
             job owns it (:class:`RunDirLock`): ``--overwrite`` never deletes a live job's files.
     """
+    if path.exists() and not path.is_dir():
+        raise NereusError(f"run directory {path} is a file; choose another --run-dir")
     if path.exists() and any(path.iterdir()):
         if not overwrite:
             raise NereusError(f"run directory {path} exists and is not empty; pass --overwrite or another --run-dir")

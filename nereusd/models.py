@@ -223,6 +223,8 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = [src / name for name in sorted(set(weight_map.values()))]
+        except OSError as err:
+            raise ConfigError(f"{index}: cannot read: {err}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(f"{index}: expected JSON with a 'weight_map' object ({err})") from None
     shapes: dict[str, tuple[int, ...]] = {}

@@ -20,27 +20,31 @@ MAX_YAML_BYTES = 1 << 20
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a repeated key in any mapping."""
+    """``yaml.SafeLoader`` that refuses a repeated key in any mapping.
 
+    Checked in :meth:`flatten_mapping`, which every mapping passes through before its merge keys
+    (``<<: *anchor``) are expanded in place, once per node: a merged key may be overridden, and an
+    anchor aliased again after it served as a merge source is the same, already checked, node.
+    """
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":   # "<<: *anchor" keys may be overridden
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            first = seen.get(key)
-        except TypeError:   # an unhashable key: construct_mapping reports it
-            continue
-        if first is not None:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark)
-        seen[key] = key_node.start_mark.line + 1
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        checked = self.__dict__.setdefault("_checked_nodes", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:   # an unhashable key: construct_mapping reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        super().flatten_mapping(node)
 
 
 def read_yaml(path: Path) -> Any:

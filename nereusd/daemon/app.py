@@ -83,8 +83,7 @@ class Daemon:
         self.pool.live = self.job.config.adaptation.enabled
         self.control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=self.journal.event,
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
-                                    on_pool_request=self.pool.request_remove,
-                                    max_devices_per_agent=load_site(self.job.config.site).devices_per_node)
+                                    on_pool_request=self.pool.request_remove)
         self.pool.control = self.control
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:

@@ -54,6 +54,13 @@ class _PendingTask:
     results: dict[int, P.TaskResult] = field(default_factory=dict)
 
 
+MAX_DEVICES_PER_AGENT = 64
+"""Most devices one agent (one node) may register. Not the job's site's node size: an agent
+reports the node it runs on, which may be another site's (a job file's ``site: local`` rendered
+for an 8-GPU cluster, ``--gpus`` on a larger box). 64 is above every node built (8–16 GPUs) and far
+below the 1,000 and 1 M-device claims that once made nereusd re-plan onto them or stall."""
+
+
 class ControlPlane:
     """The ROUTER socket agents connect to, with the registry and task bookkeeping.
 
@@ -73,10 +80,10 @@ class ControlPlane:
                  on_pool_change: Callable[[PoolChange], None] | None = None,
                  status: Callable[[], dict[str, Any]] | None = None,
                  on_pool_request: Callable[[int], dict[str, Any]] | None = None,
-                 max_devices_per_agent: int | None = None) -> None:
+                 max_devices_per_agent: int = MAX_DEVICES_PER_AGENT) -> None:
         self._ctx = zmq.Context.instance()
         self.max_devices_per_agent = max_devices_per_agent
-        """A registration claiming more devices than this (the site's node size) is refused."""
+        """A registration claiming more devices than this is refused (:data:`MAX_DEVICES_PER_AGENT`)."""
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -193,8 +200,8 @@ class ControlPlane:
     def _register(self, identity: bytes, msg: P.RegisterAgent) -> None:
         if msg.node_id in self.agents:
             raise ProtocolError(f"node {msg.node_id!r} is already registered")
-        if self.max_devices_per_agent is not None and len(msg.devices) > self.max_devices_per_agent:
-            raise ProtocolError(f"agent {msg.node_id!r} claims {len(msg.devices)} devices; a node of this site has at "
+        if len(msg.devices) > self.max_devices_per_agent:
+            raise ProtocolError(f"agent {msg.node_id!r} claims {len(msg.devices)} devices; an agent may register at "
                                 f"most {self.max_devices_per_agent}")
         if self._agent_by_identity(identity) is not None:
             raise ProtocolError(f"peer already registered as agent {self._agent_by_identity(identity).node_id!r}")

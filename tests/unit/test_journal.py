@@ -155,3 +155,16 @@ def test_a_full_disk_is_a_storage_error_and_leaves_no_torn_line(tmp_path, caplog
         journal.event(Event.JOB_FAILED, {"error": "second, torn"})
     assert (tmp_path / "b" / "events.jsonl").read_bytes().endswith(b"}\n")
     assert [e["error"] for e in read_jsonl(tmp_path / "b" / "events.jsonl")] == ["first"]
+
+
+def test_a_run_directory_or_lock_in_the_way_is_a_clear_error(tmp_path):
+    from nereusd.errors import NereusError
+    from nereusd.journal import LOCK_FILE, clear_run_dir
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NereusError, match="run directory .*file is a file"):
+        clear_run_dir(tmp_path / "file", overwrite=True)
+    run = tmp_path / "run"
+    (run / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(NereusError, match="cannot check whether a job owns this run directory"):
+        clear_run_dir(run, overwrite=True)

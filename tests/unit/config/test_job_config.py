@@ -182,3 +182,18 @@ def test_corrupt_or_mismatched_weights_are_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match=r"models.actor: .*missing 1 tensors: model.norm.weight; 1 tensors of "
                                           r"the wrong shape: model.embed_tokens.weight"):
         resolve(job)
+
+
+def test_infinite_payback_margin_stays_allowed_and_merged_anchors_may_be_reused(tmp_path):
+    """``payback_margin: .inf`` admits any positive gain (the greedy policy); an anchor used as a
+    merge source and aliased again is not a duplicate key."""
+    path = tmp_path / "job.yaml"
+    path.write_text("adaptation: {payback_margin: .inf}\n")
+    assert load_job(path).adaptation.payback_margin == float("inf")
+    path.write_text("adaptation: {payback_margin: .nan}\n")
+    with pytest.raises(ConfigError, match="adaptation.payback_margin"):
+        load_job(path)
+    path.write_text("plan:\n  model_stages:\n    actor/inference:\n      <<: &tp2 {<<: {tp: 1, pp: 1}, tp: 2}\n"
+                    "    reference/inference: *tp2\n")
+    stages = load_job(path).plan.model_stages
+    assert stages["actor/inference"].tp == stages["reference/inference"].tp == 2

@@ -253,5 +253,5 @@ def test_an_added_agent_holds_at_most_one_node_of_the_site(tmp_path):
     run.mkdir()
     (run / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid(), "curve": False,
                                                   "max_devices_per_agent": 4}))
-    with pytest.raises(NereusError, match=r"--add: 10000 devices, but a node of this job's site has 4"):
+    with pytest.raises(NereusError, match=r"--add: 10000 devices, but an agent may register at most 4"):
         pool_run(argparse.Namespace(run_dir=str(run), remove=None, add=10000, timeout_s=1.0))

@@ -161,7 +161,7 @@ def test_an_agent_may_report_only_its_own_workers_and_not_claim_more_than_a_node
         assert isinstance(_reply(control, real), P.Welcome)
         fake.send(P.encode(P.RegisterAgent(node_id="n9", hostname="h", pid=2, devices=devices(1000))))
         reply = _reply(control, fake)
-        assert isinstance(reply, P.ErrorReply) and "claims 1000 devices; a node of this site has at most 4" in reply.reason
+        assert isinstance(reply, P.ErrorReply) and "claims 1000 devices; an agent may register at most 4" in reply.reason
         fake.send(P.encode(P.RegisterAgent(node_id="n1", hostname="h", pid=2, devices=[])))
         assert isinstance(_reply(control, fake), P.Welcome)
         fake.send(P.encode(P.RegisterAgent(node_id="n2", hostname="h", pid=2, devices=[])))
