@@ -353,7 +353,8 @@ def format_validation_error(source: str, err: ValidationError) -> str:
         elif item["type"] == "missing":
             msg = "required key is missing"
         got = item.get("input")
-        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {got!r}"
+        shown = repr(got) if len(repr(got)) <= 200 else repr(got)[:200] + f"… ({len(repr(got))} characters)"
+        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {shown}"
         lines.append(f"{source}: {key}: {msg}{suffix}")
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"{source}: … and {len(errors) - MAX_ERROR_LINES} more problems")

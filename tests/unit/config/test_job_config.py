@@ -71,6 +71,9 @@ def test_a_huge_job_file_is_refused_at_once_and_errors_are_capped(tmp_path):
         load_job(path)
     lines = str(err.value).splitlines()
     assert len(lines) == 21 and lines[-1] == "job.yaml: … and 80 more problems"
+    path.write_text("steps: " + "x" * 5000 + "\n")   # a huge value is cut in the message
+    with pytest.raises(ConfigError, match=r"steps: .*xxx… \(5002 characters\)$"):
+        load_job(path)
     path.write_text("a: &x {tp: 1}\nplan:\n  default:\n    <<: *x\n    tp: 2\n")   # a merge key may be overridden
     with pytest.raises(ConfigError, match="a: unknown key"):
         load_job(path)
