@@ -6,6 +6,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_JOB ?= examples/counting_grpo.yaml
+# The torch this project is built and tested with here (a CPU wheel); pyproject.toml keeps a range
+# so that a cluster's vLLM can bring its own.
+TORCH_VERSION ?= 2.13.0
 RUN_DIR  ?= runs/demo
 
 .PHONY: demo test install clean
@@ -15,8 +18,8 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[test,bench]' torch==$(TORCH_VERSION)
 	touch $(STAMP)
 
 install: $(STAMP)
