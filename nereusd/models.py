@@ -204,31 +204,45 @@ class ModelSpec:
         return cls(**dict(data))
 
 
-def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape of a model directory's ``model.safetensors`` (or the shards its
-    ``model.safetensors.index.json`` names), from the files' headers only (nothing is loaded).
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a model directory: ``model.safetensors``, else the shards its
+    ``model.safetensors.index.json`` names (sorted, each once).
 
     Raises:
-        ConfigError: naming the file, if there are no weights, the index is not JSON with a
-            ``weight_map``, or a file is not a readable safetensors file (truncated, corrupt).
+        ConfigError: naming the directory or index, if there are no weights, or the index cannot
+            be read or is not JSON with a ``weight_map``.
+    """
+    src = Path(path)
+    if (src / WEIGHTS_NAME).exists():
+        return [src / WEIGHTS_NAME]
+    index = src / INDEX_NAME
+    if not index.exists():
+        raise ConfigError(f"{src}: neither {WEIGHTS_NAME} nor {INDEX_NAME} found")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [src / name for name in sorted(set(weight_map.values()))]
+    except OSError as err:
+        raise ConfigError(f"{index}: cannot read: {err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(f"{index}: expected JSON with a 'weight_map' object ({err})") from None
+
+
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of a model directory's weight files (:func:`safetensors_files`),
+    from the files' headers only (nothing is loaded).
+
+    Raises:
+        ConfigError: as :func:`safetensors_files`, or when a file is not a readable safetensors
+            file (truncated, corrupt), naming it.
     """
     from safetensors import safe_open
 
-    src = Path(path)
-    files = [src / "model.safetensors"]
-    if not files[0].exists():
-        index = src / "model.safetensors.index.json"
-        if not index.exists():
-            raise ConfigError(f"{src}: neither model.safetensors nor model.safetensors.index.json found")
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = [src / name for name in sorted(set(weight_map.values()))]
-        except OSError as err:
-            raise ConfigError(f"{index}: cannot read: {err}") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ConfigError(f"{index}: expected JSON with a 'weight_map' object ({err})") from None
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
+    for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="numpy") as fh:
                 for name in fh.keys():

@@ -15,13 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from nereusd.errors import ConfigError
-from nereusd.models import ModelSpec
+from nereusd.models import WEIGHTS_NAME, ModelSpec, safetensors_files
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def save_pretrained(path: str | Path, spec: ModelSpec, state: dict[str, torch.Tensor]) -> Path:
@@ -57,20 +53,9 @@ def load_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Canonical full tensors of the directory's ``model.safetensors`` (or its index's shards).
 
     Raises:
-        ConfigError: if neither file exists.
+        ConfigError: as :func:`nereusd.models.safetensors_files`.
     """
-    src = Path(path)
-    single = src / WEIGHTS_NAME
-    if single.exists():
-        return dict(load_file(str(single)))
-    index = src / INDEX_NAME
-    if not index.exists():
-        raise ConfigError(f"{src}: neither {WEIGHTS_NAME} nor {INDEX_NAME} found")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as err:
-        raise ConfigError(f"{index}: expected JSON with a 'weight_map' object ({err})") from None
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        state.update(load_file(str(src / shard)))
+    for file in safetensors_files(path):
+        state.update(load_file(str(file)))
     return state

@@ -282,7 +282,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
             block: list[tuple] = []
             for dp in dp_degrees(m, sequences, wl.mini_batch_size, n // (tp * pp)):
                 per_replica = -(-sequences // dp)
-                per_opt = wl.mini_batch_size // dp if training else per_replica
+                per_opt = _share(problem, m, dp)
                 choices = micro_batch_choices(per_opt, wl.micro_batch, options, training, generation)
                 if wl.max_tokens_per_micro_batch is not None and not generation:
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike

@@ -95,9 +95,9 @@ class MathTask:
         self.truncated = 0
         """Prompts cut to ``max_prompt_length`` (``overlong: truncate``)."""
         self._train = self._prompts([records[i] for i in train_rows])
-        self.eval_dropped = -self.dropped
+        train_dropped = self.dropped
         self._eval = self._prompts([records[i] for i in eval_rows])
-        self.eval_dropped += self.dropped
+        self.eval_dropped = self.dropped - train_dropped
         """Of :attr:`dropped`, those of the held-out split (it is then smaller than ``eval_size``)."""
         if not self._train:
             raise ConfigError(f"{self.dataset}: every training prompt is longer than task.options.max_prompt_length="

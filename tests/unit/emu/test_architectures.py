@@ -18,7 +18,8 @@ import json
 import pytest
 import torch
 
-from emu.engine.hf_io import INDEX_NAME, load_pretrained, save_pretrained
+from emu.engine.hf_io import load_pretrained, save_pretrained
+from nereusd.models import INDEX_NAME
 from emu.engine.model import LlamaModel
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
