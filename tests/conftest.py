@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Generation runs on the native decoder unless a test's job names vllm (nereusd.backends): a vLLM
+# engine start takes ~10 s here, so only the tests of the vLLM backend pay for them.
+os.environ.setdefault("NEREUS_GENERATION_BACKEND", "native")
 
 from tests.support.specs import TINY_MODELS
 

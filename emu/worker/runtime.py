@@ -29,6 +29,7 @@ from emu.engine.hf_io import load_state
 from emu.engine.parallel import build_stage_groups
 from emu.state.primitives import HoldingStore
 from emu.worker.transition_tasks import TransitionTasks, rank_space
+from emu.worker.vllm_stages import VllmStages
 from emu.state.unit import LogicalState, bind_engine, holding_of
 from emu.rl.losses import policy_loss_fn, value_loss_fn
 from nereusd import protocol as P
@@ -63,7 +64,7 @@ def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str
     return state
 
 
-class WorkerRuntime(TransitionTasks):
+class WorkerRuntime(TransitionTasks, VllmStages):
     """The state of one worker: its engines (one per model-stage it holds) and communicators."""
 
     def __init__(self, *, rank: int, device_index: int, torch_device: torch.device, memory: DeviceMemory,
@@ -83,6 +84,7 @@ class WorkerRuntime(TransitionTasks):
         self._transition = None
         self._rebuild_all = False
         self._build_args: P.BuildArgs | None = None
+        self._init_vllm()
         self._handlers = {
             "build": self.build,
             "generate": self.generate,
@@ -139,10 +141,12 @@ class WorkerRuntime(TransitionTasks):
             engine.load_full_state(states[ms.role])
             bind_engine(engine, logical=LogicalState(seed=seed))
             self.engines[ms] = engine
+            self._params_changed(ms)
         states.clear()
         self._plan_syncs(args.syncs)
         gc.collect()
-        return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
+        return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
+                **self._sync_engines()}
 
     def _groups(self, cand: Candidate):
         """Stage groups of ``cand`` in world-rank space (collective over the world)."""
@@ -177,10 +181,12 @@ class WorkerRuntime(TransitionTasks):
 
     def generate(self, args: P.GenerateArgs) -> dict[str, Any]:
         engine = self._engine(args)
-        responses = engine.generate(
-            args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=args.greedy,
-            stop_ids=tuple(args.stop_ids), pad_id=args.pad_id, seed=args.seed, seeds=args.seeds,
-        )
+        responses = self._vllm_generate(ModelStage.parse(args.model_stage), args)
+        if responses is None:
+            responses = engine.generate(
+                args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=args.greedy,
+                stop_ids=tuple(args.stop_ids), pad_id=args.pad_id, seed=args.seed, seeds=args.seeds,
+            )
         return {"responses": responses} if self._reporting(engine) else {}
 
     def logprobs(self, args: P.LogprobsArgs) -> dict[str, Any]:
@@ -236,7 +242,9 @@ class WorkerRuntime(TransitionTasks):
         return {"in_use_bytes": self.memory.in_use_bytes, "by_model_stage": self.memory.by_model_stage()}
 
     def close(self) -> None:
-        """Tear down cleanly (barrier, drop tensors, barrier, destroy) — see docs/platform.md."""
+        """Tear down cleanly (engine processes stopped; barrier, drop tensors, barrier, destroy) — see
+        docs/platform.md."""
+        self._close_engines()
         if not dist.is_initialized():
             return
         try:

@@ -87,6 +87,7 @@ class TransitionTasks:
         engine = self._make_engine(ms, cand, groups)
         bind_engine(engine, holding)
         self.engines[ms] = engine
+        self._params_changed(ms)
 
     def _retune(self, engine, cand: Candidate) -> None:
         """Apply what a candidate can change without moving state — micro-batch (generation
@@ -144,7 +145,8 @@ class TransitionTasks:
         self.plan = target
         self._plan_syncs(args.syncs)
         gc.collect()
-        return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes}
+        return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
+                **self._sync_engines()}
 
     def reform_world(self, args: P.ReformWorldArgs) -> dict[str, Any]:
         start = time.perf_counter()
@@ -167,6 +169,7 @@ class TransitionTasks:
 
     def sync_weights(self, args: P.SyncWeightsArgs) -> dict[str, Any]:
         source = ModelStage.parse(args.source)
+        out: dict[str, Any] = {}
         for target in (ModelStage.parse(t) for t in args.targets):
             dag, comms = self._sync[(source, target)]
             store = HoldingStore(self.memory, self.torch_device)
@@ -183,6 +186,10 @@ class TransitionTasks:
                 with torch.no_grad():
                     for name, p in engine.params.items():
                         p.copy_(got.view(name, "param"))
+                self._params_changed(target)
+                loaded = self._refresh_engine(target)   # a vLLM engine gets the new weights now
+                out["engine_load_s"] = out.get("engine_load_s", 0.0) + loaded.get("load_s", 0.0)
+                out["engine_bytes"] = out.get("engine_bytes", 0.0) + loaded.get("bytes", 0.0)
             for key in list(store.items):
                 store.pop(*key)
-        return {}
+        return out

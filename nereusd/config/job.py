@@ -315,6 +315,9 @@ class JobConfig(_Strict):
     adaptation: AdaptationConfig = AdaptationConfig()
     pool: PoolConfig = PoolConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    backends: dict[str, str] = Field(default_factory=dict)
+    """Engine per model-stage, e.g. ``{actor/generation: vllm}``; unnamed model-stages get the
+    defaults of :mod:`nereusd.backends` (generation on vLLM when it is installed)."""
 
     @model_validator(mode="after")
     def _some_step_trains_on_a_rollout(self) -> "JobConfig":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nereusd.backends import Backend, resolve_backends
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
@@ -53,6 +54,11 @@ class ResolvedJob:
     grad_accum: dict[ModelStage, int] = field(default_factory=dict)
     max_prompt_tokens: int = 1
     """The task's longest prompt in tokens (what the planner plans for)."""
+    backends: dict[ModelStage, Backend] = field(default_factory=dict)
+    """The engine of every model-stage (:func:`nereusd.backends.resolve_backends`)."""
+
+    def backend(self, ms: ModelStage) -> Backend:
+        return self.backends.get(ms, Backend.NATIVE)
 
     @property
     def sequences_per_step(self) -> int:
@@ -208,6 +214,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
         if event.remove and event.remove >= devices + sum(e.add or 0 for e in job.pool.schedule[:i]):
             raise ConfigError(f"{source}: pool.schedule[{i}].remove: {event.remove} would leave the job no device "
                               f"(devices: {devices})")
+    backends = resolve_backends(stages, job.backends, source=source)
     known = {str(m) for m in stages}
     for name in job.plan.model_stages:
         if name not in known:
@@ -255,7 +262,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
         raise ConfigError(f"{source}: the task's tokenizer has {vocab} tokens but the {small[0].role.value} model's "
                           f"vocab_size is {small[0].spec.vocab_size}")
     return ResolvedJob(job, source, base_dir, devices, memory, site_name, roles, Plan(candidates), grad_accum,
-                       max_prompt_tokens=prompt)
+                       max_prompt_tokens=prompt, backends=backends)
 
 
 def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:

@@ -15,6 +15,7 @@ from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import urgent_replan
 from nereusd.cost.calibration import Calibration
+from nereusd.backends import Backend
 from nereusd.cost.memory import HEADROOM
 from nereusd.cost.model import CostModel
 from nereusd.plan import Plan
@@ -52,7 +53,9 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
                         micro_batch=cfg.train.micro_batch,
                         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
     specs = {role: rm.spec for role, rm in job.roles.items()}
-    return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool))
+    engine_len = job.max_prompt_tokens + cfg.rollout.max_new_tokens   # the workers' max_model_len
+    engines = {ms: engine_len for ms, b in job.backends.items() if b is Backend.VLLM}
+    return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool), engines=engines)
 
 
 def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, headroom: float,

