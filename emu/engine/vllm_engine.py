@@ -79,6 +79,7 @@ class EngineConfig:
         master_addr, master_port: the engine world's rendezvous (TP > 1).
         max_model_len: longest sequence (prompt + response) in tokens.
         kv_cache_bytes: vLLM ``kv_cache_memory_bytes`` of this rank.
+        block_tokens: vLLM ``block_size`` (tokens per KV-cache block).
         max_num_seqs: sequences decoded concurrently (the model-stage's generation ``micro_batch``).
         dtype: ``"float32"``, ``"bfloat16"``, … (the EMU's parameter dtype).
         device: ``"cpu"`` or ``"cuda:<i>"``.
@@ -93,6 +94,7 @@ class EngineConfig:
     master_port: int
     max_model_len: int
     kv_cache_bytes: int
+    block_tokens: int
     max_num_seqs: int
     dtype: str
     device: str
@@ -130,6 +132,7 @@ def _llm_kwargs(cfg: EngineConfig, model_dir: str) -> dict[str, Any]:
         model=model_dir, dtype=cfg.dtype, enforce_eager=True, skip_tokenizer_init=True,
         load_format="dummy", seed=cfg.seed, max_model_len=cfg.max_model_len,
         max_num_seqs=max(1, cfg.max_num_seqs), kv_cache_memory_bytes=int(cfg.kv_cache_bytes),
+        block_size=cfg.block_tokens,
         tensor_parallel_size=cfg.tp, disable_log_stats=True,
     )
     if cfg.tp > 1:
@@ -154,9 +157,12 @@ def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine proce
         from vllm.inputs import TokensPrompt
 
         llm = LLM(**_llm_kwargs(cfg, model_dir))
+        cache = llm.llm_engine.vllm_config.cache_config
+        info = {"startup_s": 0.0, "kv_blocks": int(cache.num_gpu_blocks or 0), "block_tokens": int(cache.block_size)}
         if cfg.sleep_mode:
             llm.sleep(level=1)
-        conn.send(("ok", time.perf_counter() - start))
+        info["startup_s"] = time.perf_counter() - start
+        conn.send(("ok", info))
     except BaseException:  # noqa: BLE001 -- reported to the worker, which raises it
         conn.send(("error", traceback.format_exc()))
         return
@@ -244,7 +250,10 @@ class VllmEngine:
                                  name=f"vllm-engine-tp{cfg.tp_rank}")
         self._proc.start()
         child.close()
-        self.startup_s = float(self._reply("start", timeout_s=START_TIMEOUT_S))
+        info = self._reply("start", timeout_s=START_TIMEOUT_S)
+        self.startup_s = float(info["startup_s"])
+        self.kv_blocks, self.block_tokens = info["kv_blocks"], info["block_tokens"]
+        """The KV cache vLLM allocated: ``kv_blocks`` blocks of ``block_tokens`` tokens."""
         self.weights_version: Optional[int] = None
         log.info("vLLM engine tp %d/%d on %s started in %.1f s", cfg.tp_rank, cfg.tp, cfg.device, self.startup_s)
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from emu.engine.parallel import StageGroups
 from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
 from nereusd import protocol as P
-from nereusd.cost.memory import dtype_bytes, kv_cache_bytes
+from nereusd.cost.memory import kv_cache_bytes, vllm_block_tokens, vllm_kv_cache_tokens
 from nereusd.plan import Candidate, ModelStage, Stage
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,13 @@ class VllmStages:
         dtype = str(param.dtype).removeprefix("torch.")
         max_len = min(args.max_model_len, spec.max_position)
         seqs = max(1, engine.micro_batch)
+        kind = "cpu" if self.torch_device.type == "cpu" else "cuda"
+        block = vllm_block_tokens(kind)
+        tokens = vllm_kv_cache_tokens(seqs, max_len, block)
         return EngineConfig(
             spec=spec, tp=tp, tp_rank=engine.groups.tp_rank, master_addr=addr, master_port=port,
-            max_model_len=max_len, kv_cache_bytes=kv_cache_bytes(spec, seqs * max_len, tp, 1, param.element_size()),
-            max_num_seqs=seqs, dtype=dtype,
+            max_model_len=max_len, kv_cache_bytes=kv_cache_bytes(spec, tokens, tp, 1, param.element_size()),
+            block_tokens=block, max_num_seqs=seqs, dtype=dtype,
             device="cpu" if self.torch_device.type == "cpu" else f"cuda:{self.torch_device.index or 0}",
             seed=args.seed, threads=max(1, torch.get_num_threads()))
 

@@ -110,6 +110,28 @@ def kv_cache_bytes(spec: ModelSpec, tokens: int, tp: int, pp: int, kv_bytes: int
     return int(tokens * 2 * math.ceil(spec.num_layers / pp) * kv_heads_rank * spec.head_dim * kv_bytes)
 
 
+VLLM_BLOCK_TOKENS = {"cpu": 32}
+"""Tokens per vLLM KV-cache block by device kind (default 16, vLLM's GPU default). The workers
+pass it as ``block_size``; vLLM's CPU backend needs a multiple of 32 (its default, 128, would round
+a small job's cache up fourfold)."""
+
+
+def vllm_block_tokens(device_kind: str) -> int:
+    return VLLM_BLOCK_TOKENS.get(device_kind, 16)
+
+
+def vllm_kv_cache_tokens(sequences: int, max_len: int, block_tokens: int) -> int:
+    """Tokens of a vLLM KV cache that holds ``sequences`` sequences of ``max_len`` tokens at once.
+
+    vLLM allocates whole blocks of ``block_tokens`` per sequence and keeps one block back (the
+    block pool's null block; ``vllm/v1/core/block_pool.py``):
+    ``(sequences · ⌈max_len / block_tokens⌉ + 1) · block_tokens``. With this many tokens'
+    ``kv_cache_memory_bytes`` (:func:`kv_cache_bytes`), vLLM reports a maximum concurrency of at
+    least ``sequences`` and never preempts a wave of ``sequences``.
+    """
+    return (sequences * -(-max_len // block_tokens) + 1) * block_tokens
+
+
 def logits_bytes(spec: ModelSpec, tokens: int, tp: int, backward: bool) -> int:
     """fp32 vocab-parallel logits of ``tokens`` tokens on the last stage (×2 with their gradient)."""
     return int(tokens * math.ceil(spec.vocab_size / tp) * 4 * (2 if backward else 1))
@@ -148,8 +170,8 @@ def stage_memory(
             the engine holds a copy of the shard's weights while it runs (the EMU keeps its
             shard for transitions; the engine sleeps between rollouts), ``engine_weights =
             parameters``, and a KV cache preallocated for ``micro_batch`` sequences of
-            ``engine_seq`` tokens — the ``kv_cache_memory_bytes`` the workers give vLLM
-            (:mod:`emu.worker.vllm_stages`), so that it never preempts.
+            ``engine_seq`` tokens in whole blocks (:func:`vllm_kv_cache_tokens`) — the
+            ``kv_cache_memory_bytes`` the workers give vLLM (:mod:`emu.worker.vllm_stages`).
 
     Returns:
         A :class:`MemoryEstimate`; see the module docstring for the formulas.
@@ -165,9 +187,12 @@ def stage_memory(
     resident = params * e
     b = min(micro_batch, per_replica)
     if model_stage.stage is Stage.GENERATION:
-        comp["kv_cache"] = kv_cache_bytes(spec, b * max(seq, engine_seq or 0), tp, pp, e)
         if engine_seq:
+            tokens = vllm_kv_cache_tokens(b, max(seq, engine_seq), vllm_block_tokens(device_kind))
+            comp["kv_cache"] = kv_cache_bytes(spec, tokens, tp, pp, e)
             comp["engine_weights"] = params * e
+        else:
+            comp["kv_cache"] = kv_cache_bytes(spec, b * seq, tp, pp, e)
         comp["logits"] = logits_bytes(spec, b, tp, backward=False)
         comp["activations"] = int(b * prompt_length * activation_bytes_per_token_layer(
             spec, tp, e, prompt_length, flash_attention))

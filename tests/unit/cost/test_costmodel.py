@@ -163,3 +163,24 @@ def test_layer_launch_time_makes_generation_waves_cost():
                              dp=np.array([1, 1]), micro_batch=np.array([16, 8]), recompute=np.array([False, False]),
                              mini_batches=1)
     assert list(fast) == pytest.approx([one, two], rel=1e-12)
+
+
+def test_a_vllm_generation_books_its_weight_copy_and_a_whole_block_kv_cache():
+    """The engine's copy of the weights and the KV cache vLLM preallocates for ``micro_batch``
+    sequences of ``max_model_len`` tokens in whole blocks plus the null block — whatever the
+    current response length (tests/distributed/test_vllm_engine.py checks vLLM's block count)."""
+    from nereusd.cost.memory import kv_cache_bytes, vllm_kv_cache_tokens
+
+    gen = ModelStage.parse("actor/generation")
+    kw = dict(sequences=64, prompt_length=100, response_length=200, tp=2, pp=1, dp=2, micro_batch=8,
+              device_kind="cpu", dtype="fp32")
+    native = stage_memory(SPEC, gen, **kw)
+    engine = stage_memory(SPEC, gen, engine_seq=1100, **kw)
+    assert vllm_kv_cache_tokens(8, 1100, 32) == (8 * 35 + 1) * 32
+    assert engine.components["kv_cache"] == kv_cache_bytes(SPEC, (8 * 35 + 1) * 32, 2, 1, 4)
+    assert native.components["kv_cache"] == kv_cache_bytes(SPEC, 8 * 300, 2, 1, 4)
+    assert engine.components["engine_weights"] == native.components["parameters"]
+    assert "engine_weights" not in native.components and engine.resident_bytes == native.resident_bytes
+    # a response longer than the engine's max_model_len cannot happen; the longer of the two counts
+    assert stage_memory(SPEC, gen, engine_seq=10, **kw).components["kv_cache"] == \
+        kv_cache_bytes(SPEC, vllm_kv_cache_tokens(8, 300, 32), 2, 1, 4)

@@ -1,0 +1,49 @@
+"""Which engine runs each model-stage (nereusd.backends): defaults, the job key, its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereusd import backends
+from nereusd.backends import Backend, GENERATION_ENV, resolve_backends
+from nereusd.errors import ConfigError
+from nereusd.plan import ModelStage
+
+STAGES = [ModelStage.parse(s) for s in ("actor/generation", "actor/inference", "reference/inference",
+                                        "actor/training")]
+
+
+@pytest.mark.parametrize("installed,expected", [(True, Backend.VLLM), (False, Backend.NATIVE)])
+def test_generation_defaults_to_vllm_when_installed(monkeypatch, installed, expected):
+    monkeypatch.delenv(GENERATION_ENV, raising=False)
+    monkeypatch.setattr(backends, "vllm_available", lambda: installed)
+    got = resolve_backends(STAGES, {}, source="job.yaml")
+    assert got[STAGES[0]] is expected
+    assert all(got[m] is Backend.NATIVE for m in STAGES[1:])
+
+
+def test_the_environment_replaces_the_default_and_the_job_key_wins(monkeypatch):
+    monkeypatch.setattr(backends, "vllm_available", lambda: True)
+    monkeypatch.setenv(GENERATION_ENV, "native")
+    assert resolve_backends(STAGES, {}, source="j")[STAGES[0]] is Backend.NATIVE
+    assert resolve_backends(STAGES, {"actor/generation": "vllm"}, source="j")[STAGES[0]] is Backend.VLLM
+    monkeypatch.setenv(GENERATION_ENV, "sglang")
+    with pytest.raises(ConfigError, match="NEREUS_GENERATION_BACKEND='sglang'"):
+        resolve_backends(STAGES, {}, source="j")
+
+
+@pytest.mark.parametrize("requested,message", [
+    ({"critic/generation": "vllm"}, "backends.critic/generation: not a model-stage of this job"),
+    ({"actor/generation": "sglang"}, "backends.actor/generation: unknown backend 'sglang'"),
+    ({"actor/training": "vllm"}, "backends.actor/training: vllm cannot run training"),
+])
+def test_bad_backends_name_the_key(monkeypatch, requested, message):
+    monkeypatch.setattr(backends, "vllm_available", lambda: True)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        resolve_backends(STAGES, requested, source="job.yaml")
+
+
+def test_vllm_without_vllm_installed_is_refused(monkeypatch):
+    monkeypatch.setattr(backends, "vllm_available", lambda: False)
+    with pytest.raises(ConfigError, match="job.yaml: backends.actor/generation: vllm is not installed"):
+        resolve_backends(STAGES, {"actor/generation": "vllm"}, source="job.yaml")
