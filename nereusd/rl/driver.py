@@ -123,6 +123,8 @@ class RLDriver:
         limit = self.cfg.evaluation.max_prompts
         self._eval_prompts = self.task.eval_prompts()[:limit] if limit else self.task.eval_prompts()
         self._rollouts: deque[_Rollout] = deque()
+        self._weight_sync: dict[str, float] = {}
+        """What the last weight synchronisation's generation engines reported (:meth:`_sync_weights`)."""
         self._next_rollout = 0
 
     @property
@@ -300,7 +302,7 @@ class RLDriver:
             response_length_max=int(max(lengths)), tokens_per_s=float(sum(lengths) / latency),
             peak_memory_bytes=dict(self._peaks), plan=self.plan, sample_position=rollout.position,
             policy_version=rollout.policy_version, staleness=self.step_index - rollout.policy_version,
-            train_metrics=train_metrics,
+            train_metrics=train_metrics, weight_sync=dict(self._weight_sync),
             greedy_reward_mean=float(np.mean(rollout.greedy_scores)) if rollout.greedy_scores is not None else None)
         self.step_index += 1
         return record
@@ -443,8 +445,12 @@ class RLDriver:
             members = sorted({d for ms in [source, *targets] for d in self.plan[ms].devices})
             args = P.SyncWeightsArgs(source=str(source), targets=[str(t) for t in targets])
             dispatches.append(self.control.submit({d: args for d in members}))
+        load_s, nbytes = 0.0, 0.0
         for task_id in dispatches:
-            self.control.collect(task_id)
+            for result in self.control.collect(task_id).values():
+                load_s = max(load_s, float(result.result.get("engine_load_s", 0.0)))
+                nbytes += float(result.result.get("engine_bytes", 0.0))
+        self._weight_sync = {"engine_load_s": load_s, "engine_bytes": nbytes} if nbytes else {}
 
     # ------------------------------------------------------------------ run
     def save_checkpoint(self, directory: str) -> None:

@@ -52,6 +52,9 @@ class StepRecord:
     evaluation ran: ``evaluation.every_steps``)."""
     eval_s: float | None = None
     """Wall time of that evaluation (not part of ``step_latency_s``)."""
+    weight_sync: Mapping[str, float] = field(default_factory=dict)
+    """The generation engines' side of the weight synchronisation (vLLM): ``engine_load_s``
+    (slowest device) and ``engine_bytes`` (all devices); empty without an engine."""
 
     def to_dict(self) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` line (model-stages and devices as strings, losses as
@@ -65,6 +68,7 @@ class StepRecord:
             "plan": self.plan.to_dict(), "sample_position": self.sample_position,
             "policy_version": self.policy_version, "staleness": self.staleness,
             **{f"train/{k}": v for k, v in self.train_metrics.items()},
+            **{f"weight_sync/{k}": v for k, v in self.weight_sync.items()},
         }
         if self.greedy_reward_mean is not None:
             out["greedy_reward_mean"] = self.greedy_reward_mean
