@@ -142,6 +142,16 @@ def _llm_kwargs(cfg: EngineConfig, model_dir: str) -> dict[str, Any]:
     return kwargs
 
 
+def _title(title: str) -> None:
+    """Name the engine process (``ps``, and the tests' check for processes left behind): its
+    working directory is under the job's run directory."""
+    try:
+        import setproctitle   # a dependency of vLLM
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
+
+
 def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine process
     try:
         import ctypes
@@ -151,6 +161,7 @@ def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine proce
     except (OSError, AttributeError):
         pass
     os.environ.update(cfg.process_env())
+    _title(f"nereus-vllm-engine tp{cfg.tp_rank}/{cfg.tp} {model_dir}")
     try:
         start = time.perf_counter()
         from vllm import LLM, SamplingParams
@@ -204,7 +215,7 @@ def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine proce
                 result = [list(o.outputs[0].token_ids) for o in outs]
             else:
                 raise ValueError(f"unknown engine command {cmd!r}")
-            if cfg.sleep_mode and cmd == "generate":
+            if cfg.sleep_mode:   # between rollouts: KV cache freed, weights offloaded to the host
                 llm.sleep(level=1)
                 asleep = True
             conn.send(("ok", result))

@@ -24,7 +24,7 @@ from emu.engine.model import LlamaModel
 from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
 from nereusd.cost.memory import kv_cache_bytes, vllm_kv_cache_tokens
 from tests.support.distributed import run_distributed
-from tests.support.e2e import WARMSTART
+from tests.support.e2e import WARMSTART, processes_mentioning
 from tests.support.vllm import requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, requires_vllm]
@@ -77,8 +77,10 @@ def test_tp1_matches_native_and_a_reload_matches_a_fresh_engine(tmp_path):
         split += engine.generate([PROMPTS[i] for i in order[2:]], max_new_tokens=24, temperature=1.0,
                                  greedy=False, stop_ids=STOP, seeds=[seeds[i] for i in order[2:]])
         assert [split[order.index(i)] for i in range(len(PROMPTS))] == sampled
+        assert processes_mentioning(str(tmp_path)), "the engine process is named after its directory"
     finally:
         engine.close()
+    assert processes_mentioning(str(tmp_path)) == []
     assert reloaded == _native(spec, other, PROMPTS) and reloaded != greedy
     fresh = VllmEngine(_config(spec), workdir=tmp_path)
     try:
