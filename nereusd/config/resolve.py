@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nereusd.backends import Backend, resolve_backends
+from nereusd.backends import Backend, check_engine_support, resolve_backends
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
@@ -177,8 +177,8 @@ def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobC
 
 
 def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: int,
-                site_memory_bytes: int, site_name: str) -> ResolvedJob:
-    """Resolve ``job`` against a site's device count and memory.
+                site_memory_bytes: int, site_name: str, device_kind: str = "cuda") -> ResolvedJob:
+    """Resolve ``job`` against a site's device count, memory and device kind (``cpu``, ``cuda``, …).
 
     Raises:
         ConfigError: naming ``source`` and the key for every inconsistency.
@@ -215,6 +215,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
             raise ConfigError(f"{source}: pool.schedule[{i}].remove: {event.remove} would leave the job no device "
                               f"(devices: {devices})")
     backends = resolve_backends(stages, job.backends, source=source)
+    check_engine_support(backends, {r: rm.spec for r, rm in roles.items()}, device_kind=device_kind, source=source)
     known = {str(m) for m in stages}
     for name in job.plan.model_stages:
         if name not in known:
@@ -279,5 +280,5 @@ def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:
     return resolve_job(
         job, source=path.name, base_dir=path.resolve().parent,
         site_devices=site.nodes * site.devices_per_node,
-        site_memory_bytes=site.device_memory_bytes, site_name=site.name,
+        site_memory_bytes=site.device_memory_bytes, site_name=site.name, device_kind=site.device_kind,
     )

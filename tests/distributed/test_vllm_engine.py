@@ -120,3 +120,21 @@ def test_a_failed_start_says_why(tmp_path):
 
     with pytest.raises(NereusError, match="vLLM engine start failed"):
         VllmEngine(bad, workdir=tmp_path)
+
+
+def test_qwen2_with_biases_matches_native(tmp_path):
+    """The math example's Qwen2 (q/k/v biases): our canonical HF names load into vLLM's Qwen2."""
+    from tests.support import REPO
+
+    spec, state = load_pretrained(REPO / "examples" / "models" / "gsm8k-tiny")
+    assert spec.architecture == "qwen2" and "model.layers.0.self_attn.q_proj.bias" in state
+    engine = VllmEngine(_config(spec), workdir=tmp_path)
+    try:
+        engine.load_weights(state.items(), version=1)
+        got = engine.generate(PROMPTS, max_new_tokens=24, temperature=1.0, greedy=True, stop_ids=(),
+                              seeds=[0] * len(PROMPTS))
+    finally:
+        engine.close()
+    model = LlamaModel(spec)
+    model.load_state_dict(state, strict=False)
+    assert got == generate(model, PROMPTS, SamplingParams(max_new_tokens=24, greedy=True))

@@ -47,3 +47,19 @@ def test_vllm_without_vllm_installed_is_refused(monkeypatch):
     monkeypatch.setattr(backends, "vllm_available", lambda: False)
     with pytest.raises(ConfigError, match="job.yaml: backends.actor/generation: vllm is not installed"):
         resolve_backends(STAGES, {"actor/generation": "vllm"}, source="job.yaml")
+
+
+def test_a_head_dim_vllm_cpu_cannot_run_is_refused_before_launch():
+    from nereusd.backends import check_engine_support
+    from nereusd.models import ModelSpec
+    from nereusd.plan import Role
+
+    gen = STAGES[0]
+    spec16 = ModelSpec(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    spec32 = ModelSpec(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ConfigError, match=r"job.yaml: backends.actor/generation: vLLM's CPU backend cannot run "
+                                          r"head_dim=16 .*use backends: \{actor/generation: native\}"):
+        check_engine_support({gen: Backend.VLLM}, {Role.ACTOR: spec16}, device_kind="cpu", source="job.yaml")
+    check_engine_support({gen: Backend.VLLM}, {Role.ACTOR: spec32}, device_kind="cpu", source="job.yaml")
+    check_engine_support({gen: Backend.VLLM}, {Role.ACTOR: spec16}, device_kind="cuda", source="job.yaml")
+    check_engine_support({gen: Backend.NATIVE}, {Role.ACTOR: spec16}, device_kind="cpu", source="job.yaml")
