@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -261,7 +262,10 @@ class VllmEngine:
                                  name=f"vllm-engine-tp{cfg.tp_rank}")
         self._proc.start()
         child.close()
-        info = self._reply("start", timeout_s=START_TIMEOUT_S)
+        try:
+            info = self._reply("start", timeout_s=START_TIMEOUT_S)
+        finally:   # vLLM has read config.json (or failed): nothing is left in the run directory
+            shutil.rmtree(self._dir, ignore_errors=True)
         self.startup_s = float(info["startup_s"])
         self.kv_blocks, self.block_tokens = info["kv_blocks"], info["block_tokens"]
         """The KV cache vLLM allocated: ``kv_blocks`` blocks of ``block_tokens`` tokens."""
@@ -325,20 +329,16 @@ class VllmEngine:
                                           seeds=[int(s) for s in seeds])))
         return self._reply("generate")
 
-    def close(self) -> None:
-        """Stop the engine process (its memory is freed with it)."""
+    def close(self, grace_s: float = 3.0) -> None:
+        """Stop the engine process (its memory is freed with it): asked to exit, killed after
+        ``grace_s`` (the agent gives a stopping worker a few seconds in all)."""
         if self._proc.is_alive():
             try:
                 self._conn.send(("close", None))
-                if self._conn.poll(30):
-                    self._conn.recv()
             except (OSError, EOFError):
                 pass
-            self._proc.join(30)
+            self._proc.join(grace_s)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(5)
         self._conn.close()
-        import shutil
-
-        shutil.rmtree(self._dir, ignore_errors=True)
