@@ -272,6 +272,11 @@ class VllmEngine:
         self.weights_version: Optional[int] = None
         log.info("vLLM engine tp %d/%d on %s started in %.1f s", cfg.tp_rank, cfg.tp, cfg.device, self.startup_s)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine process still runs (a dead one must be rebuilt)."""
+        return self._proc.is_alive()
+
     def _reply(self, what: str, timeout_s: Optional[float] = None) -> Any:
         if timeout_s is not None and not self._conn.poll(timeout_s):
             self._proc.kill()

@@ -115,17 +115,28 @@ class VllmStages:
         for ms in sorted(self.engines, key=ModelStage.sort_key):
             if self._on_vllm(ms):
                 wanted[ms] = self._replica_key(ms, self.plan[ms])
-        for ms in [m for m in self.vllm if self._vllm_key.get(m) != wanted.get(m)]:
-            self._close_engine(ms)
+        for ms in [m for m in self.vllm if self._vllm_key.get(m) != wanted.get(m) or not self.vllm[m].alive]:
+            self._close_engine(ms)   # changed replica, or an engine process that died (rebuilt below)
         for ms, key in wanted.items():   # canonical order: start-up and loads are collective per replica
             engine = self.engines[ms]
-            if ms not in self.vllm:
+            if self._replica_rebuilds(engine, ms not in self.vllm):
+                self._close_engine(ms)
                 addr, port = self._rendezvous(engine)
                 self.vllm[ms] = VllmEngine(self._engine_config(ms, engine, addr, port), workdir=self.run_dir)
                 self._vllm_key[ms] = key
                 out["engine_start_s"] = max(out["engine_start_s"], self.vllm[ms].startup_s)
             out["engine_load_s"] += self._refresh_engine(ms).get("load_s", 0.0)
         return out
+
+    def _replica_rebuilds(self, engine, here: bool) -> bool:
+        """Whether any TP rank of the replica has no live engine (then every rank starts anew:
+        the engine world needs all of them); collective over the replica's TP group."""
+        groups: StageGroups = engine.groups
+        if groups.tp.size == 1:
+            return here
+        flag = torch.tensor([1 if here else 0], device=self.torch_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.tp.group)
+        return bool(flag.item())
 
     def _refresh_engine(self, ms: ModelStage) -> dict[str, float]:
         """Load the EMU's parameters into the engine of ``ms`` if they changed since its last load."""
