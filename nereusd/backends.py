@@ -101,8 +101,10 @@ def resolve_backends(stages: Iterable[ModelStage], requested: Mapping[str, str],
     stages = list(stages)
     known = {str(m): m for m in stages}
     out = {m: default_backend(m) for m in stages}
-    if Backend.VLLM in out.values() and not vllm_available():
-        raise ConfigError(f"{GENERATION_ENV}=vllm but vllm is not installed here")
+    defaulted = [m for m in stages if str(m) not in requested and out[m] is Backend.VLLM]
+    if defaulted and not vllm_available():
+        raise ConfigError(f"{source}: {GENERATION_ENV}=vllm makes {defaulted[0]} run on vLLM, which is not "
+                          f"installed here (name another backend under backends:, or unset {GENERATION_ENV})")
     for name, value in requested.items():
         if name not in known:
             raise ConfigError(f"{source}: backends.{name}: not a model-stage of this job (one of {sorted(known)})")

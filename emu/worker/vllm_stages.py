@@ -33,6 +33,7 @@ import torch.distributed as dist
 from emu.engine.parallel import StageGroups
 from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
 from nereusd import protocol as P
+from nereusd.errors import NereusError
 from nereusd.cost.memory import kv_cache_bytes, vllm_block_tokens, vllm_kv_cache_tokens
 from nereusd.plan import Candidate, ModelStage, Stage
 
@@ -118,15 +119,27 @@ class VllmStages:
         for ms in [m for m in self.vllm if self._vllm_key.get(m) != wanted.get(m) or not self.vllm[m].alive]:
             self._close_engine(ms)   # changed replica, or an engine process that died (rebuilt below)
         for ms, key in wanted.items():   # canonical order: start-up and loads are collective per replica
-            engine = self.engines[ms]
-            if self._replica_rebuilds(engine, ms not in self.vllm):
-                self._close_engine(ms)
-                addr, port = self._rendezvous(engine)
-                self.vllm[ms] = VllmEngine(self._engine_config(ms, engine, addr, port), workdir=self.run_dir)
-                self._vllm_key[ms] = key
-                out["engine_start_s"] = max(out["engine_start_s"], self.vllm[ms].startup_s)
+            if self._replica_rebuilds(self.engines[ms], ms not in self.vllm):
+                out["engine_start_s"] = max(out["engine_start_s"], self._start_engine(ms, key))
             out["engine_load_s"] += self._refresh_engine(ms).get("load_s", 0.0)
         return out
+
+    def _start_engine(self, ms: ModelStage, key: tuple) -> float:
+        """(Re)start this rank's engine of ``ms`` (every TP rank of the replica calls it) → start-up s."""
+        self._close_engine(ms)
+        engine = self.engines[ms]
+        addr, port = self._rendezvous(engine)
+        self.vllm[ms] = VllmEngine(self._engine_config(ms, engine, addr, port), workdir=self.run_dir)
+        self._vllm_key[ms] = key
+        return self.vllm[ms].startup_s
+
+    def _revive(self, ms: ModelStage) -> None:
+        """Rebuild the replica's engine if any of its processes died since the last call (every TP
+        rank of the replica calls it: at a rollout or a weight sync of ``ms``)."""
+        vllm = self.vllm.get(ms)
+        if vllm is not None and self._replica_rebuilds(self.engines[ms], not vllm.alive):
+            log.warning("%s: a vLLM engine process of this replica died; starting a new engine", ms)
+            self._start_engine(ms, self._vllm_key[ms])
 
     def _replica_rebuilds(self, engine, here: bool) -> bool:
         """Whether any TP rank of the replica has no live engine (then every rank starts anew:
@@ -137,6 +150,21 @@ class VllmStages:
         flag = torch.tensor([1 if here else 0], device=self.torch_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.tp.group)
         return bool(flag.item())
+
+    def _once_more(self, ms: ModelStage, what: str, fn):
+        """``fn()``; if the TP-1 engine of ``ms`` died during it, a new engine (with the EMU's
+        weights) and ``fn()`` once more. At TP > 1 the error stands: the replica's ranks would
+        not agree on a retry (:meth:`_revive` rebuilds at their next common call)."""
+        vllm = self.vllm[ms]
+        try:
+            return fn()
+        except NereusError:
+            if vllm.alive or vllm.cfg.tp > 1:   # vLLM refused the request, or TP ranks would disagree
+                raise
+            log.warning("%s: the vLLM engine process died during %s; restarting it once", ms, what)
+            self._start_engine(ms, self._vllm_key[ms])
+            self._refresh_engine(ms)
+            return fn()
 
     def _refresh_engine(self, ms: ModelStage) -> dict[str, float]:
         """Load the EMU's parameters into the engine of ``ms`` if they changed since its last load."""
@@ -159,17 +187,15 @@ class VllmStages:
 
     def _vllm_generate(self, ms: ModelStage, args: P.GenerateArgs) -> Optional[list[list[int]]]:
         """Responses of this replica on its vLLM engine; ``None`` when ``ms`` is not on vLLM here."""
-        vllm = self.vllm.get(ms)
-        if vllm is None:
+        if ms not in self.vllm:
             return None
+        self._revive(ms)
         self._refresh_engine(ms)
-        engine = self.engines[ms]
+        vllm, engine = self.vllm[ms], self.engines[ms]
         if not args.prompts:
             return []
         width = max(len(p) for p in args.prompts)
         if width + args.max_new_tokens > vllm.cfg.max_model_len:
-            from nereusd.errors import NereusError
-
             raise NereusError(f"{ms}: prompt {width} + max_new_tokens {args.max_new_tokens} exceeds the engine's "
                               f"max_model_len {vllm.cfg.max_model_len}")
         name = str(ms)
@@ -177,8 +203,12 @@ class VllmStages:
         try:
             self.memory.allocate(name, "engine_weights", engine.parameter_bytes())
             seeds = list(args.seeds) if args.seeds is not None else derived_seeds(args.seed, len(args.prompts))
-            return vllm.generate(args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 greedy=args.greedy, stop_ids=tuple(args.stop_ids), seeds=seeds)
+
+            def run() -> list[list[int]]:
+                return self.vllm[ms].generate(args.prompts, max_new_tokens=args.max_new_tokens,
+                                              temperature=args.temperature, greedy=args.greedy,
+                                              stop_ids=tuple(args.stop_ids), seeds=seeds)
+            return self._once_more(ms, "a rollout", run)
         finally:
             self.memory.free(name, "engine_weights")
             self.memory.free(name, "kv_cache")

@@ -133,6 +133,16 @@ def test_qwen2_with_biases_matches_native(tmp_path):
         engine.load_weights(state.items(), version=1)
         got = engine.generate(PROMPTS, max_new_tokens=24, temperature=1.0, greedy=True, stop_ids=(),
                               seeds=[0] * len(PROMPTS))
+        # a dead engine process is reported as such, on every path (the worker rebuilds it)
+        engine._proc.kill()
+        engine._proc.join(10)
+        assert not engine.alive
+        from nereusd.errors import NereusError
+
+        with pytest.raises(NereusError, match=r"exited during weight load \(exit code -9\)"):
+            engine.load_weights(state.items(), version=2)
+        with pytest.raises(NereusError, match=r"exited during generate \(exit code -9\)"):
+            engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, greedy=True, stop_ids=(), seeds=[0] * 6)
     finally:
         engine.close()
     model = LlamaModel(spec)

@@ -63,3 +63,11 @@ def test_a_head_dim_vllm_cpu_cannot_run_is_refused_before_launch():
     check_engine_support({gen: Backend.VLLM}, {Role.ACTOR: spec32}, device_kind="cpu", source="job.yaml")
     check_engine_support({gen: Backend.VLLM}, {Role.ACTOR: spec16}, device_kind="cuda", source="job.yaml")
     check_engine_support({gen: Backend.NATIVE}, {Role.ACTOR: spec16}, device_kind="cpu", source="job.yaml")
+
+
+def test_the_environment_asking_for_missing_vllm_names_the_job_unless_the_job_overrides(monkeypatch):
+    monkeypatch.setattr(backends, "vllm_available", lambda: False)
+    monkeypatch.setenv(GENERATION_ENV, "vllm")
+    with pytest.raises(ConfigError, match="job.yaml: NEREUS_GENERATION_BACKEND=vllm makes actor/generation run"):
+        resolve_backends(STAGES, {}, source="job.yaml")
+    assert resolve_backends(STAGES, {"actor/generation": "native"}, source="job.yaml")[STAGES[0]] is Backend.NATIVE
