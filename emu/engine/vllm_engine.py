@@ -284,24 +284,28 @@ class VllmEngine:
         if timeout_s is not None and not self._conn.poll(timeout_s):
             self._proc.kill()
             raise NereusError(f"vLLM engine ({what}) did not answer within {timeout_s:.0f} s; killed")
-        try:
-            status, payload = self._conn.recv()
-        except (EOFError, ConnectionError) as err:
-            self._proc.join(5)
-            raise NereusError(f"vLLM engine process exited during {what} "
-                              f"(exit code {self._proc.exitcode})") from err
+        status, payload = self._recv(what)
         if status == "error":
             last = payload.strip().splitlines()[-1] if payload.strip() else "?"
             log.error("vLLM engine %s failed:\n%s", what, payload)
             raise NereusError(f"vLLM engine {what} failed: {last}")
         return payload
 
+    def _exited(self, what: str) -> NereusError:
+        self._proc.join(5)
+        return NereusError(f"vLLM engine process exited during {what} (exit code {self._proc.exitcode})")
+
     def _send(self, what: str, message: Any) -> None:
         try:
             self._conn.send(message)
         except (OSError, EOFError) as err:   # BrokenPipeError, ConnectionResetError: the process died
-            self._proc.join(5)
-            raise NereusError(f"vLLM engine process exited during {what} (exit code {self._proc.exitcode})") from err
+            raise self._exited(what) from err
+
+    def _recv(self, what: str) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (OSError, EOFError) as err:
+            raise self._exited(what) from err
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int,
                      bucket_bytes: int = BUCKET_BYTES) -> dict[str, float]:
@@ -328,12 +332,7 @@ class VllmEngine:
         return {"load_s": time.perf_counter() - start, "bytes": float(total)}
 
     def _ack(self) -> None:
-        try:
-            status, payload = self._conn.recv()
-        except (OSError, EOFError) as err:
-            self._proc.join(5)
-            raise NereusError(f"vLLM engine process exited during weight load "
-                              f"(exit code {self._proc.exitcode})") from err
+        status, payload = self._recv("weight load")
         if status != "ack":
             raise NereusError(f"vLLM engine weight load failed: {str(payload).strip().splitlines()[-1]}")
 
