@@ -95,9 +95,7 @@ def timed_vllm(engine: VllmEngine, ps: list[list[int]], new_tokens: int) -> floa
 
 def _stage_engine(spec: ModelSpec, tp: int, rank: int, batch: int) -> StageEngine:
     cand = Candidate(tp, 1, 1, tuple(range(tp)), micro_batch=batch)
-    groups = build_stage_groups(cand, rank) if tp > 1 else None
-    if groups is None:
-        groups = build_stage_groups(cand, 0)
+    groups = build_stage_groups(cand, rank)
     engine = StageEngine(model_stage=GEN, spec=spec, candidate=cand, rank=rank, groups=groups,
                          device=torch.device("cpu"), memory=DeviceMemory(rank, 1 << 40), value_head=False,
                          trainable=False, lr=0.0, weight_decay=0.0, grad_clip=None, micro_batch=batch,
@@ -132,10 +130,8 @@ def _tp2_rank(rank: int, world: int, which: str, spec: ModelSpec, batch: int, ne
 def tp1(which: str, spec: ModelSpec, batch: int, new_tokens: int, threads: int, workdir: str) -> float:
     torch.set_num_threads(threads)
     ps = prompts(spec, batch)
-    if which == "native":
-        dist_ok = dist.is_initialized()
-        if not dist_ok:
-            dist.init_process_group("gloo", init_method=f"file://{workdir}/native-store", rank=0, world_size=1)
+    if which == "native":   # a one-rank world: the engine's groups are process groups
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/native-store", rank=0, world_size=1)
         try:
             return timed_native(_stage_engine(spec, 1, 0, batch), ps, new_tokens)
         finally:

@@ -23,8 +23,8 @@ so that a sequence's draws do not depend on the replica, wave or batch it runs i
 ``temperature=0``. Stops are the task's stop ids only (``ignore_eos``: vLLM would otherwise add the
 model's EOS), as in :func:`emu.engine.generate.generate`.
 
-Memory: the KV cache is ``kv_cache_memory_bytes``, the planner's budget for the replica
-(:func:`nereusd.cost.memory.kv_cache_bytes`). On GPUs the engine sleeps between rollouts
+Memory: the KV cache is ``kv_cache_memory_bytes``, the memory model's budget for the replica
+(:func:`nereusd.cost.memory.vllm_kv_cache_tokens`). On GPUs the engine sleeps between rollouts
 (``enable_sleep_mode``, level 1: KV cache freed, weights offloaded) and wakes before the next; vLLM
 refuses sleep mode on CPU, where the engine is kept between rollouts.
 
@@ -43,7 +43,7 @@ import socket
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
@@ -101,7 +101,6 @@ class EngineConfig:
     device: str
     seed: int = 0
     threads: int = 1
-    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def sleep_mode(self) -> bool:
@@ -124,7 +123,6 @@ class EngineConfig:
             env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1] if ":" in self.device else "0"
             if self.tp > 1:
                 env["LOCAL_RANK"] = "0"
-        env.update(self.env)
         return env
 
 

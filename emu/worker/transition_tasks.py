@@ -188,9 +188,9 @@ class TransitionTasks:
                         p.copy_(got.view(name, "param"))
                 self._params_changed(target)
                 loaded = {}
-                if target in self.vllm:
+                if target in self.vllm:   # its vLLM engine gets the new weights now
                     self._revive(target)
-                    loaded = self._once_more(target, "a weight load", lambda: self._refresh_engine(target))   # a vLLM engine gets the new weights now
+                    loaded = self._once_more(target, "a weight load", lambda: self._refresh_engine(target))
                 out["engine_load_s"] = out.get("engine_load_s", 0.0) + loaded.get("load_s", 0.0)
                 out["engine_bytes"] = out.get("engine_bytes", 0.0) + loaded.get("bytes", 0.0)
             for key in list(store.items):

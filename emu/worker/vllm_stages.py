@@ -32,17 +32,13 @@ import torch.distributed as dist
 
 from emu.engine.parallel import StageGroups
 from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
+from emu.state.unit import derived_seed
 from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.cost.memory import kv_cache_bytes, vllm_block_tokens, vllm_kv_cache_tokens
 from nereusd.plan import Candidate, ModelStage, Stage
 
 log = logging.getLogger(__name__)
-
-
-def derived_seeds(seed: int, n: int) -> list[int]:
-    """Per-request seeds for a call without ``seeds``: request ``i`` of a call with ``seed``."""
-    return [(seed * 1_000_003 + i) & 0x7FFFFFFF for i in range(n)]
 
 
 def _host() -> str:
@@ -81,16 +77,16 @@ class VllmStages:
         tp = engine.groups.tp.size
         param = next(iter(engine.params.values()))
         dtype = str(param.dtype).removeprefix("torch.")
-        max_len = min(args.max_model_len, spec.max_position)
+        max_len = args.max_model_len   # fits spec.max_position: checked before launch
         seqs = max(1, engine.micro_batch)
-        kind = "cpu" if self.torch_device.type == "cpu" else "cuda"
-        block = vllm_block_tokens(kind)
+        on_cpu = self.torch_device.type == "cpu"
+        block = vllm_block_tokens("cpu" if on_cpu else "cuda")
         tokens = vllm_kv_cache_tokens(seqs, max_len, block)
         return EngineConfig(
             spec=spec, tp=tp, tp_rank=engine.groups.tp_rank, master_addr=addr, master_port=port,
             max_model_len=max_len, kv_cache_bytes=kv_cache_bytes(spec, tokens, tp, 1, param.element_size()),
             block_tokens=block, max_num_seqs=seqs, dtype=dtype,
-            device="cpu" if self.torch_device.type == "cpu" else f"cuda:{self.torch_device.index or 0}",
+            device="cpu" if on_cpu else f"cuda:{self.torch_device.index or 0}",
             seed=args.seed, threads=max(1, torch.get_num_threads()))
 
     def _rendezvous(self, engine) -> tuple[str, int]:
@@ -202,7 +198,7 @@ class VllmStages:
         self.memory.allocate(name, "kv_cache", vllm.cfg.kv_cache_bytes)
         try:
             self.memory.allocate(name, "engine_weights", engine.parameter_bytes())
-            seeds = list(args.seeds) if args.seeds is not None else derived_seeds(args.seed, len(args.prompts))
+            seeds = list(args.seeds) if args.seeds is not None else [derived_seed(args.seed, i) for i in range(len(args.prompts))]
 
             def run() -> list[list[int]]:
                 return self.vllm[ms].generate(args.prompts, max_new_tokens=args.max_new_tokens,

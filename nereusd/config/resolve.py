@@ -57,8 +57,11 @@ class ResolvedJob:
     backends: dict[ModelStage, Backend] = field(default_factory=dict)
     """The engine of every model-stage (:func:`nereusd.backends.resolve_backends`)."""
 
-    def backend(self, ms: ModelStage) -> Backend:
-        return self.backends.get(ms, Backend.NATIVE)
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence a rollout can make: longest prompt + ``rollout.max_new_tokens``
+        (a vLLM engine's ``max_model_len``)."""
+        return self.max_prompt_tokens + self.config.rollout.max_new_tokens
 
     @property
     def sequences_per_step(self) -> int:

@@ -53,8 +53,7 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
                         micro_batch=cfg.train.micro_batch,
                         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
     specs = {role: rm.spec for role, rm in job.roles.items()}
-    engine_len = job.max_prompt_tokens + cfg.rollout.max_new_tokens   # the workers' max_model_len
-    engines = {ms: engine_len for ms, b in job.backends.items() if b is Backend.VLLM}
+    engines = {ms: job.max_sequence_tokens for ms, b in job.backends.items() if b is Backend.VLLM}
     return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool), engines=engines)
 
 

@@ -146,7 +146,7 @@ class RLDriver:
         return P.BuildArgs(plan=plan.to_dict(), roles=roles, train=settings, lr=lr, seed=self.cfg.seed,
                            syncs=self.sync_args(plan),
                            backends={str(ms): b.value for ms, b in self.job.backends.items()},
-                           max_model_len=self.prompt_length + self.cfg.rollout.max_new_tokens)
+                           max_model_len=self.job.max_sequence_tokens)
 
     def sync_args(self, plan: Plan) -> list[P.SyncDag]:
         """The weight-sync DAGs of ``plan`` as task payloads (planned here, executed as they are)."""
