@@ -105,6 +105,11 @@ class Layout:
         return self.tp * self.pp
 
 
+ZERO_STAGES = (0, 1, 2)
+"""ZeRO stages of a training model-stage: 0 replicated Adam (native engine), 1 optimizer state and
+2 also gradients sharded across DP (DeepSpeed; Rajbhandari et al., "ZeRO", SC 2020)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     """``π_M = ⟨tp, pp, dp, R⟩`` for one model-stage (paper §4, Eq. 1).
@@ -117,6 +122,8 @@ class Candidate:
 
     ``micro_batch`` is the per-replica micro-batch in sequences (0: the job's default) and
     ``recompute`` enables activation recomputation; both are knobs of the urgent path.
+    ``zero_stage`` (training only) shards the optimizer state (1) and the gradients (2) across
+    the ``dp`` replicas; 0 replicates them (:data:`ZERO_STAGES`; engines in :mod:`nereusd.backends`).
 
     Raises:
         PlanError: on non-positive degrees, a device count other than ``tp·pp·dp`` or a
@@ -129,6 +136,7 @@ class Candidate:
     devices: tuple[int, ...]
     micro_batch: int = 0
     recompute: bool = False
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -146,6 +154,8 @@ class Candidate:
             raise PlanError(f"device listed twice in {list(self.devices)}")
         if self.micro_batch < 0:
             raise PlanError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
 
     @property
     def layout(self) -> Layout:
@@ -212,10 +222,14 @@ class Candidate:
             extra += f" mb{self.micro_batch}"
         if self.recompute:
             extra += " recompute"
+        if self.zero_stage:
+            extra += f" zero{self.zero_stage}"
         return f"tp{self.tp}·pp{self.pp}·dp{self.dp}@[{devs}]{extra}"
 
     def to_dict(self) -> dict:
-        return {
+        """JSON form; ``zero_stage`` appears only when not 0 (plans and journals of ZeRO-0 jobs
+        read as before)."""
+        out = {
             "tp": self.tp,
             "pp": self.pp,
             "dp": self.dp,
@@ -223,6 +237,9 @@ class Candidate:
             "micro_batch": self.micro_batch,
             "recompute": self.recompute,
         }
+        if self.zero_stage:
+            out["zero_stage"] = self.zero_stage
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Candidate":
@@ -233,6 +250,7 @@ class Candidate:
             devices=tuple(data["devices"]),
             micro_batch=int(data.get("micro_batch", 0)),
             recompute=bool(data.get("recompute", False)),
+            zero_stage=int(data.get("zero_stage", 0)),
         )
 
 
@@ -279,7 +297,8 @@ class Plan:
     def key(self) -> tuple:
         """A hashable identity (model-stages, layouts, micro-batches and devices): equal plans,
         equal keys."""
-        return tuple((str(m), c.tp, c.pp, c.dp, c.micro_batch, c.recompute, c.devices) for m, c in self.items())
+        return tuple((str(m), c.tp, c.pp, c.dp, c.micro_batch, c.recompute, c.zero_stage, c.devices)
+                     for m, c in self.items())
 
     def to_dict(self) -> dict:
         return {str(m): c.to_dict() for m, c in self.candidates.items()}

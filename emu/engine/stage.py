@@ -304,7 +304,7 @@ class StageEngine:
                         tokens = tokens[:, :max(1, int((batch.micro(batch.positions, i) >= 0).sum(1).max()))]
                     res = head_fn(module(tokens), i)
                     if train:
-                        res.backward()
+                        self._backward(res, last=i == n - 1)
                     results.append(res)
                 return results
             out_shape = (mb, seq) if self.value_head else (mb, seq, self.spec.vocab_size // tp)
@@ -336,7 +336,7 @@ class StageEngine:
         Raises:
             NereusError: if the engine is not trainable.
         """
-        if self.optimizer is None:
+        if not self.trainable:
             raise NereusError(f"{self.ms}: train_step on a non-trainable engine")
         index = self._response_index(sequences, prompt_lens)
         sums: dict[str, float] = {}
@@ -349,21 +349,34 @@ class StageEngine:
                 sums[k] = sums.get(k, 0.0) + float(v.detach())
             return loss
 
-        for p in self.params.values():
-            p.grad.zero_()
+        self._zero_grad()
         if sequences:
             batch = PackedBatch.build(sequences, index, self.micro_batch, self.device, per_token,
                                       max_tokens=self.max_tokens_per_micro_batch)
             self._run(batch, head_fn, train=True)
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        grad_norm = self._optimizer_step()
         metrics = self._reduce_metrics(sums)
         metrics["grad_norm"] = grad_norm
         cuda_peak = self.memory.cuda_peak_bytes()
         if cuda_peak is not None:
             metrics["cuda_peak_bytes"] = float(cuda_peak)
         return metrics
+
+    # Hooks of one optimizer step; the DeepSpeed engine (emu.engine.deepspeed_stage) replaces them.
+    def _zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad.zero_()
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch's loss (``last``: the step's final micro-batch)."""
+        loss.backward()
+
+    def _optimizer_step(self) -> float:
+        """Reduce gradients (TP-replicated, then DP SUM), clip, step Adam → the norm before clipping."""
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        return grad_norm
 
     def _reduce_gradients(self) -> None:
         g = self.groups

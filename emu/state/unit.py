@@ -246,9 +246,19 @@ def bind_engine(engine, shard: Optional[EmuShard] = None, *, logical: LogicalSta
         ``logical.step``; Adam state starts as zeros with ``step = 0``, which is exactly what
         ``torch.optim.Adam`` initialises lazily, so the next update is unchanged.
 
+    An engine that shards its optimizer state across DP (ZeRO, :mod:`emu.engine.deepspeed_stage`)
+    keeps that state in its own buffers: it *adopts* ``shard`` (copies its partition out of it)
+    and returns it, and with no ``shard`` it keeps ``logical`` and returns ``None``.
+
     Raises:
         NereusError: if ``shard`` is for another model-stage, layout or position.
     """
+    if getattr(engine, "zero_stage", 0):
+        if shard is None:
+            engine.logical = logical
+            return None
+        engine.adopt_holding(shard)
+        return shard
     layout, position = _engine_key(engine)
     slots = TRAIN_SLOTS if engine.optimizer is not None else PARAM_SLOTS
     with torch.no_grad():
@@ -282,9 +292,14 @@ def bind_engine(engine, shard: Optional[EmuShard] = None, *, logical: LogicalSta
 def holding_of(engine) -> EmuShard:
     """The engine's bound holding with Adam's current ``step`` as ``c``.
 
+    A ZeRO engine exports a new canonical holding (collective over its DP group: every replica
+    of the model-stage calls this in the same order).
+
     Raises:
         NereusError: if the engine was never bound (:func:`bind_engine`).
     """
+    if getattr(engine, "zero_stage", 0):
+        return engine.export_holding()
     shard = getattr(engine, "emu_shard", None)
     if shard is None:
         raise NereusError(f"{engine.ms}: engine is not bound to an EMU holding")

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 def rank_space(cand: Candidate, rank_of) -> Candidate:
     """``cand`` with world ranks in place of global devices (they differ after a re-formation)."""
     return Candidate(cand.tp, cand.pp, cand.dp, tuple(rank_of(d) for d in cand.devices),
-                     micro_batch=cand.micro_batch, recompute=cand.recompute)
+                     micro_batch=cand.micro_batch, recompute=cand.recompute, zero_stage=cand.zero_stage)
 
 
 class TransitionTasks:

@@ -8,7 +8,8 @@ Components (paper §4.2 "Peak memory"; DESIGN.md "Cost model"):
 
 - parameters, gradients, optimizer state — ZeRO-0: parameter and gradient in the compute dtype,
   an fp32 master copy when that dtype is narrower than fp32, and Adam ``m``, ``v`` in fp32:
-  16 bytes per parameter for bf16 and for fp32, divided by ``tp·pp``;
+  16 bytes per parameter for bf16 and for fp32, divided by ``tp·pp``; ZeRO-1/2 divide the
+  optimizer state (and at stage 2 the gradients) by ``dp`` as well (:func:`zero_state_bytes`);
 - activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
   Models" (MLSys 2023), §4, adapted to SwiGLU and grouped-query attention; full recomputation
   keeps only each layer's input;
@@ -26,13 +27,16 @@ from types import MappingProxyType
 from typing import Mapping
 
 from nereusd.models import ModelSpec
-from nereusd.plan import ModelStage, Role, Stage
+from nereusd.plan import ZERO_STAGES, ModelStage, Role, Stage
 
 HEADROOM = 0.10
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 #: Framework workspace per device (cuBLAS/NCCL buffers, allocator slack), by device kind.
 WORKSPACE_BYTES = {"cuda": 3 << 29, "rocm": 3 << 29, "cpu": 16 << 20}
 ADAM_STATE_BYTES = 8  # m and v in fp32
+ZERO_BUCKET_ELEMENTS = 50_000_000
+"""Gradient reduce bucket of ZeRO-2 in elements (DeepSpeed's ``reduce_bucket_size``; its default,
+5e8, preallocates 2 GB of fp32 on every rank): the workers pass ``min(this, parameters)``."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,39 @@ def parameters_per_device(spec: ModelSpec, tp: int, pp: int) -> int:
     if pp == 1:
         return layers * per_layer + vocab + h + (0 if spec.tie_word_embeddings else vocab)
     return max(first, last)
+
+
+def zero_bucket_elements(params: int) -> int:
+    """ZeRO-2's reduce bucket (and the all-gather bucket) for ``params`` parameters:
+    ``min(ZERO_BUCKET_ELEMENTS, params)`` rounded up to even (DeepSpeed asserts a multiple of 2)."""
+    n = min(ZERO_BUCKET_ELEMENTS, params)
+    return n + n % 2
+
+
+def zero_state_bytes(params: int, dp: int, zero_stage: int, compute_bytes: int) -> dict[str, int]:
+    """``gradients`` and ``optimizer`` bytes per device of a training replica of ``params`` parameters.
+
+    ZeRO-0 (Rajbhandari et al., "ZeRO", SC 2020, §5): gradient in the compute dtype; Adam ``m``,
+    ``v`` in fp32 plus an fp32 master copy when the compute dtype is narrower.
+    ZeRO-1/2 as DeepSpeed 0.19 runs them (``runtime/zero/stage_1_and_2.py``): an fp32 master
+    partition plus ``m`` and ``v`` of ``⌈P/dp⌉`` elements (``12·P/dp``; the master is a clone even
+    in fp32); ZeRO-1 keeps full gradients and, for the step, an fp32 partition of them
+    (``P·g + 4·P/dp``); ZeRO-2 keeps the fp32 gradient partition and one reduce bucket
+    (``4·P/dp + g·bucket``, :func:`zero_bucket_elements`). DeepSpeed pads partitions to
+    a few elements; the engine books its own sizes and logs the difference.
+
+    Raises:
+        ValueError: for a stage outside :data:`ZERO_STAGES` or ``dp < 1``.
+    """
+    if zero_stage not in ZERO_STAGES or dp < 1:
+        raise ValueError(f"zero_state_bytes: zero_stage must be one of {ZERO_STAGES} and dp >= 1, "
+                         f"got {zero_stage}, dp={dp}")
+    if zero_stage == 0:
+        return {"gradients": params * compute_bytes,
+                "optimizer": params * (ADAM_STATE_BYTES + (4 if compute_bytes < 4 else 0))}
+    part = math.ceil(params / dp)
+    grads = params * compute_bytes if zero_stage == 1 else zero_bucket_elements(params) * compute_bytes
+    return {"gradients": grads + 4 * part, "optimizer": (4 + ADAM_STATE_BYTES) * part}
 
 
 def activation_bytes_per_token_layer(spec: ModelSpec, tp: int, act_bytes: int, seq_len: int,
@@ -153,6 +190,7 @@ def stage_memory(
     device_kind: str = "cuda",
     flash_attention: bool | None = None,
     engine_seq: int | None = None,
+    zero_stage: int = 0,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``model_stage`` running as ``⟨tp, pp, dp⟩``.
 
@@ -172,6 +210,7 @@ def stage_memory(
             parameters``, and a KV cache preallocated for ``micro_batch`` sequences of
             ``engine_seq`` tokens in whole blocks (:func:`vllm_kv_cache_tokens`) — the
             ``kv_cache_memory_bytes`` the workers give vLLM (:mod:`emu.worker.vllm_stages`).
+        zero_stage: ZeRO stage of a training model-stage (:func:`zero_state_bytes`).
 
     Returns:
         A :class:`MemoryEstimate`; see the module docstring for the formulas.
@@ -201,10 +240,8 @@ def stage_memory(
         if not value_output:
             comp["logits"] = logits_bytes(spec, b * seq, tp, backward=False)
     else:
-        optimizer_per_param = ADAM_STATE_BYTES + (4 if e < 4 else 0)
-        comp["gradients"] = params * e
-        comp["optimizer"] = params * optimizer_per_param
-        resident += params * optimizer_per_param
+        comp.update(zero_state_bytes(params, dp, zero_stage, e))
+        resident += comp["optimizer"]
         micro_batches = max(1, per_replica // b)
         in_flight = min(pp, micro_batches)
         layers = math.ceil(spec.num_layers / pp)

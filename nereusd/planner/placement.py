@@ -152,7 +152,7 @@ def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: se
 
 
 def place(
-    layouts: Mapping[ModelStage, tuple[int, int, int, int, bool]],
+    layouts: Mapping[ModelStage, tuple[int, int, int, int, bool, int]],
     concurrent_sets: Sequence[Sequence[ModelStage]],
     pool: Sequence[int],
     devices_per_node: int,
@@ -161,7 +161,7 @@ def place(
     """Assign devices to every model-stage.
 
     Args:
-        layouts: ``(tp, pp, dp, micro_batch, recompute)`` per model-stage.
+        layouts: ``(tp, pp, dp, micro_batch, recompute, zero_stage)`` per model-stage.
         concurrent_sets: groups that must get disjoint devices (:meth:`Workflow.concurrent_sets`);
             a model-stage in several groups (asynchronous generation) is placed once, first.
         pool: available global device ids.
@@ -183,11 +183,11 @@ def place(
         todo = [m for m in group if m not in placed]
         todo.sort(key=lambda m: (-layouts[m][0] * layouts[m][1], m.sort_key()))
         for m in todo:
-            tp, pp, dp, _, _ = layouts[m]
+            tp, pp, dp = layouts[m][:3]
             prefer = set(current[m].devices) if current is not None and m in current else set()
             placed[m] = _place_one(free, tp, pp, dp, prefer)
     return Plan({
         m: Candidate(tp=layouts[m][0], pp=layouts[m][1], dp=layouts[m][2], devices=tuple(devs),
-                     micro_batch=layouts[m][3], recompute=layouts[m][4])
+                     micro_batch=layouts[m][3], recompute=layouts[m][4], zero_stage=layouts[m][5])
         for m, devs in placed.items()
     })

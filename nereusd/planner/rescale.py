@@ -56,7 +56,7 @@ def dp_rescale(base: Plan, problem: PlanProblem, current: Plan | None = None) ->
         if m.stage is Stage.TRAINING and b:
             share = problem.workload.mini_batch_size // dps[m]
             b = max(d for d in range(1, min(b, share) + 1) if share % d == 0)
-        layouts[m] = (c.tp, c.pp, dps[m], b, c.recompute)
+        layouts[m] = (c.tp, c.pp, dps[m], b, c.recompute, c.zero_stage)
     try:
         return place(layouts, sets, problem.pool, problem.site.devices_per_node,
                      current if current is not None else base)

@@ -15,6 +15,7 @@ with its predicted latency and memory. Rules (DESIGN.md "Planner"; paper §5.2 "
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -52,6 +53,10 @@ class PlanProblem:
     """Generation model-stages on an engine of their own (vLLM, :mod:`nereusd.backends`) → the
     engine's ``max_model_len``: its weight copy and KV cache enter their memory
     (``engine_seq`` of :func:`nereusd.cost.memory.stage_memory`)."""
+    zero_stages: Mapping[ModelStage, tuple[int, ...]] = field(default_factory=dict)
+    """Training model-stages whose backend shards optimizer state (DeepSpeed) → the ZeRO stages
+    the planner may choose; every other model-stage runs ZeRO-0 unless
+    :attr:`PlannerOptions.zero_stages` asks for more."""
 
     def __post_init__(self) -> None:
         missing = [r.value for r in self.workflow.roles if r not in self.specs]
@@ -78,6 +83,9 @@ class PlannerOptions:
         generation_pp: also try pipeline parallelism for generation (vLLM can; Nereus's engine
             and job schema fold PP into DP for generation, so plans the runtime executes keep
             ``pp = 1`` there — the default).
+        zero_stages: ZeRO stages to try for a training model-stage the problem does not pin
+            (``nereus-launch plan --zero``); empty: the problem's (:attr:`PlanProblem.zero_stages`),
+            else ZeRO-0. ZeRO-1/2 are offered at ``tp = pp = 1`` only, the DeepSpeed backend's scope.
     """
 
     any_divisor: bool = False
@@ -85,6 +93,14 @@ class PlannerOptions:
     allow_recompute: bool = False
     headroom: float = HEADROOM
     generation_pp: bool = False
+    zero_stages: tuple[int, ...] = ()
+
+
+def zero_stage_choices(problem: "PlanProblem", model_stage: ModelStage, options: PlannerOptions) -> tuple[int, ...]:
+    """The ZeRO stages to try for ``model_stage`` (see :attr:`PlannerOptions.zero_stages`)."""
+    if model_stage.stage is not Stage.TRAINING:
+        return (0,)
+    return tuple(problem.zero_stages.get(model_stage) or options.zero_stages or (0,))
 
 
 @dataclass(frozen=True)
@@ -101,14 +117,15 @@ class Option:
     peak_bytes: int
     resident_bytes: int
     cost_by_class: Mapping[str, float] = field(default_factory=dict, compare=False, repr=False)
+    zero_stage: int = 0
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
-    def layout(self) -> tuple[int, int, int, int, bool]:
-        return (self.tp, self.pp, self.dp, self.micro_batch, self.recompute)
+    def layout(self) -> tuple[int, int, int, int, bool, int]:
+        return (self.tp, self.pp, self.dp, self.micro_batch, self.recompute, self.zero_stage)
 
 
 def degrees(limit: int, divides: int, any_divisor: bool) -> list[int]:
@@ -208,7 +225,7 @@ class OptionTable:
     """All options of one model-stage as numpy columns, in enumeration order.
 
     Columns: ``tp``, ``pp``, ``dp``, ``micro_batch``, ``recompute``, ``latency_s`` (s),
-    ``peak_bytes``, ``resident_bytes`` (bytes per device). :meth:`option` materialises one
+    ``peak_bytes``, ``resident_bytes`` (bytes per device), ``zero_stage``. :meth:`option` materialises one
     :class:`Option` (with its cost per operation class); the planner does so only for the
     options it keeps on a frontier.
     """
@@ -216,11 +233,12 @@ class OptionTable:
     def __init__(self, problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
                  rows: list[tuple], latency_s: np.ndarray) -> None:
         self.problem, self.model_stage, self.cost_model = problem, model_stage, cost_model
-        cols = list(zip(*rows)) if rows else [()] * 7
+        cols = list(zip(*rows)) if rows else [()] * 8
         self.tp, self.pp, self.dp, self.micro_batch = (np.array(c, dtype=np.int64) for c in cols[:4])
         self.recompute = np.array(cols[4], dtype=bool)
         self.peak_bytes = np.array(cols[5], dtype=np.float64)
         self.resident_bytes = np.array(cols[6], dtype=np.float64)
+        self.zero_stage = np.array(cols[7], dtype=np.int64)
         self.latency_s = np.asarray(latency_s, dtype=np.float64)
         self.gpus = self.tp * self.pp * self.dp
         self._options: dict[int, Option] = {}
@@ -241,7 +259,8 @@ class OptionTable:
                 micro_batch=wl.priced_micro_batch(m.stage, b, _share(self.problem, m, dp)),
                 mini_batches=wl.mini_batches, recompute=rc))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
-                                            int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal)
+                                            int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal,
+                                            zero_stage=int(self.zero_stage[i]))
         return opt
 
     def options(self) -> list[Option]:
@@ -275,6 +294,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
     training = m.stage is Stage.TRAINING
     generation = m.stage is Stage.GENERATION
     recompute_flags = (False, True) if (training and options.allow_recompute) else (False,)
+    zero_choices = zero_stage_choices(problem, m, options)
     rows: list[tuple] = []
     lat_parts: list[np.ndarray] = []
     memo: dict = {}
@@ -292,22 +312,24 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike
                 for b in choices:
                     priced = wl.priced_micro_batch(m.stage, b, per_opt)
-                    for recompute in recompute_flags:
+                    for recompute, zero in itertools.product(recompute_flags, zero_choices):
+                        if zero and (tp, pp) != (1, 1):
+                            continue   # the ZeRO backend (DeepSpeed) runs tp = pp = 1 units
                         # memory depends on the share only through b and the in-flight
-                        # micro-batches (see nereusd.cost.memory.stage_memory)
+                        # micro-batches (see nereusd.cost.memory.stage_memory), and under ZeRO on dp
                         key = (tp, pp, min(priced, per_replica), recompute,
-                               min(pp, max(1, per_replica // priced)) if training else 0)
+                               min(pp, max(1, per_replica // priced)) if training else 0, zero, dp if zero else 0)
                         mem = memo.get(key)
                         if mem is None:
                             est = stage_memory(
                                 spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=priced,
                                 recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind,
-                                engine_seq=problem.engines.get(m))
+                                engine_seq=problem.engines.get(m), zero_stage=zero)
                             mem = memo[key] = (est.peak_bytes, est.resident_bytes)
                         if mem[0] > usable_bytes:
                             continue
-                        block.append((tp, pp, dp, b, recompute, mem[0], mem[1]))
+                        block.append((tp, pp, dp, b, recompute, mem[0], mem[1], zero))
             if block:
                 cols = list(zip(*block))
                 lat_parts.append(costvec.latencies(
@@ -329,7 +351,7 @@ def _share(problem: PlanProblem, model_stage: ModelStage, dp: int) -> int:
 
 
 def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: int, dp: int,
-                   micro_batch: int, recompute: bool, cost_model: CostModel) -> Option:
+                   micro_batch: int, recompute: bool, cost_model: CostModel, zero_stage: int = 0) -> Option:
     """Cost one given candidate layout (for evaluating the running plan under a new workload)."""
     spec, wl = problem.spec(model_stage), problem.workload
     sequences = problem.workflow.sequences(model_stage, wl)
@@ -338,10 +360,10 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
               tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, _share(problem, model_stage, dp)),
               recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
-                       engine_seq=problem.engines.get(model_stage), **kw)
+                       engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, **kw)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
-                  cost.ideal_s_by_class)
+                  cost.ideal_s_by_class, zero_stage=zero_stage)
 
 
 @dataclass(frozen=True)
@@ -366,7 +388,7 @@ def evaluate(problem: PlanProblem, plan: Plan, cost_model: CostModel) -> Evaluat
     missing = [str(m) for m in problem.workflow.model_stages if m not in plan]
     if missing:
         raise ConfigError(f"plan lacks model-stages {missing}")
-    chosen = {m: cost_candidate(problem, m, c.tp, c.pp, c.dp, c.micro_batch, c.recompute, cost_model)
+    chosen = {m: cost_candidate(problem, m, c.tp, c.pp, c.dp, c.micro_batch, c.recompute, cost_model, c.zero_stage)
               for m, c in plan.items() if m in problem.workflow.model_stages}
     latency = problem.workflow.critical_path_s({m: o.latency_s for m, o in chosen.items()})
     return Evaluation(latency, chosen, device_peaks(problem.workflow, plan, chosen))

@@ -1,0 +1,297 @@
+"""A training model-stage on DeepSpeed ZeRO-1/2: the native model, DeepSpeed's sharded optimizer.
+
+:class:`DeepSpeedStageEngine` is a :class:`emu.engine.stage.StageEngine` whose optimizer step is
+DeepSpeed's ``DeepSpeedZeroOptimizer`` (ZeRO stage 1 or 2) over the model-stage's DP group: the
+fp32 master weights and Adam ``m``/``v`` are partitioned across the ``dp`` replicas (each holds
+``⌈P/dp⌉`` elements of DeepSpeed's flat buffer), and at stage 2 the gradients too. Forward passes,
+the loss and the batch conventions are the native engine's, unchanged.
+
+Scope: ``tp = pp = 1`` inside the unit (the planner proposes nothing else for this backend, and
+:class:`DeepSpeedStageEngine` refuses it). What TP/PP inside a ZeRO unit would need is in
+docs/DESIGN.md, "Training on DeepSpeed ZeRO".
+
+Equivalence with the native engine (``stage.py`` module docstring):
+
+* the loss is SUM-reduced with weights normalised by the global batch and gradients are summed
+  over DP; DeepSpeed *averages* them over DP, so the loss handed to its backward is ``dp·loss``;
+* DeepSpeed divides a loss by its gradient-accumulation steps; we call ``backward`` with
+  ``scale_wrt_gas=False`` and mark the accumulation boundary at the step's last micro-batch
+  ourselves (micro-batch counts vary per step with token packing);
+* clipping: DeepSpeed's global-norm clip (``max_norm / (norm + 1e-6)``), the native engine's
+  rule; ``grad_norm`` is DeepSpeed's norm before clipping;
+* Adam: the job's ``torch.optim.Adam`` (lr, betas, eps, L2 weight decay) stepped by DeepSpeed on
+  its flat partition — elementwise the same update as the native engine's.
+
+State crossing the EMU boundary (DESIGN.md "Training on DeepSpeed ZeRO"): :meth:`export_holding`
+gathers the replica's canonical ZeRO-0 holding — parameters and full Adam moments, via
+DeepSpeed's ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (collective over the DP
+group) — and :meth:`adopt_holding` writes a holding back into this rank's partition with
+``safe_set_full_*`` (local, no communication). Both only copy values, so a round trip is
+bit-exact; transitions, checkpoints and weight sync therefore run unchanged on holdings.
+
+Memory: parameters as the native engine; gradients and optimizer partitions booked from
+:func:`nereusd.cost.memory.zero_state_bytes` before DeepSpeed allocates, then corrected to the
+sizes DeepSpeed reports (its partition padding), with a warning when they differ by more than 1 %.
+
+DeepSpeed on CPU needs ``DS_ACCELERATOR=cpu`` before it is imported (set here when the device is
+a CPU and the variable is unset); its shared-memory all-reduce op is not built (it would span the
+whole worker world and costs a ~30 s compile; ZeRO's collectives use the DP group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState
+from emu.engine.stage import StageEngine
+from nereusd.cost.memory import zero_bucket_elements, zero_state_bytes
+from nereusd.errors import NereusError, PlanError
+
+log = logging.getLogger(__name__)
+
+DEEPSPEED_ZERO_STAGES = (1, 2)
+
+
+def import_deepspeed(device: torch.device):
+    """``deepspeed``, imported for ``device`` (``DS_ACCELERATOR=cpu`` on CPUs; the shm op skipped).
+
+    Raises:
+        PlanError: if DeepSpeed is not installed.
+    """
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed selects its device from LOCAL_RANK (torchrun sets it; a Nereus worker owns one device).
+    os.environ["LOCAL_RANK"] = str(device.index or 0)
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError as err:
+        raise PlanError(f"the deepspeed training backend needs DeepSpeed (pip install deepspeed): {err}") from None
+    # The CPU accelerator's shared-memory all-reduce spans the torch world (here: the whole pool,
+    # not one model-stage) and JIT-compiles for ~30 s; ZeRO's reductions do not use it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return deepspeed
+
+
+class _StageMpu:
+    """The model-parallel unit DeepSpeed asks for groups: this model-stage's DP group, and this rank
+    alone as its (tp = pp = 1) model-parallel group. ``dp = 1`` gets a one-rank group of its own."""
+
+    def __init__(self, dp_group: Optional[dist.ProcessGroup], dp_ranks: tuple[int, ...], rank: int) -> None:
+        self._single = dist.new_group([rank], use_local_synchronization=True)
+        self._dp = dp_group if dp_group is not None else self._single
+        self._dp_ranks, self._rank = tuple(dp_ranks) or (rank,), rank
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self._dp_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return sorted(self._dp_ranks).index(self._rank)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return sorted(self._dp_ranks)
+
+    def get_model_parallel_group(self):
+        return self._single
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._rank
+
+
+class DeepSpeedStageEngine(StageEngine):
+    """This rank's replica of a training model-stage on DeepSpeed ZeRO (module docstring).
+
+    Args:
+        zero_stage: 1 or 2.
+        (the rest): as :class:`StageEngine`; ``trainable`` must be true.
+
+    Raises:
+        PlanError: for ``tp`` or ``pp`` above 1, a stage outside :data:`DEEPSPEED_ZERO_STAGES`, a
+            non-trainable engine, or DeepSpeed missing.
+        DeviceOutOfMemory: if parameters, gradients and optimizer partitions do not fit.
+    """
+
+    def __init__(self, *, zero_stage: int, trainable: bool = True, **kw) -> None:
+        cand, ms = kw["candidate"], kw["model_stage"]
+        if zero_stage not in DEEPSPEED_ZERO_STAGES:
+            raise PlanError(f"{ms}: the deepspeed backend runs zero_stage {DEEPSPEED_ZERO_STAGES}, got {zero_stage}")
+        if cand.tp != 1 or cand.pp != 1:
+            raise PlanError(f"{ms}: the deepspeed backend runs tp = pp = 1 inside a unit, got {cand.describe()}")
+        if not trainable:
+            raise PlanError(f"{ms}: the deepspeed backend is for training model-stages")
+        lr, betas, eps = kw.pop("lr"), kw.pop("betas", (0.9, 0.999)), kw.pop("eps", 1e-8)
+        weight_decay = kw.pop("weight_decay", 0.0)
+        super().__init__(trainable=False, lr=lr, **kw)  # the module and its parameters, booked
+        deepspeed = import_deepspeed(self.device)
+        self.zero_stage, self.trainable = zero_stage, True
+        self.module.requires_grad_(True)
+        numel = sum(p.numel() for p in self.params.values())
+        dp = self.candidate.dp
+        booked = zero_state_bytes(numel, dp, zero_stage, 4)
+        for what, nbytes in booked.items():
+            self.memory.allocate(self.ms, what, nbytes)
+        bucket = zero_bucket_elements(numel)
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": float(self.grad_clip or 0.0),
+            "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket, "overlap_comm": False},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2 ** 62,
+            "wall_clock_breakdown": False,
+        }
+        adam = torch.optim.Adam(list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._mpu = _StageMpu(self.groups.dp_group, self.groups.dp_ranks, self.rank)
+        self.ds, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=adam, config=config,
+                                                                mpu=self._mpu, dist_init_required=False)
+        self.params = dict(self.module.named_parameters())  # DeepSpeed re-pointed them into its flat buffer
+        self.logical = LogicalState()
+        self._stepped_micro = 0
+        self._check_booking(booked)
+
+    def _check_booking(self, booked: dict[str, int]) -> None:
+        """Re-book ``optimizer`` at the sizes DeepSpeed allocated (master + ``m`` + ``v`` partitions)."""
+        part = sum(t.numel() for t in self.ds_optimizer.single_partition_of_fp32_groups)
+        actual = 3 * part * 4
+        diff = actual - booked["optimizer"]
+        if abs(diff) > 0.01 * max(1, booked["optimizer"]):
+            log.warning("%s: DeepSpeed's optimizer partitions are %d B, the memory model's %d B", self.ms, actual,
+                        booked["optimizer"])
+        if diff:
+            self.memory.free(self.ms, "optimizer")
+            self.memory.allocate(self.ms, "optimizer", actual)
+
+    # ------------------------------------------------------------------ one optimizer step
+    def _zero_grad(self) -> None:
+        self._stepped_micro = 0
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.ds.set_gradient_accumulation_boundary(last)
+        self.ds.backward(loss * self.candidate.dp, scale_wrt_gas=False)
+        self._stepped_micro += 1
+
+    def _optimizer_step(self) -> float:
+        if self._stepped_micro == 0:  # no share this step: still take part in the reduction
+            zero = sum(p.sum() for p in self.params.values()) * 0.0
+            self._backward(zero, last=True)
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    # ------------------------------------------------------------------ state
+    def _adam_state(self) -> Optional[dict]:
+        """Torch Adam's state of this rank's flat partition (``None`` before the first step)."""
+        flat = self.ds_optimizer.single_partition_of_fp32_groups[0]
+        state = self.ds_optimizer.optimizer.state.get(flat)
+        return state or None
+
+    def adam_step(self) -> int:
+        """Optimizer updates applied (Adam's ``step``)."""
+        state = self._adam_state()
+        return int(float(state["step"])) if state else 0
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Parameters and fp32 master partition from canonical full tensors (extra names ignored)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        super().load_full_state(state)
+        for name, p in self.params.items():
+            safe_set_full_fp32_param(p, state[name].to(torch.float32))
+
+    @torch.no_grad()
+    def optimizer_full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """As :meth:`StageEngine.optimizer_full_state`; collective over the DP group."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        step = self.adam_step()
+        if step == 0:
+            return {}
+        return {name: {"step": torch.tensor(float(step)),
+                       **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}}
+                for name, p in self.params.items()}
+
+    @torch.no_grad()
+    def load_optimizer_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """This rank's partition of :meth:`optimizer_full_state` output (empty: no state); local."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_set_full_optimizer_state
+
+        opt = self.ds_optimizer
+        flat = opt.single_partition_of_fp32_groups[0]
+        if not state:
+            opt.optimizer.state.pop(flat, None)
+            return
+        missing = [n for n in self.params if n not in state]
+        if missing:
+            raise NereusError(f"{self.ms}: load_optimizer_full_state: missing {missing[0]!r}")
+        step = float(next(iter(state.values()))["step"])
+        opt.optimizer.state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
+                                     "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        lazy_init_hp_params_optimizer_state(opt.bit16_groups[0], flat, opt.optimizer.state)
+        opt._hp_optimizer_states_linked = True
+        for name, p in self.params.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, state[name][k].to(flat.device, torch.float32), k)
+
+    @torch.no_grad()
+    def export_holding(self) -> EmuShard:
+        """The replica's canonical holding (``TRAIN_SLOTS``, fp32 master values): collective over DP."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        shard = EmuShard(self.model_stage, self.spec, self.value_head, self.candidate.layout, (0, 0), TRAIN_SLOTS,
+                         device=self.device, logical=replace(self.logical, step=self.adam_step()))
+        moments = self.optimizer_full_state()
+        for name, p in self.params.items():
+            shard.view(name, "param").copy_(safe_get_full_fp32_param(p))
+            for slot in TRAIN_SLOTS[1:]:
+                view = shard.view(name, slot)
+                view.copy_(moments[name][slot]) if moments else view.zero_()
+        self.logical = shard.logical
+        return shard
+
+    @torch.no_grad()
+    def adopt_holding(self, shard: EmuShard) -> None:
+        """Take parameters, this rank's optimizer partition and ``c, v, p`` from ``shard`` (local).
+
+        Raises:
+            NereusError: if ``shard`` is another model-stage's or not a full training holding.
+        """
+        if (shard.model_stage, shard.slots, shard.layout) != (self.model_stage, TRAIN_SLOTS, self.candidate.layout):
+            raise NereusError(f"{self.ms}: cannot adopt holding {shard.describe()} slots {shard.slots}")
+        names = list(self.params)
+        self.load_full_state({n: shard.view(n, "param") for n in names})
+        step = shard.logical.step
+        self.load_optimizer_full_state({} if step == 0 else {
+            n: {"step": torch.tensor(float(step)), "exp_avg": shard.view(n, "exp_avg"),
+                "exp_avg_sq": shard.view(n, "exp_avg_sq")} for n in names})
+        self.logical = shard.logical
+
+    def release(self) -> None:
+        """Drop DeepSpeed's engine, hooks and buffers (the caller frees the booked entries)."""
+        self.ds_optimizer.destroy()
+        self.ds.destroy()
+        self.ds = self.ds_optimizer = None
+        self.module = None
+        self.params.clear()
