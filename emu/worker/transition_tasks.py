@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from emu.state.executor import TransitionExecutor
 from emu.state.primitives import Communicators, HoldingStore, create_communicators
-from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_of, slots_for
+from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_bytes, holding_of, params_holding_of, slots_for
 from emu.worker.world import join_world
 from nereusd import protocol as P
 from nereusd.errors import NereusError
@@ -65,9 +65,16 @@ class TransitionTasks:
         return {m: (models[m.role], value_head_for(m.role), slots_for(m)) for m in plan}
 
     def _detach(self, ms: ModelStage) -> None:
-        """Move engine ``ms`` into the holding store (no copy)."""
+        """Move engine ``ms`` into the holding store (no copy; a ZeRO engine exports its canonical
+        holding first, collectively over its DP group, with the holding booked while both exist)."""
         engine = self.engines.pop(ms)
+        zero = getattr(engine, "zero_stage", 0)
+        if zero:
+            self.memory.allocate(str(ms), "export", holding_bytes(engine))
         holding = holding_of(engine)
+        if zero:
+            engine.release()
+            self.memory.free(str(ms), "export")
         for what in ("parameters", "gradients", "optimizer"):
             self.memory.free(str(ms), what)
         engine.module = None
@@ -88,6 +95,14 @@ class TransitionTasks:
         bind_engine(engine, holding)
         self.engines[ms] = engine
         self._params_changed(ms)
+
+    def _zero_changes(self, target: Plan) -> set[ModelStage]:
+        """Model-stages whose ZeRO stage ``target`` changes: their engine is rebuilt (another
+        engine class) though no op moves their state. Same answer on every rank (``self.plan``
+        is the plan before the transition until ``transition_finish`` ends)."""
+        if self.plan is None:
+            return set()
+        return {ms for ms in target if ms in self.plan and self.plan[ms].zero_stage != target[ms].zero_stage}
 
     def _retune(self, engine, cand: Candidate) -> None:
         """Apply what a candidate can change without moving state — micro-batch (generation
@@ -114,7 +129,7 @@ class TransitionTasks:
     # ------------------------------------------------------------------ tasks
     def transition_prepare(self, args: P.TransitionPrepareArgs) -> dict[str, Any]:
         dag = TransitionDag.from_json(args.dag)
-        changed = {op.model_stage for op in dag.ops}
+        changed = {op.model_stage for op in dag.ops} | self._zero_changes(dag.target)
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
                 self._detach(ms)
@@ -135,7 +150,7 @@ class TransitionTasks:
         ex.close()
         target = ex.dag.target
         rebuild = {ms for ms in target if ms not in self.engines} if self._rebuild_all else \
-            {op.model_stage for op in ex.dag.ops}
+            {op.model_stage for op in ex.dag.ops} | self._zero_changes(target)
         self._rebuild_all = False
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             self._attach(ms, target[ms])
@@ -174,9 +189,9 @@ class TransitionTasks:
             dag, comms = self._sync[(source, target)]
             store = HoldingStore(self.memory, self.torch_device)
             if source in self.engines:
-                h = holding_of(self.engines[source])
+                h = params_holding_of(self.engines[source])
                 store.put(EmuShard(target, h.spec, h.value_head, h.layout, h.position, PARAM_SLOTS,
-                                   buffer=h.params_only().buffer, logical=h.logical))
+                                   buffer=h.buffer, logical=h.logical))
             ex = TransitionExecutor(dag, self.device_index, store, self._specs(dag.target), rank_of=self.rank_of)
             ex.comms = comms
             ex.run()

@@ -115,6 +115,10 @@ class StagePlanConfig(_Strict):
     devices: list[int] | None = None
     micro_batch: int | None = Field(None, ge=1)
     recompute: bool | None = None
+    zero_stage: int | None = Field(None, ge=0, le=2)
+    """ZeRO stage of a training model-stage (1, 2: ``backends: {<ms>: deepspeed}``); pinned like
+    the other fields. Unset: ZeRO-0 on the native engine; on deepspeed, 1 at launch and the
+    planner's choice after. Non-training model-stages ignore it in ``plan.default``."""
 
 
 class PlanConfig(_Strict):
@@ -198,7 +202,7 @@ class ForcedSwitchConfig(_Strict):
     at_step: int = Field(ge=1)
     model_stages: dict[str, StagePlanConfig]
     """Overrides of the *current* plan per model-stage (``tp``, ``pp``, ``dp``, ``micro_batch``,
-    ``recompute``); devices default to those the model-stage has now."""
+    ``recompute``, ``zero_stage``); devices default to those the model-stage has now."""
 
 
 class PoolEventConfig(_Strict):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nereusd.backends import Backend, check_engine_support, resolve_backends
+from nereusd.backends import ZERO_STAGES, Backend, check_engine_support, check_zero_stage, resolve_backends
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
@@ -56,6 +56,9 @@ class ResolvedJob:
     """The task's longest prompt in tokens (what the planner plans for)."""
     backends: dict[ModelStage, Backend] = field(default_factory=dict)
     """The engine of every model-stage (:func:`nereusd.backends.resolve_backends`)."""
+    zero_stages: dict[ModelStage, tuple[int, ...]] = field(default_factory=dict)
+    """Training model-stages that may run ZeRO-1/2 → the stages the planner may choose (the
+    job's pinned one alone, else all the backend runs); absent: ZeRO-0."""
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -121,7 +124,7 @@ def _resolve_roles(job: JobConfig, base_dir: Path, source: str, reward_model: bo
 
 def _resolve_candidate(
     ms: ModelStage, default: StagePlanConfig, override: StagePlanConfig | None, devices: int,
-    spec: ModelSpec, job: JobConfig, source: str,
+    spec: ModelSpec, job: JobConfig, source: str, backend: Backend = Backend.NATIVE,
 ) -> tuple[Candidate, int]:
     key = f"plan.model_stages.{ms}" if override is not None else "plan.default"
     merged = default.model_dump()
@@ -146,10 +149,16 @@ def _resolve_candidate(
         raise ConfigError(
             f"{source}: {key}: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but {len(devs)} devices given"
         )
+    if ms.stage == Stage.TRAINING:
+        zero = ZERO_STAGES[backend][0] if merged["zero_stage"] is None else merged["zero_stage"]
+    else:   # plan.default's zero_stage is for training; one named on this model-stage is checked
+        zero = override.zero_stage if override is not None and override.zero_stage is not None else 0
     try:
+        check_zero_stage(ms, backend, zero, tp=tp, pp=pp, key=f"{source}: {key}")
         check_layout(spec, Layout(tp, pp), value_head=value_head_for(ms.role))
         micro_batch = merged["micro_batch"] or job.train.micro_batch
-        cand = Candidate(tp, pp, dp, tuple(devs), micro_batch=micro_batch, recompute=bool(merged["recompute"]))
+        cand = Candidate(tp, pp, dp, tuple(devs), micro_batch=micro_batch, recompute=bool(merged["recompute"]),
+                         zero_stage=zero)
     except PlanError as err:
         msg = str(err)
         raise ConfigError(msg if msg.startswith(source) else f"{source}: {key}: {msg}") from None
@@ -166,14 +175,14 @@ def _resolve_candidate(
 
 
 def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobConfig,
-                        source: str) -> tuple[Candidate, int]:
+                        source: str, backend: Backend = Backend.NATIVE) -> tuple[Candidate, int]:
     """``plan.default`` on devices ``0 … n−1`` for the largest ``n ≤ devices`` that resolves
     (e.g. 3 devices cannot split a global batch of 8); raises the all-devices error when none does."""
     first: ConfigError | None = None
     for n in range(devices, 0, -1):
         default = job.plan.default.model_copy(update={"devices": list(range(n)), "dp": None})
         try:
-            return _resolve_candidate(ms, default, None, devices, spec, job, source)
+            return _resolve_candidate(ms, default, None, devices, spec, job, source, backend)
         except ConfigError as err:
             first = first or err
     raise first
@@ -230,14 +239,15 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
     for ms in stages:
         try:
             cand, accum = _resolve_candidate(
-                ms, job.plan.default, job.plan.model_stages.get(str(ms)), devices, roles[ms.role].spec, job, source
+                ms, job.plan.default, job.plan.model_stages.get(str(ms)), devices, roles[ms.role].spec, job, source,
+                backends[ms]
             )
         except ConfigError:
             if "plan" in job.model_fields_set or not job.adaptation.enabled:
                 raise
             # no plan in the YAML and the planner picks the launch plan: this is only the
             # fallback plan, on the most devices whose batch split works
-            cand, accum = _fallback_candidate(ms, devices, roles[ms.role].spec, job, source)
+            cand, accum = _fallback_candidate(ms, devices, roles[ms.role].spec, job, source, backends[ms])
         candidates[ms] = cand
         grad_accum[ms] = accum
     from nereusd.tasks import get_task   # the task reads its dataset and tokenizer
@@ -265,8 +275,15 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
     if small:
         raise ConfigError(f"{source}: the task's tokenizer has {vocab} tokens but the {small[0].role.value} model's "
                           f"vocab_size is {small[0].spec.vocab_size}")
+    zero_stages = {}
+    for ms in stages:
+        override = job.plan.model_stages.get(str(ms))
+        pinned = override.zero_stage if override is not None and override.zero_stage is not None \
+            else job.plan.default.zero_stage
+        if ms.stage == Stage.TRAINING and ZERO_STAGES[backends[ms]] != (0,):
+            zero_stages[ms] = (pinned,) if pinned is not None else ZERO_STAGES[backends[ms]]
     return ResolvedJob(job, source, base_dir, devices, memory, site_name, roles, Plan(candidates), grad_accum,
-                       max_prompt_tokens=prompt, backends=backends)
+                       max_prompt_tokens=prompt, backends=backends, zero_stages=zero_stages)
 
 
 def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:

@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
 
+from nereusd.backends import Backend, check_zero_stage
 from nereusd.config.job import AdaptationConfig
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
@@ -405,6 +406,13 @@ def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]
             raise PlanError(f"adaptation.forced: {ms}: {len(devices)} devices are not a multiple of tp·pp={tp * pp}")
         dp = cfg.dp or len(devices) // (tp * pp)
         mb = cfg.micro_batch if cfg.micro_batch is not None else cur.micro_batch
+        zero = cfg.zero_stage if cfg.zero_stage is not None else cur.zero_stage
+        try:
+            check_zero_stage(ms, job.backends.get(ms, Backend.NATIVE), zero, tp=tp, pp=pp,
+                             key=f"adaptation.forced: {ms}")
+        except ConfigError as err:
+            raise PlanError(str(err)) from None
         out[ms] = dataclasses.replace(cur, tp=tp, pp=pp, dp=dp, devices=devices[:tp * pp * dp], micro_batch=mb,
-                                      recompute=cfg.recompute if cfg.recompute is not None else cur.recompute)
+                                      recompute=cfg.recompute if cfg.recompute is not None else cur.recompute,
+                                      zero_stage=zero)
     return Plan(out)

@@ -54,7 +54,8 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
                         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
     specs = {role: rm.spec for role, rm in job.roles.items()}
     engines = {ms: job.max_sequence_tokens for ms, b in job.backends.items() if b is Backend.VLLM}
-    return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool), engines=engines)
+    return PlanProblem(workflow, specs, workload, job_site(job, site, pool), tuple(pool), engines=engines,
+                       zero_stages=dict(job.zero_stages))
 
 
 def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, headroom: float,

@@ -63,8 +63,9 @@ class BuildArgs(_Args):
     """Learning rate per training model-stage (``"actor/training"``)."""
     seed: int
     syncs: list[SyncDag] = Field(default_factory=list)
-    backends: dict[str, Literal["native", "vllm"]] = Field(default_factory=dict)
-    """Engine per model-stage (:mod:`nereusd.backends`); a model-stage not named runs native."""
+    backends: dict[str, Literal["native", "vllm", "deepspeed"]] = Field(default_factory=dict)
+    """Engine per model-stage (:mod:`nereusd.backends`); a model-stage not named runs native. A
+    training model-stage's engine follows its candidate's ``zero_stage`` (0 native, 1–2 DeepSpeed)."""
     max_model_len: int = Field(1, ge=1)
     """Longest sequence of a generation model-stage in tokens: the task's longest prompt plus
     ``rollout.max_new_tokens`` (a vLLM engine's ``max_model_len`` and KV-cache budget)."""
