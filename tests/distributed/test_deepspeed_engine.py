@@ -6,7 +6,11 @@ whole batch. Per ZeRO stage and role, 3 training steps must give the native engi
 parameters and Adam moments within fp tolerance; then the EMU boundary is crossed: the dp = 2
 replicas export their holding (parameters + full moments), and engines at dp = 1 (each rank
 alone) and at dp = 2 on the reversed device order adopt it and export again — bit-exact. The
-dp = 1 engine trains one more step, which must equal the native engine's fourth step.
+dp = 1 engine trains one more step, which must equal the native engine's fourth step. DCP
+checkpoints cross ZeRO stages and DP sizes both ways, bit-exact.
+
+A second test runs 100 random transitions of a ZeRO model-stage through the transition planner
+and executor, as a worker does.
 """
 
 from __future__ import annotations
@@ -113,15 +117,72 @@ def case(rank, world, zero_stage, value_head):
     return out
 
 
-def run_rank(rank, world):
-    return {(z, vh): case(rank, world, z, vh) for z in (1, 2) for vh in (False, True)}
+def checkpoint_case(rank, world, directory: str) -> dict:
+    """A ZeRO-1 dp 2 checkpoint (ranks 0, 1; DCP through the canonical holding) loads into a
+    ZeRO-0 engine and a ZeRO-1 engine at dp 1 on every rank, bit-exact; and a ZeRO-0 checkpoint
+    loads into ZeRO-2 at dp 2 (as the worker's load_checkpoint does: holding, load, bind)."""
+    from emu.state.checkpoint import load_holdings, save_holdings
+
+    pair = Candidate(1, 1, 2, (0, 1), zero_stage=1)
+    eng = ds_engine(rank, pair, False, 1)
+    if eng is not None:
+        eng.initialize(seed=7)
+        for s in range(2):
+            step(eng, pair, eng.groups.dp_rank, False, s)
+    saved = holding_of(eng) if eng is not None else None
+    save_holdings([saved] if saved is not None else [], f"{directory}/zero1", plan=Plan({TRAIN[False]: pair}))
+    box = [flat(saved) if saved is not None else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    want = box[0]
+    out = {}
+    own = Candidate(1, 1, 1, (rank,))
+    native = make_engine(rank, own, build_stage_groups(own, rank), False)
+    bind_engine(native)
+    h = holding_of(native)
+    load_holdings([h], f"{directory}/zero1")
+    bind_engine(native, h)
+    out["zero1_to_zero0"] = bool(torch.equal(flat(holding_of(native)), want))
+    alone = ds_engine(rank, own, False, 1)
+    h = holding_of(alone)
+    load_holdings([h], f"{directory}/zero1")
+    bind_engine(alone, h)
+    out["zero1_to_zero1_dp1"] = bool(torch.equal(flat(holding_of(alone)), want))
+    alone.release()
+    # the reverse: rank 2's native holding saved alone, loaded by a ZeRO-2 pair
+    step(native, own, 0, False, 5)
+    mine = holding_of(native)
+    group = torch.distributed.new_group([2])
+    if rank == 2:
+        save_holdings([mine], f"{directory}/zero0", process_group=group)
+        box = [flat(mine)]
+    else:
+        box = [None]
+    torch.distributed.barrier()
+    torch.distributed.broadcast_object_list(box, src=2)
+    z2 = ds_engine(rank, Candidate(1, 1, 2, (0, 1), zero_stage=2), False, 2)
+    if z2 is not None:
+        h = holding_of(z2)
+        load_holdings([h], f"{directory}/zero0")
+        bind_engine(z2, h)
+        out["zero0_to_zero2_dp2"] = bool(torch.equal(flat(holding_of(z2)), box[0]))
+        z2.release()
+    return out
+
+
+def run_rank(rank, world, directory):
+    out = {(z, vh): case(rank, world, z, vh) for z in (1, 2) for vh in (False, True)}
+    out["checkpoint"] = checkpoint_case(rank, world, directory)
+    return out
 
 
 @pytest.mark.slow
 @requires_deepspeed
-def test_deepspeed_zero_matches_native_and_moves_exactly():
-    per_rank = run_distributed(run_rank, 3)
+def test_deepspeed_zero_matches_native_and_moves_exactly(tmp_path):
+    per_rank = run_distributed(run_rank, 3, str(tmp_path))
     for rank, results in enumerate(per_rank):
+        ckpt = results.pop("checkpoint")
+        assert ckpt["zero1_to_zero0"] and ckpt["zero1_to_zero1_dp1"], (rank, ckpt)
+        assert ckpt.get("zero0_to_zero2_dp2", rank == 2), (rank, ckpt)
         for (z, vh), r in results.items():
             label = f"rank {rank} zero{z} {'critic' if vh else 'actor'}"
             if rank < 2:
