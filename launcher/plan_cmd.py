@@ -5,8 +5,8 @@ Example::
     nereus-launch plan --model llama-3.1-8b --algorithm ppo --site site_configs/h200-ib.yaml \\
         --gpus 64 --prompt-length 512 --response-length 8192 --global-batch 1024 [--json]
 
-Prints a table (model-stage, tp, pp, dp, devices, predicted latency, peak memory GiB vs
-capacity), the predicted step latency and the search time; ``--json`` prints the same as one
+Prints a table (model-stage, tp, pp, dp, micro-batch, ZeRO stage, devices, predicted latency,
+peak memory GiB vs capacity), the predicted step latency and the search time; ``--json`` prints the same as one
 JSON object with keys ``plan``, ``predicted_step_latency_s`` and ``search_time_ms``. An
 infeasible request exits with status 1 and says which model-stage cannot fit and by how much.
 """
@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="per-replica micro-batch (sequences)")
     p.add_argument("--any-divisor", action="store_true", help="TP/PP may be any divisor, not only 2^k")
     p.add_argument("--recompute", action="store_true", help="allow activation recomputation")
+    p.add_argument("--zero", action="store_true",
+                   help="training model-stages may also run ZeRO-1/2 (optimizer state, and at 2 gradients, "
+                        "sharded across DP; the deepspeed backend, tp = pp = 1)")
     p.add_argument("--calibration", help="calibration state JSON to use (default: priors)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)))
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
-    options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute)
+    options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute,
+                             zero_stages=(0, 1, 2) if args.zero else ())
     try:
         result = Planner(problem, CostModel(site, calibration), options).solve()
     except Infeasible as err:
@@ -96,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         peak = max(result.peak_bytes[d] for d in cand.devices)
         rows.append({
             "model_stage": str(m), "tp": cand.tp, "pp": cand.pp, "dp": cand.dp,
-            "micro_batch": cand.micro_batch, "recompute": cand.recompute, "devices": list(cand.devices),
+            "micro_batch": cand.micro_batch, "recompute": cand.recompute, "zero_stage": cand.zero_stage,
+            "devices": list(cand.devices),
             "predicted_latency_s": round(opt.latency_s, 4), "peak_memory_gib": round(peak / GIB, 2),
             "capacity_gib": round(site.device_memory_bytes / GIB, 2),
         })
@@ -126,9 +131,10 @@ def _ranges(devices: list[int]) -> str:
 
 def format_table(rows: list[dict], usable_bytes: int) -> str:
     """The plan as an aligned text table."""
-    header = ["model-stage", "tp", "pp", "dp", "mb", "devices", "latency s", "peak GiB / capacity"]
+    header = ["model-stage", "tp", "pp", "dp", "mb", "zero", "devices", "latency s", "peak GiB / capacity"]
     body = [[r["model_stage"], str(r["tp"]), str(r["pp"]), str(r["dp"]),
-             str(r["micro_batch"]) + ("R" if r["recompute"] else ""), _ranges(r["devices"]),
+             str(r["micro_batch"]) + ("R" if r["recompute"] else ""), str(r.get("zero_stage", 0)),
+             _ranges(r["devices"]),
              f"{r['predicted_latency_s']:.2f}", f"{r['peak_memory_gib']:.1f} / {r['capacity_gib']:.1f}"]
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body)]

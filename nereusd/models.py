@@ -410,6 +410,18 @@ PRESETS: dict[str, ModelSpec] = {
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
         num_kv_heads=8, max_position=131072, rope_theta=500000.0, rms_norm_eps=1e-5, **_LLAMA3_ROPE,
     ),
+    # Qwen2.5-1.5B / -3B config.json (huggingface.co/Qwen/Qwen2.5-1.5B, /Qwen2.5-3B): q/k/v biases,
+    # tied embeddings
+    "qwen2.5-1.5b": ModelSpec(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+        num_kv_heads=2, max_position=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="qwen2",
+    ),
+    "qwen2.5-3b": ModelSpec(
+        vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
+        num_kv_heads=2, max_position=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architecture="qwen2",
+    ),
     "counting-tiny": ModelSpec(
         vocab_size=16, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
         num_kv_heads=2, max_position=160,

@@ -110,6 +110,8 @@ class _StageMpu:
     def get_model_parallel_world_size(self) -> int:
         return 1
 
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
     def get_model_parallel_rank(self) -> int:
         return 0
 
@@ -124,6 +126,8 @@ class DeepSpeedStageEngine(StageEngine):
 
     Args:
         zero_stage: 1 or 2.
+        ds_config: entries merged into the DeepSpeed config (``zero_optimization`` merged key by
+            key), e.g. ``{"zero_optimization": {"elastic_checkpoint": True}}``.
         (the rest): as :class:`StageEngine`; ``trainable`` must be true.
 
     Raises:
@@ -132,7 +136,7 @@ class DeepSpeedStageEngine(StageEngine):
         DeviceOutOfMemory: if parameters, gradients and optimizer partitions do not fit.
     """
 
-    def __init__(self, *, zero_stage: int, trainable: bool = True, **kw) -> None:
+    def __init__(self, *, zero_stage: int, trainable: bool = True, ds_config: Optional[dict] = None, **kw) -> None:
         cand, ms = kw["candidate"], kw["model_stage"]
         if zero_stage not in DEEPSPEED_ZERO_STAGES:
             raise PlanError(f"{ms}: the deepspeed backend runs zero_stage {DEEPSPEED_ZERO_STAGES}, got {zero_stage}")
@@ -162,6 +166,8 @@ class DeepSpeedStageEngine(StageEngine):
             "steps_per_print": 2 ** 62,
             "wall_clock_breakdown": False,
         }
+        for key, value in (ds_config or {}).items():
+            config[key] = {**config.get(key, {}), **value} if key == "zero_optimization" else value
         adam = torch.optim.Adam(list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._mpu = _StageMpu(self.groups.dp_group, self.groups.dp_ranks, self.rank)
         self.ds, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=adam, config=config,
