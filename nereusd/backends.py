@@ -81,8 +81,12 @@ def check_zero_stage(ms: ModelStage, backend: Backend, zero_stage: int, *, tp: i
     """
     allowed = ZERO_STAGES[backend] if ms.stage is Stage.TRAINING else (0,)
     if zero_stage not in allowed:
-        hint = (f"zero_stage {zero_stage} needs backends: {{{ms}: deepspeed}}" if backend is Backend.NATIVE
-                and ms.stage is Stage.TRAINING else f"{backend.value} runs zero_stage {list(allowed)} for {ms}")
+        if ms.stage is not Stage.TRAINING:
+            hint = f"{zero_stage}: ZeRO applies to training model-stages only"
+        elif backend is Backend.NATIVE:
+            hint = f"zero_stage {zero_stage} needs backends: {{{ms}: deepspeed}}"
+        else:
+            hint = f"{backend.value} runs zero_stage {list(allowed)} for {ms}"
         raise ConfigError(f"{key}.zero_stage: {hint}")
     if zero_stage and (tp, pp) != (1, 1):
         raise ConfigError(f"{key}: the deepspeed backend runs tp = pp = 1 units (got tp={tp}, pp={pp}); "

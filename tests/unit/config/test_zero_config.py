@@ -1,0 +1,108 @@
+"""ZeRO in the job file and the planner: pinned stages are kept, bad ones name the key, and the
+planner offers ZeRO-1/2 only where the deepspeed backend runs it (tp = pp = 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereusd import backends
+from nereusd.cost.memory import ZERO_BUCKET_ELEMENTS, stage_memory, zero_state_bytes
+from nereusd.errors import ConfigError
+from nereusd.plan import Candidate, ModelStage, PlanError
+from nereusd.planner.search import Planner
+from nereusd.planner.space import PlannerOptions
+from nereusd.cost.model import CostModel
+from tests.support.planning import problem
+from tests.support.specs import SMALL_1B
+from tests.unit.config.test_job_config import resolve, tiny_job, write
+
+TRAIN = ModelStage.parse("actor/training")
+
+
+@pytest.fixture(autouse=True)
+def deepspeed_installed(monkeypatch):
+    monkeypatch.setattr(backends, "deepspeed_available", lambda: True)
+
+
+def test_a_deepspeed_training_stage_launches_at_zero1_and_may_use_1_or_2(tmp_path):
+    job = resolve(write(tmp_path, tiny_job("backends: {actor/training: deepspeed}\n")))
+    assert job.plan[TRAIN].zero_stage == 1
+    assert job.zero_stages == {TRAIN: (1, 2)}
+    assert all(c.zero_stage == 0 for m, c in job.plan.items() if m != TRAIN)
+
+
+def test_a_pinned_zero_stage_is_kept(tmp_path):
+    job = resolve(write(tmp_path, tiny_job("backends: {actor/training: deepspeed}\n"
+                                           "plan: {model_stages: {actor/training: {zero_stage: 2}}}\n")))
+    assert job.plan[TRAIN].zero_stage == 2 and job.zero_stages == {TRAIN: (2,)}
+
+
+def test_native_training_stays_zero0(tmp_path):
+    job = resolve(write(tmp_path, tiny_job()))
+    assert job.plan[TRAIN].zero_stage == 0 and job.zero_stages == {}
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("plan: {model_stages: {actor/training: {zero_stage: 1}}}\n",
+     r"job.yaml: plan.model_stages.actor/training.zero_stage: zero_stage 1 needs backends: "
+     r"\{actor/training: deepspeed\}"),
+    ("backends: {actor/training: deepspeed}\nplan: {model_stages: {actor/training: {tp: 2}}}\n",
+     r"job.yaml: plan.model_stages.actor/training: the deepspeed backend runs tp = pp = 1 units \(got tp=2, pp=1\)"),
+    ("backends: {actor/training: deepspeed}\nplan: {model_stages: {actor/training: {zero_stage: 0}}}\n",
+     r"actor/training.zero_stage: deepspeed runs zero_stage \[1, 2\] for actor/training"),
+    ("backends: {actor/inference: deepspeed}\n", r"backends.actor/inference: deepspeed cannot run inference"),
+    ("plan: {model_stages: {actor/inference: {zero_stage: 1}}}\n",
+     r"plan.model_stages.actor/inference.zero_stage: 1: ZeRO applies to training model-stages only"),
+    ("plan: {default: {zero_stage: 3}}\n", r"plan.default.zero_stage: Input should be less than or equal to 2"),
+])
+def test_bad_zero_settings_name_the_key(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(write(tmp_path, tiny_job(extra)))
+
+
+def test_deepspeed_missing_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(backends, "deepspeed_available", lambda: False)
+    with pytest.raises(ConfigError, match="backends.actor/training: deepspeed is not installed"):
+        resolve(write(tmp_path, tiny_job("backends: {actor/training: deepspeed}\n")))
+
+
+def test_candidate_zero_stage_round_trips_and_is_checked():
+    c = Candidate(1, 1, 2, (0, 1), zero_stage=2)
+    assert Candidate.from_dict(c.to_dict()) == c and "zero2" in c.describe()
+    assert "zero_stage" not in Candidate(1, 1, 2, (0, 1)).to_dict()   # ZeRO-0 plans read as before
+    with pytest.raises(PlanError, match="zero_stage must be one of"):
+        Candidate(1, 1, 1, (0,), zero_stage=3)
+
+
+def test_zero_state_bytes():
+    p = 1_000_003
+    assert zero_state_bytes(p, 4, 0, 2) == {"gradients": 2 * p, "optimizer": 12 * p}
+    assert zero_state_bytes(p, 4, 0, 4) == {"gradients": 4 * p, "optimizer": 8 * p}
+    part = -(-p // 4)
+    assert zero_state_bytes(p, 4, 1, 2) == {"gradients": 2 * p + 4 * part, "optimizer": 12 * part}
+    bucket = p + 1   # rounded up to even
+    assert zero_state_bytes(p, 4, 2, 2) == {"gradients": 2 * bucket + 4 * part, "optimizer": 12 * part}
+    big = 10 * ZERO_BUCKET_ELEMENTS
+    assert zero_state_bytes(big, 8, 2, 2)["gradients"] == 2 * ZERO_BUCKET_ELEMENTS + 4 * big // 8
+    with pytest.raises(ValueError):
+        zero_state_bytes(p, 0, 1, 2)
+    kw = dict(sequences=64, prompt_length=256, response_length=256, tp=1, pp=1, dp=8, micro_batch=1)
+    z0 = stage_memory(SMALL_1B, TRAIN, **kw)
+    z1 = stage_memory(SMALL_1B, TRAIN, zero_stage=1, **kw)
+    assert z1.components["optimizer"] < z0.components["optimizer"] / 4
+    assert z1.resident_bytes < z0.resident_bytes
+
+
+def test_the_planner_offers_zero_only_at_tp_pp_1_and_keeps_a_pinned_stage():
+    pb = problem(1, "ppo", response=2048)
+    opened = Planner(pb, CostModel(pb.site), PlannerOptions(zero_stages=(0, 1, 2))).solve()
+    for m, c in opened.plan.items():
+        assert c.zero_stage == 0 or (m.stage.value == "training" and (c.tp, c.pp) == (1, 1)), (m, c)
+    import dataclasses
+    pinned = dataclasses.replace(pb, zero_stages={TRAIN: (2,)})
+    got = Planner(pinned, CostModel(pb.site)).solve()
+    assert got.plan[TRAIN].zero_stage == 2 and (got.plan[TRAIN].tp, got.plan[TRAIN].pp) == (1, 1)
+    assert all(c.zero_stage == 0 for m, c in got.plan.items() if m != TRAIN)
+    # ZeRO frees memory, so the planner never does worse with it than without
+    closed = Planner(pb, CostModel(pb.site)).solve()
+    assert opened.predicted_step_latency_s <= closed.predicted_step_latency_s + 1e-9
