@@ -126,6 +126,7 @@ def body(rank: int, world: int, args: dict, ckpt: str) -> dict:
     dist.barrier()
     t = time.perf_counter()
     store = HoldingStore(memory)
+    phases = {}
     if eng is not None:   # detach as emu.worker.transition_tasks does
         memory.allocate(str(MS), "export", holding_bytes(eng))
         holding = holding_of(eng)
@@ -134,14 +135,21 @@ def body(rank: int, world: int, args: dict, ckpt: str) -> dict:
         for what in ("parameters", "gradients", "optimizer"):
             memory.free(str(MS), what)
         store.put(holding, book=True)
+    dist.barrier()
+    phases["export"] = time.perf_counter() - t
     ex = TransitionExecutor(dag, rank, store, {MS: (spec, False, ("param", "exp_avg", "exp_avg_sq"))})
     ex.prepare()
     ex.run()
     ex.close()
+    dist.barrier()
+    phases["dag"] = time.perf_counter() - t - phases["export"]
     moved = make(rank, quad, spec, memory, args["micro_batch"])
+    phases["build"] = time.perf_counter() - t - phases["export"] - phases["dag"]
     bind_engine(moved, store.pop(MS, quad.layout, (0, 0)))
     dist.barrier()
     out["transition_s"] = time.perf_counter() - t
+    phases["adopt"] = out["transition_s"] - sum(phases.values())
+    out["phases"] = phases
     out["moved"] = holding_of(moved).buffer.clone()
     moved.release()
     return out
@@ -216,6 +224,8 @@ def main() -> int:
     transition = max(r["transition_s"] for r in live)
     restart = save_s + convert_s + max(r["restart_s"] for r in restarted)
     exact = all(torch.equal(x["moved"], y["state"]) for x, y in zip(live, restarted))
+    phases = {k: max(r["phases"][k] for r in live) for k in live[0]["phases"]}
+    print("dp2->4 live, by phase (max over ranks): " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
     print(f"dp2->4 live: {transition:.2f} s; DeepSpeed save {save_s:.2f} s + ds_to_universal {convert_s:.2f} s + restart "
           f"{max(r['restart_s'] for r in restarted):.2f} s; moved state == restarted state: {exact}")
     print(f"zero: stage1 peak {peak[1] / peak[0]:.2f}x of stage0; dp2->4 transition {transition:.2f} s "

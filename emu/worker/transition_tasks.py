@@ -165,7 +165,7 @@ class TransitionTasks:
 
     def reform_world(self, args: P.ReformWorldArgs) -> dict[str, Any]:
         start = time.perf_counter()
-        for ms in list(self.engines):
+        for ms in sorted(self.engines, key=ModelStage.sort_key):   # canonical order: a ZeRO export is collective
             self._detach(ms)
         for comms in getattr(self, "_sync", {}).values():
             comms[1].destroy()

@@ -22,6 +22,8 @@ Typical use::
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Mapping
@@ -181,7 +183,37 @@ def assess_transition(
                           state=state, budget=budget)
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
     report = check_feasibility(dag, state, budget)
-    return TransitionAssessment(dag, report, estimate_l_tran(dag, sizes, links))
+    cost = estimate_l_tran(dag, sizes, links)
+    export_s, export_bytes = zero_export_cost(current, target, dag, state, links)
+    if export_s:
+        cost = dataclasses.replace(cost, l_tran_s=cost.l_tran_s + export_s, bytes_moved=cost.bytes_moved + export_bytes)
+    return TransitionAssessment(dag, report, cost)
+
+
+def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: StateModel,
+                     links) -> tuple[float, int]:
+    """Seconds and bytes of the ZeRO exports that precede a transition's ops.
+
+    A ZeRO model-stage the transition changes (ops of it in ``dag``, another ZeRO stage, or gone
+    from ``target``) first gathers its canonical holding on every replica
+    (:mod:`emu.engine.deepspeed_stage`: one all-reduce per parameter and slot over the DP group),
+    model-stages one after another. Priced as a ring all-reduce of the holding's bytes:
+    ``2(n−1)/n · bytes`` per rank over the slowest link of the ring (Thakur et al. 2005, §4).
+    """
+    touched = {op.model_stage for op in dag.ops}
+    total_s, total_bytes = 0.0, 0
+    for ms, cand in current.items():
+        if not cand.zero_stage or cand.dp < 2:
+            continue
+        if ms not in touched and ms in target and target[ms].zero_stage == cand.zero_stage:
+            continue
+        nbytes = max(state.plan_bytes(Plan({ms: cand})).values())
+        n = cand.dp
+        per_rank = 2 * (n - 1) / n * nbytes
+        ring = list(cand.devices)
+        total_s += max(links.transfer_s(per_rank, a, b) for a, b in zip(ring, ring[1:] + ring[:1]))
+        total_bytes += int(per_rank * n)
+    return total_s, total_bytes
 
 
 def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,

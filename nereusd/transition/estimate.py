@@ -102,7 +102,7 @@ class TransitionEstimator:
         dpn = self.site.devices_per_node
 
         def layouts(plan: Plan) -> dict:
-            return {m: (c.tp, c.pp, max(1, math.ceil(c.dp / scale)), c.micro_batch, c.recompute)
+            return {m: (c.tp, c.pp, max(1, math.ceil(c.dp / scale)), c.micro_batch, c.recompute, c.zero_stage)
                     for m, c in plan.items()}
 
         lc, lt = layouts(current), layouts(target)

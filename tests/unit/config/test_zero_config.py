@@ -106,3 +106,22 @@ def test_the_planner_offers_zero_only_at_tp_pp_1_and_keeps_a_pinned_stage():
     # ZeRO frees memory, so the planner never does worse with it than without
     closed = Planner(pb, CostModel(pb.site)).solve()
     assert opened.predicted_step_latency_s <= closed.predicted_step_latency_s + 1e-9
+
+
+def test_l_tran_counts_the_zero_export():
+    from nereusd.config.site import load_site
+    from nereusd.models import preset
+    from nereusd.plan import Plan, Role
+    from nereusd.transition import assess_transition
+
+    site = load_site("h200-ib")
+    models = {Role.ACTOR: preset("qwen2.5-1.5b")}
+    two, four = (0, 1), (0, 1, 2, 3)
+    zero0 = assess_transition(Plan({TRAIN: Candidate(1, 1, 2, two)}), Plan({TRAIN: Candidate(1, 1, 4, four)}),
+                              models, site)
+    zero1 = assess_transition(Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)}),
+                              Plan({TRAIN: Candidate(1, 1, 4, four, zero_stage=1)}), models, site)
+    assert zero1.l_tran_s > zero0.l_tran_s and zero1.cost.bytes_moved > zero0.cost.bytes_moved
+    # untouched ZeRO model-stages export nothing
+    same = Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)})
+    assert assess_transition(same, same, models, site).l_tran_s == 0.0
