@@ -13,6 +13,7 @@ import signal
 import pytest
 
 from nereusd.journal import read_jsonl
+from tests.support.deepspeed import requires_deepspeed
 from tests.support.e2e import finish, processes_mentioning, start, wait_for, worker_pid, write_job
 
 pytestmark = pytest.mark.slow
@@ -35,9 +36,12 @@ checkpoint: {every_steps: 2}
 
 
 
-def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
+@pytest.mark.parametrize("backend", ["native", pytest.param("deepspeed", marks=requires_deepspeed)])
+def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path, backend):
+    # deepspeed: actor training on ZeRO-1 at dp 3 loses a replica with its optimizer partition;
+    # the survivors restart at dp 2 from the (canonical) DCP checkpoint
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", JOB), run_dir)
+    proc = start(write_job(tmp_path, "job", JOB + f"backends: {{actor/training: {backend}}}\n"), run_dir)
     try:
         # steps 0-2 done (checkpoint step000002 taken after step 1): kill device 2 at once. The
         # kill lands at the boundary after step 2 (the registry knows the loss: recovery) or
@@ -74,6 +78,9 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path):
     assert not any(e["event"] == "job_failed" for e in events)
     assert (run_dir / "checkpoints" / "final" / "actor" / ".metadata").is_file()
     assert processes_mentioning(str(run_dir)) == []
+    if backend == "deepspeed":
+        train = [r["plan"]["actor/training"] for r in records]
+        assert train[0]["dp"] == 3 and train[-1]["dp"] == 2 and all(p.get("zero_stage") == 1 for p in train)
 
 
 SPARE = JOB.replace("plan: {default: {tp: 1, pp: 1}}", "plan: {default: {tp: 1, pp: 1, devices: [0, 1]}}\n"
