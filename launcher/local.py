@@ -201,11 +201,13 @@ def _stop(proc: subprocess.Popen | None, grace_s: float) -> None:
 
 
 def compact_plan(plan: dict) -> str:
-    """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case)."""
+    """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case);
+    a ZeRO stage is appended as ``z1`` / ``z2`` (``aT1·1·4z1``)."""
     parts = []
     for name, cand in plan.items():
         role, _, stage = name.partition("/")
-        parts.append(f"{role[:1]}{stage[:1].upper()}{cand['tp']}·{cand['pp']}·{cand['dp']}")
+        zero = f"z{cand['zero_stage']}" if cand.get("zero_stage") else ""
+        parts.append(f"{role[:1]}{stage[:1].upper()}{cand['tp']}·{cand['pp']}·{cand['dp']}{zero}")
     return " ".join(parts)
 
 

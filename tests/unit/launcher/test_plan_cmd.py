@@ -48,3 +48,29 @@ def test_plan_warns_when_a_sequence_is_longer_than_the_models_context(capsys):
     assert len(out["warnings"]) == 1 and "max_position=160" in out["warnings"][0]
     assert main(args + ["--prompt-length", "16", "--response-length", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+def test_plan_zero_lets_training_use_zero_at_tp_pp_1(capsys):
+    """The README's ZeRO case: with --zero the planner moves actor training to tp 1 ZeRO and the
+    step gets faster; without it every stage is ZeRO-0."""
+    args = ["plan", "--model", "qwen2.5-3b", "--algorithm", "ppo", "--site", "site_configs/a100-ib.yaml",
+            "--gpus", "8", "--prompt-length", "512", "--response-length", "512", "--global-batch", "256", "--json"]
+    assert main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(args + ["--zero"]) == 0
+    zero = json.loads(capsys.readouterr().out)
+    assert all(r["zero_stage"] == 0 for r in base["plan"])
+    rows = {r["model_stage"]: r for r in zero["plan"]}
+    assert rows["actor/training"]["zero_stage"] in (1, 2)
+    assert (rows["actor/training"]["tp"], rows["actor/training"]["pp"]) == (1, 1)
+    assert all(r["zero_stage"] == 0 for r in zero["plan"] if not r["model_stage"].endswith("training"))
+    assert zero["predicted_step_latency_s"] < base["predicted_step_latency_s"]
+    assert main(args[:-1] + ["--zero"]) == 0
+    assert " zero " in capsys.readouterr().out.splitlines()[0]
+
+
+def test_compact_plan_marks_zero():
+    from launcher.local import compact_plan
+
+    assert compact_plan({"actor/training": {"tp": 1, "pp": 1, "dp": 4, "zero_stage": 1},
+                         "actor/generation": {"tp": 2, "pp": 1, "dp": 2}}) == "aT1·1·4z1 aG2·1·2"
