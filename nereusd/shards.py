@@ -213,14 +213,15 @@ def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...
                             source: str) -> None:
     """Check a checkpoint's tensor shapes (:func:`nereusd.models.safetensors_shapes`) against the
     canonical table of ``spec``: every parameter is present with its full shape. A value head
-    may be absent (a critic or reward model starting from a policy draws one); other names are
-    ignored, as loading ignores them.
+    may be absent (a critic or reward model starting from a policy draws one) but not partial
+    (a weight without its bias); other names are ignored, as loading ignores them.
 
     Raises:
         ConfigError: ``source`` and the missing names or wrong shapes (at most five of each).
     """
     expected = canonical_shapes(spec, value_head)
-    missing = [n for n in expected if n not in shapes and not n.startswith("value_head.")
+    has_head = any(n.startswith("value_head.") for n in shapes)   # a value head is whole or absent
+    missing = [n for n in expected if n not in shapes and (has_head or not n.startswith("value_head."))
                and not (value_head and n.startswith("lm_head"))]
     wrong = [f"{n} {tuple(shapes[n])} (config.json says {tuple(expected[n])})" for n in expected
              if n in shapes and tuple(shapes[n]) != tuple(expected[n])]

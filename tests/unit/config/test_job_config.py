@@ -200,3 +200,20 @@ def test_infinite_payback_margin_stays_allowed_and_merged_anchors_may_be_reused(
                     "    reference/inference: *tp2\n")
     stages = load_job(path).plan.model_stages
     assert stages["actor/inference"].tp == stages["reference/inference"].tp == 2
+
+
+def test_a_partial_value_head_is_refused_before_launch():
+    """A value head is whole or absent: a critic directory with ``value_head.weight`` but no bias
+    failed only in the workers (``load_full_state: missing 'value_head.bias'``)."""
+    from nereusd.shards import canonical_shapes, check_checkpoint_shapes
+    from nereusd.models import ModelSpec
+
+    spec = ModelSpec(**TINY)
+    full = dict(canonical_shapes(spec, value_head=True))
+    check_checkpoint_shapes(spec, full, value_head=True, source="critic")
+    trunk = {k: v for k, v in full.items() if not k.startswith("value_head.")}
+    check_checkpoint_shapes(spec, trunk, value_head=True, source="critic")   # drawn at start-up
+    partial = {k: v for k, v in full.items() if k != "value_head.bias"}
+    with pytest.raises(ConfigError, match=r"critic: the weights do not match config.json: missing 1 tensors: "
+                                          r"value_head.bias"):
+        check_checkpoint_shapes(spec, partial, value_head=True, source="critic")
