@@ -7,6 +7,7 @@ Each line is flushed as it is written, so a crash loses at most the line being w
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
 import json
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -261,6 +263,8 @@ class Journal:
             tmp.write_text(to_json(record, indent=2) + "\n")
             os.replace(tmp, self.run_dir / SUMMARY_FILE)
         except OSError as err:
+            with contextlib.suppress(OSError):   # a full disk leaves no empty or partial .tmp behind
+                tmp.unlink(missing_ok=True)
             log.error("cannot write %s: %s; the summary was %s", self.run_dir / SUMMARY_FILE, err,
                       to_json(record)[:2000])
 
@@ -273,11 +277,22 @@ def _open_append(path: Path):
     """``path`` opened for appending, after cutting a torn last line (a writer that died mid-line
     left it without its newline): an appended record would otherwise run on into it."""
     if path.exists():
+        _check_regular(path)
         with open(path, "rb+") as fh:
             data = fh.read()
             if data and not data.endswith(b"\n"):
                 fh.truncate(data.rfind(b"\n") + 1)
     return open(path, "ab", buffering=0)   # one write per record: all of it reaches the file or none
+
+
+def _check_regular(path: Path) -> None:
+    """Refuse a journal path that is not a regular file (a FIFO or ``/dev/zero`` would be read forever).
+
+    Raises:
+        JournalError: naming the path.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise JournalError(f"{path}: not a regular file (a journal is a plain file in the run directory)")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -291,6 +306,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         JournalError: naming the file, the line number and what is wrong with it.
     """
     try:
+        _check_regular(Path(path))
         with open(path, encoding="utf-8") as fh:
             lines = fh.readlines()
     except FileNotFoundError:

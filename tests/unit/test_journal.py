@@ -168,3 +168,27 @@ def test_a_run_directory_or_lock_in_the_way_is_a_clear_error(tmp_path):
     (run / LOCK_FILE).mkdir(parents=True)
     with pytest.raises(NereusError, match="cannot check whether a job owns this run directory"):
         clear_run_dir(run, overwrite=True)
+
+
+def test_a_journal_that_is_not_a_regular_file_is_refused(tmp_path):
+    """``events.jsonl`` symlinked to ``/dev/zero`` was read forever (issue 17)."""
+    link = tmp_path / "events.jsonl"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(JournalError, match="events.jsonl: not a regular file"):
+        read_jsonl(link)
+
+
+def test_a_summary_that_cannot_be_written_leaves_no_tmp(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    j = Journal(tmp_path)
+    real = Path.write_text
+
+    def full_disk(self, *a, **k):
+        real(self, "")   # the file is created, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    j.summary({"status": "failed"})
+    monkeypatch.setattr(Path, "write_text", real)
+    assert not (tmp_path / "summary.json.tmp").exists() and not (tmp_path / "summary.json").exists()
