@@ -26,6 +26,7 @@ from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir, read_jsonl
+from nereusd.plan import Candidate
 
 
 
@@ -216,14 +217,14 @@ def describe_event(ev: dict) -> str | None:
     kind = ev.get("event")
     if kind == Event.ADMISSION and ev.get("verdict") == "admit":
         why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
-        changed = [f"{ms} tp{c['tp']}·pp{c['pp']}·dp{c['dp']}" for ms, c in (ev.get("target_plan") or {}).items()
+        changed = [f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in (ev.get("target_plan") or {}).items()
                    if c != (ev.get("current_plan") or {}).get(ms)]
         gain = ev.get("delta_l_s")   # a number, or "inf" when the current plan could not run
         gain_s = f"{gain:+.2f}" if isinstance(gain, (int, float)) else str(gain)
         return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
                 + (f" (ΔL {gain_s} s/step, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
     if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
-        plan = "; ".join(f"{ms} tp{c['tp']}·pp{c['pp']}·dp{c['dp']}" for ms, c in ev["plan"].items())
+        plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
         return f"nereus: planner's launch plan: {plan}"
     if kind == Event.FALLBACK:
         return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"

@@ -20,7 +20,7 @@ import sys
 
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
-from nereusd.models import resolve_model, shortest_context
+from nereusd.models import PRESETS, resolve_model, shortest_context
 from nereusd.plan import Role
 from nereusd.planner.search import Infeasible, Planner
 from nereusd.planner.space import PlannerOptions, PlanProblem
@@ -33,8 +33,8 @@ GIB = float(1 << 30)
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="show the plan the planner picks (no job is started)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="preset name (llama-3.1-8b, qwen3-14b, qwen3-32b, "
-                   "llama-3.3-70b, counting-tiny), a HF model directory or a config.json")
+    p.add_argument("--model", required=True, help=f"preset name ({', '.join(PRESETS)}), "
+                   "a HF model directory or a config.json")
     p.add_argument("--reward-model", help="a different model for the reward role (default: --model)")
     p.add_argument("--critic-model", help="a different model for the critic role (default: --model)")
     p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"])

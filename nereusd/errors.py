@@ -23,6 +23,14 @@ class ProtocolError(NereusError):
     """A control message is malformed, of an unknown type or version, or unauthenticated."""
 
 
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` for a message: GiB from 1 GiB up, else MiB (``'0.1 GiB'`` of a 100 MiB device said
+    nothing), with one decimal."""
+    if abs(nbytes) >= 1 << 30:
+        return f"{nbytes / (1 << 30):.1f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 class DeviceOutOfMemory(NereusError):
     """An allocation on a (virtual) device would exceed its capacity.
 

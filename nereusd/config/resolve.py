@@ -149,12 +149,14 @@ def _resolve_candidate(
         raise ConfigError(
             f"{source}: {key}: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but {len(devs)} devices given"
         )
+    own_zero = override is not None and override.zero_stage is not None
     if ms.stage == Stage.TRAINING:
         zero = ZERO_STAGES[backend][0] if merged["zero_stage"] is None else merged["zero_stage"]
     else:   # plan.default's zero_stage is for training; one named on this model-stage is checked
-        zero = override.zero_stage if override is not None and override.zero_stage is not None else 0
+        zero = override.zero_stage if own_zero else 0
+    zero_key = key if own_zero or merged["zero_stage"] is None else "plan.default"
     try:
-        check_zero_stage(ms, backend, zero, tp=tp, pp=pp, key=f"{source}: {key}")
+        check_zero_stage(ms, backend, zero, tp=tp, pp=pp, key=f"{source}: {zero_key}")
         check_layout(spec, Layout(tp, pp), value_head=value_head_for(ms.role))
         micro_batch = merged["micro_batch"] or job.train.micro_batch
         cand = Candidate(tp, pp, dp, tuple(devs), micro_batch=micro_batch, recompute=bool(merged["recompute"]),

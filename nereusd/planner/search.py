@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from nereusd.cost.model import CostModel
-from nereusd.errors import PlanError
+from nereusd.errors import PlanError, format_bytes
 from nereusd.cost.memory import usable_bytes
 from nereusd.planner.placement import place
 from nereusd.plan import ModelStage, Plan
@@ -38,7 +38,6 @@ from nereusd.planner.space import (Option, OptionTable, PlannerOptions, PlanProb
                                    option_table)
 
 log = logging.getLogger(__name__)
-GIB = float(1 << 30)
 INF = float("inf")
 
 
@@ -345,8 +344,8 @@ class Planner:
                 need = min_peak_bytes(self.problem, m, self.cost_model, self.options)
                 raise Infeasible(
                     f"{m} cannot fit on {len(self.problem.pool)} devices: needs at least "
-                    f"{need / GIB:.1f} GiB per device, {self.usable / GIB:.1f} GiB usable "
-                    f"({(need - self.usable) / GIB:.1f} GiB short)", m, need, self.usable)
+                    f"{format_bytes(need)} per device, {format_bytes(self.usable)} usable "
+                    f"({format_bytes(need - self.usable)} short)", m, need, self.usable)
 
     def _explain_budget(self) -> Infeasible:
         n = len(self.problem.pool)
@@ -356,7 +355,7 @@ class Planner:
                 return Infeasible(f"model-stages {[str(m) for m in group]} run concurrently and need at "
                                   f"least {least} devices together; the pool has {n}")
         return Infeasible(f"no plan fits {n} devices: co-resident model-stages exceed "
-                          f"{self.usable / GIB:.1f} GiB usable per device")
+                          f"{format_bytes(self.usable)} usable per device")
 
 
 def min_peak_bytes(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,

@@ -235,7 +235,9 @@ def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,
         for target, tcand in plan.items():
             if target.role != source.role or target == source:
                 continue
-            out[(source, target)] = plan_transition(Plan({target: cand}), Plan({target: tcand}), models,
+            # parameters only: the source's training-only fields (ZeRO stage) do not describe the copy
+            src = dataclasses.replace(cand, zero_stage=0)
+            out[(source, target)] = plan_transition(Plan({target: src}), Plan({target: tcand}), models,
                                                     devices_per_node=devices_per_node)
     return out
 

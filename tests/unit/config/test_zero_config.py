@@ -125,3 +125,22 @@ def test_l_tran_counts_the_zero_export():
     # untouched ZeRO model-stages export nothing
     same = Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)})
     assert assess_transition(same, same, models, site).l_tran_s == 0.0
+
+
+def test_plan_default_zero_stage_is_for_training_and_an_error_names_plan_default(tmp_path):
+    job = resolve(write(tmp_path, tiny_job("backends: {actor/training: deepspeed}\nplan: {default: {zero_stage: 2}}\n")))
+    assert job.plan[TRAIN].zero_stage == 2 and job.zero_stages == {TRAIN: (2,)}
+    assert all(c.zero_stage == 0 for m, c in job.plan.items() if m != TRAIN)
+    with pytest.raises(ConfigError, match=r"job.yaml: plan.default.zero_stage: zero_stage 1 needs backends"):
+        resolve(write(tmp_path, tiny_job("plan: {default: {zero_stage: 1}, model_stages: {actor/training: {tp: 1}}}\n")))
+
+
+def test_weight_sync_dags_carry_no_zero_stage():
+    from nereusd.plan import Plan
+    from nereusd.transition import weight_sync_dags
+    from tests.support.specs import TINY_MODELS
+
+    gen = ModelStage.parse("actor/generation")
+    plan = Plan({gen: Candidate(1, 1, 2, (0, 1)), TRAIN: Candidate(1, 1, 2, (0, 1), zero_stage=1)})
+    dag = weight_sync_dags(plan, TINY_MODELS, devices_per_node=4)[(TRAIN, gen)]
+    assert all(c.zero_stage == 0 for c in dag.current.candidates.values())
