@@ -16,7 +16,9 @@ Equivalence with the native engine (``stage.py`` module docstring):
   over DP; DeepSpeed *averages* them over DP, so the loss handed to its backward is ``dp·loss``;
 * DeepSpeed divides a loss by its gradient-accumulation steps; we call ``backward`` with
   ``scale_wrt_gas=False`` and mark the accumulation boundary at the step's last micro-batch
-  ourselves (micro-batch counts vary per step with token packing);
+  ourselves (micro-batch counts vary per step with token packing, and per replica: the DP
+  replicas first agree on the largest count and the shorter ones add zero-loss backwards, since
+  ZeRO-2 reduces during every backward);
 * clipping: DeepSpeed's global-norm clip (``max_norm / (norm + 1e-6)``), the native engine's
   rule; ``grad_norm`` is DeepSpeed's norm before clipping;
 * Adam: the job's ``torch.optim.Adam`` (lr, betas, eps, L2 weight decay) stepped by DeepSpeed on
@@ -81,12 +83,28 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+_SINGLE: dict[str, object] = {}
+
+
+def _rank_alone(rank: int) -> dist.ProcessGroup:
+    """A process group of this rank alone, one per world (process groups die with the world).
+
+    Created once per world and reused: ``new_group([rank], use_local_synchronization=True)`` per
+    engine gave a name that collided with an earlier one after a few transitions ("The specified
+    group name has already been created").
+    """
+    world = dist.distributed_c10d._get_default_group()
+    if _SINGLE.get("world") is not world or _SINGLE.get("rank") != rank:
+        _SINGLE.update(world=world, rank=rank, group=dist.new_group([rank], use_local_synchronization=True))
+    return _SINGLE["group"]
+
+
 class _StageMpu:
     """The model-parallel unit DeepSpeed asks for groups: this model-stage's DP group, and this rank
-    alone as its (tp = pp = 1) model-parallel group. ``dp = 1`` gets a one-rank group of its own."""
+    alone as its (tp = pp = 1) model-parallel group. ``dp = 1`` uses that one-rank group as DP too."""
 
     def __init__(self, dp_group: Optional[dist.ProcessGroup], dp_ranks: tuple[int, ...], rank: int) -> None:
-        self._single = dist.new_group([rank], use_local_synchronization=True)
+        self._single = _rank_alone(rank)
         self._dp = dp_group if dp_group is not None else self._single
         self._dp_ranks, self._rank = tuple(dp_ranks) or (rank,), rank
 
@@ -192,16 +210,39 @@ class DeepSpeedStageEngine(StageEngine):
     # ------------------------------------------------------------------ one optimizer step
     def _zero_grad(self) -> None:
         self._stepped_micro = 0
+        self._micro_total = 1
+
+    def _begin_step(self, n_micro: int) -> None:
+        """Agree on the step's backward count over DP: the largest replica's micro-batch count.
+
+        ZeRO-2 reduce-scatters gradient buckets during every backward, so every replica must run
+        the same number of them; with token-budget micro-batches (or no share) replicas differ,
+        and the shorter ones add zero-loss backwards (:meth:`_zero_loss`; gradients 0).
+        """
+        count = torch.tensor([max(1, n_micro)], dtype=torch.int64)
+        if self.candidate.dp > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._mpu.get_data_parallel_group())
+        self._micro_total = int(count)
+
+    def _zero_loss(self) -> torch.Tensor:
+        """A loss of value and gradient 0 through the whole model: one token forward, times 0.
+
+        Not ``sum(p.sum() for p in params) * 0``: ZeRO-2 fills its reduce buckets in the order
+        gradients arrive, and the replicas' buckets must hold the same parameters in the same
+        order, so a padding backward has to run the graph a real micro-batch runs (a sum of the
+        parameters reached them in another order and reduced mismatched gradients).
+        """
+        tokens = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        return self.module(tokens).sum() * 0.0
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
-        self.ds.set_gradient_accumulation_boundary(last)
-        self.ds.backward(loss * self.candidate.dp, scale_wrt_gas=False)
         self._stepped_micro += 1
+        self.ds.set_gradient_accumulation_boundary(self._stepped_micro == self._micro_total)
+        self.ds.backward(loss * self.candidate.dp, scale_wrt_gas=False)
 
     def _optimizer_step(self) -> float:
-        if self._stepped_micro == 0:  # no share this step: still take part in the reduction
-            zero = sum(p.sum() for p in self.params.values()) * 0.0
-            self._backward(zero, last=True)
+        while self._stepped_micro < self._micro_total:   # see _begin_step
+            self._backward(self._zero_loss(), last=True)
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0

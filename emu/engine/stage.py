@@ -350,9 +350,10 @@ class StageEngine:
             return loss
 
         self._zero_grad()
-        if sequences:
-            batch = PackedBatch.build(sequences, index, self.micro_batch, self.device, per_token,
-                                      max_tokens=self.max_tokens_per_micro_batch)
+        batch = PackedBatch.build(sequences, index, self.micro_batch, self.device, per_token,
+                                  max_tokens=self.max_tokens_per_micro_batch) if sequences else None
+        self._begin_step(batch.n_micro if batch is not None else 0)
+        if batch is not None:
             self._run(batch, head_fn, train=True)
         grad_norm = self._optimizer_step()
         metrics = self._reduce_metrics(sums)
@@ -366,6 +367,9 @@ class StageEngine:
     def _zero_grad(self) -> None:
         for p in self.params.values():
             p.grad.zero_()
+
+    def _begin_step(self, n_micro: int) -> None:
+        """The step will run ``n_micro`` micro-batches on this replica (0: no share)."""
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         """Backward of one micro-batch's loss (``last``: the step's final micro-batch)."""

@@ -190,6 +190,32 @@ def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobC
     raise first
 
 
+def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[ModelStage, Backend],
+                  source: str) -> None:
+    """Refuse ``adaptation.forced`` entries that could never apply, before any process starts:
+    a model-stage the job does not have, a step it never reaches, a ZeRO stage or a TP/PP its
+    backend does not run (the rest — devices, divisibility — depends on the plan at that step).
+
+    Raises:
+        ConfigError: naming ``adaptation.forced[i]`` and the key.
+    """
+    known = {str(m): m for m in stages}
+    for i, entry in enumerate(job.adaptation.forced):
+        key = f"{source}: adaptation.forced[{i}]"
+        if entry.at_step >= job.steps:
+            raise ConfigError(f"{key}.at_step: {entry.at_step} is never reached (steps: {job.steps})")
+        for name, cfg in entry.model_stages.items():
+            if name not in known:
+                raise ConfigError(f"{key}.model_stages.{name}: not a model-stage of {job.algorithm.value} "
+                                  f"(one of {sorted(known)})")
+            ms = known[name]
+            backend = backends[ms]
+            zero = cfg.zero_stage
+            if zero is None:
+                zero = ZERO_STAGES[backend][0] if ms.stage == Stage.TRAINING else 0
+            check_zero_stage(ms, backend, zero, tp=cfg.tp or 1, pp=cfg.pp or 1, key=f"{key}.model_stages.{name}")
+
+
 def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: int,
                 site_memory_bytes: int, site_name: str, device_kind: str = "cuda") -> ResolvedJob:
     """Resolve ``job`` against a site's device count, memory and device kind (``cpu``, ``cuda``, …).
@@ -237,6 +263,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
                 f"{source}: plan.model_stages.{name}: not a model-stage of {job.algorithm.value} "
                 f"(one of {sorted(known)})"
             )
+    _check_forced(job, stages, backends, source)
     candidates, grad_accum = {}, {}
     for ms in stages:
         try:

@@ -43,14 +43,14 @@ SIZES = AdamStateSizes(param_bytes=4, master_bytes=0, optimizer_bytes=8)
 """The canonical holdings a transition moves: fp32 parameter + Adam m, v (12 bytes/element)."""
 
 
-def ds_engine(rank, cand, value_head, zero_stage, memory=None):
+def ds_engine(rank, cand, value_head, zero_stage, memory=None, max_tokens=None):
     groups = build_stage_groups(cand, rank)
     if groups is None:
         return None
     return DeepSpeedStageEngine(
         zero_stage=zero_stage, model_stage=TRAIN[value_head], spec=SPEC, candidate=cand, rank=rank, groups=groups,
         device=torch.device("cpu"), memory=memory or DeviceMemory(rank, 1 << 30), value_head=value_head,
-        lr=1e-2, eps=ADAM_EPS, grad_clip=0.5, micro_batch=2)
+        lr=1e-2, eps=ADAM_EPS, grad_clip=0.5, micro_batch=2, max_tokens_per_micro_batch=max_tokens)
 
 
 def step(eng, cand, dp_rank, value_head, step_no):
@@ -169,9 +169,38 @@ def checkpoint_case(rank, world, directory: str) -> dict:
     return out
 
 
+def token_budget_case(rank, world, z=2) -> dict:
+    """Token-budget micro-batches: the two replicas pack their shares into different numbers of
+    micro-batches (ZeRO-2 reduces during every backward, so they must agree on a count, and the
+    shorter one's padding backward must fill the buckets in a real backward's order) and still
+    equal the native engine."""
+    own = Candidate(1, 1, 1, (rank,))
+    native = make_engine(rank, own, build_stage_groups(own, rank), False, max_tokens=12)
+    native.initialize(seed=7)
+    bind_engine(native)
+    ref = [step(native, own, 0, False, s) for s in range(2)]
+    pair = Candidate(1, 1, 2, (0, 1), zero_stage=z)
+    eng = ds_engine(rank, pair, False, z, max_tokens=12)
+    if eng is None:
+        return {}
+    eng.initialize(seed=7)
+    seqs, pls = sequences()
+    from emu.engine.batch import PackedBatch
+    mine = share(list(range(len(seqs))), 2, eng.groups.dp_rank)
+    index = eng._response_index([seqs[i] for i in mine], [pls[i] for i in mine])
+    n_micro = PackedBatch.build([seqs[i] for i in mine], index, 2, torch.device("cpu"), max_tokens=12).n_micro
+    got = [step(eng, pair, eng.groups.dp_rank, False, s) for s in range(2)]
+    out = {"n_micro": n_micro, "metrics": max(rel(g, r) for g, r in zip(got, ref)),
+           "state": float((flat(holding_of(eng)) - flat(holding_of(native))).abs().max())}
+    eng.release()
+    return out
+
+
 def run_rank(rank, world, directory):
     out = {(z, vh): case(rank, world, z, vh) for z in (1, 2) for vh in (False, True)}
     out["checkpoint"] = checkpoint_case(rank, world, directory)
+    out["token_budget"] = token_budget_case(rank, world)
+    out["token_budget1"] = token_budget_case(rank, world, 1)
     return out
 
 
@@ -179,6 +208,11 @@ def run_rank(rank, world, directory):
 @requires_deepspeed
 def test_deepspeed_zero_matches_native_and_moves_exactly(tmp_path):
     per_rank = run_distributed(run_rank, 3, str(tmp_path))
+    for key in ("token_budget", "token_budget1"):
+        budget = [r.pop(key) for r in per_rank]
+        assert budget[0]["n_micro"] != budget[1]["n_micro"], budget   # the case this checks
+        for b in budget[:2]:
+            assert b["metrics"] < TOL and b["state"] < TOL, (key, budget)
     for rank, results in enumerate(per_rank):
         ckpt = results.pop("checkpoint")
         assert ckpt["zero1_to_zero0"] and ckpt["zero1_to_zero1_dp1"], (rank, ckpt)

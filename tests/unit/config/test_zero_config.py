@@ -144,3 +144,27 @@ def test_weight_sync_dags_carry_no_zero_stage():
     plan = Plan({gen: Candidate(1, 1, 2, (0, 1)), TRAIN: Candidate(1, 1, 2, (0, 1), zero_stage=1)})
     dag = weight_sync_dags(plan, TINY_MODELS, devices_per_node=4)[(TRAIN, gen)]
     assert all(c.zero_stage == 0 for c in dag.current.candidates.values())
+
+
+@pytest.mark.parametrize("forced, match", [
+    ("{at_step: 2, model_stages: {actor/training: {zero_stage: 1}}}",
+     r"job.yaml: adaptation.forced\[0\].model_stages.actor/training.zero_stage: zero_stage 1 needs backends"),
+    ("{at_step: 2, model_stages: {critic/training: {tp: 1}}}",
+     r"adaptation.forced\[0\].model_stages.critic/training: not a model-stage of grpo"),
+    ("{at_step: 99, model_stages: {actor/training: {tp: 1}}}", r"adaptation.forced\[0\].at_step: 99 is never reached"),
+])
+def test_forced_entries_are_checked_before_launch(tmp_path, forced, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(write(tmp_path, tiny_job(f"steps: 4\nadaptation: {{forced: [{forced}]}}\n")))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ("{tp: 2}", r"adaptation.forced\[0\].model_stages.actor/training: the deepspeed backend runs tp = pp = 1"),
+    ("{zero_stage: 0}", r"adaptation.forced\[0\].model_stages.actor/training.zero_stage: deepspeed runs"),
+])
+def test_forced_entries_on_a_deepspeed_stage_are_checked_before_launch(tmp_path, cfg, match):
+    text = f"steps: 4\nbackends: {{actor/training: deepspeed}}\nadaptation: {{forced: [{{at_step: 2, model_stages: {{actor/training: {cfg}}}}}]}}\n"
+    with pytest.raises(ConfigError, match=match):
+        resolve(write(tmp_path, tiny_job(text)))
+    ok = "steps: 4\nbackends: {actor/training: deepspeed}\nadaptation: {forced: [{at_step: 2, model_stages: {actor/training: {zero_stage: 2}}}]}\n"
+    resolve(write(tmp_path, tiny_job(ok)))
