@@ -73,6 +73,12 @@ def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def default_zero_stage(ms: ModelStage, backend: Backend) -> int:
+    """The ZeRO stage of ``ms`` when nothing pins it: its backend's launch default for training
+    (:data:`ZERO_STAGES`, first entry), else 0."""
+    return ZERO_STAGES[backend][0] if ms.stage is Stage.TRAINING else 0
+
+
 def check_zero_stage(ms: ModelStage, backend: Backend, zero_stage: int, *, tp: int, pp: int, key: str) -> None:
     """Refuse a ``zero_stage`` the backend of ``ms`` does not run, or a ZeRO unit with TP/PP.
 

@@ -49,7 +49,7 @@ from emu.engine.stage import StageEngine  # noqa: E402
 from emu.state.devmem import DeviceMemory  # noqa: E402
 from emu.state.executor import TransitionExecutor  # noqa: E402
 from emu.state.primitives import HoldingStore  # noqa: E402
-from emu.state.unit import bind_engine, holding_bytes, holding_of  # noqa: E402
+from emu.state.unit import bind_engine, holding_of  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage  # noqa: E402
 from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel, plan_transition  # noqa: E402
@@ -128,13 +128,7 @@ def body(rank: int, world: int, args: dict, ckpt: str) -> dict:
     store = HoldingStore(memory)
     phases = {}
     if eng is not None:   # detach as emu.worker.transition_tasks does
-        memory.allocate(str(MS), "export", holding_bytes(eng))
-        holding = holding_of(eng)
-        eng.release()
-        memory.free(str(MS), "export")
-        for what in ("parameters", "gradients", "optimizer"):
-            memory.free(str(MS), what)
-        store.put(holding, book=True)
+        store.put(eng.detach(), book=True)
     dist.barrier()
     phases["export"] = time.perf_counter() - t
     ex = TransitionExecutor(dag, rank, store, {MS: (spec, False, ("param", "exp_avg", "exp_avg_sq"))})

@@ -335,6 +335,23 @@ class DeepSpeedStageEngine(StageEngine):
                 "exp_avg_sq": shard.view(n, "exp_avg_sq")} for n in names})
         self.logical = shard.logical
 
+    def detach(self, memory=None) -> EmuShard:
+        """What a worker does with this engine before a transition: export the canonical holding
+        (collective over DP) with its bytes booked as ``export`` while engine and holding both
+        exist, then :meth:`release` and free the engine's entries. Returns the (unbooked) holding.
+
+        Args:
+            memory: the :class:`DeviceMemory` to book on (default: the engine's own).
+        """
+        memory = memory or self.memory
+        numel = sum(p.numel() for p in self.params.values())
+        memory.allocate(self.ms, "export", 4 * len(TRAIN_SLOTS) * numel)   # the fp32 holding it exports
+        holding = self.export_holding()
+        self.release()
+        for what in ("export", "parameters", "gradients", "optimizer"):
+            memory.free(self.ms, what)
+        return holding
+
     def release(self) -> None:
         """Drop DeepSpeed's engine, hooks and buffers (the caller frees the booked entries)."""
         self.ds_optimizer.destroy()

@@ -326,12 +326,6 @@ def params_holding_of(engine) -> EmuShard:
     return shard
 
 
-def holding_bytes(engine) -> int:
-    """Bytes of the engine's full holding (every slot of every parameter it holds)."""
-    slots = len(TRAIN_SLOTS) if engine.trainable else len(PARAM_SLOTS)
-    return 4 * slots * sum(p.numel() for p in engine.params.values())
-
-
 def full_tensors(holdings: list[EmuShard], slot: str = "param") -> dict[str, torch.Tensor]:
     """Canonical full tensors of ``slot`` assembled from holdings that together cover a model.
 

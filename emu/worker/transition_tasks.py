@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from emu.state.executor import TransitionExecutor
 from emu.state.primitives import Communicators, HoldingStore, create_communicators
-from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_bytes, holding_of, params_holding_of, slots_for
+from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_of, params_holding_of, slots_for
 from emu.worker.world import join_world
 from nereusd import protocol as P
 from nereusd.errors import NereusError
@@ -68,13 +68,7 @@ class TransitionTasks:
         """Move engine ``ms`` into the holding store (no copy; a ZeRO engine exports its canonical
         holding first, collectively over its DP group, with the holding booked while both exist)."""
         engine = self.engines.pop(ms)
-        zero = getattr(engine, "zero_stage", 0)
-        if zero:
-            self.memory.allocate(str(ms), "export", holding_bytes(engine))
-        holding = holding_of(engine)
-        if zero:
-            engine.release()
-            self.memory.free(str(ms), "export")
+        holding = engine.detach() if getattr(engine, "zero_stage", 0) else holding_of(engine)
         for what in ("parameters", "gradients", "optimizer"):
             self.memory.free(str(ms), what)
         engine.module = None

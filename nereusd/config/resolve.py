@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nereusd.backends import ZERO_STAGES, Backend, check_engine_support, check_zero_stage, resolve_backends
+from nereusd.backends import (ZERO_STAGES, Backend, check_engine_support, check_zero_stage, default_zero_stage,
+                              resolve_backends)
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
@@ -151,7 +152,7 @@ def _resolve_candidate(
         )
     own_zero = override is not None and override.zero_stage is not None
     if ms.stage == Stage.TRAINING:
-        zero = ZERO_STAGES[backend][0] if merged["zero_stage"] is None else merged["zero_stage"]
+        zero = default_zero_stage(ms, backend) if merged["zero_stage"] is None else merged["zero_stage"]
     else:   # plan.default's zero_stage is for training; one named on this model-stage is checked
         zero = override.zero_stage if own_zero else 0
     zero_key = key if own_zero or merged["zero_stage"] is None else "plan.default"
@@ -210,9 +211,7 @@ def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[Model
                                   f"(one of {sorted(known)})")
             ms = known[name]
             backend = backends[ms]
-            zero = cfg.zero_stage
-            if zero is None:
-                zero = ZERO_STAGES[backend][0] if ms.stage == Stage.TRAINING else 0
+            zero = default_zero_stage(ms, backend) if cfg.zero_stage is None else cfg.zero_stage
             check_zero_stage(ms, backend, zero, tp=cfg.tp or 1, pp=cfg.pp or 1, key=f"{key}.model_stages.{name}")
 
 

@@ -26,7 +26,7 @@ from emu.state.devmem import DeviceMemory
 from emu.engine.canonical import init_full_state
 from emu.state.executor import TransitionExecutor
 from emu.state.primitives import HoldingStore
-from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState, bind_engine, holding_bytes, holding_of
+from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState, bind_engine, holding_of
 from nereusd.plan import Candidate, Plan, Role
 from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel, check_feasibility, plan_transition
 from tests.support.holdings import canonical, fill, specs_for
@@ -305,11 +305,7 @@ def random_zero_transitions(rank: int, world: int, seed: int) -> dict:
         store = HoldingStore(memory)
         if engine is not None:   # detach as TransitionTasks._detach: export (booked), release, book the holding
             memory.allocate(str(ZERO_MS), "parameters", 4 * sum(p.numel() for p in engine.params.values()))
-            memory.allocate(str(ZERO_MS), "export", holding_bytes(engine))
-            holding = holding_of(engine)
-            engine.release()
-            memory.free(str(ZERO_MS), "export")
-            memory.free(str(ZERO_MS), "parameters")
+            holding = engine.detach(memory)
             assert holding.logical == logical, (i, holding.logical)
             check_holding(holding, seed, (i, cur.describe()))
             store.put(holding, book=True)
