@@ -91,7 +91,10 @@ class Daemon:
                 SlurmClient(), [args.slurm_job_id],
                 on_event=lambda ev: self.control.call_soon(lambda: self.pool.on_slurm_event(ev)))
             self.pool.watcher = self.watcher
-        self.store = RendezvousStore(args.store_host)
+        try:
+            self.store = RendezvousStore(args.store_host)
+        except OSError as err:   # not an address of this machine, or unresolvable
+            raise NereusError(f"--store-host {args.store_host}: cannot listen there: {err}") from None
         self.driver: RLDriver | None = None
         self.live: LiveAdaptation | None = None
 
