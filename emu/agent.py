@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -26,12 +27,31 @@ import zmq
 from emu.inventory import discover
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError
+from nereusd.config.site import beat_interval_s
 from nereusd.daemon.security import JobKeys, load_keys, make_client
 from nereusd.slurm import visible_gpus
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Beat:
+    """The read end of one worker's liveness pipe and when it last beat (monotonic seconds)."""
+
+    fd: int
+    last_s: float
+
+    def drain(self, now_s: float) -> None:
+        """Read whatever beats arrived; any byte counts as alive at ``now_s``."""
+        try:
+            while os.read(self.fd, 4096):
+                self.last_s = now_s
+        except BlockingIOError:
+            pass
+        except OSError:   # closed: the worker is gone, its exit is reported by _check_workers
+            pass
 
 
 class Agent:
@@ -58,9 +78,13 @@ class Agent:
         self._down.bind(self.ipc_endpoint)
         self.global_devices: list[int] = []
         self.workers: dict[int, subprocess.Popen] = {}
+        self._beats: dict[int, _Beat] = {}
+        self.worker_stall_s = 120.0
+        """Kill and report a worker whose liveness beat is silent this long (from ``SpawnWorkers``)."""
         self._reported_exit: set[int] = set()
         self._stopping = False
         self._last_daemon_s = time.monotonic()
+        self._poller: zmq.Poller | None = None
 
     # ------------------------------------------------------------------ helpers
     def _send_up(self, msg: P._Message) -> None:
@@ -92,7 +116,9 @@ class Agent:
     def _spawn(self, msg: P.SpawnWorkers) -> None:
         log_dir = Path(msg.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.worker_stall_s = msg.worker_stall_s
         for spec in msg.workers:
+            beat_read, beat_write = os.pipe()
             info = self.devices[spec.local_index]
             argv = [
                 sys.executable, "-m", "emu.worker",
@@ -107,6 +133,8 @@ class Agent:
                 "--store-port", str(msg.store_port),
                 "--memory-bytes", str(spec.memory_capacity_bytes),
                 "--run-dir", msg.run_dir,
+                "--beat-fd", str(beat_write),
+                "--beat-interval-s", f"{beat_interval_s(msg.worker_stall_s):g}",
             ]
             env = dict(os.environ)
             threads = str(msg.threads_per_worker)
@@ -114,20 +142,60 @@ class Agent:
             if msg.store_host.startswith("127."):
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             log_file = open(log_dir / f"worker-{spec.device}.log", "ab")
-            self.workers[spec.device] = subprocess.Popen(
-                argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            )
-            log_file.close()
+            try:
+                self.workers[spec.device] = subprocess.Popen(
+                    argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    pass_fds=(beat_write,),
+                )
+            finally:
+                log_file.close()
+                os.close(beat_write)
+            self._close_beat(spec.device)   # a restarted device: the old worker's pipe
+            os.set_blocking(beat_read, False)
+            self._beats[spec.device] = _Beat(beat_read, time.monotonic())
+            if self._poller is not None:
+                self._poller.register(beat_read, zmq.POLLIN)
             self._reported_exit.discard(spec.device)
             log.info("started worker for device %d (pid %d)", spec.device, self.workers[spec.device].pid)
+
+    def _close_beat(self, device: int) -> None:
+        beat = self._beats.pop(device, None)
+        if beat is not None:
+            if self._poller is not None:
+                self._poller.unregister(beat.fd)
+            os.close(beat.fd)
 
     def _check_workers(self) -> None:
         for device, proc in self.workers.items():
             code = proc.poll()
             if code is not None and device not in self._reported_exit:
                 self._reported_exit.add(device)
+                self._close_beat(device)
                 log.warning("worker of device %d exited with %s", device, code)
                 self._send_up(P.WorkerExited(node_id=self.node_id, device=device, exitcode=code))
+        self._check_stalls()
+
+    def _check_stalls(self) -> None:
+        """Kill (``SIGKILL``, which also ends a stopped process) and report every live worker whose
+        liveness beat has been silent for more than :attr:`worker_stall_s`: to nereusd it is a
+        lost device, like a worker that died."""
+        now = time.monotonic()
+        for device, beat in list(self._beats.items()):
+            proc = self.workers[device]
+            if proc.poll() is not None or device in self._reported_exit:
+                continue
+            beat.drain(now)
+            silent_s = now - beat.last_s
+            if silent_s <= self.worker_stall_s:
+                continue
+            log.error("worker of device %d (pid %d) silent for %.1f s (bound %.0f s): stalled; killing it",
+                      device, proc.pid, silent_s, self.worker_stall_s)
+            proc.kill()
+            code = proc.wait()
+            self._reported_exit.add(device)
+            self._close_beat(device)
+            self._send_up(P.WorkerExited(node_id=self.node_id, device=device, exitcode=code,
+                                         stalled_s=round(silent_s, 3)))
 
     def stop_workers(self, reason: str, grace_s: float = 5.0) -> None:
         """Ask workers to exit, then SIGTERM, then SIGKILL what is left."""
@@ -214,9 +282,11 @@ class Agent:
 
     def run(self) -> int:
         """Serve until shutdown; returns the process exit code."""
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._up, zmq.POLLIN)
         poller.register(self._down, zmq.POLLIN)
+        for beat in self._beats.values():
+            poller.register(beat.fd, zmq.POLLIN)
         next_beat = 0.0
         code = 0
         try:
@@ -228,8 +298,11 @@ class Agent:
                 if self._down in events:
                     identity, frame = self._down.recv_multipart()
                     self._on_worker(identity, frame)
-                self._check_workers()
                 now = time.monotonic()
+                for beat in list(self._beats.values()):
+                    if beat.fd in events:
+                        beat.drain(now)
+                self._check_workers()
                 if now >= next_beat:
                     self._send_up(P.Heartbeat(node_id=self.node_id, workers_alive=self._alive()))
                     next_beat = now + HEARTBEAT_INTERVAL_S
@@ -250,6 +323,8 @@ class Agent:
         self._stopping = True
 
     def close(self) -> None:
+        for device in list(self._beats):
+            self._close_beat(device)
         self._down.close(0)
         self._up.close()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -106,6 +106,35 @@ def save_holdings(holdings: Iterable[EmuShard], directory: str | Path, *, plan: 
         dcp.save(state, checkpoint_id=str(directory), process_group=process_group, no_dist=no_dist)
 
 
+def verify_checkpoint(directory: str | Path) -> int:
+    """Check that the DCP checkpoint ``directory`` is complete: its metadata reads, and every
+    byte range it records lies inside a file that exists. Returns the bytes it records.
+
+    Run once per checkpoint, by one rank, after :func:`save_holdings` returned (DCP writes the
+    metadata last, after every rank's files).
+
+    Raises:
+        StorageError: naming the directory and the first missing or short file.
+    """
+    directory = Path(directory)
+    with _storage_faults("verification", directory):
+        meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    sizes: dict[str, int] = {}
+    total = 0
+    for info in (meta.storage_data or {}).values():
+        path = directory / info.relative_path
+        if info.relative_path not in sizes:
+            try:
+                sizes[info.relative_path] = path.stat().st_size
+            except OSError as err:
+                raise StorageError(f"checkpoint {directory} is incomplete: {path}: {err.strerror or err}") from None
+        if info.offset + info.length > sizes[info.relative_path]:
+            raise StorageError(f"checkpoint {directory} is incomplete: {path} has {sizes[info.relative_path]} bytes, "
+                               f"the metadata records data up to byte {info.offset + info.length}")
+        total += info.length
+    return total
+
+
 def saved_plan(directory: str | Path) -> Optional[Plan]:
     """The plan recorded by :func:`save_holdings`, or ``None``."""
     meta = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata

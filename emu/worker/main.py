@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -37,7 +38,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--memory-bytes", type=int, required=True, help="device memory capacity to account against")
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--beat-fd", type=int, default=None,
+                        help="pipe to the agent: one byte per liveness beat (the agent's stall watchdog)")
+    parser.add_argument("--beat-interval-s", type=float, default=1.0, help="seconds between liveness beats")
     return parser
+
+
+def start_liveness_beat(fd: int, interval_s: float) -> threading.Thread:
+    """Write one byte to ``fd`` every ``interval_s`` seconds from a daemon thread, for as long as
+    this process runs (the agent's watchdog, :meth:`emu.agent.Agent._check_stalls`).
+
+    The thread beats while the main thread waits in a torch op or a collective (they release
+    the GIL), so a worker blocked on a stalled peer keeps beating; a stopped (``SIGSTOP``) or
+    frozen process does not. A full pipe (an agent that is itself stalled) drops beats; a
+    closed one (the agent is gone) ends the thread.
+    """
+    os.set_blocking(fd, False)
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(fd, b".")
+            except BlockingIOError:
+                pass
+            except OSError:
+                return
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=beat, name="liveness-beat", daemon=True)
+    thread.start()
+    return thread
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -98,6 +128,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.beat_fd is not None:   # first: the imports and the world's rendezvous take seconds
+        start_liveness_beat(args.beat_fd, args.beat_interval_s)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s worker[dev{args.device} rank{args.rank}] %(name)s: %(message)s",

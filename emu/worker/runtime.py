@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from emu.state.devmem import DeviceMemory
 from emu.engine.stage import StageEngine
-from emu.state.checkpoint import load_holdings, save_holdings
+from emu.state.checkpoint import load_holdings, save_holdings, verify_checkpoint
 from emu.engine.hf_io import load_state
 from emu.engine.parallel import build_stage_groups
 from emu.state.primitives import HoldingStore
@@ -223,15 +223,21 @@ class WorkerRuntime(TransitionTasks, VllmStages):
     # ------------------------------------------------------------------ weights and checkpoints
     def save_checkpoint(self, args: P.SaveCheckpointArgs) -> dict[str, Any]:
         """Save every training model-stage's holdings (parameters, Adam state, logical state)
-        with torch DCP (:mod:`emu.state.checkpoint`), one checkpoint per role under ``<dir>/<role>/``."""
+        with torch DCP (:mod:`emu.state.checkpoint`), one checkpoint per role under ``<dir>/<role>/``.
+
+        Returns ``{"verified_bytes": {role: bytes}}`` for the roles whose checkpoint this rank
+        verified (the model-stage's first device; :func:`~emu.state.checkpoint.verify_checkpoint`)."""
         root = Path(args.dir)
         assert self.plan is not None
+        verified: dict[str, int] = {}
         for ms, cand in self.plan.items():
             if ms.stage != Stage.TRAINING or self.device_index not in cand.devices:
                 continue
             save_holdings([holding_of(self.engines[ms])], root / ms.role.value, plan=Plan({ms: cand}),
                           process_group=self.stage_pg[ms])
-        return {}
+            if self.device_index == cand.devices[0]:
+                verified[ms.role.value] = verify_checkpoint(root / ms.role.value)
+        return {"verified_bytes": verified}
 
     def load_checkpoint(self, args: P.LoadCheckpointArgs) -> dict[str, Any]:
         """Load every training model-stage this rank holds from ``<dir>/<role>/`` (any saved layout)."""

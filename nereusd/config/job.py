@@ -152,6 +152,10 @@ class CheckpointConfig(_Strict):
     adaptation, :data:`ADAPTIVE_CHECKPOINT_EVERY` with it (see :meth:`interval`)."""
     final: bool = True
     """Save a DCP checkpoint at the end of the run."""
+    keep_last: int = Field(3, ge=1)
+    """Periodic checkpoints kept (``checkpoints/step<N>``): after each new one is committed the
+    older ones beyond this many are deleted (:func:`nereusd.checkpoints.prune`). ``final``,
+    ``preempted-*`` and ``fallback-*`` checkpoints are always kept."""
 
     def interval(self, adaptive: bool) -> int:
         """Steps between periodic checkpoints (0: none) for a job with (``adaptive``) or without

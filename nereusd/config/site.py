@@ -22,6 +22,7 @@ Loading is strict: unknown keys, missing keys and values of the wrong type raise
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -83,6 +84,26 @@ class NetworkSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LivenessSpec:
+    """How long a silent process may take before it counts as lost."""
+
+    worker_stall_s: float = 120.0
+    """A worker whose liveness beat (a thread in the worker, every
+    :func:`~nereusd.config.site.beat_interval_s` seconds) is silent this long is stopped or frozen
+    (``SIGSTOP``, a swapped-out or wedged process): its agent kills it and reports it, and
+    nereusd treats its device as lost. A worker blocked in a collective on a stalled peer keeps
+    beating, so the stalled one is the one named. The beat thread needs the GIL for a moment
+    per beat, so this must exceed the longest call that holds the GIL (torch ops and
+    collectives release it)."""
+
+
+def beat_interval_s(worker_stall_s: float) -> float:
+    """Seconds between a worker's liveness beats: a tenth of the stall bound, at most 1 s, so
+    a stall is detected within ``worker_stall_s`` plus one beat."""
+    return min(1.0, worker_stall_s / 10.0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SiteConfig:
     """A cluster's hardware as loaded from a site YAML (never mutated after load)."""
 
@@ -100,6 +121,8 @@ class SiteConfig:
     """How to ask this cluster's Slurm for nodes; ``None``: the site cannot be submitted to."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Environment exported to nereusd, agents and workers (NCCL/RCCL, OFI/CXI, IB HCA, …)."""
+    liveness: LivenessSpec = field(default_factory=LivenessSpec)
+    """When a silent worker counts as lost (:class:`LivenessSpec`)."""
     source: str = ""
     """Path the config was loaded from ("" when built in code)."""
 
@@ -283,6 +306,8 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
     if hint is float:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _fail(label, key, f"expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise _fail(label, key, f"expected a finite number, got {value!r}")
         return float(value)
     if origin is Literal:
         allowed = typing.get_args(hint)
@@ -316,6 +341,7 @@ _POSITIVE = {
     SiteConfig: ("nodes", "devices_per_node"),
     DeviceSpec: ("memory_gib", "hbm_gbps"),
     NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
+    LivenessSpec: ("worker_stall_s",),
 }
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
                  DeviceSpec: ("layer_launch_us",)}

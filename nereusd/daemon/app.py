@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from nereusd import checkpoints
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.control.controller import controller_for_job
@@ -35,7 +36,7 @@ from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
-from nereusd.errors import NereusError, WorkerError
+from nereusd.errors import NereusError, StorageError, WorkerError
 from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, read_jsonl
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
@@ -44,8 +45,10 @@ from nereusd.slurm import AllocationWatcher, SlurmClient
 
 log = logging.getLogger(__name__)
 
-class Terminated(Exception):
-    """SIGTERM or SIGINT reached nereusd (raised by the entry point's signal handler)."""
+class Terminated(BaseException):
+    """SIGTERM or SIGINT reached nereusd (raised by the entry point's signal handler). A
+    ``BaseException``, like ``KeyboardInterrupt``: the guards that keep a bad message or a
+    handler's bug from stopping the daemon (``except Exception``) must not swallow a stop."""
 
 
 def loopback(bind: str) -> bool:
@@ -68,6 +71,7 @@ class Daemon:
         self.args = args
         self.run_dir = Path(args.run_dir)
         self.job: ResolvedJob = load_and_resolve(args.job)
+        self.site: SiteConfig = load_site(self.job.config.site)
         keys = load_keys(args.keys_dir, "server") if args.keys_dir else None
         if keys is None and not loopback(args.bind):
             raise NereusError(f"--bind {args.bind} is reachable from other hosts: pass --keys-dir with the job's "
@@ -83,7 +87,8 @@ class Daemon:
         self.pool.live = self.job.config.adaptation.enabled
         self.control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=self.journal.event,
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
-                                    on_pool_request=self.pool.request_remove)
+                                    on_pool_request=self.pool.request_remove,
+                                    worker_stall_s=self.site.liveness.worker_stall_s)
         self.pool.control = self.control
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:
@@ -123,7 +128,13 @@ class Daemon:
             self.journal.event(Event.JOB_PREEMPTED, {"reason": str(err)})
             log.warning("job stopped: %s", err)
             code = 0
-        except WorkerError as err:
+        except (StorageError, WorkerError) as err:
+            if isinstance(err, StorageError) or err.error_kind == "StorageError":
+                message = self._storage_fault(err)
+                summary.update(status="stopped", error=message, error_kind="StorageFault")
+                self.journal.event(Event.JOB_STOPPED, {"error": message, "error_kind": "StorageFault"})
+                log.error("job stopped: %s", message)
+                return code
             pool_reason = self.pool.explain_failure(err)
             kind = "PoolShrunk" if pool_reason else (err.error_kind or "WorkerError")
             message = pool_reason or str(err)
@@ -149,6 +160,16 @@ class Daemon:
             self._stop(summary, started)
         return code
 
+    def _storage_fault(self, err: Exception) -> str:
+        """The stop message of a storage fault: its cause (path, errno, free bytes), the
+        checkpoint the job can resume from, and what the next one needs (the size of the last)."""
+        latest = checkpoints.latest(self.run_dir / "checkpoints")
+        if latest is None:
+            return f"storage fault: {err}; no checkpoint was written yet"
+        size = checkpoints.size_bytes(latest)
+        return (f"storage fault: {err}; the latest checkpoint {latest} is kept ({size} bytes; "
+                f"the next needs about as much)")
+
     def _announce(self) -> str:
         """Write ``nereusd.json`` (endpoint, store, pid) atomically; returns the endpoint agents use."""
         endpoint = self.control.endpoint
@@ -166,7 +187,7 @@ class Daemon:
     def _run_job(self) -> list[StepRecord]:
         """Launch plan, world, workers, the controller and its shell; then every step."""
         job = self.job
-        site = load_site(job.config.site)
+        site = self.site
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
         driver.plan = self._launch_plan(site, driver)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)

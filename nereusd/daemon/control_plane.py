@@ -73,6 +73,8 @@ class ControlPlane:
             can connect (``None``: plain TCP, for loopback-only local mode).
         on_pool_change: called with every :class:`PoolChange` (agents joining or lost).
         status: returns the dict a ``StatusRequest`` is answered with.
+        worker_stall_s: a worker whose liveness beat is silent this long is killed by its agent
+            and reported lost with cause ``worker_stalled`` (site ``liveness.worker_stall_s``).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, heartbeat_timeout_s: float = 15.0,
@@ -80,8 +82,10 @@ class ControlPlane:
                  on_pool_change: Callable[[PoolChange], None] | None = None,
                  status: Callable[[], dict[str, Any]] | None = None,
                  on_pool_request: Callable[[int], dict[str, Any]] | None = None,
-                 max_devices_per_agent: int = MAX_DEVICES_PER_AGENT) -> None:
+                 max_devices_per_agent: int = MAX_DEVICES_PER_AGENT, worker_stall_s: float = 120.0) -> None:
         self._ctx = zmq.Context.instance()
+        self.worker_stall_s = worker_stall_s
+        """Sent with every ``SpawnWorkers``: the agents' stall bound (site ``liveness.worker_stall_s``)."""
         self.max_devices_per_agent = max_devices_per_agent
         """A registration claiming more devices than this is refused (:data:`MAX_DEVICES_PER_AGENT`)."""
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -97,6 +101,8 @@ class ControlPlane:
         self.agents: dict[str, AgentRecord] = {}
         self.ready_workers: set[int] = set()
         self.exited_workers: dict[int, int | None] = {}
+        self.stalled_workers: dict[int, float] = {}
+        """Devices whose agent killed their stalled worker: ``{device: seconds silent}``."""
         self.lost_agents: list[str] = []
         self.device_losses: dict[int, dict[str, Any]] = {}
         """Devices whose agent was lost (:meth:`remove_node`): ``{device: {node_id, cause, detail}}``."""
@@ -154,6 +160,9 @@ class ControlPlane:
             self._handle(identity, msg)
         except ProtocolError as err:
             self._refuse(identity, str(err))
+        except Exception as err:  # noqa: BLE001 - a handler's bug must not take the daemon (and the job) down
+            log.exception("handling a message from peer %r failed", identity)
+            self._refuse(identity, f"nereusd could not handle the message: {type(err).__name__}: {str(err)[:200]}")
 
     def _refuse(self, identity: bytes, reason: str) -> None:
         self.refused_messages += 1
@@ -232,13 +241,21 @@ class ControlPlane:
             raise ProtocolError(f"agent {agent.node_id} reported the exit of device {msg.device} it does not own")
         self.exited_workers[msg.device] = msg.exitcode
         self.ready_workers.discard(msg.device)
-        log.warning("worker of device %d on %s exited with %s", msg.device, agent.node_id, msg.exitcode)
-        self._on_event(Event.WORKER_EXITED, {"device": msg.device, "node_id": agent.node_id, "exitcode": msg.exitcode})
+        fields: dict[str, Any] = {"device": msg.device, "node_id": agent.node_id, "exitcode": msg.exitcode}
+        if msg.stalled_s is not None:
+            self.stalled_workers[msg.device] = msg.stalled_s
+            fields["stalled_s"] = msg.stalled_s
+            log.error("worker of device %d on %s stalled (no liveness beat for %.1f s): its agent killed it",
+                      msg.device, agent.node_id, msg.stalled_s)
+        else:
+            log.warning("worker of device %d on %s exited with %s", msg.device, agent.node_id, msg.exitcode)
+        self._on_event(Event.WORKER_EXITED, fields)
 
     def _from_worker(self, device: int, payload: P.WorkerReady | P.TaskResult) -> None:
         if isinstance(payload, P.WorkerReady):
             self.ready_workers.add(device)
             self.exited_workers.pop(device, None)
+            self.stalled_workers.pop(device, None)
             return
         if payload.task_id in self._abandoned:   # a failed task's straggler: nobody waits for it
             log.debug("dropped a late result of abandoned task %d from device %d", payload.task_id, device)
@@ -311,12 +328,15 @@ class ControlPlane:
         whose agent was removed (heartbeat, Slurm) or whose worker process exited unasked.
 
         Returns ``{device: {"cause", "node_id", ...}}``: cause ``worker_exited`` (with
-        ``exitcode``) or the agent's removal cause (``heartbeat``, ``slurm:node_down`` ...).
+        ``exitcode``), ``worker_stalled`` (killed by its agent's watchdog, with ``stalled_s``) or the agent's removal cause (``heartbeat``, ``slurm:node_down`` ...).
         """
         out: dict[int, dict[str, Any]] = {}
         for dev in devices:
             if dev in self.device_losses:
                 out[dev] = dict(self.device_losses[dev])
+            elif dev in self.stalled_workers and dev in self.exited_workers:
+                out[dev] = {"cause": "worker_stalled", "node_id": self._device_to_agent.get(dev),
+                            "exitcode": self.exited_workers[dev], "stalled_s": self.stalled_workers[dev]}
             elif dev in self.exited_workers:
                 out[dev] = {"cause": "worker_exited", "node_id": self._device_to_agent.get(dev),
                             "exitcode": self.exited_workers[dev]}
@@ -367,6 +387,7 @@ class ControlPlane:
         """
         for device in world:   # a restart: the previous workers' exits are history
             self.exited_workers.pop(device, None)
+            self.stalled_workers.pop(device, None)
         by_agent: dict[str, list[P.WorkerSpec]] = {}
         for rank, device in enumerate(world):
             node_id = self._device_to_agent[device]
@@ -378,7 +399,7 @@ class ControlPlane:
         for node_id, workers in by_agent.items():
             self._send(self.agents[node_id].identity, P.SpawnWorkers(
                 generation=generation, world_size=len(world), store_host=store_host, store_port=store_port,
-                workers=workers, run_dir=run_dir,
+                workers=workers, run_dir=run_dir, worker_stall_s=self.worker_stall_s,
             ))
         deadline = time.monotonic() + timeout_s
         while not set(world) <= self.ready_workers:

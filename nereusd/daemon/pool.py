@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nereusd import checkpoints
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError
 from nereusd.journal import Event, Journal
@@ -170,9 +171,8 @@ class PoolController:
         return f"{reason}; latest checkpoint: {self.latest_checkpoint() or 'none'} (task error: {err})"
 
     def latest_checkpoint(self) -> str | None:
-        root = self.run_dir / "checkpoints"
-        dirs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-        return str(max(dirs, key=lambda p: p.stat().st_mtime)) if dirs else None
+        latest = checkpoints.latest(self.run_dir / "checkpoints")
+        return str(latest) if latest is not None else None
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:

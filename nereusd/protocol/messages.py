@@ -90,6 +90,9 @@ class SpawnWorkers(_Message):
     workers: list[WorkerSpec]
     run_dir: str
     threads_per_worker: int = Field(1, ge=1)
+    worker_stall_s: float = Field(120.0, gt=0, allow_inf_nan=False)
+    """The agent kills a worker whose liveness beat has been silent this long and reports it
+    stalled (the site's ``liveness.worker_stall_s``)."""
 
 
 class StopWorkers(_Message):
@@ -113,6 +116,9 @@ class WorkerExited(_Message):
     node_id: str
     device: int
     exitcode: int | None
+    stalled_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Set when the agent killed the worker because its liveness beat was silent this many
+    seconds (a stopped or frozen process); ``None``: the worker exited by itself."""
 
 
 class Task(_Message):

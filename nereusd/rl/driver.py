@@ -28,13 +28,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from nereusd.workflow import Algorithm
 from nereusd.daemon.control_plane import ControlPlane
-from nereusd.errors import WorkerError
+from nereusd import checkpoints
+from nereusd.errors import StorageError, WorkerError
 from nereusd import protocol as P
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import Event, Journal
@@ -454,22 +456,49 @@ class RLDriver:
 
     # ------------------------------------------------------------------ run
     def save_checkpoint(self, directory: str) -> None:
+        """Save every training model-stage into ``directory``, atomically (:mod:`nereusd.checkpoints`):
+        the workers write and verify ``<directory>.partial``, which is then renamed; older periodic
+        checkpoints are pruned to ``checkpoint.keep_last``.
+
+        Raises:
+            WorkerError: a worker's save failed (``error_kind`` ``StorageError`` for the storage);
+                the partial directory is deleted and earlier checkpoints are unchanged.
+            StorageError: a role's checkpoint was not verified, or the rename failed.
+        """
         members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
+        roles = sorted({ms.role.value for ms in self.plan if ms.stage == Stage.TRAINING})
         start = time.perf_counter()
-        save = P.SaveCheckpointArgs(dir=directory)
-        self.control.run({d: save for d in members})
+        partial = checkpoints.partial_path(directory)
+        checkpoints.discard_partial(directory)   # an earlier attempt's leftovers
+        save = P.SaveCheckpointArgs(dir=str(partial))
+        try:
+            results = self.control.run({d: save for d in members})
+            verified = {role: n for r in results.values() for role, n in r.result.get("verified_bytes", {}).items()}
+            if sorted(verified) != roles:
+                raise StorageError(f"checkpoint {partial}: roles {sorted(set(roles) - set(verified))} were not verified")
+            checkpoints.commit(directory)
+        except BaseException:
+            checkpoints.discard_partial(directory)
+            raise
         self.last_checkpoint = (directory, self.step_index, self.resume_position)
+        pruned = checkpoints.prune(Path(directory).parent, self.cfg.checkpoint.keep_last, protect=directory)
         self.journal.event(Event.CHECKPOINT, {"dir": directory, "step": self.step_index,
                                           "sample_position": self.resume_position,
-                                          "elapsed_s": time.perf_counter() - start})
+                                          "bytes": sum(verified.values()),
+                                          "elapsed_s": time.perf_counter() - start,
+                                          **({"pruned": [p.name for p in pruned]} if pruned else {})})
 
     def run(self) -> list[StepRecord]:
         """Build, run every step, checkpoint; returns the step records (re-run steps once)."""
         self.build()
         records: list[StepRecord] = []
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
-        while self.step_index < self.cfg.steps:
+        while True:
             try:   # the boundary too: a transition or checkpoint can lose a device as well
+                if self.step_index >= self.cfg.steps:   # the final checkpoint, in the same failure domain
+                    if self.cfg.checkpoint.final:
+                        self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / "final"))
+                    return records
                 if not records and self.step_index == 0 and self._eval_due(-1):
                     self.evaluate()   # the policy before any training (journalled)
                 record = self.step()
@@ -486,6 +515,3 @@ class RLDriver:
                 if self.on_failure is None or not self.on_failure(err):
                     raise
                 records = [r for r in records if r.step < self.step_index]   # rewound: steps re-run
-        if self.cfg.checkpoint.final:
-            self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / "final"))
-        return records

@@ -1,0 +1,121 @@
+"""The lifecycle of checkpoint directories in ``RUN_DIR/checkpoints/``, on the head node.
+
+A checkpoint is written atomically: the workers save into ``<name>.partial`` (torch DCP, one
+checkpoint per role below it), each role's coordinator verifies what it wrote
+(:func:`emu.state.checkpoint.verify_checkpoint`), and only then does nereusd rename it to
+``<name>`` (:func:`commit`). A save that fails (disk full, read-only, quota, a lost worker)
+leaves ``<name>.partial``, which is deleted, and every earlier checkpoint as it was. Periodic
+checkpoints (``step<NNNNNN>``) are pruned to the job's ``checkpoint.keep_last`` newest after each
+commit (:func:`prune`); ``final``, ``preempted-*`` and ``fallback-*`` are never pruned, and
+neither is the one a restart would load.
+
+The run directory is on storage that nereusd and the workers share (as their logs are).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from nereusd.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".partial"
+PERIODIC = re.compile(r"^step(\d{6})$")
+
+
+def partial_path(directory: str | Path) -> Path:
+    """Where a checkpoint for ``directory`` is written before it is committed."""
+    directory = Path(directory)
+    return directory.with_name(directory.name + PARTIAL_SUFFIX)
+
+
+def discard_partial(directory: str | Path) -> None:
+    """Delete the unfinished save of ``directory`` (best effort: a read-only disk keeps it)."""
+    shutil.rmtree(partial_path(directory), ignore_errors=True)
+
+
+def commit(directory: str | Path) -> None:
+    """Make the verified ``<directory>.partial`` the checkpoint ``directory``.
+
+    An existing ``directory`` (``final`` again after steps were re-run) is moved aside first and
+    deleted only after the rename, so a crash in between leaves one complete checkpoint.
+
+    Raises:
+        StorageError: a rename the storage refused, naming the paths (the earlier checkpoint stays).
+    """
+    directory = Path(directory)
+    partial = partial_path(directory)
+    old = directory.with_name(directory.name + ".old")
+    moved_aside = False
+    try:
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            moved_aside = True
+        os.replace(partial, directory)
+    except OSError as err:
+        if moved_aside:
+            try:
+                os.replace(old, directory)   # the earlier checkpoint back where a restart looks
+            except OSError:
+                pass
+        raise StorageError(f"checkpoint {partial} could not be renamed to {directory}: {err.strerror or err}") from None
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def periodic(root: str | Path) -> list[tuple[int, Path]]:
+    """The committed periodic checkpoints under ``root``, ``(step, path)``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := PERIODIC.match(p.name))]
+    return sorted(found)
+
+
+def prune(root: str | Path, keep_last: int, protect: str | Path | None = None) -> list[Path]:
+    """Delete all but the ``keep_last`` newest periodic checkpoints under ``root``, never
+    ``protect`` (the checkpoint a restart would load). Returns what was deleted.
+
+    A deletion the storage refuses is logged and skipped: pruning frees space, it never stops a job.
+    """
+    protect = Path(protect).resolve() if protect is not None else None
+    doomed = [p for _, p in periodic(root)[:-keep_last] if p.resolve() != protect] if keep_last > 0 else []
+    deleted = []
+    for path in doomed:
+        try:
+            shutil.rmtree(path)
+            deleted.append(path)
+        except OSError as err:
+            log.warning("could not prune checkpoint %s: %s", path, err)
+    return deleted
+
+
+def committed(root: str | Path) -> list[Path]:
+    """Every committed checkpoint directory under ``root`` (no ``.partial`` or ``.old`` ones)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and not p.name.endswith((PARTIAL_SUFFIX, ".old"))]
+
+
+def latest(root: str | Path) -> Path | None:
+    """The most recently committed checkpoint under ``root`` (by modification time), or ``None``."""
+    dirs = committed(root)
+    return max(dirs, key=lambda p: p.stat().st_mtime) if dirs else None
+
+
+def size_bytes(directory: str | Path) -> int:
+    """Bytes of the files below ``directory`` (0 when it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
