@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,8 @@ class Target:
     control: ControlPlane
     pool: PoolController
     task_id: int
-    events: list[str] = field(default_factory=list)
+    log_level: int = logging.NOTSET
+    """The ``nereusd`` logger's level before the run (restored by :meth:`close`)."""
 
     def feed(self, frame: list[bytes]) -> None:
         """Hand ``frame`` to the control plane as its socket would, then check its bounds.
@@ -123,12 +124,15 @@ class Target:
     def close(self) -> None:
         self.control.close()
         self.pool.journal.close()
+        logging.getLogger("nereusd").setLevel(self.log_level)
 
 
 def make_target(run_dir: Path) -> Target:
     """A control plane with agent ``n0`` (devices 0 and 1) registered, the world formed, live
     adaptation on and one task pending on both devices."""
-    logging.getLogger("nereusd").setLevel(logging.CRITICAL)   # each refusal is logged: 100,000 lines
+    logger = logging.getLogger("nereusd")
+    log_level = logger.level
+    logger.setLevel(logging.CRITICAL)   # each refusal is logged: 100,000 lines
     journal = Journal(run_dir)
     pool = PoolController(journal, run_dir, "fuzz", steps=10)
     pool.live = True
@@ -141,7 +145,7 @@ def make_target(run_dir: Path) -> Target:
     control.world_formed = True
     pool.world_formed({}, [0, 1])
     task_id = control.submit({0: P.MemoryReportArgs(), 1: P.MemoryReportArgs()})
-    return Target(control, pool, task_id)
+    return Target(control, pool, task_id, log_level)
 
 
 def summary(target: Target, cases: int) -> dict[str, Any]:
