@@ -27,6 +27,7 @@ from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir, read_jsonl
 from nereusd.plan import Candidate
+from nereusd.daemon.security import init_keys
 
 
 
@@ -311,11 +312,15 @@ def run_local(args: argparse.Namespace) -> int:
     interrupted = False
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
+        keys = str(init_keys(run_dir.resolve()))   # CURVE as on Slurm: status and pool need the run dir's keys
         daemon = _start([sys.executable, "-m", "nereusd.daemon.main", str(job_path),
-                         "--run-dir", str(run_dir.resolve())], logs / "nereusd.log")
+                         "--run-dir", str(run_dir.resolve()), "--keys-dir", keys], logs / "nereusd.log")
         endpoint = _wait_endpoint(run_dir, daemon)
+        metrics = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("metrics")
+        if metrics and not args.quiet:
+            print(f"nereus: Prometheus metrics at {metrics}; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
         agent_argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", "local0",
-                      "--run-dir", str(run_dir.resolve())]
+                      "--run-dir", str(run_dir.resolve()), "--keys-dir", keys]
         if not args.gpus:
             agent_argv += ["--cpu-devices", str(job.devices), "--cpu-memory-bytes", str(job.device_memory_bytes)]
         agent = _start(agent_argv, logs / "agent.log")

@@ -21,7 +21,7 @@ from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.journal import ENDPOINT_FILE
 from nereusd.daemon.live import start_local_agent
-from nereusd.daemon.security import load_keys, make_client
+from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,7 +81,7 @@ def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         if info.get("curve"):
-            make_client(sock, load_keys(run_dir / "keys", "client"))
+            make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
         sock.connect(info["endpoint"])
         sock.send(P.encode(P.PoolRequest(remove=count)))
         if not sock.poll(int(timeout_s * 1000)):
@@ -109,15 +109,16 @@ def run(args: argparse.Namespace) -> int:
     if args.add < 1:
         raise NereusError(f"--add: expected a positive count, got {args.add}")
     info = _endpoint(run_dir)
-    if info.get("curve"):
-        raise NereusError("--add starts a local agent; this job uses CURVE keys (a cluster job: use 'grow')")
+    if info.get("slurm_job_id"):
+        raise NereusError("--add starts an agent on this machine; this is a Slurm job: use 'nereus-launch grow'")
     limit = info.get("max_devices_per_agent")
     if limit is not None and args.add > limit:
         raise NereusError(f"--add: {args.add} devices, but an agent may register at most {limit}: add them "
                           f"in steps of at most {limit}")
     memory = int(info.get("device_memory_bytes") or 2**30)
     node = f"local-cli{int(time.time())}"
-    proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node)
+    proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node,
+                             keys_dir=run_dir.resolve() / KEYS_DIR if info.get("curve") else None)
     print(f"nereus: agent {node} (pid {proc.pid}) with {args.add} device(s) joins; they are used from the next "
           "safe boundary")
     return 0

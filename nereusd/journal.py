@@ -18,7 +18,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nereusd.errors import NereusError, StorageError
 
@@ -219,6 +219,9 @@ class Journal:
         self._events = _open_append(self.run_dir / EVENTS_FILE)
         self.fault: str | None = None
         """The first storage fault, once one happened."""
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Called with every record written (events and metrics; ``"event"`` in it tells which),
+        after it is on disk (:mod:`nereusd.daemon.observe`). A listener that raises is logged."""
 
     def _append(self, fh, line: str, name: str) -> None:
         data = line.encode("utf-8")
@@ -241,6 +244,14 @@ class Journal:
             StorageError: the storage refused the write.
         """
         self._append(self._metrics, to_json(record) + "\n", METRICS_FILE)
+        self._tell(record)
+
+    def _tell(self, record: dict[str, Any]) -> None:
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - metrics for dashboards must never stop the job
+                log.exception("journal listener %r failed", listener)
 
     def event(self, kind: Event, fields: dict[str, Any] | None = None) -> None:
         """Append one event ``{"time_s", "event", ...fields}``.
@@ -255,6 +266,7 @@ class Journal:
             log.error("event %s not journalled (%s): %s", record["event"], self.fault, to_json(record)[:500])
             return
         self._append(self._events, to_json(record) + "\n", EVENTS_FILE)
+        self._tell(record)
 
     def summary(self, record: dict[str, Any]) -> None:
         """Write ``summary.json`` atomically; a storage fault is logged (the job is ending)."""

@@ -33,6 +33,7 @@ from nereusd.control.controller import controller_for_job
 from nereusd.control.problem import launch_plan
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.daemon.live import LiveAdaptation
+from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
@@ -102,6 +103,14 @@ class Daemon:
             raise NereusError(f"--store-host {args.store_host}: cannot listen there: {err}") from None
         self.driver: RLDriver | None = None
         self.live: LiveAdaptation | None = None
+        try:
+            self.observer = Observer(self.run_dir, self.control, metrics_host=args.metrics_host,
+                                     metrics_port=None if args.no_metrics else args.metrics_port,
+                                     tensorboard=not args.no_tensorboard)
+        except OSError as err:
+            raise NereusError(f"--metrics-host {args.metrics_host} --metrics-port {args.metrics_port}: cannot serve "
+                              f"metrics there: {err}") from None
+        self.journal.listeners.append(self.observer.on_record)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
@@ -180,7 +189,8 @@ class Daemon:
                                    "store": f"{self.store.host}:{self.store.port}", "curve": self.curve,
                                    "slurm_job_id": self.args.slurm_job_id,
                                    "device_memory_bytes": self.job.device_memory_bytes,
-                                   "max_devices_per_agent": self.control.max_devices_per_agent}))
+                                   "max_devices_per_agent": self.control.max_devices_per_agent,
+                                   "metrics": self.observer.endpoint}))
         os.replace(tmp, self.run_dir / ENDPOINT_FILE)
         return endpoint
 
@@ -199,7 +209,7 @@ class Daemon:
         if self.pool.live:
             controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
-                                       self.pool)
+                                       self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
         driver.on_step = self._on_step
         return driver.run()
@@ -255,6 +265,7 @@ class Daemon:
         self.journal.summary(summary)
         self.journal.event(Event.NEREUSD_STOPPED, {"status": summary["status"]})
         self.journal.close()
+        self.observer.close()
         self.control.close()
 
 

@@ -99,6 +99,7 @@ class ControlPlane:
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.agents: dict[str, AgentRecord] = {}
+        self._by_identity: dict[bytes, AgentRecord] = {}
         self.ready_workers: set[int] = set()
         self.exited_workers: dict[int, int | None] = {}
         self.stalled_workers: dict[int, float] = {}
@@ -119,7 +120,14 @@ class ControlPlane:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.world_formed = False
         self.refused_messages = 0
+        self.received_messages = 0
+        """Frames received (accepted or refused) since start."""
         self.refused_connections = 0
+
+    @property
+    def pending_tasks(self) -> int:
+        """Tasks dispatched whose results have not all arrived (the dispatch queue's depth)."""
+        return len(self._pending)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the control-plane thread at its next :meth:`poll` (thread-safe)."""
@@ -151,6 +159,7 @@ class ControlPlane:
             self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
 
     def _receive(self, frames: list[bytes]) -> None:
+        self.received_messages += 1
         identity = frames[0]
         if len(frames) != 2:
             self._refuse(identity, f"expected 1 payload frame, got {len(frames) - 1}")
@@ -219,6 +228,7 @@ class ControlPlane:
         record = AgentRecord(msg.node_id, identity, msg.hostname, msg.pid, list(msg.devices),
                              global_devices, time.monotonic(), slurm_job_id=msg.slurm_job_id)
         self.agents[msg.node_id] = record
+        self._by_identity[identity] = record
         for dev in global_devices:
             self._device_to_agent[dev] = msg.node_id
         log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
@@ -231,10 +241,7 @@ class ControlPlane:
                                             tuple(global_devices), f"node {msg.node_id} joined"))
 
     def _agent_by_identity(self, identity: bytes) -> AgentRecord | None:
-        for agent in self.agents.values():
-            if agent.identity == identity:
-                return agent
-        return None
+        return self._by_identity.get(identity)   # a dict: 8,192 results from 1,024 agents per boundary
 
     def _worker_exited(self, agent: AgentRecord, msg: P.WorkerExited) -> None:
         if msg.device not in agent.global_devices:   # only the owner may report its worker's exit
@@ -281,6 +288,7 @@ class ControlPlane:
         agent = self.agents.pop(node_id, None)
         if agent is None:
             return False
+        self._by_identity.pop(agent.identity, None)
         log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, agent.global_devices)
         self._on_event(Event.AGENT_LOST, {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
                                       "detail": detail})

@@ -58,14 +58,18 @@ from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
 log = logging.getLogger(__name__)
 
 
-def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str) -> subprocess.Popen:
+def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str,
+                      keys_dir: Path | None = None) -> subprocess.Popen:
     """Start a ``nereus-agent`` with ``devices`` virtual CPU devices that joins the job at ``endpoint``
-    (its own session; it exits when nereusd tells it to or goes silent). Log: ``logs/agent-<node_id>.log``."""
+    (its own session; it exits when nereusd tells it to or goes silent), with the job's CURVE
+    client key from ``keys_dir`` when the job has keys. Log: ``logs/agent-<node_id>.log``."""
     log_path = Path(run_dir) / "logs" / f"agent-{node_id}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", node_id,
             "--run-dir", str(Path(run_dir).resolve()), "--cpu-devices", str(devices),
             "--cpu-memory-bytes", str(memory_bytes)]
+    if keys_dir is not None:
+        argv += ["--keys-dir", str(keys_dir)]
     with open(log_path, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=dict(os.environ))
@@ -84,9 +88,11 @@ class LiveAdaptation:
     """
 
     def __init__(self, job: ResolvedJob, controller: Controller, driver, control, store, journal: Journal,
-                 run_dir: Path, pool: PoolController) -> None:
+                 run_dir: Path, pool: PoolController, keys_dir: Path | None = None) -> None:
         self.job, self.controller, self.driver, self.control, self.store = job, controller, driver, control, store
         self.journal, self.run_dir, self.pool = journal, Path(run_dir), pool
+        self.keys_dir = keys_dir
+        """The job's CURVE keys, handed to the agents this job starts (``pool.schedule`` adds)."""
         self.switches = 0
         self.restarts = 0
         """Checkpoint/restarts (out of memory, nothing fits, devices lost)."""
@@ -418,7 +424,8 @@ class LiveAdaptation:
         self._added += 1
         before = set(self.control.devices())
         node = f"local-add{self._added}"
-        start_local_agent(self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node)
+        start_local_agent(self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node,
+                          keys_dir=self.keys_dir)
         deadline = time.monotonic() + 120
         while len(set(self.control.devices()) - before) < count:
             if time.monotonic() > deadline:

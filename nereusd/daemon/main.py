@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "is a loopback address")
     parser.add_argument("--slurm-job-id", default=None, help="follow this Slurm allocation (node DOWN/DRAIN, shrink)")
     parser.add_argument("--nodes", type=int, default=None, help="nodes of the allocation (journal only)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address of the Prometheus endpoint (default 127.0.0.1; it has no authentication)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="port of the Prometheus endpoint /metrics (default 0: a free port, written to "
+                        "nereusd.json)")
+    parser.add_argument("--no-metrics", action="store_true", help="serve no Prometheus endpoint")
+    parser.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard scalars")
     return parser
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -43,6 +44,13 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
     proc = start(write_job(tmp_path, "job", JOB), run_dir)
     try:
         wait_for("a step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 180, run_dir)
+        # local mode has CURVE keys as on Slurm: a peer without the run directory's client key
+        # gets no answer (before, any local user could ask for status or remove devices)
+        assert (run_dir / "keys" / "client.json").stat().st_mode & 0o077 == 0
+        assert _unauthenticated_status(run_dir) is None
+        # the Prometheus endpoint nereusd.json names answers while the job runs
+        metrics = json.loads((run_dir / "nereusd.json").read_text())["metrics"]
+        assert "nereus_step_latency_seconds_count" in urllib.request.urlopen(metrics, timeout=10).read().decode()
         assert "leave at the next safe boundary" in pool(run_dir, "--remove", "1")
 
         def left():
@@ -68,3 +76,20 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode != 0 and "the job has ended" in out.stderr
     assert processes_mentioning(str(run_dir)) == []
+
+
+def _unauthenticated_status(run_dir):
+    """What a plain (keyless) ZeroMQ peer gets for a status request: ``None`` when nothing."""
+    import zmq
+
+    from nereusd import protocol as P
+
+    endpoint = json.loads((run_dir / "nereusd.json").read_text())["endpoint"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(P.encode(P.StatusRequest()))
+        return P.decode(sock.recv()) if sock.poll(2000) else None
+    finally:
+        sock.close(0)

@@ -1,0 +1,264 @@
+"""Load-test nereusd's control plane: one :class:`~nereusd.daemon.control_plane.ControlPlane` (the
+real ROUTER socket, decoder, registry and dispatch, in this process) against simulated agents on
+loopback — 1,024 agents of 8 devices each (8,192 workers) by default, in ``--procs`` processes.
+
+A simulated agent speaks the real agent protocol: it registers, heartbeats every second, and
+answers every task it is handed for one of its devices with a ``TaskResult`` carrying a metrics
+dict at once, as a relay of an instant worker would. So what is timed is nereusd's share of a
+safe boundary plus the loopback round trip:
+
+- **step**: dispatch the next step's generation task to every device (prompts per replica) and
+  collect every result (``submit`` + ``collect``);
+- **transition**: dispatch a real transition DAG — ``plan_transition`` for the actor training
+  model-stage of ``--model`` going from dp N/2 to dp N — as ``transition_prepare`` to every worker
+  of the world (what nereusd sends today: the whole DAG to each), then its ops as one
+  ``transition_run`` per ready set, each collected.
+
+A boundary is one step plus, every ``--transition-every`` boundaries, one transition.
+Lost messages are what the simulated agents sent minus what the control plane received
+(registrations, heartbeats, results). The planner's solve time for the same pool is measured
+separately (not part of a boundary). RSS is this process's peak.
+
+    python scripts/bench_control.py                  # 1,024 agents, 8,192 workers
+    python scripts/bench_control.py --agents 64      # a quick run
+
+Last line: ``control: <a> agents <w> workers; boundary p99 <t> ms; lost <l>; rss <m> MiB``.
+Target (issue 17): t < 1,000 and l = 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import zmq  # noqa: E402
+
+from nereusd import protocol as P  # noqa: E402
+
+MAX_SOCKETS = 8192
+
+
+def raise_limits(sockets: int) -> None:
+    """Raise the open-file limit to its hard maximum and ZeroMQ's socket limit: 1,024 sockets
+    exceed both defaults (1,024 files, 1,023 sockets).
+
+    Raises:
+        SystemExit: the hard open-file limit is below what ``sockets`` need.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = sockets * 2 + 256
+    if hard != resource.RLIM_INFINITY and hard < want:
+        raise SystemExit(f"bench_control: the hard open-file limit is {hard}; {want} needed (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want) if hard == resource.RLIM_INFINITY else hard, hard))
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MAX_SOCKETS, sockets + 64))
+
+
+# ------------------------------------------------------------------------------ simulated agents
+def serve_agents(endpoint: str, first: int, count: int, devices: int) -> None:
+    """Run agents ``first .. first+count-1`` until nereusd says shut down; print what was sent."""
+    raise_limits(count)
+    ctx = zmq.Context.instance()
+    socks, sent, received = [], 0, 0
+    poller = zmq.Poller()
+    for i in range(first, first + count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.IDENTITY, f"agent-sim{i}".encode())
+        sock.connect(endpoint)
+        sock.send(P.encode(P.RegisterAgent(node_id=f"sim{i}", hostname="loopback", pid=os.getpid(), devices=[
+            P.DeviceInfo(local_index=d, kind="cpu", name="simulated", memory_bytes=2**30) for d in range(devices)])))
+        sent += 1
+        socks.append(sock)
+        poller.register(sock, zmq.POLLIN)
+    node_of = {sock: f"sim{i}" for i, sock in zip(range(first, first + count), socks)}
+    next_beat = {sock: time.monotonic() + (k % 100) / 100 for k, sock in enumerate(socks)}
+    metrics = {"loss": 0.1, "grad_norm": 1.0, "entropy": 2.0, "kl": 0.01, "clip_frac": 0.1, "lr": 1e-6}
+    running, stopped = True, 0
+    while running:
+        for sock, _ in poller.poll(50):
+            while running:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                received += 1
+                msg = P.decode(frame)
+                if isinstance(msg, P.ToWorker):
+                    result = P.TaskResult(task_id=msg.task.task_id, device=msg.device, ok=True,
+                                          result={"metrics": metrics}, elapsed_s=0.001)
+                    sock.send(P.encode(P.FromWorker(device=msg.device, payload=result)))
+                    sent += 1
+                elif isinstance(msg, P.Shutdown):
+                    stopped += 1
+                    running = stopped < count
+        now = time.monotonic()
+        for sock in socks:
+            if now >= next_beat[sock]:
+                sock.send(P.encode(P.Heartbeat(node_id=node_of[sock], workers_alive=[])))
+                sent += 1
+                next_beat[sock] = now + 1.0
+    print(json.dumps({"sent": sent, "received": received}), flush=True)
+    for sock in socks:
+        sock.close()
+
+
+# ------------------------------------------------------------------------------ the boundary
+def step_args(devices: list[int], prompts_per_device: int) -> dict[int, P.GenerateArgs]:
+    return {d: P.GenerateArgs(model_stage="actor/generation", prompts=[[1] * 256] * prompts_per_device,
+                              max_new_tokens=1024, temperature=1.0, greedy=False, stop_ids=[2], pad_id=0,
+                              seed=d, seeds=list(range(prompts_per_device)))
+            for d in devices}
+
+
+def transition_dag(model: str, devices: int):
+    """The real DAG of the actor training model-stage of ``model`` going from dp devices/2 to dp
+    devices (tp 1), and its JSON."""
+    from nereusd.models import preset
+    from nereusd.plan import Candidate, ModelStage, Plan, Role
+    from nereusd.transition import plan_transition
+
+    ms = ModelStage.parse("actor/training")
+    half = max(1, devices // 2)
+    current = Plan({ms: Candidate(tp=1, pp=1, dp=half, devices=tuple(range(half)), micro_batch=1)})
+    target = Plan({ms: Candidate(tp=1, pp=1, dp=devices, devices=tuple(range(devices)), micro_batch=1)})
+    dag = plan_transition(current, target, {Role.ACTOR: preset(model)}, devices_per_node=8, check=False)
+    return dag, dag.to_json()
+
+
+def dispatch_transition(control, dag, dag_json: str, world: list[int]) -> None:
+    """What :class:`~nereusd.transition.runner.TransitionRunner` sends: prepare to every worker,
+    the ready sets as ``transition_run`` tasks, each collected (finish is a step-like task)."""
+    from nereusd.transition.dag import topological_order
+    from emu.state.executor import levels, participates
+
+    control.run({d: P.TransitionPrepareArgs(dag=dag_json) for d in world})
+    level = levels(dag)
+    for lvl in sorted(set(level.values())):
+        ops_by_device: dict[int, list[str]] = {}
+        for op_id in topological_order(dag):
+            if level[op_id] != lvl:
+                continue
+            for d in world:
+                if participates(dag.op(op_id), d):
+                    ops_by_device.setdefault(d, []).append(op_id)
+        if ops_by_device:
+            control.run({d: P.TransitionRunArgs(ops=o) for d, o in ops_by_device.items()})
+
+
+def planner_solve_s(devices: int) -> float | None:
+    """Seconds of one planner solve for PPO on Llama-3.1-8B over ``devices`` H200s (reported
+    beside the boundary, not in it)."""
+    from nereusd.planner.search import Infeasible, Planner
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_planner import make_problem
+
+    start = time.perf_counter()
+    try:
+        Planner(make_problem("h200-ib", "llama-3.1-8b", devices, 2048)).solve()
+    except Infeasible:
+        return None
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, default=1024)
+    parser.add_argument("--devices-per-agent", type=int, default=8)
+    parser.add_argument("--boundaries", type=int, default=20)
+    parser.add_argument("--transition-every", type=int, default=5, help="a transition every N boundaries (0: none)")
+    parser.add_argument("--model", default="counting-tiny",
+                        help="model of the transition DAG (default counting-tiny; a preset name)")
+    parser.add_argument("--prompts-per-device", type=int, default=4)
+    parser.add_argument("--max-dag-gib", type=float, default=2.0,
+                        help="leave transitions out when the DAG sent to all workers exceeds this (default 2)")
+    parser.add_argument("--procs", type=int, default=4, help="processes the simulated agents run in")
+    parser.add_argument("--no-planner", action="store_true", help="skip the planner solve-time measurement")
+    parser.add_argument("--serve-agents", nargs=4, type=str, metavar=("ENDPOINT", "FIRST", "COUNT", "DEVICES"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_agents:
+        endpoint, first, count, devices = args.serve_agents
+        serve_agents(endpoint, int(first), int(count), int(devices))
+        return 0
+
+    from nereusd.daemon.control_plane import ControlPlane
+
+    raise_limits(args.agents)
+    workers = args.agents * args.devices_per_agent
+    control = ControlPlane("tcp://127.0.0.1:0", heartbeat_timeout_s=60.0, max_devices_per_agent=args.devices_per_agent)
+    print(f"bench_control: {args.agents} agents x {args.devices_per_agent} devices in {args.procs} processes",
+          flush=True)
+    per = -(-args.agents // args.procs)
+    procs = []
+    for first in range(0, args.agents, per):
+        count = min(per, args.agents - first)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-agents", control.endpoint, str(first),
+                                       str(count), str(args.devices_per_agent)],
+                                      stdout=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    world = control.wait_for_devices(workers, timeout_s=300)
+    print(f"bench_control: {len(control.agents)} agents registered {len(world)} devices in "
+          f"{time.monotonic() - start:.1f} s", flush=True)
+    dag = dag_json = None
+    if args.transition_every:
+        dag, dag_json = transition_dag(args.model, workers)
+        print(f"bench_control: transition DAG ({args.model}, dp {workers // 2} -> {workers}): {len(dag.ops)} ops, "
+              f"{len(dag_json) / 2**20:.2f} MiB per worker, {len(dag_json) * workers / 2**30:.2f} GiB in all",
+              flush=True)
+        total_gib = len(dag_json) * workers / 2**30
+        if len(dag_json) > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
+            print(f"bench_control: transitions left out: the DAG goes whole to every worker, "
+                  f"{total_gib:.1f} GiB per transition (over --max-dag-gib {args.max_dag_gib:g}"
+                  f"{'' if len(dag_json) <= P.MAX_MESSAGE_BYTES else ' and the frame limit'})", flush=True)
+            dag = None
+    step_ms, boundary_ms, transition_ms = [], [], []
+    for b in range(args.boundaries):
+        t0 = time.perf_counter()
+        control.run(step_args(world, args.prompts_per_device), timeout_s=120)
+        t1 = time.perf_counter()
+        step_ms.append((t1 - t0) * 1e3)
+        if dag is not None and (b + 1) % args.transition_every == 0:
+            dispatch_transition(control, dag, dag_json, world)
+            transition_ms.append((time.perf_counter() - t1) * 1e3)
+        boundary_ms.append((time.perf_counter() - t0) * 1e3)
+        print(f"bench_control: boundary {b}: {boundary_ms[-1]:.0f} ms (step tasks {step_ms[-1]:.0f} ms)", flush=True)
+    control.poll(1.5)   # the last heartbeats in flight
+    for agent in list(control.agents.values()):
+        control._send(agent.identity, P.Shutdown(reason="benchmark done"))
+    sent = 0
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        sent += json.loads(out.strip().splitlines()[-1])["sent"]
+    control.poll(0.5)
+    lost = sent - control.received_messages
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    solve = None if args.no_planner else planner_solve_s(workers)
+    control.close()
+
+    def p99(xs: list[float]) -> float:
+        return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else xs[0]
+
+    print(f"bench_control: step tasks p50 {statistics.median(step_ms):.0f} ms, p99 {p99(step_ms):.0f} ms; "
+          f"transition dispatch {', '.join(f'{t:.0f}' for t in transition_ms) or 'none'} ms")
+    print(f"bench_control: messages sent by agents {sent}, received {control.received_messages}, "
+          f"refused {control.refused_messages}")
+    if solve is not None:
+        print(f"bench_control: planner solve for {workers} GPUs (PPO, Llama-3.1-8B, h200-ib): {solve:.1f} s "
+              "(not part of a boundary)")
+    print(f"control: {args.agents} agents {workers} workers; boundary p99 {p99(boundary_ms):.0f} ms; lost {lost}; "
+          f"rss {rss_mib:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
