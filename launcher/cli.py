@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = (
     "launcher.submit",
     "launcher.simulate_cmd",
     "launcher.pool_cmd",
+    "launcher.resume_cmd",
 )
 
 

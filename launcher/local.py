@@ -171,7 +171,9 @@ def _wait_endpoint(run_dir: Path, daemon: subprocess.Popen, timeout_s: float = 1
     while time.monotonic() < deadline:
         if path.exists():
             try:
-                return json.loads(path.read_text())["endpoint"]
+                info = json.loads(path.read_text())
+                if info.get("pid") == daemon.pid:   # not a dead nereusd's file (a resumed run)
+                    return info["endpoint"]
             except (json.JSONDecodeError, KeyError):
                 pass
         if daemon.poll() is not None:
@@ -307,21 +309,32 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"nereus: launch plan: {job.plan.describe()}")
     for line in pool_lines:
         print(line)
+    return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet)
+
+
+def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, quiet: bool,
+              resume: bool = False) -> int:
+    """Start nereusd (``--resume`` with ``resume``) and one agent for ``job`` in ``run_dir``, show
+    progress until nereusd exits, stop everything, and report; returns the exit code. A nereusd
+    that dies without a summary (``kill -9``, a crash) gets one written here, status ``crashed``,
+    with the command that resumes it."""
+    logs = run_dir / "logs"
     daemon = agent = None
-    progress = _Progress(job.config.steps, args.quiet)
+    progress = _Progress(job.config.steps, quiet)
     interrupted = False
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         keys = str(init_keys(run_dir.resolve()))   # CURVE as on Slurm: status and pool need the run dir's keys
         daemon = _start([sys.executable, "-m", "nereusd.daemon.main", str(job_path),
-                         "--run-dir", str(run_dir.resolve()), "--keys-dir", keys], logs / "nereusd.log")
+                         "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, *(["--resume"] if resume else [])],
+                        logs / "nereusd.log")
         endpoint = _wait_endpoint(run_dir, daemon)
         metrics = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("metrics")
-        if metrics and not args.quiet:
+        if metrics and not quiet:
             print(f"nereus: Prometheus metrics at {metrics}; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
         agent_argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", "local0",
                       "--run-dir", str(run_dir.resolve()), "--keys-dir", keys]
-        if not args.gpus:
+        if not gpus:
             agent_argv += ["--cpu-devices", str(job.devices), "--cpu-memory-bytes", str(job.device_memory_bytes)]
         agent = _start(agent_argv, logs / "agent.log")
         while daemon.poll() is None:
@@ -342,16 +355,41 @@ def run_local(args: argparse.Namespace) -> int:
         _stop(agent, grace_s=10.0)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    return _report(run_dir, interrupted)
+    return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
 
 
-def _report(run_dir: Path, interrupted: bool) -> int:
+def _crash_summary(run_dir: Path, returncode: int | None) -> dict | None:
+    """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
+    crash before its handlers ran), written to ``summary.json``; ``None`` when it wrote its own."""
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        if summary.get("status") != "running":
+            return None
     except (FileNotFoundError, json.JSONDecodeError):
-        print(f"nereus: no summary was written; see {run_dir / 'logs'}:\n{_tail(run_dir / 'logs' / 'nereusd.log')}",
+        pass
+    how = (f"signal {signal.Signals(-returncode).name}" if returncode is not None and returncode < 0
+           else f"exit code {returncode}")
+    metrics = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
+    summary = {"status": "crashed", "error": f"nereusd died ({how}) without writing a summary",
+               "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
+               "resume": f"nereus-launch resume {run_dir}"}
+    tmp = run_dir / (SUMMARY_FILE + ".tmp")
+    try:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, run_dir / SUMMARY_FILE)
+    except OSError:
+        pass
+    return summary
+
+
+def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> int:
+    crashed = _crash_summary(run_dir, returncode)
+    if crashed is not None:
+        print(f"nereus: crashed: {crashed['error']} after {crashed['steps_completed']} step(s); the latest "
+              f"checkpoint is kept: continue with `{crashed['resume']}`\n{_tail(run_dir / 'logs' / 'nereusd.log')}",
               file=sys.stderr)
         return 130 if interrupted else 1
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     status = summary.get("status")
     if status == "succeeded":
         print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s; "

@@ -119,3 +119,19 @@ def size_bytes(directory: str | Path) -> int:
             except OSError:
                 pass
     return total
+
+
+def resume_point(run_dir: str | Path) -> tuple[str, int, int] | None:
+    """The newest committed checkpoint of a run, as ``(directory, step, sample position)`` from
+    its ``checkpoint`` event in ``events.jsonl``, or ``None`` when none is left on disk
+    (``nereusd --resume`` then starts at step 0).
+
+    Raises:
+        JournalError: a damaged ``events.jsonl``.
+    """
+    from nereusd.journal import EVENTS_FILE, Event, read_jsonl
+
+    for record in reversed(read_jsonl(Path(run_dir) / EVENTS_FILE)):
+        if record.get("event") == Event.CHECKPOINT.value and Path(record["dir"]).is_dir():
+            return str(record["dir"]), int(record["step"]), int(record["sample_position"])
+    return None

@@ -36,6 +36,8 @@ class Event(str, enum.Enum):
 
     NEREUSD_STARTED = "nereusd_started"
     """Nereusd bound its endpoint; the job, its devices and whether it adapts."""
+    NEREUSD_RESUMED = "nereusd_resumed"
+    """A nereusd started with ``--resume`` continues a crashed run from its latest checkpoint."""
     NEREUSD_STOPPED = "nereusd_stopped"
     """Nereusd stopped every agent and exits (with the job's status)."""
     AGENT_REGISTERED = "agent_registered"

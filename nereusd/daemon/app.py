@@ -38,7 +38,7 @@ from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import NereusError, StorageError, WorkerError
-from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, read_jsonl
+from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
@@ -123,14 +123,15 @@ class Daemon:
         self.journal.event(Event.NEREUSD_STARTED, {
             "endpoint": endpoint, "job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
             "devices": self.job.devices, "curve": self.curve, "adaptive": self.pool.live,
-            "slurm_job_id": self.args.slurm_job_id, "nodes": self.args.nodes})
+            "slurm_job_id": self.args.slurm_job_id, "nodes": self.args.nodes,
+            "job_file": str(Path(self.args.job).resolve()), "resume": bool(self.args.resume)})
         started = time.time()
         summary: dict[str, Any] = {"job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
                                    "status": "running"}
         code = 1
         try:
-            records = self._run_job()
-            summary.update(status="succeeded", steps=len(records))
+            self._run_job()
+            summary.update(status="succeeded", steps=self.driver.step_index)
             code = 0
         except PoolStop as err:
             summary.update(status="preempted", error=str(err), error_kind="Preempted")
@@ -206,13 +207,25 @@ class Daemon:
                                    run_dir=str(self.run_dir.resolve()))
         self.journal.event(Event.WORLD_FORMED, {"generation": self.store.generation, "devices": world})
         self.pool.world_formed(driver.plan.to_dict(), world)
+        resume = self._resume_point() if self.args.resume else None
         if self.pool.live:
             controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
                                        self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
         driver.on_step = self._on_step
-        return driver.run()
+        return driver.run(resume=resume)
+
+    def _resume_point(self) -> tuple[str, int, int] | None:
+        """``--resume``: the latest committed checkpoint; the metrics of the steps from it on
+        leave ``metrics.jsonl`` (they run again, so each step is there once)."""
+        point = checkpoints.resume_point(self.run_dir)
+        step = point[1] if point is not None else 0
+        dropped = drop_metrics_from(self.run_dir / METRICS_FILE, step)
+        self.journal.event(Event.NEREUSD_RESUMED, {"checkpoint": point[0] if point else None, "step": step,
+                                                   "dropped_metrics": dropped})
+        log.warning("resuming at step %d from %s", step, point[0] if point else "the initial weights")
+        return point
 
     def _launch_plan(self, site: SiteConfig, driver: RLDriver):
         """The job's plan, or — adaptive and none in the YAML — the planner's launch plan."""

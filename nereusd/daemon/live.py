@@ -322,15 +322,9 @@ class LiveAdaptation:
         self._reform(list(world), [])     # ranks follow the world's order, not device numbers
         self.driver.plan = result.plan
         self.driver.build(self.world)
-        step, position = 0, 0
-        if checkpoint is not None:
-            directory, step, position = checkpoint
-            members = sorted({d for ms, c in result.plan.items() if ms.stage.value == "training" for d in c.devices})
-            load = P.LoadCheckpointArgs(dir=directory)
-            self.control.run({d: load for d in members}, 300)
-        self.driver.rewind(step, position)
+        self.driver.restore(checkpoint)
+        step = checkpoint[1] if checkpoint is not None else 0
         dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
-        self.driver._sync_weights()
         self.controller.switched(result.plan, tuple(sorted(self.world)))
         self.switches += 1
         self.restarts += 1

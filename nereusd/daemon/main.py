@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is a loopback address")
     parser.add_argument("--slurm-job-id", default=None, help="follow this Slurm allocation (node DOWN/DRAIN, shrink)")
     parser.add_argument("--nodes", type=int, default=None, help="nodes of the allocation (journal only)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in RUN_DIR after nereusd crashed: from its latest committed "
+                        "checkpoint (steps after it run again and leave metrics.jsonl first), or from step 0")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address of the Prometheus endpoint (default 127.0.0.1; it has no authentication)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",

@@ -488,9 +488,26 @@ class RLDriver:
                                           "elapsed_s": time.perf_counter() - start,
                                           **({"pruned": [p.name for p in pruned]} if pruned else {})})
 
-    def run(self) -> list[StepRecord]:
-        """Build, run every step, checkpoint; returns the step records (re-run steps once)."""
+    def restore(self, checkpoint: tuple[str, int, int] | None) -> None:
+        """Load ``checkpoint`` (``(directory, step, sample position)``; ``None``: keep the initial
+        weights, step 0) into the training model-stages of the current plan, on any layout,
+        continue at its step and sample position, and synchronise the other model-stages'
+        weights. Used after a checkpoint/restart and by ``nereusd --resume``."""
+        step, position = 0, 0
+        if checkpoint is not None:
+            directory, step, position = checkpoint
+            members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
+            self.control.run({d: P.LoadCheckpointArgs(dir=directory) for d in members}, 300)
+            self.last_checkpoint = checkpoint
+        self.rewind(step, position)
+        self._sync_weights()
+
+    def run(self, resume: tuple[str, int, int] | None = None) -> list[StepRecord]:
+        """Build, run every step, checkpoint; returns the step records (re-run steps once).
+        With ``resume`` (a checkpoint, as :meth:`restore` takes) the run continues from it."""
         self.build()
+        if resume is not None:
+            self.restore(resume)
         records: list[StepRecord] = []
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
         while True:

@@ -1,0 +1,107 @@
+"""``nereus-launch resume RUN_DIR``: continue a local job whose nereusd died (``kill -9``, a
+crash, the machine's OOM killer) from its latest committed checkpoint.
+
+It refuses a run directory a live nereusd still owns (the run-directory lock) and one whose job
+ended by itself (succeeded, failed, stopped). Leftover agents and workers of the dead run are
+stopped first (without nereusd they would wait for it for ``--daemon-timeout-s``). Then nereusd
+starts with ``--resume`` and the job's original job file (the path its first nereusd recorded;
+``RUN_DIR/job.yaml`` if that is gone): the steps after the checkpoint leave ``metrics.jsonl`` and
+run again, on the same prompts and sampling seeds, so every step is there once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from launcher.local import supervise
+from nereusd.config.resolve import load_and_resolve
+from nereusd.errors import NereusError
+from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_dir_owner
+
+RESUMABLE = ("crashed", "running", "interrupted")
+"""Summary states a run can be resumed from (``running``: nereusd died before its summary)."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("resume", help="continue a local job whose nereusd died, from its latest checkpoint",
+                              description=__doc__.split("\n\n")[0].replace("``", "'"))
+    p.add_argument("run_dir", help="the job's run directory")
+    p.add_argument("--gpus", action="store_true", help="use this machine's GPUs (as the job's 'local --gpus')")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def job_file(run_dir: Path) -> Path:
+    """The job file the run was started with (recorded by its first nereusd), else
+    ``RUN_DIR/job.yaml``.
+
+    Raises:
+        NereusError: neither exists.
+    """
+    for record in read_jsonl(run_dir / EVENTS_FILE):
+        if record.get("event") == Event.NEREUSD_STARTED.value and record.get("job_file"):
+            path = Path(record["job_file"])
+            if path.is_file():
+                return path
+            break
+    fallback = run_dir / "job.yaml"
+    if not fallback.is_file():
+        raise NereusError(f"{run_dir}: no job file to resume with (neither the recorded one nor job.yaml)")
+    return fallback
+
+
+def stop_leftovers(run_dir: Path, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM (then SIGKILL) the agents and workers of ``run_dir`` still running; returns their pids."""
+    needle = str(run_dir.resolve())
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if needle in args and ("emu.agent" in args or "emu.worker" in args):
+            pids.append(int(entry.name))
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.05)
+    return pids
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / EVENTS_FILE).is_file():
+        raise NereusError(f"{run_dir}: not a run directory (no {EVENTS_FILE})")
+    owner = run_dir_owner(run_dir)
+    if owner is not None:
+        raise NereusError(f"{run_dir}: nereusd (pid {owner}) is still running this job; nothing to resume")
+    try:
+        status = json.loads((run_dir / SUMMARY_FILE).read_text()).get("status")
+    except (OSError, json.JSONDecodeError):
+        status = "running"   # died before any summary
+    if status not in RESUMABLE:
+        raise NereusError(f"{run_dir}: the job ended by itself (status {status}); start a new run instead")
+    if any(r.get("slurm_job_id") for r in read_jsonl(run_dir / EVENTS_FILE)
+           if r.get("event") == Event.NEREUSD_STARTED.value):
+        raise NereusError(f"{run_dir}: a Slurm job; resuming it is not supported yet (submit a new run)")
+    path = job_file(run_dir)
+    job = load_and_resolve(path)
+    stopped = stop_leftovers(run_dir)
+    if (run_dir / SUMMARY_FILE).exists():   # kept beside, not in the way of the resumed job's own
+        os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
+    print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"
+          + (f"; stopped {len(stopped)} leftover process(es)" if stopped else "") + ")")
+    return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True)
