@@ -25,6 +25,7 @@ import yaml
 from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
+from nereusd.config.site import load_site
 from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir, read_jsonl
 from nereusd.plan import Candidate
 from nereusd.daemon.security import init_keys
@@ -332,8 +333,9 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         metrics = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("metrics")
         if metrics and not quiet:
             print(f"nereus: Prometheus metrics at {metrics}; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+        grace_s = load_site(job.config.site).liveness.resume_grace_s
         agent_argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", "local0",
-                      "--run-dir", str(run_dir.resolve()), "--keys-dir", keys]
+                      "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, "--daemon-timeout-s", f"{grace_s:g}"]
         if not gpus:
             agent_argv += ["--cpu-devices", str(job.devices), "--cpu-memory-bytes", str(job.device_memory_bytes)]
         agent = _start(agent_argv, logs / "agent.log")

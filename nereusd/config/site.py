@@ -95,6 +95,10 @@ class LivenessSpec:
     beating, so the stalled one is the one named. The beat thread needs the GIL for a moment
     per beat, so this must exceed the longest call that holds the GIL (torch ops and
     collectives release it)."""
+    resume_grace_s: float = 60.0
+    """In local mode, how long an agent outlives a silent (crashed) nereusd before it stops its
+    workers and exits (``nereus-agent --daemon-timeout-s``); ``nereus-launch resume`` stops them
+    at once. On Slurm agents use ``slurm.heartbeat_timeout_s``."""
 
 
 def beat_interval_s(worker_stall_s: float) -> float:
@@ -341,7 +345,7 @@ _POSITIVE = {
     SiteConfig: ("nodes", "devices_per_node"),
     DeviceSpec: ("memory_gib", "hbm_gbps"),
     NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
-    LivenessSpec: ("worker_stall_s",),
+    LivenessSpec: ("worker_stall_s", "resume_grace_s"),
 }
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
                  DeviceSpec: ("layer_launch_us",)}
