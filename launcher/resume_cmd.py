@@ -1,8 +1,9 @@
-"""``nereus-launch resume RUN_DIR``: continue a local job whose nereusd died (``kill -9``, a
-crash, the machine's OOM killer) from its latest committed checkpoint.
+"""``nereus-launch resume RUN_DIR``: continue a local job that did not finish — its nereusd died
+(``kill -9``, a crash, the machine's OOM killer), it stopped on a storage fault (free the space
+first) or on a lost pool, or it was interrupted — from its latest committed checkpoint.
 
-It refuses a run directory a live nereusd still owns (the run-directory lock) and one whose job
-ended by itself (succeeded, failed, stopped). Leftover agents and workers of the dead run are
+It refuses a run directory a live nereusd still owns (the run-directory lock) and a job that
+succeeded. Leftover agents and workers of the dead run are
 stopped first (without nereusd they would wait for it for ``--daemon-timeout-s``). Then nereusd
 starts with ``--resume`` and the job's original job file (the path its first nereusd recorded;
 ``RUN_DIR/job.yaml`` if that is gone): the steps after the checkpoint leave ``metrics.jsonl`` and
@@ -23,12 +24,10 @@ from nereusd.config.resolve import load_and_resolve
 from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_dir_owner
 
-RESUMABLE = ("crashed", "running", "interrupted")
-"""Summary states a run can be resumed from (``running``: nereusd died before its summary)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("resume", help="continue a local job whose nereusd died, from its latest checkpoint",
+    p = subparsers.add_parser("resume", help="continue a local job that did not finish, from its latest checkpoint",
                               description=__doc__.split("\n\n")[0].replace("``", "'"))
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--gpus", action="store_true", help="use this machine's GPUs (as the job's 'local --gpus')")
@@ -92,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
         status = json.loads((run_dir / SUMMARY_FILE).read_text()).get("status")
     except (OSError, json.JSONDecodeError):
         status = "running"   # died before any summary
-    if status not in RESUMABLE:
-        raise NereusError(f"{run_dir}: the job ended by itself (status {status}); start a new run instead")
+    if status == "succeeded":
+        raise NereusError(f"{run_dir}: the job succeeded; nothing to resume (start a new run)")
     if any(r.get("slurm_job_id") for r in read_jsonl(run_dir / EVENTS_FILE)
            if r.get("event") == Event.NEREUSD_STARTED.value):
         raise NereusError(f"{run_dir}: a Slurm job; resuming it is not supported yet (submit a new run)")
