@@ -1,0 +1,63 @@
+"""``nereus-launch resume`` refuses what it cannot resume, before starting anything; the
+launcher's crash summary (launcher/local.py) for a nereusd that died without one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from launcher.local import _crash_summary
+from launcher.resume_cmd import job_file, run
+from nereusd.errors import NereusError
+from nereusd.journal import Event, Journal, RunDirLock
+
+
+def _args(run_dir):
+    return argparse.Namespace(run_dir=str(run_dir), gpus=False, quiet=True)
+
+
+def test_refuses_a_directory_without_a_run(tmp_path):
+    with pytest.raises(NereusError, match="not a run directory"):
+        run(_args(tmp_path))
+
+
+def test_refuses_a_succeeded_job_and_a_live_one(tmp_path):
+    journal = Journal(tmp_path)
+    journal.event(Event.NEREUSD_STARTED, {"job_file": str(tmp_path / "job.yaml")})
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded"}))
+    with pytest.raises(NereusError, match="the job succeeded; nothing to resume"):
+        run(_args(tmp_path))
+    lock = RunDirLock(tmp_path)   # a live nereusd holds it
+    try:
+        with pytest.raises(NereusError, match=r"nereusd \(pid \d+\) is still running this job"):
+            run(_args(tmp_path))
+    finally:
+        lock.release()
+        journal.close()
+
+
+def test_job_file_is_the_recorded_one_else_the_copy(tmp_path):
+    journal = Journal(tmp_path)
+    journal.event(Event.NEREUSD_STARTED, {"job_file": str(tmp_path / "gone.yaml")})
+    with pytest.raises(NereusError, match="no job file to resume with"):
+        job_file(tmp_path)
+    (tmp_path / "job.yaml").write_text("name: x\n")
+    assert job_file(tmp_path) == tmp_path / "job.yaml"
+    original = tmp_path / "original.yaml"
+    original.write_text("name: x\n")
+    journal.event(Event.NEREUSD_STARTED, {"job_file": str(original)})
+    journal.close()
+    (tmp_path / "events.jsonl").write_text((tmp_path / "events.jsonl").read_text().splitlines()[1] + "\n")
+    assert job_file(tmp_path) == original
+
+
+def test_crash_summary_is_written_only_without_a_final_one(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    summary = _crash_summary(tmp_path, -9)
+    assert summary["status"] == "crashed" and "signal SIGKILL" in summary["error"]
+    assert summary["steps_completed"] == 2 and summary["resume"] == f"nereus-launch resume {tmp_path}"
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+    assert _crash_summary(tmp_path, 1) is None
