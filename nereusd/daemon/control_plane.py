@@ -61,6 +61,11 @@ for an 8-GPU cluster, ``--gpus`` on a larger box). 64 is above every node built 
 below the 1,000 and 1 M-device claims that once made nereusd re-plan onto them or stall."""
 
 
+REFUSALS_SHOWN = 10
+"""Refusals of one peer logged and journalled per :data:`REFUSAL_WINDOW_S`; the rest are counted."""
+REFUSAL_WINDOW_S = 60.0
+
+
 class ControlPlane:
     """The ROUTER socket agents connect to, with the registry and task bookkeeping.
 
@@ -120,6 +125,8 @@ class ControlPlane:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.world_formed = False
         self.refused_messages = 0
+        self._refusals: dict[bytes, tuple[float, int, int]] = {}
+        """Per peer: start of its refusal window, refusals shown and suppressed in it."""
         self.received_messages = 0
         """Frames received (accepted or refused) since start."""
         self.refused_connections = 0
@@ -174,9 +181,28 @@ class ControlPlane:
             self._refuse(identity, f"nereusd could not handle the message: {type(err).__name__}: {str(err)[:200]}")
 
     def _refuse(self, identity: bytes, reason: str) -> None:
+        """Answer every refused message; log and journal at most :data:`REFUSALS_SHOWN` per peer
+        per :data:`REFUSAL_WINDOW_S` (a flood must not fill the disk with ``events.jsonl``), then
+        one record of how many were suppressed."""
         self.refused_messages += 1
-        log.warning("refused a message from peer %r: %s", identity, reason)
-        self._on_event(Event.MESSAGE_REFUSED, {"peer": identity.hex(), "reason": reason})
+        now = time.monotonic()
+        key = identity if identity in self._refusals or len(self._refusals) < 1024 else b"<other peers>"
+        start, shown, hidden = self._refusals.get(key, (now, 0, 0))
+        if now - start > REFUSAL_WINDOW_S:
+            if hidden:
+                log.warning("suppressed %d more refusals of peer %r in %.0f s", hidden, key, now - start)
+                self._on_event(Event.MESSAGE_REFUSED, {"peer": key.hex(), "suppressed": hidden,
+                                                       "window_s": round(now - start, 1)})
+            start, shown, hidden = now, 0, 0
+        if shown < REFUSALS_SHOWN:
+            shown += 1
+            log.warning("refused a message from peer %r: %s%s", identity, reason,
+                        " (further refusals of this peer are counted, not logged, for a while)"
+                        if shown == REFUSALS_SHOWN else "")
+            self._on_event(Event.MESSAGE_REFUSED, {"peer": identity.hex(), "reason": reason})
+        else:
+            hidden += 1
+        self._refusals[key] = (start, shown, hidden)
         self._send(identity, P.ErrorReply(reason=reason))
 
     def _send(self, identity: bytes, msg: P._Message) -> None:

@@ -175,3 +175,21 @@ def test_an_agent_may_report_only_its_own_workers_and_not_claim_more_than_a_node
         real.close()
         fake.close()
         control.close()
+
+
+def test_a_flood_of_bad_frames_is_answered_but_journalled_sparingly(monkeypatch):
+    from nereusd.daemon import control_plane as cp
+
+    events = []
+    control = ControlPlane(on_event=lambda name, fields: events.append(fields))
+    try:
+        for _ in range(500):
+            control._receive([b"flooder", b"not json"])
+        assert control.refused_messages == 500
+        assert len(events) == cp.REFUSALS_SHOWN   # 490 counted, not journalled
+        monkeypatch.setattr(cp, "REFUSAL_WINDOW_S", 0.0)   # the window ends: one record says how many
+        control._receive([b"flooder", b"not json"])
+        assert events[cp.REFUSALS_SHOWN] == {"peer": b"flooder".hex(), "suppressed": 490,
+                                             "window_s": events[cp.REFUSALS_SHOWN]["window_s"]}
+    finally:
+        control.close()
