@@ -71,10 +71,10 @@ def directives(site: SiteConfig, req: RenderRequest) -> list[tuple[str, str | No
         raise ConfigError(f"{site.source or site.name}: no slurm: section; this site cannot be submitted to")
     if req.nodes < 1:
         raise ConfigError(f"--nodes: expected a positive integer, got {req.nodes}")
-    if req.mode not in ("main", "grow"):
-        raise ConfigError(f"mode: expected 'main' or 'grow', got {req.mode!r}")
+    if req.mode not in ("main", "grow", "resume"):
+        raise ConfigError(f"mode: expected 'main', 'grow' or 'resume', got {req.mode!r}")
     out: dict[str, str | None] = {
-        "--job-name": req.job_name if req.mode == "main" else f"{req.job_name}-grow",
+        "--job-name": f"{req.job_name}-grow" if req.mode == "grow" else req.job_name,
         "--nodes": str(req.nodes),
         "--ntasks-per-node": "1",
         "--no-kill": None,
@@ -89,7 +89,7 @@ def directives(site: SiteConfig, req: RenderRequest) -> list[tuple[str, str | No
         out["--cpus-per-task"] = str(spec.cpus_per_task)
     if spec.exclusive:
         out["--exclusive"] = None
-    if spec.preempt_signal_s and req.mode == "main":
+    if spec.preempt_signal_s and req.mode != "grow":
         out["--signal"] = f"B:USR2@{spec.preempt_signal_s}"
     if spec.gpus_per_node and spec.gres_syntax == "gres":
         out["--gres"] = f"gpu:{spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}"

@@ -1,9 +1,11 @@
-"""``nereus-launch resume RUN_DIR``: continue a local job that did not finish — its nereusd died
+"""``nereus-launch resume RUN_DIR``: continue a job that did not finish — its nereusd died
 (``kill -9``, a crash, the machine's OOM killer), it stopped on a storage fault (free the space
 first) or on a lost pool, or it was interrupted — from its latest committed checkpoint.
 
 It refuses a run directory a live nereusd still owns (the run-directory lock) and a job that
-succeeded. Leftover agents and workers of the dead run are
+succeeded. A Slurm run (time limit, preemption, a crash) is submitted again in mode ``resume``:
+same job, site and node count, and it continues on whatever nodes the new allocation gets.
+Locally, leftover agents and workers of the dead run are
 stopped first (without nereusd they would wait for it for ``--daemon-timeout-s``). Then nereusd
 starts with ``--resume`` and the job's original job file (the path its first nereusd recorded;
 ``RUN_DIR/job.yaml`` if that is gone): the steps after the checkpoint leave ``metrics.jsonl`` and
@@ -27,7 +29,7 @@ from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_di
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("resume", help="continue a local job that did not finish, from its latest checkpoint",
+    p = subparsers.add_parser("resume", help="continue a job that did not finish (local or Slurm), from its latest checkpoint",
                               description=__doc__.split("\n\n")[0].replace("``", "'"))
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--gpus", action="store_true", help="use this machine's GPUs (as the job's 'local --gpus')")
@@ -95,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
         raise NereusError(f"{run_dir}: the job succeeded; nothing to resume (start a new run)")
     if any(r.get("slurm_job_id") for r in read_jsonl(run_dir / EVENTS_FILE)
            if r.get("event") == Event.NEREUSD_STARTED.value):
-        raise NereusError(f"{run_dir}: a Slurm job; resuming it is not supported yet (submit a new run)")
+        from launcher.submit import submit_resume
+
+        job_id = submit_resume(run_dir)
+        if (run_dir / SUMMARY_FILE).exists():
+            os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
+        print(f"nereus: submitted job {job_id}: it resumes {run_dir} from its latest checkpoint (was {status}); "
+              f"watch it with `nereus-launch status {job_id}`")
+        return 0
     path = job_file(run_dir)
     job = load_and_resolve(path)
     stopped = stop_leftovers(run_dir)

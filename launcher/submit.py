@@ -237,6 +237,30 @@ def cmd_grow(args: argparse.Namespace) -> int:
     return 0
 
 
+def submit_resume(run_dir: Path) -> str:
+    """Submit the continuation of a Slurm run that stopped (time limit, preemption, a crash):
+    the same job, site and node count, in mode ``resume`` (nereusd ``--resume`` continues from the
+    latest checkpoint, on whatever nodes the new allocation has). Returns the new job id.
+
+    Raises:
+        NereusError: not a submitted run directory, or its allocation still runs.
+    """
+    record = _read_record(run_dir)
+    client = SlurmClient()
+    old = client.job(record["job_id"])
+    if old is not None and old.state in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+        raise NereusError(f"{run_dir}: Slurm job {record['job_id']} is still {old.state}; cancel it or let it end")
+    ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=record["nodes"], account="", time="")
+    site, req = _prepare(ns, str(run_dir), "resume")
+    script = render(load_template(), site, req)
+    (run_dir / "nereus.sbatch").write_text(script)
+    job_id = client.sbatch(script)
+    record.setdefault("previous_job_ids", []).append(record["job_id"])
+    record.update(job_id=job_id, grow_job_ids=[], submitted_s=time.time())
+    _write_record(run_dir, record)
+    return job_id
+
+
 def cmd_shrink(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(args.job)
     record = _read_record(run_dir)

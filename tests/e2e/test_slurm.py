@@ -1,7 +1,7 @@
 """End to end on a real Slurm cluster (scripts/slurm/start-local-slurm.sh: 3 emulated nodes with
 4 fake GPUs each): submit runs to completion; a node set DOWN mid-run leaves the pool and the
-job continues; `grow` adds a node that joins; the preemption signal checkpoints and stops;
-`cancel` ends everything with no stray process.
+job continues; `grow` adds a node that joins; the preemption signal checkpoints and stops, and
+`resume` submits the continuation; `cancel` ends everything with no stray process.
 
 Skipped when no cluster answers, unless ``NEREUS_REQUIRE_SLURM=1`` (CI), which makes that a failure.
 """
@@ -164,7 +164,7 @@ def test_node_down_grow_status_and_cancel(slurm_env, tmp_path):
             subprocess.run(["scontrol", "update", f"NodeName={down}", "State=RESUME"], env=slurm_env)
 
 
-def test_preemption_signal_checkpoints_and_stops(slurm_env, tmp_path):
+def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env, tmp_path):
     job_id, run_dir = submit(slurm_env, tmp_path, "slurm-preempt", steps=2000, nodes=1)
     try:
         wait_for("a first step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 150, run_dir)
@@ -175,5 +175,14 @@ def test_preemption_signal_checkpoints_and_stops(slurm_env, tmp_path):
         checkpoint = Path(summary["error"].split("checkpoint saved in ")[1])
         assert (checkpoint / "actor" / ".metadata").is_file()
         assert processes_mentioning(str(run_dir)) == []
+        # resume: a continuation job (mode resume) picks the run up from the preemption checkpoint
+        out = cli(slurm_env, "resume", str(run_dir))
+        job_id = out.split("submitted job ")[1].split(":")[0]
+        resumed = wait_for("the continuation to resume", lambda: events(run_dir, "nereusd_resumed"), 150, run_dir)
+        assert resumed[0]["checkpoint"] == str(checkpoint) and (run_dir / "summary.preempted.json").is_file()
+        step = resumed[0]["step"]
+        wait_for("two steps after it", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step + 2, 150, run_dir)
+        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+        assert steps == list(range(len(steps))), steps   # every step once across both allocations
     finally:
         subprocess.run(["scancel", job_id], env=slurm_env)

@@ -25,7 +25,7 @@ REQ = RenderRequest(job_path="/shared/jobs/job.yaml", run_dir="/shared/runs/job-
                     nodes=2, python="/opt/nereus/bin/python", cpu_memory_bytes=536870912)
 
 
-@pytest.mark.parametrize("mode", ["main", "grow"])
+@pytest.mark.parametrize("mode", ["main", "grow", "resume"])
 @pytest.mark.parametrize("name", SITES)
 def test_golden_and_bash_syntax(name, mode, tmp_path):
     text = render(load_template(), load_site(name), dataclasses.replace(REQ, mode=mode))
@@ -41,7 +41,7 @@ def test_golden_and_bash_syntax(name, mode, tmp_path):
     sbatch = [line for line in lines if line.startswith("#SBATCH ")]
     assert sbatch == sorted(sbatch) and "#SBATCH --no-kill" in sbatch
     assert lines.index(sbatch[-1]) < lines.index("set -euo pipefail")  # directives before any command
-    assert ("#SBATCH --signal=B:USR2@" in text) == (mode == "main")
+    assert ("#SBATCH --signal=B:USR2@" in text) == (mode != "grow")
 
 
 def test_shipped_site_specifics():
