@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from launcher.local import supervise
+from launcher.procs import run_processes
 from nereusd.config.resolve import load_and_resolve
 from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_dir_owner
@@ -58,18 +59,7 @@ def job_file(run_dir: Path) -> Path:
 
 def stop_leftovers(run_dir: Path, grace_s: float = 5.0) -> list[int]:
     """SIGTERM (then SIGKILL) the agents and workers of ``run_dir`` still running; returns their pids."""
-    needle = str(run_dir.resolve())
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode(errors="replace") for a in argv]
-        if needle in args and ("emu.agent" in args or "emu.worker" in args):
-            pids.append(int(entry.name))
+    pids = list(run_processes(run_dir))
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
         for pid in pids:
             try:

@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from emu.state.checkpoint import verify_checkpoint  # noqa: E402
+from launcher.procs import run_processes  # noqa: E402
 from nereusd.errors import StorageError  # noqa: E402
 from nereusd.journal import read_jsonl  # noqa: E402
 from tests.support.e2e import WARMSTART, processes_mentioning  # noqa: E402
@@ -140,20 +141,9 @@ def plan_devices(run_dir: Path) -> list[int]:
 
 def pids(run_dir: Path, module: str) -> dict[str, int]:
     """``{"--device N" or "--node-id X": pid}`` of the live ``module`` processes of ``run_dir``."""
-    needle = str(run_dir.resolve())
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
-        except OSError:
-            continue
-        if module in args and needle in args:
-            flag = "--device" if module == "emu.worker" else "--node-id"
-            if flag in args:
-                out[args[args.index(flag) + 1]] = int(entry.name)
-    return out
+    flag = "--device" if module == "emu.worker" else "--node-id"
+    return {args[args.index(flag) + 1]: pid for pid, args in run_processes(run_dir, (module,)).items()
+            if flag in args}
 
 
 def progressed(run_dir: Path, since: int, steps: int, total: int) -> bool:
