@@ -28,6 +28,7 @@ from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir, read_jsonl
 from nereusd.plan import Candidate
+from launcher.procs import stop_run_processes
 from nereusd.daemon.security import init_keys
 
 
@@ -301,7 +302,6 @@ def run_local(args: argparse.Namespace) -> int:
         job_path.write_text(f"# {Path(args.job).resolve()} with the pool trace of the command line\n"
                             + yaml.safe_dump(effective, sort_keys=False))
         job = load_and_resolve(job_path)
-    logs = run_dir / "logs"
     print(f"nereus: job {job.config.name!r} ({job.config.algorithm.value}, {job.config.steps} steps) on "
           f"{job.devices} {'GPU' if args.gpus else 'virtual CPU'} devices; run directory {run_dir}")
     if job.config.adaptation.enabled and "plan" not in job.config.model_fields_set:
@@ -355,6 +355,9 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         progress.close()
         _stop(daemon, grace_s=20.0)
         _stop(agent, grace_s=10.0)
+        # agents of pool additions run in sessions of their own: nereusd told them to stop;
+        # none may outlive the job
+        stop_run_processes(run_dir, wait_s=10.0)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)

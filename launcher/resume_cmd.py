@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import time
 from pathlib import Path
 
 from launcher.local import supervise
-from launcher.procs import run_processes
+from launcher.procs import stop_run_processes
 from nereusd.config.resolve import load_and_resolve
 from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_dir_owner
@@ -57,21 +55,6 @@ def job_file(run_dir: Path) -> Path:
     return fallback
 
 
-def stop_leftovers(run_dir: Path, grace_s: float = 5.0) -> list[int]:
-    """SIGTERM (then SIGKILL) the agents and workers of ``run_dir`` still running; returns their pids."""
-    pids = list(run_processes(run_dir))
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-            time.sleep(0.05)
-    return pids
-
-
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / EVENTS_FILE).is_file():
@@ -97,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = job_file(run_dir)
     job = load_and_resolve(path)
-    stopped = stop_leftovers(run_dir)
+    stopped = stop_run_processes(run_dir)
     if (run_dir / SUMMARY_FILE).exists():   # kept beside, not in the way of the resumed job's own
         os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"

@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=25, help="trials per fault type (default 25)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
-    parser.add_argument("--steps", type=int, default=None, help="steps per job (default 4 per trial + 6)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per job (default 8 per trial + 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     parser.add_argument("--no-mount", action="store_true", help="disk_full without a tmpfs (a file in the way)")
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         parser.error(f"unknown fault types {unknown} (known: {', '.join(FAULTS)})")
-    steps = args.steps or 4 * args.trials + 6
+    steps = args.steps or 8 * args.trials + 10
     root = Path(tempfile.mkdtemp(prefix="nereus-chaos-"))
     site = root / "local-chaos.yaml"
     text = (REPO / "site_configs" / "local.yaml").read_text()
