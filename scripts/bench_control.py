@@ -134,22 +134,22 @@ def transition_dag(model: str, devices: int):
     return dag, dag.to_json()
 
 
-def dispatch_transition(control, dag, dag_json: str, world: list[int]) -> None:
-    """What :class:`~nereusd.transition.runner.TransitionRunner` sends: prepare to every worker,
-    the ready sets as ``transition_run`` tasks, each collected (finish is a step-like task)."""
-    from nereusd.transition.dag import topological_order
-    from emu.state.executor import levels, participates
+def dispatch_transition(control, dag, world: list[int]) -> None:
+    """What :class:`~nereusd.transition.runner.TransitionRunner` sends: ``transition_prepare``
+    to every worker (its slice of the DAG and the communicator plan,
+    :func:`~nereusd.transition.runner.prepare_args`), the ready sets as ``transition_run`` tasks
+    level by level, each collected (finish is a step-like task)."""
+    from emu.state.executor import levels
+    from nereusd.transition.runner import prepare_args
 
-    control.run({d: P.TransitionPrepareArgs(dag=dag_json) for d in world})
+    control.run(prepare_args(dag, world))
     level = levels(dag)
     for lvl in sorted(set(level.values())):
         ops_by_device: dict[int, list[str]] = {}
-        for op_id in topological_order(dag):
-            if level[op_id] != lvl:
-                continue
-            for d in world:
-                if participates(dag.op(op_id), d):
-                    ops_by_device.setdefault(d, []).append(op_id)
+        for op in dag.ops:
+            if level[op.id] == lvl:
+                for d in op.participants:
+                    ops_by_device.setdefault(d, []).append(op.id)
         if ops_by_device:
             control.run({d: P.TransitionRunArgs(ops=o) for d, o in ops_by_device.items()})
 
@@ -209,17 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     world = control.wait_for_devices(workers, timeout_s=300)
     print(f"bench_control: {len(control.agents)} agents registered {len(world)} devices in "
           f"{time.monotonic() - start:.1f} s", flush=True)
-    dag = dag_json = None
+    dag = None
     if args.transition_every:
+        from nereusd.transition.runner import prepare_args
+
         dag, dag_json = transition_dag(args.model, workers)
+        sizes = [len(P.encode(P.Task(task_id=0, args=a))) for a in prepare_args(dag, world).values()]
+        total_gib = sum(sizes) / 2**30
         print(f"bench_control: transition DAG ({args.model}, dp {workers // 2} -> {workers}): {len(dag.ops)} ops, "
-              f"{len(dag_json) / 2**20:.2f} MiB per worker, {len(dag_json) * workers / 2**30:.2f} GiB in all",
-              flush=True)
-        total_gib = len(dag_json) * workers / 2**30
-        if len(dag_json) > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
-            print(f"bench_control: transitions left out: the DAG goes whole to every worker, "
-                  f"{total_gib:.1f} GiB per transition (over --max-dag-gib {args.max_dag_gib:g}"
-                  f"{'' if len(dag_json) <= P.MAX_MESSAGE_BYTES else ' and the frame limit'})", flush=True)
+              f"{len(dag_json) / 2**20:.2f} MiB whole; prepare messages {max(sizes) / 2**10:.0f} KiB at most per "
+              f"worker, {total_gib:.2f} GiB in all (the whole DAG to each would be "
+              f"{len(dag_json) * workers / 2**30:.1f} GiB)", flush=True)
+        if max(sizes) > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
+            print(f"bench_control: transitions left out: {total_gib:.1f} GiB per transition (over --max-dag-gib "
+                  f"{args.max_dag_gib:g} or the frame limit)", flush=True)
             dag = None
     step_ms, boundary_ms, transition_ms = [], [], []
     for b in range(args.boundaries):
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         step_ms.append((t1 - t0) * 1e3)
         if dag is not None and (b + 1) % args.transition_every == 0:
-            dispatch_transition(control, dag, dag_json, world)
+            dispatch_transition(control, dag, world)
             transition_ms.append((time.perf_counter() - t1) * 1e3)
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
         print(f"bench_control: boundary {b}: {boundary_ms[-1]:.0f} ms (step tasks {step_ms[-1]:.0f} ms)", flush=True)

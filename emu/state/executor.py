@@ -59,8 +59,8 @@ class OpTiming:
 
 
 def participates(op: Op, device: int) -> bool:
-    """Whether ``device`` takes part in ``op`` (holds, receives, sends or frees for it)."""
-    return device in op.devices or any(device in (r.src, r.dst) for r in op.routes)
+    """Whether ``device`` takes part in ``op`` (:attr:`~nereusd.transition.ops.Op.participants`)."""
+    return device in op.participants
 
 
 def levels(dag: TransitionDag) -> dict[str, int]:
@@ -80,11 +80,15 @@ class TransitionExecutor:
         store: this device's holdings (read, created and freed by the ops).
         specs: model shapes, value head and slots per model-stage of the DAG.
         rank_of: world rank of a global device (identity unless the world was re-formed).
+        communicators: the whole DAG's communicator plan when ``dag`` is this device's slice
+            (:meth:`~nereusd.transition.ops.TransitionDag.slices`); ``None``: ``dag`` is whole.
     """
 
     def __init__(self, dag: TransitionDag, device: int, store: HoldingStore, specs: Specs,
-                 rank_of: Callable[[int], int] = lambda d: d, backend: Optional[str] = None) -> None:
+                 rank_of: Callable[[int], int] = lambda d: d, backend: Optional[str] = None,
+                 communicators: Optional[list[tuple[str, list[int]]]] = None) -> None:
         self.dag, self.device, self.store, self.specs = dag, device, store, specs
+        self.communicators = communicators
         self.comms = Communicators(rank_of, backend)
         self._level = levels(dag)
         self._lock = threading.Lock()
@@ -96,7 +100,7 @@ class TransitionExecutor:
 
     def prepare(self) -> float:
         """Create the DAG's communicators (collective over the world); returns the set-up seconds."""
-        create_communicators(self.dag, self.comms)
+        create_communicators(self.dag, self.comms, self.communicators)
         return self.comms.setup_s
 
     def mine(self, op_ids: Optional[Iterable[str]] = None) -> list[str]:

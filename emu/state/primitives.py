@@ -42,7 +42,8 @@ from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage
 from nereusd.shards import Position, Shard
-from nereusd.transition.memory import split_all_gathers, split_gather_groups
+from nereusd.transition.comms import communicator_plan, gather_groups, op_communicators  # noqa: F401 (re-exported)
+from nereusd.transition.memory import split_all_gathers
 from nereusd.transition.ops import Op, OpKind, TransitionDag
 
 log = logging.getLogger(__name__)
@@ -184,28 +185,15 @@ class Communicators:
         self.groups.clear()
 
 
-def gather_groups(op: Op) -> list[list[int]]:
-    """A Split's gather groups with a receiver (:func:`nereusd.transition.memory.split_gather_groups`)."""
-    return [[x for x, _ in g] for g in split_gather_groups(op)]
 
 
-def op_communicators(op: Op) -> list[tuple[int, ...]]:
-    """Device sets of the communicators ``op`` uses, in a deterministic order."""
-    if op.kind is OpKind.SPLIT:
-        return [tuple(g) for g in gather_groups(op)]
-    if op.kind is OpKind.EXTEND:
-        return [tuple(sorted((s, d))) for s, d in zip(op.source_devices, op.target_devices)]
-    if op.kind is OpKind.MERGE:
-        return sorted({tuple(sorted((r.src, r.dst))) for r in op.routes if r.src != r.dst})
-    return []
-
-
-def create_communicators(dag: TransitionDag, comms: Communicators) -> None:
+def create_communicators(dag: TransitionDag, comms: Communicators,
+                          plan: Iterable[tuple[str, Iterable[int]]] | None = None) -> None:
     """Create every communicator of ``dag``, one set per op (collective: every world rank calls
-    it with the same DAG, and creates the groups in the order of ``dag.ops``)."""
-    for op in dag.ops:
-        for devices in op_communicators(op):
-            comms.create(op.id, devices)
+    it, and creates the groups in the order of ``dag.ops``). ``plan``: the whole DAG's
+    :func:`~nereusd.transition.comms.communicator_plan`, when ``dag`` is only this device's slice."""
+    for op_id, devices in (plan if plan is not None else communicator_plan(dag)):
+        comms.create(op_id, devices)
 
 
 # --------------------------------------------------------------------------- primitives

@@ -83,6 +83,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         self.rank_of = lambda device: device
         self._transition = None
         self._rebuild_all = False
+        self._changed: set[ModelStage] = set()   # model-stages the running transition changes
         self._build_args: P.BuildArgs | None = None
         self._init_vllm()
         self._handlers = {

@@ -123,12 +123,15 @@ class TransitionTasks:
     # ------------------------------------------------------------------ tasks
     def transition_prepare(self, args: P.TransitionPrepareArgs) -> dict[str, Any]:
         dag = TransitionDag.from_json(args.dag)
-        changed = {op.model_stage for op in dag.ops} | self._zero_changes(dag.target)
+        ops_changed = ({ModelStage.parse(m) for m in args.changed} if args.changed is not None
+                       else {op.model_stage for op in dag.ops})
+        self._changed = ops_changed
+        changed = ops_changed | self._zero_changes(dag.target)
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
                 self._detach(ms)
         self._transition = TransitionExecutor(dag, self.device_index, self.store, self._specs(dag.target),
-                                              rank_of=self.rank_of)
+                                              rank_of=self.rank_of, communicators=args.communicators)
         return {"setup_s": self._transition.prepare()}
 
     def transition_run(self, args: P.TransitionRunArgs) -> dict[str, Any]:
@@ -144,7 +147,7 @@ class TransitionTasks:
         ex.close()
         target = ex.dag.target
         rebuild = {ms for ms in target if ms not in self.engines} if self._rebuild_all else \
-            {op.model_stage for op in ex.dag.ops} | self._zero_changes(target)
+            self._changed | self._zero_changes(target)
         self._rebuild_all = False
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             self._attach(ms, target[ms])

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from typing import Any, Optional
 
 import torch

@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from nereusd.errors import PlanError
 from nereusd.plan import Candidate, Layout, ModelStage, Plan
@@ -178,6 +178,13 @@ class Op:
         """Every device the op touches, sorted."""
         return tuple(sorted(set(self.source_devices) | set(self.target_devices)))
 
+    @property
+    def participants(self) -> frozenset[int]:
+        """Every device that takes part: holds, receives, sends or frees for it (its
+        :attr:`devices` and both ends of every route)."""
+        return frozenset(self.source_devices) | frozenset(self.target_devices) | {
+            x for r in self.routes for x in (r.src, r.dst)}
+
     def describe(self) -> str:
         """Short text, e.g. ``actor/training:extend0 tp2·pp1 [0,1]→[4,5]``."""
         lay = self.target_layout or self.source_layout
@@ -308,6 +315,26 @@ class TransitionDag:
 
     def successors(self, op_id: str) -> list[str]:
         return [e.dst for e in self.edges if e.src == op_id]
+
+    def slices(self, devices: Iterable[int]) -> dict[int, "TransitionDag"]:
+        """Per device of ``devices``: the DAG of the ops it takes part in
+        (:attr:`Op.participants`) and the edges between them, with both plans. What a worker
+        executes; the ready sets nereusd dispatches keep the order across devices. Linear in the
+        ops' participants and the edges, not in devices × ops."""
+        wanted = set(devices)
+        mine: dict[int, list[Op]] = {d: [] for d in wanted}
+        for op in self.ops:
+            for d in op.participants & wanted:
+                mine[d].append(op)
+        by_src: dict[str, list[Edge]] = {}
+        for e in self.edges:
+            by_src.setdefault(e.src, []).append(e)
+        out = {}
+        for d, ops in mine.items():
+            ids = {op.id for op in ops}
+            edges = tuple(e for op in ops for e in by_src.get(op.id, ()) if e.dst in ids)
+            out[d] = TransitionDag(current=self.current, target=self.target, ops=tuple(ops), edges=edges)
+        return out
 
     def ops_of(self, model_stage: ModelStage) -> list[Op]:
         return [op for op in self.ops if op.model_stage == model_stage]
