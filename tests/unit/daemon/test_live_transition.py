@@ -22,6 +22,7 @@ from nereusd.plan import ModelStage, Role, Stage
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
 from nereusd.transition import OpKind
+from nereusd.transition.comms import communicator_plan
 from nereusd.transition.ops import TransitionDag
 
 TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
@@ -87,11 +88,14 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
 
     decision = outcomes[0].decision
     assert decision.admitted and decision.target.dag is not None
-    sent = {args.dag for kind, per_device in control.tasks if kind == "transition_prepare"
-            for args in per_device.values()}
-    assert len(sent) == 1, "every worker gets the same DAG"
-    executed = TransitionDag.from_json(sent.pop())
-    assert executed == decision.target.dag
+    prepares = [per_device for kind, per_device in control.tasks if kind == "transition_prepare"]
+    assert len(prepares) == 1
+    executed = decision.target.dag   # each worker gets its slice of the assessed DAG, and its communicators
+    assert {d: TransitionDag.from_json(a.dag) for d, a in prepares[0].items()} == executed.slices(prepares[0])
+    plan = [(op_id, list(devices)) for op_id, devices in communicator_plan(executed)]
+    assert all(a.communicators == plan for a in prepares[0].values())
+    sliced = {op.id for a in prepares[0].values() for op in TransitionDag.from_json(a.dag).ops}
+    assert sliced == {op.id for op in executed.ops}
     extends = [op for op in executed.ops if op.kind is OpKind.EXTEND and op.model_stage == TRAIN]
     fed = {r.dst: r.src for op in extends for r in op.routes}
     assert fed == {2: 0, 3: 0}, f"devices 2 and 3 (node 0) must be fed from device 0 (node 0): {fed}"
