@@ -190,9 +190,15 @@ def trial(fault: str, run_dir: Path, proc: subprocess.Popen, rng: random.Random,
         if not pool_add(run_dir):
             return proc
         wait("the join", lambda: joins() > joined, 120, proc)
-        workers = pids(run_dir, "emu.worker")
+        workers: dict[str, int] = {}
+        wait("a worker to kill", lambda: bool(workers.update(pids(run_dir, "emu.worker")) or workers), 30, proc)
+        if not workers:
+            return proc
         victims = [d for d in world(run_dir) if str(d) in workers] or [int(d) for d in workers]
-        os.kill(workers[str(rng.choice(victims))], signal.SIGKILL)
+        try:
+            os.kill(workers[str(rng.choice(victims))], signal.SIGKILL)
+        except ProcessLookupError:   # it had just exited (a re-formation restarts workers)
+            pass
         ok = wait("recovery", lambda: recovery_count(run_dir) > before, 120, proc)
         tally.recovered += ok
         if len(world(run_dir)) < 3:
@@ -307,7 +313,10 @@ def run_fault(fault: str, root: Path, site: Path, steps: int, trials: int, refer
     proc = launch(job, run_dir)
     done = 0
     while done < trials and proc.poll() is None:
-        proc = trial(fault, run_dir, proc, rng, before, steps)
+        try:
+            proc = trial(fault, run_dir, proc, rng, before, steps)
+        except Exception as err:  # noqa: BLE001 - a fault of this script: say so, go on with the job
+            before.notes.append(f"{fault}: trial {done} not injected: {type(err).__name__}: {err}")
         done += 1
     try:
         out, _ = proc.communicate(timeout=600)
