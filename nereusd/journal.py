@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 SUMMARY_FILE = "summary.json"
+RESERVE_FILE = ".space-reserve"
+"""Written when the journal opens and deleted when the summary is written: the room the
+summary of a job stopped by a full disk needs (:meth:`Journal.summary`)."""
+RESERVE_BYTES = 256 * 1024
 ENDPOINT_FILE = "nereusd.json"
 """Where a running nereusd says how to reach it (endpoint, store, pid), in the run directory."""
 
@@ -219,6 +223,8 @@ class Journal:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = _open_append(self.run_dir / METRICS_FILE)
         self._events = _open_append(self.run_dir / EVENTS_FILE)
+        with contextlib.suppress(OSError):   # best effort: without it a full disk may take the summary too
+            (self.run_dir / RESERVE_FILE).write_bytes(b"\0" * RESERVE_BYTES)
         self.fault: str | None = None
         """The first storage fault, once one happened."""
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -271,16 +277,27 @@ class Journal:
         self._tell(record)
 
     def summary(self, record: dict[str, Any]) -> None:
-        """Write ``summary.json`` atomically; a storage fault is logged (the job is ending)."""
+        """Write ``summary.json`` atomically; a storage fault is logged (the job is ending). On a
+        full disk the space reserve (:data:`RESERVE_FILE`, written at start) is given up first,
+        so that the summary of a job that stopped for want of space can still say so."""
         tmp = self.run_dir / (SUMMARY_FILE + ".tmp")
-        try:
-            tmp.write_text(to_json(record, indent=2) + "\n")
-            os.replace(tmp, self.run_dir / SUMMARY_FILE)
-        except OSError as err:
-            with contextlib.suppress(OSError):   # a full disk leaves no empty or partial .tmp behind
-                tmp.unlink(missing_ok=True)
-            log.error("cannot write %s: %s; the summary was %s", self.run_dir / SUMMARY_FILE, err,
-                      to_json(record)[:2000])
+        for attempt in range(2):
+            try:
+                tmp.write_text(to_json(record, indent=2) + "\n")
+                os.replace(tmp, self.run_dir / SUMMARY_FILE)
+                break
+            except OSError as err:
+                with contextlib.suppress(OSError):   # a full disk leaves no empty or partial .tmp behind
+                    tmp.unlink(missing_ok=True)
+                reserve = self.run_dir / RESERVE_FILE
+                if attempt == 0 and reserve.exists():
+                    with contextlib.suppress(OSError):
+                        reserve.unlink()
+                    continue
+                log.error("cannot write %s: %s; the summary was %s", self.run_dir / SUMMARY_FILE, err,
+                          to_json(record)[:2000])
+        with contextlib.suppress(OSError):
+            (self.run_dir / RESERVE_FILE).unlink(missing_ok=True)
 
     def close(self) -> None:
         self._metrics.close()

@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="counting-tiny",
                         help="model of the transition DAG (default counting-tiny; a preset name)")
     parser.add_argument("--prompts-per-device", type=int, default=4)
-    parser.add_argument("--max-dag-gib", type=float, default=2.0,
-                        help="leave transitions out when the DAG sent to all workers exceeds this (default 2)")
+    parser.add_argument("--max-dag-gib", type=float, default=0.5,
+                        help="leave transitions out when their prepare messages to all workers exceed this "
+                        "(default 0.5)")
     parser.add_argument("--procs", type=int, default=4, help="processes the simulated agents run in")
     parser.add_argument("--no-planner", action="store_true", help="skip the planner solve-time measurement")
     parser.add_argument("--serve-agents", nargs=4, type=str, metavar=("ENDPOINT", "FIRST", "COUNT", "DEVICES"),
@@ -214,13 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         from nereusd.transition.runner import prepare_args
 
         dag, dag_json = transition_dag(args.model, workers)
-        sizes = [len(P.encode(P.Task(task_id=0, args=a))) for a in prepare_args(dag, world).values()]
-        total_gib = sum(sizes) / 2**30
+        t0 = time.perf_counter()
+        sample = prepare_args(dag, world[-1:])   # one worker's message (every one carries the communicator plan)
+        one = len(P.encode(P.Task(task_id=0, args=sample[world[-1]])))
+        total_gib = one * workers / 2**30
         print(f"bench_control: transition DAG ({args.model}, dp {workers // 2} -> {workers}): {len(dag.ops)} ops, "
-              f"{len(dag_json) / 2**20:.2f} MiB whole; prepare messages {max(sizes) / 2**10:.0f} KiB at most per "
-              f"worker, {total_gib:.2f} GiB in all (the whole DAG to each would be "
-              f"{len(dag_json) * workers / 2**30:.1f} GiB)", flush=True)
-        if max(sizes) > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
+              f"{len(dag_json) / 2**20:.2f} MiB whole; a prepare message {one / 2**10:.0f} KiB, about "
+              f"{total_gib:.2f} GiB for all workers (the whole DAG to each would be "
+              f"{len(dag_json) * workers / 2**30:.1f} GiB); one message built in "
+              f"{(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)
+        if one > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
             print(f"bench_control: transitions left out: {total_gib:.1f} GiB per transition (over --max-dag-gib "
                   f"{args.max_dag_gib:g} or the frame limit)", flush=True)
             dag = None

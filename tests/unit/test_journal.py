@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nereusd.journal import METRICS_FILE, Event, Journal, JournalError, drop_metrics_from, read_jsonl
@@ -192,3 +194,26 @@ def test_a_summary_that_cannot_be_written_leaves_no_tmp(tmp_path, monkeypatch):
     j.summary({"status": "failed"})
     monkeypatch.setattr(Path, "write_text", real)
     assert not (tmp_path / "summary.json.tmp").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_the_summary_of_a_full_disk_uses_the_space_reserve(tmp_path, monkeypatch):
+    """A job stopped because the disk is full must still write why: the journal keeps a reserve
+    file from the start and gives it up when the summary does not fit."""
+    from nereusd import journal as J
+
+    journal = J.Journal(tmp_path)
+    assert (tmp_path / J.RESERVE_FILE).stat().st_size == J.RESERVE_BYTES
+    real = J.Path.write_text
+    calls = []
+
+    def full_until_reserve_freed(self, text, *a, **kw):   # ENOSPC while the reserve holds the space
+        calls.append(self.name)
+        if (tmp_path / J.RESERVE_FILE).exists():
+            raise OSError(28, "No space left on device")
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(J.Path, "write_text", full_until_reserve_freed)
+    journal.summary({"status": "stopped", "error_kind": "StorageFault"})
+    assert json.loads((tmp_path / "summary.json").read_text())["error_kind"] == "StorageFault"
+    assert len(calls) == 2 and not (tmp_path / J.RESERVE_FILE).exists()
+    journal.close()
