@@ -157,13 +157,15 @@ def dispatch_transition(control, dag, world: list[int]) -> None:
 def planner_solve_s(devices: int) -> float | None:
     """Seconds of one planner solve for PPO on Llama-3.1-8B over ``devices`` H200s (reported
     beside the boundary, not in it)."""
+    from nereusd.cost.model import CostModel
     from nereusd.planner.search import Infeasible, Planner
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_planner import make_problem
 
+    problem = make_problem("h200-ib", "llama-3.1-8b", devices, 2048)
     start = time.perf_counter()
     try:
-        Planner(make_problem("h200-ib", "llama-3.1-8b", devices, 2048)).solve()
+        Planner(problem, CostModel(problem.site)).solve()
     except Infeasible:
         return None
     return time.perf_counter() - start
@@ -206,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-agents", control.endpoint, str(first),
                                        str(count), str(args.devices_per_agent)],
                                       stdout=subprocess.PIPE, text=True))
+    try:
+        return _measure(args, control, procs, workers)
+    finally:
+        for proc in procs:   # simulators of a failed run must not poll on
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], workers: int) -> int:
     start = time.monotonic()
     world = control.wait_for_devices(workers, timeout_s=300)
     print(f"bench_control: {len(control.agents)} agents registered {len(world)} devices in "
