@@ -26,7 +26,8 @@ from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
-from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir, read_jsonl
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir,
+                             read_jsonl, write_summary)
 from nereusd.plan import Candidate
 from launcher.procs import stop_run_processes
 from nereusd.daemon.security import init_keys
@@ -378,12 +379,7 @@ def _crash_summary(run_dir: Path, returncode: int | None) -> dict | None:
     summary = {"status": "crashed", "error": f"nereusd died ({how}) without writing a summary",
                "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
                "resume": f"nereus-launch resume {run_dir}"}
-    tmp = run_dir / (SUMMARY_FILE + ".tmp")
-    try:
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, run_dir / SUMMARY_FILE)
-    except OSError:
-        pass
+    write_summary(run_dir, summary)
     return summary
 
 

@@ -55,6 +55,12 @@ def job_file(run_dir: Path) -> Path:
     return fallback
 
 
+def _set_aside_summary(run_dir: Path, status: str) -> None:
+    """Keep the stopped run's summary as ``summary.<status>.json``, out of the resumed job's way."""
+    if (run_dir / SUMMARY_FILE).exists():
+        os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
+
+
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / EVENTS_FILE).is_file():
@@ -73,16 +79,14 @@ def run(args: argparse.Namespace) -> int:
         from launcher.submit import submit_resume
 
         job_id = submit_resume(run_dir)
-        if (run_dir / SUMMARY_FILE).exists():
-            os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
+        _set_aside_summary(run_dir, status)
         print(f"nereus: submitted job {job_id}: it resumes {run_dir} from its latest checkpoint (was {status}); "
               f"watch it with `nereus-launch status {job_id}`")
         return 0
     path = job_file(run_dir)
     job = load_and_resolve(path)
     stopped = stop_run_processes(run_dir)
-    if (run_dir / SUMMARY_FILE).exists():   # kept beside, not in the way of the resumed job's own
-        os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
+    _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"
           + (f"; stopped {len(stopped)} leftover process(es)" if stopped else "") + ")")
     return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True)

@@ -277,31 +277,38 @@ class Journal:
         self._tell(record)
 
     def summary(self, record: dict[str, Any]) -> None:
-        """Write ``summary.json`` atomically; a storage fault is logged (the job is ending). On a
-        full disk the space reserve (:data:`RESERVE_FILE`, written at start) is given up first,
-        so that the summary of a job that stopped for want of space can still say so."""
-        tmp = self.run_dir / (SUMMARY_FILE + ".tmp")
-        for attempt in range(2):
-            try:
-                tmp.write_text(to_json(record, indent=2) + "\n")
-                os.replace(tmp, self.run_dir / SUMMARY_FILE)
-                break
-            except OSError as err:
-                with contextlib.suppress(OSError):   # a full disk leaves no empty or partial .tmp behind
-                    tmp.unlink(missing_ok=True)
-                reserve = self.run_dir / RESERVE_FILE
-                if attempt == 0 and reserve.exists():
-                    with contextlib.suppress(OSError):
-                        reserve.unlink()
-                    continue
-                log.error("cannot write %s: %s; the summary was %s", self.run_dir / SUMMARY_FILE, err,
-                          to_json(record)[:2000])
-        with contextlib.suppress(OSError):
-            (self.run_dir / RESERVE_FILE).unlink(missing_ok=True)
+        """Write ``summary.json`` (:func:`write_summary`)."""
+        write_summary(self.run_dir, record)
 
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
+
+
+def write_summary(run_dir: str | Path, record: dict[str, Any]) -> None:
+    """Write ``RUN_DIR/summary.json`` atomically; a storage fault is logged (the job is ending).
+    On a full disk the space reserve (:data:`RESERVE_FILE`, written when the journal opens) is
+    given up first, so that the summary of a job that stopped for want of space can still say so.
+    nereusd writes it at the end of a job; the launcher for a nereusd that died without one."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / (SUMMARY_FILE + ".tmp")
+    for attempt in range(2):
+        try:
+            tmp.write_text(to_json(record, indent=2) + "\n")
+            os.replace(tmp, run_dir / SUMMARY_FILE)
+            break
+        except OSError as err:
+            with contextlib.suppress(OSError):   # a full disk leaves no empty or partial .tmp behind
+                tmp.unlink(missing_ok=True)
+            reserve = run_dir / RESERVE_FILE
+            if attempt == 0 and reserve.exists():
+                with contextlib.suppress(OSError):
+                    reserve.unlink()
+                continue
+            log.error("cannot write %s: %s; the summary was %s", run_dir / SUMMARY_FILE, err,
+                      to_json(record)[:2000])
+    with contextlib.suppress(OSError):
+        (run_dir / RESERVE_FILE).unlink(missing_ok=True)
 
 
 def _open_append(path: Path):

@@ -455,6 +455,10 @@ class RLDriver:
         self._weight_sync = {"engine_load_s": load_s, "engine_bytes": nbytes} if nbytes else {}
 
     # ------------------------------------------------------------------ run
+    def _training_devices(self) -> list[int]:
+        """The devices of the plan's training model-stages: the ones a checkpoint is saved from and loaded into."""
+        return sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
+
     def save_checkpoint(self, directory: str) -> None:
         """Save every training model-stage into ``directory``, atomically (:mod:`nereusd.checkpoints`):
         the workers write and verify ``<directory>.partial``, which is then renamed; older periodic
@@ -465,7 +469,7 @@ class RLDriver:
                 the partial directory is deleted and earlier checkpoints are unchanged.
             StorageError: a role's checkpoint was not verified, or the rename failed.
         """
-        members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
+        members = self._training_devices()
         roles = sorted({ms.role.value for ms in self.plan if ms.stage == Stage.TRAINING})
         start = time.perf_counter()
         partial = checkpoints.partial_path(directory)
@@ -496,7 +500,7 @@ class RLDriver:
         step, position = 0, 0
         if checkpoint is not None:
             directory, step, position = checkpoint
-            members = sorted({d for ms, c in self.plan.items() if ms.stage == Stage.TRAINING for d in c.devices})
+            members = self._training_devices()
             self.control.run({d: P.LoadCheckpointArgs(dir=directory) for d in members}, 300)
             self.last_checkpoint = checkpoint
         self.rewind(step, position)
