@@ -247,13 +247,17 @@ class Agent:
             return True
         if isinstance(msg, P.SpawnWorkers):
             self._spawn(msg)
-        elif isinstance(msg, P.ToWorker):
-            try:
-                self._down.send_multipart([str(msg.device).encode(), P.encode(msg.task)])
-            except zmq.ZMQError as err:
-                self._send_up(P.FromWorker(device=msg.device, payload=P.TaskResult(
-                    task_id=msg.task.task_id, device=msg.device, ok=False,
-                    error=f"worker of device {msg.device} is not connected: {err}", error_kind="WorkerError")))
+        elif isinstance(msg, (P.ToWorker, P.ToWorkers)):
+            undelivered = []
+            for item in (msg.items if isinstance(msg, P.ToWorkers) else [msg]):
+                try:
+                    self._down.send_multipart([str(item.device).encode(), P.encode(item.task)])
+                except zmq.ZMQError as err:
+                    undelivered.append(P.FromWorker(device=item.device, payload=P.TaskResult(
+                        task_id=item.task.task_id, device=item.device, ok=False,
+                        error=f"worker of device {item.device} is not connected: {err}", error_kind="WorkerError")))
+            if undelivered:
+                self._send_up(P.FromWorkers(items=undelivered))
         elif isinstance(msg, P.StopWorkers):
             self.stop_devices(msg.devices, msg.reason)
         elif isinstance(msg, P.Shutdown):
@@ -267,7 +271,8 @@ class Agent:
             self._send_up(P.ErrorReply(reason=f"agent does not accept {msg.type!r}"))
         return True
 
-    def _on_worker(self, identity: bytes, frame: bytes) -> None:
+    def _on_worker(self, identity: bytes, frame: bytes) -> P.FromWorker | None:
+        """One worker message checked and wrapped for the relay (``None``: refused, logged)."""
         try:
             device = int(identity.decode())
             msg = P.decode(frame)
@@ -277,8 +282,22 @@ class Agent:
                 raise ProtocolError(f"workers may not send {msg.type!r}")
         except (ValueError, ProtocolError) as err:
             log.error("refused a worker message: %s", err)
-            return
-        self._send_up(P.FromWorker(device=device, payload=msg))
+            return None
+        return P.FromWorker(device=device, payload=msg)
+
+    def _relay_up(self) -> None:
+        """Relay every message the workers have sent so far to nereusd in one frame."""
+        items = []
+        while len(items) < P.MAX_BATCH_ITEMS:
+            try:
+                identity, frame = self._down.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            item = self._on_worker(identity, frame)
+            if item is not None:
+                items.append(item)
+        if items:
+            self._send_up(P.FromWorkers(items=items))
 
     def run(self) -> int:
         """Serve until shutdown; returns the process exit code."""
@@ -296,8 +315,7 @@ class Agent:
                     if not self._on_daemon(self._up.recv()):
                         break
                 if self._down in events:
-                    identity, frame = self._down.recv_multipart()
-                    self._on_worker(identity, frame)
+                    self._relay_up()
                 now = time.monotonic()
                 for beat in list(self._beats.values()):
                     if beat.fd in events:

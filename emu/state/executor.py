@@ -109,17 +109,39 @@ class TransitionExecutor:
         return [x for x in topological_order(self.dag)
                 if (wanted is None or x in wanted) and participates(self.dag.op(x), self.device)]
 
+    def levels(self, op_ids: Optional[list[str]] = None) -> dict[str, int]:
+        """The level :meth:`run` gives each op: the DAG's own without ``op_ids``, else counted over
+        the edges between the ops named (every op named, this device's or not, so that every
+        rank given the same ops finds the same levels)."""
+        if op_ids is None:
+            return self._level
+        named, level = set(op_ids), {}
+        for x in topological_order(self.dag):
+            if x in named:
+                level[x] = 1 + max((level[p] for p in self.dag.predecessors(x) if p in named), default=-1)
+        return level
+
     def run(self, op_ids: Optional[Iterable[str]] = None) -> list[OpTiming]:
         """Run this device's part of ``op_ids`` (default: the whole DAG), level by level.
+
+        Without ``op_ids`` the levels are those of :attr:`dag`, which must then be the whole DAG
+        (every rank sees the same levels). With ``op_ids`` they count only the edges between the
+        ops named: a ready set the controller hands out (:mod:`nereusd.transition.runner`) is one
+        level on every rank. Levels of this device's slice would not do: ops X and Y of one
+        ready set could be levels 0 and 1 on one rank and 1 and 0 on another (each has a
+        predecessor only the other rank took part in), and the two ranks would wait on each
+        other, each inside the op the other runs second.
 
         Raises:
             NereusError: if an op's holding is missing (e.g. run out of order), or what a
                 primitive raises (``DeviceOutOfMemory``, a collective's ``RuntimeError`` when a
                 peer died); ops of the same level that did not fail still complete first.
         """
+        op_ids = None if op_ids is None else list(op_ids)
+        level = self.levels(op_ids)
         by_level: dict[int, list[str]] = {}
         for x in self.mine(op_ids):
-            by_level.setdefault(self._level[x], []).append(x)
+            by_level.setdefault(level[x], []).append(x)
         timings: list[OpTiming] = []
         for lvl in sorted(by_level):
             batch = by_level[lvl]

@@ -45,6 +45,10 @@ class AgentRecord:
     last_seen_s: float
     workers_alive: set[int] = field(default_factory=set)
     slurm_job_id: str | None = None
+    fd: int | None = None
+    """The socket descriptor its last message came on (the monitor reports disconnects by it)."""
+    disconnected_s: float | None = None
+    """When its connection dropped (monotonic), until a message arrives again."""
 
 
 @dataclass
@@ -59,6 +63,13 @@ MAX_DEVICES_PER_AGENT = 64
 reports the node it runs on, which may be another site's (a job file's ``site: local`` rendered
 for an 8-GPU cluster, ``--gpus`` on a larger box). 64 is above every node built (8–16 GPUs) and far
 below the 1,000 and 1 M-device claims that once made nereusd re-plan onto them or stall."""
+
+
+DISCONNECT_GRACE_S = 3.0
+"""An agent whose connection dropped and that sent nothing since for this long is lost (cause
+``disconnected``): a killed agent process (its node's kernel closes the socket) is noticed in
+seconds instead of the heartbeat timeout. Agents heartbeat every second and ZeroMQ reconnects a
+live one at once, so a transient drop does not get that far."""
 
 
 REFUSALS_SHOWN = 10
@@ -98,8 +109,13 @@ class ControlPlane:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         self._auth = ServerAuth(self._ctx, keys) if keys is not None else None
+        events = zmq.EVENT_DISCONNECTED
         if self._auth is not None:
             self._auth.secure(self._sock)
+            for event in ServerAuth.REFUSED_EVENTS:
+                events |= event
+        self._monitor = self._sock.get_monitor_socket(events)
+        self._agent_at_fd: dict[int, str] = {}
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -148,24 +164,40 @@ class ControlPlane:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self._sock.poll(remaining_ms, zmq.POLLIN):
                 break
-            frames = self._sock.recv_multipart()
-            self._receive(frames)
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                fd = frames[-1].get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = None
+            self._receive([f.bytes for f in frames], fd)
             if time.monotonic() >= deadline:
                 break
-        self._check_auth()
+        self._check_monitor()
         while not self._calls.empty():
             self._calls.get()()
         self._check_heartbeats()
 
-    def _check_auth(self) -> None:
-        if self._auth is None:
-            return
-        for reason in self._auth.drain_monitor():
-            self.refused_connections += 1
-            log.warning("refused a connection: %s", reason)
-            self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
+    def _check_monitor(self) -> None:
+        """Refused handshakes (journalled) and dropped connections (their agent is marked, and
+        lost after :data:`DISCONNECT_GRACE_S` without a message)."""
+        from zmq.utils.monitor import recv_monitor_message
 
-    def _receive(self, frames: list[bytes]) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                agent = self.agents.get(self._agent_at_fd.pop(event["value"], ""))
+                if agent is not None and agent.fd == event["value"] and agent.disconnected_s is None:
+                    agent.disconnected_s = time.monotonic()
+                    log.warning("agent %s dropped its connection", agent.node_id)
+                continue
+            reason = ServerAuth.describe(event)
+            if reason is not None:
+                self.refused_connections += 1
+                log.warning("refused a connection: %s", reason)
+                self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
+
+    def _receive(self, frames: list[bytes], fd: int | None = None) -> None:
+        """Handle one multipart message (``[identity, payload]``) that came on socket ``fd``."""
         self.received_messages += 1
         identity = frames[0]
         if len(frames) != 2:
@@ -173,7 +205,7 @@ class ControlPlane:
             return
         try:
             msg = P.decode(frames[1])
-            self._handle(identity, msg)
+            self._handle(identity, msg, fd)
         except ProtocolError as err:
             self._refuse(identity, str(err))
         except Exception as err:  # noqa: BLE001 - a handler's bug must not take the daemon (and the job) down
@@ -206,14 +238,18 @@ class ControlPlane:
         self._send(identity, P.ErrorReply(reason=reason))
 
     def _send(self, identity: bytes, msg: P._Message) -> None:
-        try:
-            self._sock.send_multipart([identity, P.encode(msg)])
-        except zmq.ZMQError as err:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
-            log.warning("cannot send %s to %r: %s", msg.type, identity, err)
+        self._send_frame(identity, msg.type, P.encode(msg))
 
-    def _handle(self, identity: bytes, msg: P._Message) -> None:
+    def _send_frame(self, identity: bytes, kind: str, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, frame])
+        except zmq.ZMQError as err:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
+            log.warning("cannot send %s to %r: %s", kind, identity, err)
+
+    def _handle(self, identity: bytes, msg: P._Message, fd: int | None = None) -> None:
         if isinstance(msg, P.RegisterAgent):
             self._register(identity, msg)
+            self._seen(identity, fd)
             return
         if isinstance(msg, P.StatusRequest):
             self._send(identity, P.StatusReply(status=self._status()))
@@ -223,19 +259,18 @@ class ControlPlane:
                 raise ProtocolError("this nereusd does not change its pool on request")
             self._send(identity, P.StatusReply(status=self.on_pool_request(msg.remove)))
             return
-        agent = self._agent_by_identity(identity)
+        agent = self._seen(identity, fd)
         if agent is None:
             raise ProtocolError(f"{msg.type!r} from an unregistered peer")
-        agent.last_seen_s = time.monotonic()
         if isinstance(msg, P.Heartbeat):
             agent.workers_alive = set(msg.workers_alive)
             self._send(identity, P.Heartbeat(node_id=agent.node_id))  # the ack tells the agent we live
         elif isinstance(msg, P.WorkerExited):
             self._worker_exited(agent, msg)
         elif isinstance(msg, P.FromWorker):
-            if msg.device not in agent.global_devices:
-                raise ProtocolError(f"agent {agent.node_id} relayed for device {msg.device} it does not own")
-            self._from_worker(msg.device, msg.payload)
+            self._relayed(agent, [msg])
+        elif isinstance(msg, P.FromWorkers):
+            self._relayed(agent, msg.items)
         elif isinstance(msg, P.ErrorReply):
             log.error("agent %s reported an error: %s", agent.node_id, msg.reason)
         else:
@@ -266,6 +301,20 @@ class ControlPlane:
             self._on_pool_change(PoolChange(PoolChangeKind.JOINED, "registration", msg.node_id,
                                             tuple(global_devices), f"node {msg.node_id} joined"))
 
+    def _seen(self, identity: bytes, fd: int | None) -> AgentRecord | None:
+        """The registered agent of ``identity``, now heard from on socket ``fd`` (``None``: not
+        an agent)."""
+        agent = self._agent_by_identity(identity)
+        if agent is not None:
+            agent.last_seen_s = time.monotonic()
+            agent.disconnected_s = None
+            if fd is not None and fd != agent.fd:
+                if self._agent_at_fd.get(agent.fd) == agent.node_id:
+                    del self._agent_at_fd[agent.fd]
+                agent.fd = fd
+                self._agent_at_fd[fd] = agent.node_id
+        return agent
+
     def _agent_by_identity(self, identity: bytes) -> AgentRecord | None:
         return self._by_identity.get(identity)   # a dict: 8,192 results from 1,024 agents per boundary
 
@@ -284,6 +333,24 @@ class ControlPlane:
             log.warning("worker of device %d on %s exited with %s", msg.device, agent.node_id, msg.exitcode)
         self._on_event(Event.WORKER_EXITED, fields)
 
+    def _relayed(self, agent: AgentRecord, items: list[P.FromWorker]) -> None:
+        """Accept what ``agent`` relayed from its workers, item by item: a bad item (a device the
+        agent does not own, a result nobody asked for) is refused after the good ones are taken.
+
+        Raises:
+            ProtocolError: naming the first bad item and how many there were.
+        """
+        bad: list[str] = []
+        for item in items:
+            try:
+                if item.device not in agent.global_devices:
+                    raise ProtocolError(f"agent {agent.node_id} relayed for device {item.device} it does not own")
+                self._from_worker(item.device, item.payload)
+            except ProtocolError as err:
+                bad.append(str(err))
+        if bad:
+            raise ProtocolError(bad[0] + (f" (and {len(bad) - 1} more of {len(items)} items)" if len(bad) > 1 else ""))
+
     def _from_worker(self, device: int, payload: P.WorkerReady | P.TaskResult) -> None:
         if isinstance(payload, P.WorkerReady):
             self.ready_workers.add(device)
@@ -301,7 +368,11 @@ class ControlPlane:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for node_id, agent in list(self.agents.items()):
-            if now - agent.last_seen_s > self.heartbeat_timeout_s:
+            if agent.disconnected_s is not None and now - agent.disconnected_s > DISCONNECT_GRACE_S:
+                self.remove_node(node_id, "disconnected",
+                                 f"agent on node {node_id} dropped its connection and sent nothing for "
+                                 f"{now - agent.disconnected_s:.1f} s")
+            elif now - agent.last_seen_s > self.heartbeat_timeout_s:
                 self.remove_node(node_id, "heartbeat",
                                  f"agent on node {node_id} missed heartbeats for {now - agent.last_seen_s:.1f} s")
 
@@ -315,6 +386,8 @@ class ControlPlane:
         if agent is None:
             return False
         self._by_identity.pop(agent.identity, None)
+        if self._agent_at_fd.get(agent.fd) == node_id:
+            del self._agent_at_fd[agent.fd]
         log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, agent.global_devices)
         self._on_event(Event.AGENT_LOST, {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
                                       "detail": detail})
@@ -472,9 +545,13 @@ class ControlPlane:
         task_id = self._next_task_id
         self._next_task_id += 1
         self._pending[task_id] = _PendingTask(kind, set(args_by_device))
+        by_agent: dict[str, list[tuple[int, P.TaskArgs]]] = {}
         for device, args in args_by_device.items():
-            task = P.Task(task_id=task_id, args=args)
-            self._send(self.agents[self._device_to_agent[device]].identity, P.ToWorker(device=device, task=task))
+            by_agent.setdefault(self._device_to_agent[device], []).append((device, args))
+        for node_id, items in by_agent.items():   # one frame per agent, not per device
+            for first in range(0, len(items), P.MAX_BATCH_ITEMS):
+                self._send_frame(self.agents[node_id].identity, "to_workers",
+                                 P.encode_to_workers(task_id, items[first:first + P.MAX_BATCH_ITEMS]))
         return task_id
 
     def raise_if_lost(self, task_id: int) -> None:
@@ -532,6 +609,11 @@ class ControlPlane:
             self.poll(0.1)
 
     def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.close()

@@ -116,9 +116,14 @@ def make_client(sock: zmq.Socket, keys: JobKeys) -> None:
 class ServerAuth:
     """nereusd's side: a CURVE server socket whose ZAP handler admits only the job's client key.
 
-    Refused handshakes (wrong key, no CURVE at all) are logged by ``on_refused`` from the socket
-    monitor that :meth:`drain_monitor` reads; nereusd keeps running.
+    Refused handshakes (wrong key, no CURVE at all) come from the socket's monitor, which the
+    control plane reads (:data:`REFUSED_EVENTS`, :meth:`describe`); nereusd keeps running.
     """
+
+    REFUSED_EVENTS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
+                      zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error (no CURVE?)",
+                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed"}
+    """Monitor events of a refused handshake, and what they mean."""
 
     def __init__(self, ctx: zmq.Context, keys: JobKeys) -> None:
         self.keys = keys
@@ -134,33 +139,24 @@ class ServerAuth:
                 return ok
 
         self.authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Provider())
-        self._monitor: zmq.Socket | None = None
 
     def secure(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE server (before ``bind``) and watch its handshakes."""
+        """Make ``sock`` a CURVE server (before ``bind``)."""
         sock.curve_server = True
         sock.curve_publickey = self.keys.own.public
         sock.curve_secretkey = self.keys.own.secret
         sock.zap_domain = ZAP_DOMAIN.encode()
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
-    def drain_monitor(self) -> list[str]:
-        """Refused handshakes since the last call, as text (``auth failed (400) from tcp://…``)."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        out = []
-        while self._monitor is not None and self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            name = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
-                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error (no CURVE?)",
-                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed"}.get(event["event"], str(event["event"]))
-            out.append(f"{name} (code {event['value']}) on {event['endpoint'].decode(errors='replace')}")
-        return out
+    @classmethod
+    def describe(cls, event: dict) -> str | None:
+        """A refused handshake's monitor event as text (``authentication failed (code 400) on
+        tcp://…``); ``None`` for other events."""
+        name = cls.REFUSED_EVENTS.get(event["event"])
+        if name is None:
+            return None
+        return f"{name} (code {event['value']}) on {event['endpoint'].decode(errors='replace')}"
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.close(0)
         self.authenticator.stop()
 
 

@@ -44,7 +44,7 @@ def _device(local_index: int) -> P.DeviceInfo:
 @st.composite
 def valid_messages(draw) -> P._Message:
     """Messages a peer could send that decode: the handlers' own paths."""
-    kind = draw(st.integers(0, 10))
+    kind = draw(st.integers(0, 11))
     node = draw(st.sampled_from(["n0", "n1", "ghost", ""]))
     device = draw(st.integers(min_value=-2, max_value=80))
     if kind == 0:
@@ -63,6 +63,10 @@ def valid_messages(draw) -> P._Message:
             result=draw(st.none() | st.just({"x": 1.0}))))
     if kind == 5:
         return P.PoolRequest(remove=draw(st.integers(1, 10)))
+    if kind == 11:   # a relayed batch: results and readiness of several devices, owned or not
+        return P.FromWorkers(items=[P.FromWorker(device=d, payload=P.TaskResult(
+            task_id=draw(st.integers(0, 5)), device=d, ok=draw(st.booleans())))
+            for d in draw(st.lists(st.integers(-2, 80), min_size=1, max_size=6))])
     return [P.StatusRequest(), P.ErrorReply(reason="r"), P.Welcome(node_id=node, global_devices=[device]),
             P.Shutdown(reason="r"), P.StopWorkers(devices=[device])][kind - 6]
 

@@ -21,7 +21,71 @@ def test_a_task_with_a_device_without_agent_is_sent_to_no_device():
             control.submit({0: report, 1: report, 5: report})
         task = control.submit({0: report})
         first = P.decode(agent.recv())   # per-connection order: the first task sent comes first
-        assert isinstance(first, P.ToWorker) and first.task.task_id == task and first.device == 0
+        assert isinstance(first, P.ToWorkers) and [(i.task.task_id, i.device) for i in first.items] == [(task, 0)]
     finally:
         agent.close()
+        control.close()
+
+
+def test_a_task_goes_to_each_agent_in_one_frame_and_batched_results_are_taken_item_by_item():
+    """One ``ToWorkers`` frame per agent; a ``FromWorkers`` batch with a device the agent does not
+    own is refused for that item only, the others are taken."""
+    control = ControlPlane()
+    a0, a1 = fake_agent(control, "n0", 2), fake_agent(control, "n1", 2)
+    try:
+        task = control.submit({d: P.MemoryReportArgs() for d in range(4)})
+        got = {}
+        for sock in (a0, a1):
+            frame = P.decode(sock.recv())
+            assert isinstance(frame, P.ToWorkers)
+            got[sock] = sorted(i.device for i in frame.items)
+            assert not sock.poll(100)   # nothing else: one frame for both devices
+        assert sorted(got.values()) == [[0, 1], [2, 3]]
+        mine = got[a0]
+        a0.send(P.encode(P.FromWorkers(items=[
+            P.FromWorker(device=d, payload=P.TaskResult(task_id=task, device=d, ok=True, result={})) for d in mine + [got[a1][0]]])))
+        control.poll(0.5)
+        reply = P.decode(a0.recv())
+        assert isinstance(reply, P.ErrorReply) and "does not own" in reply.reason
+        assert control.refused_messages == 1
+        assert not control.done(task)
+        a1.send(P.encode(P.FromWorkers(items=[
+            P.FromWorker(device=d, payload=P.TaskResult(task_id=task, device=d, ok=True, result={"d": d}))
+            for d in got[a1]])))
+        results = control.collect(task, timeout_s=5)
+        assert sorted(results) == [0, 1, 2, 3] and results[got[a1][1]].result == {"d": got[a1][1]}
+    finally:
+        a0.close()
+        a1.close()
+        control.close()
+
+
+def test_an_agent_whose_connection_drops_is_lost_within_the_grace_not_the_heartbeat_timeout(monkeypatch):
+    """A killed agent's socket is closed by its kernel: nereusd reads the disconnect from its
+    socket monitor and declares the node lost (cause ``disconnected``) after the grace, long
+    before a 60 s heartbeat timeout. A live agent that keeps talking is not."""
+    import time
+
+    from nereusd.daemon import control_plane
+
+    monkeypatch.setattr(control_plane, "DISCONNECT_GRACE_S", 0.5)
+    lost = []
+    control = ControlPlane(heartbeat_timeout_s=60.0, on_pool_change=lost.append)
+    gone, live = fake_agent(control, "gone", 1), fake_agent(control, "live", 1)
+    try:
+        control.poll(0.1)
+        gone.close(linger=0)
+        start = time.monotonic()
+        while "gone" in control.agents and time.monotonic() - start < 10:
+            live.send(P.encode(P.Heartbeat(node_id="live")))
+            control.poll(0.1)
+        took = time.monotonic() - start
+        assert "gone" not in control.agents and "live" in control.agents
+        assert 0.5 <= took < 5, took
+        assert control.lost_devices([0]) == {0: {"node_id": "gone", "cause": "disconnected",
+                                                 "detail": control.device_losses[0]["detail"]}}
+        assert "dropped its connection" in control.device_losses[0]["detail"]
+        assert [(c.node_id, c.cause) for c in lost] == [("gone", "disconnected")]
+    finally:
+        live.close()
         control.close()

@@ -26,6 +26,16 @@ def test_round_trip_of_every_path():
         assert P.decode(P.encode(msg)) == msg
 
 
+def test_a_batch_of_tasks_built_from_its_args_is_the_batch_message():
+    """``encode_to_workers`` writes the bytes ``encode`` gives for the same ``ToWorkers``."""
+    gen = P.GenerateArgs(model_stage="actor/generation", prompts=[[1, 2], [3]], max_new_tokens=4, temperature=0.5,
+                         greedy=False, stop_ids=(0,), pad_id=0, seed=1, seeds=[4, 5])
+    items = [(7, gen), (9, P.TransitionRunArgs(ops=["a\"b", "é"])), (0, P.MemoryReportArgs())]
+    msg = P.ToWorkers(items=[P.ToWorker(device=d, task=P.Task(task_id=12, args=a)) for d, a in items])
+    assert P.encode_to_workers(12, items) == P.encode(msg)
+    assert P.decode(P.encode_to_workers(12, items)) == msg
+
+
 @pytest.mark.parametrize("frame, match", [
     (b"\xff\xfe", r"not JSON"),
     (b"[1, 2]", r"must be a JSON object, got list"),

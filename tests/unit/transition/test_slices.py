@@ -41,3 +41,27 @@ def test_each_worker_gets_its_ops_and_the_whole_communicator_plan(tiny_models):
     assert sorted(op.id for a in args.values() for op in TransitionDag.from_json(a.dag).ops) == sorted(
         op.id for op in dag.ops for _ in op.participants)
     assert json.loads(args[0].dag)["version"] == json.loads(dag.to_json())["version"]
+
+
+def test_a_ready_set_is_one_level_on_every_slice():
+    """The runner hands out ready sets (one level of the whole DAG); a worker holding only its
+    slice must run such a set as one level too. Levels of the slice itself split it differently
+    on different ranks — here, on device 2 of this transition, ops of one ready set have levels 0
+    and 1 in the slice — and two ranks each running the other's second op first wait on each
+    other."""
+    from emu.state.executor import TransitionExecutor, levels
+    from emu.state.primitives import HoldingStore
+    from tests.distributed.test_primitives_transitions import random_case
+
+    dag = random_case(14)[3]
+    whole = levels(dag)
+    ready_sets = [[x for x, lv in whole.items() if lv == level] for level in sorted(set(whole.values()))]
+    split = False
+    for device, part in dag.slices(sorted({d for op in dag.ops for d in op.participants})).items():
+        ex = TransitionExecutor(part, device, HoldingStore(None), {})
+        own = levels(part)
+        for ready in ready_sets:
+            mine = [x for x in ready if x in own]
+            split |= len({own[x] for x in mine}) > 1
+            assert len({ex.levels(ready)[x] for x in mine}) <= 1, (device, ready)
+    assert split   # the case is what the docstring says
