@@ -4,14 +4,14 @@ Example::
 
     nereus-launch simulate --model llama-3.1-8b --algorithm ppo --site site_configs/h200-ib.yaml \\
         --gpus 64 --steps 1000 --length-trace generated-ramp --pool-trace us-east-2b \\
-        --policies frozen,nereus,greedy,periodic-3,oracle --out runs/sim [--json]
+        --policies frozen-start,frozen-final,nereus,greedy,periodic-3,oracle --out runs/sim [--json]
 
 Trace names resolve to the copies shipped in ``nereusd/data/traces`` (see its
 ``SOURCES.md``): length traces ``verl-amd-7b-grpo``, ``verl-0.5b-ppo``, ``deepgrpo-baseline``,
 ``deepgrpo-tree`` or ``generated-ramp[:start:end]`` (labelled *generated* in every output);
 pool traces ``us-east-2b``, ``us-west-2a`` or ``constant``. Paths work too. Prints a table per
-policy (mean step latency, total time, switches, transition time and share, OOM events, vs
-frozen %); ``--out`` also writes ``summary.json``, ``run.json``, ``table.txt`` and PNG plots;
+policy (mean step latency, total time, switches, transition time and share, OOM events, vs the
+better frozen baseline %, share of the oracle's headroom captured); ``--out`` also writes ``summary.json``, ``run.json``, ``table.txt`` and PNG plots;
 ``--json`` prints the summary as JSON.
 """
 
@@ -37,13 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1000, help="RL steps to complete")
     p.add_argument("--length-trace", default="generated-ramp", help="shipped name, generated-ramp[:a:b] or path")
     p.add_argument("--pool-trace", default="constant", help="shipped name (us-east-2b, us-west-2a), path or constant")
-    p.add_argument("--policies", default="frozen,nereus,greedy,periodic-3,oracle",
-                   help="comma-separated: frozen, nereus, nereus@<gamma>, greedy, periodic-<k>, oracle")
+    p.add_argument("--policies", default="frozen-start,frozen-final,nereus,greedy,periodic-3,oracle",
+                   help="comma-separated: frozen-start (or frozen: the launch layout, DP-rescaled on pool changes, "
+                   "relaunched larger after an OOM), frozen-final (launched for the longest responses), nereus, "
+                   "nereus@<gamma>, greedy, periodic-<k>, oracle")
     p.add_argument("--prompt-length", type=int, default=512)
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per RL step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")
     p.add_argument("--noise", type=float, default=TruthConfig.noise_sigma, help="per-step time noise sigma")
     p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h)
+    p.add_argument("--engine-rebuild-s", type=float, default=TruthConfig.engine_rebuild_s,
+                   help="seconds a transition that changes a generation layout spends restarting its engine")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (policies run independently)")
     p.add_argument("--out", help="directory for summary.json, run.json, table.txt and PNG plots")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -54,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed)
-    truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h)
+    truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h,
+                        engine_rebuild_s=args.engine_rebuild_s)
     policies = parse_policies(args.policies)
     start = time.perf_counter()
     sim, meta = build(scenario, truth)

@@ -73,7 +73,9 @@ class PolicyKind(str, enum.Enum):
     NEREUS = "nereus"
     """Monitor → planner → payback admission (the paper's controller)."""
     FROZEN = "frozen"
-    """A static framework: keep the layouts; on a pool change rescale DP only; a forced layout."""
+    """A static framework: keep the launch layouts; on a pool change rescale DP *from the launch
+    plan* (not from a plan a restart shrank); after an out-of-memory failure relaunch into the
+    planner's layout for the longest response, which becomes the new launch plan; a forced layout."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +203,10 @@ class Controller:
         self.length = 1
         self.predicted_step_s: float | None = None
         self._replay_until, self._replay_length = 0, 0
+        self.base_plan = plan
+        """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
+        restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
+        self._relaunch = False
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
@@ -320,7 +326,7 @@ class Controller:
         if forced is not None:
             targets.append(self._target(source, forced, problem, usable))
         elif frozen:
-            rescaled = dp_rescale(self.plan, problem, current=source)
+            rescaled = dp_rescale(self.base_plan, problem, current=source)
             if rescaled is not None:
                 targets.append(dataclasses.replace(self._target(source, rescaled, problem, usable), feasible=True))
         else:
@@ -349,13 +355,29 @@ class Controller:
         planner's plan for the longest response, :attr:`max_response_length` (urgent path:
         smaller micro-batch, recomputation).
 
+        The ``frozen`` policy restarts after a device loss into its launch plan DP-rescaled to
+        ``pool`` (a static framework relaunches the same TP/PP on fewer GPUs; when even DP 1 of it
+        does not fit ``pool``, into the planner's plan, until the GPUs are back), and after an
+        out-of-memory failure (:meth:`failed`) into the planner's plan, which becomes its launch
+        plan.
+
         Raises:
             Infeasible: when nothing holds it.
         """
+        frozen = self.policy.kind is PolicyKind.FROZEN
+        if frozen and not self._relaunch:
+            problem = self.problem(pool, self.lookahead(self.length))
+            rescaled = dp_rescale(self.base_plan, problem)
+            if rescaled is not None:
+                ev = evaluate(problem, rescaled, self.cost_model)
+                usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
+                return PlanResult(rescaled, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
         problem = self.problem(pool, self.max_response_length)
         result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
         if result is None:
             raise Infeasible("no plan holds the longest response: " + "; ".join(lines))
+        if frozen and self._relaunch:   # a user relaunching after an OOM keeps the larger layout
+            self.base_plan, self._relaunch = result.plan, False
         return result
 
     def failed(self, step: int, length: int | None = None) -> None:
@@ -368,6 +390,7 @@ class Controller:
         length = self.max_response_length if length is None else int(length)
         self._replay_length = max(self._replay_length if step < self._replay_until else 0, length)
         self._replay_until = max(self._replay_until, step + 1)
+        self._relaunch = True   # frozen: the next restart relaunches into a larger layout
 
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""

@@ -3,9 +3,13 @@
 Every policy but the oracle runs the one controller (:class:`nereusd.control.controller.Controller`)
 with its own :class:`~nereusd.control.controller.ControlPolicy`:
 
-- ``frozen``: a static framework's behaviour — keep the layouts, rescale DP on a pool change
-  (:func:`nereusd.planner.rescale.dp_rescale`), checkpoint/restart into the controller's restart
-  plan after an OOM;
+- ``frozen-start`` (alias ``frozen``): a static framework's behaviour (the paper's frozen
+  baseline) — launch on the fastest layout for the initial lengths, keep it, DP-rescale the
+  *launch* plan on every pool change (:func:`nereusd.planner.rescale.dp_rescale`), and after an
+  OOM checkpoint/restart into the controller's plan for the longest response, which becomes the
+  launch plan (:class:`~nereusd.control.controller.PolicyKind`);
+- ``frozen-final``: the same, launched on the fastest layout that holds the run's longest
+  responses (what a user who knows the final length would pick);
 - ``nereus`` / ``nereus@G``: payback admission with the payback margin ``γ = 0.5`` or ``G``;
 - ``greedy``: the same triggers, any positive predicted gain admitted (``γ = ∞``);
 - ``periodic-k``: replan every ``k`` steps (and on urgent triggers), any positive gain admitted;
@@ -23,6 +27,8 @@ from nereusd.control.controller import ControlPolicy, PolicyKind
 from nereusd.errors import ConfigError
 
 FROZEN, NEREUS, GREEDY, PERIODIC, ORACLE = "frozen", "nereus", "greedy", "periodic", "oracle"
+FROZEN_START, FROZEN_FINAL = "frozen-start", "frozen-final"
+"""The two frozen baselines' names (kind :data:`FROZEN`)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,9 @@ class Policy:
     name: str
     kind: str
     control: ControlPolicy | None
+    launch_at_longest: bool = False
+    """Launch on the best plan for the run's longest responses (``frozen-final``) instead of the
+    initial lengths."""
 
     @property
     def payback_margin(self) -> float:
@@ -44,7 +53,8 @@ class Policy:
 
 
 def parse_policy(text: str) -> Policy:
-    """``frozen``, ``nereus``, ``nereus@0.25``, ``greedy``, ``periodic-3``, ``oracle``.
+    """``frozen-start`` (``frozen``), ``frozen-final``, ``nereus``, ``nereus@0.25``, ``greedy``,
+    ``periodic-3``, ``oracle``.
 
     Raises:
         ConfigError: for an unknown name or a bad parameter.
@@ -57,8 +67,10 @@ def parse_policy(text: str) -> Policy:
     if name.startswith(PERIODIC + "-") and not re.fullmatch(r"periodic-[1-9]\d*", name, re.ASCII):
         raise ConfigError(f"policy {name!r}: bad parameter (e.g. periodic-3)")
     try:
-        if name == FROZEN:
-            return Policy(name, FROZEN, ControlPolicy(name=name, kind=PolicyKind.FROZEN, payback_margin=0.0))
+        if name in (FROZEN, FROZEN_START, FROZEN_FINAL):
+            label = FROZEN_START if name == FROZEN else name
+            return Policy(label, FROZEN, ControlPolicy(name=label, kind=PolicyKind.FROZEN, payback_margin=0.0),
+                          launch_at_longest=name == FROZEN_FINAL)
         if name == ORACLE:
             return Policy(name, ORACLE, None)
         if name == GREEDY:
@@ -77,7 +89,8 @@ def parse_policy(text: str) -> Policy:
             return Policy(name, PERIODIC, ControlPolicy(name=name, payback_margin=math.inf, period=period))
     except ValueError:
         raise ConfigError(f"policy {name!r}: bad parameter (e.g. nereus@0.25, periodic-3)") from None
-    raise ConfigError(f"policy {name!r}: expected frozen, nereus, nereus@<gamma>, greedy, periodic-<k> or oracle")
+    raise ConfigError(f"policy {name!r}: expected frozen-start (frozen), frozen-final, nereus, nereus@<gamma>, "
+                      "greedy, periodic-<k> or oracle")
 
 
 def parse_policies(text: str) -> list[Policy]:

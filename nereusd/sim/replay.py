@@ -146,6 +146,18 @@ class Simulation:
         if self.launch is None:
             raise SimulationError(f"no plan fits {self.total} devices at length {lengths.at(0):.0f}")
         self.min_devices = self._min_devices()
+        self._launch_final: Plan | None = None
+
+    @property
+    def launch_final(self) -> Plan:
+        """The ``frozen-final`` launch plan: the truth's fastest plan on the whole cluster that
+        runs every step of the run without running out of memory (the longest responses with
+        each step's padding)."""
+        if self._launch_final is None:
+            self._launch_final = self._oracle.plan_for_run(self.lengths, self.steps, self.problem.pool)
+            if self._launch_final is None:
+                raise SimulationError(f"no plan on {self.total} devices holds every step of the run")
+        return self._launch_final
 
     def _min_devices(self) -> int:
         """Fewest whole nodes on which the truth fits a plan at the run's longest length: a
@@ -164,11 +176,12 @@ class Simulation:
         truth = GroundTruth(self.problem, self.truth_config)
         links = TransitionEstimator(self.problem.specs, self.problem.site, truth.cost_model(False),
                                     self.problem.workflow.concurrent_sets(), max_devices=TRANSITION_SCALE_LIMIT)
+        launch = self.launch_final if policy.launch_at_longest else self.launch
         ctl = None if policy.kind == ORACLE else Controller(
-            self.problem, self.launch, policy.control, max_response_length=self.max_response_length,
+            self.problem, launch, policy.control, max_response_length=self.max_response_length,
             pool=self.problem.pool, transition_scale_limit=TRANSITION_SCALE_LIMIT)
         res = PolicyResult(policy, self.steps)
-        plan = self.launch
+        plan = launch
         ids: dict[str, int] = {}
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
@@ -228,7 +241,8 @@ class Simulation:
             if d is not None:
                 res.decisions.append(d.to_dict() | {"time_s": t})
             if d is not None and d.verdict == ADMIT:
-                rec.transition_s = links.estimate(source, d.target.plan).l_tran_s
+                rec.transition_s = links.estimate(source, d.target.plan).l_tran_s + truth.engine_rebuild_s(
+                    source, d.target.plan)
                 rec.switched = True
                 ctl.transition_measured(d.l_tran_s, rec.transition_s)
                 plan = d.target.plan
@@ -303,5 +317,22 @@ class _Oracle:
                 self._memo[key] = plan
             plan = self._memo[key]
             if plan is not None and not self.truth.oom(plan, length, step):
+                return plan
+        return None
+
+    def plan_for_run(self, lengths: LengthTrace, steps: int, pool: tuple[int, ...]) -> Plan | None:
+        """The fastest plan for the run's longest length that no step of the run (its length
+        and padding) drives out of memory, uncontended; ``None`` when none does."""
+        run = [(i, lengths.at(i)) for i in range(steps)]
+        longest = max(length for _, length in run)
+        tall = [(i, length) for i, length in run if length >= 0.5 * longest]
+        for headroom in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5):
+            wl = replace(self.problem.workload, response_length=length_bucket(longest, 16))
+            try:
+                plan = Planner(replace(self.problem, workload=wl, pool=pool), self.truth.cost_model(False),
+                               PlannerOptions(headroom=headroom)).solve().plan
+            except Infeasible:
+                continue
+            if not any(self.truth.oom(plan, length, i) for i, length in tall):
                 return plan
         return None

@@ -2,8 +2,9 @@
 
 A run's summary per policy: mean step latency (s, transitions and failures included, waiting
 for GPUs excluded), total time (s), switches, transition seconds and their share of the total,
-OOM events, restarts, stall seconds, and the difference of mean step latency against
-``frozen`` in percent (negative: faster).
+OOM events, restarts, stall seconds, the difference of mean step latency against the better
+frozen baseline in percent (negative: faster), and the part of the oracle's headroom over that
+baseline each policy captures (:func:`summary`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,24 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from nereusd.sim.policies import FROZEN, ORACLE
 from nereusd.sim.replay import PolicyResult
 from nereusd.traces import LengthTrace, PoolTrace
 
 
 def summary(results: Sequence[PolicyResult]) -> list[dict]:
-    """One row per policy (see the module docstring for the fields and units)."""
-    frozen = next((r for r in results if r.policy.name == "frozen"), None)
+    """One row per policy (see the module docstring for the fields and units).
+
+    ``vs_best_frozen_pct`` compares mean step latency with the better of the frozen baselines
+    run (``frozen-start``, ``frozen-final``); ``oracle_headroom_pct`` is how much faster the
+    oracle is than that baseline, and ``captured_pct`` the part of that headroom a policy
+    realises, ``100·(best_frozen − policy)/(best_frozen − oracle)`` (``None`` without an oracle, a
+    frozen baseline, or headroom).
+    """
+    frozen = [r.mean_step_s for r in results if r.policy.kind == FROZEN]
+    best_frozen = min(frozen) if frozen else None
+    oracle = next((r.mean_step_s for r in results if r.policy.kind == ORACLE), None)
+    headroom = best_frozen - oracle if best_frozen is not None and oracle is not None else None
     rows = []
     for r in results:
         total = r.total_s
@@ -27,23 +39,31 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
             "mean_step_s": r.mean_step_s, "total_s": total, "switches": r.switches,
             "transition_s": r.transition_s, "transition_share_pct": 100.0 * r.transition_s / total if total else 0.0,
             "oom_events": r.oom_events, "restarts": r.restarts, "restart_s": r.restart_s, "stall_s": r.stall_s,
-            "vs_frozen_pct": (100.0 * (r.mean_step_s / frozen.mean_step_s - 1.0)) if frozen else None,
+            "vs_best_frozen_pct": (100.0 * (r.mean_step_s / best_frozen - 1.0)) if best_frozen else None,
+            "oracle_headroom_pct": 100.0 * headroom / best_frozen if headroom is not None and best_frozen else None,
+            "captured_pct": 100.0 * (best_frozen - r.mean_step_s) / headroom if headroom else None,
             "distinct_plans": len(r.plans),
         })
     return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The summary as an aligned text table."""
+    """The summary as an aligned text table, then the oracle's headroom over the better frozen
+    baseline."""
     header = ["policy", "mean step s", "total s", "switches", "transition s", "share %", "OOM",
-              "restarts", "stall s", "vs frozen %"]
+              "restarts", "stall s", "vs best frozen %", "captured %"]
     body = [[r["policy"], f"{r['mean_step_s']:.2f}", f"{r['total_s']:.0f}", str(r["switches"]),
              f"{r['transition_s']:.1f}", f"{r['transition_share_pct']:.3f}", str(r["oom_events"]),
              str(r["restarts"]), f"{r['stall_s']:.0f}",
-             "" if r["vs_frozen_pct"] is None else f"{r['vs_frozen_pct']:+.1f}"] for r in rows]
+             "" if r["vs_best_frozen_pct"] is None else f"{r['vs_best_frozen_pct']:+.1f}",
+             "" if r["captured_pct"] is None else f"{r['captured_pct']:.0f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body)]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                     for row in [header] + body)
+    table = "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                      for row in [header] + body)
+    headroom = next((r["oracle_headroom_pct"] for r in rows if r["oracle_headroom_pct"] is not None), None)
+    if headroom is not None:
+        table += f"\noracle headroom over the better frozen baseline: {headroom:.1f} %"
+    return table
 
 
 def to_json(results: Sequence[PolicyResult], meta: dict) -> dict:

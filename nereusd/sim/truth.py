@@ -14,6 +14,10 @@ model (:mod:`nereusd.cost.model`, :mod:`nereusd.cost.memory`) but with:
 - **memory variance per batch**: the true peak is the memory model at the *padded* length of
   the step's longest micro-batch, ``mean × spread``, with ``spread ~ N(spread_mean, spread_sd)``
   clipped to ``[1, spread_max]`` — the controller's model sees only the mean length;
+- **engine rebuilds**: a transition that changes a generation model-stage's layout or devices
+  also restarts its inference engine (vLLM: weights, KV-cache profiling, CUDA graphs), which the
+  transition DAG's byte-and-link price leaves out: ``engine_rebuild_s`` seconds (0 by default;
+  the "costly transitions" scenarios of ``scripts/bench_sim.py`` set it);
 - **out-of-memory**: a device whose true peak (own working set plus co-resident state)
   exceeds its *capacity* fails the step: the partial step is lost, the job restarts from the
   last checkpoint (every ``checkpoint_interval`` steps; the steps since are re-run) after
@@ -34,7 +38,7 @@ import numpy as np
 from nereusd.cost.calibration import PRIORS, Calibration
 from nereusd.cost.model import CostModel
 from nereusd.cost.memory import stage_memory
-from nereusd.plan import ModelStage, Plan
+from nereusd.plan import ModelStage, Plan, Stage
 from nereusd.planner.space import PlanProblem
 from nereusd.transition.memory import AdamStateSizes
 
@@ -55,6 +59,8 @@ class TruthConfig:
             init), seconds, before reading the checkpoint.
         storage_gbps: checkpoint read bandwidth per node, GB/s.
         checkpoint_interval: steps between checkpoints.
+        engine_rebuild_s: seconds a transition adds when it changes a generation model-stage
+            (its engine restarts on the new layout), beyond the DAG's own time.
     """
 
     seed: int = 0
@@ -70,6 +76,7 @@ class TruthConfig:
     restart_s: float = 180.0
     storage_gbps: float = 2.0
     checkpoint_interval: int = 20
+    engine_rebuild_s: float = 0.0
 
 
 class GroundTruth:
@@ -196,6 +203,13 @@ class GroundTruth:
                 self._groups.clear()
             self._groups[key] = groups
         return groups
+
+    # ---- transitions -------------------------------------------------------------------------
+    def engine_rebuild_s(self, source: Plan, target: Plan) -> float:
+        """Seconds the generation engines' restarts add to a transition from ``source`` to
+        ``target`` (engines restart in parallel: once if any generation model-stage changes)."""
+        changed = any(m.stage is Stage.GENERATION and source.candidates.get(m) != c for m, c in target.items())
+        return self.config.engine_rebuild_s if changed else 0.0
 
     # ---- restarts ----------------------------------------------------------------------------
     def restart_s(self, plan: Plan) -> float:

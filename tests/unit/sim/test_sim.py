@@ -108,6 +108,39 @@ def test_pool_changes_rescale_frozen_and_trigger_the_controller():
     assert any(t["signal"] == "gpu_pool" and t["urgent"] for d in res.decisions for t in d["triggers"])
 
 
+def test_frozen_rescales_its_launch_plan_not_the_plan_a_shrunken_pool_left():
+    """The pool falls to a quarter (every replica of some model-stage is lost: a restart) and
+    comes back. A static framework relaunches its launch layout with DP scaled to the GPUs it
+    has; when they return it runs the launch layouts again — not a rescale of the small pool's
+    restart plan (which once ran actor training on 8 of 64 GPUs, issue 16)."""
+    pool = PoolTrace("hand-made dip", 30.0, (1.0, 0.25, 1.0, 1.0))
+    sim = Simulation(small_problem(nodes=4), LengthTrace("flat", (1024.0,)), pool, 80, QUIET)
+    res = sim.run(parse_policy("frozen-start"))
+    check_books(res)
+    assert res.restarts >= 1 and {r.pool for r in res.records} == {8, 32}
+
+    def layouts(desc: str) -> str:   # the layouts of a plan description, without its devices
+        return " ".join(part.split("@")[0] for part in desc.split("; "))
+
+    launch = layouts(sim.launch.describe())
+    back = [r for r in res.records if r.pool == 32 and r.start_s > 60.0]
+    assert back and all(layouts(res.plans[r.plan_id]) == launch for r in back), \
+        {layouts(res.plans[r.plan_id]) for r in back} - {launch}
+
+
+def test_frozen_final_launches_on_a_plan_that_holds_the_longest_responses():
+    """The OOM case above with ``frozen-final``: launched for the run's longest responses, it
+    never runs out of memory, and is slower than ``frozen-start`` while responses are short."""
+    lengths = LengthTrace("hand-made jump", tuple([256.0] * 10 + [16384.0] * 10))
+    sim = Simulation(small_problem(memory_gib=16), lengths, CONSTANT, 20, QUIET)
+    final = sim.run(parse_policy("frozen-final"))
+    start = sim.run(parse_policy("frozen-start"))
+    check_books(final)
+    assert final.oom_events == 0 and start.oom_events == 1
+    assert final.records[0].step_s > start.records[0].step_s
+    assert sim.launch_final != sim.launch
+
+
 def test_stall_when_pool_is_empty_is_not_step_latency():
     pool = PoolTrace("hand-made outage", 5.0, (1.0, 0.0, 0.0, 1.0))
     sim = Simulation(small_problem(), LengthTrace("flat", (512.0,)), pool, 40, QUIET)
@@ -137,14 +170,17 @@ def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
 
 
 def test_policy_names():
-    assert [p.name for p in parse_policies("frozen,nereus,greedy,periodic-3,oracle,nereus@0.25")] == \
-        ["frozen", "nereus", "greedy", "periodic-3", "oracle", "nereus@0.25"]
+    assert [p.name for p in parse_policies("frozen,frozen-final,nereus,greedy,periodic-3,oracle,nereus@0.25")] == \
+        ["frozen-start", "frozen-final", "nereus", "greedy", "periodic-3", "oracle", "nereus@0.25"]
+    assert parse_policy("frozen-final").launch_at_longest and not parse_policy("frozen-start").launch_at_longest
     assert parse_policy("nereus@0").payback_margin == 0 and parse_policy("greedy").payback_margin == math.inf
     assert parse_policy("periodic-5").period == 5
     with pytest.raises(ConfigError, match="periodic-3"):
         parse_policy("periodic-x")
     with pytest.raises(ConfigError, match="twice"):
         parse_policies("frozen,frozen")
+    with pytest.raises(ConfigError, match="twice"):
+        parse_policies("frozen,frozen-start")
     for odd in ("periodic-03", "periodic-+3", "periodic-0", "nereus@1e309", "nereus@1_0", "nereus@-1", "nereus@nan",
                 "periodic-1\u0661"):
         with pytest.raises(ConfigError, match="bad parameter"):
@@ -173,8 +209,9 @@ def test_cli_json_and_plots(tmp_path, capsys):
                  "frozen,nereus,oracle", "--out", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["length_generated"] is True and "generated" in out["length_trace"]
-    assert [r["policy"] for r in out["summary"]] == ["frozen", "nereus", "oracle"]
-    assert out["summary"][0]["vs_frozen_pct"] == 0.0
+    assert [r["policy"] for r in out["summary"]] == ["frozen-start", "nereus", "oracle"]
+    assert out["summary"][0]["vs_best_frozen_pct"] == 0.0
+    assert out["summary"][0]["captured_pct"] in (0.0, None)
     for name in ("step_latency.png", "plan_timeline.png", "pool.png", "sequence_length.png", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert main(["simulate", "--gpus", "12", "--steps", "5"]) == 2
