@@ -340,9 +340,13 @@ class Controller:
                     for t in triggers]
         if not urgent and targets and targets[0].plan == self.plan:
             targets = targets[1:]   # the planner keeps the running plan: nothing to switch to
+        # a running plan predicted over usable memory is not kept for want of a feasible
+        # transition: the verdict is then checkpoint/restart now, not an OOM later (issue 16: a
+        # ramp ran 190 steps like that, then failed and lost the steps since its checkpoint)
+        over = peak is not None and peak > usable
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
-                         current_valid=current_valid)
+                         current_valid=current_valid and not over)
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         self.monitor.replanned(signals)

@@ -170,3 +170,35 @@ def test_a_control_policy_out_of_range_is_refused(knobs, match):
 
     with pytest.raises(ConfigError, match=match):
         ControlPolicy(**knobs)
+
+
+def test_a_plan_predicted_over_usable_memory_is_not_kept_when_no_transition_fits(demo):
+    """Urgent memory trigger, and the transition to the planner's target does not fit memory:
+    the verdict is checkpoint/restart at once, not ``keep`` — the running plan is predicted over
+    usable memory and would run until it fails (issue 16: 190 steps, then an OOM). The
+    transition engine's answer is replaced by an infeasible one here (the one stub of the
+    test); the simulator reproduces the real case (README, bench_sim)."""
+    from nereusd.control.admission import KEEP, RESTART
+
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    real = adapter.transitions.estimate
+
+    def no_fit(source, target):
+        est = real(source, target)
+        return dataclasses.replace(est, feasible=False, reason="transition does not fit memory (test)")
+
+    adapter.transitions.estimate = no_fit
+    verdicts = []
+    for step, length in enumerate([16, 24, 32, 40, 48, 56, 64, 76, 96, 112, 128]):
+        observe(adapter, step, length)
+        outcome = adapter.boundary(step, adapter.pool)
+        if outcome is None or not outcome.decision.urgent:
+            continue
+        problem = adapter.problem(adapter.pool, outcome.planned_length)
+        peak = max(evaluate(problem, adapter.plan, adapter.cost_model).peak_bytes.values())
+        over = peak > usable_bytes(problem.site.device_memory_bytes, adapter.headroom())
+        verdicts.append((over, outcome.decision.verdict))
+    assert any(over for over, _ in verdicts), verdicts
+    assert all(v == RESTART for over, v in verdicts if over), verdicts
+    assert not any(v == KEEP for over, v in verdicts if over)
