@@ -422,6 +422,11 @@ PRESETS: dict[str, ModelSpec] = {
         num_kv_heads=2, max_position=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         architecture="qwen2",
     ),
+    # Qwen2.5-7B config.json (huggingface.co/Qwen/Qwen2.5-7B): q/k/v biases, separate output embeddings
+    "qwen2.5-7b": ModelSpec(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, max_position=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, architecture="qwen2",
+    ),
     "counting-tiny": ModelSpec(
         vocab_size=16, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
         num_kv_heads=2, max_position=160,

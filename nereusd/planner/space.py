@@ -34,6 +34,9 @@ from nereusd.workflow import Workflow, Workload
 
 
 GENERATION_WAVE_CHOICES = 3
+"""Wave sizes kept per generation replica layout: the largest ones whose memory fits, from the
+whole share down through every power of two to 1 (memory falls with the wave, so the search is
+complete: a layout is dropped only if even a wave of 1 does not fit)."""
 
 
 @dataclass(frozen=True)
@@ -175,11 +178,12 @@ def dp_degrees(model_stage: ModelStage, sequences: int, mini_batch: int, limit: 
 @functools.lru_cache(maxsize=65536)
 def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptions, training: bool,
                         generation: bool = False) -> list[int]:
-    """Per-replica micro-batches to try. Generation: the concurrent sequences (all of the
-    share, or the largest powers of two below it, for waves that fit the KV cache)."""
+    """Per-replica micro-batches to try. Generation: the concurrent sequences, largest first —
+    all of the share, then every power of two below it (the enumeration keeps the
+    :data:`GENERATION_WAVE_CHOICES` largest that fit memory)."""
     if generation:
         out, b = [per_replica], 1 << max(0, (per_replica - 1).bit_length() - 1)
-        while b >= 1 and len(out) < GENERATION_WAVE_CHOICES:
+        while b >= 1:
             if b < per_replica:
                 out.append(b)
             b //= 2
@@ -310,7 +314,10 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 choices = micro_batch_choices(per_opt, wl.micro_batch, options, training, generation)
                 if wl.max_tokens_per_micro_batch is not None and not generation:
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike
+                kept = 0
                 for b in choices:
+                    if generation and kept >= GENERATION_WAVE_CHOICES:
+                        break   # smaller waves than the largest that fit: slower, never needed
                     priced = wl.priced_micro_batch(m.stage, b, per_opt)
                     for recompute, zero in itertools.product(recompute_flags, zero_choices):
                         if zero and (tp, pp) != (1, 1):
@@ -330,6 +337,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                         if mem[0] > usable_bytes:
                             continue
                         block.append((tp, pp, dp, b, recompute, mem[0], mem[1], zero))
+                        kept += 1
             if block:
                 cols = list(zip(*block))
                 lat_parts.append(costvec.latencies(

@@ -162,3 +162,31 @@ def test_the_planner_offers_only_layouts_the_engine_accepts():
             seen_pp.add((m.role.value, opt.pp))
     assert ("actor", 1) in seen_pp and not any(role == "actor" and pp > 1 for role, pp in seen_pp)
     assert any(role == "critic" and pp > 1 for role, pp in seen_pp)   # a value head is not tied
+
+
+def test_generation_waves_are_searched_down_to_one_so_feasibility_is_monotone_in_the_batch():
+    """Qwen2.5-7B PPO on 8 × 80 GB, prompt 2,048, response 5,120 (issue 16): with only the three
+    largest waves per replica tried, batch 1,024 had a plan and 2,048 none ("co-resident
+    model-stages exceed 72 GiB"), though the plan of batch 256 runs 2,048 in smaller waves. The
+    search keeps the largest waves that fit, so a larger batch is never infeasible where a
+    smaller one fits."""
+    import dataclasses
+
+    from nereusd.plan import Role
+    from nereusd.planner.space import PlanProblem
+    from nereusd.workflow import Workload, build_workflow
+
+    site = load_site("h200-ib")
+    site = dataclasses.replace(site, device=dataclasses.replace(site.device, memory_gib=80)).with_nodes(1)
+    spec = preset("qwen2.5-7b")
+    feasible = []
+    for batch in (256, 1024, 2048, 4096):
+        wl = Workload(prompt_length=2048, response_length=5120, global_batch=batch)
+        pb = PlanProblem(build_workflow("ppo"), {r: spec for r in Role}, wl, site, tuple(range(8)))
+        try:
+            result = Planner(pb, CostModel(site)).solve()
+            feasible.append(batch)
+            assert max(result.peak_bytes.values()) <= result.usable_bytes
+        except Infeasible:
+            pass
+    assert feasible == [256, 1024, 2048, 4096]
