@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute,
                              zero_stages=(0, 1, 2) if args.zero else ())
     try:
-        result = Planner(problem, CostModel(site, calibration), options).solve()
+        result = Planner(problem, CostModel(site, calibration), options, suggest=True).solve()
     except Infeasible as err:
         if args.json:
             print(json.dumps({"error": str(err), "warnings": warnings, "model_stage": str(err.model_stage) if err.model_stage else None,

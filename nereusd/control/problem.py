@@ -82,7 +82,12 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
     """
     length = job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens
     problem = job_problem(job, site, tuple(range(job.devices)), length, prompt_length)
-    result, lines = solve(problem, CostModel(problem.site, calibration or Calibration()), None, HEADROOM, True)
+    cost_model = CostModel(problem.site, calibration or Calibration())
+    result, lines = solve(problem, cost_model, None, HEADROOM, True)
     if result is None:
+        try:   # the planner's own account of what fails, and what would fit
+            Planner(problem, cost_model, PlannerOptions(headroom=HEADROOM, allow_recompute=True), suggest=True).solve()
+        except Infeasible as err:
+            lines.append(str(err))
         raise Infeasible(f"no launch plan fits {job.devices} devices: " + "; ".join(lines))
     return result

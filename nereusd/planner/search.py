@@ -21,6 +21,7 @@ cannot fit and by how much.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,7 +34,7 @@ from nereusd.cost.model import CostModel
 from nereusd.errors import PlanError, format_bytes
 from nereusd.cost.memory import usable_bytes
 from nereusd.planner.placement import place
-from nereusd.plan import ModelStage, Plan
+from nereusd.plan import ModelStage, Plan, Stage
 from nereusd.planner.space import (Option, OptionTable, PlannerOptions, PlanProblem, device_peaks, enumerate_options,
                                    option_table)
 
@@ -211,8 +212,12 @@ class Planner:
         options: search space knobs (divisors, micro-batches, recomputation, headroom).
     """
 
-    def __init__(self, problem: PlanProblem, cost_model: CostModel, options: PlannerOptions | None = None):
+    def __init__(self, problem: PlanProblem, cost_model: CostModel, options: PlannerOptions | None = None, *,
+                 suggest: bool = False):
         self.problem = problem
+        self.suggest = suggest
+        """When nothing fits, plan again with recomputation, ZeRO and more devices to say what would
+        (for a person reading the error: ``nereus-launch plan``, a job's launch)."""
         self.cost_model = cost_model
         self.options = options or PlannerOptions()
         self.usable = usable_bytes(problem.site.device_memory_bytes, self.options.headroom)
@@ -343,9 +348,9 @@ class Planner:
             if not len(table):
                 need = min_peak_bytes(self.problem, m, self.cost_model, self.options)
                 raise Infeasible(
-                    f"{m} cannot fit on {len(self.problem.pool)} devices: needs at least "
-                    f"{format_bytes(need)} per device, {format_bytes(self.usable)} usable "
-                    f"({format_bytes(need - self.usable)} short)", m, need, self.usable)
+                    f"{m} ({m.stage} phase) cannot fit on {len(self.problem.pool)} devices: its smallest peak over "
+                    f"every layout is {format_bytes(need)} per device, {format_bytes(self.usable)} usable "
+                    f"({format_bytes(need - self.usable)} short)" + self._suggestions(), m, need, self.usable)
 
     def _explain_budget(self) -> Infeasible:
         n = len(self.problem.pool)
@@ -353,13 +358,71 @@ class Planner:
             least = sum(int(self.tables[m].gpus.min()) for m in group)
             if least > n:
                 return Infeasible(f"model-stages {[str(m) for m in group]} run concurrently and need at "
-                                  f"least {least} devices together; the pool has {n}")
-        return Infeasible(f"no plan fits {n} devices: co-resident model-stages exceed "
-                          f"{format_bytes(self.usable)} usable per device")
+                                  f"least {least} devices together; the pool has {n}" + self._suggestions())
+        # co-residence: a phase's working peak plus the other phases' resident state on its devices
+        worst = None
+        for p in self.shared:
+            reserve = sum(min(int(self.tables[m].resident_bytes.min()) for m in self.phases[q])
+                          for q in self.shared if q != p)
+            own = max(int(self.tables[m].peak_bytes.min()) for m in self.phases[p])
+            m = max(self.phases[p], key=lambda x: int(self.tables[x].peak_bytes.min()))
+            if worst is None or own + reserve > worst[0]:
+                worst = (own + reserve, p, m, own, reserve)
+        need, p, m, own, reserve = worst
+        phase = " + ".join(str(x) for x in self.phases[p])
+        what = (f"the {m.stage} phase ({phase}) needs at least {format_bytes(need)} per device: {m}'s smallest "
+                f"peak {format_bytes(own)} plus the other phases' smallest resident state {format_bytes(reserve)}"
+                if need > self.usable else
+                f"no combination of layouts fits both {n} devices and memory (the {m.stage} phase alone needs at "
+                f"least {format_bytes(need)} per device)")
+        return Infeasible(f"no plan fits {n} devices: {what}, {format_bytes(self.usable)} usable"
+                          + self._suggestions(), m, need, self.usable)
+
+    def _suggestions(self) -> str:
+        """What would fit instead, tried by planning again: recomputation, ZeRO, more devices
+        (``""`` without :attr:`suggest`)."""
+        if not self.suggest:
+            return ""
+        tries: list[tuple[str, PlannerOptions, PlanProblem]] = []
+        widest, remedies = self.options, []
+        if not self.options.allow_recompute:
+            widest = dataclasses.replace(widest, allow_recompute=True)
+            remedies.append("activation recomputation (--recompute; plan.*.recompute)")
+            tries.append((remedies[-1], widest, self.problem))
+        if (any(m.stage is Stage.TRAINING for m in self.problem.workflow.model_stages)
+                and not self.options.zero_stages and not self.problem.zero_stages):
+            zero = "ZeRO-1/2 for training (--zero; backends: {<role>/training: deepspeed})"
+            tries.append((zero, dataclasses.replace(self.options, zero_stages=(0, 1, 2)), self.problem))
+            widest = dataclasses.replace(widest, zero_stages=(0, 1, 2))
+            remedies.append(zero)
+            if len(remedies) > 1:
+                tries.append((" and ".join(remedies), widest, self.problem))
+        n, dpn = len(self.problem.pool), self.problem.site.devices_per_node
+        for more in (2 * n, 4 * n, 8 * n):
+            more = -(-more // dpn) * dpn
+            site = self.problem.site.with_nodes(more // dpn)
+            label = f"{more} devices" + (f" (with {' and '.join(remedies)})" if remedies else "")
+            tries.append((label, widest, dataclasses.replace(self.problem, site=site, pool=tuple(range(more)))))
+        fits = []
+        for label, options, problem in tries:
+            more_devices = problem is not self.problem
+            if fits and (more_devices or options is widest):
+                break   # a single remedy on these devices already fits
+            try:
+                Planner(problem, self.cost_model, options, suggest=False).solve()
+            except Infeasible:
+                continue
+            fits.append(label)
+            if more_devices:
+                break   # the fewest more devices that fit
+        if fits:
+            return f"; would fit with {' or with '.join(fits)}"
+        return f"; nothing tried fits (up to {8 * n} devices{' with ' + ' and '.join(remedies) if remedies else ''})"
 
 
 def min_peak_bytes(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
                    options: PlannerOptions) -> int:
-    """Smallest own peak memory of any option of ``model_stage``, memory limit ignored."""
-    opts = enumerate_options(problem, model_stage, cost_model, options, INF)
-    return min((o.peak_bytes for o in opts), default=0)
+    """Smallest own peak memory of any option of ``model_stage`` over the whole search space (TP
+    across nodes included, as the search goes when nothing fits a node), memory limit ignored."""
+    table = option_table(problem, model_stage, cost_model, options, INF, across_nodes=True)
+    return int(table.peak_bytes.min()) if len(table) else 0

@@ -281,9 +281,12 @@ def enumerate_options(problem: PlanProblem, model_stage: ModelStage, cost_model:
 
 
 def option_table(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
-                 options: PlannerOptions, usable_bytes: float) -> OptionTable:
-    """:func:`enumerate_options` as an :class:`OptionTable` (costed with :mod:`nereusd.cost.vector`)."""
+                 options: PlannerOptions, usable_bytes: float, *, across_nodes: bool = False) -> OptionTable:
+    """:func:`enumerate_options` as an :class:`OptionTable` (costed with :mod:`nereusd.cost.vector`);
+    ``across_nodes``: TP up to the whole pool at once (the whole space the search may reach)."""
     site = problem.site
+    if across_nodes:
+        return _enumerate(problem, model_stage, cost_model, options, usable_bytes, len(problem.pool))
     out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, site.devices_per_node)
     if not len(out) and len(problem.pool) > site.devices_per_node:
         out = _enumerate(problem, model_stage, cost_model, options, usable_bytes, len(problem.pool))

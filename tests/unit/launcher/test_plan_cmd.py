@@ -32,7 +32,8 @@ def test_plan_infeasible(capsys):
     rc = main(["plan", "--model", "llama-3.3-70b", "--site", "h200-ib", "--gpus", "8", "--global-batch", "64"])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "actor/training cannot fit on 8 devices" in err and "GiB short" in err
+    assert "actor/training (training phase) cannot fit on 8 devices" in err and "GiB short" in err
+    assert "would fit with" in err and "devices (with activation recomputation (--recompute" in err
 
 
 def test_plan_warns_when_a_sequence_is_longer_than_the_models_context(capsys):

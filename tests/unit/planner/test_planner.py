@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -11,7 +13,7 @@ from nereusd.planner.search import Infeasible, Planner, frontier, solve_concurre
 from nereusd.planner.space import PlannerOptions, evaluate
 from nereusd.config.site import load_site
 from tests.support.specs import SMALL_1B as SMALL
-from tests.support.planning import problem
+from tests.support.planning import H200, problem
 
 H200 = load_site("h200-ib")
 
@@ -83,8 +85,24 @@ def test_smaller_reward_model():
 
 def test_infeasible_names_model_stage():
     pb = problem(1, spec=preset("llama-3.3-70b"), batch=64)
-    with pytest.raises(Infeasible, match=r"actor/training cannot fit on 8 devices: needs at least .* GiB short"):
+    with pytest.raises(Infeasible, match=r"actor/training \(training phase\) cannot fit on 8 devices: its smallest "
+                       r"peak over every layout is .* GiB short\)$"):
         Planner(pb, CostModel(pb.site)).solve()
+
+
+def test_infeasibility_says_what_would_fit():
+    """Issue 16: infeasibility never suggested ``--recompute``, even where recompute fits. The
+    error names the phase and the smallest peak over the whole space, then what would fit:
+    recomputation, ZeRO, or the fewest more devices (each planned again)."""
+    pb = problem(1, spec=preset("llama-3.3-70b"), batch=64)
+    with pytest.raises(Infeasible, match=r"would fit with (16|32|64) devices \(with activation recomputation"):
+        Planner(pb, CostModel(pb.site), suggest=True).solve()
+    # a case that recomputation alone fixes, on the same devices
+    site = dataclasses.replace(H200, device=dataclasses.replace(H200.device, memory_gib=80))
+    pb = problem(1, spec=preset("qwen2.5-7b"), response=16384, batch=1024, site=site)
+    with pytest.raises(Infeasible, match=r"training phase .* would fit with activation recomputation \(--recompute"):
+        Planner(pb, CostModel(pb.site), suggest=True).solve()
+    Planner(pb, CostModel(pb.site), PlannerOptions(allow_recompute=True)).solve()   # and it does
 
 
 def test_placement_prefers_current_devices():
