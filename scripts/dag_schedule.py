@@ -24,7 +24,7 @@ from nereusd.transition import (  # noqa: E402
     TransitionDag,
     topological_order,
 )
-from nereusd.transition.cost import LinkCosts, _profile  # noqa: E402  (durations and ports of L_tran)
+from nereusd.transition.cost import LinkCosts, _profile, list_schedule  # noqa: E402  (L_tran: durations, ports, schedule)
 from nereusd.transition.dag import closure  # noqa: E402
 
 MIB = 1 << 20
@@ -101,22 +101,15 @@ def durations(inst: Instance, ticks: bool) -> list:
 
 
 def greedy_starts(inst: Instance, *, ticks: bool = True) -> list:
-    """``estimate_l_tran``'s schedule: in ``inst.order``, each job starts when its predecessors
-    have finished and its ports are free (a port is free after the last job placed on it)."""
+    """``estimate_l_tran``'s schedule (:func:`nereusd.transition.cost.list_schedule`, the same
+    function): in ``inst.order``, each job starts at the earliest time when its predecessors have
+    finished and its ports are free for its whole duration."""
     d = durations(inst, ticks)
     preds = defaultdict(list)
     for a, b in inst.edges:
         preds[b].append(a)
-    start = [0] * len(d)
-    finish = [0] * len(d)
-    port_free: dict[int, float] = {}
-    for i in inst.order:
-        ready = [finish[p] for p in preds[i]]
-        begin = max(ready + [port_free[x] for x in inst.jobs[i].ports if x in port_free], default=0)
-        start[i], finish[i] = begin, begin + d[i]
-        for x in inst.jobs[i].ports:
-            port_free[x] = finish[i]
-    return start
+    start, _ = list_schedule(inst.order, dict(enumerate(d)), {i: j.ports for i, j in enumerate(inst.jobs)}, preds)
+    return [start[i] for i in range(len(d))]
 
 
 def serial_starts(inst: Instance) -> list[int]:

@@ -19,21 +19,27 @@ communicators it creates (DESIGN.md "Cost model", transition cost):
 predecessors are done and the devices whose links it uses are free: ready primitives run
 concurrently (paper §6.2) but a device's link is shared (one port per device), so concurrent
 ops that share a device run one after another. Without shared devices this is the DAG's
-longest path.
+longest path. Ops are placed in topological order, each into the earliest gap that its ports
+leave free for its whole duration (:func:`list_schedule`, a list schedule with backfilling): a
+short op placed late may run before a long op placed earlier on the same device, where the
+first schedule that only appended to each device's timeline left the gap idle (up to 1.5× the
+CP-SAT optimum in ``scripts/bench_dag.py``).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from nereusd.cost.formulas import local_copy_s, p2p_s
 from nereusd.transition.memory import StateSizes
 from nereusd.transition.ops import Op, OpKind, TransitionDag
 
 log = logging.getLogger(__name__)
+K = TypeVar("K", bound=Hashable)
 
 
 class LinkCosts(Protocol):
@@ -192,13 +198,59 @@ def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, s
     return max(setup.values(), default=0.0) + transfer, moved, set(send) | set(recv) | set(setup)
 
 
+def list_schedule(order: Sequence[K], duration: Mapping[K, float], ports: Mapping[K, Iterable[int]],
+                  preds: Mapping[K, Sequence[K]]) -> tuple[dict[K, float], dict[K, K | None]]:
+    """Starts of jobs placed in ``order`` (a topological order), each at the earliest time when
+    its predecessors have finished and every one of its ports is free for its whole duration
+    (one job at a time per port; a job of zero duration or without ports takes none) — a list
+    schedule with backfilling into earlier gaps.
+
+    Args:
+        order: job keys, predecessors before successors.
+        duration: seconds (or ticks) per job, ≥ 0.
+        ports: the devices whose link a job uses.
+        preds: the jobs each job waits for.
+
+    Returns:
+        ``(start, via)``: start per job, and what fixed it — the predecessor or the job on a
+        shared port that ended at that instant (``None``: nothing, it starts when ready at 0).
+    """
+    busy: dict[int, list[tuple[float, float, K]]] = {}   # per port: (start, end, job), sorted by start
+    start: dict[K, float] = {}
+    finish: dict[K, float] = {}
+    via: dict[K, K | None] = {}
+    for job in order:
+        ready, by = max(((finish[p], p) for p in preds.get(job, ())), default=(0, None))
+        d = duration[job]
+        mine = [busy.setdefault(x, []) for x in ports[job]] if d > 0 else []
+        t = ready
+        if mine:
+            gaps = sorted({ready} | {e for spans in mine for _, e, _ in spans if e > ready})
+            for t in gaps:
+                if all(_free(spans, t, t + d) for spans in mine):
+                    break
+            if t > ready:   # started by a job on a shared port ending at t
+                by = next(j for spans in mine for _, e, j in spans if e == t)
+        start[job], finish[job], via[job] = t, t + d, by
+        for spans in mine:
+            bisect.insort(spans, (t, t + d, job), key=lambda span: (span[0], span[1]))
+    return start, via
+
+
+def _free(spans: list[tuple[float, float, object]], a: float, b: float) -> bool:
+    """Whether no span of ``spans`` (sorted by start) overlaps ``[a, b)``."""
+    i = bisect.bisect_left(spans, b, key=lambda span: span[0])   # spans starting before b
+    return all(e <= a for _, e, _ in spans[:i])
+
+
 def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> TransitionCost:
     """``L̂_tran``: makespan of the DAG with :func:`op_duration_s` per op (module docstring).
 
     Ops are placed in the DAG's topological order (:func:`~nereusd.transition.dag.topological_order`),
-    each starting when its predecessors have finished and the devices whose links it uses are
-    free (one port per device: a device's sends, receives and communicator set-ups run one
-    after another, also across ops). Without shared devices this is the DAG's longest path.
+    each at the earliest time when its predecessors have finished and the devices whose links it
+    uses are free for its whole duration (one port per device: a device's sends, receives and
+    communicator set-ups run one after another, also across ops; :func:`list_schedule`). Without
+    shared devices this is the DAG's longest path.
 
     Returns:
         The makespan, per-op durations and start times, and the critical path: the chain of
@@ -210,22 +262,17 @@ def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> 
     """
     from nereusd.transition.dag import topological_order
 
-    duration, start, finish, via = {}, {}, {}, {}
+    duration, ports = {}, {}
     moved = 0
     preds: dict[str, list[str]] = defaultdict(list)
     for e in dag.edges:
         preds[e.dst].append(e.src)
-    port_free: dict[int, tuple[float, str]] = {}
     order = topological_order(dag)
     for op_id in order:
-        duration[op_id], nbytes, busy = _profile(dag.op(op_id), sizes, links)
+        duration[op_id], nbytes, ports[op_id] = _profile(dag.op(op_id), sizes, links)
         moved += nbytes
-        blockers = [(finish[p], p) for p in preds[op_id]] + [port_free[x] for x in busy if x in port_free]
-        begin, by = max(blockers, default=(0.0, None))
-        start[op_id], via[op_id] = begin, by
-        finish[op_id] = begin + duration[op_id]
-        for x in busy:
-            port_free[x] = (finish[op_id], op_id)
+    start, via = list_schedule(order, duration, ports, preds)
+    finish = {x: start[x] + duration[x] for x in order}
     rank = {x: i for i, x in enumerate(order)}
     last = max(finish, key=lambda x: (finish[x], rank[x]), default=None)
     path = []
