@@ -26,7 +26,7 @@ from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
-from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, clear_run_dir,
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, LaunchLock, clear_run_dir,
                              read_jsonl, write_summary)
 from nereusd.plan import Candidate
 from launcher.procs import stop_run_processes
@@ -147,12 +147,6 @@ def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
     if (pool.schedule or trace is not None) and not job.config.adaptation.enabled:
         lines.append("nereus: warning: adaptation.enabled is false, so the pool schedule and trace are not applied")
     return lines
-
-
-def _prepare_run_dir(job: ResolvedJob, run_dir: str | None, overwrite: bool) -> Path:
-    path = Path(run_dir) if run_dir else Path("runs") / f"{job.config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    clear_run_dir(path, overwrite)
-    return path
 
 
 def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
@@ -295,7 +289,13 @@ def run_local(args: argparse.Namespace) -> int:
             raise NereusError("--pool-trace: a trace adds local agents of virtual CPU devices; not with --gpus")
         job = dataclasses.replace(job, config=parse_job(effective, source=f"{Path(args.job).name} with --pool-trace"))
     pool_lines = describe_pool_schedule(job)   # checks min_devices against the job's devices
-    run_dir = _prepare_run_dir(job, args.run_dir, args.overwrite)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{job.config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    launching = LaunchLock(run_dir)   # held until this job's nereusd owns the directory
+    try:
+        clear_run_dir(run_dir, args.overwrite)
+    except BaseException:
+        launching.release()
+        raise
     if effective is None:
         shutil.copyfile(args.job, run_dir / "job.yaml")
     else:   # the job as run: the daemon reads it (model directories made absolute)
@@ -311,15 +311,15 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"nereus: launch plan: {job.plan.describe()}")
     for line in pool_lines:
         print(line)
-    return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet)
+    return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet, launching=launching)
 
 
 def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, quiet: bool,
-              resume: bool = False) -> int:
+              resume: bool = False, launching: LaunchLock | None = None) -> int:
     """Start nereusd (``--resume`` with ``resume``) and one agent for ``job`` in ``run_dir``, show
     progress until nereusd exits, stop everything, and report; returns the exit code. A nereusd
     that dies without a summary (``kill -9``, a crash) gets one written here, status ``crashed``,
-    with the command that resumes it."""
+    with the command that resumes it. ``launching`` is released once nereusd owns ``run_dir``."""
     logs = run_dir / "logs"
     daemon = agent = None
     progress = _Progress(job.config.steps, quiet)
@@ -331,6 +331,8 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                          "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, *(["--resume"] if resume else [])],
                         logs / "nereusd.log")
         endpoint = _wait_endpoint(run_dir, daemon)
+        if launching is not None:
+            launching.release()   # nereusd holds the run directory's own lock now
         metrics = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("metrics")
         if metrics and not quiet:
             print(f"nereus: Prometheus metrics at {metrics}; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
@@ -351,6 +353,8 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         why = str(err) if isinstance(err, _Terminated) else "interrupted"
         print(f"\nnereus: {why}; stopping nereusd, the agent and the workers", file=sys.stderr)
     finally:
+        if launching is not None:
+            launching.release()
         for sig in handlers:   # a second signal must not cut the teardown short
             signal.signal(sig, signal.SIG_IGN)
         progress.close()

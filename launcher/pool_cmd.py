@@ -76,6 +76,16 @@ def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
     Raises:
         NereusError: nereusd does not answer within ``timeout_s`` or refuses.
     """
+    return _ask(run_dir, P.PoolRequest(remove=count), timeout_s)
+
+
+def _ask(run_dir: Path, request: P._Message, timeout_s: float) -> dict:
+    """Send ``request`` to the job's nereusd (with the job's client key) and return the status
+    dict it answers with.
+
+    Raises:
+        NereusError: nereusd does not answer within ``timeout_s`` or refuses.
+    """
     info = _endpoint(run_dir)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -83,7 +93,7 @@ def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
         if info.get("curve"):
             make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
         sock.connect(info["endpoint"])
-        sock.send(P.encode(P.PoolRequest(remove=count)))
+        sock.send(P.encode(request))
         if not sock.poll(int(timeout_s * 1000)):
             raise NereusError(f"nereusd at {info['endpoint']} did not answer within {timeout_s:.0f} s")
         reply = P.decode(sock.recv())
@@ -115,6 +125,13 @@ def run(args: argparse.Namespace) -> int:
     if limit is not None and args.add > limit:
         raise NereusError(f"--add: {args.add} devices, but an agent may register at most {limit}: add them "
                           f"in steps of at most {limit}")
+    pool_limit = info.get("max_pool_devices")
+    if pool_limit is not None:
+        pool = _ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool", {})
+        have = sum(len(a.get("devices", ())) for a in pool.values())
+        if have + args.add > pool_limit:
+            raise NereusError(f"--add: the pool holds {have} devices and the job allows {pool_limit} "
+                              f"(pool.max_devices in the job file): at most {max(0, pool_limit - have)} more")
     memory = int(info.get("device_memory_bytes") or 2**30)
     node = f"local-cli{int(time.time())}"
     proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node,

@@ -172,6 +172,26 @@ class RunDirLock:
         self._fh.close()
 
 
+class LaunchLock:
+    """A launcher's claim, from clearing a run directory until its nereusd holds the directory's
+    :class:`RunDirLock`: an exclusive ``flock`` on the run directory's parent, so that two
+    launches into one directory at the same instant cannot both clear it (the second waits, then
+    finds the first job's nereusd owning it). Launches into other directories of the same parent
+    wait for those few seconds too."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        parent = Path(run_dir).resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(parent, os.O_RDONLY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        """Give the claim up (idempotent; process exit does the same)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def run_dir_owner(run_dir: str | Path) -> str | None:
     """The pid of the live nereusd holding ``run_dir``'s lock, or None when no process does."""
     path = Path(run_dir) / LOCK_FILE

@@ -286,6 +286,10 @@ class PoolConfig(_Strict):
     """Single events at given steps or times."""
     trace: PoolTraceConfig | None = None
     """A spot-availability trace scaled to the job's devices."""
+    max_devices: int | None = Field(None, ge=1)
+    """Most devices the pool may hold at once (every agent's, ``grow``/``pool --add`` ones
+    included); a registration beyond it is refused. Default: 4 × ``devices``
+    (:meth:`JobConfig.pool_limit`)."""
 
 
 AdaptationConfig.model_rebuild()

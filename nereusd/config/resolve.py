@@ -71,6 +71,11 @@ class ResolvedJob:
     def sequences_per_step(self) -> int:
         return self.config.rollout.prompts_per_step * self.config.rollout.group_size
 
+    @property
+    def pool_limit(self) -> int:
+        """Most devices the pool may hold at once: ``pool.max_devices``, default 4 × ``devices``."""
+        return self.config.pool.max_devices or 4 * self.devices
+
 
 def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
     path = (base_dir / value).resolve()
@@ -303,6 +308,8 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
     if small:
         raise ConfigError(f"{source}: the task's tokenizer has {vocab} tokens but the {small[0].role.value} model's "
                           f"vocab_size is {small[0].spec.vocab_size}")
+    if job.pool.max_devices is not None and job.pool.max_devices < devices:
+        raise ConfigError(f"{source}: pool.max_devices: {job.pool.max_devices} is below the job's {devices} devices")
     zero_stages = {}
     for ms in stages:
         override = job.plan.model_stages.get(str(ms))

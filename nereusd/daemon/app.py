@@ -89,7 +89,8 @@ class Daemon:
         self.control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=self.journal.event,
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
                                     on_pool_request=self.pool.request_remove,
-                                    worker_stall_s=self.site.liveness.worker_stall_s)
+                                    worker_stall_s=self.site.liveness.worker_stall_s,
+                                    max_pool_devices=self.job.pool_limit)
         self.pool.control = self.control
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:
@@ -191,6 +192,7 @@ class Daemon:
                                    "slurm_job_id": self.args.slurm_job_id,
                                    "device_memory_bytes": self.job.device_memory_bytes,
                                    "max_devices_per_agent": self.control.max_devices_per_agent,
+                                   "max_pool_devices": self.control.max_pool_devices,
                                    "metrics": self.observer.endpoint}))
         os.replace(tmp, self.run_dir / ENDPOINT_FILE)
         return endpoint

@@ -98,12 +98,16 @@ class ControlPlane:
                  on_pool_change: Callable[[PoolChange], None] | None = None,
                  status: Callable[[], dict[str, Any]] | None = None,
                  on_pool_request: Callable[[int], dict[str, Any]] | None = None,
-                 max_devices_per_agent: int = MAX_DEVICES_PER_AGENT, worker_stall_s: float = 120.0) -> None:
+                 max_devices_per_agent: int = MAX_DEVICES_PER_AGENT, worker_stall_s: float = 120.0,
+                 max_pool_devices: int | None = None) -> None:
         self._ctx = zmq.Context.instance()
         self.worker_stall_s = worker_stall_s
         """Sent with every ``SpawnWorkers``: the agents' stall bound (site ``liveness.worker_stall_s``)."""
         self.max_devices_per_agent = max_devices_per_agent
         """A registration claiming more devices than this is refused (:data:`MAX_DEVICES_PER_AGENT`)."""
+        self.max_pool_devices = max_pool_devices
+        """A registration that would make the pool hold more devices is refused (the job's
+        ``pool.max_devices``; ``None``: no limit)."""
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -284,6 +288,9 @@ class ControlPlane:
                                 f"most {self.max_devices_per_agent}")
         if self._agent_by_identity(identity) is not None:
             raise ProtocolError(f"peer already registered as agent {self._agent_by_identity(identity).node_id!r}")
+        if self.max_pool_devices is not None and len(self._device_to_agent) + len(msg.devices) > self.max_pool_devices:
+            raise ProtocolError(f"agent {msg.node_id!r} would bring the pool to {len(self._device_to_agent) + len(msg.devices)} "
+                                f"devices; the job allows {self.max_pool_devices} (pool.max_devices)")
         global_devices = list(range(self._next_global_device, self._next_global_device + len(msg.devices)))
         self._next_global_device += len(msg.devices)
         record = AgentRecord(msg.node_id, identity, msg.hostname, msg.pid, list(msg.devices),

@@ -27,6 +27,7 @@ models: {actor: "@WARMSTART@"}
 rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 12}
 train: {global_batch: 8, micro_batch: 4, kl_coef: 0.0}
 checkpoint: {every_steps: 0}
+pool: {max_devices: 4}
 """
 
 
@@ -57,6 +58,12 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
             return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "pool_changed" and e.get("leaving")]
         wait_for("the removal", left, 120, run_dir)
         assert "joins" in pool(run_dir, "--add", "1")
+        wait_for("the added agent", lambda: any(e["event"] == "agent_registered" and e["devices"] == [3]
+                                                for e in read_jsonl(run_dir / "events.jsonl")), 120, run_dir)
+        # the pool holds 3 of the job's pool.max_devices 4: two more are refused, before any agent starts
+        out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), "--add", "2"],
+                             capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode != 0 and "the pool holds 3 devices and the job allows 4" in out.stderr, out.stderr
         finish(proc, run_dir, timeout_s=240)
     finally:
         if proc.poll() is None:

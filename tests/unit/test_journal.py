@@ -217,3 +217,34 @@ def test_the_summary_of_a_full_disk_uses_the_space_reserve(tmp_path, monkeypatch
     assert json.loads((tmp_path / "summary.json").read_text())["error_kind"] == "StorageFault"
     assert len(calls) == 2 and not (tmp_path / J.RESERVE_FILE).exists()
     journal.close()
+
+
+def test_a_second_launch_into_a_run_directory_waits_for_the_first_to_hand_it_to_its_nereusd(tmp_path):
+    """Two launches at the same instant once could both clear the directory; the launch lock
+    makes the second wait until the first releases it (after its nereusd took RunDirLock), and
+    then it finds the directory owned and refuses to clear it."""
+    import subprocess
+    import sys
+    import time
+
+    from nereusd.journal import LaunchLock, RunDirLock, clear_run_dir
+    from tests.support import REPO
+
+    run = tmp_path / "runs" / "job"
+    first = LaunchLock(run)
+    clear_run_dir(run, overwrite=True)
+    second = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from nereusd.journal import LaunchLock, clear_run_dir; "
+        f"lock = LaunchLock({str(run)!r}); print('got it', flush=True); "
+        f"clear_run_dir(__import__('pathlib').Path({str(run)!r}), True)")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    time.sleep(1.0)
+    assert second.poll() is None   # still waiting on the first launch
+    owner = RunDirLock(run)        # the first job's nereusd takes the directory
+    (run / "metrics.jsonl").write_text("{}\n")
+    first.release()
+    out, err = second.communicate(timeout=60)
+    assert "got it" in out and second.returncode != 0 and "belongs to a running job" in err
+    assert (run / "metrics.jsonl").exists()
+    owner.release()
+    first.release()   # idempotent

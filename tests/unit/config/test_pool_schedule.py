@@ -255,3 +255,17 @@ def test_an_added_agent_holds_at_most_one_node_of_the_site(tmp_path):
                                                   "max_devices_per_agent": 4}))
     with pytest.raises(NereusError, match=r"--add: 10000 devices, but an agent may register at most 4"):
         pool_run(argparse.Namespace(run_dir=str(run), remove=None, add=10000, timeout_s=1.0))
+
+
+def test_pool_max_devices_defaults_to_four_times_the_job_and_is_not_below_it(tmp_path):
+    from nereusd.config.resolve import load_and_resolve
+
+    job = tmp_path / "job.yaml"
+    model = REPO / "examples" / "models" / "counting-warmstart"
+    job.write_text(f"models: {{actor: {model}}}\ndevices: 3\n")
+    assert load_and_resolve(job).pool_limit == 12
+    job.write_text(f"models: {{actor: {model}}}\ndevices: 3\npool: {{max_devices: 5}}\n")
+    assert load_and_resolve(job).pool_limit == 5
+    job.write_text(f"models: {{actor: {model}}}\ndevices: 3\npool: {{max_devices: 2}}\n")
+    with pytest.raises(ConfigError, match=r"pool.max_devices: 2 is below the job's 3 devices"):
+        load_and_resolve(job)

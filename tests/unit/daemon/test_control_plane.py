@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import zmq
 
 from nereusd import protocol as P
 from nereusd.daemon.control_plane import ControlPlane
@@ -88,4 +89,29 @@ def test_an_agent_whose_connection_drops_is_lost_within_the_grace_not_the_heartb
         assert [(c.node_id, c.cause) for c in lost] == [("gone", "disconnected")]
     finally:
         live.close()
+        control.close()
+
+
+def test_registrations_beyond_the_jobs_pool_limit_are_refused():
+    """``pool.max_devices``: an agent that would take the pool past it gets an error reply and
+    no devices; the pool and the agents already there are unchanged (issue 17: 10,000 added
+    devices spawned workers until the machine stalled)."""
+    control = ControlPlane(max_pool_devices=5)
+    first = fake_agent(control, "n0", 4)
+    late = zmq.Context.instance().socket(zmq.DEALER)
+    late.setsockopt(zmq.LINGER, 0)
+    late.connect(control.endpoint)
+    try:
+        late.send(P.encode(P.RegisterAgent(node_id="n1", hostname="h", pid=2, devices=[
+            P.DeviceInfo(local_index=i, kind="cpu", name="virtual-cpu", memory_bytes=1) for i in range(2)])))
+        for _ in range(50):
+            control.poll(0.02)
+            if late.poll(10):
+                break
+        reply = P.decode(late.recv())
+        assert isinstance(reply, P.ErrorReply) and "would bring the pool to 6 devices; the job allows 5" in reply.reason
+        assert control.devices() == [0, 1, 2, 3] and sorted(control.agents) == ["n0"]
+    finally:
+        first.close()
+        late.close()
         control.close()
