@@ -34,6 +34,9 @@ from nereusd.slurm import visible_gpus
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+RELAY_BATCH_BYTES = 8 * 2**20
+"""A relayed frame is closed once its workers' messages pass this size (a single larger result
+still travels alone, within the protocol's frame limit)."""
 
 
 @dataclass
@@ -286,16 +289,23 @@ class Agent:
         return P.FromWorker(device=device, payload=msg)
 
     def _relay_up(self) -> None:
-        """Relay every message the workers have sent so far to nereusd in one frame."""
-        items = []
+        """Relay every message the workers have sent so far to nereusd, in one frame, or in
+        several of about :data:`RELAY_BATCH_BYTES` when results are large (a frame past
+        :data:`~nereusd.protocol.messages.MAX_MESSAGE_BYTES` would be dropped)."""
+        items, size = [], 0
         while len(items) < P.MAX_BATCH_ITEMS:
             try:
                 identity, frame = self._down.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             item = self._on_worker(identity, frame)
-            if item is not None:
-                items.append(item)
+            if item is None:
+                continue
+            if items and size + len(frame) > RELAY_BATCH_BYTES:
+                self._send_up(P.FromWorkers(items=items))
+                items, size = [], 0
+            items.append(item)
+            size += len(frame)
         if items:
             self._send_up(P.FromWorkers(items=items))
 

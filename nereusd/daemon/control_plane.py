@@ -555,10 +555,9 @@ class ControlPlane:
         by_agent: dict[str, list[tuple[int, P.TaskArgs]]] = {}
         for device, args in args_by_device.items():
             by_agent.setdefault(self._device_to_agent[device], []).append((device, args))
-        for node_id, items in by_agent.items():   # one frame per agent, not per device
-            for first in range(0, len(items), P.MAX_BATCH_ITEMS):
-                self._send_frame(self.agents[node_id].identity, "to_workers",
-                                 P.encode_to_workers(task_id, items[first:first + P.MAX_BATCH_ITEMS]))
+        for node_id, items in by_agent.items():   # one frame per agent (unless large), not per device
+            for frame in P.encode_to_workers(task_id, items):
+                self._send_frame(self.agents[node_id].identity, "to_workers", frame)
         return task_id
 
     def raise_if_lost(self, task_id: int) -> None:

@@ -234,21 +234,38 @@ def encode(message: _Message) -> bytes:
     return message.model_dump_json().encode()
 
 
-def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]]) -> bytes:
-    """The frame of ``ToWorkers(items=[ToWorker(device=d, task=Task(task_id, args)) ...])``, built
+BATCH_BYTES = 16 * 2**20
+"""A ``ToWorkers`` frame is closed once its items pass this size (far below the frame limit)."""
+
+
+def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_bytes: int = BATCH_BYTES) -> list[bytes]:
+    """The frames of ``ToWorkers(items=[ToWorker(device=d, task=Task(task_id, args)) ...])``, built
     from each args' JSON without building the messages: the same bytes :func:`encode` gives for
     them (``tests/unit/daemon/test_protocol.py``), at a third of the cost for 8,192 devices.
 
     Args:
         task_id: the task's id (≥ 0).
-        items: ``(device, args)`` per device, the args validated task payloads (1 to
-            :data:`MAX_BATCH_ITEMS` of them).
+        items: ``(device, args)`` per device, the args validated task payloads.
+        max_bytes: a frame holds items up to about this many bytes (and at most
+            :data:`MAX_BATCH_ITEMS`); a larger single item travels alone.
+
+    Returns:
+        One frame, or several when the items are many or large.
     """
     head = f'{{"v":{PROTOCOL_VERSION},"type":"to_worker","device":'.encode()
     task = f',"task":{{"v":{PROTOCOL_VERSION},"type":"task","task_id":{int(task_id)},"args":'.encode()
-    return (f'{{"v":{PROTOCOL_VERSION},"type":"to_workers","items":['.encode()
-            + b",".join(head + str(int(d)).encode() + task + args.model_dump_json().encode() + b"}}" for d, args in items)
-            + b"]}")
+    frames, batch, size = [], [], 0
+    for d, args in items:
+        item = head + str(int(d)).encode() + task + args.model_dump_json().encode() + b"}}"
+        if batch and (size + len(item) > max_bytes or len(batch) >= MAX_BATCH_ITEMS):
+            frames.append(batch)
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item)
+    if batch:
+        frames.append(batch)
+    opening = f'{{"v":{PROTOCOL_VERSION},"type":"to_workers","items":['.encode()
+    return [opening + b",".join(b) + b"]}" for b in frames]
 
 
 def decode(frame: bytes) -> _Message:

@@ -32,8 +32,11 @@ def test_a_batch_of_tasks_built_from_its_args_is_the_batch_message():
                          greedy=False, stop_ids=(0,), pad_id=0, seed=1, seeds=[4, 5])
     items = [(7, gen), (9, P.TransitionRunArgs(ops=["a\"b", "é"])), (0, P.MemoryReportArgs())]
     msg = P.ToWorkers(items=[P.ToWorker(device=d, task=P.Task(task_id=12, args=a)) for d, a in items])
-    assert P.encode_to_workers(12, items) == P.encode(msg)
-    assert P.decode(P.encode_to_workers(12, items)) == msg
+    assert P.encode_to_workers(12, items) == [P.encode(msg)]
+    assert P.decode(P.encode_to_workers(12, items)[0]) == msg
+    # a byte budget closes frames between items (a larger item travels alone)
+    frames = P.encode_to_workers(12, items, max_bytes=1)
+    assert [[i.device for i in P.decode(f).items] for f in frames] == [[7], [9], [0]]
 
 
 @pytest.mark.parametrize("frame, match", [

@@ -1,0 +1,69 @@
+"""The agent's relay between nereusd and its workers: one ``ToWorkers`` frame fans out to the
+workers, and what the workers sent goes up in ``FromWorkers`` frames closed at the byte budget
+(a frame past the protocol's limit would be dropped). A real :class:`emu.agent.Agent` with its
+sockets; the workers and nereusd are plain ZeroMQ peers speaking the protocol."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from emu import agent as agent_module
+from emu.agent import Agent
+from nereusd import protocol as P
+
+
+def _recv_all(sock: zmq.Socket, timeout_s: float = 2.0) -> list[list[bytes]]:
+    out, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(50):
+            out.append(sock.recv_multipart())
+        elif out:
+            break
+    return out
+
+
+def test_relay_fans_out_a_batch_and_batches_results_under_the_byte_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(agent_module, "RELAY_BATCH_BYTES", 4 * 2**20)
+    ctx = zmq.Context.instance()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind("tcp://127.0.0.1:0")
+    agent = Agent(connect=daemon.getsockopt_string(zmq.LAST_ENDPOINT), node_id="n0", devices=[], run_dir=tmp_path)
+    agent.workers = {0: None, 1: None, 2: None}   # the relay checks membership only
+    workers = {}
+    try:
+        for d in agent.workers:
+            sock = workers[d] = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, str(d).encode())
+            sock.connect(agent.ipc_endpoint)
+            sock.send(P.encode(P.WorkerReady(device=d, pid=1)))   # the agent's ROUTER learns each identity
+        time.sleep(0.3)
+        agent._relay_up()
+        ready = [P.decode(f[-1]) for f in _recv_all(daemon)]
+        assert len(ready) == 1 and sorted(i.device for i in ready[0].items) == [0, 1, 2]
+        # nereusd → agent: one frame, three tasks, each reaches its worker
+        frames = P.encode_to_workers(5, [(d, P.MemoryReportArgs()) for d in (0, 1, 2)])
+        assert len(frames) == 1
+        agent._on_daemon(frames[0])
+        for d, sock in workers.items():
+            assert sock.poll(2000)
+            assert P.decode(sock.recv()).task_id == 5
+        # workers → nereusd: two 3 MiB results and a small one; the 4 MiB budget closes frames
+        big = "x" * (3 * 2**20)
+        for d, sock in workers.items():
+            result = {"blob": big} if d < 2 else {"ok": 1}
+            sock.send(P.encode(P.TaskResult(task_id=5, device=d, ok=True, result=result)))
+        time.sleep(0.5)
+        agent._relay_up()
+        got = [P.decode(f[-1]) for f in _recv_all(daemon)]
+        assert all(isinstance(m, P.FromWorkers) for m in got)
+        assert sorted(i.device for m in got for i in m.items) == [0, 1, 2]
+        assert len(got) == 2   # the second big result starts a new frame, the small one joins it
+    finally:
+        for sock in workers.values():
+            sock.close(0)
+        agent.close()
+        daemon.close(0)
