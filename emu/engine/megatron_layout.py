@@ -44,6 +44,7 @@ import torch
 
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
+from nereusd.shards import layer_range
 
 VOCAB_DIVISIBLE_BY = 128
 """Megatron-LM's default ``make_vocab_size_divisible_by``."""
@@ -81,11 +82,6 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
         problems.append(f"{spec.num_layers} layers are not divisible by pp={pp}")
     if problems:
         raise ConfigError(f"Megatron layout tp={tp} pp={pp}: " + "; ".join(problems))
-
-
-def _stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
-    per = spec.num_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
@@ -142,7 +138,7 @@ def to_megatron(full: Mapping[str, torch.Tensor], spec: ModelSpec, tp: int, pp: 
     embed = full["model.embed_tokens.weight"]
     if first:
         out["embedding.word_embeddings.weight"] = chunk(_pad_rows(embed, vocab), 0)
-    for local, i in enumerate(_stage_layers(spec, pp, pp_rank)):
+    for local, i in enumerate(layer_range(spec, pp, pp_rank)):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{local}."
         a = src + "self_attn."
         qkv = _fuse_qkv(full[a + "q_proj.weight"], full[a + "k_proj.weight"], full[a + "v_proj.weight"], spec)
@@ -191,7 +187,7 @@ def from_megatron(shards: Shards, spec: ModelSpec, tp: int, pp: int, *, te: bool
     out: dict[str, torch.Tensor] = {}
     out["model.embed_tokens.weight"] = gather(0, "embedding.word_embeddings.weight", 0)[:spec.vocab_size].clone()
     for p in range(pp):
-        for local, i in enumerate(_stage_layers(spec, pp, p)):
+        for local, i in enumerate(layer_range(spec, pp, p)):
             src, dst = f"decoder.layers.{local}.", f"model.layers.{i}."
             a = dst + "self_attn."
             q, k, v = _split_qkv(gather(p, src + "self_attention.linear_qkv.weight", 0), spec)
