@@ -127,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
                           f"in steps of at most {limit}")
     pool_limit = info.get("max_pool_devices")
     if pool_limit is not None:
-        pool = _ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool", {})
-        have = sum(len(a.get("devices", ())) for a in pool.values())
+        have = int(_ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool_devices", 0))   # as nereusd counts
         if have + args.add > pool_limit:
             raise NereusError(f"--add: the pool holds {have} devices and the job allows {pool_limit} "
                               f"(pool.max_devices in the job file): at most {max(0, pool_limit - have)} more")

@@ -100,6 +100,8 @@ def resume(run_dir: Path) -> subprocess.Popen:
 def pool_add(run_dir: Path) -> bool:
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), "--add", "1"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
+    if out.returncode and "has ended" not in out.stderr:   # a job that just ended is no fault of the pool
+        say(f"pool --add 1 failed: {out.stderr.strip()[-300:]}")
     return out.returncode == 0
 
 

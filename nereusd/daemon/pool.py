@@ -183,5 +183,5 @@ class PoolController:
                            "workers_alive": sorted(a.workers_alive)} for node, a in self.control.agents.items()}
         return {"job": self.job_name, "state": "stopping" if (self.stop_reason or self.preempt_reason) else "running",
                 "step": self.step, "steps": self.steps, "plan": self.plan, "plan_devices": sorted(self.plan_devices),
-                "pool": pool, "last_decision": self.last_decision, "last_metrics": self.last_metrics,
+                "pool": pool, "pool_devices": len(self.control.devices()) if self.control is not None else 0, "last_decision": self.last_decision, "last_metrics": self.last_metrics,
                 "slurm_job_id": self.slurm_job_id, "uptime_s": round(time.time() - self.started_s, 1)}
