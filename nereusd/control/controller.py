@@ -49,7 +49,7 @@ from nereusd.config.job import AdaptationConfig
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
-from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.control.problem import job_problem, site_for_pool, solve
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.memory import HEADROOM, usable_bytes
@@ -203,6 +203,8 @@ class Controller:
         self.length = 1
         self.predicted_step_s: float | None = None
         self._replay_until, self._replay_length = 0, 0
+        self._restarted = False
+        """A restart put the job on the plan for the longest response: replan at the next boundary."""
         self.base_plan = plan
         """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
@@ -314,6 +316,10 @@ class Controller:
             triggers.append(Trigger(PERIOD, False, step, None, f"every {period} steps"))
         if forced is not None:
             triggers.append(Trigger(FORCED, True, step, None, "layout forced by the job's adaptation.forced"))
+        if self._restarted and current_valid and not any(t.urgent for t in triggers):
+            triggers.append(Trigger(RESTARTED, False, step, None,
+                                    "restarted on the plan for the longest response; the coming steps may be shorter"))
+        self._restarted = False
         frozen = self.policy.kind is PolicyKind.FROZEN
         if frozen:   # static framework: only a pool change (DP rescale) or a forced layout
             triggers = [t for t in triggers if t.signal in (GPU_POOL, FORCED)]
@@ -336,7 +342,11 @@ class Controller:
             rescaled = dp_rescale(self.plan, problem, current=source)
             if rescaled is not None and (result is None or rescaled != result.plan) and rescaled != self.plan:
                 targets.append(self._target(source, rescaled, problem, usable))
-        horizons = [self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(period or 1)
+        # after a restart the plan lasts as long as the lengths stay put: at least H_len, and as
+        # long as they have been steady already
+        restart_h = max(self.monitor.horizon(SEQUENCE_LENGTH), float(self.monitor.steps_since_crossing(SEQUENCE_LENGTH, step)))
+        horizons = [restart_h if t.signal is RESTARTED else
+                    self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(period or 1)
                     for t in triggers]
         if not urgent and targets and targets[0].plan == self.plan:
             targets = targets[1:]   # the planner keeps the running plan: nothing to switch to
@@ -380,6 +390,7 @@ class Controller:
         result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
         if result is None:
             raise Infeasible("no plan holds the longest response: " + "; ".join(lines))
+        self._restarted = True
         if frozen and self._relaunch:   # a user relaunching after an OOM keeps the larger layout
             self.base_plan, self._relaunch = result.plan, False
         return result

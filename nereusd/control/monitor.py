@@ -35,6 +35,9 @@ class Signal(str, enum.Enum):
     """Every ``period`` steps (a policy's knob, not a measurement)."""
     FORCED = "forced"
     """The operator forces a layout (``adaptation.forced``)."""
+    RESTARTED = "restarted"
+    """The job restarted into a plan for the longest response (a failure's remedy, not the
+    fastest plan for the coming steps): replan once, opportunistically."""
 
     def __str__(self) -> str:
         return self.value
@@ -42,7 +45,7 @@ class Signal(str, enum.Enum):
 
 SEQUENCE_LENGTH, GPU_POOL, PEAK_MEMORY, EFFICIENCY = (Signal.SEQUENCE_LENGTH, Signal.GPU_POOL, Signal.PEAK_MEMORY,
                                                        Signal.EFFICIENCY)
-PERIOD, FORCED = Signal.PERIOD, Signal.FORCED
+PERIOD, FORCED, RESTARTED = Signal.PERIOD, Signal.FORCED, Signal.RESTARTED
 DEFAULT_DELTAS = {SEQUENCE_LENGTH: 0.30, EFFICIENCY: 0.20}
 DEFAULT_EMA_ALPHA = 0.5
 
@@ -87,6 +90,11 @@ class Monitor:
     def horizon(self, signal: str) -> float:
         """``H_x`` in steps: EMA of steps between crossings, 1.0 before any interval."""
         return self._signals.get(signal, _Signal()).horizon
+
+    def steps_since_crossing(self, signal: str, step: int) -> int:
+        """Steps since ``signal`` last crossed its threshold (since step 0 when it never did)."""
+        last = self._signals.get(signal, _Signal()).last_crossing
+        return max(0, step - (last if last is not None else 0))
 
     def reference(self, signal: str) -> float | None:
         return self._signals.get(signal, _Signal()).reference

@@ -202,3 +202,26 @@ def test_a_plan_predicted_over_usable_memory_is_not_kept_when_no_transition_fits
     assert any(over for over, _ in verdicts), verdicts
     assert all(v == RESTART for over, v in verdicts if over), verdicts
     assert not any(v == KEEP for over, v in verdicts if over)
+
+
+def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo):
+    """A restart goes to the plan for the longest response (the safe remedy); with responses still
+    short and steady, nothing would trigger a replan and the job would stay on that slower plan
+    (simulated: 0.6 % slower than frozen on a real trace). The boundary after a restart replans
+    once, opportunistically, and leaves it when the saving pays back."""
+    from nereusd.control.monitor import RESTARTED
+
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    for step in range(6):
+        observe(adapter, step, 16)
+        adapter.boundary(step, adapter.pool)
+    restart = adapter.restart_plan(adapter.pool)
+    adapter.switched(restart.plan, adapter.pool)
+    observe(adapter, 6, 16)
+    outcome = adapter.boundary(6, adapter.pool)
+    assert outcome is not None and [t.signal for t in outcome.decision.triggers] == [RESTARTED]
+    d = outcome.decision
+    assert d.verdict == "admit" and d.target.step_latency_s < d.current_step_latency_s, d.to_dict()
+    observe(adapter, 7, 16)
+    assert adapter.boundary(7, adapter.pool) is None   # once
