@@ -365,34 +365,39 @@ class Controller:
         return Outcome(decision, length, tuple(lines))
 
     def restart_plan(self, pool: tuple[int, ...]) -> PlanResult:
-        """The plan a checkpoint/restart goes to (out of memory, nothing fits, devices lost): the
-        planner's plan for the longest response, :attr:`max_response_length` (urgent path:
-        smaller micro-batch, recomputation).
+        """The plan a checkpoint/restart goes to (urgent path: smaller micro-batch, recomputation).
+
+        After an out-of-memory failure (:meth:`failed`) the planner's plan for the longest
+        response, :attr:`max_response_length`; after a device loss or a pool that no plan's units
+        survive, the plan for the coming steps (the lookahead length), as at any boundary.
 
         The ``frozen`` policy restarts after a device loss into its launch plan DP-rescaled to
         ``pool`` (a static framework relaunches the same TP/PP on fewer GPUs; when even DP 1 of it
         does not fit ``pool``, into the planner's plan, until the GPUs are back), and after an
-        out-of-memory failure (:meth:`failed`) into the planner's plan, which becomes its launch
-        plan.
+        out-of-memory failure into the planner's plan for the longest response, which becomes its
+        launch plan.
 
         Raises:
             Infeasible: when nothing holds it.
         """
         frozen = self.policy.kind is PolicyKind.FROZEN
-        if frozen and not self._relaunch:
-            problem = self.problem(pool, self.lookahead(self.length))
+        oom, self._relaunch = self._relaunch, False
+        coming = self.lookahead(self.length)
+        if frozen and not oom:
+            problem = self.problem(pool, coming)
             rescaled = dp_rescale(self.base_plan, problem)
             if rescaled is not None:
                 ev = evaluate(problem, rescaled, self.cost_model)
                 usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
                 return PlanResult(rescaled, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
-        problem = self.problem(pool, self.max_response_length)
+        length = self.max_response_length if oom or frozen else coming
+        problem = self.problem(pool, length)
         result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
         if result is None:
-            raise Infeasible("no plan holds the longest response: " + "; ".join(lines))
-        self._restarted = True
-        if frozen and self._relaunch:   # a user relaunching after an OOM keeps the larger layout
-            self.base_plan, self._relaunch = result.plan, False
+            raise Infeasible(f"no plan holds responses of {length} tokens: " + "; ".join(lines))
+        self._restarted = length > coming   # planned past the coming steps: replan at the next boundary
+        if frozen and oom:   # a user relaunching after an OOM keeps the larger layout
+            self.base_plan = result.plan
         return result
 
     def failed(self, step: int, length: int | None = None) -> None:
@@ -405,7 +410,7 @@ class Controller:
         length = self.max_response_length if length is None else int(length)
         self._replay_length = max(self._replay_length if step < self._replay_until else 0, length)
         self._replay_until = max(self._replay_until, step + 1)
-        self._relaunch = True   # frozen: the next restart relaunches into a larger layout
+        self._relaunch = True   # the next restart plans for the longest response (frozen: and keeps it)
 
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""

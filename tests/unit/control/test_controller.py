@@ -205,10 +205,12 @@ def test_a_plan_predicted_over_usable_memory_is_not_kept_when_no_transition_fits
 
 
 def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo):
-    """A restart goes to the plan for the longest response (the safe remedy); with responses still
-    short and steady, nothing would trigger a replan and the job would stay on that slower plan
-    (simulated: 0.6 % slower than frozen on a real trace). The boundary after a restart replans
-    once, opportunistically, and leaves it when the saving pays back."""
+    """A restart after an out-of-memory failure goes to the plan for the longest response (the safe
+    remedy); with responses short and steady, nothing would trigger a replan and the job would stay
+    on that slower plan (simulated: 0.6 % slower than frozen on a real trace, where restarts after
+    pool losses went there too). The boundary after it replans once, opportunistically, and
+    leaves it when the saving pays back; a restart after a device loss plans for the coming
+    steps at once."""
     from nereusd.control.monitor import RESTARTED
 
     job, site = demo
@@ -216,7 +218,12 @@ def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo):
     for step in range(6):
         observe(adapter, step, 16)
         adapter.boundary(step, adapter.pool)
+    lost = adapter.restart_plan(adapter.pool)   # a device loss: the plan for the coming steps
+    adapter.failed(6, 16)                        # out of memory: the plan for the longest response
     restart = adapter.restart_plan(adapter.pool)
+    coming = adapter.problem(adapter.pool, adapter.lookahead(16))
+    assert evaluate(coming, lost.plan, adapter.cost_model).step_latency_s < \
+        evaluate(coming, restart.plan, adapter.cost_model).step_latency_s
     adapter.switched(restart.plan, adapter.pool)
     observe(adapter, 6, 16)
     outcome = adapter.boundary(6, adapter.pool)
