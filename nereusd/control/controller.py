@@ -205,6 +205,8 @@ class Controller:
         self._replay_until, self._replay_length = 0, 0
         self._restarted = False
         """A restart put the job on the plan for the longest response: replan at the next boundary."""
+        self._restart_target: tuple[Plan, bool, bool] | None = None
+        """The last :meth:`restart_plan` answer: (plan, after an OOM, planned past the coming steps)."""
         self.base_plan = plan
         """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
@@ -381,7 +383,7 @@ class Controller:
             Infeasible: when nothing holds it.
         """
         frozen = self.policy.kind is PolicyKind.FROZEN
-        oom, self._relaunch = self._relaunch, False
+        oom = self._relaunch   # cleared by switched(): callers may ask more than once before restarting
         coming = self.lookahead(self.length)
         if frozen and not oom:
             problem = self.problem(pool, coming)
@@ -395,9 +397,7 @@ class Controller:
         result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
         if result is None:
             raise Infeasible(f"no plan holds responses of {length} tokens: " + "; ".join(lines))
-        self._restarted = length > coming   # planned past the coming steps: replan at the next boundary
-        if frozen and oom:   # a user relaunching after an OOM keeps the larger layout
-            self.base_plan = result.plan
+        self._restart_target = (result.plan, oom, length > coming)
         return result
 
     def failed(self, step: int, length: int | None = None) -> None:
@@ -415,6 +415,13 @@ class Controller:
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""
         self.plan, self.pool = plan, tuple(pool)
+        target, self._restart_target = self._restart_target, None
+        if target is not None and target[0] == plan:   # the restart :meth:`restart_plan` planned
+            _, oom, past_coming = target
+            self._relaunch = False
+            self._restarted = past_coming   # planned past the coming steps: replan at the next boundary
+            if oom and self.policy.kind is PolicyKind.FROZEN:   # a user relaunching after an OOM keeps it
+                self.base_plan = plan
 
     def pool_changed(self, pool: tuple[int, ...]) -> None:
         """Devices joined without changing the plan (they stay spares until a replan uses them)."""

@@ -232,3 +232,20 @@ def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo):
     assert d.verdict == "admit" and d.target.step_latency_s < d.current_step_latency_s, d.to_dict()
     observe(adapter, 7, 16)
     assert adapter.boundary(7, adapter.pool) is None   # once
+
+
+def test_restart_plan_may_be_asked_twice_before_the_restart(demo):
+    """The live shell asks for the restart plan to check that one exists, then again when it
+    restarts (LiveAdaptation.recover, _restart). Both answers must be the out-of-memory one: a
+    first call that cleared the failure once sent the job back onto the layout that had just run
+    out of memory, forever."""
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    observe(adapter, 0, 4)
+    adapter.failed(0)
+    first, second = adapter.restart_plan(adapter.pool), adapter.restart_plan(adapter.pool)
+    assert first.plan == second.plan
+    longest = adapter.problem(adapter.pool, job.config.rollout.max_new_tokens)
+    assert max(evaluate(longest, second.plan, adapter.cost_model).peak_bytes.values()) <= second.usable_bytes
+    adapter.switched(second.plan, adapter.pool)
+    assert not adapter._relaunch   # the failure is now history: the next restart plans for the coming steps
