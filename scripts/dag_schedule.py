@@ -24,7 +24,8 @@ from nereusd.transition import (  # noqa: E402
     TransitionDag,
     topological_order,
 )
-from nereusd.transition.cost import LinkCosts, _profile, list_schedule  # noqa: E402  (L_tran: durations, ports, schedule)
+from nereusd.transition.cost import (  # noqa: E402  (L_tran: durations, ports, order, schedule)
+    LinkCosts, _profile, best_list_schedule, list_schedule)
 from nereusd.transition.dag import closure  # noqa: E402
 
 MIB = 1 << 20
@@ -101,14 +102,17 @@ def durations(inst: Instance, ticks: bool) -> list:
 
 
 def greedy_starts(inst: Instance, *, ticks: bool = True) -> list:
-    """``estimate_l_tran``'s schedule (:func:`nereusd.transition.cost.list_schedule`, the same
-    function): in ``inst.order``, each job starts at the earliest time when its predecessors have
-    finished and its ports are free for its whole duration."""
+    """``estimate_l_tran``'s schedule (:func:`nereusd.transition.cost.best_list_schedule`, the same
+    function, its order chosen on the seconds ``L̂_tran`` uses, replayed in ticks): each job starts
+    at the earliest time when its predecessors have finished and its ports are free for its whole
+    duration."""
     d = durations(inst, ticks)
     preds = defaultdict(list)
     for a, b in inst.edges:
         preds[b].append(a)
-    start, _ = list_schedule(inst.order, dict(enumerate(d)), {i: j.ports for i, j in enumerate(inst.jobs)}, preds)
+    ports = {i: j.ports for i, j in enumerate(inst.jobs)}
+    order, _, _ = best_list_schedule(inst.order, dict(enumerate(durations(inst, False))), ports, preds)  # as L_tran
+    start, _ = list_schedule(order, dict(enumerate(d)), ports, preds)
     return [start[i] for i in range(len(d))]
 
 

@@ -29,6 +29,7 @@ CP-SAT optimum in ``scripts/bench_dag.py``).
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -233,21 +234,65 @@ def list_schedule(order: Sequence[K], duration: Mapping[K, float], ports: Mappin
                 by = next(j for spans in mine for _, e, j in spans if e == t)
         start[job], finish[job], via[job] = t, t + d, by
         for spans in mine:
-            bisect.insort(spans, (t, t + d, job), key=lambda span: (span[0], span[1]))
+            bisect.insort(spans, (t, t + d, job))
     return start, via
+
+
+def best_list_schedule(order: Sequence[K], duration: Mapping[K, float], ports: Mapping[K, Iterable[int]],
+                       preds: Mapping[K, Sequence[K]]) -> tuple[list[K], dict[K, float], dict[K, K | None]]:
+    """The shorter of two :func:`list_schedule` runs, in critical-path order
+    (:func:`critical_path_order`) and in ``order`` itself (ties: the first): neither order wins
+    on every DAG (``scripts/bench_dag.py``). Returns ``(order used, start, via)``."""
+    best = None
+    for o in (critical_path_order(order, duration, preds), list(order)):
+        start, via = list_schedule(o, duration, ports, preds)
+        end = max((start[x] + duration[x] for x in o), default=0)
+        if best is None or end < best[0]:
+            best = (end, o, start, via)
+    return best[1], best[2], best[3]
+
+
+def critical_path_order(order: Sequence[K], duration: Mapping[K, float], preds: Mapping[K, Sequence[K]]) -> list[K]:
+    """``order`` (topological) re-ordered for :func:`list_schedule`: among the jobs whose
+    predecessors are placed, the one with the longest remaining path (its duration plus its
+    longest chain of successors) first, ties in ``order``'s order — the classic critical-path
+    priority of list scheduling (Graham; Kwok and Ahmad, "Static scheduling algorithms for
+    allocating directed task graphs", ACM Computing Surveys 1999, §3)."""
+    rank = {x: i for i, x in enumerate(order)}
+    succ: dict[K, list[K]] = defaultdict(list)
+    indeg = {x: 0 for x in order}
+    for x in order:
+        for p in preds.get(x, ()):
+            succ[p].append(x)
+            indeg[x] += 1
+    level: dict[K, float] = {}
+    for x in reversed(order):
+        level[x] = duration[x] + max((level[s] for s in succ[x]), default=0)
+    ready = [(-level[x], rank[x], x) for x in order if indeg[x] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, _, x = heapq.heappop(ready)
+        out.append(x)
+        for s in succ[x]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, (-level[s], rank[s], s))
+    return out
 
 
 def _free(spans: list[tuple[float, float, object]], a: float, b: float) -> bool:
     """Whether no span of ``spans`` (sorted by start) overlaps ``[a, b)``."""
-    i = bisect.bisect_left(spans, b, key=lambda span: span[0])   # spans starting before b
+    i = bisect.bisect_left(spans, (b,))   # spans starting before b: (b,) sorts before (b, …)
     return all(e <= a for _, e, _ in spans[:i])
 
 
 def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> TransitionCost:
     """``L̂_tran``: makespan of the DAG with :func:`op_duration_s` per op (module docstring).
 
-    Ops are placed in the DAG's topological order (:func:`~nereusd.transition.dag.topological_order`),
-    each at the earliest time when its predecessors have finished and the devices whose links it
+    Ops are placed in critical-path order or in the DAG's topological order
+    (:func:`~nereusd.transition.dag.topological_order`), whichever gives the shorter schedule
+    (:func:`best_list_schedule`), each at the earliest time when its predecessors have finished and the devices whose links it
     uses are free for its whole duration (one port per device: a device's sends, receives and
     communicator set-ups run one after another, also across ops; :func:`list_schedule`). Without
     shared devices this is the DAG's longest path.
@@ -267,11 +312,10 @@ def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> 
     preds: dict[str, list[str]] = defaultdict(list)
     for e in dag.edges:
         preds[e.dst].append(e.src)
-    order = topological_order(dag)
-    for op_id in order:
+    for op_id in topological_order(dag):
         duration[op_id], nbytes, ports[op_id] = _profile(dag.op(op_id), sizes, links)
         moved += nbytes
-    start, via = list_schedule(order, duration, ports, preds)
+    order, start, via = best_list_schedule(topological_order(dag), duration, ports, preds)
     finish = {x: start[x] + duration[x] for x in order}
     rank = {x: i for i, x in enumerate(order)}
     last = max(finish, key=lambda x: (finish[x], rank[x]), default=None)
