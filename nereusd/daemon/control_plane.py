@@ -150,6 +150,7 @@ class ControlPlane:
         self.received_messages = 0
         """Frames received (accepted or refused) since start."""
         self.refused_connections = 0
+        self._shutting_down = False
 
     @property
     def pending_tasks(self) -> int:
@@ -192,7 +193,7 @@ class ControlPlane:
                 agent = self.agents.get(self._agent_at_fd.pop(event["value"], ""))
                 if agent is not None and agent.fd == event["value"] and agent.disconnected_s is None:
                     agent.disconnected_s = time.monotonic()
-                    log.warning("agent %s dropped its connection", agent.node_id)
+                    (log.info if self._shutting_down else log.warning)("agent %s dropped its connection", agent.node_id)
                 continue
             reason = ServerAuth.describe(event)
             if reason is not None:
@@ -608,6 +609,7 @@ class ControlPlane:
     # ------------------------------------------------------------------ teardown
     def shutdown_agents(self, reason: str, wait_s: float = 10.0) -> None:
         """Tell every agent to stop its workers and exit; wait up to ``wait_s`` for them to go."""
+        self._shutting_down = True   # their connections drop now: expected, not a loss worth a warning
         for agent in self.agents.values():
             self._send(agent.identity, P.Shutdown(reason=reason))
         deadline = time.monotonic() + wait_s
