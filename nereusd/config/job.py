@@ -288,8 +288,8 @@ class PoolConfig(_Strict):
     """A spot-availability trace scaled to the job's devices."""
     max_devices: int | None = Field(None, ge=1)
     """Most devices the pool may hold at once (every agent's, ``grow``/``pool --add`` ones
-    included); a registration beyond it is refused. Default: 4 × ``devices``
-    (:meth:`JobConfig.pool_limit`)."""
+    included); a registration beyond it is refused. Default: 4 × the larger of ``devices`` and
+    the launch allocation's devices (:meth:`ResolvedJob.pool_limit`)."""
 
 
 AdaptationConfig.model_rebuild()

@@ -71,10 +71,11 @@ class ResolvedJob:
     def sequences_per_step(self) -> int:
         return self.config.rollout.prompts_per_step * self.config.rollout.group_size
 
-    @property
-    def pool_limit(self) -> int:
-        """Most devices the pool may hold at once: ``pool.max_devices``, default 4 × ``devices``."""
-        return self.config.pool.max_devices or 4 * self.devices
+    def pool_limit(self, launch_devices: int = 0) -> int:
+        """Most devices the pool may hold at once: ``pool.max_devices``, by default 4 × the larger
+        of ``devices`` and ``launch_devices`` (the devices the launch allocation's agents register:
+        on Slurm every GPU of every node, which may be more than the job uses)."""
+        return self.config.pool.max_devices or 4 * max(self.devices, launch_devices)
 
 
 def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:

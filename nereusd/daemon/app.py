@@ -90,7 +90,8 @@ class Daemon:
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
                                     on_pool_request=self.pool.request_remove,
                                     worker_stall_s=self.site.liveness.worker_stall_s,
-                                    max_pool_devices=self.job.pool_limit)
+                                    max_pool_devices=self.job.pool_limit(
+                                        (args.nodes or 1) * self.site.devices_per_node))
         self.pool.control = self.control
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:

@@ -257,15 +257,18 @@ def test_an_added_agent_holds_at_most_one_node_of_the_site(tmp_path):
         pool_run(argparse.Namespace(run_dir=str(run), remove=None, add=10000, timeout_s=1.0))
 
 
-def test_pool_max_devices_defaults_to_four_times_the_job_and_is_not_below_it(tmp_path):
+def test_pool_max_devices_defaults_to_four_times_the_job_or_its_allocation_and_is_not_below_it(tmp_path):
     from nereusd.config.resolve import load_and_resolve
 
     job = tmp_path / "job.yaml"
     model = REPO / "examples" / "models" / "counting-warmstart"
     job.write_text(f"models: {{actor: {model}}}\ndevices: 3\n")
-    assert load_and_resolve(job).pool_limit == 12
+    assert load_and_resolve(job).pool_limit() == 12
+    # two Slurm nodes of 4 GPUs register 8 devices although the job uses 3: the default scales with them
+    assert load_and_resolve(job).pool_limit(launch_devices=8) == 32
     job.write_text(f"models: {{actor: {model}}}\ndevices: 3\npool: {{max_devices: 5}}\n")
-    assert load_and_resolve(job).pool_limit == 5
+    assert load_and_resolve(job).pool_limit() == 5
+    assert load_and_resolve(job).pool_limit(launch_devices=8) == 5
     job.write_text(f"models: {{actor: {model}}}\ndevices: 3\npool: {{max_devices: 2}}\n")
     with pytest.raises(ConfigError, match=r"pool.max_devices: 2 is below the job's 3 devices"):
         load_and_resolve(job)
