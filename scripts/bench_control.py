@@ -274,8 +274,7 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
         print(f"bench_control: boundary {b}: {boundary_ms[-1]:.0f} ms (step tasks {step_ms[-1]:.0f} ms)", flush=True)
     control.poll(1.5)   # the last heartbeats in flight
-    for agent in list(control.agents.values()):
-        control._send(agent.identity, P.Shutdown(reason="benchmark done"))
+    control.shutdown_agents("benchmark done", wait_s=0.0)   # their dropped connections are expected now
     sent = 0
     for proc in procs:
         out, _ = proc.communicate(timeout=120)
@@ -290,7 +289,7 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
         return statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) >= 2 else xs[0]   # within the data
 
     print(f"bench_control: step tasks p50 {statistics.median(step_ms):.0f} ms, p99 {p99(step_ms):.0f} ms; "
-          f"transition dispatch {', '.join(f'{t:.0f}' for t in transition_ms) or 'none'} ms")
+          f"transition dispatch {', '.join(f'{t:.0f} ms' for t in transition_ms) or 'none'}")
     print(f"bench_control: messages sent by agents {sent}, received {control.received_messages}, "
           f"refused {control.refused_messages}")
     if solve is not None:
