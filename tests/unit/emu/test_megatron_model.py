@@ -1,0 +1,169 @@
+"""megatron-core's ``GPTModel`` built by :mod:`emu.engine.megatron_model`, run on CPU against the
+native engine: the same logits and the same gradients, mapped back through
+:mod:`emu.engine.megatron_layout`.
+
+- tp = pp = 1 for Llama, Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms), and a
+  Llama-3 RoPE scaling as Megatron hard-codes it; one that differs is refused, naming the field.
+- tp = 2 on two gloo ranks with explicit process groups (``ProcessGroupCollection``;
+  ``parallel_state`` is never initialised) and a vocab-parallel loss, on the local layer spec,
+  which runs without sequence parallelism: its norm without Apex is torch's, which refuses it
+  (Transformer Engine, with sequence parallelism, is for the GPU check). Qwen3's q/k-norm
+  gradients are summed over TP as Megatron's ``finalize_model_grads`` does.
+
+**Test-only patches.** megatron-core 0.16.1's ``GPTModel`` does not run on CPU as shipped: it
+places tensors with ``torch.cuda.current_device()`` (rotary embedding, the attention scratch
+buffer) and forks a CUDA RNG state around attention. :func:`_cpu_patches` makes
+``current_device`` return ``"cpu"``, ``torch.cuda.synchronize`` a no-op and the RNG tracker's
+``fork`` a null context (dropout is 0, so no random number is drawn). Nothing in
+``emu/`` patches torch: on a GPU the same code runs unpatched, and the GPU check compares it there.
+Skipped without megatron-core, unless ``NEREUS_REQUIRE_MEGATRON=1`` (set by ``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from emu.engine.canonical import init_full_state
+from emu.engine.model import LlamaModel
+from nereusd.errors import ConfigError
+from nereusd.models import ModelSpec
+from tests.support.distributed import run_distributed
+from tests.support.specs import ARCHITECTURES
+
+try:
+    import megatron.core  # noqa: F401
+    HAVE_MEGATRON = True
+except ImportError:
+    HAVE_MEGATRON = False
+pytestmark = pytest.mark.skipif(
+    not HAVE_MEGATRON and os.environ.get("NEREUS_REQUIRE_MEGATRON") != "1",
+    reason="megatron-core not installed (make install adds it)")
+
+LLAMA = ModelSpec(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_position=64)
+SPECS = {
+    "llama": LLAMA,
+    "llama3-megatron-rope": dataclasses.replace(LLAMA, rope_theta=500000.0, rope_type="llama3", rope_factor=8.0),
+    "qwen2-tied": ARCHITECTURES["qwen2-tied"],
+    "qwen3": ARCHITECTURES["qwen3"],
+}
+
+
+def _cpu_patches() -> None:
+    """See the module docstring: what megatron-core needs to run on CPU, in the test process only."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def _native(spec, full):
+    model = LlamaModel(spec)
+    model.load_state_dict({k: v for k, v in full.items() if k in model.state_dict()}, strict=True)
+    return model
+
+
+def _parity_body(rank, world, names):
+    """Megatron at tp = ``world`` (sequence parallel when > 1) against the native one-process
+    model: max |Δ| of logits and of every canonical gradient, per architecture."""
+    import torch.distributed as dist
+
+    from emu.engine.megatron_layout import from_megatron
+    from emu.engine.megatron_model import (StageGroups, allreduce_tp_replicated_grads, build_gpt_model,
+                                           load_canonical, logits, megatron_tensors, stage_process_groups)
+
+    _cpu_patches()
+    tp, world_group = world, dist.group.WORLD
+    own = dist.new_group([rank], use_local_synchronization=True)
+    out = {}
+    for name in names:
+        spec = SPECS[name]
+        full = init_full_state(spec, seed=5)
+        with torch.no_grad():   # norms off 1 and biases off 0, so that their use shows
+            for k, v in full.items():
+                if "norm" in k or k.endswith(".bias"):
+                    v.add_(0.1 * torch.randn(v.shape, generator=torch.Generator().manual_seed(len(k))))
+        groups = StageGroups(tp=world_group, pp=own, dp=own, embd=own)
+        model = build_gpt_model(spec, tp, 1, 0, stage_process_groups(groups), te=False)
+        load_canonical(model, full, spec, tp, 1, rank, 0)
+        ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+        weights = torch.randn(2, 12, spec.vocab_size, generator=torch.Generator().manual_seed(2))
+        local = logits(model, ids, spec.vocab_size)                 # [2, 12, V_padded / tp]
+        cols = local.shape[-1]
+        padded = torch.nn.functional.pad(weights, (0, cols * tp - spec.vocab_size))
+        (local * padded[..., rank * cols:(rank + 1) * cols]).sum().backward()   # Σ over ranks = the full loss
+        allreduce_tp_replicated_grads(model, world_group)
+        gathered = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(gathered, local.detach().contiguous())
+        got = torch.cat(gathered, dim=-1)[..., :spec.vocab_size]
+        shards = [None] * tp
+        dist.all_gather_object(shards, megatron_tensors(model, grads=True))
+        grads = from_megatron({(t, 0): shards[t] for t in range(tp)}, spec, tp, 1)
+        native = _native(spec, full)
+        want = native(ids)
+        (want * weights).sum().backward()
+        out[name] = {"logits": (got - want.detach()).abs().max().item(),
+                     "scale": want.detach().abs().max().item(),
+                     "grads": max((grads[k] - p.grad).abs().max().item() for k, p in native.named_parameters()),
+                     "grad_scale": max(p.grad.abs().max().item() for p in native.parameters()),
+                     "grad_names": sorted(grads) == sorted(k for k, _ in native.named_parameters())}
+    return out
+
+
+def _check(report):
+    assert report, "no architecture ran"
+    for name, r in report.items():
+        assert r["grad_names"], name
+        assert r["logits"] < 1e-5 * max(1.0, r["scale"]), (name, r)
+        assert r["grads"] < 1e-5 * max(1.0, r["grad_scale"]), (name, r)   # fp32, summed in another order
+
+
+def test_gptmodel_equals_the_native_engine_at_tp1():
+    (report,) = run_distributed(_parity_body, 1, sorted(SPECS), timeout_s=240)
+    _check(report)
+
+
+def test_gptmodel_equals_the_native_engine_at_tp2():
+    for report in run_distributed(_parity_body, 2, ["llama", "qwen3"], timeout_s=240):
+        _check(report)
+
+
+def _gather_body(rank, world, tp, pp, name):
+    """Load canonical tensors into this rank's shard of a ``tp × pp`` layout, then gather the
+    replica's canonical tensors back: the names and bits that went in."""
+    import torch.distributed as dist
+
+    from emu.engine.megatron_model import StageGroups, build_gpt_model, gather_canonical, load_canonical, \
+        stage_process_groups
+
+    _cpu_patches()
+    spec = SPECS[name]
+    world_group, own = dist.group.WORLD, dist.new_group([rank], use_local_synchronization=True)
+    tp_rank, pp_rank = (rank, 0) if tp > 1 else (0, rank)
+    groups = StageGroups(tp=world_group if tp > 1 else own, pp=world_group if pp > 1 else own, dp=own,
+                         embd=world_group if pp > 1 else own)
+    model = build_gpt_model(spec, tp, pp, pp_rank, stage_process_groups(groups), te=False)
+    full = init_full_state(spec, seed=9)
+    load_canonical(model, full, spec, tp, pp, tp_rank, pp_rank)
+    back = gather_canonical(model, spec, tp, pp, groups)
+    return sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_replica_gathers_the_canonical_tensors_it_was_loaded_with(tp, pp):
+    """The weight-sync and transition read path: bit-exact at tp 2 and at pp 2 (Llama)."""
+    assert run_distributed(_gather_body, 2, tp, pp, "llama", timeout_s=240) == [True, True]
+
+
+def test_rope_scaling_megatron_cannot_express_is_refused():
+    from emu.engine.megatron_model import rope_arguments
+
+    assert rope_arguments(SPECS["llama3-megatron-rope"])["rope_scaling_factor"] == 8.0
+    with pytest.raises(ConfigError, match=r"model.rope_original_max_position: 16 .* fixes it at 8192"):
+        rope_arguments(ARCHITECTURES["llama3"])
