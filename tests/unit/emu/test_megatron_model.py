@@ -161,6 +161,68 @@ def test_a_replica_gathers_the_canonical_tensors_it_was_loaded_with(tp, pp):
     assert run_distributed(_gather_body, 2, tp, pp, "llama", timeout_s=240) == [True, True]
 
 
+def _sharded_body(rank, world, tp, pp, name):
+    """This rank's ``GPTModel`` shard of a ``tp × pp`` layout (``parallel_state`` set up as a
+    Megatron job does), loaded through our mapping; Megatron's own ``sharded_state_dict`` of it,
+    factories applied: per tensor its checkpoint key, global shape, offset and local data."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from emu.engine.megatron_model import build_gpt_model, load_canonical
+
+    _cpu_patches()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    spec = SPECS[name]
+    model = build_gpt_model(spec, tp, pp, p, ProcessGroupCollection.use_mpu_process_groups(), te=False)
+    load_canonical(model, init_full_state(spec, seed=11), spec, tp, pp, t, p)
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    out = []
+    for v in nested_values(sharded):   # SwiGLU's factory leaves two tensors (gate, up) under one key
+        if isinstance(v, ShardedTensor):
+            assert v.flattened_range is None
+            out.append((v.key, tuple(v.global_shape), tuple(v.global_offset), v.prepend_axis_num,
+                        v.data.detach().clone()))
+    return out
+
+
+def test_megatrons_sharded_state_dicts_at_tp2_pp2_reassemble_into_the_canonical_tensors():
+    """Megatron's checkpoint view of four shards (tp 2 × pp 2) — its keys, global shapes and
+    offsets, written by Megatron, not by us — put together equals what our mapping gives for
+    the whole model at tp 1 / pp 1 (Transformer-Engine names, which Megatron's checkpoints use;
+    per layer, stacked along the layer axis; the vocabulary padded for tp 2, the padding zero)."""
+    from emu.engine.megatron_layout import padded_vocab, to_megatron
+
+    spec = SPECS["llama"]
+    globals_: dict[str, torch.Tensor] = {}
+    for shards in run_distributed(_sharded_body, 4, 2, 2, "llama", timeout_s=240):
+        for key, shape, offset, prepend, data in shards:
+            whole = globals_.setdefault(key, torch.full(shape, float("nan")))
+            local = data.reshape((1,) * prepend + tuple(data.shape))
+            whole[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
+    want = to_megatron(init_full_state(spec, seed=11), spec, 1, 1, 0, 0, te=True)
+    stacked = {}
+    for name, tensor in want.items():
+        if name.startswith("decoder.layers."):
+            _, _, i, rest = name.split(".", 3)
+            stacked.setdefault("decoder.layers." + rest, {})[int(i)] = tensor
+        else:
+            stacked[name] = tensor
+    expected = {k: (torch.stack([v[i] for i in sorted(v)]) if isinstance(v, dict) else v) for k, v in stacked.items()}
+    assert set(globals_) == set(expected), set(globals_) ^ set(expected)
+    rows = padded_vocab(spec.vocab_size, 2)
+    for key, whole in globals_.items():
+        assert not torch.isnan(whole).any(), f"{key}: part of the global tensor came from no rank"
+        want_t = expected[key]
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert whole.shape[0] == rows and not whole[spec.vocab_size:].any(), key
+            whole, want_t = whole[:spec.vocab_size], want_t[:spec.vocab_size]
+        assert torch.equal(whole, want_t), key
+
+
 def test_rope_scaling_megatron_cannot_express_is_refused():
     from emu.engine.megatron_model import rope_arguments
 
