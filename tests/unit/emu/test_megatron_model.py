@@ -223,6 +223,26 @@ def test_megatrons_sharded_state_dicts_at_tp2_pp2_reassemble_into_the_canonical_
         assert torch.equal(whole, want_t), key
 
 
+def test_the_gpu_check_script_runs_on_cpu():
+    """``scripts/gpu_check_megatron.py`` (issue 15's GPU check) with ``--device cpu``: its parity
+    section passes here, so on a GPU only CUDA is new."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    proc = subprocess.run([sys.executable, "scripts/gpu_check_megatron.py", "--device", "cpu", "--repeats", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MASTER_PORT": "0", "GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"megatron: logits vs native (\S+), vs transformers (\S+); grads vs native (\S+); "
+                     r"step megatron (\S+) s, native (\S+) s \((\S+)x\)", last)
+    assert m, last
+    assert max(float(m[1]), float(m[2]), float(m[3])) < 1e-5, last
+
+
 def test_rope_scaling_megatron_cannot_express_is_refused():
     from emu.engine.megatron_model import rope_arguments
 
