@@ -6,8 +6,8 @@
    native engine's ``LlamaModel`` and ``transformers``' model, in fp32. Max |Δ| of the logits
    against both, and of every canonical gradient of a fixed weighted-logit loss against the
    native engine's.
-2. **Step time** of a ~1.1 B model (hidden 2,048, 16 layers, 16 heads / 4 kv heads, vocab
-   32,000; batch 4 × 1,024 tokens; bf16 on a GPU): forward, backward and an AdamW step, median of
+2. **Step time** of a 1.1 B model (TinyLlama-1.1B's shape: hidden 2,048, 22 layers, 32 heads /
+   4 kv heads, vocab 32,000; batch 4 × 1,024 tokens; bf16 on a GPU): forward, backward and an AdamW step, median of
    ``--repeats`` after two warm-ups, Megatron's local layer spec (or Transformer Engine's when
    installed) against the native engine on the same device.
 
@@ -62,8 +62,9 @@ TINY = {
                        num_kv_heads=2, max_position=256, rms_norm_eps=1e-6, explicit_head_dim=32,
                        architecture="qwen3"),
 }
-ONE_B = ModelSpec(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16,
+ONE_B = ModelSpec(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
                   num_kv_heads=4, max_position=4096)
+"""TinyLlama-1.1B's shape (1.10 B parameters)."""
 SMALL = ModelSpec(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                   num_kv_heads=2, max_position=512)
 
