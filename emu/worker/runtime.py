@@ -127,6 +127,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         seed = args.seed
         self.plan = plan
         self._build_args = args
+        self._rebuild_all = False   # a re-formation's pending re-attach is this build (a restart's)
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
             self.stage_groups[ms] = self._groups(cand)
             self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))

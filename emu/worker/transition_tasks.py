@@ -98,6 +98,16 @@ class TransitionTasks:
             return set()
         return {ms for ms in target if ms in self.plan and self.plan[ms].zero_stage != target[ms].zero_stage}
 
+    def _to_rebuild(self, target: Plan) -> set[ModelStage]:
+        """Model-stages ``transition_finish`` re-attaches: after a world re-formation every one of
+        ``target`` (:meth:`reform_world` detached all engines), else those the transition changed.
+        The same set on every rank — attaching creates process groups, a collective over the world —
+        so it is computed from the plans and never from the engines this rank happens to hold (a
+        rank that holds no engine of a model-stage must still create its groups)."""
+        if self._rebuild_all:
+            return set(target)
+        return self._changed | self._zero_changes(target)
+
     def _retune(self, engine, cand: Candidate) -> None:
         """Apply what a candidate can change without moving state — micro-batch (generation
         waves, training micro-batches) and recomputation — to a live engine; the transition DAG
@@ -146,8 +156,7 @@ class TransitionTasks:
             raise NereusError("transition_finish before transition_prepare")
         ex.close()
         target = ex.dag.target
-        rebuild = {ms for ms in target if ms not in self.engines} if self._rebuild_all else \
-            self._changed | self._zero_changes(target)
+        rebuild = self._to_rebuild(target)
         self._rebuild_all = False
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             self._attach(ms, target[ms])
