@@ -376,6 +376,8 @@ class ControlPlane:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for node_id, agent in list(self.agents.items()):
+            if self._shutting_down:
+                break   # agents told to stop go now: their departure is not a pool change to journal
             if agent.disconnected_s is not None and now - agent.disconnected_s > DISCONNECT_GRACE_S:
                 self.remove_node(node_id, "disconnected",
                                  f"agent on node {node_id} dropped its connection and sent nothing for "
