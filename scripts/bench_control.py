@@ -15,8 +15,14 @@ trip:
   collect every result (``submit`` + ``collect``);
 - **transition**: dispatch a real transition DAG — ``plan_transition`` for the actor training
   model-stage of ``--model`` going from dp N/2 to dp N — as ``transition_prepare`` to every worker
-  of the world (what nereusd sends today: the whole DAG to each), then its ops as one
+  of the world (each its slice and the communicator plan), then its ops as one
   ``transition_run`` per ready set, each collected.
+
+Building the step's task arguments (one validated ``GenerateArgs`` per device, with its prompts)
+is the RL driver's work, not the control plane's: it is timed apart, before each boundary, and
+printed with the boundary it would make (an earlier version of this script timed it inside the
+boundary). The control plane's CPU time per boundary (this process: ZeroMQ's I/O thread included)
+is printed beside its wall time.
 
 A boundary is one step plus, every ``--transition-every`` boundaries, one transition; the first
 ``--warmup`` boundaries (first use of every socket and buffer) are printed and not counted.
@@ -262,10 +268,14 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
     if warm_ms:
         print(f"bench_control: warm-up boundaries (not counted): {', '.join(f'{t:.0f}' for t in warm_ms)} ms",
               flush=True)
-    step_ms, boundary_ms, transition_ms, cpu_ms = [], [], [], []
+    step_ms, boundary_ms, transition_ms, cpu_ms, args_ms = [], [], [], [], []
     for b in range(args.boundaries):
+        a0 = time.perf_counter()
+        # the RL driver's part, timed apart: one validated GenerateArgs per device
+        by_device = step_args(world, args.prompts_per_device)
         t0, c0 = time.perf_counter(), time.process_time()
-        control.run(step_args(world, args.prompts_per_device), timeout_s=120)
+        args_ms.append((t0 - a0) * 1e3)
+        control.run(by_device, timeout_s=120)
         t1 = time.perf_counter()
         step_ms.append((t1 - t0) * 1e3)
         if dag is not None and (b + 1) % args.transition_every == 0:
@@ -274,7 +284,8 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
         cpu_ms.append((time.process_time() - c0) * 1e3)
         print(f"bench_control: boundary {b}: {boundary_ms[-1]:.0f} ms (step tasks {step_ms[-1]:.0f} ms; "
-              f"this process on CPU {cpu_ms[-1]:.0f} ms)", flush=True)
+              f"this process on CPU {cpu_ms[-1]:.0f} ms; building the args before it {args_ms[-1]:.0f} ms)",
+              flush=True)
     control.poll(1.5)   # the last heartbeats in flight
     control.shutdown_agents("benchmark done", wait_s=0.0)   # their dropped connections are expected now
     sent = 0
@@ -293,9 +304,10 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
     print(f"bench_control: step tasks p50 {statistics.median(step_ms):.0f} ms, p99 {p99(step_ms):.0f} ms; "
           f"transition dispatch {', '.join(f'{t:.0f} ms' for t in transition_ms) or 'none'}")
     print(f"bench_control: the control plane (this process, ZeroMQ I/O threads included) on CPU per boundary "
-          f"p50 {statistics.median(cpu_ms):.0f} ms, "
-          f"p99 {p99(cpu_ms):.0f} ms (the rest of a boundary's wall time it waits for the simulated agents, "
-          f"which share this machine's cores)")
+          f"p50 {statistics.median(cpu_ms):.0f} ms, p99 {p99(cpu_ms):.0f} ms")
+    print(f"bench_control: building the step's {workers} GenerateArgs (the RL driver's part, not in a boundary) "
+          f"p50 {statistics.median(args_ms):.0f} ms; boundary with it p99 "
+          f"{p99([a + b for a, b in zip(args_ms, boundary_ms)]):.0f} ms")
     print(f"bench_control: messages sent by agents {sent}, received {control.received_messages}, "
           f"refused {control.refused_messages}")
     if solve is not None:
