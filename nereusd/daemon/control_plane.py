@@ -615,7 +615,9 @@ class ControlPlane:
         for agent in self.agents.values():
             self._send(agent.identity, P.Shutdown(reason=reason))
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(a.workers_alive for a in self.agents.values()):
+        # an agent whose connection dropped has gone (it is not removed now: no pool change to journal)
+        while time.monotonic() < deadline and any(a.workers_alive and a.disconnected_s is None
+                                                  for a in self.agents.values()):
             self.poll(0.1)
 
     def close(self) -> None:

@@ -21,7 +21,6 @@ megatron-core is imported on CPU without patches; the tests skip when it is not 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -31,16 +30,9 @@ from emu.engine.megatron_layout import check_layout, from_megatron, padded_vocab
 from nereusd.errors import ConfigError
 from nereusd.shards import canonical_shapes
 from tests.support.distributed import run_distributed
+from tests.support.megatron import requires_megatron
 from tests.support.specs import ARCHITECTURES, TINY
 
-try:
-    import megatron.core  # noqa: F401
-    HAVE_MEGATRON = True
-except ImportError:
-    HAVE_MEGATRON = False
-requires_megatron = pytest.mark.skipif(
-    not HAVE_MEGATRON and os.environ.get("NEREUS_REQUIRE_MEGATRON") != "1",
-    reason="megatron-core not installed (make install adds it)")
 
 SPECS = {"llama": TINY, **ARCHITECTURES,
          "qwen2-untied": dataclasses.replace(ARCHITECTURES["qwen2-tied"], tie_word_embeddings=False, num_kv_heads=2)}

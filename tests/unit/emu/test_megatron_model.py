@@ -33,16 +33,10 @@ from emu.engine.model import LlamaModel
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
 from tests.support.distributed import run_distributed
+from tests.support.megatron import requires_megatron
 from tests.support.specs import ARCHITECTURES
 
-try:
-    import megatron.core  # noqa: F401
-    HAVE_MEGATRON = True
-except ImportError:
-    HAVE_MEGATRON = False
-pytestmark = pytest.mark.skipif(
-    not HAVE_MEGATRON and os.environ.get("NEREUS_REQUIRE_MEGATRON") != "1",
-    reason="megatron-core not installed (make install adds it)")
+pytestmark = requires_megatron
 
 LLAMA = ModelSpec(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position=64)
