@@ -88,10 +88,11 @@ def one_rank_groups():
 def megatron_model(spec: ModelSpec, full: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
     from emu.engine.megatron_model import build_gpt_model, load_canonical
 
+    from emu.engine.megatron_model import uses_te
+
     model = build_gpt_model(spec, 1, 1, 0, one_rank_groups(), dtype=dtype)
-    te = any("layer_norm_weight" in k for k in model.state_dict())
-    load_canonical(model, full, spec, 1, 1, 0, 0, te=te)
-    return model.to(device), te
+    load_canonical(model, full, spec, 1, 1, 0, 0)
+    return model.to(device), uses_te(model)
 
 
 def native_model(spec: ModelSpec, full: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> LlamaModel:
@@ -132,7 +133,8 @@ def parity(device: str) -> dict[str, float]:
         scale = max(p.grad.abs().max().item() for p in ours.parameters())
         d_native = (got - want).abs().max().item()
         d_hf = (got - ref).abs().max().item()
-        d_grads = max((grads[k] - p.grad.cpu()).abs().max().item() for k, p in ours.named_parameters()) / max(1.0, scale)
+        d_grads = max((grads[k] - p.grad.cpu()).abs().max().item()
+                      for k, p in ours.named_parameters()) / max(1.0, scale)
         print(f"gpu_check_megatron: {name}: logits vs native {d_native:.2e}, vs transformers {d_hf:.2e}; "
               f"gradients vs native {d_grads:.2e} (relative to the largest, {scale:.3g})", flush=True)
         worst["logits_native"] = max(worst["logits_native"], d_native)
@@ -191,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         cpu_patches()
     else:
+        from emu.engine.megatron_model import seed_model_parallel_rng
+
         torch.cuda.set_device(0)
+        seed_model_parallel_rng(1234, tp_rank=0)
     worst = parity(args.device)
     mega_s, native_s, what = speed(args.device, args.repeats)
     print(f"gpu_check_megatron: step time ({what}): Megatron {mega_s:.3f} s, native {native_s:.3f} s", flush=True)

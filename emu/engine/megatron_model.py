@@ -83,11 +83,19 @@ def megatron_config(spec: ModelSpec, tp: int, pp: int, *, dtype: torch.dtype = t
             ``tp > 1`` and norms that support it; :func:`build_gpt_model` decides).
 
     Raises:
-        ConfigError: the layout does not fit the model (:func:`check_layout`).
+        ConfigError: the layout does not fit the model (:func:`check_layout`), or ``tp`` exceeds
+            the query groups (see the code).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_layout(spec, tp, pp)
+    if spec.num_kv_heads % tp:
+        # megatron-core 0.16.1 splits a query group across TP ranks with parallel_state's global
+        # TP rank and group (SelfAttention.get_query_key_value_tensors), which explicit
+        # per-model-stage groups never set
+        raise ConfigError(f"Megatron backend: tp={tp} exceeds the model's {spec.num_kv_heads} query groups "
+                          f"(num_kv_heads); Megatron splits a group across ranks only through its global "
+                          f"parallel state, which Nereus does not use — run tp <= {spec.num_kv_heads}")
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
@@ -160,10 +168,26 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int, pp_rank: int, pg_collecti
                      max_sequence_length=spec.max_position, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                      share_embeddings_and_output_weights=spec.tie_word_embeddings, pg_collection=pg_collection,
                      **rope_arguments(spec))
+    tp_rank = dist.get_rank(pg_collection.tp)
+    if dist.get_rank(pg_collection.pp) != pp_rank:
+        raise ConfigError(f"Megatron shard: pipeline stage {pp_rank} asked for, but this rank is stage "
+                          f"{dist.get_rank(pg_collection.pp)} of its pipeline group (Megatron orders a group's "
+                          f"ranks ascending)")
+    model.nereus_ranks = (tp_rank, pp_rank)   # checked by load_canonical
     built = len(model.decoder.layers)
     if built != len(layers):
         raise ConfigError(f"Megatron built {built} layers on pipeline stage {pp_rank}, Nereus expects {len(layers)}")
     return model
+
+
+def seed_model_parallel_rng(seed: int, tp_rank: int) -> None:
+    """Register Megatron's CUDA RNG states (its attention forks ``model-parallel-rng`` even at
+    dropout 0) with this rank's TP rank given explicitly: without it megatron-core reads the rank
+    from ``parallel_state``, which Nereus never initialises. Once per process, on a GPU; CPU tests
+    replace the fork instead (``tests/unit/emu/test_megatron_model.py``)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
 
 
 def transformer_engine_available() -> bool:
@@ -181,15 +205,28 @@ def _tensor_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
 
+def uses_te(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was built on the Transformer-Engine layer spec (norms fused into the
+    next linear: ``…layer_norm_weight`` tensors)."""
+    return any(k.endswith("layer_norm_weight") for k in model.state_dict())
+
+
 def load_canonical(model: torch.nn.Module, full: Mapping[str, torch.Tensor], spec: ModelSpec, tp: int, pp: int,
-                   tp_rank: int, pp_rank: int, *, te: bool = False) -> None:
-    """Copy canonical full tensors (HF names) into ``model``, the ``(tp_rank, pp_rank)`` shard.
+                   tp_rank: int, pp_rank: int) -> None:
+    """Copy canonical full tensors (HF names) into ``model``, the ``(tp_rank, pp_rank)`` shard
+    (local or Transformer-Engine names, as the model was built).
 
     Raises:
-        ConfigError: the shard's tensors and the mapping's differ in names or shapes (naming
-            them): a model built for another layout or architecture.
+        ConfigError: ``(tp_rank, pp_rank)`` is not the model's place in its groups (Megatron
+            orders a group's ranks ascending: a candidate's devices must map to ascending ranks),
+            or the shard's tensors and the mapping's differ in names or shapes (naming them): a
+            model built for another layout or architecture.
     """
-    wanted = to_megatron(full, spec, tp, pp, tp_rank, pp_rank, te=te)
+    ranks = getattr(model, "nereus_ranks", (tp_rank, pp_rank))
+    if ranks != (tp_rank, pp_rank):
+        raise ConfigError(f"Megatron shard: loading (tp rank, pp rank) {(tp_rank, pp_rank)} into the model of "
+                          f"{ranks}, its place in its process groups")
+    wanted = to_megatron(full, spec, tp, pp, tp_rank, pp_rank, te=uses_te(model))
     have = {k: v for k, v in _tensor_state(model).items() if not _is_derived(k)}
     if set(have) != set(wanted):
         raise ConfigError(f"Megatron shard tp{tp_rank}/{tp} pp{pp_rank}/{pp}: model tensors and mapping differ: "
@@ -226,8 +263,8 @@ def megatron_tensors(model: torch.nn.Module, *, grads: bool = False) -> dict[str
     return out
 
 
-def gather_canonical(model: torch.nn.Module, spec: ModelSpec, tp: int, pp: int, groups: StageGroups, *,
-                     te: bool = False) -> dict[str, torch.Tensor]:
+def gather_canonical(model: torch.nn.Module, spec: ModelSpec, tp: int, pp: int,
+                     groups: StageGroups) -> dict[str, torch.Tensor]:
     """The replica's full canonical tensors (Hugging Face names), on every rank of the replica:
     each tensor all-gathered over the TP group (Megatron's TP shards of one tensor are equal in
     shape), the stages' tensors then exchanged over the pipeline group, and mapped by
@@ -255,7 +292,7 @@ def gather_canonical(model: torch.nn.Module, spec: ModelSpec, tp: int, pp: int, 
                                group=pp_group)
         for other in stages:
             shards.update(other)
-    return from_megatron(shards, spec, tp, pp, te=te)
+    return from_megatron(shards, spec, tp, pp, te=uses_te(model))
 
 
 def allreduce_tp_replicated_grads(model: torch.nn.Module, tp_group: Any) -> None:

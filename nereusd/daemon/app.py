@@ -73,6 +73,12 @@ class Daemon:
         self.run_dir = Path(args.run_dir)
         self.job: ResolvedJob = load_and_resolve(args.job)
         self.site: SiteConfig = load_site(self.job.config.site)
+        launch_devices = (args.nodes or 1) * self.site.devices_per_node
+        limit = self.job.config.pool.max_devices
+        if args.nodes and limit is not None and limit < launch_devices:   # every Slurm node registers all its GPUs
+            raise NereusError(f"{self.job.source}: pool.max_devices: {limit} is below the launch allocation's "
+                              f"{launch_devices} devices ({args.nodes} nodes x {self.site.devices_per_node}): its "
+                              "own agents would be refused")
         keys = load_keys(args.keys_dir, "server") if args.keys_dir else None
         if keys is None and not loopback(args.bind):
             raise NereusError(f"--bind {args.bind} is reachable from other hosts: pass --keys-dir with the job's "
@@ -90,8 +96,7 @@ class Daemon:
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
                                     on_pool_request=self.pool.request_remove,
                                     worker_stall_s=self.site.liveness.worker_stall_s,
-                                    max_pool_devices=self.job.pool_limit(
-                                        (args.nodes or 1) * self.site.devices_per_node))
+                                    max_pool_devices=self.job.pool_limit(launch_devices))
         self.pool.control = self.control
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:

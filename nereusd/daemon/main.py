@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keys-dir", default=None, help="the job's CURVE keys (RUN_DIR/keys); required unless --bind "
                         "is a loopback address")
     parser.add_argument("--slurm-job-id", default=None, help="follow this Slurm allocation (node DOWN/DRAIN, shrink)")
-    parser.add_argument("--nodes", type=int, default=None, help="nodes of the allocation (journal only)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes of the launch allocation (journalled; with the site's devices per node it "
+                        "sets the default pool.max_devices)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in RUN_DIR after nereusd crashed: from its latest committed "
                         "checkpoint (steps after it run again and leave metrics.jsonl first), or from step 0")

@@ -82,6 +82,20 @@ def test_an_unwritable_run_directory_is_a_clear_error(tmp_path, capsys):
     assert "cannot write its journals" in capsys.readouterr().err
 
 
+def test_a_pool_limit_below_the_slurm_allocation_is_refused_before_anything_starts(tmp_path, capsys):
+    """Every Slurm node's agent registers all its GPUs: ``pool.max_devices: 3`` on two nodes of
+    four (local site) would refuse the allocation's own second agent."""
+    (tmp_path / "job.yaml").write_text(JOB + "pool: {max_devices: 3}\n")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert main.main([str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"), "--nodes", "2"]) == 2
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert "pool.max_devices: 3 is below the launch allocation's 8 devices (2 nodes x 4)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-3", "soon"])
 def test_timeouts_are_positive_finite_seconds(tmp_path, value):
     with pytest.raises(SystemExit):

@@ -65,8 +65,9 @@ def _native(spec, full):
 
 
 def _parity_body(rank, world, names):
-    """Megatron at tp = ``world`` (sequence parallel when > 1) against the native one-process
-    model: max |Δ| of logits and of every canonical gradient, per architecture."""
+    """Megatron at tp = ``world`` (local spec: no sequence parallelism) against the native
+    one-process model: max |Δ| of logits and of every canonical gradient, per architecture, and
+    whether the replica gathers the tensors it was loaded with."""
     import torch.distributed as dist
 
     from emu.engine.megatron_layout import from_megatron
@@ -89,7 +90,7 @@ def _parity_body(rank, world, names):
         model = build_gpt_model(spec, tp, 1, 0, stage_process_groups(groups), te=False)
         load_canonical(model, full, spec, tp, 1, rank, 0)
         back = gather_canonical(model, spec, tp, 1, groups)   # the weight-sync read path
-        gathered = sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
+        gathered_ok = sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
         ids = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
         weights = torch.randn(2, 12, spec.vocab_size, generator=torch.Generator().manual_seed(2))
         local = logits(model, ids, spec.vocab_size)                 # [2, 12, V_padded / tp]
@@ -111,7 +112,7 @@ def _parity_body(rank, world, names):
                      "grads": max((grads[k] - p.grad).abs().max().item() for k, p in native.named_parameters()),
                      "grad_scale": max(p.grad.abs().max().item() for p in native.parameters()),
                      "grad_names": sorted(grads) == sorted(k for k, _ in native.named_parameters()),
-                     "gathered": gathered}
+                     "gathered": gathered_ok}
     return out
 
 
@@ -241,6 +242,14 @@ def test_the_gpu_check_script_runs_on_cpu():
                      r"step megatron (\S+) s, native (\S+) s \((\S+)x\)", last)
     assert m, last
     assert max(float(m[1]), float(m[2]), float(m[3])) < 1e-5, last
+
+
+def test_tp_beyond_the_query_groups_is_refused_on_explicit_groups():
+    """megatron-core splits a query group across TP ranks only through its global parallel state."""
+    from emu.engine.megatron_model import megatron_config
+
+    with pytest.raises(ConfigError, match=r"tp=2 exceeds the model's 1 query groups"):
+        megatron_config(ARCHITECTURES["qwen2-tied"], 2, 1)
 
 
 def test_rope_scaling_megatron_cannot_express_is_refused():
