@@ -376,8 +376,6 @@ class ControlPlane:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for node_id, agent in list(self.agents.items()):
-            if self._shutting_down:
-                break   # agents told to stop go now: their departure is not a pool change to journal
             if agent.disconnected_s is not None and now - agent.disconnected_s > DISCONNECT_GRACE_S:
                 self.remove_node(node_id, "disconnected",
                                  f"agent on node {node_id} dropped its connection and sent nothing for "
@@ -615,9 +613,7 @@ class ControlPlane:
         for agent in self.agents.values():
             self._send(agent.identity, P.Shutdown(reason=reason))
         deadline = time.monotonic() + wait_s
-        # an agent whose connection dropped has gone (it is not removed now: no pool change to journal)
-        while time.monotonic() < deadline and any(a.workers_alive and a.disconnected_s is None
-                                                  for a in self.agents.values()):
+        while time.monotonic() < deadline and any(a.workers_alive for a in self.agents.values()):
             self.poll(0.1)
 
     def close(self) -> None:
