@@ -1,0 +1,112 @@
+"""Task dispatch of the control plane: one task to several workers, its results collected.
+
+:class:`TaskDispatch` is the part of :class:`~nereusd.daemon.control_plane.ControlPlane` that
+the RL driver and the transition runner call: :meth:`~TaskDispatch.submit` sends one task (typed
+args per device, one frame per agent), :meth:`~TaskDispatch.collect` waits for every result while
+the control plane's :meth:`poll` keeps the registry current. It uses the control plane's socket,
+registry and pending-task table (``_pending``, ``_device_to_agent``, ``agents``,
+``exited_workers``, ``_send_frame``, ``poll``); it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from nereusd import protocol as P
+from nereusd.errors import ProtocolError, WorkerError
+
+
+@dataclass
+class PendingTask:
+    """A submitted task: its kind, the devices it went to, the results received so far."""
+
+    kind: str
+    devices: set[int]
+    results: dict[int, P.TaskResult] = field(default_factory=dict)
+
+
+class TaskDispatch:
+    """Mixin of :class:`~nereusd.daemon.control_plane.ControlPlane` (module docstring)."""
+
+    def _raise_if_lost(self, devices: set[int]) -> None:
+        dead = sorted(d for d in devices if d in self.exited_workers)
+        if dead:
+            codes = {d: self.exited_workers[d] for d in dead}
+            raise WorkerError(f"worker process of device(s) {dead} exited (exit codes {codes})")
+
+    def submit(self, args_by_device: Mapping[int, P.TaskArgs]) -> int:
+        """Send one task to several workers (each gets its own typed args, all of one kind);
+        returns the task id.
+
+        Every device's agent is checked before anything is sent: a task that reached only some
+        of its workers would leave them blocked in its collectives.
+
+        Raises:
+            WorkerError: naming the devices that have no live agent (nothing was sent).
+            ProtocolError: for args of different kinds in one task.
+        """
+        kinds = {a.kind for a in args_by_device.values()}
+        if len(kinds) != 1:
+            raise ProtocolError(f"one task, one kind: got {sorted(kinds) or 'no args'}")
+        kind = kinds.pop()
+        missing = sorted(d for d in args_by_device
+                         if self._device_to_agent.get(d) is None or self._device_to_agent[d] not in self.agents)
+        if missing:
+            raise WorkerError(f"task {kind}: devices {missing} have no live agent; nothing was sent")
+        task_id = self._next_task_id
+        self._next_task_id += 1
+        self._pending[task_id] = PendingTask(kind, set(args_by_device))
+        by_agent: dict[str, list[tuple[int, P.TaskArgs]]] = {}
+        for device, args in args_by_device.items():
+            by_agent.setdefault(self._device_to_agent[device], []).append((device, args))
+        for node_id, items in by_agent.items():   # one frame per agent (unless large), not per device
+            for frame in P.encode_to_workers(task_id, items):
+                self._send_frame(self.agents[node_id].identity, "to_workers", frame)
+        return task_id
+
+    def raise_if_lost(self, task_id: int) -> None:
+        """Raise if a worker of pending task ``task_id`` exited (without waiting for results).
+
+        Raises:
+            WorkerError: naming the exited devices and their exit codes.
+        """
+        self._raise_if_lost(self._pending[task_id].devices)
+
+    def done(self, task_id: int) -> bool:
+        pending = self._pending[task_id]
+        return set(pending.results) == pending.devices
+
+    def collect(self, task_id: int, timeout_s: float | None = None) -> dict[int, P.TaskResult]:
+        """Wait for every worker's result of ``task_id``.
+
+        Raises:
+            WorkerError: if a worker reports failure (message carries its error), a worker
+                of the task exits, or ``timeout_s`` passes.
+        """
+        pending = self._pending[task_id]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done(task_id):
+            failed = [r for r in pending.results.values() if not r.ok]
+            if failed:
+                break
+            self._raise_if_lost(pending.devices - set(pending.results))
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(pending.devices - set(pending.results))
+                raise WorkerError(f"task {pending.kind} #{task_id}: no result from devices {missing} "
+                                  f"within {timeout_s:.0f} s")
+            self.poll(0.05)
+        del self._pending[task_id]
+        failed = sorted((r for r in pending.results.values() if not r.ok), key=lambda r: r.device)
+        if failed:
+            self._abandoned.add(task_id)   # the other workers' results may still come
+            first = failed[0]
+            raise WorkerError(f"{pending.kind} failed on device {first.device}: {first.error}",
+                              error_kind=first.error_kind)
+        return pending.results
+
+    def run(self, args_by_device: Mapping[int, P.TaskArgs], timeout_s: float | None = None
+            ) -> dict[int, P.TaskResult]:
+        """:meth:`submit` then :meth:`collect`."""
+        return self.collect(self.submit(args_by_device), timeout_s)
