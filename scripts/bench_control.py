@@ -24,6 +24,9 @@ printed with the boundary it would make (an earlier version of this script timed
 boundary). The control plane's CPU time per boundary (this process: ZeroMQ's I/O thread included)
 is printed beside its wall time.
 
+Once the agents registered and the transition DAG is built, the set-up heap is frozen
+(:func:`~nereusd.daemon.control_plane.settle_heap`), as nereusd does once its world is formed.
+
 A boundary is one step plus, every ``--transition-every`` boundaries, one transition; the first
 ``--warmup`` boundaries (first use of every socket and buffer) are printed and not counted.
 Lost messages are what the simulated agents sent minus what the control plane received
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], workers: int) -> int:
+    from nereusd.daemon.control_plane import settle_heap
+
     start = time.monotonic()
     world = control.wait_for_devices(workers, timeout_s=300)
     print(f"bench_control: {len(control.agents)} agents registered {len(world)} devices in "
@@ -260,6 +265,7 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
             print(f"bench_control: transitions left out: {total_gib:.1f} GiB per transition (over --max-dag-gib "
                   f"{args.max_dag_gib:g} or the frame limit)", flush=True)
             dag = None
+    settle_heap()   # set-up done, as nereusd does before its first step (its docstring has the why)
     warm_ms = []
     for _ in range(args.warmup):   # first use of every socket, schema and buffer: printed, not counted
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.control.controller import controller_for_job
 from nereusd.control.problem import launch_plan
-from nereusd.daemon.control_plane import ControlPlane
+from nereusd.daemon.control_plane import ControlPlane, settle_heap
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
@@ -222,6 +222,7 @@ class Daemon:
                                        self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
         driver.on_step = self._on_step
+        settle_heap()   # set-up done: its objects leave the garbage collector's full passes
         return driver.run(resume=resume)
 
     def _resume_point(self) -> tuple[str, int, int] | None:
