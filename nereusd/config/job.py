@@ -304,6 +304,39 @@ class EvaluationConfig(_Strict):
     """Evaluate on at most this many held-out prompts (default: all)."""
 
 
+class WandbConfig(_Strict):
+    """A Weights & Biases run per job (``pip install wandb``); every number of each
+    ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.daemon.loggers`)."""
+
+    project: str
+    entity: str | None = None
+    """Team or user; default: your W&B default entity."""
+    name: str | None = None
+    """Run name; default: the job's ``name``."""
+    mode: Literal["online", "offline"] = "online"
+    """``offline`` writes ``RUN_DIR/wandb/`` only (``wandb sync`` uploads it later)."""
+    tags: list[str] = Field(default_factory=list)
+
+
+class MlflowConfig(_Strict):
+    """An MLflow run per job (``pip install mlflow-skinny`` or ``mlflow``); every number of each
+    ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.daemon.loggers`)."""
+
+    tracking_uri: str | None = None
+    """E.g. ``http://mlflow.example:5000``; default: ``MLFLOW_TRACKING_URI``, else MLflow's own."""
+    experiment: str | None = None
+    """Default: the job's ``name``."""
+    run_name: str | None = None
+    """Default: the job's ``name``."""
+
+
+class LoggersConfig(_Strict):
+    """Optional experiment trackers beside ``metrics.jsonl``, TensorBoard and Prometheus."""
+
+    wandb: WandbConfig | None = None
+    mlflow: MlflowConfig | None = None
+
+
 class JobConfig(_Strict):
     """A whole job YAML."""
 
@@ -327,6 +360,7 @@ class JobConfig(_Strict):
     adaptation: AdaptationConfig = AdaptationConfig()
     pool: PoolConfig = PoolConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    loggers: LoggersConfig = LoggersConfig()
     backends: dict[str, str] = Field(default_factory=dict)
     """Engine per model-stage, e.g. ``{actor/generation: vllm}``; unnamed model-stages get the
     defaults of :mod:`nereusd.backends` (generation on vLLM when it is installed)."""

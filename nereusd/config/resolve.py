@@ -14,6 +14,7 @@ from pathlib import Path
 from nereusd.backends import (ZERO_STAGES, Backend, check_engine_support, check_zero_stage, default_zero_stage,
                               resolve_backends)
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
+from nereusd.loggers import check_loggers
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
@@ -259,6 +260,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
         if event.remove and event.remove >= devices + sum(e.add or 0 for e in job.pool.schedule[:i]):
             raise ConfigError(f"{source}: pool.schedule[{i}].remove: {event.remove} would leave the job no device "
                               f"(devices: {devices})")
+    check_loggers(job.loggers, source)
     backends = resolve_backends(stages, job.backends, source=source)
     check_engine_support(backends, {r: rm.spec for r, rm in roles.items()}, device_kind=device_kind, source=source)
     known = {str(m) for m in stages}

@@ -38,6 +38,7 @@ from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import NereusError, StorageError, WorkerError
+from nereusd.loggers import open_trackers
 from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
@@ -110,11 +111,15 @@ class Daemon:
             raise NereusError(f"--store-host {args.store_host}: cannot listen there: {err}") from None
         self.driver: RLDriver | None = None
         self.live: LiveAdaptation | None = None
+        trackers = open_trackers(self.job.config.loggers, self.run_dir, self.job.config.name,
+                                 self.job.config.model_dump(mode="json"))
         try:
             self.observer = Observer(self.run_dir, self.control, metrics_host=args.metrics_host,
                                      metrics_port=None if args.no_metrics else args.metrics_port,
-                                     tensorboard=not args.no_tensorboard)
+                                     tensorboard=not args.no_tensorboard, trackers=trackers)
         except OSError as err:
+            for tracker in trackers:
+                tracker.close(ok=False)
             raise NereusError(f"--metrics-host {args.metrics_host} --metrics-port {args.metrics_port}: cannot serve "
                               f"metrics there: {err}") from None
         self.journal.listeners.append(self.observer.on_record)
@@ -287,7 +292,7 @@ class Daemon:
         self.journal.summary(summary)
         self.journal.event(Event.NEREUSD_STOPPED, {"status": summary["status"]})
         self.journal.close()
-        self.observer.close()
+        self.observer.close(ok=summary["status"] in ("succeeded", "preempted"))
         self.control.close()
 
 

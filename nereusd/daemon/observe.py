@@ -24,6 +24,8 @@
 - **TensorBoard** (``tensorboardX``, no TensorFlow or torch in nereusd): every number of a
   ``metrics.jsonl`` line, nested keys joined with ``/`` (``stage_latency_s/generation``,
   ``train/actor/loss``), at the step's index, in ``RUN_DIR/tensorboard/``.
+- **Weights & Biases, MLflow**, when the job's ``loggers:`` names them: the same scalars at the
+  same steps (:mod:`nereusd.loggers`). A tracker that fails mid-run is logged once and dropped.
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ class Observer:
         metrics_host, metrics_port: where to serve ``/metrics``; port 0 picks a free one,
             ``None`` serves nothing.
         tensorboard: write TensorBoard scalars.
+        trackers: started W&B / MLflow runs (:func:`nereusd.loggers.open_trackers`), closed by
+            :meth:`close`.
 
     Raises:
         OSError: the metrics address cannot be bound.
     """
 
     def __init__(self, run_dir: str | Path, control=None, *, metrics_host: str = "127.0.0.1",
-                 metrics_port: int | None = 0, tensorboard: bool = True) -> None:
+                 metrics_port: int | None = 0, tensorboard: bool = True, trackers: list | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.step = Gauge("nereus_step", "Last step completed", registry=r)
@@ -102,6 +106,7 @@ class Observer:
             self._server, _ = start_http_server(metrics_port, addr=metrics_host, registry=r)
             host = f"[{metrics_host}]" if ":" in metrics_host else metrics_host
             self.endpoint = f"http://{host}:{self._server.server_port}/metrics"
+        self.trackers = list(trackers or [])
         self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -133,13 +138,28 @@ class Observer:
                 self.plan.labels(model_stage=ms, tp=cand.get("tp", 1), pp=cand.get("pp", 1), dp=cand.get("dp", 1),
                                  micro_batch=cand.get("micro_batch", ""), zero_stage=cand.get("zero_stage", 0),
                                  devices=",".join(str(d) for d in cand.get("devices", []))).set(1)
+        values = dict(scalars(record))
         if self._writer is not None:
-            for tag, value in scalars(record):
+            for tag, value in values.items():
                 self._writer.add_scalar(tag, value, global_step=record["step"])
             self._writer.flush()
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(record["step"], values)
+            except Exception as err:  # noqa: BLE001 - a tracker's outage must not stop the job
+                log.warning("loggers.%s failed at step %s (%s: %s); it logs nothing more for this job",
+                            tracker.name, record["step"], type(err).__name__, str(err)[:200])
+                self.trackers.remove(tracker)
 
-    def close(self) -> None:
-        """Stop serving and close the TensorBoard files."""
+    def close(self, ok: bool = True) -> None:
+        """Stop serving, close the TensorBoard files, end the trackers' runs (finished when
+        ``ok``, else failed)."""
+        for tracker in self.trackers:
+            try:
+                tracker.close(ok)
+            except Exception as err:  # noqa: BLE001 - the job is over; its summary must still be written
+                log.warning("loggers.%s: cannot end its run: %s: %s", tracker.name, type(err).__name__, err)
+        self.trackers = []
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
