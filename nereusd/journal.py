@@ -54,6 +54,9 @@ class Event(str, enum.Enum):
     """A malformed or unexpected message was answered with an error."""
     WORKER_EXITED = "worker_exited"
     """A worker process ended (with its exit code)."""
+    WORKER_STRAGGLING = "worker_straggling"
+    """Workers of a task that half its workers finished long ago, killed as stalled (site
+    ``liveness.straggler_factor``, ``straggler_min_s``)."""
     WORKERS_STOPPED = "workers_stopped"
     """Nereusd stopped workers to restart them (the devices stay in the pool)."""
     DEVICES_RELEASED = "devices_released"

@@ -95,6 +95,16 @@ class LivenessSpec:
     beating, so the stalled one is the one named. The beat thread needs the GIL for a moment
     per beat, so this must exceed the longest call that holds the GIL (torch ops and
     collectives release it)."""
+    straggler_factor: float = 10.0
+    straggler_min_s: float = 600.0
+    """A worker that beats but makes no progress (a live-locked loop, a hung vLLM engine process
+    it waits on) is caught by its task instead: once half of a task's workers returned, after
+    ``t_half`` seconds, a worker still without a result at ``max(straggler_min_s,
+    straggler_factor × t_half)`` seconds after dispatch is killed and its device treated as lost
+    (cause ``worker_stalled``). Both must exceed the slowest healthy worker of any task — in
+    RL generation the replica with the longest responses — or a healthy straggler is killed.
+    Workers that wait on each other (collectives) finish together, so a task where none
+    returned is not judged; a worker blocked on a frozen peer is the peer's beat's case."""
     resume_grace_s: float = 60.0
     """In local mode, how long an agent outlives a silent (crashed) nereusd before it stops its
     workers and exits (``nereus-agent --daemon-timeout-s``); ``nereus-launch resume`` stops them
@@ -345,7 +355,7 @@ _POSITIVE = {
     SiteConfig: ("nodes", "devices_per_node"),
     DeviceSpec: ("memory_gib", "hbm_gbps"),
     NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
-    LivenessSpec: ("worker_stall_s", "resume_grace_s"),
+    LivenessSpec: ("worker_stall_s", "resume_grace_s", "straggler_factor", "straggler_min_s"),
 }
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
                  DeviceSpec: ("layer_launch_us",)}

@@ -97,6 +97,8 @@ class Daemon:
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
                                     on_pool_request=self.pool.request_remove,
                                     worker_stall_s=self.site.liveness.worker_stall_s,
+                                    straggler_factor=self.site.liveness.straggler_factor,
+                                    straggler_min_s=self.site.liveness.straggler_min_s,
                                     max_pool_devices=self.job.pool_limit(launch_devices))
         self.pool.control = self.control
         self.watcher: AllocationWatcher | None = None

@@ -104,6 +104,9 @@ class ControlPlane(TaskDispatch):
         status: returns the dict a ``StatusRequest`` is answered with.
         worker_stall_s: a worker whose liveness beat is silent this long is killed by its agent
             and reported lost with cause ``worker_stalled`` (site ``liveness.worker_stall_s``).
+        straggler_factor, straggler_min_s: a task's worker still without a result at
+            ``max(straggler_min_s, straggler_factor × t_half)`` after dispatch, where half the
+            workers returned by ``t_half``, is killed as stalled (site ``liveness``).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, heartbeat_timeout_s: float = 15.0,
@@ -112,8 +115,13 @@ class ControlPlane(TaskDispatch):
                  status: Callable[[], dict[str, Any]] | None = None,
                  on_pool_request: Callable[[int], dict[str, Any]] | None = None,
                  max_devices_per_agent: int = MAX_DEVICES_PER_AGENT, worker_stall_s: float = 120.0,
-                 max_pool_devices: int | None = None) -> None:
+                 max_pool_devices: int | None = None, straggler_factor: float = 10.0,
+                 straggler_min_s: float = 600.0) -> None:
         self._ctx = zmq.Context.instance()
+        self.straggler_factor = straggler_factor
+        self.straggler_min_s = straggler_min_s
+        """The straggler rule of :meth:`collect` (site ``liveness.straggler_factor`` and
+        ``straggler_min_s``, :class:`~nereusd.config.site.LivenessSpec`)."""
         self.worker_stall_s = worker_stall_s
         """Sent with every ``SpawnWorkers``: the agents' stall bound (site ``liveness.worker_stall_s``)."""
         self.max_devices_per_agent = max_devices_per_agent

@@ -10,12 +10,16 @@ registry and pending-task table (``_pending``, ``_device_to_agent``, ``agents``,
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from nereusd import protocol as P
 from nereusd.errors import ProtocolError, WorkerError
+from nereusd.journal import Event
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +29,11 @@ class PendingTask:
     kind: str
     devices: set[int]
     results: dict[int, P.TaskResult] = field(default_factory=dict)
+    sent_s: float = field(default_factory=time.monotonic)
+    """When it was dispatched (monotonic)."""
+    half_s: float | None = None
+    """Seconds from dispatch until half of its workers had returned (the straggler rule)."""
+    stragglers_killed: bool = False
 
 
 class TaskDispatch:
@@ -92,6 +101,7 @@ class TaskDispatch:
             if failed:
                 break
             self._raise_if_lost(pending.devices - set(pending.results))
+            self._kill_stragglers(task_id, pending)
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(pending.devices - set(pending.results))
                 raise WorkerError(f"task {pending.kind} #{task_id}: no result from devices {missing} "
@@ -105,6 +115,35 @@ class TaskDispatch:
             raise WorkerError(f"{pending.kind} failed on device {first.device}: {first.error}",
                               error_kind=first.error_kind)
         return pending.results
+
+    def _kill_stragglers(self, task_id: int, pending: PendingTask) -> None:
+        """The straggler rule (site ``liveness.straggler_factor``, ``straggler_min_s``): once half
+        of the task's workers returned, after ``t_half`` s, the workers still without a result
+        at ``max(straggler_min_s, straggler_factor × t_half)`` s are stalled although they beat
+        (a live-locked loop, a hung vLLM engine process): their agents stop them, and their exit
+        makes :meth:`collect` raise as for any lost worker, with cause ``worker_stalled``."""
+        if pending.stragglers_killed or 2 * len(pending.results) < len(pending.devices):
+            return
+        elapsed_s = time.monotonic() - pending.sent_s
+        if pending.half_s is None:
+            pending.half_s = elapsed_s
+        bound_s = max(self.straggler_min_s, self.straggler_factor * pending.half_s)
+        if elapsed_s <= bound_s:
+            return
+        missing = sorted(pending.devices - set(pending.results) - set(self.exited_workers))
+        if not missing:
+            return
+        pending.stragglers_killed = True
+        log.error("task %s #%d: devices %s have no result %.0f s after dispatch although half of its %d workers "
+                  "returned within %.1f s (bound %.1f s): stalled; stopping them", pending.kind, task_id, missing,
+                  elapsed_s, len(pending.devices), pending.half_s, bound_s)
+        self._on_event(Event.WORKER_STRAGGLING, {"task": pending.kind, "task_id": task_id, "devices": missing,
+                                                 "elapsed_s": round(elapsed_s, 3), "half_s": round(pending.half_s, 3),
+                                                 "bound_s": round(bound_s, 3)})
+        for device in missing:
+            self.stalled_workers[device] = round(elapsed_s, 3)
+        self.release_devices(missing, f"no result of task {pending.kind} #{task_id} within {bound_s:.0f} s",
+                             keep_in_pool=True)
 
     def run(self, args_by_device: Mapping[int, P.TaskArgs], timeout_s: float | None = None
             ) -> dict[int, P.TaskResult]:
