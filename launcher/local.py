@@ -353,10 +353,13 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         why = str(err) if isinstance(err, _Terminated) else "interrupted"
         print(f"\nnereus: {why}; stopping nereusd, the agent and the workers", file=sys.stderr)
     finally:
+        # a second signal must not cut the teardown short: a second Ctrl-C (SIGINT) included, which
+        # once left nereusd, the agent and the workers running when it came during the teardown
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in handlers:
+            signal.signal(sig, signal.SIG_IGN)
         if launching is not None:
             launching.release()
-        for sig in handlers:   # a second signal must not cut the teardown short
-            signal.signal(sig, signal.SIG_IGN)
         progress.close()
         _stop(daemon, grace_s=20.0)
         _stop(agent, grace_s=10.0)
@@ -365,6 +368,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         stop_run_processes(run_dir, wait_s=10.0)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        signal.signal(signal.SIGINT, sigint)
     return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
 
 

@@ -49,6 +49,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from emu.liveness import ProcessBeat
 from nereusd.backends import vllm_available
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -151,14 +152,18 @@ def _title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
-def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str) -> None:  # the engine process
+def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None) -> None:  # the engine process
     try:
         import ctypes
         import signal
 
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the worker
+        # PR_SET_PDEATHSIG: die with the worker. SIGKILL, because a stopped engine (SIGSTOP, the
+        # case emu.liveness catches) keeps a SIGTERM pending and outlived its worker and agent
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+    if stamp is not None:
+        ProcessBeat.start_stamping(stamp)
     os.environ.update(cfg.process_env())
     _title(f"nereus-vllm-engine tp{cfg.tp_rank}/{cfg.tp} {workdir}")
     try:
@@ -259,12 +264,16 @@ class VllmEngine:
         (Path(self._dir) / "config.json").write_text(json.dumps(cfg.spec.to_hf_config(), indent=2) + "\n")
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir, str(workdir)), daemon=True,
-                                 name=f"vllm-engine-tp{cfg.tp_rank}")
+        self.beat = ProcessBeat(ctx, f"vLLM engine tp{cfg.tp_rank}/{cfg.tp}")
+        """The engine's liveness clock: while the worker waits on it, a silent engine withholds the
+        worker's beat (:mod:`emu.liveness`)."""
+        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir, str(workdir), self.beat.stamp),
+                                 daemon=True, name=f"vllm-engine-tp{cfg.tp_rank}")
         self._proc.start()
         child.close()
         try:
-            info = self._reply("start", timeout_s=START_TIMEOUT_S)
+            with self.beat.waiting():
+                info = self._reply("start", timeout_s=START_TIMEOUT_S)
         finally:   # the engine process removes it once vLLM has read it; not if it was killed
             shutil.rmtree(self._dir, ignore_errors=True)
         self.startup_s = float(info["startup_s"])
@@ -317,15 +326,16 @@ class VllmEngine:
         """
         start = time.perf_counter()
         total = 0
-        self._send("weight load", ("load", None))
-        for bucket in _buckets(named, bucket_bytes):
-            shared = {n: t.detach().contiguous() for n, t in bucket.items()}
-            total += sum(t.numel() * t.element_size() for t in shared.values())
-            self._send("weight load", shared)
+        with self.beat.waiting():
+            self._send("weight load", ("load", None))
+            for bucket in _buckets(named, bucket_bytes):
+                shared = {n: t.detach().contiguous() for n, t in bucket.items()}
+                total += sum(t.numel() * t.element_size() for t in shared.values())
+                self._send("weight load", shared)
+                self._ack()
+            self._send("weight load", None)
             self._ack()
-        self._send("weight load", None)
-        self._ack()
-        self._reply("weight load")
+            self._reply("weight load")
         self.weights_version = version
         return {"load_s": time.perf_counter() - start, "bytes": float(total)}
 
@@ -343,11 +353,12 @@ class VllmEngine:
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        self._send("generate", ("generate", dict(prompts=[list(map(int, p)) for p in prompts],
-                                          max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                                          greedy=bool(greedy), stop_ids=[int(s) for s in stop_ids],
-                                          seeds=[int(s) for s in seeds])))
-        return self._reply("generate")
+        with self.beat.waiting():
+            self._send("generate", ("generate", dict(prompts=[list(map(int, p)) for p in prompts],
+                                              max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                                              greedy=bool(greedy), stop_ids=[int(s) for s in stop_ids],
+                                              seeds=[int(s) for s in seeds])))
+            return self._reply("generate")
 
     def close(self, grace_s: float = 3.0) -> None:
         """Stop the engine process (its memory is freed with it): asked to exit, killed after

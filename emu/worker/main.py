@@ -51,12 +51,24 @@ def start_liveness_beat(fd: int, interval_s: float) -> threading.Thread:
     The thread beats while the main thread waits in a torch op or a collective (they release
     the GIL), so a worker blocked on a stalled peer keeps beating; a stopped (``SIGSTOP``) or
     frozen process does not. A full pipe (an agent that is itself stalled) drops beats; a
-    closed one (the agent is gone) ends the thread.
+    closed one (the agent is gone) ends the thread. While the worker waits on a helper process
+    that is silent (a stopped vLLM engine, :mod:`emu.liveness`), no beat is written.
     """
     os.set_blocking(fd, False)
+    from emu import liveness
 
     def beat() -> None:
+        withheld = False
         while True:
+            silent = liveness.silent_helper()
+            if silent is not None:   # the worker waits on a stopped helper: let the agent take both
+                if not withheld:
+                    log.error("%s silent for %.1f s while this worker waits on it: liveness beat withheld",
+                              *silent)
+                withheld = True
+                time.sleep(interval_s)
+                continue
+            withheld = False
             try:
                 os.write(fd, b".")
             except BlockingIOError:
