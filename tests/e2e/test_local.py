@@ -140,9 +140,10 @@ def test_bad_job_fails_before_anything_starts(tmp_path):
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGINT twice"])
 def test_ctrl_c_tears_everything_down(tmp_path, signame):
-    # SIGINT: Ctrl-C; SIGTERM: `kill`, `timeout`, a batch system stopping the launcher
+    # SIGINT: Ctrl-C; SIGTERM: `kill`, `timeout`, a batch system stopping the launcher; a second
+    # Ctrl-C during the teardown once cut it short and left nereusd, the agent and the workers running
     import os
     import signal
     import time
@@ -166,7 +167,10 @@ train: {{global_batch: 4, micro_batch: 2}}
         assert time.monotonic() < deadline, "no step within 180 s"
         time.sleep(0.2)
     pids = {json.loads((run_dir / "nereusd.json").read_text())["pid"]}
-    proc.send_signal(getattr(signal, signame))
+    proc.send_signal(getattr(signal, signame.split()[0]))
+    if signame.endswith("twice"):
+        time.sleep(0.5)   # the teardown has begun
+        proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     summary = json.loads((run_dir / "summary.json").read_text())
