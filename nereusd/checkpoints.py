@@ -121,10 +121,10 @@ def size_bytes(directory: str | Path) -> int:
     return total
 
 
-def resume_point(run_dir: str | Path) -> tuple[str, int, int] | None:
-    """The newest committed checkpoint of a run, as ``(directory, step, sample position)`` from
-    its ``checkpoint`` event in ``events.jsonl``, or ``None`` when none is left on disk
-    (``nereusd --resume`` then starts at step 0).
+def resume_record(run_dir: str | Path) -> dict | None:
+    """The ``checkpoint`` event in ``events.jsonl`` of the newest committed checkpoint still on
+    disk (its ``dir``, ``step``, ``sample_position`` and, in a live job, ``controller``: what the
+    controller had learned, :meth:`~nereusd.control.controller.Controller.state`), or ``None``.
 
     Raises:
         JournalError: a damaged ``events.jsonl``.
@@ -133,5 +133,6 @@ def resume_point(run_dir: str | Path) -> tuple[str, int, int] | None:
 
     for record in reversed(read_jsonl(Path(run_dir) / EVENTS_FILE)):
         if record.get("event") == Event.CHECKPOINT.value and Path(record["dir"]).is_dir():
-            return str(record["dir"]), int(record["step"]), int(record["sample_position"])
+            return record
     return None
+

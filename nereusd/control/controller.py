@@ -212,6 +212,53 @@ class Controller:
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
         self._relaunch = False
 
+    # ---- state of a resumed nereusd ------------------------------------------------------------
+    STATE_VERSION = 1
+
+    def state(self) -> dict:
+        """What the controller learned, for the journal (JSON; ``checkpoint`` events carry it, so
+        that ``nereusd --resume`` continues with it, :meth:`restore`): the plan, the response
+        length seen, the calibration, the memory ratios, the transition overhead, the monitor's
+        signals and ``H_x``, the re-run and relaunch marks, and the ``frozen`` policy's base plan."""
+        return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
+                "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
+                "transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
+                "efficiency": self.efficiency, "monitor": self.monitor.state(),
+                "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
+                "base_plan": self.base_plan.to_dict()}
+
+    def restore(self, state: Mapping) -> None:
+        """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
+
+        Raises:
+            ConfigError: another version or a malformed state, naming the field; the controller
+                is unchanged (the caller resumes with what it has).
+        """
+        try:
+            if state.get("version") != self.STATE_VERSION:
+                raise ValueError(f"version {state.get('version')!r}, expected {self.STATE_VERSION}")
+            Calibration.from_json(state["calibration"], "controller state: calibration")   # checked first
+            monitor = Monitor(deltas=dict(self.monitor.deltas), ema_alpha=self.monitor.ema_alpha)
+            monitor.restore(state["monitor"])
+            memory = [float(x) for x in state["memory_ratios"]]
+            base_plan = Plan.from_dict(state["base_plan"])
+            replay_until, replay_length = (int(x) for x in state["replay"])
+            fields = (int(state["length"]), float(state["transition_overhead_s"]), int(state["transitions_seen"]),
+                      float(state["efficiency"]), bool(state["relaunch"]))
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ConfigError(f"controller state: malformed ({type(err).__name__}: {err})") from None
+        self.calibration.restore(state["calibration"], "controller state: calibration")
+        self.cost_model.refresh()
+        self.transitions.forget()
+        self.monitor = monitor
+        self._memory.clear()
+        self._memory.extend(memory)
+        self.base_plan = base_plan
+        self._replay_until, self._replay_length = replay_until, replay_length
+        self.length, self.transition_overhead_s, self._transitions_seen, self.efficiency, self._relaunch = fields
+
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
         """The plan problem on ``pool`` for responses of ``length`` tokens."""

@@ -16,6 +16,7 @@ Pure, clocked logic: the caller passes the step number; nothing reads a clock.
 from __future__ import annotations
 
 import enum
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -86,6 +87,22 @@ class Monitor:
     ema_alpha: float = DEFAULT_EMA_ALPHA
     _signals: dict[str, _Signal] = field(default_factory=dict)
     _pool: tuple[int, ...] | None = None
+
+    def state(self) -> dict:
+        """What :meth:`restore` needs (JSON): every signal's reference, last crossing and ``H_x``."""
+        return {"signals": {name: dataclasses.asdict(sig) for name, sig in sorted(self._signals.items())},
+                "pool": list(self._pool) if self._pool is not None else None}
+
+    def restore(self, state: Mapping) -> None:
+        """Continue from :meth:`state` (a resumed nereusd).
+
+        Raises:
+            KeyError, TypeError, ValueError: a malformed state (the caller keeps a fresh monitor).
+        """
+        signals = {str(name): _Signal(**{k: sig[k] for k in ("reference", "last_crossing", "horizon", "intervals")})
+                   for name, sig in state["signals"].items()}
+        pool = state["pool"]
+        self._signals, self._pool = signals, (tuple(int(d) for d in pool) if pool is not None else None)
 
     def horizon(self, signal: str) -> float:
         """``H_x`` in steps: EMA of steps between crossings, 1.0 before any interval."""

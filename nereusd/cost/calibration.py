@@ -151,6 +151,17 @@ class Calibration:
             raise ConfigError(f"{source}: malformed calibration state: {err!r}") from None
         return cal
 
+    def restore(self, data: Mapping, source: str = "calibration") -> None:
+        """Take the state :meth:`to_json` wrote, in place (the cost models that read this object
+        see it once they :meth:`~nereusd.cost.model.CostModel.refresh`).
+
+        Raises:
+            ConfigError: as :meth:`from_json`; this object is then unchanged.
+        """
+        other = self.from_json(data, source)
+        self.priors, self.window, self.prior_weight, self._samples = (other.priors, other.window, other.prior_weight,
+                                                                      other._samples)
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the state as JSON atomically (temporary file in the same directory, rename)."""
         path = Path(path)

@@ -37,9 +37,10 @@ from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
-from nereusd.errors import NereusError, StorageError, WorkerError
+from nereusd.errors import ConfigError, NereusError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
 from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
+from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
@@ -215,37 +216,62 @@ class Daemon:
         job = self.job
         site = self.site
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
-        driver.plan = self._launch_plan(site, driver)
+        record = self._resume_record() if self.args.resume else None
+        state = (record or {}).get("controller") if self.pool.live else None
+        driver.plan = self._launch_plan(site, driver, state)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         self.control.spawn_workers(generation=self.store.generation, world=world, store_host=self.store.host,
                                    store_port=self.store.port, memory_capacity_bytes=job.device_memory_bytes,
                                    run_dir=str(self.run_dir.resolve()))
         self.journal.event(Event.WORLD_FORMED, {"generation": self.store.generation, "devices": world})
         self.pool.world_formed(driver.plan.to_dict(), world)
-        resume = self._resume_point() if self.args.resume else None
+        resume = None if record is None else (str(record["dir"]), int(record["step"]), int(record["sample_position"]))
         if self.pool.live:
             controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
+            if state is not None:
+                try:
+                    controller.restore(state)
+                except ConfigError as err:   # an older run's journal: resume with a fresh controller
+                    log.warning("resuming without the checkpoint's controller state: %s", err)
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
                                        self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
+            driver.checkpoint_fields = lambda: {"controller": self.live.controller.state()}
         driver.on_step = self._on_step
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
         return driver.run(resume=resume)
 
-    def _resume_point(self) -> tuple[str, int, int] | None:
-        """``--resume``: the latest committed checkpoint; the metrics of the steps from it on
-        leave ``metrics.jsonl`` (they run again, so each step is there once)."""
-        point = checkpoints.resume_point(self.run_dir)
-        step = point[1] if point is not None else 0
+    def _resume_record(self) -> dict | None:
+        """``--resume``: the latest committed checkpoint's ``checkpoint`` event
+        (:func:`nereusd.checkpoints.resume_record`); the metrics of the steps from it on leave
+        ``metrics.jsonl`` (they run again, so each step is there once)."""
+        record = checkpoints.resume_record(self.run_dir)
+        step = int(record["step"]) if record is not None else 0
         dropped = drop_metrics_from(self.run_dir / METRICS_FILE, step)
-        self.journal.event(Event.NEREUSD_RESUMED, {"checkpoint": point[0] if point else None, "step": step,
-                                                   "dropped_metrics": dropped})
-        log.warning("resuming at step %d from %s", step, point[0] if point else "the initial weights")
-        return point
+        self.journal.event(Event.NEREUSD_RESUMED, {"checkpoint": record["dir"] if record else None, "step": step,
+                                                   "dropped_metrics": dropped,
+                                                   "controller_state": bool(record and record.get("controller"))})
+        log.warning("resuming at step %d from %s", step, record["dir"] if record else "the initial weights")
+        return record
 
-    def _launch_plan(self, site: SiteConfig, driver: RLDriver):
-        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan."""
+    def _launch_plan(self, site: SiteConfig, driver: RLDriver, resumed: dict | None = None):
+        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan. A
+        resumed live job starts on the plan its checkpoint was taken under (``resumed``, the
+        controller state of its ``checkpoint`` event) when that plan's devices are among the
+        job's, with no planner solve; else as a new job would."""
         job = self.job
+        if resumed is not None:
+            try:
+                plan = Plan.from_dict(resumed["plan"])
+                outside = sorted(set(plan.devices()) - set(range(job.devices)))
+                if not outside:
+                    self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(),
+                                                           "source": "resumed: the plan of the checkpoint"})
+                    return plan
+                log.warning("resuming: the checkpoint's plan uses devices %s beyond the job's %d; planning anew",
+                            outside, job.devices)
+            except (KeyError, TypeError, ValueError, NereusError) as err:
+                log.warning("resuming: the checkpoint's plan is unusable (%s); planning anew", err)
         why = "the job's plan"
         if self.pool.live and "plan" not in job.config.model_fields_set:
             try:

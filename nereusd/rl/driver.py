@@ -118,6 +118,9 @@ class RLDriver:
         self.last_checkpoint: tuple[str, int, int] | None = None
         """``(directory, step, sample position)`` of the latest checkpoint."""
         self.on_failure: Callable[[Exception], bool] | None = None
+        self.checkpoint_fields: Callable[[], dict[str, Any]] | None = None
+        """Extra fields of every ``checkpoint`` event (the live controller's state, so that
+        ``nereusd --resume`` continues with what it learned)."""
         """Called when a step or its boundary (hook, transition, checkpoint) fails with a
         ``WorkerError`` or ``TransitionInterrupted``; True when it recovered (restart) and rewound
         the driver."""
@@ -490,7 +493,8 @@ class RLDriver:
                                           "sample_position": self.resume_position,
                                           "bytes": sum(verified.values()),
                                           "elapsed_s": time.perf_counter() - start,
-                                          **({"pruned": [p.name for p in pruned]} if pruned else {})})
+                                          **({"pruned": [p.name for p in pruned]} if pruned else {}),
+                                          **(self.checkpoint_fields() if self.checkpoint_fields else {})})
 
     def restore(self, checkpoint: tuple[str, int, int] | None) -> None:
         """Load ``checkpoint`` (``(directory, step, sample position)``; ``None``: keep the initial

@@ -66,6 +66,10 @@ class TransitionEstimator:
         self.max_devices = max_devices
         self._memo: dict[tuple, TransitionEstimate] = {}
 
+    def forget(self) -> None:
+        """Drop every memoised estimate (the cost model's calibration changed wholesale)."""
+        self._memo.clear()
+
     def estimate(self, current: Plan, target: Plan) -> TransitionEstimate:
         """Assess ``current → target``; equal plans cost nothing.
 

@@ -2,7 +2,8 @@
 launcher writes a ``crashed`` summary naming the resume command; ``resume`` stops the dead run's
 agent and workers, and a new nereusd continues from the latest committed checkpoint. The steps
 after it run again on the same prompts and seeds: their rewards and lengths equal the first
-run's, losses within reduction tolerance, and every step is in ``metrics.jsonl`` once.
+run's, losses within reduction tolerance, and every step is in ``metrics.jsonl`` once. The
+controller resumes with the state its checkpoint event journalled (plan, calibration, monitor).
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def test_kill_9_of_nereusd_then_resume_continues_from_the_checkpoint(tmp_path):
     events = read_jsonl(run_dir / "events.jsonl")
     resumes = [e for e in events if e["event"] == "nereusd_resumed"]
     assert len(resumes) == 1 and resumes[0]["step"] == 2 and resumes[0]["checkpoint"].endswith("step000002")
+    # the controller continues with what it had learned, on the plan it had (no planner solve)
+    saved = next(e for e in events if e["event"] == "checkpoint" and e["dir"].endswith("step000002"))
+    assert saved["controller"]["calibration"]["samples"] and resumes[0]["controller_state"] is True
+    launch = [e for e in events if e["event"] == "launch_plan"][-1]
+    assert launch["source"] == "resumed: the plan of the checkpoint" and launch["plan"] == saved["controller"]["plan"]
     for r in records[2:len(before)]:   # run twice: the same samples and rewards
         b = before[r["step"]]
         assert r["sample_position"] == b["sample_position"] and r["reward_mean"] == b["reward_mean"], r["step"]

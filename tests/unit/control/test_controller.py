@@ -15,7 +15,7 @@ from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
 from nereusd.config.resolve import load_and_resolve
 from nereusd.cost.memory import usable_bytes
-from nereusd.plan import ModelStage, Role, Stage
+from nereusd.plan import ModelStage, Plan, Role, Stage
 from nereusd.planner.space import evaluate
 from nereusd.config.site import load_site
 
@@ -249,3 +249,48 @@ def test_restart_plan_may_be_asked_twice_before_the_restart(demo):
     assert max(evaluate(longest, second.plan, adapter.cost_model).peak_bytes.values()) <= second.usable_bytes
     adapter.switched(second.plan, adapter.pool)
     assert not adapter._relaunch   # the failure is now history: the next restart plans for the coming steps
+
+
+def test_a_resumed_controller_decides_as_the_uninterrupted_one(demo):
+    """``nereusd --resume`` (issue 17, item 2): the controller state journalled with a checkpoint
+    (:meth:`Controller.state`, through JSON as events.jsonl keeps it) restores the calibration,
+    memory ratios, monitor and ``H_x`` of the crashed run, so the resumed controller predicts and
+    decides at every later boundary exactly as the uninterrupted one; a fresh one does not."""
+    import json
+
+    job, site = demo
+    lengths = [16, 24, 32, 40, 48, 56, 64, 76, 96]
+
+    def run(adapter, steps):
+        out = []
+        for step in steps:
+            record = observe(adapter, step, lengths[step], scale=3.0)
+            outcome = adapter.boundary(step, adapter.pool)
+            if outcome is not None and outcome.decision.admitted:
+                adapter.switched(outcome.decision.target.plan, adapter.pool)
+            out.append((record["predicted_step_latency_s"], None if outcome is None else
+                        (outcome.decision.verdict, outcome.decision.target.plan.key() if outcome.decision.target else None)))
+        return out
+
+    whole = controller_for_job(job, site, job.plan, PROMPT)
+    run(whole, range(4))
+    state = json.loads(json.dumps(whole.state()))   # as the checkpoint event carries it
+    learned = whole.calibration.snapshot()
+    later = run(whole, range(4, len(lengths)))
+    assert any(d is not None for _, d in later)   # boundaries that decide something
+
+    resumed = controller_for_job(job, site, Plan.from_dict(state["plan"]), PROMPT)
+    resumed.restore(state)
+    assert resumed.calibration.snapshot() == learned != controller_for_job(job, site, job.plan, PROMPT).calibration.snapshot()
+    resumed_later = run(resumed, range(4, len(lengths)))
+    assert [d for _, d in resumed_later] == [d for _, d in later]
+    assert [p for p, _ in resumed_later[1:]] == pytest.approx([p for p, _ in later[1:]], rel=1e-12)
+
+    fresh = controller_for_job(job, site, Plan.from_dict(state["plan"]), PROMPT)
+    fresh_later = run(fresh, range(4, len(lengths)))
+    assert [p for p, _ in fresh_later[1:]] != pytest.approx([p for p, _ in later[1:]], rel=1e-3)
+
+    with pytest.raises(ConfigError, match="controller state"):
+        resumed.restore({**state, "version": 99})
+    with pytest.raises(ConfigError, match="controller state: malformed"):
+        resumed.restore({k: v for k, v in state.items() if k != "monitor"})
