@@ -252,13 +252,15 @@ class Agent:
             self._spawn(msg)
         elif isinstance(msg, (P.ToWorker, P.ToWorkers)):
             undelivered = []
+            shared = msg.shared if isinstance(msg, P.ToWorkers) else None
             for item in (msg.items if isinstance(msg, P.ToWorkers) else [msg]):
                 try:
-                    self._down.send_multipart([str(item.device).encode(), P.encode(item.task)])
-                except zmq.ZMQError as err:
+                    self._down.send_multipart([str(item.device).encode(), P.encode(P.with_shared(item.task, shared))])
+                except (zmq.ZMQError, ProtocolError) as err:
                     undelivered.append(P.FromWorker(device=item.device, payload=P.TaskResult(
                         task_id=item.task.task_id, device=item.device, ok=False,
-                        error=f"worker of device {item.device} is not connected: {err}", error_kind="WorkerError")))
+                        error=f"task for the worker of device {item.device} not delivered: {err}",
+                        error_kind="ProtocolError" if isinstance(err, ProtocolError) else "WorkerError")))
             if undelivered:
                 self._send_up(P.FromWorkers(items=undelivered))
         elif isinstance(msg, P.StopWorkers):

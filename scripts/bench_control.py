@@ -15,13 +15,14 @@ trip:
   collect every result (``submit`` + ``collect``);
 - **transition**: dispatch a real transition DAG — ``plan_transition`` for the actor training
   model-stage of ``--model`` going from dp N/2 to dp N — as ``transition_prepare`` to every worker
-  of the world (each its slice and the communicator plan), then its ops as one
-  ``transition_run`` per ready set, each collected.
+  of the world (each its slice; the communicator plan and the plans once per agent frame), then
+  its ops as one ``transition_run`` per ready set, each collected.
 
 Building the step's task arguments (one validated ``GenerateArgs`` per device, with its prompts)
-is the RL driver's work, not the control plane's: it is timed apart, before each boundary, and
-printed with the boundary it would make (an earlier version of this script timed it inside the
-boundary). The control plane's CPU time per boundary (this process: ZeroMQ's I/O thread included)
+is the RL driver's work, and building every worker's ``transition_prepare`` args
+(:func:`~nereusd.transition.runner.prepare_task`) the transition runner's, not the control
+plane's: both are timed apart, before each boundary, and printed with the boundary they would
+make (an earlier version of this script timed the step's inside the boundary). The control plane's CPU time per boundary (this process: ZeroMQ's I/O thread included)
 is printed beside its wall time.
 
 Once the agents registered and the transition DAG is built, the set-up heap is frozen
@@ -156,15 +157,15 @@ def transition_dag(model: str, devices: int):
     return dag, dag.to_json()
 
 
-def dispatch_transition(control, dag, world: list[int]) -> None:
+def dispatch_transition(control, dag, prepared) -> None:
     """What :class:`~nereusd.transition.runner.TransitionRunner` sends: ``transition_prepare``
-    to every worker (its slice of the DAG and the communicator plan,
-    :func:`~nereusd.transition.runner.prepare_args`), the ready sets as ``transition_run`` tasks
-    level by level, each collected (finish is a step-like task)."""
+    to every worker (its slice of the DAG; the communicator plan and the plans once per agent,
+    ``prepared`` = :func:`~nereusd.transition.runner.prepare_task`), the ready sets as
+    ``transition_run`` tasks level by level, each collected (finish is a step-like task)."""
     from emu.state.executor import levels
-    from nereusd.transition.runner import prepare_args
 
-    control.run(prepare_args(dag, world))
+    args, shared = prepared
+    control.run(args, shared=shared)
     level = levels(dag)
     for lvl in sorted(set(level.values())):
         ops_by_device: dict[int, list[str]] = {}
@@ -249,19 +250,22 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
           f"{time.monotonic() - start:.1f} s", flush=True)
     dag = None
     if args.transition_every:
-        from nereusd.transition.runner import prepare_args
+        import emu.state.executor  # noqa: F401 - imports torch: set-up, not the first transition's dispatch
+        from nereusd.transition.runner import prepare_task
 
         dag, dag_json = transition_dag(args.model, workers)
         t0 = time.perf_counter()
-        sample = prepare_args(dag, world[-1:])   # one worker's message (every one carries the communicator plan)
-        one = len(P.encode(P.Task(task_id=0, args=sample[world[-1]])))
-        total_gib = one * workers / 2**30
+        prepared_args, shared = prepare_task(dag, world)
+        built_s = time.perf_counter() - t0
+        shared_bytes = len(json.dumps(shared, separators=(",", ":")))
+        slice_bytes = sum(len(a.dag) for a in prepared_args.values())
+        total_gib = (shared_bytes * args.agents + slice_bytes) / 2**30
         print(f"bench_control: transition DAG ({args.model}, dp {workers // 2} -> {workers}): {len(dag.ops)} ops, "
-              f"{len(dag_json) / 2**20:.2f} MiB whole; a prepare message {one / 2**10:.0f} KiB, about "
-              f"{total_gib:.2f} GiB for all workers (the whole DAG to each would be "
-              f"{len(dag_json) * workers / 2**30:.1f} GiB); one message built in "
-              f"{(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)
-        if one > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
+              f"{len(dag_json) / 2**20:.2f} MiB whole; prepare: slices {slice_bytes / 2**20:.1f} MiB in all, the "
+              f"communicator plan and plans {shared_bytes / 2**10:.0f} KiB once per agent, about {total_gib:.2f} GiB "
+              f"per transition (the whole DAG to each worker would be {len(dag_json) * workers / 2**30:.1f} GiB); "
+              f"built in {built_s * 1e3:.0f} ms", flush=True)
+        if shared_bytes > P.MAX_MESSAGE_BYTES or total_gib > args.max_dag_gib:
             print(f"bench_control: transitions left out: {total_gib:.1f} GiB per transition (over --max-dag-gib "
                   f"{args.max_dag_gib:g} or the frame limit)", flush=True)
             dag = None
@@ -279,13 +283,16 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
         a0 = time.perf_counter()
         # the RL driver's part, timed apart: one validated GenerateArgs per device
         by_device = step_args(world, args.prompts_per_device)
+        transition_due = dag is not None and (b + 1) % args.transition_every == 0
+        # the transition runner's, likewise: every worker's slice (prepare_task)
+        prepared = prepare_task(dag, world) if transition_due else None
         t0, c0 = time.perf_counter(), time.process_time()
         args_ms.append((t0 - a0) * 1e3)
         control.run(by_device, timeout_s=120)
         t1 = time.perf_counter()
         step_ms.append((t1 - t0) * 1e3)
-        if dag is not None and (b + 1) % args.transition_every == 0:
-            dispatch_transition(control, dag, world)
+        if transition_due:
+            dispatch_transition(control, dag, prepared)
             transition_ms.append((time.perf_counter() - t1) * 1e3)
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
         cpu_ms.append((time.process_time() - c0) * 1e3)
@@ -311,8 +318,9 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
           f"transition dispatch {', '.join(f'{t:.0f} ms' for t in transition_ms) or 'none'}")
     print(f"bench_control: the control plane (this process, ZeroMQ I/O threads included) on CPU per boundary "
           f"p50 {statistics.median(cpu_ms):.0f} ms, p99 {p99(cpu_ms):.0f} ms")
-    print(f"bench_control: building the step's {workers} GenerateArgs (the RL driver's part, not in a boundary) "
-          f"p50 {statistics.median(args_ms):.0f} ms; boundary with it p99 "
+    print(f"bench_control: building the step's {workers} GenerateArgs (the RL driver's part) and, before a "
+          f"transition, every worker's prepare args (the transition runner's): not in a boundary, "
+          f"p50 {statistics.median(args_ms):.0f} ms, max {max(args_ms):.0f} ms; boundary with it p99 "
           f"{p99([a + b for a, b in zip(args_ms, boundary_ms)]):.0f} ms")
     print(f"bench_control: messages sent by agents {sent}, received {control.received_messages}, "
           f"refused {control.refused_messages}")

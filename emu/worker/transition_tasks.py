@@ -132,7 +132,7 @@ class TransitionTasks:
 
     # ------------------------------------------------------------------ tasks
     def transition_prepare(self, args: P.TransitionPrepareArgs) -> dict[str, Any]:
-        dag = TransitionDag.from_json(args.dag)
+        dag = TransitionDag.from_json(args.dag, plans=args.plans)
         ops_changed = ({ModelStage.parse(m) for m in args.changed} if args.changed is not None
                        else {op.model_stage for op in dag.ops})
         self._changed = ops_changed

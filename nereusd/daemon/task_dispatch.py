@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
+
+import pydantic_core
 
 from nereusd import protocol as P
 from nereusd.errors import ProtocolError, WorkerError
@@ -45,21 +47,32 @@ class TaskDispatch:
             codes = {d: self.exited_workers[d] for d in dead}
             raise WorkerError(f"worker process of device(s) {dead} exited (exit codes {codes})")
 
-    def submit(self, args_by_device: Mapping[int, P.TaskArgs]) -> int:
+    def submit(self, args_by_device: Mapping[int, P.TaskArgs], shared: Mapping[str, Any] | None = None) -> int:
         """Send one task to several workers (each gets its own typed args, all of one kind);
         returns the task id.
 
         Every device's agent is checked before anything is sent: a task that reached only some
         of its workers would leave them blocked in its collectives.
 
+        Args:
+            shared: args fields every device gets alike (JSON values), encoded once and sent
+                once per agent frame (:attr:`~nereusd.protocol.messages.ToWorkers.shared`); the
+                agents set them in each worker's args. Checked against the kind here.
+
         Raises:
             WorkerError: naming the devices that have no live agent (nothing was sent).
-            ProtocolError: for args of different kinds in one task.
+            ProtocolError: for args of different kinds in one task, or shared fields its args
+                do not take.
         """
         kinds = {a.kind for a in args_by_device.values()}
         if len(kinds) != 1:
             raise ProtocolError(f"one task, one kind: got {sorted(kinds) or 'no args'}")
         kind = kinds.pop()
+        shared_json = None
+        if shared:
+            sample = next(iter(args_by_device.values()))
+            P.with_shared(P.Task(task_id=0, args=sample), dict(shared))   # raises for a field the kind lacks
+            shared_json = pydantic_core.to_json(dict(shared))
         missing = sorted(d for d in args_by_device
                          if self._device_to_agent.get(d) is None or self._device_to_agent[d] not in self.agents)
         if missing:
@@ -71,7 +84,7 @@ class TaskDispatch:
         for device, args in args_by_device.items():
             by_agent.setdefault(self._device_to_agent[device], []).append((device, args))
         for node_id, items in by_agent.items():   # one frame per agent (unless large), not per device
-            for frame in P.encode_to_workers(task_id, items):
+            for frame in P.encode_to_workers(task_id, items, shared_json=shared_json):
                 self._send_frame(self.agents[node_id].identity, "to_workers", frame)
         return task_id
 
@@ -145,7 +158,7 @@ class TaskDispatch:
         self.release_devices(missing, f"no result of task {pending.kind} #{task_id} within {bound_s:.0f} s",
                              keep_in_pool=True)
 
-    def run(self, args_by_device: Mapping[int, P.TaskArgs], timeout_s: float | None = None
-            ) -> dict[int, P.TaskResult]:
+    def run(self, args_by_device: Mapping[int, P.TaskArgs], timeout_s: float | None = None,
+            shared: Mapping[str, Any] | None = None) -> dict[int, P.TaskResult]:
         """:meth:`submit` then :meth:`collect`."""
-        return self.collect(self.submit(args_by_device), timeout_s)
+        return self.collect(self.submit(args_by_device, shared), timeout_s)

@@ -178,6 +178,26 @@ class ToWorkers(_Message):
 
     type: Literal["to_workers"] = "to_workers"
     items: list[ToWorker] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
+    shared: dict[str, Any] | None = None
+    """Args fields every item shares, sent once per frame instead of once per device (a
+    transition's communicator plan and plans: 8,192 copies of them made a transition 1.8 GiB).
+    The agent sets them in each item's args, validated, before relaying (:func:`with_shared`)."""
+
+
+def with_shared(task: Task, shared: dict[str, Any] | None) -> Task:
+    """``task`` with ``shared`` (a :class:`ToWorkers` frame's) set in its args, validated.
+
+    Raises:
+        ProtocolError: a shared field the task's args do not have, or a bad value (named).
+    """
+    if not shared:
+        return task
+    try:
+        args = type(task.args).model_validate({**task.args.model_dump(), **shared})
+    except ValidationError as err:
+        raise ProtocolError(f"shared fields of a to_workers frame do not fit {task.args.kind!r} args: "
+                            f"{str(err).splitlines()[0]} ({err.error_count()} errors)") from None
+    return task.model_copy(update={"args": args})
 
 
 class FromWorkers(_Message):
@@ -238,7 +258,8 @@ BATCH_BYTES = 16 * 2**20
 """A ``ToWorkers`` frame is closed once its items pass this size (far below the frame limit)."""
 
 
-def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_bytes: int = BATCH_BYTES) -> list[bytes]:
+def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_bytes: int = BATCH_BYTES,
+                      shared_json: bytes | None = None) -> list[bytes]:
     """The frames of ``ToWorkers(items=[ToWorker(device=d, task=Task(task_id, args)) ...])``, built
     from each args' JSON without building the messages: the same bytes :func:`encode` gives for
     them (``tests/unit/daemon/test_protocol.py``), at a third of the cost for 8,192 devices.
@@ -248,6 +269,8 @@ def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_byte
         items: ``(device, args)`` per device, the args validated task payloads.
         max_bytes: a frame holds items up to about this many bytes (and at most
             :data:`MAX_BATCH_ITEMS`); a larger single item travels alone.
+        shared_json: the JSON object of :attr:`ToWorkers.shared`, in every frame (encoded once
+            by the caller, however many frames and agents).
 
     Returns:
         One frame, or several when the items are many or large.
@@ -265,7 +288,8 @@ def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_byte
     if batch:
         frames.append(batch)
     opening = f'{{"v":{PROTOCOL_VERSION},"type":"to_workers","items":['.encode()
-    return [opening + b",".join(b) + b"]}" for b in frames]
+    closing = b'],"shared":' + (b"null" if shared_json is None else shared_json) + b"}"
+    return [opening + b",".join(b) + closing for b in frames]
 
 
 def decode(frame: bytes) -> _Message:

@@ -173,9 +173,11 @@ class TransitionPrepareArgs(_Args):
     kind: Literal["transition_prepare"] = "transition_prepare"
     dag: str
     """``TransitionDag.to_json()``: this device's slice (:meth:`TransitionDag.slices`) when
-    ``communicators`` is given, else the whole DAG."""
+    ``communicators`` is given, else the whole DAG; without its plans when ``plans`` is given."""
     communicators: list[tuple[str, list[int]]] | None = None
     """The whole DAG's communicators in creation order (:func:`nereusd.transition.comms.communicator_plan`)."""
+    plans: str | None = None
+    """``TransitionDag.plans_json()``: the plans a ``to_json(plans=False)`` slice left out."""
     changed: list[str] | None = None
     """The model-stages the whole DAG changes (their engines are detached and rebuilt on every
     device that holds them, with or without an op of its own)."""

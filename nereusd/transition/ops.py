@@ -384,15 +384,40 @@ class TransitionDag:
         except (TypeError, ValueError) as err:
             raise PlanError(f"transition DAG: malformed: {err}") from None
 
-    def to_json(self) -> str:
-        """Compact JSON text (what travels to workers over the control plane)."""
-        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+    def to_json(self, plans: bool = True, op_cache: dict[str, str] | None = None) -> str:
+        """Compact JSON text (what travels to workers over the control plane). ``plans=False``
+        leaves out ``current`` and ``target`` (a slice whose plans travel once per agent frame,
+        :meth:`plans_json`; with 8,192 devices they were 60 KiB of each worker's slice).
+        ``op_cache`` (op id → its JSON) lets the slices of one DAG encode each op once, though
+        every participant's slice holds it; the text is the same."""
+        if plans:
+            return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        cache = {} if op_cache is None else op_cache
+        ops = ",".join(cache[op.id] if op.id in cache else cache.setdefault(
+            op.id, json.dumps(op.to_dict(), separators=(",", ":"), sort_keys=True)) for op in self.ops)
+        edges = json.dumps([[e.src, e.dst, e.reason.value] for e in self.edges], separators=(",", ":"))
+        return f'{{"edges":{edges},"ops":[{ops}],"version":{json.dumps(SCHEMA_VERSION)}}}'
+
+
+    def plans_json(self) -> str:
+        """``{"current": ..., "target": ...}`` as JSON: what :meth:`to_json` left out with ``plans=False``."""
+        return json.dumps({"current": self.current.to_dict(), "target": self.target.to_dict()},
+                          separators=(",", ":"), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "TransitionDag":
-        """Raises: PlanError if ``text`` is not valid JSON of a DAG."""
+    def from_json(cls, text: str, plans: str | None = None) -> "TransitionDag":
+        """The DAG of ``text``; ``plans``: :meth:`plans_json` for a ``to_json(plans=False)`` text.
+
+        Raises:
+            PlanError: if a text is not valid JSON of a DAG (or of its plans).
+        """
         try:
             data = json.loads(text)
+            if plans is not None:
+                extra = json.loads(plans)
+                if not isinstance(data, dict) or not isinstance(extra, dict) or set(extra) != {"current", "target"}:
+                    raise PlanError("transition DAG: plans must be an object of current and target")
+                data.update(extra)
         except json.JSONDecodeError as err:
             raise PlanError(f"transition DAG: not valid JSON: {err}") from None
         return cls.from_dict(data)

@@ -112,7 +112,8 @@ class TransitionRunner:
         started: set[str] = set()
         pending: dict[int, list[str]] = {}
         try:
-            res = self.control.run(prepare_args(dag, self.world), self.timeout_s)
+            args, shared = prepare_task(dag, self.world)
+            res = self.control.run(args, self.timeout_s, shared=shared)
             progress.setup_s = max((r.result.get("setup_s", 0.0) for r in res.values()), default=0.0)
             while len(progress.completed) < len(dag.ops):
                 ready = ready_ops(dag, progress.completed, started)
@@ -155,12 +156,26 @@ def _op_devices(dag: TransitionDag, op_id: str) -> set[int]:
     return set(dag.op(op_id).participants)
 
 
+def prepare_task(dag: TransitionDag, world: Iterable[int]
+                 ) -> tuple[dict[int, P.TransitionPrepareArgs], dict[str, Any]]:
+    """``transition_prepare`` per device of ``world`` — its slice of ``dag`` without the plans —
+    and the fields every device shares (``TaskDispatch.submit``'s ``shared``, sent once per
+    agent): the whole DAG's communicator plan, the plans, the changed model-stages.
+
+    Why: the whole DAG to every worker grew as devices × ops (11 MiB per worker at 8,192
+    devices for the tiniest model; 92 MB, over the frame limit, for Llama-3.1-8B at tp 8); then
+    the slices with their plans and the communicator plan to every worker were 1.8 GiB and
+    84 s to build at 8,192 devices (``scripts/bench_control.py``).
+    """
+    shared = {"communicators": [[op_id, list(devices)] for op_id, devices in communicator_plan(dag)],
+              "plans": dag.plans_json(), "changed": sorted({str(op.model_stage) for op in dag.ops})}
+    op_json: dict[str, str] = {}   # an op is in each of its participants' slices: encoded once
+    return {d: P.TransitionPrepareArgs(dag=part.to_json(plans=False, op_cache=op_json))
+            for d, part in dag.slices(world).items()}, shared
+
+
 def prepare_args(dag: TransitionDag, world: Iterable[int]) -> dict[int, P.TransitionPrepareArgs]:
-    """``transition_prepare`` per device of ``world``: its slice of ``dag``, the whole DAG's
-    communicator plan and changed model-stages. The whole DAG to every worker grew as devices ×
-    ops (11 MiB per worker at 8,192 devices for the tiniest model; 92 MB, over the frame limit,
-    for Llama-3.1-8B at tp 8)."""
-    comms = [(op_id, list(devices)) for op_id, devices in communicator_plan(dag)]
-    changed = sorted({str(op.model_stage) for op in dag.ops})
-    return {d: P.TransitionPrepareArgs(dag=part.to_json(), communicators=comms, changed=changed)
-            for d, part in dag.slices(world).items()}
+    """What each worker of ``world`` receives for :func:`prepare_task`: its args with the shared
+    fields set (as its agent sets them)."""
+    args, shared = prepare_task(dag, world)
+    return {d: P.with_shared(P.Task(task_id=0, args=a), shared).args for d, a in args.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from nereusd import protocol as P
 from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.control.controller import controller_for_job
@@ -56,15 +57,16 @@ class WorkerStand:
     def done(self, task_id): return True
     def raise_if_lost(self, task_id): pass
 
-    def submit(self, args):
+    def submit(self, args, shared=None):   # recorded as the workers get them (the agent sets shared fields)
+        args = {d: P.with_shared(P.Task(task_id=0, args=a), shared).args for d, a in args.items()}
         self.tasks.append((next(iter(args.values())).kind, args))
         return len(self.tasks)
 
     def collect(self, task_id, timeout_s=None):
         return {d: SimpleNamespace(result={}, elapsed_s=0.0) for d in self.tasks[task_id - 1][1]}
 
-    def run(self, args, timeout_s=None):
-        return self.collect(self.submit(args), timeout_s)
+    def run(self, args, timeout_s=None, shared=None):
+        return self.collect(self.submit(args, shared), timeout_s)
 
 
 def test_the_executed_dag_is_the_assessed_one(tmp_path):
@@ -91,10 +93,10 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
     prepares = [per_device for kind, per_device in control.tasks if kind == "transition_prepare"]
     assert len(prepares) == 1
     executed = decision.target.dag   # each worker gets its slice of the assessed DAG, and its communicators
-    assert {d: TransitionDag.from_json(a.dag) for d, a in prepares[0].items()} == executed.slices(prepares[0])
+    assert {d: TransitionDag.from_json(a.dag, a.plans) for d, a in prepares[0].items()} == executed.slices(prepares[0])
     plan = [(op_id, list(devices)) for op_id, devices in communicator_plan(executed)]
     assert all(a.communicators == plan for a in prepares[0].values())
-    sliced = {op.id for a in prepares[0].values() for op in TransitionDag.from_json(a.dag).ops}
+    sliced = {op.id for a in prepares[0].values() for op in TransitionDag.from_json(a.dag, a.plans).ops}
     assert sliced == {op.id for op in executed.ops}
     extends = [op for op in executed.ops if op.kind is OpKind.EXTEND and op.model_stage == TRAIN]
     fed = {r.dst: r.src for op in extends for r in op.routes}

@@ -39,6 +39,25 @@ def test_a_batch_of_tasks_built_from_its_args_is_the_batch_message():
     assert [[i.device for i in P.decode(f).items] for f in frames] == [[7], [9], [0]]
 
 
+def test_shared_fields_travel_once_per_frame_and_reach_every_item_validated():
+    """``ToWorkers.shared`` (a transition's communicator plan and plans, once per agent): the
+    frame is the message ``encode`` gives, and ``with_shared`` — what the agent does before
+    relaying — sets the fields in each item's args, validated; a field the args lack is refused."""
+    items = [(d, P.TransitionPrepareArgs(dag=f'{{"ops":[],"d":{d}}}')) for d in (3, 4)]
+    shared = {"communicators": [["op1", [3, 4]]], "plans": "{}", "changed": ["actor/training"]}
+    frame, = P.encode_to_workers(5, items, shared_json=json.dumps(shared, separators=(",", ":")).encode())
+    msg = P.decode(frame)
+    assert frame == P.encode(P.ToWorkers(items=[P.ToWorker(device=d, task=P.Task(task_id=5, args=a)) for d, a in items],
+                                         shared=shared))
+    relayed = [P.with_shared(i.task, msg.shared).args for i in msg.items]
+    assert [a.dag for a in relayed] == [a.dag for _, a in items]
+    assert all(a.communicators == [("op1", [3, 4])] and a.changed == ["actor/training"] for a in relayed)
+    with pytest.raises(ProtocolError, match="shared fields"):
+        P.with_shared(msg.items[0].task, {"no_such_field": 1})
+    with pytest.raises(ProtocolError, match="shared fields"):
+        P.with_shared(msg.items[0].task, {"communicators": "not a list"})
+
+
 @pytest.mark.parametrize("frame, match", [
     (b"\xff\xfe", r"not JSON"),
     (b"[1, 2]", r"must be a JSON object, got list"),

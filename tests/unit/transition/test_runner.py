@@ -29,7 +29,7 @@ class ScriptedControl:
         self.exited_workers: dict[int, int] = {}
         self.kinds: list[str] = []
 
-    def run(self, args, timeout_s=None):
+    def run(self, args, timeout_s=None, shared=None):
         self.kinds.append(next(iter(args.values())).kind)
         return {d: SimpleNamespace(result={"setup_s": 0.0}) for d in args}
 

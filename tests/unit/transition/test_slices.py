@@ -26,7 +26,7 @@ def test_each_worker_gets_its_ops_and_the_whole_communicator_plan(tiny_models):
     assert sorted(args) == world
     whole = [(op_id, list(devices)) for op_id, devices in communicator_plan(dag)]
     for device, a in args.items():
-        part = TransitionDag.from_json(a.dag)
+        part = TransitionDag.from_json(a.dag, a.plans)
         assert [op.id for op in part.ops] == [op.id for op in dag.ops if device in op.participants]
         ids = {op.id for op in part.ops}
         assert set(part.edges) == {e for e in dag.edges if e.src in ids and e.dst in ids}
@@ -35,12 +35,18 @@ def test_each_worker_gets_its_ops_and_the_whole_communicator_plan(tiny_models):
         assert a.changed == ["actor/training"]
         decoded = P.decode(P.encode(P.Task(task_id=1, args=a)))   # it crosses the wire as it is
         assert decoded.args == a
-    assert TransitionDag.from_json(args[4].dag).ops == ()
+    assert TransitionDag.from_json(args[4].dag, args[4].plans).ops == ()
     assert all(len(a.dag) < len(dag.to_json()) for a in args.values())
     # every op reaches every one of its participants, and nothing else
-    assert sorted(op.id for a in args.values() for op in TransitionDag.from_json(a.dag).ops) == sorted(
+    assert sorted(op.id for a in args.values() for op in TransitionDag.from_json(a.dag, a.plans).ops) == sorted(
         op.id for op in dag.ops for _ in op.participants)
     assert json.loads(args[0].dag)["version"] == json.loads(dag.to_json())["version"]
+    # a slice without its plans is the whole text less current and target, with or without the op cache
+    for part in dag.slices(world).values():
+        whole = json.loads(part.to_json())
+        del whole["current"], whole["target"]
+        assert part.to_json(plans=False) == part.to_json(plans=False, op_cache={}) == json.dumps(
+            whole, separators=(",", ":"), sort_keys=True)
 
 
 def test_a_ready_set_is_one_level_on_every_slice():
