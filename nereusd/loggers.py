@@ -14,12 +14,18 @@ parameters (MLflow). The run ends as finished when the job succeeded, else as fa
 ``FAILED``; W&B exit code 1).
 
 - **Resume.** The runs' ids are kept in ``RUN_DIR/loggers.json``: a nereusd resumed on that run
-  directory (``nereus-launch resume``) continues the same runs; steps it runs again are logged
-  again at their step (W&B keeps the last value, MLflow both).
-- **Failures.** A tracker that cannot start (the package missing, a server unreachable, no
-  credentials) fails the job before any process starts, naming ``loggers.<name>``. One that
-  fails later (its server down mid-run) is logged once and dropped: a tracker never stops a
-  training job.
+  directory (``nereus-launch resume``) continues the same runs. Steps it runs again are logged
+  again at their step: MLflow keeps both values; W&B ignores a step below the run's last one,
+  so it keeps the first attempt's.
+- **Failures.** A missing package fails the job when its file is loaded, before any process
+  starts. A tracker that cannot start (a server unreachable, no credentials) fails the job when
+  nereusd starts, before any step, naming ``loggers.<name>``; its client's retries are bounded
+  (:data:`MLFLOW_ENV`, W&B's ``init_timeout``) so that this takes at most about a minute. One
+  that fails later (its server down mid-run) is logged once and dropped.
+- **Never on the control plane's thread.** Steps reach the trackers through a bounded queue and a
+  thread of their own (:class:`TrackerFeed`): a slow or hanging server delays nothing nereusd
+  does (agents stop their workers after a minute without nereusd); when the queue is full,
+  steps are dropped for the trackers (counted and logged), never for ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -43,6 +51,13 @@ LOGGERS_FILE = "loggers.json"
 PACKAGES = {"wandb": ("wandb", "pip install wandb"),
             "mlflow": ("mlflow", "pip install mlflow-skinny, or mlflow")}
 """Tracker name → (module it needs, how to install it)."""
+
+MLFLOW_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+"""Bounds on MLflow's HTTP client unless the user set them (its defaults, 7 retries with backoff
+and 120 s per attempt, can block for many minutes)."""
+WANDB_INIT_TIMEOUT_S = 60.0
+TRACKER_QUEUE_STEPS = 1000
+"""Steps waiting for the trackers before more are dropped for them."""
 
 MLFLOW_PARAM_CHARS = 500
 """Longest MLflow parameter value kept (the limit of MLflow 1.x servers; 2.x allows 6,000)."""
@@ -91,7 +106,7 @@ class WandbTracker:
         self.run = wandb.init(project=config.project, entity=config.entity, name=config.name or job_name,
                               mode=config.mode, tags=config.tags or None, dir=str(run_dir), config=job_config,
                               id=run_id, resume="allow" if run_id else None,
-                              settings=wandb.Settings(silent=True, console="off"))
+                              settings=wandb.Settings(silent=True, console="off", init_timeout=WANDB_INIT_TIMEOUT_S))
         self.run_id = self.run.id
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -110,6 +125,8 @@ class MlflowTracker:
 
     def __init__(self, config, run_dir: Path, job_name: str, job_config: dict[str, Any],
                  run_id: str | None = None) -> None:
+        for key, value in MLFLOW_ENV.items():
+            os.environ.setdefault(key, value)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -156,7 +173,13 @@ def open_trackers(config, run_dir: str | Path, job_name: str, job_config: dict[s
     """
     run_dir = Path(run_dir)
     ids_path = run_dir / LOGGERS_FILE
-    ids = json.loads(ids_path.read_text()) if ids_path.exists() else {}
+    try:
+        ids = json.loads(ids_path.read_text()) if ids_path.exists() else {}
+        if not isinstance(ids, dict) or not all(isinstance(v, str) for v in ids.values()):
+            raise ValueError("expected an object of tracker names to run ids")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{ids_path}: cannot read the trackers' run ids ({err}); delete it to start new runs") \
+            from None
     started: list[Tracker] = []
     for name, cls in TRACKERS.items():
         if getattr(config, name) is None:
@@ -173,3 +196,61 @@ def open_trackers(config, run_dir: str | Path, job_name: str, job_config: dict[s
         tmp.write_text(json.dumps(ids))
         os.replace(tmp, ids_path)
     return started
+
+
+class TrackerFeed:
+    """The trackers' own thread: :meth:`log` queues a step (never blocks; a full queue drops it
+    for the trackers, counted), the thread logs it to every tracker, and a tracker that raises is
+    logged once and dropped. :meth:`close` ends the runs after the queued steps.
+
+    Args:
+        trackers: started runs (:func:`open_trackers`).
+        max_steps: queue bound (:data:`TRACKER_QUEUE_STEPS`).
+    """
+
+    def __init__(self, trackers: list[Tracker], max_steps: int = TRACKER_QUEUE_STEPS) -> None:
+        self.trackers = list(trackers)
+        self.dropped_steps = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_steps)
+        self._thread = threading.Thread(target=self._run, name="trackers", daemon=True)
+        self._thread.start()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        try:
+            self._queue.put_nowait((step, values))
+        except queue.Full:
+            self.dropped_steps += 1
+            if self.dropped_steps == 1:
+                log.warning("loggers: the trackers fall behind; step %s and later ones are dropped for them while "
+                            "%d steps wait (metrics.jsonl has every step)", step, self._queue.maxsize)
+
+    def close(self, ok: bool, timeout_s: float = 30.0) -> None:
+        """End every run (finished when ``ok``, else failed) once the queued steps are logged;
+        waits at most ``timeout_s`` (a hung server must not hold up the job's end)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._queue.put(("close", ok), timeout=timeout_s)
+        except queue.Full:
+            log.warning("loggers: the trackers' queue stayed full for %.0f s; their runs are left open", timeout_s)
+            return
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.warning("loggers: the trackers did not finish within %.0f s; their runs may stay open", timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            step, payload = self._queue.get()
+            if step == "close":
+                for tracker in self.trackers:
+                    try:
+                        tracker.close(payload)
+                    except Exception as err:  # noqa: BLE001 - the job is over; nothing else to stop
+                        log.warning("loggers.%s: cannot end its run: %s: %s", tracker.name, type(err).__name__, err)
+                return
+            for tracker in list(self.trackers):
+                try:
+                    tracker.log(step, payload)
+                except Exception as err:  # noqa: BLE001 - a tracker's outage must not stop the job
+                    log.warning("loggers.%s failed at step %s (%s: %s); it logs nothing more for this job",
+                                tracker.name, step, type(err).__name__, str(err)[:200])
+                    self.trackers.remove(tracker)

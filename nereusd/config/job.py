@@ -306,7 +306,7 @@ class EvaluationConfig(_Strict):
 
 class WandbConfig(_Strict):
     """A Weights & Biases run per job (``pip install wandb``); every number of each
-    ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.daemon.loggers`)."""
+    ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.loggers`)."""
 
     project: str
     entity: str | None = None
@@ -320,7 +320,7 @@ class WandbConfig(_Strict):
 
 class MlflowConfig(_Strict):
     """An MLflow run per job (``pip install mlflow-skinny`` or ``mlflow``); every number of each
-    ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.daemon.loggers`)."""
+    ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.loggers`)."""
 
     tracking_uri: str | None = None
     """E.g. ``http://mlflow.example:5000``; default: ``MLFLOW_TRACKING_URI``, else MLflow's own."""

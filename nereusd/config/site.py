@@ -96,15 +96,17 @@ class LivenessSpec:
     per beat, so this must exceed the longest call that holds the GIL (torch ops and
     collectives release it)."""
     straggler_factor: float = 10.0
+    """See :attr:`straggler_min_s`: the bound in multiples of the time half a task's workers took."""
     straggler_min_s: float = 600.0
-    """A worker that beats but makes no progress (a live-locked loop, a hung vLLM engine process
-    it waits on) is caught by its task instead: once half of a task's workers returned, after
-    ``t_half`` seconds, a worker still without a result at ``max(straggler_min_s,
-    straggler_factor × t_half)`` seconds after dispatch is killed and its device treated as lost
-    (cause ``worker_stalled``). Both must exceed the slowest healthy worker of any task — in
-    RL generation the replica with the longest responses — or a healthy straggler is killed.
-    Workers that wait on each other (collectives) finish together, so a task where none
-    returned is not judged; a worker blocked on a frozen peer is the peer's beat's case."""
+    """A worker that beats but makes no progress (a live-locked loop) is caught by its task
+    instead: in generation, inference and training tasks (workers doing like work), once half of
+    a task's workers returned, after ``t_half`` seconds, a worker still without a result
+    ``max(straggler_min_s, straggler_factor × t_half)`` seconds after it could start the task
+    (its dispatch, or its previous task's result) is killed and its device treated as lost
+    (cause ``worker_stalled``). Both must exceed the slowest healthy worker of any such task —
+    in RL generation the replica with the longest responses — or a healthy straggler is killed.
+    Workers that wait on each other (collectives) finish together, so a task where fewer than
+    half returned is not judged; a worker blocked on a frozen peer is the peer's beat's case."""
     resume_grace_s: float = 60.0
     """In local mode, how long an agent outlives a silent (crashed) nereusd before it stops its
     workers and exits (``nereus-agent --daemon-timeout-s``); ``nereus-launch resume`` stops them

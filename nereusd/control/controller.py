@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -225,6 +226,7 @@ class Controller:
                 "transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
                 "efficiency": self.efficiency, "monitor": self.monitor.state(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
+                "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
                 "base_plan": self.base_plan.to_dict()}
 
     def restore(self, state: Mapping) -> None:
@@ -244,7 +246,9 @@ class Controller:
             base_plan = Plan.from_dict(state["base_plan"])
             replay_until, replay_length = (int(x) for x in state["replay"])
             fields = (int(state["length"]), float(state["transition_overhead_s"]), int(state["transitions_seen"]),
-                      float(state["efficiency"]), bool(state["relaunch"]))
+                      float(state["efficiency"]), bool(state["relaunch"]), bool(state["restarted"]))
+            predicted = state["predicted_step_s"]
+            predicted = None if predicted is None else float(predicted)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -257,7 +261,9 @@ class Controller:
         self._memory.extend(memory)
         self.base_plan = base_plan
         self._replay_until, self._replay_length = replay_until, replay_length
-        self.length, self.transition_overhead_s, self._transitions_seen, self.efficiency, self._relaunch = fields
+        (self.length, self.transition_overhead_s, self._transitions_seen, self.efficiency, self._relaunch,
+         self._restarted) = fields
+        self.predicted_step_s = predicted
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
@@ -473,6 +479,12 @@ class Controller:
     def pool_changed(self, pool: tuple[int, ...]) -> None:
         """Devices joined without changing the plan (they stay spares until a replan uses them)."""
         self.pool = tuple(pool)
+
+
+def job_fingerprint(job: ResolvedJob) -> str:
+    """SHA-256 of the job's validated configuration: a controller state journalled under another
+    job file is not resumed (its plan and calibration may not fit it)."""
+    return hashlib.sha256(job.config.model_dump_json().encode()).hexdigest()
 
 
 def controller_for_job(job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_length: int,

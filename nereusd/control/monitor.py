@@ -99,7 +99,11 @@ class Monitor:
         Raises:
             KeyError, TypeError, ValueError: a malformed state (the caller keeps a fresh monitor).
         """
-        signals = {str(name): _Signal(**{k: sig[k] for k in ("reference", "last_crossing", "horizon", "intervals")})
+        def opt(value, kind):
+            return None if value is None else kind(value)
+
+        signals = {str(name): _Signal(reference=opt(sig["reference"], float), last_crossing=opt(sig["last_crossing"], int),
+                                      horizon=float(sig["horizon"]), intervals=int(sig["intervals"]))
                    for name, sig in state["signals"].items()}
         pool = state["pool"]
         self._signals, self._pool = signals, (tuple(int(d) for d in pool) if pool is not None else None)

@@ -29,7 +29,7 @@ from typing import Any
 from nereusd import checkpoints
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
-from nereusd.control.controller import controller_for_job
+from nereusd.control.controller import controller_for_job, job_fingerprint
 from nereusd.control.problem import launch_plan
 from nereusd.daemon.control_plane import ControlPlane, settle_heap
 from nereusd.daemon.live import LiveAdaptation
@@ -37,11 +37,13 @@ from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
-from nereusd.errors import ConfigError, NereusError, StorageError, WorkerError
+from nereusd.cost.memory import usable_bytes
+from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
 from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
+from nereusd.planner.space import evaluate
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
 from nereusd.slurm import AllocationWatcher, SlurmClient
@@ -217,8 +219,8 @@ class Daemon:
         site = self.site
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
         record = self._resume_record() if self.args.resume else None
-        state = (record or {}).get("controller") if self.pool.live else None
-        driver.plan = self._launch_plan(site, driver, state)
+        resumed = self._resumed_controller(record, driver) if self.pool.live and record is not None else None
+        driver.plan = resumed.plan if resumed is not None else self._launch_plan(site, driver)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         self.control.spawn_workers(generation=self.store.generation, world=world, store_host=self.store.host,
                                    store_port=self.store.port, memory_capacity_bytes=job.device_memory_bytes,
@@ -227,16 +229,14 @@ class Daemon:
         self.pool.world_formed(driver.plan.to_dict(), world)
         resume = None if record is None else (str(record["dir"]), int(record["step"]), int(record["sample_position"]))
         if self.pool.live:
-            controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
-            if state is not None:
-                try:
-                    controller.restore(state)
-                except ConfigError as err:   # an older run's journal: resume with a fresh controller
-                    log.warning("resuming without the checkpoint's controller state: %s", err)
+            controller = resumed or controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
+            if tuple(sorted(world)) != controller.pool:
+                controller.pool_changed(tuple(sorted(world)))
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
                                        self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
-            driver.checkpoint_fields = lambda: {"controller": self.live.controller.state()}
+            fingerprint = job_fingerprint(job)
+            driver.checkpoint_fields = lambda: {"controller": self.live.controller.state(), "job_sha256": fingerprint}
         driver.on_step = self._on_step
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
         return driver.run(resume=resume)
@@ -254,24 +254,43 @@ class Daemon:
         log.warning("resuming at step %d from %s", step, record["dir"] if record else "the initial weights")
         return record
 
-    def _launch_plan(self, site: SiteConfig, driver: RLDriver, resumed: dict | None = None):
-        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan. A
-        resumed live job starts on the plan its checkpoint was taken under (``resumed``, the
-        controller state of its ``checkpoint`` event) when that plan's devices are among the
-        job's, with no planner solve; else as a new job would."""
+    def _resumed_controller(self, record: dict, driver: RLDriver):
+        """A resumed live job's controller as its checkpoint left it (the ``controller`` state of
+        its ``checkpoint`` event, :meth:`~nereusd.control.controller.Controller.state`), on the plan
+        it ran then — all of it, or ``None`` (then the job starts as a new one would, logged):
+        the job file must be the one the state was journalled under (``job_sha256``), the plan's
+        devices among the job's, and the plan predicted to fit the device memory for the
+        responses the controller had seen (a restart's checkpoint can hold a plan that did not)."""
         job = self.job
-        if resumed is not None:
-            try:
-                plan = Plan.from_dict(resumed["plan"])
-                outside = sorted(set(plan.devices()) - set(range(job.devices)))
-                if not outside:
-                    self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(),
-                                                           "source": "resumed: the plan of the checkpoint"})
-                    return plan
-                log.warning("resuming: the checkpoint's plan uses devices %s beyond the job's %d; planning anew",
-                            outside, job.devices)
-            except (KeyError, TypeError, ValueError, NereusError) as err:
-                log.warning("resuming: the checkpoint's plan is unusable (%s); planning anew", err)
+        state = record.get("controller")
+        if state is None:
+            return None
+        try:
+            if record.get("job_sha256") != job_fingerprint(job):
+                raise ConfigError("the job file differs from the one it was journalled under")
+            plan = Plan.from_dict(state["plan"])
+            pool = tuple(range(job.devices))
+            outside = sorted(set(plan.devices()) - set(pool))
+            if outside:
+                raise ConfigError(f"its plan uses devices {outside} beyond the job's {job.devices}")
+            controller = controller_for_job(job, self.site, plan, driver.prompt_length, pool=pool)
+            controller.restore(state)
+            length = controller.lookahead(controller.length)
+            ev = evaluate(controller.problem(pool, length), plan, controller.cost_model)
+            usable = usable_bytes(controller.problem(pool, length).site.device_memory_bytes, controller.headroom())
+            if max(ev.peak_bytes.values(), default=0) > usable:
+                raise ConfigError(f"its plan is predicted over the usable device memory at {length}-token responses")
+        except (ConfigError, PlanError, KeyError, TypeError, ValueError) as err:
+            log.warning("resuming without the checkpoint's controller state: %s", err)
+            self.journal.event(Event.LAUNCH_PLAN, {"plan": None, "source": "resumed: the checkpoint's controller "
+                                                   f"state not used ({err}); planning as a new job"})
+            return None
+        self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(), "source": "resumed: the plan of the checkpoint"})
+        return controller
+
+    def _launch_plan(self, site: SiteConfig, driver: RLDriver):
+        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan."""
+        job = self.job
         why = "the job's plan"
         if self.pool.live and "plan" not in job.config.model_fields_set:
             try:

@@ -150,6 +150,9 @@ class ControlPlane(TaskDispatch):
         self.exited_workers: dict[int, int | None] = {}
         self.stalled_workers: dict[int, float] = {}
         """Devices whose agent killed their stalled worker: ``{device: seconds silent}``."""
+        self._free_since: dict[int, float] = {}
+        """When each device's worker last returned a task result (monotonic): it starts its next
+        task then at the latest (the straggler rule)."""
         self.lost_agents: list[str] = []
         self.device_losses: dict[int, dict[str, Any]] = {}
         """Devices whose agent was lost (:meth:`remove_node`): ``{device: {node_id, cause, detail}}``."""
@@ -387,6 +390,7 @@ class ControlPlane(TaskDispatch):
             self.exited_workers.pop(device, None)
             self.stalled_workers.pop(device, None)
             return
+        self._free_since[device] = time.monotonic()
         if payload.task_id in self._abandoned:   # a failed task's straggler: nobody waits for it
             log.debug("dropped a late result of abandoned task %d from device %d", payload.task_id, device)
             return

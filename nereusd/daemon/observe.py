@@ -25,7 +25,8 @@
   ``metrics.jsonl`` line, nested keys joined with ``/`` (``stage_latency_s/generation``,
   ``train/actor/loss``), at the step's index, in ``RUN_DIR/tensorboard/``.
 - **Weights & Biases, MLflow**, when the job's ``loggers:`` names them: the same scalars at the
-  same steps (:mod:`nereusd.loggers`). A tracker that fails mid-run is logged once and dropped.
+  same steps, from a thread of their own (:mod:`nereusd.loggers`). A tracker that fails mid-run
+  is logged once and dropped.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from nereusd.loggers import TrackerFeed
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,8 @@ class Observer:
             self._server, _ = start_http_server(metrics_port, addr=metrics_host, registry=r)
             host = f"[{metrics_host}]" if ":" in metrics_host else metrics_host
             self.endpoint = f"http://{host}:{self._server.server_port}/metrics"
-        self.trackers = list(trackers or [])
+        self.feed = TrackerFeed(trackers) if trackers else None
+        """The W&B / MLflow runs, fed from a thread of their own (:class:`~nereusd.loggers.TrackerFeed`)."""
         self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -143,23 +147,15 @@ class Observer:
             for tag, value in values.items():
                 self._writer.add_scalar(tag, value, global_step=record["step"])
             self._writer.flush()
-        for tracker in list(self.trackers):
-            try:
-                tracker.log(record["step"], values)
-            except Exception as err:  # noqa: BLE001 - a tracker's outage must not stop the job
-                log.warning("loggers.%s failed at step %s (%s: %s); it logs nothing more for this job",
-                            tracker.name, record["step"], type(err).__name__, str(err)[:200])
-                self.trackers.remove(tracker)
+        if self.feed is not None:
+            self.feed.log(record["step"], values)
 
     def close(self, ok: bool = True) -> None:
         """Stop serving, close the TensorBoard files, end the trackers' runs (finished when
         ``ok``, else failed)."""
-        for tracker in self.trackers:
-            try:
-                tracker.close(ok)
-            except Exception as err:  # noqa: BLE001 - the job is over; its summary must still be written
-                log.warning("loggers.%s: cannot end its run: %s: %s", tracker.name, type(err).__name__, err)
-        self.trackers = []
+        if self.feed is not None:
+            self.feed.close(ok)
+            self.feed = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -35,7 +35,12 @@ class PendingTask:
     """When it was dispatched (monotonic)."""
     half_s: float | None = None
     """Seconds from dispatch until half of its workers had returned (the straggler rule)."""
-    stragglers_killed: bool = False
+
+
+STRAGGLER_KINDS = frozenset({"generate", "logprobs", "values", "scores", "train"})
+"""Tasks whose workers all do like work (a replica's share of one batch), the ones the straggler
+rule judges. Others are uneven by design: a checkpoint is verified by one device of a
+model-stage, a build or a transition's finish starts vLLM engines on some devices only."""
 
 
 class TaskDispatch:
@@ -130,23 +135,33 @@ class TaskDispatch:
         return pending.results
 
     def _kill_stragglers(self, task_id: int, pending: PendingTask) -> None:
-        """The straggler rule (site ``liveness.straggler_factor``, ``straggler_min_s``): once half
-        of the task's workers returned, after ``t_half`` s, the workers still without a result
-        at ``max(straggler_min_s, straggler_factor × t_half)`` s are stalled although they beat
-        (a live-locked loop, a hung vLLM engine process): their agents stop them, and their exit
-        makes :meth:`collect` raise as for any lost worker, with cause ``worker_stalled``."""
-        if pending.stragglers_killed or 2 * len(pending.results) < len(pending.devices):
+        """The straggler rule (site ``liveness.straggler_factor``, ``straggler_min_s``), for the
+        :data:`STRAGGLER_KINDS`: once half of the task's workers returned, after ``t_half`` s, a
+        worker still without a result ``max(straggler_min_s, straggler_factor × t_half)`` s after
+        it could start the task — its dispatch, or its result of the task before it, since a
+        worker runs its tasks in order — is stalled although it beats (a live-locked loop, a
+        hung vLLM engine process): its agent stops it, and its exit makes :meth:`collect` raise
+        as for any lost worker, with cause ``worker_stalled``."""
+        if pending.kind not in STRAGGLER_KINDS or 2 * len(pending.results) < len(pending.devices):
             return
-        elapsed_s = time.monotonic() - pending.sent_s
+        now = time.monotonic()
         if pending.half_s is None:
-            pending.half_s = elapsed_s
+            pending.half_s = now - pending.sent_s
         bound_s = max(self.straggler_min_s, self.straggler_factor * pending.half_s)
-        if elapsed_s <= bound_s:
+        if now - pending.sent_s <= bound_s:
             return
-        missing = sorted(pending.devices - set(pending.results) - set(self.exited_workers))
-        if not missing:
+        stalled = []
+        for device in sorted(pending.devices - set(pending.results)):
+            if device in self.exited_workers or device in self.stalled_workers:
+                continue
+            if any(device in other.devices and device not in other.results
+                   for other_id, other in self._pending.items() if other_id < task_id):
+                continue   # still on an earlier task: this one has not started there
+            if now - max(pending.sent_s, self._free_since.get(device, 0.0)) > bound_s:
+                stalled.append(device)
+        if not stalled:
             return
-        pending.stragglers_killed = True
+        missing, elapsed_s = stalled, now - pending.sent_s
         log.error("task %s #%d: devices %s have no result %.0f s after dispatch although half of its %d workers "
                   "returned within %.1f s (bound %.1f s): stalled; stopping them", pending.kind, task_id, missing,
                   elapsed_s, len(pending.devices), pending.half_s, bound_s)

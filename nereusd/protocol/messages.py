@@ -178,8 +178,9 @@ class ToWorkers(_Message):
 
     type: Literal["to_workers"] = "to_workers"
     items: list[ToWorker] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
-    shared: dict[str, Any] | None = None
-    """Args fields every item shares, sent once per frame instead of once per device (a
+    shared: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
+    """(Absent from the frame when ``None``, so frames without it are what agents of the first
+    version of this message read.) Args fields every item shares, sent once per frame instead of once per device (a
     transition's communicator plan and plans: 8,192 copies of them made a transition 1.8 GiB).
     The agent sets them in each item's args, validated, before relaying (:func:`with_shared`)."""
 
@@ -277,18 +278,21 @@ def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_byte
     """
     head = f'{{"v":{PROTOCOL_VERSION},"type":"to_worker","device":'.encode()
     task = f',"task":{{"v":{PROTOCOL_VERSION},"type":"task","task_id":{int(task_id)},"args":'.encode()
-    frames, batch, size = [], [], 0
+    base = len(shared_json or b"")   # every frame carries the shared fields
+    if base > MAX_MESSAGE_BYTES // 2:
+        raise ProtocolError(f"shared fields of {base} bytes leave no room in a {MAX_MESSAGE_BYTES}-byte frame")
+    frames, batch, size = [], [], base
     for d, args in items:
         item = head + str(int(d)).encode() + task + args.model_dump_json().encode() + b"}}"
         if batch and (size + len(item) > max_bytes or len(batch) >= MAX_BATCH_ITEMS):
             frames.append(batch)
-            batch, size = [], 0
+            batch, size = [], base
         batch.append(item)
         size += len(item)
     if batch:
         frames.append(batch)
     opening = f'{{"v":{PROTOCOL_VERSION},"type":"to_workers","items":['.encode()
-    closing = b'],"shared":' + (b"null" if shared_json is None else shared_json) + b"}"
+    closing = b"]}" if shared_json is None else b'],"shared":' + shared_json + b"}"
     return [opening + b",".join(b) + closing for b in frames]
 
 

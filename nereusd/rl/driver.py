@@ -117,10 +117,10 @@ class RLDriver:
         self._peaks: dict[int, int] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None
         """``(directory, step, sample position)`` of the latest checkpoint."""
-        self.on_failure: Callable[[Exception], bool] | None = None
         self.checkpoint_fields: Callable[[], dict[str, Any]] | None = None
         """Extra fields of every ``checkpoint`` event (the live controller's state, so that
         ``nereusd --resume`` continues with what it learned)."""
+        self.on_failure: Callable[[Exception], bool] | None = None
         """Called when a step or its boundary (hook, transition, checkpoint) fails with a
         ``WorkerError`` or ``TransitionInterrupted``; True when it recovered (restart) and rewound
         the driver."""
@@ -483,6 +483,12 @@ class RLDriver:
             verified = {role: n for r in results.values() for role, n in r.result.get("verified_bytes", {}).items()}
             if sorted(verified) != roles:
                 raise StorageError(f"checkpoint {partial}: roles {sorted(set(roles) - set(verified))} were not verified")
+            extra: dict[str, Any] = {}
+            if self.checkpoint_fields is not None:
+                try:   # before the commit: a committed checkpoint always gets its event
+                    extra = self.checkpoint_fields()
+                except Exception:  # noqa: BLE001 - the checkpoint is good without it; a resume plans anew
+                    log.exception("checkpoint %s: its extra fields failed; journalled without them", directory)
             checkpoints.commit(directory)
         except BaseException:
             checkpoints.discard_partial(directory)
@@ -493,8 +499,7 @@ class RLDriver:
                                           "sample_position": self.resume_position,
                                           "bytes": sum(verified.values()),
                                           "elapsed_s": time.perf_counter() - start,
-                                          **({"pruned": [p.name for p in pruned]} if pruned else {}),
-                                          **(self.checkpoint_fields() if self.checkpoint_fields else {})})
+                                          **({"pruned": [p.name for p in pruned]} if pruned else {}), **extra})
 
     def restore(self, checkpoint: tuple[str, int, int] | None) -> None:
         """Load ``checkpoint`` (``(directory, step, sample position)``; ``None``: keep the initial

@@ -117,25 +117,30 @@ def test_registrations_beyond_the_jobs_pool_limit_are_refused():
         control.close()
 
 
-def _answering_agent(sock: zmq.Socket, answer: set[int], delay_s: dict[int, float], stop):
-    """An agent loop in a thread: answers ``answer``'s share of every task (device d after
-    ``delay_s[d]``, or at once), never the others', and reports a worker it is told to stop as
-    exited (``SIGTERM``), as the real agent does."""
+def _answering_agent(sock: zmq.Socket, answer: set[int], delay_s: dict[int, list[float]], stop):
+    """An agent loop in a thread: answers ``answer``'s share of every task, each device its tasks
+    in order (the next ``delay_s[d]`` seconds after it is free, or at once), never the others',
+    and reports a worker it is told to stop as exited (``SIGTERM``), as the real agent does."""
     import threading
     import time
 
     def loop():
         due: list[tuple[float, int, int]] = []
+        free: dict[int, float] = {}
         while not stop.is_set():
             if sock.poll(20):
                 msg = P.decode(sock.recv())
                 if isinstance(msg, P.ToWorkers):
-                    due += [(time.monotonic() + delay_s.get(i.device, 0.0), i.device, i.task.task_id)
-                            for i in msg.items if i.device in answer]
+                    for i in msg.items:
+                        if i.device in answer:
+                            delays = delay_s.get(i.device, [])
+                            at = max(time.monotonic(), free.get(i.device, 0.0)) + (delays.pop(0) if delays else 0.0)
+                            free[i.device] = at
+                            due.append((at, i.device, i.task.task_id))
                 elif isinstance(msg, P.StopWorkers):
                     for d in msg.devices:
                         sock.send(P.encode(P.WorkerExited(node_id="n0", device=d, exitcode=-15)))
-            for item in [x for x in due if x[0] <= time.monotonic()]:
+            for item in sorted(x for x in due if x[0] <= time.monotonic()):
                 due.remove(item)
                 sock.send(P.encode(P.FromWorkers(items=[P.FromWorker(device=item[1], payload=P.TaskResult(
                     task_id=item[2], device=item[1], ok=True, result={}))])))
@@ -145,23 +150,33 @@ def _answering_agent(sock: zmq.Socket, answer: set[int], delay_s: dict[int, floa
     return thread
 
 
+def _generate(devices) -> dict[int, P.GenerateArgs]:
+    return {d: P.GenerateArgs(model_stage="actor/generation", prompts=[[1]], max_new_tokens=1, temperature=1.0,
+                              greedy=False, stop_ids=(0,), pad_id=0, seed=d) for d in devices}
+
+
 def test_a_worker_without_a_result_long_after_half_its_task_returned_is_stopped_as_stalled():
     """The straggler rule (site ``liveness.straggler_*``): devices 0-2 answer, device 3 beats but
-    never answers (a live-locked worker, a hung vLLM engine). At max(min, factor × t_half) it is
-    stopped, its exit fails the task, and it is lost with cause ``worker_stalled``. A slow but
-    healthy worker within the bound, and a task nobody answered yet, are left alone."""
+    never answers (a live-locked worker, a hung vLLM engine). At max(min, factor × t_half) after
+    it could start, it is stopped, its exit fails the task, and it is lost with cause
+    ``worker_stalled``. Left alone: a slow but healthy worker within the bound; a worker that
+    starts late because it was busy with an earlier task; a task nobody answered yet; tasks of
+    uneven kinds (a checkpoint is verified by one device)."""
     import threading
 
     events: list[tuple[str, dict]] = []
     control = ControlPlane(straggler_factor=4.0, straggler_min_s=0.6, on_event=lambda e, f: events.append((e, f)))
     sock = fake_agent(control, "n0", 4)
     stop = threading.Event()
-    thread = _answering_agent(sock, answer={0, 1, 2}, delay_s={2: 0.3}, stop=stop)
+    # device 2: 0.3 s on its first generate task; device 1: 2 s on a memory report (past the 1.2 s bound), then
+    # its generate at once
+    thread = _answering_agent(sock, answer={0, 1, 2}, delay_s={2: [0.3], 1: [2.0]}, stop=stop)
     try:
-        args = {d: P.MemoryReportArgs() for d in range(3)}   # device 2 answers after 0.3 s: within the bound
-        assert set(control.run(args, timeout_s=10)) == {0, 1, 2} and control.stalled_workers == {}
+        report = control.submit({1: P.MemoryReportArgs()})   # device 1 is busy with it for 2 s
+        assert set(control.run(_generate(range(3)), timeout_s=10)) == {0, 1, 2} and control.stalled_workers == {}
+        control.collect(report, timeout_s=5)
         with pytest.raises(WorkerError, match=r"device\(s\) \[3\] exited"):
-            control.run({d: P.MemoryReportArgs() for d in range(4)}, timeout_s=10)
+            control.run(_generate(range(4)), timeout_s=10)
         assert control.lost_devices([0, 1, 2, 3]) == {3: {"cause": "worker_stalled", "node_id": "n0", "exitcode": -15,
                                                            "stalled_s": control.stalled_workers[3]}}
         assert 0.6 <= control.stalled_workers[3] < 3.0
@@ -169,7 +184,9 @@ def test_a_worker_without_a_result_long_after_half_its_task_returned_is_stopped_
         assert straggling["devices"] == [3] and straggling["bound_s"] == 0.6
         silent = fake_agent(control, "n1", 2)   # devices 4, 5: nothing answers
         with pytest.raises(WorkerError, match=r"no result from devices \[4, 5\] within 1 s"):
-            control.run({4: P.MemoryReportArgs(), 5: P.MemoryReportArgs()}, timeout_s=1.0)   # none returned: not judged
+            control.run(_generate([4, 5]), timeout_s=1.0)   # none returned: not judged
+        with pytest.raises(WorkerError, match=r"no result from devices \[4\] within 1 s"):
+            control.run({d: P.SaveCheckpointArgs(dir="/x") for d in (0, 1, 2, 4)}, timeout_s=1.0)   # uneven: not judged
         silent.close()
         assert sum(e == "worker_straggling" for e, _ in events) == 1 and 4 not in control.stalled_workers
     finally:

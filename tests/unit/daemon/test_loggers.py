@@ -93,12 +93,13 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_the_rest_go_on(tmp_path, co
     trackers = [outage] + open_trackers(LoggersConfig.model_validate({"mlflow": config.mlflow.model_dump()}),
                                         tmp_path, "track", JOB_CONFIG)
     observer = Observer(tmp_path, None, metrics_port=None, tensorboard=False, trackers=trackers)
+    feed = observer.feed
     observer.on_step(RECORD)
     observer.on_step(dict(RECORD, step=4))
-    assert observer.trackers == trackers[1:]
-    assert sum("loggers.mlflow failed at step 3" in r.message for r in caplog.records) == 1
     run_id = trackers[1].run_id
     observer.close(ok=True)
+    assert feed.trackers == trackers[1:]
+    assert sum("loggers.mlflow failed at step 3" in r.message for r in caplog.records) == 1
     client = mlflow.tracking.MlflowClient(tracking_uri=config.mlflow.tracking_uri)
     assert [m.step for m in client.get_metric_history(run_id, "reward_mean")] == [3, 4]
     assert outage.closed is None   # dropped: not asked again
@@ -153,3 +154,37 @@ def _wandb_history(run_dir: Path, run_id: str) -> list[dict]:
                     row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                     rows.append({k: v for k, v in row.items() if k not in ("_timestamp", "_runtime")})
     return rows
+
+
+def test_a_hanging_tracker_holds_up_nothing_and_a_full_queue_drops_steps_for_the_trackers_only(tmp_path, caplog):
+    """The trackers run on a thread of their own: a server that hangs (here for 2 s per call) does
+    not delay the step that the control plane's thread publishes; past the queue's bound, steps are
+    dropped for the trackers (counted, logged once), and closing waits a bounded time."""
+    import threading
+    import time
+
+    from nereusd.loggers import TrackerFeed
+
+    release = threading.Event()
+
+    class Hanging:
+        name, run_id = "mlflow", "r2"
+        logged: list[int] = []
+
+        def log(self, step, values):
+            release.wait(2.0)
+            self.logged.append(step)
+
+        def close(self, ok):
+            pass
+
+    hanging = Hanging()
+    feed = TrackerFeed([hanging], max_steps=2)
+    start = time.monotonic()
+    for step in range(6):
+        feed.log(step, {"reward_mean": 1.0})
+    assert time.monotonic() - start < 0.5   # the caller never waits on the server
+    assert feed.dropped_steps >= 3 and sum("fall behind" in r.message for r in caplog.records) == 1
+    release.set()
+    feed.close(ok=True, timeout_s=10)
+    assert hanging.logged[0] == 0 and len(hanging.logged) == 6 - feed.dropped_steps
