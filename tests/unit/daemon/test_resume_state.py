@@ -1,0 +1,62 @@
+"""Which controller state a resumed nereusd takes (``Daemon._resumed_controller``): all of it or
+none. The checkpoint event's state is taken when the job file is the one it was journalled under,
+the plan's devices are the job's and the plan fits the responses seen; otherwise the job plans as
+a new one would, and ``events.jsonl`` says why."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from nereusd.config.resolve import load_and_resolve
+from nereusd.config.site import load_site
+from nereusd.control.controller import controller_for_job, job_fingerprint
+from nereusd.daemon.app import Daemon
+from nereusd.journal import Journal, read_jsonl
+from nereusd.plan import Candidate, Plan
+from tests.support import REPO
+
+PROMPT = 5
+
+
+def _record(controller, job, **changes) -> dict:
+    return {"dir": "/x", "step": 4, "sample_position": 32, "job_sha256": job_fingerprint(job),
+            "controller": {**controller.state(), **changes}}
+
+
+def _resumed(tmp_path, job, record):
+    journal = Journal(tmp_path / "run")
+    daemon = SimpleNamespace(job=job, site=load_site(job.config.site), journal=journal)
+    controller = Daemon._resumed_controller(daemon, record, SimpleNamespace(prompt_length=PROMPT))
+    journal.close()
+    launches = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "launch_plan"]
+    return controller, launches[-1]
+
+
+def test_the_checkpoints_state_is_taken_whole_or_not_at_all(tmp_path):
+    job = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
+    site = load_site(job.config.site)
+    saved = controller_for_job(job, site, job.plan, PROMPT)
+    saved.length = 16   # short responses seen: the launch plan fits
+    saved.calibration.observe("gemm", 1.0, 4.0)
+
+    controller, launch = _resumed(tmp_path / "a", job, _record(saved, job))
+    assert controller is not None and controller.plan == job.plan and launch["plan"] == job.plan.to_dict()
+    assert controller.calibration.snapshot() == saved.calibration.snapshot() and controller.length == 16
+
+    other = _record(saved, job)
+    other["job_sha256"] = "0" * 64   # RUN_DIR/job.yaml edited since
+    controller, launch = _resumed(tmp_path / "b", job, other)
+    assert controller is None and launch["plan"] is None and "job file differs" in launch["source"]
+
+    wide = Plan({ms: Candidate(c.tp, c.pp, c.dp, tuple(d + 4 for d in c.devices), c.micro_batch)
+                 for ms, c in job.plan.items()})
+    controller, launch = _resumed(tmp_path / "c", job, _record(saved, job, plan=wide.to_dict()))
+    assert controller is None and "beyond the job's 4" in launch["source"]
+
+    # the demo's launch plan cannot hold its longest responses (README): a restart's checkpoint
+    # may carry such a plan; it is not resumed into
+    controller, launch = _resumed(tmp_path / "d", job, _record(saved, job, length=job.config.rollout.max_new_tokens))
+    assert controller is None and "over the usable device memory" in launch["source"]
+
+    controller, launch = _resumed(tmp_path / "e", job, _record(saved, job, monitor="garbage"))
+    assert controller is None and "malformed" in launch["source"]
