@@ -15,8 +15,8 @@ parameters (MLflow). The run ends as finished when the job succeeded, else as fa
 
 - **Resume.** The runs' ids are kept in ``RUN_DIR/loggers.json``: a nereusd resumed on that run
   directory (``nereus-launch resume``) continues the same runs. Steps it runs again are logged
-  again at their step: MLflow keeps both values; W&B ignores a step below the run's last one,
-  so it keeps the first attempt's.
+  again at their step, both attempts kept: W&B's x axis is the job's ``step`` (``define_metric``),
+  not its own counter, which may only grow.
 - **Failures.** A missing package fails the job when its file is loaded, before any process
   starts. A tracker that cannot start (a server unreachable, no credentials) fails the job when
   nereusd starts, before any step, naming ``loggers.<name>``; its client's retries are bounded
@@ -108,9 +108,13 @@ class WandbTracker:
                               id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(silent=True, console="off", init_timeout=WANDB_INIT_TIMEOUT_S))
         self.run_id = self.run.id
+        # the job's step is the x axis, not W&B's own (which must only grow): steps run again
+        # after a resume are logged again instead of being dropped by W&B as going back
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        self.run.log({**values, "step": step})
 
     def close(self, ok: bool) -> None:
         self.run.finish(exit_code=0 if ok else 1)

@@ -67,16 +67,21 @@ def test_every_scalar_reaches_both_trackers_and_a_resume_continues_their_runs(tm
     assert run.data.params["train.actor_lr"] == "1e-06" and run.data.params["steps"] == "5"
     assert [(m.step, m.value) for m in client.get_metric_history(first["mlflow"], "train/actor/loss")] == [(3, -0.25)]
     assert not any(k.startswith("plan") for k in run.data.metrics)
-    history = _wandb_history(run_dir, first["wandb"])
-    assert history == [{"_step": 3, "step": 3, "step_latency_s": 1.5, "stage_latency_s/generation": 1.0,
+    history = [{k: v for k, v in row.items() if k != "_step"} for row in _wandb_history(run_dir, first["wandb"])]
+    assert history == [{"step": 3, "step_latency_s": 1.5, "stage_latency_s/generation": 1.0,
                         "reward_mean": 2.5, "train/actor/loss": -0.25}]
 
-    # nereusd resumed on the same run directory: same runs, the next step, and this time it fails
-    again = _run(run_dir, config, [dict(RECORD, step=4, reward_mean=3.0)], ok=False)
+    # nereusd resumed on the same run directory: same runs; step 3 runs again (after the
+    # checkpoint), then step 4, and this time the job fails
+    again = _run(run_dir, config, [dict(RECORD, reward_mean=2.75), dict(RECORD, step=4, reward_mean=3.0)], ok=False)
     assert again == first
     assert client.get_run(first["mlflow"]).info.status == "FAILED"
-    assert [(m.step, m.value) for m in client.get_metric_history(first["mlflow"], "reward_mean")] == [(3, 2.5), (4, 3.0)]
-    assert [h["_step"] for h in _wandb_history(run_dir, first["wandb"])] == [3, 4]
+    assert [(m.step, m.value) for m in client.get_metric_history(first["mlflow"], "reward_mean")] == [
+        (3, 2.5), (3, 2.75), (4, 3.0)]
+    assert [(h["step"], h["reward_mean"]) for h in _wandb_history(run_dir, first["wandb"])] == [
+        (3, 2.5), (3, 2.75), (4, 3.0)]   # the re-run step is kept, not dropped as going back
+    # W&B drops a step below its own counter (online, the server's); the job's step is the x axis instead
+    assert {"*": "step"} in _wandb_history(run_dir, first["wandb"], record_type="metric")
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_the_rest_go_on(tmp_path, config, caplog):
@@ -128,10 +133,12 @@ def test_a_job_naming_a_tracker_that_is_not_installed_is_refused(tmp_path, monke
         load_and_resolve(job)
 
 
-def _wandb_history(run_dir: Path, run_id: str) -> list[dict]:
-    """Every history row of W&B's offline run files of ``run_id``, in order. The ``.wandb`` file
-    is a LevelDB log (after a 7-byte header): 32 KiB blocks of records ``crc32c u32, length u16,
-    type u8`` (1 full, 2 first, 3 middle, 4 last), each a ``wandb_internal_pb2.Record``."""
+def _wandb_history(run_dir: Path, run_id: str, record_type: str = "history") -> list[dict]:
+    """Every history row (``record_type="history"``; ``"metric"``: every metric definition, as
+    ``{glob_name or name: step_metric}``) of W&B's offline run files of ``run_id``, in order. The
+    ``.wandb`` file is a LevelDB log (after a 7-byte header): 32 KiB blocks of records
+    ``crc32c u32, length u16, type u8`` (1 full, 2 first, 3 middle, 4 last), each a
+    ``wandb_internal_pb2.Record``."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     rows = []
@@ -150,7 +157,9 @@ def _wandb_history(run_dir: Path, run_id: str) -> list[dict]:
             if kind in (1, 4):
                 record = pb.Record()
                 record.ParseFromString(pending)
-                if record.WhichOneof("record_type") == "history":
+                if record_type == "metric" and record.WhichOneof("record_type") == "metric":
+                    rows.append({record.metric.glob_name or record.metric.name: record.metric.step_metric})
+                elif record_type == "history" and record.WhichOneof("record_type") == "history":
                     row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                     rows.append({k: v for k, v in row.items() if k not in ("_timestamp", "_runtime")})
     return rows
