@@ -140,10 +140,10 @@ def test_bad_job_fails_before_anything_starts(tmp_path):
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGINT twice"])
+@pytest.mark.parametrize("signame", ["SIGINT twice", "SIGTERM"])
 def test_ctrl_c_tears_everything_down(tmp_path, signame):
-    # SIGINT: Ctrl-C; SIGTERM: `kill`, `timeout`, a batch system stopping the launcher; a second
-    # Ctrl-C during the teardown once cut it short and left nereusd, the agent and the workers running
+    # SIGINT: Ctrl-C, pressed twice (the first starts the teardown; a second once cut it short and
+    # left nereusd, the agent and the workers running); SIGTERM: `kill`, `timeout`, a batch system
     import os
     import signal
     import time
