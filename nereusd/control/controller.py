@@ -224,7 +224,7 @@ class Controller:
         return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
                 "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
                 "transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
-                "efficiency": self.efficiency, "monitor": self.monitor.state(),
+                "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
                 "base_plan": self.base_plan.to_dict()}
@@ -240,8 +240,7 @@ class Controller:
             if state.get("version") != self.STATE_VERSION:
                 raise ValueError(f"version {state.get('version')!r}, expected {self.STATE_VERSION}")
             Calibration.from_json(state["calibration"], "controller state: calibration")   # checked first
-            monitor = Monitor(deltas=dict(self.monitor.deltas), ema_alpha=self.monitor.ema_alpha)
-            monitor.restore(state["monitor"])
+            monitor = Monitor.from_json(state["monitor"])
             memory = [float(x) for x in state["memory_ratios"]]
             base_plan = Plan.from_dict(state["base_plan"])
             replay_until, replay_length = (int(x) for x in state["replay"])

@@ -16,7 +16,6 @@ Pure, clocked logic: the caller passes the step number; nothing reads a clock.
 from __future__ import annotations
 
 import enum
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -87,26 +86,6 @@ class Monitor:
     ema_alpha: float = DEFAULT_EMA_ALPHA
     _signals: dict[str, _Signal] = field(default_factory=dict)
     _pool: tuple[int, ...] | None = None
-
-    def state(self) -> dict:
-        """What :meth:`restore` needs (JSON): every signal's reference, last crossing and ``H_x``."""
-        return {"signals": {name: dataclasses.asdict(sig) for name, sig in sorted(self._signals.items())},
-                "pool": list(self._pool) if self._pool is not None else None}
-
-    def restore(self, state: Mapping) -> None:
-        """Continue from :meth:`state` (a resumed nereusd).
-
-        Raises:
-            KeyError, TypeError, ValueError: a malformed state (the caller keeps a fresh monitor).
-        """
-        def opt(value, kind):
-            return None if value is None else kind(value)
-
-        signals = {str(name): _Signal(reference=opt(sig["reference"], float), last_crossing=opt(sig["last_crossing"], int),
-                                      horizon=float(sig["horizon"]), intervals=int(sig["intervals"]))
-                   for name, sig in state["signals"].items()}
-        pool = state["pool"]
-        self._signals, self._pool = signals, (tuple(int(d) for d in pool) if pool is not None else None)
 
     def horizon(self, signal: str) -> float:
         """``H_x`` in steps: EMA of steps between crossings, 1.0 before any interval."""
@@ -191,7 +170,14 @@ class Monitor:
 
     @classmethod
     def from_json(cls, data: Mapping) -> "Monitor":
-        mon = cls(deltas=dict(data["deltas"]), ema_alpha=float(data["ema_alpha"]))
-        mon._pool = tuple(data["pool"]) if data.get("pool") is not None else None
-        mon._signals = {k: _Signal(**v) for k, v in data["signals"].items()}
+        """Raises: KeyError, TypeError, ValueError for a malformed state (every value is checked
+        here, not at the first boundary that reads it)."""
+        def opt(value, kind):
+            return None if value is None else kind(value)
+
+        mon = cls(deltas={str(k): float(v) for k, v in data["deltas"].items()}, ema_alpha=float(data["ema_alpha"]))
+        mon._pool = tuple(int(d) for d in data["pool"]) if data.get("pool") is not None else None
+        mon._signals = {str(k): _Signal(reference=opt(v["reference"], float), last_crossing=opt(v["last_crossing"], int),
+                                        horizon=float(v["horizon"]), intervals=int(v["intervals"]))
+                        for k, v in data["signals"].items()}
         return mon

@@ -104,9 +104,8 @@ class ControlPlane(TaskDispatch):
         status: returns the dict a ``StatusRequest`` is answered with.
         worker_stall_s: a worker whose liveness beat is silent this long is killed by its agent
             and reported lost with cause ``worker_stalled`` (site ``liveness.worker_stall_s``).
-        straggler_factor, straggler_min_s: a task's worker still without a result at
-            ``max(straggler_min_s, straggler_factor × t_half)`` after dispatch, where half the
-            workers returned by ``t_half``, is killed as stalled (site ``liveness``).
+        straggler_factor, straggler_min_s: the straggler rule (site ``liveness``,
+            :meth:`~nereusd.daemon.task_dispatch.TaskDispatch._kill_stragglers`).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, heartbeat_timeout_s: float = 15.0,

@@ -161,16 +161,16 @@ class TaskDispatch:
                 stalled.append(device)
         if not stalled:
             return
-        missing, elapsed_s = stalled, now - pending.sent_s
+        elapsed_s = now - pending.sent_s
         log.error("task %s #%d: devices %s have no result %.0f s after dispatch although half of its %d workers "
-                  "returned within %.1f s (bound %.1f s): stalled; stopping them", pending.kind, task_id, missing,
+                  "returned within %.1f s (bound %.1f s): stalled; stopping them", pending.kind, task_id, stalled,
                   elapsed_s, len(pending.devices), pending.half_s, bound_s)
-        self._on_event(Event.WORKER_STRAGGLING, {"task": pending.kind, "task_id": task_id, "devices": missing,
+        self._on_event(Event.WORKER_STRAGGLING, {"task": pending.kind, "task_id": task_id, "devices": stalled,
                                                  "elapsed_s": round(elapsed_s, 3), "half_s": round(pending.half_s, 3),
                                                  "bound_s": round(bound_s, 3)})
-        for device in missing:
+        for device in stalled:
             self.stalled_workers[device] = round(elapsed_s, 3)
-        self.release_devices(missing, f"no result of task {pending.kind} #{task_id} within {bound_s:.0f} s",
+        self.release_devices(stalled, f"no result of task {pending.kind} #{task_id} within {bound_s:.0f} s",
                              keep_in_pool=True)
 
     def run(self, args_by_device: Mapping[int, P.TaskArgs], timeout_s: float | None = None,
