@@ -51,6 +51,8 @@ class AgentRecord:
     """The socket descriptor its last message came on (the monitor reports disconnects by it)."""
     disconnected_s: float | None = None
     """When its connection dropped (monotonic), until a message arrives again."""
+    heartbeat_ack: bytes | None = None
+    """The encoded reply to its heartbeats (the same frame every second: encoded once)."""
 
 
 MAX_DEVICES_PER_AGENT = 64
@@ -192,12 +194,18 @@ class ControlPlane(TaskDispatch):
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self._sock.poll(remaining_ms, zmq.POLLIN):
                 break
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                fd = frames[-1].get(zmq.SRCFD)
-            except zmq.ZMQError:
-                fd = None
-            self._receive([f.bytes for f in frames], fd)
+            while True:   # drain what is queued: one poll per burst, not one per message
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    fd = frames[-1].get(zmq.SRCFD)
+                except zmq.ZMQError:
+                    fd = None
+                self._receive([f.bytes for f in frames], fd)
+                if time.monotonic() >= deadline:
+                    break
             if time.monotonic() >= deadline:
                 break
         self._check_monitor()
@@ -293,7 +301,9 @@ class ControlPlane(TaskDispatch):
             raise ProtocolError(f"{msg.type!r} from an unregistered peer")
         if isinstance(msg, P.Heartbeat):
             agent.workers_alive = set(msg.workers_alive)
-            self._send(identity, P.Heartbeat(node_id=agent.node_id))  # the ack tells the agent we live
+            if agent.heartbeat_ack is None:
+                agent.heartbeat_ack = P.encode(P.Heartbeat(node_id=agent.node_id))
+            self._send_frame(identity, "heartbeat", agent.heartbeat_ack)   # the ack tells the agent we live
         elif isinstance(msg, P.WorkerExited):
             self._worker_exited(agent, msg)
         elif isinstance(msg, P.FromWorker):

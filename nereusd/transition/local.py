@@ -40,6 +40,7 @@ with ``discard`` set.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections import Counter, defaultdict
@@ -112,6 +113,45 @@ class _Builder:
         return op_id
 
 
+class _SenderPicker:
+    """The Extend source of each missing device among the holders of one ``T_sub`` position:
+    the holder minimising ``(on another node than the receiver, sends so far, not retained,
+    index)`` — that key's minimum over all holders, in O(log n) per pick instead of O(n) (a
+    dp 4,096 → 8,192 scale-up has 4,096 holders and 4,096 receivers).
+
+    One heap over all holders and one per node, keyed by ``(sends, not retained, index)``.
+    ``sends`` only grows, so an entry whose count is stale is re-pushed when it surfaces.
+    """
+
+    def __init__(self, holders: list[int], retained: set[int], node_of: Callable[[int], int],
+                 sends: Counter[int]) -> None:
+        self._sends, self._node_of = sends, node_of
+        self._key = {c: (c not in retained, c) for c in holders}
+        self._all = [(sends[c], *self._key[c]) for c in holders]
+        heapq.heapify(self._all)
+        self._by_node: dict[int, list[tuple[int, bool, int]]] = defaultdict(list)
+        for entry in self._all:
+            self._by_node[node_of(entry[2])].append(entry)
+        for heap in self._by_node.values():
+            heapq.heapify(heap)
+
+    def _top(self, heap: list[tuple[int, bool, int]]) -> int | None:
+        while heap:
+            count, _, c = heap[0]
+            if count == self._sends[c]:
+                return c
+            heapq.heapreplace(heap, (self._sends[c], *self._key[c]))
+        return None
+
+    def pick(self, node: int) -> int:
+        """The source for a receiver on ``node``; the caller then counts its send in ``sends``."""
+        src = self._top(self._by_node.get(node, []))
+        if src is None:
+            src = self._top(self._all)
+        # the caller increments sends[src]: its entries (here and in its node's heap) go stale
+        return src
+
+
 def local_dag(
     delta: Delta, spec: ModelSpec, *, value_head: bool, node_of: Callable[[int], int]
 ) -> tuple[list[Op], list[Edge]]:
@@ -177,9 +217,9 @@ def local_dag(
             holders[sigma[x]].append(x)
     sends: Counter[int] = Counter()
     src_of: dict[int, int] = {}
+    pickers = {pos: _SenderPicker(devs, retained, node_of, sends) for pos, devs in holders.items()}
     for dst in missing:
-        src = min(holders[sigma_t[dst]],
-                  key=lambda c: (node_of(c) != node_of(dst), sends[c], c not in retained, c))
+        src = pickers[sigma_t[dst]].pick(node_of(dst))
         src_of[dst] = src
         sends[src] += 1
 

@@ -152,3 +152,27 @@ def test_bad_layout_is_refused():
     with pytest.raises(PlanError, match="no model spec for role critic"):
         plan_transition(Plan({}), Plan({ModelStage(Role.CRITIC, Stage.TRAINING): Candidate(1, 1, 1, (0,))}),
                         {Role.ACTOR: SPEC}, devices_per_node=1)
+
+
+def test_sender_picker_is_the_brute_force_minimum():
+    """The heap-based Extend source choice equals ``min`` over all holders of the key the module
+    docstring gives (same node first, fewest sends, retained last, lowest index), pick after pick."""
+    import random
+    from collections import Counter
+
+    from nereusd.transition.local import _SenderPicker
+
+    for trial in range(300):
+        rng = random.Random(trial)
+        holders = sorted(rng.sample(range(64), rng.randint(1, 24)))
+        retained = {c for c in holders if rng.random() < 0.3}
+        per_node = rng.choice([1, 2, 4, 8])
+        node_of = lambda x: x // per_node  # noqa: E731
+        sends, brute_sends = Counter(), Counter()
+        picker = _SenderPicker(holders, retained, node_of, sends)
+        for dst in rng.sample(range(64, 128), rng.randint(1, 40)) + [rng.randrange(64) for _ in range(8)]:
+            want = min(holders, key=lambda c: (node_of(c) != node_of(dst), brute_sends[c], c not in retained, c))
+            got = picker.pick(node_of(dst))
+            assert got == want, (trial, dst)
+            sends[got] += 1
+            brute_sends[want] += 1
