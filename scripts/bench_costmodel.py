@@ -201,14 +201,12 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ridge
     return {c: float(1.0 / x[k]) for k, c in enumerate(classes)}
 
 
-def predicted_peak_bytes(spec: ModelSpec, layout: Layout, site: SiteConfig,
-                         flash_attention: bool = True) -> Mapping[str, int]:
-    """:func:`nereusd.cost.memory.stage_memory` components of ``layout`` on ``site``'s devices
-    (``flash_attention=True`` is what the planner assumes)."""
+def predicted_peak_bytes(spec: ModelSpec, layout: Layout, site: SiteConfig) -> Mapping[str, int]:
+    """:func:`nereusd.cost.memory.stage_memory` components of ``layout`` on ``site``'s devices."""
     return stage_memory(spec, TRAIN, sequences=layout.sequences, prompt_length=layout.prompt_len,
                         response_length=layout.seq_len - layout.prompt_len, tp=layout.tp, pp=layout.pp,
                         dp=layout.dp, micro_batch=layout.micro_batch, dtype=site.compute_dtype,
-                        device_kind=site.device_kind, flash_attention=flash_attention).components
+                        device_kind=site.device_kind).components
 
 
 # --------------------------------------------------------------------------- measurement (ranks)
@@ -422,23 +420,22 @@ def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None
     lines.append(f"{'layout':<26}{'booked MiB':>11}{'predicted MiB':>15}{'error %':>9}"
                  f"{'like-for-like %':>17}")
     workspace = WORKSPACE_BYTES[site.device_kind]
-    pred_mem, pred_noflash, meas_mem = [], [], []
+    pred_mem, pred_bare, meas_mem = [], [], []
     for lay, row in zip(layouts, rows):
         pred_mem.append(sum(predicted_peak_bytes(SPEC, lay, site).values()))
-        no_flash = predicted_peak_bytes(SPEC, lay, site, flash_attention=False)
-        pred_noflash.append(sum(no_flash.values()) - workspace)
+        pred_bare.append(pred_mem[-1] - workspace)
         meas_mem.append(row["peak_bytes"])
         lines.append(f"{lay.describe():<26}{row['peak_bytes'] / MIB:>11.1f}{pred_mem[-1] / MIB:>15.1f}"
                      f"{percent_errors([pred_mem[-1]], [row['peak_bytes']])[0]:>+9.1f}"
-                     f"{percent_errors([pred_noflash[-1]], [row['peak_bytes']])[0]:>+17.1f}")
+                     f"{percent_errors([pred_bare[-1]], [row['peak_bytes']])[0]:>+17.1f}")
     mem_mape = mape(pred_mem, meas_mem)
     lines.append(f"peak memory as the planner predicts it: MAPE {mem_mape:.1f} %, max "
                  f"{max_abs_error(pred_mem, meas_mem):.1f} %, worst under-prediction "
-                 f"{min(percent_errors(pred_mem, meas_mem)):+.1f} %; like-for-like (flash_attention=False, "
-                 f"as the CPU "
-                 f"engine materialises attention scores, and without the {workspace // MIB} MiB workspace "
-                 f"emu/state/devmem.py does not book): MAPE {mape(pred_noflash, meas_mem):.1f} %, "
-                 f"max {max_abs_error(pred_noflash, meas_mem):.1f} %")
+                 f"{min(percent_errors(pred_mem, meas_mem)):+.1f} %; like-for-like (without the "
+                 f"{workspace // MIB} MiB workspace emu/state/devmem.py does not book; the activations are one "
+                 f"formula, nereusd.cost.memory.micro_batch_activation_bytes, checked against autograd's saved "
+                 f"tensors in tests/unit/emu/test_activation_bytes.py): MAPE {mape(pred_bare, meas_mem):.1f} %, "
+                 f"max {max_abs_error(pred_bare, meas_mem):.1f} %")
     lines.append(f"costmodel: training MAPE {train_mape:.1f} %; max {train_max:.1f} %; "
                  f"memory error {mem_mape:.1f} %")
     return "\n".join(lines)

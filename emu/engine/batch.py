@@ -74,12 +74,6 @@ class PackedBatch:
     def real_tokens(self) -> int:
         return int((self.positions >= 0).sum())
 
-    def attention_pairs(self, i: int) -> int:
-        """Query-key pairs micro-batch ``i``'s attention computes: ``Σ len²`` packed, ``mb·S²`` padded."""
-        if self.segments is None:
-            return self.mb * self.tokens.shape[1] ** 2
-        return sum(n * n for n in self.segments[i])
-
     def rows_of(self, rows: torch.Tensor, lengths: list[int]) -> list[list[float]]:
         """Per sequence ``i``, its ``lengths[i]`` results from ``rows [n·mb, T]`` (see :attr:`place`)."""
         return [rows[r, off:off + n].tolist() for (r, off), n in zip(self.place, lengths)]

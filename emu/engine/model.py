@@ -227,7 +227,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor, kv_cache: Optional[KVCache]) -> torch.Tensor:
+                mask: torch.Tensor | tuple[int, ...] | None, kv_cache: Optional[KVCache]) -> torch.Tensor:
+        """``mask``: a boolean ``[B, 1, S, past + S]`` mask, a packed row's segment lengths, or
+        ``None`` for plain causal attention over the row (no past)."""
         b, s, _ = x.shape
         d = self.spec.head_dim
         x = copy_to_tp(x, self.tp)
@@ -249,6 +251,8 @@ class Attention(nn.Module):
         if isinstance(mask, tuple):   # packed row (b == 1): each segment attends causally to itself
             out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True) for qs, ks, vs in
                              zip(q.split(mask, 2), k.split(mask, 2), v.split(mask, 2))], dim=2)
+        elif mask is None:   # causal over the whole row: the fused kernel's own mask, none stored
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * d)
@@ -422,6 +426,10 @@ class LlamaModel(nn.Module):
             if b != 1 or kv_cache is not None or attention_mask is not None or sum(segments) != s:
                 raise ValueError(f"segments {list(segments)} need one row of {s} tokens, no kv_cache and no mask")
             mask = tuple(segments)
+        elif attention_mask is None and past == 0:
+            # plainly causal: SDPA's is_causal instead of a [B, 1, S, S] mask, which autograd would
+            # keep per layer for backward (B·S² elements each; 64 MiB per layer at S = 4,096 in fp32)
+            mask = None
         else:
             mask = attention_mask_4d(attention_mask, s, past, b, device)
         for layer in self.model.layers.values():

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from emu.engine.batch import PackedBatch
-from emu.state.devmem import DeviceMemory, activation_bytes
+from emu.state.devmem import DeviceMemory
 from emu.engine.generate import SamplingParams, generate, kv_cache_shape
 from emu.engine.canonical import init_full_state, replicated_grad_names, shard_dim, shard_full_tensor
 from emu.engine.model import KVCache, LlamaModel
 from emu.engine.parallel import (StageGroups, gather_pp, gather_tp, pipeline_in_flight, run_pipeline,
                                 vocab_parallel_logprobs_entropy)
+from nereusd.cost.memory import micro_batch_activation_bytes
 from nereusd.errors import NereusError, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Stage
@@ -78,6 +79,7 @@ class StageEngine:
         with torch.device("meta"):
             module = LlamaModel(spec, value_head=value_head, tp=groups.tp, layer_range=self.layers)
         self._param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self._act_bytes = next(module.parameters()).element_size()   # activations in the parameters' dtype
         memory.allocate(self.ms, "parameters", self._param_bytes)
         if trainable:
             memory.allocate(self.ms, "gradients", self._param_bytes)
@@ -216,8 +218,9 @@ class StageEngine:
                                 seeds=None if seeds is None else tuple(seeds))
         width = max(len(p) for p in prompts)
         shape = kv_cache_shape(self.module, len(prompts), width + max_new_tokens)
-        act = activation_bytes(self.spec, tp=self.groups.tp.size, layers=len(self.layers), batch=len(prompts),
-                               seq=width, train=False, recompute=False, head_positions=width, vocab_head=True)
+        act = micro_batch_activation_bytes(self.spec, tp=self.groups.tp.size, layers=len(self.layers),
+                                           batch=len(prompts), seq=width, act_bytes=self._act_bytes, train=False,
+                                           head_positions=1, vocab_head=True)
         self.memory.allocate(self.ms, "kv_cache", KVCache.nbytes_for(*shape))
         try:
             self.memory.allocate(self.ms, "activations", act)
@@ -289,10 +292,10 @@ class StageEngine:
         """
         n, mb, seq = batch.n_micro, batch.mb, batch.tokens.shape[1]
         tp, pp = self.groups.tp.size, self.candidate.pp
-        pairs = max(batch.attention_pairs(i) for i in range(n))
-        per_mb = activation_bytes(self.spec, tp=tp, layers=len(self.layers), batch=mb, seq=seq, train=train,
-                                  recompute=self.recompute, head_positions=batch.index.shape[1],
-                                  vocab_head=not self.value_head, attention_pairs=pairs)
+        per_mb = micro_batch_activation_bytes(
+            self.spec, tp=tp, layers=len(self.layers), batch=mb, seq=seq, act_bytes=self._act_bytes, train=train,
+            recompute=self.recompute, first_stage=self.groups.pp_rank == 0, last_stage=self.groups.is_last_stage,
+            head_positions=batch.index.shape[1], vocab_head=not self.value_head, packed=batch.segments is not None)
         module = self.module if batch.segments is None else _PackedRows(self.module, batch)
         self.memory.allocate(self.ms, "activations", per_mb * pipeline_in_flight(n, pp, self.groups.pp_rank))
         try:

@@ -4,8 +4,10 @@ In local mode a worker is a CPU process standing in for a GPU with a configured 
 (DESIGN.md, "Local mode"). Every byte the engine holds for a model-stage — parameters,
 gradients, Adam state, KV cache, activations — is booked here *before* it is allocated, so an
 oversized plan or micro-batch fails with :class:`DeviceOutOfMemory` before any work is done,
-exactly where a GPU would run out. On a CUDA device the allocator's own peak is reported
-beside the booked one (:meth:`DeviceMemory.cuda_peak_bytes`).
+exactly where a GPU would run out. Activation bytes come from the memory model's formula
+(:func:`nereusd.cost.memory.micro_batch_activation_bytes`): one formula for the planner and the
+engine. On a CUDA device the allocator's own peak is reported beside the booked one
+(:meth:`DeviceMemory.cuda_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,8 @@ from typing import Optional
 import torch
 
 from nereusd.errors import DeviceOutOfMemory
-from nereusd.models import ModelSpec
 
 log = logging.getLogger(__name__)
-
-FP32 = 4
 
 
 class DeviceMemory:
@@ -114,29 +113,3 @@ class DeviceMemory:
 
     def _is_cuda(self) -> bool:
         return self.torch_device is not None and torch.device(self.torch_device).type == "cuda"
-
-
-def activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, seq: int, train: bool,
-                     recompute: bool, head_positions: int, vocab_head: bool,
-                     attention_pairs: Optional[int] = None) -> int:
-    """Estimated activation bytes of one micro-batch on one shard (fp32).
-
-    Per layer, training without sequence parallelism stores ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``
-    bytes at 16 bits (Korthikanti et al., "Reducing Activation Recomputation in Large
-    Transformer Models", 2022, Eq. 2 with TP); ×2 for fp32. With recomputation only the layer
-    input ``s·b·h`` is kept per layer plus one layer's full set. Inference keeps one layer's set.
-    The head adds logits of the read positions over ``V/t`` (values, softmax, exp: ×3).
-    The ``5as/(ht)`` term is the attention scores of ``b·s²`` query-key pairs; a packed row
-    (:mod:`emu.engine.batch`) computes only ``attention_pairs = Σ len²`` of them.
-    """
-    s, b, h, a, t = seq, batch, spec.hidden_size, spec.num_heads, tp
-    pairs = b * s * s if attention_pairs is None else attention_pairs
-    per_layer = int(2 * s * b * h * (10 + 24 / t) + 10 * a * pairs / t)
-    if not train:
-        body = per_layer
-    elif recompute:
-        body = layers * s * b * h * FP32 + per_layer
-    else:
-        body = layers * per_layer
-    head = 3 * b * head_positions * (spec.vocab_size // t) * FP32 if vocab_head else 3 * b * s * FP32
-    return body + head + b * s * h * FP32

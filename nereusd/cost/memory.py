@@ -11,9 +11,11 @@ Components (paper §4.2 "Peak memory"; DESIGN.md "Cost model"):
   16 bytes per parameter for bf16 and for fp32, divided by ``tp·pp``; ZeRO-1/2 divide the
   optimizer state (and at stage 2 the gradients) by ``dp`` as well (:func:`zero_state_bytes`);
 - activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-  Models" (MLSys 2023), §4, adapted to SwiGLU and grouped-query attention; full recomputation
-  keeps only each layer's input;
-- KV cache for generation; logits for log-prob model-stages; a fixed workspace;
+  Models" (MLSys 2023), §4, counted again for the engine's Llama block and checked against what
+  autograd keeps (:func:`micro_batch_activation_bytes`, the engine books the same); full
+  recomputation keeps only each layer's input;
+- KV cache for generation; the head (final norm, logits or values) on the last stage; a fixed
+  workspace;
 - co-resident idle model-stages (their :attr:`MemoryEstimate.resident_bytes`), added by the
   planner for devices shared across phases;
 - a plan is feasible only below ``(1 − headroom) · capacity`` with ``headroom = 10 %``.
@@ -120,21 +122,83 @@ def zero_state_bytes(params: int, dp: int, zero_stage: int, compute_bytes: int) 
 
 
 def activation_bytes_per_token_layer(spec: ModelSpec, tp: int, act_bytes: int, seq_len: int,
-                                     flash_attention: bool = True) -> float:
-    """Stored activation bytes per token per layer for backward, without sequence parallelism.
+                                     flash_attention: bool = True, packed: bool = False) -> float:
+    """Bytes autograd keeps for backward per token per decoder layer, without sequence parallelism.
 
-    Korthikanti et al. 2023, Eq. 2 (``sbh(10 + 24/t + 5as/(ht))`` for a GELU MLP of ``4h``)
-    re-derived for SwiGLU and GQA: replicated norm/attention/MLP inputs ``4h``, sharded q, k, v
-    and attention output ``(2q + 2kv)/t``, SwiGLU gate, up, activation and product ``4f/t``; the
-    softmax probabilities ``a·s/t`` per token only without flash attention. Elements × ``act_bytes``.
+    Korthikanti et al. 2023, Eq. 2 (``sbh(10 + 24/t + 5as/(ht))`` at 16 bits for a GELU MLP of
+    ``4h``) counted again for the engine's Llama block (:mod:`emu.engine.model`: RMSNorm, GQA
+    attention through ``scaled_dot_product_attention``, SwiGLU) and checked tensor by tensor with
+    ``torch.autograd.graph.saved_tensors_hooks`` (``tests/unit/emu/test_activation_bytes.py``):
+
+    - ``6h`` replicated over TP: both norms' inputs and outputs, the q/k/v and the gate/up inputs;
+    - ``4q/t``: q, k and v as attention reads them (GQA's k and v repeated to the local query
+      heads) and the attention output;
+    - ``4f/t``: SwiGLU's gate, up, ``silu(gate)`` and the product;
+    - ``a/t + 2`` in fp32: the fused attention's log-sum-exp per head, both norms' ``rstd``;
+    - ``a·s/t`` more without a fused attention kernel (softmax probabilities stored);
+    - ``q/t`` more in a packed row (:mod:`emu.engine.batch`): each segment's attention output and
+      their concatenation are both kept, where a padded batch's output projection reads a view.
+
+    Elements × ``act_bytes`` (the statistics are fp32; counted at ``act_bytes`` too).
     """
-    h, f, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    q = spec.num_heads * d
-    kv = max(1, math.ceil(spec.num_kv_heads / tp)) * d
-    elements = 4 * h + (2 * q) / tp + 2 * kv + 4 * f / tp
+    h, f = spec.hidden_size, spec.intermediate_size
+    q, a = spec.num_heads * spec.head_dim, spec.num_heads
+    elements = 6 * h + ((5 if packed else 4) * q + 4 * f + a) / tp + 2
     if not flash_attention:
-        elements += spec.num_heads * seq_len / tp
+        elements += a * seq_len / tp
     return elements * act_bytes
+
+
+TOKEN_ID_BYTES = 8
+"""int64 token ids."""
+
+
+def head_activation_bytes(spec: ModelSpec, *, tp: int, batch: int, seq: int, head_positions: int,
+                          act_bytes: int, vocab_head: bool) -> int:
+    """Bytes the last pipeline stage keeps for backward after the decoder layers, per micro-batch
+    of ``batch`` rows of ``seq`` tokens whose outputs are read at ``head_positions`` per row.
+
+    The final norm (input, output, the head's input and ``rstd``: ``3h + 1`` per token), then with
+    a vocabulary head the local logits ``[b, s, V/t]`` and, at the read positions, the shifted
+    logits and their ``exp`` (``2·b·P·V/t``, :func:`emu.engine.parallel.vocab_parallel_logprobs_entropy`);
+    with a value head the values ``[b, s]``. Measured as :func:`activation_bytes_per_token_layer`.
+    """
+    norm = batch * seq * (3 * spec.hidden_size + 1) * act_bytes
+    if not vocab_head:
+        return norm + batch * seq * act_bytes
+    vocab = math.ceil(spec.vocab_size / tp)
+    return norm + (batch * seq + 2 * batch * head_positions) * vocab * act_bytes
+
+
+def micro_batch_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, seq: int, act_bytes: int,
+                                 train: bool, recompute: bool = False, first_stage: bool = True,
+                                 last_stage: bool = True, head_positions: int = 0, vocab_head: bool = True,
+                                 flash_attention: bool = True, packed: bool = False) -> int:
+    """Activation bytes of one micro-batch (``batch`` rows of ``seq`` tokens) on one device of a
+    pipeline stage holding ``layers`` decoder layers: what the engine books before it runs one
+    (:meth:`emu.engine.stage.StageEngine._run`) and what the memory model predicts
+    (:func:`stage_memory`): one formula for both.
+
+    - Training keeps every layer's set (:func:`activation_bytes_per_token_layer`); with full
+      recomputation only each layer's input (``b·s·h``) plus the one layer being recomputed.
+    - Inference (no backward) holds one layer's set at a time.
+    - Every stage keeps RoPE's cos and sin (``2·b·s·head_dim``); the first the token ids; the last
+      :func:`head_activation_bytes`.
+    """
+    per_layer = batch * seq * activation_bytes_per_token_layer(spec, tp, act_bytes, seq, flash_attention, packed)
+    if not train:
+        body = per_layer
+    elif recompute:
+        body = layers * batch * seq * spec.hidden_size * act_bytes + per_layer
+    else:
+        body = layers * per_layer
+    total = body + 2 * batch * seq * spec.head_dim * act_bytes
+    if first_stage:
+        total += batch * seq * TOKEN_ID_BYTES
+    if last_stage:
+        total += head_activation_bytes(spec, tp=tp, batch=batch, seq=seq, head_positions=head_positions,
+                                       act_bytes=act_bytes, vocab_head=vocab_head)
+    return int(total)
 
 
 def kv_cache_bytes(spec: ModelSpec, tokens: int, tp: int, pp: int, kv_bytes: int) -> int:
@@ -188,7 +252,7 @@ def stage_memory(
     recompute: bool = False,
     dtype: str = "bf16",
     device_kind: str = "cuda",
-    flash_attention: bool | None = None,
+    flash_attention: bool = True,
     engine_seq: int | None = None,
     zero_stage: int = 0,
 ) -> MemoryEstimate:
@@ -202,8 +266,9 @@ def stage_memory(
             running in later waves.
         recompute: full activation recomputation (training only).
         dtype: compute dtype; parameters, gradients, activations and KV cache use it.
-        flash_attention: whether the softmax probabilities are never stored; default: on GPUs
-            (FlashAttention kernels), not on CPU devices (the CPU engine materialises them).
+        flash_attention: whether the softmax probabilities are never stored: true of the
+            engines here (``scaled_dot_product_attention`` is fused on CPUs and GPUs alike, and
+            vLLM's kernels); false for an engine with an unfused attention.
         engine_seq: generation on an engine of its own (vLLM) whose ``max_model_len`` is this:
             the engine holds a copy of the shard's weights while it runs (the EMU keeps its
             shard for transitions; the engine sleeps between rollouts), ``engine_weights =
@@ -216,8 +281,6 @@ def stage_memory(
         A :class:`MemoryEstimate`; see the module docstring for the formulas.
     """
     e = dtype_bytes(dtype)
-    if flash_attention is None:
-        flash_attention = device_kind != "cpu"
     seq = prompt_length + response_length
     per_replica = math.ceil(sequences / dp)
     params = parameters_per_device(spec, tp, pp)
@@ -225,32 +288,37 @@ def stage_memory(
     comp: dict[str, int] = {"parameters": params * e, "workspace": WORKSPACE_BYTES[device_kind]}
     resident = params * e
     b = min(micro_batch, per_replica)
+    layers = math.ceil(spec.num_layers / pp)
+    # the device holding the most: with pp > 1 the first stage (the embedding side, the most
+    # micro-batches in flight) or the last (the head), whichever needs more; one formula with
+    # the engine's booking (micro_batch_activation_bytes)
     if model_stage.stage is Stage.GENERATION:
         if engine_seq:
             tokens = vllm_kv_cache_tokens(b, max(seq, engine_seq), vllm_block_tokens(device_kind))
             comp["kv_cache"] = kv_cache_bytes(spec, tokens, tp, pp, e)
             comp["engine_weights"] = params * e
+            comp["logits"] = logits_bytes(spec, b, tp, backward=False)   # vLLM computes the sampled positions' only
         else:
             comp["kv_cache"] = kv_cache_bytes(spec, b * seq, tp, pp, e)
-        comp["logits"] = logits_bytes(spec, b, tp, backward=False)
-        comp["activations"] = int(b * prompt_length * activation_bytes_per_token_layer(
-            spec, tp, e, prompt_length, flash_attention))
+            comp["logits"] = head_activation_bytes(spec, tp=tp, batch=b, seq=prompt_length, head_positions=1,
+                                                   act_bytes=e, vocab_head=True)
+        comp["activations"] = micro_batch_activation_bytes(
+            spec, tp=tp, layers=layers, batch=b, seq=prompt_length, act_bytes=e, train=False, last_stage=False,
+            flash_attention=flash_attention)
     elif model_stage.stage is Stage.INFERENCE:
-        comp["activations"] = int(b * seq * activation_bytes_per_token_layer(spec, tp, e, seq, flash_attention))
-        if not value_output:
-            comp["logits"] = logits_bytes(spec, b * seq, tp, backward=False)
+        comp["activations"] = micro_batch_activation_bytes(
+            spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=False, last_stage=False,
+            flash_attention=flash_attention)
+        comp["logits"] = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
+                                               act_bytes=e, vocab_head=not value_output)
     else:
         comp.update(zero_state_bytes(params, dp, zero_stage, e))
         resident += comp["optimizer"]
         micro_batches = max(1, per_replica // b)
         in_flight = min(pp, micro_batches)
-        layers = math.ceil(spec.num_layers / pp)
-        per_layer_mb = b * seq * activation_bytes_per_token_layer(spec, tp, e, seq, flash_attention)
-        if recompute:
-            stored = in_flight * layers * b * seq * spec.hidden_size * e + per_layer_mb
-        else:
-            stored = in_flight * layers * per_layer_mb
-        comp["activations"] = int(stored)
-        if not value_output:
-            comp["logits"] = logits_bytes(spec, b * seq, tp, backward=True)
+        comp["activations"] = in_flight * micro_batch_activation_bytes(
+            spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=True, recompute=recompute,
+            last_stage=False, flash_attention=flash_attention)
+        comp["logits"] = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
+                                               act_bytes=e, vocab_head=not value_output)
     return MemoryEstimate(MappingProxyType(comp), int(resident))

@@ -204,16 +204,27 @@ def test_a_plan_predicted_over_usable_memory_is_not_kept_when_no_transition_fits
     assert not any(v == KEEP for over, v in verdicts if over)
 
 
-def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo):
+@pytest.mark.parametrize("tight", [False, True])
+def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo, tight):
     """A restart after an out-of-memory failure goes to the plan for the longest response (the safe
     remedy); with responses short and steady, nothing would trigger a replan and the job would stay
-    on that slower plan (simulated: 0.6 % slower than frozen on a real trace, where restarts after
-    pool losses went there too). The boundary after it replans once, opportunistically, and
-    leaves it when the saving pays back; a restart after a device loss plans for the coming
-    steps at once."""
+    on that plan, slower where the longest response needs a slower layout (simulated: 0.6 %
+    slower than frozen on a real trace, where restarts after pool losses went there too). The
+    boundary after it replans once, opportunistically, and leaves it when the saving pays back; a
+    restart after a device loss plans for the coming steps at once.
+
+    On the demo's devices (58 MiB) the plan for the longest response, micro-batches of one, is
+    predicted as fast as the plan for the coming steps (its activations are small beside the
+    weights and the co-resident stages): the boundary keeps it. On 36 MiB devices, responses of up
+    to 128 tokens and training micro-batches of 2, the longest response needs a slower layout:
+    the boundary leaves it."""
     from nereusd.control.monitor import RESTARTED
 
     job, site = demo
+    if tight:
+        job = dataclasses.replace(job, device_memory_bytes=36 * 2**20, config=job.config.model_copy(update={
+            "rollout": job.config.rollout.model_copy(update={"max_new_tokens": 128}),
+            "train": job.config.train.model_copy(update={"micro_batch": 2})}))
     adapter = controller_for_job(job, site, job.plan, PROMPT)
     for step in range(6):
         observe(adapter, step, 16)
@@ -222,14 +233,18 @@ def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo):
     adapter.failed(6, 16)                        # out of memory: the plan for the longest response
     restart = adapter.restart_plan(adapter.pool)
     coming = adapter.problem(adapter.pool, adapter.lookahead(16))
-    assert evaluate(coming, lost.plan, adapter.cost_model).step_latency_s < \
-        evaluate(coming, restart.plan, adapter.cost_model).step_latency_s
+    lost_s = evaluate(coming, lost.plan, adapter.cost_model).step_latency_s
+    restart_s = evaluate(coming, restart.plan, adapter.cost_model).step_latency_s
+    assert lost_s < restart_s if tight else lost_s == restart_s
     adapter.switched(restart.plan, adapter.pool)
     observe(adapter, 6, 16)
     outcome = adapter.boundary(6, adapter.pool)
     assert outcome is not None and [t.signal for t in outcome.decision.triggers] == [RESTARTED]
     d = outcome.decision
-    assert d.verdict == "admit" and d.target.step_latency_s < d.current_step_latency_s, d.to_dict()
+    if tight:
+        assert d.verdict == "admit" and d.target.step_latency_s < d.current_step_latency_s, d.to_dict()
+    else:
+        assert not d.admitted, d.to_dict()
     observe(adapter, 7, 16)
     assert adapter.boundary(7, adapter.pool) is None   # once
 

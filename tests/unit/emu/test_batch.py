@@ -39,10 +39,10 @@ def test_a_packed_batch_lays_sequences_end_to_end_with_their_own_positions():
     assert batch.index[1].tolist() == [0, 4] and batch.targets[1].tolist() == [9, 4]
     assert batch.targets[0].tolist() == [7, 0] and batch.per_token["mask"][0].tolist() == [1.0, 0.0]
     assert batch.per_token["w"][1].tolist() == [2.0, 4.0]
-    assert batch.real_tokens == 9 and batch.attention_pairs(1) == 4 + 16
+    assert batch.real_tokens == 9
     assert batch.rows_of(torch.arange(4.0).reshape(2, 2), [1, 1, 1]) == [[0.0], [2.0], [3.0]]
     padded = PackedBatch.build(seqs, index, 2, torch.device("cpu"))
-    assert padded.segments is None and padded.tokens.shape == (4, 4) and padded.attention_pairs(0) == 2 * 16
+    assert padded.segments is None and padded.tokens.shape == (4, 4)
 
 
 def test_a_packed_row_computes_what_each_sequence_computes_alone():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from emu.state.devmem import DeviceMemory
-from emu.state.devmem import activation_bytes
+from nereusd.cost.memory import micro_batch_activation_bytes
 from emu.engine.stage import StageEngine
 from emu.engine.generate import SamplingParams, generate
 from emu.engine.model import LlamaModel, init_full_state
@@ -93,8 +93,8 @@ def test_engine_books_parameters_gradients_and_adam_state():
 def test_too_large_micro_batch_fails_before_any_work():
     p = SPEC.num_parameters() * 4
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8]] * 8
-    act = activation_bytes(SPEC, tp=1, layers=4, batch=8, seq=8, train=True, recompute=False,
-                           head_positions=6, vocab_head=True)
+    act = micro_batch_activation_bytes(SPEC, tp=1, layers=4, batch=8, seq=8, act_bytes=4, train=True,
+                                       head_positions=6)
     mem = DeviceMemory(0, 4 * p + act - 1)
     eng = engine(mem, micro_batch=8)
     eng.initialize(seed=0)
@@ -128,8 +128,8 @@ def test_recompute_gives_the_same_step_with_fewer_activation_bytes():
         eng.train_step(seqs, pls, {"w": w}, loss_fn)
         states.append(eng.full_state())
     assert all(torch.allclose(states[0][n], states[1][n], atol=1e-6) for n in states[0])
-    kw = dict(tp=1, layers=4, batch=2, seq=512, train=True, head_positions=256, vocab_head=True)
-    assert activation_bytes(SPEC, recompute=True, **kw) < activation_bytes(SPEC, recompute=False, **kw) / 2
+    kw = dict(tp=1, layers=4, batch=2, seq=512, act_bytes=4, train=True, head_positions=256)
+    assert micro_batch_activation_bytes(SPEC, recompute=True, **kw) < micro_batch_activation_bytes(SPEC, **kw) / 2
 
 
 def test_engine_step_equals_plain_pytorch():
