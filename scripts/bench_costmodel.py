@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from nereusd.cost.calibration import DEFAULT_PRIOR, PRIORS, Calibration  # noqa: E402
+from nereusd.cost.calibration import PRIORS, Calibration, fit_efficiencies  # noqa: E402
 from nereusd.cost.model import CostModel, StageCost  # noqa: E402
 from nereusd.cost.memory import WORKSPACE_BYTES, stage_memory  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
@@ -69,9 +69,6 @@ CAPACITY_BYTES = 8 << 30
 """Booked capacity per rank: large enough for every layout (the accounting is what is compared,
 not whether it fits local.yaml's 0.5 GiB)."""
 MIB = 1 << 20
-MIN_X = 1e-3
-"""Smallest ``1/efficiency`` :func:`fit_efficiencies` accepts (efficiency at most 1000): it may
-exceed :data:`nereusd.cost.calibration.MAX_EFFICIENCY` when the site file understates the machine."""
 
 
 @dataclass(frozen=True)
@@ -163,42 +160,6 @@ def calibrate(site: SiteConfig, spec: ModelSpec, samples: Iterable[tuple[Layout,
             cm = CostModel(site, cal)  # efficiencies are read once per CostModel
             cal.observe_stage(predict(cm, spec, layout).ideal_s_by_class, measured_s)
     return cal
-
-
-def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ridge: float = 1e-2,
-                     priors: Mapping[str, float] = PRIORS) -> dict[str, float]:
-    """Per-class efficiencies that best explain whole-stage times (a diagnostic, not nereusd's path).
-
-    Each sample is ``(ideal_s_by_class, measured_s)``; the model ``measured ≈ Σ_c ideal_c · x_c``
-    is linear in ``x_c = 1/efficiency_c``. Minimises ``Σ_i (Σ_c ideal_ic·x_c/measured_i − 1)²``
-    (relative residuals, so short and long stages weigh alike) plus ``ridge · Σ_c w_c (x_c −
-    1/prior_c)²`` with ``w_c`` the mean squared column (a class the samples cannot pin down
-    stays near its prior). ``x_c`` below ``MIN_X`` is fixed there and the rest re-solved.
-    :meth:`Calibration.observe_stage` instead splits each measured time over the classes in
-    proportion to their predictions, which scales every class by the same ratio per sample.
-    """
-    samples = [(dict(ideal), float(meas)) for ideal, meas in samples if meas > 0]
-    classes = sorted({c for ideal, _ in samples for c, s in ideal.items() if s > 0})
-    if not classes:
-        return {}
-    a = np.array([[ideal.get(c, 0.0) / meas for c in classes] for ideal, meas in samples])
-    x0 = np.array([1.0 / priors.get(c, DEFAULT_PRIOR) for c in classes])
-    weight = ridge * np.diag((a ** 2).mean(axis=0))
-    fixed: dict[int, float] = {}
-    x = x0.copy()
-    for _ in classes:
-        free = [k for k in range(len(classes)) if k not in fixed]
-        rhs = np.ones(len(samples))
-        if fixed:
-            rhs -= a[:, list(fixed)] @ np.array(list(fixed.values()))
-        w = weight[np.ix_(free, free)]
-        x[free] = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
-        low = {k: MIN_X for k in free if x[k] < MIN_X}
-        if not low:
-            break
-        fixed.update(low)
-        x[list(low)] = MIN_X
-    return {c: float(1.0 / x[k]) for k, c in enumerate(classes)}
 
 
 def predicted_peak_bytes(spec: ModelSpec, layout: Layout, site: SiteConfig) -> Mapping[str, int]:
@@ -407,7 +368,7 @@ def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None
     lines.append(f"held-out layouts: {len(held)}; MAPE {train_mape:.1f} %; max {train_max:.1f} %")
     base = CostModel(site)
     for name, fit_on in (("held-out", calib), ("in-sample, all layouts", layouts)):
-        eff = fit_efficiencies([(predict(base, SPEC, lay).ideal_s_by_class, measured[lay]) for lay in fit_on])
+        eff = fit_efficiencies([(predict(base, SPEC, lay).ideal_s_by_class, measured[lay]) for lay in fit_on], PRIORS)
         fitted = CostModel(site, Calibration(priors=eff))
         test = held if fit_on is calib else layouts
         pred = [predict(fitted, SPEC, lay).latency_s for lay in test]

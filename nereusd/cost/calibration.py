@@ -2,10 +2,19 @@
 
 ``achieved = peak × efficiency`` (paper §4.2 "Calibration"). The cost model predicts, for each
 operation class, the *ideal* seconds at peak (efficiency 1); a measured time gives the sample
-``efficiency = ideal_s / measured_s``. The estimate of a class is a weighted median over its
-last ``window`` samples plus its prior counted ``prior_weight`` times, so one outlier (a page
-fault storm, a slow first step) cannot move it, and unseen classes keep a conservative prior
-(below what kernels and collectives usually achieve, so early plans do not over-promise).
+``efficiency = ideal_s / measured_s``. Two estimates, the second built on the first:
+
+- **Robust anchor.** Per class, a weighted median over its last ``window`` samples plus its
+  prior counted ``prior_weight`` times, so one outlier (a page fault storm, a slow first step)
+  cannot move it, and unseen classes keep a conservative prior (below what kernels and
+  collectives usually achieve, so early plans do not over-promise). A whole model-stage's
+  measured time is split over its classes in proportion to their predictions
+  (:meth:`Calibration.observe_stage`): one sample scales every class of the stage alike.
+- **Per-class least squares** over the last ``window`` whole-stage samples
+  (:func:`fit_efficiencies`): where stages of different class mixes were measured (layouts,
+  lengths), the fit tells the classes apart — the share of a stage's time that is GEMM,
+  collectives or the optimizer — where one shared ratio per sample cannot. A ridge term keeps
+  every class near its robust anchor, so a class the samples cannot pin down stays there.
 
 The state is plain JSON (:meth:`Calibration.to_json` / :meth:`Calibration.save` with an atomic
 rename) so that it survives a daemon restart and can be reused for a new model whose
@@ -20,7 +29,9 @@ import os
 import tempfile
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
 
 from nereusd.errors import ConfigError
 
@@ -50,7 +61,12 @@ PRIORS: dict[str, float] = {
 }
 DEFAULT_PRIOR = 0.30
 MIN_EFFICIENCY, MAX_EFFICIENCY = 1e-4, 1.5
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2 adds the whole-stage samples of the least-squares fit; a version-1 state (anchors only) loads."""
+RIDGE = 1e-2
+"""Weight of the pull toward the robust anchor in :func:`fit_efficiencies`, relative to a
+class's mean squared share of the samples."""
+MIN_FIT_SAMPLES = 2
 
 
 def weighted_median(values: Iterable[float], weights: Iterable[float]) -> float:
@@ -63,6 +79,48 @@ def weighted_median(values: Iterable[float], weights: Iterable[float]) -> float:
         if acc >= half:
             return value
     return pairs[-1][0]
+
+
+def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], anchor: Mapping[str, float],
+                     ridge: float = RIDGE) -> dict[str, float]:
+    """Per-class efficiencies that best explain whole-stage measured times.
+
+    Each sample is ``(ideal_s_by_class, measured_s)``; the model ``measured ≈ Σ_c ideal_c · x_c``
+    is linear in ``x_c = 1/efficiency_c``. Minimises ``Σ_i (Σ_c ideal_ic·x_c/measured_i − 1)²``
+    (relative residuals: short and long stages weigh alike) plus ``ridge · Σ_c w_c (x_c −
+    1/anchor_c)²``, ``w_c`` the class's mean squared column, so a class the samples cannot pin
+    down stays at its anchor. ``x_c`` outside ``[1/MAX_EFFICIENCY, 1/MIN_EFFICIENCY]`` is fixed at
+    the bound and the rest solved again.
+
+    Returns:
+        Efficiency per class that appears in a sample with positive ideal seconds (an unknown
+        anchor counts as :data:`DEFAULT_PRIOR`); ``{}`` without such samples.
+    """
+    samples = [(ideal, float(meas)) for ideal, meas in samples if meas > 0]
+    classes = sorted({c for ideal, _ in samples for c, v in ideal.items() if v > 0})
+    if not classes:
+        return {}
+    a = np.array([[ideal.get(c, 0.0) / meas for c in classes] for ideal, meas in samples])
+    x0 = np.array([1.0 / anchor.get(c, DEFAULT_PRIOR) for c in classes])
+    weight = ridge * np.diag((a ** 2).mean(axis=0))
+    lo, hi = 1.0 / MAX_EFFICIENCY, 1.0 / MIN_EFFICIENCY
+    fixed: dict[int, float] = {}
+    x = x0.copy()
+    for _ in classes:
+        free = [k for k in range(len(classes)) if k not in fixed]
+        if not free:
+            break
+        rhs = np.ones(len(samples))
+        if fixed:
+            rhs -= a[:, list(fixed)] @ np.array(list(fixed.values()))
+        w = weight[np.ix_(free, free)]
+        x[free] = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
+        out = {k: (lo if x[k] < lo else hi) for k in free if not lo <= x[k] <= hi}
+        if not out:
+            break
+        fixed.update(out)
+        x[list(out)] = list(out.values())
+    return {c: float(1.0 / x[k]) for k, c in enumerate(classes)}
 
 
 class Calibration:
@@ -80,9 +138,22 @@ class Calibration:
         self.window = window
         self.prior_weight = prior_weight
         self._samples: dict[str, deque[float]] = {}
+        self._stages: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
+        self._fitted: dict[str, float] | None = None
 
     def efficiency(self, op_class: str) -> float:
-        """Current efficiency of ``op_class`` in (0, 1.5]."""
+        """Current efficiency of ``op_class`` in (0, 1.5]: the least-squares fit where at least
+        :data:`MIN_FIT_SAMPLES` whole-stage samples cover the class, else the robust anchor."""
+        if self._fitted is None:
+            self._fitted = {}
+            if len(self._stages) >= MIN_FIT_SAMPLES:
+                classes = {c for ideal, _ in self._stages for c in ideal}
+                self._fitted = fit_efficiencies(self._stages, {c: self.anchor(c) for c in classes})
+        fitted = self._fitted.get(op_class)
+        return fitted if fitted is not None else self.anchor(op_class)
+
+    def anchor(self, op_class: str) -> float:
+        """The robust estimate of ``op_class``: weighted median of its samples and its prior."""
         prior = self.priors.get(op_class, DEFAULT_PRIOR)
         samples = self._samples.get(op_class)
         if not samples:
@@ -105,19 +176,23 @@ class Calibration:
             return
         sample = min(MAX_EFFICIENCY, max(MIN_EFFICIENCY, ideal_s / measured_s))
         self._samples.setdefault(op_class, deque(maxlen=self.window)).append(sample)
+        self._fitted = None
 
     def observe_stage(self, ideal_s_by_class: Mapping[str, float], measured_s: float) -> None:
         """Learn from one model-stage's total measured time when per-class times are unknown.
 
         The measured time is split over classes in proportion to their *predicted* seconds
-        (``ideal / efficiency``), and each share gives one sample of its class.
+        (``ideal / efficiency``), and each share gives one sample of its class's anchor; the
+        whole sample joins the least-squares window (module docstring).
         """
-        predicted = {c: s / self.efficiency(c) for c, s in ideal_s_by_class.items() if s > 0}
+        predicted = {c: s / self.efficiency(c) for c, s in ideal_s_by_class.items() if 0 < s < float("inf")}
         total = sum(predicted.values())
-        if total <= 0 or not measured_s > 0:
+        if total <= 0 or not 0 < measured_s < float("inf"):
             return
         for op_class, seconds in predicted.items():
             self.observe(op_class, ideal_s_by_class[op_class], measured_s * seconds / total)
+        self._stages.append(({c: float(ideal_s_by_class[c]) for c in predicted}, float(measured_s)))
+        self._fitted = None
 
     def snapshot(self) -> dict[str, float]:
         """Efficiency of every class with a prior or a sample."""
@@ -130,6 +205,7 @@ class Calibration:
             "prior_weight": self.prior_weight,
             "priors": self.priors,
             "samples": {c: list(s) for c, s in sorted(self._samples.items())},
+            "stages": [[ideal, measured] for ideal, measured in self._stages],
         }
 
     @classmethod
@@ -140,13 +216,15 @@ class Calibration:
             ConfigError: on another version or malformed content, naming ``source``.
         """
         version = data.get("version") if isinstance(data, Mapping) else None
-        if version != STATE_VERSION:
-            raise ConfigError(f"{source}: version: expected {STATE_VERSION}, got {version!r}")
+        if version not in (1, STATE_VERSION):
+            raise ConfigError(f"{source}: version: expected 1 or {STATE_VERSION}, got {version!r}")
         try:
             cal = cls(priors={str(k): float(v) for k, v in data["priors"].items()},
                       window=int(data["window"]), prior_weight=float(data["prior_weight"]))
             for op_class, values in data["samples"].items():
                 cal._samples[str(op_class)] = deque((float(v) for v in values), maxlen=cal.window)
+            for ideal, measured in data.get("stages", []) if version > 1 else []:
+                cal._stages.append(({str(c): float(v) for c, v in ideal.items()}, float(measured)))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ConfigError(f"{source}: malformed calibration state: {err!r}") from None
         return cal
@@ -161,6 +239,7 @@ class Calibration:
         other = self.from_json(data, source)
         self.priors, self.window, self.prior_weight, self._samples = (other.priors, other.window, other.prior_weight,
                                                                       other._samples)
+        self._stages, self._fitted = other._stages, None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the state as JSON atomically (temporary file in the same directory, rename)."""

@@ -44,16 +44,6 @@ def test_layouts_fill_the_four_devices():
     assert len({x.micro_batch for x in bench.LAYOUTS}) > 2 and len({x.seq_len for x in bench.LAYOUTS}) > 2
 
 
-def test_fit_recovers_efficiencies_of_exact_data():
-    true = {"gemm": 0.4, "all_reduce_intra": 0.2}
-    ideals = [{"gemm": 1.0, "all_reduce_intra": 0.5}, {"gemm": 2.0, "all_reduce_intra": 0.1},
-              {"gemm": 0.5, "all_reduce_intra": 1.0}]
-    samples = [(i, sum(s / true[c] for c, s in i.items())) for i in ideals]
-    fit = bench.fit_efficiencies(samples, ridge=1e-9)
-    assert fit == pytest.approx(true, rel=1e-4)
-    assert bench.fit_efficiencies([]) == {}
-
-
 def test_calibrate_then_predict_on_synthetic_times():
     """Times that are exactly 2x the prior prediction: the online calibration learns it."""
     site = load_site("local")

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nereusd.cost.calibration import GEMM, PRIORS, Calibration
+from nereusd.cost.calibration import GEMM, PRIORS, Calibration, fit_efficiencies
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError
 from nereusd.cost.memory import parameters_per_device, stage_memory, usable_bytes
@@ -106,7 +106,7 @@ def test_calibration_robust_and_persistent(tmp_path):
     back = Calibration.load(path)
     assert back.snapshot() == cal.snapshot()
     path.write_text(json.dumps({"version": 99}))
-    with pytest.raises(ConfigError, match="version: expected 1, got 99"):
+    with pytest.raises(ConfigError, match="version: expected 1 or 2, got 99"):
         Calibration.load(path)
     assert Calibration.load(tmp_path / "missing.json").efficiency(GEMM) == PRIORS[GEMM]
 
@@ -123,6 +123,52 @@ def test_calibration_improves_prediction():
     assert abs(after.latency_s - measured) < abs(cm.stage_cost(SPEC, TRAIN, sequences=256, prompt_length=512,
                                                  response_length=1024, tp=1, pp=1, dp=8,
                                                  micro_batch=1).latency_s - measured)
+
+
+def test_fit_recovers_efficiencies_of_exact_data():
+    true = {"gemm": 0.4, "all_reduce_intra": 0.2}
+    ideals = [{"gemm": 1.0, "all_reduce_intra": 0.5}, {"gemm": 2.0, "all_reduce_intra": 0.1},
+              {"gemm": 0.5, "all_reduce_intra": 1.0}]
+    samples = [(i, sum(s / true[c] for c, s in i.items())) for i in ideals]
+    assert fit_efficiencies(samples, PRIORS, ridge=1e-9) == pytest.approx(true, rel=1e-4)
+    assert fit_efficiencies([], PRIORS) == {}
+    # efficiencies outside (MIN_EFFICIENCY, MAX_EFFICIENCY] are held at the bound, the rest refit
+    fast = [(i, sum(s / {"gemm": 3.0, "all_reduce_intra": 0.2}[c] for c, s in i.items())) for i in ideals]
+    assert fit_efficiencies(fast, PRIORS, ridge=1e-9)["gemm"] == pytest.approx(1.5)
+
+
+def test_online_calibration_tells_classes_apart(tmp_path, monkeypatch):
+    """Whole-stage times of stages with different class mixes (layouts, lengths): the least-squares
+    window learns each class's efficiency, where one shared ratio per sample (the anchors alone,
+    the calibration before the window) cannot; the window survives a save and load, and a
+    version-1 state still loads."""
+    import nereusd.cost.calibration as calibration
+
+    true = {GEMM: 0.8, "all_reduce_intra": 0.1, "optimizer": 0.3}
+    mixes = [{GEMM: 1.0, "all_reduce_intra": 0.05, "optimizer": 0.1},
+             {GEMM: 0.3, "all_reduce_intra": 0.2, "optimizer": 0.1},
+             {GEMM: 2.0, "all_reduce_intra": 0.01, "optimizer": 0.4}]
+
+    def learn() -> Calibration:
+        cal = Calibration()
+        for _ in range(4):
+            for ideal in mixes:
+                cal.observe_stage(ideal, sum(s / true[c] for c, s in ideal.items()))
+        return cal
+
+    cal = learn()
+    assert {c: cal.efficiency(c) for c in true} == pytest.approx(true, rel=0.05)
+    with monkeypatch.context() as m:
+        m.setattr(calibration, "MIN_FIT_SAMPLES", 10**9)
+        shared = learn()
+        assert max(abs(shared.efficiency(c) / true[c] - 1) for c in true) > 0.2
+    anchors = {c: cal.anchor(c) for c in true}
+    cal.save(tmp_path / "cal.json")
+    back = Calibration.load(tmp_path / "cal.json")
+    assert back.snapshot() == cal.snapshot()
+    old = json.loads((tmp_path / "cal.json").read_text()) | {"version": 1}
+    del old["stages"]
+    assert Calibration.from_json(old).efficiency(GEMM) == pytest.approx(anchors[GEMM])
 
 
 def test_workflows():
