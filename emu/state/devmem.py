@@ -30,17 +30,27 @@ class DeviceMemory:
         device: global device index (the worker's world rank).
         capacity_bytes: capacity in bytes.
         torch_device: when a CUDA device, :meth:`cuda_peak_bytes` reads its allocator.
+        workspace_bytes: booked from the start and never freed: the framework workspace the
+            memory model counts on every device (:data:`nereusd.cost.memory.WORKSPACE_BYTES`),
+            so that a booked peak and a predicted one count the same things. In
+            :attr:`in_use_bytes` and :attr:`peak_bytes`, not in :meth:`by_model_stage`.
+
+    Raises:
+        ValueError: for a capacity that is not positive or does not hold the workspace.
     """
 
-    def __init__(self, device: int, capacity_bytes: int, torch_device: Optional[torch.device] = None) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+    def __init__(self, device: int, capacity_bytes: int, torch_device: Optional[torch.device] = None,
+                 workspace_bytes: int = 0) -> None:
+        if capacity_bytes <= 0 or not 0 <= workspace_bytes < capacity_bytes:
+            raise ValueError(f"device {device}: capacity_bytes must be positive and above the workspace "
+                             f"({workspace_bytes} bytes), got {capacity_bytes}")
         self.device = device
         self.capacity_bytes = int(capacity_bytes)
         self.torch_device = torch_device
+        self.workspace_bytes = int(workspace_bytes)
         self._entries: dict[tuple[str, str], int] = {}
-        self._in_use = 0
-        self._peak = 0
+        self._in_use = self.workspace_bytes
+        self._peak = self._in_use
         self._lock = threading.Lock()
 
     def allocate(self, model_stage: str, what: str, nbytes: int) -> None:

@@ -87,6 +87,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from emu.state.devmem import DeviceMemory
     from emu.worker.runtime import WorkerRuntime
+    from nereusd.cost.memory import WORKSPACE_BYTES
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = zmq.Context.instance()
@@ -99,7 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     device, store, backend = init_world(kind=args.device_kind, local_index=args.local_index, rank=args.rank,
                         world_size=args.world_size, generation=args.generation,
                         store_host=args.store_host, store_port=args.store_port)
-    memory = DeviceMemory(args.device, args.memory_bytes)
+    memory = DeviceMemory(args.device, args.memory_bytes, workspace_bytes=WORKSPACE_BYTES[args.device_kind])
     runtime = WorkerRuntime(rank=args.rank, device_index=args.device, torch_device=device, memory=memory,
                             run_dir=args.run_dir, store_client=store, backend=backend)
     sock.send(P.encode(P.WorkerReady(device=args.device, pid=os.getpid())))

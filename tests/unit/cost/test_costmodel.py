@@ -157,7 +157,7 @@ def test_online_calibration_tells_classes_apart(tmp_path, monkeypatch):
         return cal
 
     cal = learn()
-    assert {c: cal.efficiency(c) for c in true} == pytest.approx(true, rel=0.05)
+    assert {c: cal.efficiency(c) for c in true} == pytest.approx(true, rel=0.1)
     with monkeypatch.context() as m:
         m.setattr(calibration, "MIN_FIT_SAMPLES", 10**9)
         shared = learn()

@@ -78,6 +78,21 @@ def test_device_memory_books_frees_and_tracks_peak():
     assert mem.peak_bytes == 600 and mem.cuda_peak_bytes() is None
 
 
+def test_device_memory_books_the_workspace_from_the_start():
+    """The workers book the memory model's workspace before anything else, so booked and
+    predicted peaks count the same things; it is never freed and belongs to no model-stage."""
+    mem = DeviceMemory(0, 1000, workspace_bytes=400)
+    assert mem.in_use_bytes == mem.peak_bytes == 400 and mem.by_model_stage() == {}
+    with pytest.raises(DeviceOutOfMemory, match="wanted 700 bytes with 400 bytes in use"):
+        mem.allocate("actor/training", "parameters", 700)
+    mem.allocate("actor/training", "parameters", 600)
+    mem.free("actor/training", "parameters")
+    mem.reset_peak()
+    assert mem.in_use_bytes == mem.peak_bytes == 400
+    with pytest.raises(ValueError, match="above the workspace"):
+        DeviceMemory(0, 400, workspace_bytes=400)
+
+
 def test_engine_books_parameters_gradients_and_adam_state():
     mem = DeviceMemory(0, 1 << 30)
     eng = engine(mem)
