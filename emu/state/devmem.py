@@ -33,17 +33,19 @@ class DeviceMemory:
         workspace_bytes: booked from the start and never freed: the framework workspace the
             memory model counts on every device (:data:`nereusd.cost.memory.WORKSPACE_BYTES`),
             so that a booked peak and a predicted one count the same things. In
-            :attr:`in_use_bytes` and :attr:`peak_bytes`, not in :meth:`by_model_stage`.
+            :attr:`in_use_bytes` and :attr:`peak_bytes`, not in :meth:`by_model_stage`. A
+            capacity below it is no error here: the first allocation then fails with
+            :class:`DeviceOutOfMemory`, as a job's first task reports it.
 
     Raises:
-        ValueError: for a capacity that is not positive or does not hold the workspace.
+        ValueError: for a capacity that is not positive or a negative workspace.
     """
 
     def __init__(self, device: int, capacity_bytes: int, torch_device: Optional[torch.device] = None,
                  workspace_bytes: int = 0) -> None:
-        if capacity_bytes <= 0 or not 0 <= workspace_bytes < capacity_bytes:
-            raise ValueError(f"device {device}: capacity_bytes must be positive and above the workspace "
-                             f"({workspace_bytes} bytes), got {capacity_bytes}")
+        if capacity_bytes <= 0 or workspace_bytes < 0:
+            raise ValueError(f"device {device}: capacity_bytes must be positive and workspace_bytes >= 0, "
+                             f"got {capacity_bytes} and {workspace_bytes}")
         self.device = device
         self.capacity_bytes = int(capacity_bytes)
         self.torch_device = torch_device

@@ -79,14 +79,15 @@ def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
 def test_calibration_learns_the_machine_speed(demo):
     job, site = demo
     adapter = controller_for_job(job, site, job.plan, PROMPT)
-    before = evaluate(adapter.problem(adapter.pool, 40), job.plan, adapter.cost_model).step_latency_s
+    before = evaluate(adapter.problem(adapter.pool, 30), job.plan, adapter.cost_model).step_latency_s
     for step in range(6):
-        record = observe(adapter, step, 40, scale=4.0)
+        record = observe(adapter, step, 30, scale=4.0)
         adapter.boundary(step, adapter.pool)
-    after = evaluate(adapter.problem(adapter.pool, 40), job.plan, adapter.cost_model).step_latency_s
-    # per-class efficiencies are learned from model-stage totals (weighted median over classes):
-    # most, not all, of the 4x gap closes
-    assert abs(after - 4.0 * before) < 0.3 * abs(before - 4.0 * before)
+    after = evaluate(adapter.problem(adapter.pool, 30), job.plan, adapter.cost_model).step_latency_s
+    # per-class efficiencies are learned from model-stage totals (least squares over the stages'
+    # class mixes, anchored at per-class medians): nearly all of the 4x gap closes
+    assert abs(after - 4.0 * before) < 0.1 * abs(before - 4.0 * before)
+    # predicted for the lookahead length (⌈30 · 1.3⌉ = 39 tokens), measured at 30
     assert record["predicted_step_latency_s"] == pytest.approx(record["measured_stage_path_s"], rel=0.3)
 
 

@@ -89,8 +89,9 @@ def test_device_memory_books_the_workspace_from_the_start():
     mem.free("actor/training", "parameters")
     mem.reset_peak()
     assert mem.in_use_bytes == mem.peak_bytes == 400
-    with pytest.raises(ValueError, match="above the workspace"):
-        DeviceMemory(0, 400, workspace_bytes=400)
+    small = DeviceMemory(0, 300, workspace_bytes=400)   # the first allocation says why
+    with pytest.raises(DeviceOutOfMemory, match="wanted 1 bytes with 400 bytes in use, capacity 300 bytes"):
+        small.allocate("actor/training", "parameters", 1)
 
 
 def test_engine_books_parameters_gradients_and_adam_state():
