@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -100,12 +101,18 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
         Efficiency per class that appears in a sample with positive ideal seconds (an unknown
         anchor counts as :data:`DEFAULT_PRIOR`); ``{}`` without such samples.
     """
-    samples = [(ideal, float(meas)) for ideal, meas in samples if meas > 0]
+    samples = [(ideal, float(meas)) for ideal, meas in samples
+               if 0 < meas < math.inf and all(0 <= v < math.inf for v in ideal.values())]
     classes = sorted({c for ideal, _ in samples for c, v in ideal.items() if v > 0})
     if not classes:
         return {}
     a = np.array([[ideal.get(c, 0.0) / meas for c in classes] for ideal, meas in samples])
-    x0 = np.array([1.0 / anchor.get(c, DEFAULT_PRIOR) for c in classes])
+    keep = np.isfinite(a).all(axis=1)   # a ratio can still overflow (1e308 / 1e-300)
+    if not keep.all():
+        a, samples = a[keep], [x for x, k in zip(samples, keep) if k]
+        if not samples:
+            return {}
+    x0 = np.array([1.0 / min(MAX_EFFICIENCY, max(MIN_EFFICIENCY, anchor.get(c, DEFAULT_PRIOR))) for c in classes])
     weight = ridge * len(samples) * np.diag(1.0 / x0 ** 2)
     lo, hi = 1.0 / MAX_EFFICIENCY, 1.0 / MIN_EFFICIENCY
     fixed: dict[int, float] = {}
@@ -118,7 +125,10 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
         if fixed:
             rhs -= a[:, list(fixed)] @ np.array(list(fixed.values()))
         w = weight[np.ix_(free, free)]
-        x[free] = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
+        solved = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
+        if not np.isfinite(solved).all():
+            return {}   # ill-conditioned: the callers keep the anchors
+        x[free] = solved
         out = {k: (lo if x[k] < lo else hi) for k in free if not lo <= x[k] <= hi}
         if not out:
             break
@@ -150,9 +160,10 @@ class Calibration:
         :data:`MIN_FIT_SAMPLES` whole-stage samples cover the class, else the robust anchor."""
         if self._fitted is None:
             self._fitted = {}
-            if len(self._stages) >= MIN_FIT_SAMPLES:
-                classes = {c for ideal, _ in self._stages for c in ideal}
-                self._fitted = fit_efficiencies(self._stages, {c: self.anchor(c) for c in classes}, RIDGE)
+            covered = Counter(c for ideal, _ in self._stages for c, v in ideal.items() if v > 0)
+            if covered and max(covered.values()) >= MIN_FIT_SAMPLES:
+                fitted = fit_efficiencies(self._stages, {c: self.anchor(c) for c in covered}, RIDGE)
+                self._fitted = {c: e for c, e in fitted.items() if covered[c] >= MIN_FIT_SAMPLES}
         fitted = self._fitted.get(op_class)
         return fitted if fitted is not None else self.anchor(op_class)
 
@@ -222,13 +233,25 @@ class Calibration:
         version = data.get("version") if isinstance(data, Mapping) else None
         if version not in (1, STATE_VERSION):
             raise ConfigError(f"{source}: version: expected 1 or {STATE_VERSION}, got {version!r}")
+        def number(value: object, low: float, high: float, what: str) -> float:
+            x = float(value)   # TypeError/ValueError: reported below
+            if not low <= x <= high:   # NaN fails too
+                raise ValueError(f"{what} {x!r} outside [{low:g}, {high:g}]")
+            return x
+
         try:
-            cal = cls(priors={str(k): float(v) for k, v in data["priors"].items()},
-                      window=int(data["window"]), prior_weight=float(data["prior_weight"]))
+            cal = cls(priors={str(k): number(v, MIN_EFFICIENCY, MAX_EFFICIENCY, f"prior of {k}")
+                              for k, v in data["priors"].items()},
+                      window=int(data["window"]), prior_weight=number(data["prior_weight"], 0.0, 1e6, "prior_weight"))
+            if cal.window < 1:
+                raise ValueError(f"window {cal.window} < 1")
             for op_class, values in data["samples"].items():
-                cal._samples[str(op_class)] = deque((float(v) for v in values), maxlen=cal.window)
+                cal._samples[str(op_class)] = deque(
+                    (number(v, MIN_EFFICIENCY, MAX_EFFICIENCY, f"sample of {op_class}") for v in values),
+                    maxlen=cal.window)
             for ideal, measured in data.get("stages", []) if version > 1 else []:
-                cal._stages.append(({str(c): float(v) for c, v in ideal.items()}, float(measured)))
+                cal._stages.append(({str(c): number(v, 0.0, 1e9, f"stage ideal_s of {c}") for c, v in ideal.items()},
+                                    number(measured, 1e-12, 1e9, "stage measured_s")))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ConfigError(f"{source}: malformed calibration state: {err!r}") from None
         return cal

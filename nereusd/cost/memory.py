@@ -138,12 +138,17 @@ def activation_bytes_per_token_layer(spec: ModelSpec, tp: int, act_bytes: int, s
     - ``a·s/t`` more without a fused attention kernel (softmax probabilities stored);
     - ``q/t`` more in a packed row (:mod:`emu.engine.batch`): each segment's attention output and
       their concatenation are both kept, where a padded batch's output projection reads a view.
+    - with Qwen3's per-head q/k norms (``qk_norm``): their inputs and outputs and one ``rstd`` per
+      head, ``2q/t + 2·kv_l·d + a/t + kv_l`` with ``kv_l = ⌈kv_heads/t⌉`` local kv heads.
 
     Elements × ``act_bytes`` (the statistics are fp32; counted at ``act_bytes`` too).
     """
     h, f = spec.hidden_size, spec.intermediate_size
     q, a = spec.num_heads * spec.head_dim, spec.num_heads
     elements = 6 * h + ((5 if packed else 4) * q + 4 * f + a) / tp + 2
+    if spec.qk_norm:
+        kv_local = math.ceil(spec.num_kv_heads / tp)
+        elements += (2 * q + a) / tp + kv_local * (2 * spec.head_dim + 1)
     if not flash_attention:
         elements += a * seq_len / tp
     return elements * act_bytes

@@ -171,6 +171,31 @@ def test_online_calibration_tells_classes_apart(tmp_path, monkeypatch):
     assert Calibration.from_json(old).efficiency(GEMM) == pytest.approx(anchors[GEMM])
 
 
+@pytest.mark.parametrize("bad, message", [
+    ({"stages": [[{"gemm": float("nan")}, 1.0]]}, "stage ideal_s of gemm nan"),
+    ({"stages": [[{"gemm": 1.0}, float("inf")]]}, "stage measured_s inf"),
+    ({"priors": {"gemm": 0.0}}, "prior of gemm 0.0"),
+    ({"samples": {"gemm": [-1.0]}}, "sample of gemm -1.0"),
+])
+def test_a_corrupt_calibration_state_is_refused(bad, message):
+    """NaN, infinite, zero or negative values (JSON allows NaN and Infinity) would pin classes to
+    the efficiency bounds or divide by zero: refused at load, naming the value."""
+    cal = Calibration()
+    cal.observe_stage({GEMM: 1.0}, 2.0)
+    cal.observe_stage({GEMM: 2.0}, 4.0)
+    with pytest.raises(ConfigError, match=message):
+        Calibration.from_json(cal.to_json() | bad)
+
+
+def test_a_class_in_one_stage_sample_keeps_its_anchor():
+    """The fit answers only for classes at least two whole-stage samples cover."""
+    cal = Calibration()
+    cal.observe_stage({GEMM: 1.0, "optimizer": 0.01}, 2.5)
+    cal.observe_stage({GEMM: 2.0}, 4.0)
+    assert cal.efficiency("optimizer") == cal.anchor("optimizer")
+    assert cal.efficiency(GEMM) != cal.anchor(GEMM)
+
+
 def test_workflows():
     ppo, grpo, remax = build_workflow("ppo"), build_workflow("grpo"), build_workflow("remax")
     assert len(ppo.model_stages) == 7 and len(grpo.model_stages) == 5

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GQA = ModelSpec(vocab_size=300, hidden_size=96, intermediate_size=200, num_layers=2, num_heads=4, num_kv_heads=2,
                 explicit_head_dim=32)
 """q (128) ≠ h (96) ≠ f (200), two query heads per kv head: every term of the formula is told apart."""
+QWEN3 = ModelSpec(vocab_size=300, hidden_size=96, intermediate_size=200, num_layers=2, num_heads=4, num_kv_heads=2,
+                  explicit_head_dim=32, architecture="qwen3")
+"""Per-head q/k norms (Qwen3) keep their own inputs, outputs and statistics."""
 MHA = ModelSpec(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=8)
 
 
@@ -63,6 +66,7 @@ def formula(spec: ModelSpec, eng: StageEngine, *, batch: int, seq: int, response
     (GQA, 1, 200, 150, False),
     (MHA, 2, 128, 100, False),
     (GQA, 3, 50, 20, True),
+    (QWEN3, 3, 50, 20, False),
 ])
 def test_one_device(spec, batch, seq, response, critic):
     got, eng = saved_bytes(spec, Candidate(1, 1, 1, (0,)), 0, batch=batch, seq=seq, response=response, critic=critic)
