@@ -125,7 +125,7 @@ class _SenderPicker:
 
     def __init__(self, holders: list[int], retained: set[int], node_of: Callable[[int], int],
                  sends: Counter[int]) -> None:
-        self._sends, self._node_of = sends, node_of
+        self._sends = sends
         self._key = {c: (c not in retained, c) for c in holders}
         self._all = [(sends[c], *self._key[c]) for c in holders]
         heapq.heapify(self._all)
@@ -146,10 +146,7 @@ class _SenderPicker:
     def pick(self, node: int) -> int:
         """The source for a receiver on ``node``; the caller then counts its send in ``sends``."""
         src = self._top(self._by_node.get(node, []))
-        if src is None:
-            src = self._top(self._all)
-        # the caller increments sends[src]: its entries (here and in its node's heap) go stale
-        return src
+        return src if src is not None else self._top(self._all)
 
 
 def local_dag(
