@@ -14,9 +14,12 @@ trip:
 - **step**: dispatch the next step's generation task to every device (prompts per replica) and
   collect every result (``submit`` + ``collect``);
 - **transition**: dispatch a real transition DAG — ``plan_transition`` for the actor training
-  model-stage of ``--model`` going from dp N/2 to dp N — as ``transition_prepare`` to every worker
-  of the world (each its slice; the communicator plan and the plans once per agent frame), then
-  its ops as one ``transition_run`` per ready set, each collected.
+  model-stage of ``--model`` going from dp N/2 to dp N — as the transition runner does
+  (``TransitionRunner.run_ops``): ``transition_prepare`` to every worker of the world (each its
+  slice and its ops of the first ready set; the communicator plan and the plans once per agent
+  frame), then every later ready set as one ``transition_run``, each collected. The
+  ``transition_finish`` after them builds the target plan's engines, a step-like task, and is
+  not dispatched.
 
 Building the step's task arguments (one validated ``GenerateArgs`` per device, with its prompts)
 is the RL driver's work, and building every worker's ``transition_prepare`` args
@@ -157,24 +160,16 @@ def transition_dag(model: str, devices: int):
     return dag, dag.to_json()
 
 
-def dispatch_transition(control, dag, prepared) -> None:
-    """What :class:`~nereusd.transition.runner.TransitionRunner` sends: ``transition_prepare``
-    to every worker (its slice of the DAG; the communicator plan and the plans once per agent,
-    ``prepared`` = :func:`~nereusd.transition.runner.prepare_task`), the ready sets as
-    ``transition_run`` tasks level by level, each collected (finish is a step-like task)."""
-    from emu.state.executor import levels
+def dispatch_transition(control, world: list[int], dag, prepared) -> None:
+    """What :class:`~nereusd.transition.runner.TransitionRunner` sends for the DAG's ops (its
+    :meth:`~nereusd.transition.runner.TransitionRunner.run_ops`): ``transition_prepare`` to
+    every worker (its slice of the DAG and its ops of the first ready set; the communicator plan
+    and the plans once per agent, ``prepared`` = :func:`~nereusd.transition.runner.prepare_task`),
+    then every later ready set as ``transition_run``, each collected. Its ``transition_finish``
+    (the target plan's engines built, like a step's task) is not dispatched."""
+    from nereusd.transition.runner import TransitionProgress, TransitionRunner
 
-    args, shared = prepared
-    control.run(args, shared=shared)
-    level = levels(dag)
-    for lvl in sorted(set(level.values())):
-        ops_by_device: dict[int, list[str]] = {}
-        for op in dag.ops:
-            if level[op.id] == lvl:
-                for d in op.participants:
-                    ops_by_device.setdefault(d, []).append(op.id)
-        if ops_by_device:
-            control.run({d: P.TransitionRunArgs(ops=o) for d, o in ops_by_device.items()})
+    TransitionRunner(control, world, timeout_s=120).run_ops(dag, TransitionProgress(), prepared)
 
 
 def planner_solve_s(devices: int) -> float | None:
@@ -251,11 +246,11 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
     dag = None
     if args.transition_every:
         import emu.state.executor  # noqa: F401 - imports torch: set-up, not the first transition's dispatch
-        from nereusd.transition.runner import prepare_task
+        from nereusd.transition.runner import first_ops, prepare_task
 
         dag, dag_json = transition_dag(args.model, workers)
         t0 = time.perf_counter()
-        prepared_args, shared = prepare_task(dag, world)
+        prepared_args, shared = prepare_task(dag, world, first_ops(dag))
         built_s = time.perf_counter() - t0
         shared_bytes = len(json.dumps(shared, separators=(",", ":")))
         slice_bytes = sum(len(a.dag) for a in prepared_args.values())
@@ -285,14 +280,14 @@ def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], w
         by_device = step_args(world, args.prompts_per_device)
         transition_due = dag is not None and (b + 1) % args.transition_every == 0
         # the transition runner's, likewise: every worker's slice (prepare_task)
-        prepared = prepare_task(dag, world) if transition_due else None
+        prepared = prepare_task(dag, world, first_ops(dag)) if transition_due else None
         t0, c0 = time.perf_counter(), time.process_time()
         args_ms.append((t0 - a0) * 1e3)
         control.run(by_device, timeout_s=120)
         t1 = time.perf_counter()
         step_ms.append((t1 - t0) * 1e3)
         if transition_due:
-            dispatch_transition(control, dag, prepared)
+            dispatch_transition(control, world, dag, prepared)
             transition_ms.append((time.perf_counter() - t1) * 1e3)
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
         cpu_ms.append((time.process_time() - c0) * 1e3)

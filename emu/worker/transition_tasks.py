@@ -2,11 +2,12 @@
 
 Mixed into :class:`emu.worker.runtime.WorkerRuntime`. Task kinds (args → result):
 
-``transition_prepare`` (every world rank; ``dag`` JSON)
+``transition_prepare`` (every world rank; ``dag`` JSON, ``ops``)
     Engines of model-stages the DAG changes are detached into holdings (their memory moves from
     the engine's entries to the holding's, no copy: engines live in their holdings, see
     :func:`emu.state.unit.bind_engine`), and the transition's communicators are created, collectively
-    in DAG order → ``setup_s``.
+    in DAG order; then this device's part of ``ops`` (the first ready set) runs as in
+    ``transition_run`` → ``setup_s``, ``timings``.
 ``transition_run`` (the devices of ``ops``)
     This device's part of ``ops`` (a ready set) → ``timings`` (:class:`emu.state.executor.OpTiming`).
 ``transition_finish`` (every world rank; ``syncs``: the target plan's weight-sync DAGs)
@@ -142,7 +143,9 @@ class TransitionTasks:
                 self._detach(ms)
         self._transition = TransitionExecutor(dag, self.device_index, self.store, self._specs(dag.target),
                                               rank_of=self.rank_of, communicators=args.communicators)
-        return {"setup_s": self._transition.prepare()}
+        setup_s = self._transition.prepare()
+        timings = self._transition.run(args.ops) if args.ops else []
+        return {"setup_s": setup_s, "timings": [t.to_dict() for t in timings]}
 
     def transition_run(self, args: P.TransitionRunArgs) -> dict[str, Any]:
         if self._transition is None:

@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import pydantic_core
-
 from nereusd import protocol as P
 from nereusd.errors import ProtocolError, WorkerError
 from nereusd.journal import Event
@@ -73,11 +71,11 @@ class TaskDispatch:
         if len(kinds) != 1:
             raise ProtocolError(f"one task, one kind: got {sorted(kinds) or 'no args'}")
         kind = kinds.pop()
-        shared_json = None
+        shared_member = None
         if shared:
             sample = next(iter(args_by_device.values()))
             P.with_shared(P.Task(task_id=0, args=sample), dict(shared))   # raises for a field the kind lacks
-            shared_json = pydantic_core.to_json(dict(shared))
+            shared_member = P.encode_shared(shared)
         missing = sorted(d for d in args_by_device
                          if self._device_to_agent.get(d) is None or self._device_to_agent[d] not in self.agents)
         if missing:
@@ -89,7 +87,7 @@ class TaskDispatch:
         for device, args in args_by_device.items():
             by_agent.setdefault(self._device_to_agent[device], []).append((device, args))
         for node_id, items in by_agent.items():   # one frame per agent (unless large), not per device
-            for frame in P.encode_to_workers(task_id, items, shared_json=shared_json):
+            for frame in P.encode_to_workers(task_id, items, shared=shared_member):
                 self._send_frame(self.agents[node_id].identity, "to_workers", frame)
         return task_id
 

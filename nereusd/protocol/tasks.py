@@ -181,6 +181,9 @@ class TransitionPrepareArgs(_Args):
     changed: list[str] | None = None
     """The model-stages the whole DAG changes (their engines are detached and rebuilt on every
     device that holds them, with or without an op of its own)."""
+    ops: list[str] = Field(default_factory=list)
+    """This device's part of the DAG's first ready set, run once the communicators exist, as a
+    ``transition_run`` of them would (one round trip of every worker less per transition)."""
 
 
 class TransitionRunArgs(_Args):

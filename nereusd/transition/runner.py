@@ -3,11 +3,15 @@
 :class:`TransitionRunner` drives the worker task kinds of :mod:`emu.worker.transition_tasks` through a
 :class:`nereusd.daemon.control_plane.ControlPlane`:
 
-1. ``transition_prepare`` on every worker of the world (communicators, set-up time);
-2. the ready set — ops whose predecessors all completed — goes out as one ``transition_run``
-   task to the devices of those ops; as each task completes its ops are done and the next ready
-   set goes out at once, while earlier tasks may still run elsewhere. Every worker receives its
-   tasks in submission order, so the ops two workers share are run by both in the same order;
+1. ``transition_prepare`` on every worker of the world (communicators, set-up time), carrying
+   each device's part of the first ready set — the ops with no predecessor — which it runs once
+   its communicators exist (one round trip of every worker less than a ``transition_run`` of
+   its own: ``scripts/bench_control.py``);
+2. each later ready set — ops whose predecessors all completed — goes out as one
+   ``transition_run`` task to the devices of those ops; as each task completes its ops are done
+   and the next ready set goes out at once, while earlier tasks may still run elsewhere. Every
+   worker receives its tasks in submission order, so the ops two workers share are run by both
+   in the same order;
 3. ``transition_finish`` on every worker.
 
 Progress (completed ops) and per-op timings are kept in :class:`TransitionProgress`. When a
@@ -109,29 +113,8 @@ class TransitionRunner:
         """
         progress = TransitionProgress()
         start = time.perf_counter()
-        started: set[str] = set()
-        pending: dict[int, list[str]] = {}
         try:
-            args, shared = prepare_task(dag, self.world)
-            res = self.control.run(args, self.timeout_s, shared=shared)
-            progress.setup_s = max((r.result.get("setup_s", 0.0) for r in res.values()), default=0.0)
-            while len(progress.completed) < len(dag.ops):
-                ready = ready_ops(dag, progress.completed, started)
-                if ready:
-                    ops: dict[int, list[str]] = defaultdict(list)
-                    for op_id in ready:
-                        for d in _op_devices(dag, op_id):
-                            ops[d].append(op_id)
-                    task = self.control.submit({d: P.TransitionRunArgs(ops=o) for d, o in ops.items()})
-                    pending[task] = ready
-                    started.update(ready)
-                for task in [t for t in pending if self.control.done(t)]:
-                    progress.record(self.control.collect(task, self.timeout_s))
-                    progress.completed.update(pending.pop(task))
-                if pending and not ready:
-                    self.control.poll(0.005)
-                    for task in pending:  # raises WorkerError when a worker of a task died
-                        self.control.raise_if_lost(task)
+            self.run_ops(dag, progress)
             finish = P.TransitionFinishArgs(syncs=syncs or [])
             self.control.run({d: finish for d in self.world}, self.timeout_s)
         except WorkerError as err:
@@ -152,15 +135,58 @@ class TransitionRunner:
         return progress
 
 
-def _op_devices(dag: TransitionDag, op_id: str) -> set[int]:
-    return set(dag.op(op_id).participants)
+    def run_ops(self, dag: TransitionDag, progress: TransitionProgress,
+                prepared: tuple[dict[int, P.TransitionPrepareArgs], dict[str, Any]] | None = None) -> None:
+        """Steps 1 and 2 of the module docstring: every op of ``dag`` run, ``progress`` kept.
+        ``prepared``: :func:`prepare_task` for ``dag``, this runner's world and
+        :func:`first_ops` of ``dag``, when built already.
+
+        Raises:
+            WorkerError: a worker died or failed (:meth:`run` makes it a
+                :class:`TransitionInterrupted`).
+        """
+        ready = ready_ops(dag, set(), set())
+        args, shared = prepared or prepare_task(dag, self.world, _by_device(dag, ready))
+        res = self.control.run(args, self.timeout_s, shared=shared)
+        progress.setup_s = max((r.result.get("setup_s", 0.0) for r in res.values()), default=0.0)
+        progress.record(res)
+        progress.completed.update(ready)
+        started, pending = set(ready), {}
+        while len(progress.completed) < len(dag.ops):
+            ready = ready_ops(dag, progress.completed, started)
+            if ready:
+                task = self.control.submit({d: P.TransitionRunArgs(ops=o) for d, o in _by_device(dag, ready).items()})
+                pending[task] = ready
+                started.update(ready)
+            for task in [t for t in pending if self.control.done(t)]:
+                progress.record(self.control.collect(task, self.timeout_s))
+                progress.completed.update(pending.pop(task))
+            if pending and not ready:
+                self.control.poll(0.005)
+                for task in pending:  # raises WorkerError when a worker of a task died
+                    self.control.raise_if_lost(task)
 
 
-def prepare_task(dag: TransitionDag, world: Iterable[int]
+def first_ops(dag: TransitionDag) -> dict[int, list[str]]:
+    """Each device's part of ``dag``'s first ready set (what ``transition_prepare`` runs)."""
+    return _by_device(dag, ready_ops(dag, set(), set()))
+
+
+def _by_device(dag: TransitionDag, op_ids: list[str]) -> dict[int, list[str]]:
+    """``op_ids`` (in their order) split by participant: what each device runs of them."""
+    ops: dict[int, list[str]] = defaultdict(list)
+    for op_id in op_ids:
+        for d in dag.op(op_id).participants:
+            ops[d].append(op_id)
+    return ops
+
+
+def prepare_task(dag: TransitionDag, world: Iterable[int], first_ops: Mapping[int, list[str]] | None = None
                  ) -> tuple[dict[int, P.TransitionPrepareArgs], dict[str, Any]]:
-    """``transition_prepare`` per device of ``world`` — its slice of ``dag`` without the plans —
-    and the fields every device shares (``TaskDispatch.submit``'s ``shared``, sent once per
-    agent): the whole DAG's communicator plan, the plans, the changed model-stages.
+    """``transition_prepare`` per device of ``world`` — its slice of ``dag`` without the plans, and
+    its ops of ``first_ops`` (the first ready set by device) — and the fields every device shares
+    (``TaskDispatch.submit``'s ``shared``, sent once per agent): the whole DAG's communicator
+    plan, the plans, the changed model-stages.
 
     Why: the whole DAG to every worker grew as devices × ops (11 MiB per worker at 8,192
     devices for the tiniest model; 92 MB, over the frame limit, for Llama-3.1-8B at tp 8); then
@@ -170,7 +196,8 @@ def prepare_task(dag: TransitionDag, world: Iterable[int]
     shared = {"communicators": [[op_id, list(devices)] for op_id, devices in communicator_plan(dag)],
               "plans": dag.plans_json(), "changed": sorted({str(op.model_stage) for op in dag.ops})}
     op_json: dict[str, str] = {}   # an op is in each of its participants' slices: encoded once
-    return {d: P.TransitionPrepareArgs(dag=part.to_json(plans=False, op_cache=op_json))
+    first_ops = first_ops or {}
+    return {d: P.TransitionPrepareArgs(dag=part.to_json(plans=False, op_cache=op_json), ops=first_ops.get(d, []))
             for d, part in dag.slices(world).items()}, shared
 
 

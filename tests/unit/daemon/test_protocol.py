@@ -1,7 +1,9 @@
 """The wire protocol refuses malformed messages with clear errors; nereusd keeps serving."""
 
+import base64
 import json
 import math
+import zlib
 
 import pytest
 import zmq
@@ -45,7 +47,7 @@ def test_shared_fields_travel_once_per_frame_and_reach_every_item_validated():
     relaying — sets the fields in each item's args, validated; a field the args lack is refused."""
     items = [(d, P.TransitionPrepareArgs(dag=f'{{"ops":[],"d":{d}}}')) for d in (3, 4)]
     shared = {"communicators": [["op1", [3, 4]]], "plans": "{}", "changed": ["actor/training"]}
-    frame, = P.encode_to_workers(5, items, shared_json=json.dumps(shared, separators=(",", ":")).encode())
+    frame, = P.encode_to_workers(5, items, shared=P.encode_shared(shared))
     msg = P.decode(frame)
     assert frame == P.encode(P.ToWorkers(items=[P.ToWorker(device=d, task=P.Task(task_id=5, args=a)) for d, a in items],
                                          shared=shared))
@@ -56,6 +58,41 @@ def test_shared_fields_travel_once_per_frame_and_reach_every_item_validated():
         P.with_shared(msg.items[0].task, {"no_such_field": 1})
     with pytest.raises(ProtocolError, match="shared fields"):
         P.with_shared(msg.items[0].task, {"communicators": "not a list"})
+
+
+def test_large_shared_fields_travel_compressed_and_decode_to_the_same_message():
+    """Shared fields over ``SHARED_ZLIB_BYTES`` (a transition's communicator plan at thousands of
+    devices) travel as ``shared_zlib``, a fraction of their size, and decode to the message with
+    them uncompressed; a bad, truncated, over-limit or non-object ``shared_zlib`` is refused."""
+    items = [(d, P.TransitionPrepareArgs(dag='{"ops":[]}')) for d in (3, 4)]
+    shared = {"communicators": [[f"actor/training:extend{i}", [i, i + 4096]] for i in range(4096)],
+              "plans": "{}", "changed": ["actor/training"]}
+    member = P.encode_shared(shared)
+    assert member.startswith(b'"shared_zlib":"')
+    assert len(member) < len(json.dumps(shared)) / 3
+    frame, = P.encode_to_workers(5, items, shared=member)
+    msg = P.decode(frame)
+    assert msg == P.ToWorkers(items=[P.ToWorker(device=d, task=P.Task(task_id=5, args=a)) for d, a in items],
+                              shared=shared)
+    assert P.with_shared(msg.items[1].task, msg.shared).args.communicators[4095] == ("actor/training:extend4095",
+                                                                                     [4095, 8191])
+
+    def with_member(text: str) -> bytes:
+        return frame[:frame.index(b',"shared_zlib"')] + b',"shared_zlib":' + text.encode() + b"}"
+
+    blob = member[len(b'"shared_zlib":"'):-1]
+    bomb = base64.b64encode(zlib.compress(b"[" + b" " * (P.MAX_MESSAGE_BYTES + 10) + b"]", 9)).decode()
+    for bad, reason in [('"not base64!"', "not compressed JSON"),
+                        (f'"{blob[:len(blob) // 2].decode()}"', "truncated|not compressed JSON"),
+                        (f'"{bomb}"', "frame limit"),
+                        (f'"{base64.b64encode(zlib.compress(b"[1, 2]")).decode()}"', "JSON object"),
+                        (f'"{base64.b64encode(zlib.compress(b"[" * 100000)).decode()}"', "not compressed JSON"),
+                        ("17", "base64 string")]:
+        with pytest.raises(ProtocolError, match=reason):
+            P.decode(with_member(bad))
+    both = frame[:-1] + b',"shared":{}}'
+    with pytest.raises(ProtocolError, match="not both"):
+        P.decode(both)
 
 
 @pytest.mark.parametrize("frame, match", [
