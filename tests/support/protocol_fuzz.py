@@ -12,8 +12,10 @@ agent keeps its devices unless its own identity reports them). Used by
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,17 +92,21 @@ def frames(draw) -> list[bytes]:
         key = draw(st.sampled_from(sorted(data)))
         data[key] = draw(json_values)
         payload = json.dumps(data).encode()
-    elif kind == 4:   # nested too deep, or a huge number
+    elif kind == 4:   # nested too deep, a huge number, or compressed shared fields that inflate to either
         depth = draw(st.integers(100, 5000))
+        inflated = draw(st.sampled_from([b"[" * depth, b"{}" + b" " * depth * 1000, b'{"plans":' + b"1" * depth + b"}"]))
         payload = draw(st.sampled_from([b"[" * depth + b"]" * depth, b'{"v":1,"type":"heartbeat","node_id":' +
-                                        b"[" * depth + b"]" * depth + b"}", b"1" + b"0" * depth]))
+                                        b"[" * depth + b"]" * depth + b"}", b"1" + b"0" * depth,
+                                        b'{"v":1,"type":"to_workers","items":[],"shared_zlib":"' +
+                                        base64.b64encode(zlib.compress(inflated)) + b'"}']))
     else:
         payload = P.encode(draw(valid_messages()))
     extra = draw(st.sampled_from([[], [], [], [b"x"]]))
     return [identity, payload, *extra]
 
 
-_FIELD_NAMES = sorted({name for cls in P.messages._Message.__subclasses__() for name in cls.model_fields})
+_FIELD_NAMES = sorted({name for cls in P.messages._Message.__subclasses__() for name in cls.model_fields}
+                      | {"shared_zlib"})   # the wire name of compressed ToWorkers.shared (inflated at decode)
 
 
 @dataclass
