@@ -287,6 +287,12 @@ class StageEngine:
     def _run(self, batch: "PackedBatch", head_fn, train: bool) -> list:
         """Run every micro-batch (pipelined when ``pp > 1``) with activations booked first.
 
+        Training books the micro-batches a stage holds at once (:func:`pipeline_in_flight`);
+        inference runs under ``no_grad``, so a stage holds one micro-batch's layer at a time
+        whatever the schedule, as the memory model predicts (``stage_memory``). (It booked the
+        in-flight count for inference too: a pp-2 inference stage asked for twice what the plan
+        was priced at and failed out of memory in the demo.)
+
         Padded micro-batches at ``pp == 1`` are cut to their own longest sequence; pipeline stages
         exchange one shape, so there every micro-batch keeps the call's width.
         """
@@ -297,7 +303,8 @@ class StageEngine:
             recompute=self.recompute, first_stage=self.groups.pp_rank == 0, last_stage=self.groups.is_last_stage,
             head_positions=batch.index.shape[1], vocab_head=not self.value_head, packed=batch.segments is not None)
         module = self.module if batch.segments is None else _PackedRows(self.module, batch)
-        self.memory.allocate(self.ms, "activations", per_mb * pipeline_in_flight(n, pp, self.groups.pp_rank))
+        in_flight = pipeline_in_flight(n, pp, self.groups.pp_rank) if train else 1
+        self.memory.allocate(self.ms, "activations", per_mb * in_flight)
         try:
             if pp == 1:
                 results = []

@@ -94,3 +94,36 @@ def test_sharded(tp, pp):
     the token ids, the last the head."""
     for got, want in run_distributed(_sharded, tp * pp, tp, pp):
         assert want == pytest.approx(got, rel=0.01)
+
+
+def _inference_booking(rank: int, world: int) -> tuple[int, int]:
+    candidate = Candidate(1, world, 1, tuple(range(world)))
+    ms = ModelStage(Role.ACTOR, Stage.INFERENCE)
+    eng = StageEngine(model_stage=ms, spec=GQA, candidate=candidate, rank=rank,
+                      groups=build_stage_groups(candidate, rank), device=torch.device("cpu"),
+                      memory=DeviceMemory(rank, 1 << 34), value_head=False, trainable=False, lr=0.0, grad_clip=0.0,
+                      micro_batch=2)
+    eng.initialize(seed=0)
+    booked: list[int] = []
+    allocate = eng.memory.allocate
+
+    def record(owner, kind, nbytes):
+        if kind == "activations":
+            booked.append(nbytes)
+        return allocate(owner, kind, nbytes)
+
+    eng.memory.allocate = record
+    seqs = [[(7 * i + j) % GQA.vocab_size for j in range(48)] for i in range(8)]   # 4 micro-batches
+    eng.logprobs(seqs, [32] * 8)
+    want = micro_batch_activation_bytes(GQA, tp=1, layers=len(eng.layers), batch=2, seq=48, act_bytes=4, train=False,
+                                        first_stage=rank == 0, last_stage=rank == world - 1, head_positions=16)
+    return max(booked), want
+
+
+def test_a_pipelined_inference_books_one_micro_batch_at_a_time():
+    """Inference runs under ``no_grad``: a pipeline stage holds one micro-batch's layer at a time,
+    whatever the schedule keeps in flight, as ``stage_memory`` prices it. (The engine booked the
+    training in-flight count, twice the priced amount on the first of two stages, and the demo's
+    pp-2 inference failed out of memory on a plan priced to fit.)"""
+    for got, want in run_distributed(_inference_booking, 2):
+        assert got == want
