@@ -11,6 +11,9 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
   (roofline with the compute bound, Williams et al. 2009);
 - TP: two all-reduces per layer forward, four with backward (Shoeybi et al. 2019, §3), of
   ``b·s·h`` activations; ring all-reduce ``2(n−1)/n · bytes / bw + 2(n−1)·α`` (Thakur et al. 2005);
+- a fixed dispatch time per layer and pass (site ``layer_launch_us``, class ``launch``) that does
+  not shrink with the batch: one pass per micro-batch forward, three with backward, four with
+  recomputation; one per decode step, and one for each wave's prefill;
 - PP: ``(m + pp − 1)`` micro-batch slots for ``m`` micro-batches (GPipe/1F1B bubble
   ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus p2p activation sends;
 - DP: ring all-reduce of the gradient shard ``P/(tp·pp)`` per optimizer step on the slowest
@@ -211,7 +214,7 @@ class CostModel:
         cache = self._cache
         if model_stage.stage is Stage.GENERATION:
             concurrent = max(1, min(micro_batch, per_replica))
-            prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, 1, False, False)
+            prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, 1, False, False, launch=False)
             slots = per_replica + pp - 1
             ideal = {k: v * slots for k, v in prefill}
             key = ("decode", self._spec_key(spec), concurrent, prompt_length, response_length, tp, pp)
@@ -258,12 +261,13 @@ class CostModel:
         return latency, ideal
 
     def _per_mb_items(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
-                      training: bool, recompute: bool) -> tuple[tuple[str, float], ...]:
+                      training: bool, recompute: bool, launch: bool = True) -> tuple[tuple[str, float], ...]:
         """Cached ``(class, ideal s)`` items of :meth:`_micro_batch` (shared with :meth:`stage_cost`)."""
-        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute)
+        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute, launch)
         per_mb = self._cache.get(key)
         if per_mb is None:
-            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute)
+            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute,
+                                                          launch)
         items_key = ("mb_items",) + key[1:]
         items = self._cache.get(items_key)
         if items is None:
@@ -291,16 +295,19 @@ class CostModel:
 
     def _forward_backward(self, acc: _Acc, spec: ModelSpec, role: Role, per_replica: int, seq: int,
                           tp: int, pp: int, dp: int, micro_batch: int, mini_batches: int,
-                          training: bool, recompute: bool) -> None:
-        """Inference (forward) or training (forward + backward) of one replica, pipelined."""
+                          training: bool, recompute: bool, launch: bool = True) -> None:
+        """Inference (forward) or training (forward + backward) of one replica, pipelined.
+        ``launch``: charge each micro-batch its per-layer dispatch (not for a generation's
+        prefill, charged per wave with its decode: :meth:`_decode`)."""
         e = self.bytes_per_element
         b = max(1, min(micro_batch, per_replica))
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
         lm_head = role in (Role.ACTOR, Role.REFERENCE)
-        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute)
+        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute, launch)
         per_mb = self._cache.get(key)
         if per_mb is None:
-            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute)
+            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute,
+                                                          launch)
         slots = mini_batches * (micro_per_opt + pp - 1)
         acc.merge(per_mb.scaled(slots))
         if training:
@@ -309,8 +316,16 @@ class CostModel:
             acc.add(OPTIMIZER, adam_update_s(shard, mini_batches, self.site.hbm_bytes_per_s))
 
     def _micro_batch(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
-                     training: bool, recompute: bool) -> _Acc:
-        """One micro-batch of ``b`` sequences through one pipeline stage (the last: it has the head)."""
+                     training: bool, recompute: bool, launch: bool = True) -> _Acc:
+        """One micro-batch of ``b`` sequences through one pipeline stage (the last: it has the head).
+
+        With ``launch``, each layer's dispatch per pass (site ``layer_launch_us``, class
+        ``launch``): ``mult/2`` passes — 1 forward, 3 with backward, 4 with recomputation — what
+        makes many small micro-batches slower than few large ones where the batch does not fill
+        the device. On the local site (4 virtual devices, 2 cores) a training micro-batch of the
+        4-layer demo model took 9–10 ms more than its FLOPs at any batch (16 sequences of 24
+        tokens: 210 ms at micro-batch 1, 61 ms at 16, one thread; ``train_step``), ~0.8 ms per
+        layer and pass, doubled for devices sharing cores: the site's 1,500 µs."""
         e = self.bytes_per_element
         h, q = spec.hidden_size, spec.num_heads * spec.head_dim
         tokens = b * seq
@@ -320,6 +335,8 @@ class CostModel:
         per_mb = _Acc()
         per_mb.add(GEMM, self._flops_s(mult * (layers * layer_parameters(spec) + head) * tokens / tp))
         per_mb.add(ATTENTION, self._flops_s(2 * mult * layers * q * seq * tokens / tp))
+        if launch and self.site.layer_launch_s:
+            per_mb.add(LAUNCH, self.site.layer_launch_s * layers * mult / 2)
         tp_collectives = (6 if recompute else 4) if training else 2
         self._ring(per_mb, "all_reduce", tokens * h * e, tp, self.spans_nodes(tp), count=tp_collectives * layers)
         if pp > 1:
@@ -333,7 +350,8 @@ class CostModel:
         e = self.bytes_per_element
         weights_per_device = parameters_per_device(spec, tp, pp)
         # prefill: inference over the prompts, one sequence per pipeline slot
-        self._forward_backward(acc, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, 1, 1, False, False)
+        self._forward_backward(acc, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, 1, 1, False, False,
+                               launch=False)
         concurrent = max(1, concurrent)
         waves = math.ceil(per_replica / concurrent)
         key = ("decode", self._spec_key(spec), concurrent, prompt, response, tp, pp)
@@ -352,7 +370,8 @@ class CostModel:
         Per token step each stage reads its weights once per micro-batch in flight (pp of
         them) and its share of the KV cache at the mean context length; the step is bound by
         HBM traffic or by compute, whichever is slower (roofline), plus a fixed dispatch time
-        per layer (site ``layer_launch_us``, class ``launch``) that does not shrink with the batch.
+        per layer (site ``layer_launch_us``, class ``launch``) that does not shrink with the batch,
+        for each decode step and for the prefill of the ``per_replica`` sequences (one pass).
         """
         acc = _Acc()
         e = self.bytes_per_element
@@ -373,7 +392,7 @@ class CostModel:
         else:
             acc.add(GEMM, compute_s * response)
         if self.site.layer_launch_s:
-            acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * response)
+            acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * (response + 1))
         step = _Acc()
         self._ring(step, "all_reduce", per_replica * h * e / pp, tp, self.spans_nodes(tp), count=2 * spec.num_layers)
         if pp > 1:

@@ -69,7 +69,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
     e = cm.bytes_per_element
     if model_stage.stage is Stage.GENERATION:
         _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, np.ones(n, np.int64), np.zeros(n, bool),
-                    per_replica + pp - 1, False)
+                    per_replica + pp - 1, False, launch=False)
         concurrent = np.maximum(1, np.minimum(mb, per_replica))
         waves = _ceil_div(per_replica, concurrent)
         _add_decode(cm, acc, spec, concurrent, waves, prompt_length, response_length, tp, pp)
@@ -98,12 +98,13 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
 
 
 def _add_per_mb(cm: CostModel, acc: _Sum, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int,
-                b: np.ndarray, rc: np.ndarray, slots: np.ndarray, training: bool) -> None:
-    """``slots ×`` the cached per-micro-batch cost, for each distinct ``(b, recompute)``."""
+                b: np.ndarray, rc: np.ndarray, slots: np.ndarray, training: bool, launch: bool = True) -> None:
+    """``slots ×`` the cached per-micro-batch cost, for each distinct ``(b, recompute)``
+    (``launch``: with its per-layer dispatch, as :meth:`CostModel._micro_batch`)."""
     groups = sorted(set(zip(b.tolist(), rc.tolist())))
     for bb, rr in groups:
         scaled = slots if len(groups) == 1 else np.where((b == bb) & (rc == rr), slots, 0)
-        for c, v in cm._per_mb_items(spec, lm_head, seq, tp, pp, bb, training, rr):
+        for c, v in cm._per_mb_items(spec, lm_head, seq, tp, pp, bb, training, rr, launch):
             acc.add(c, v * scaled)
 
 
@@ -127,7 +128,7 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarra
     acc.add(DECODE, np.where(memory_bound, memory_s * response, 0.0) * waves)
     acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * response) * waves)
     if cm.site.layer_launch_s:
-        acc.add(LAUNCH, cm.site.layer_launch_s * spec.num_layers * response * waves)
+        acc.add(LAUNCH, cm.site.layer_launch_s * spec.num_layers * (response + 1) * waves)
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))

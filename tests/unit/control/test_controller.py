@@ -214,11 +214,10 @@ def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo, ti
     boundary after it replans once, opportunistically, and leaves it when the saving pays back; a
     restart after a device loss plans for the coming steps at once.
 
-    On the demo's devices (58 MiB) the plan for the longest response, micro-batches of one, is
-    predicted as fast as the plan for the coming steps (its activations are small beside the
-    weights and the co-resident stages): the boundary keeps it. On 36 MiB devices, responses of up
-    to 128 tokens and training micro-batches of 2, the longest response needs a slower layout:
-    the boundary leaves it."""
+    The plan for the longest response has micro-batches of one, slower than the plan for the
+    coming steps (each micro-batch pays its per-layer dispatch on the local site): on the demo's
+    devices (58 MiB), and on 36 MiB devices with responses of up to 128 tokens and training
+    micro-batches of 2, the boundary leaves it."""
     from nereusd.control.monitor import RESTARTED
 
     job, site = demo
@@ -236,16 +235,13 @@ def test_after_a_restart_the_controller_replans_for_the_lengths_it_sees(demo, ti
     coming = adapter.problem(adapter.pool, adapter.lookahead(16))
     lost_s = evaluate(coming, lost.plan, adapter.cost_model).step_latency_s
     restart_s = evaluate(coming, restart.plan, adapter.cost_model).step_latency_s
-    assert lost_s < restart_s if tight else lost_s == restart_s
+    assert lost_s < restart_s
     adapter.switched(restart.plan, adapter.pool)
     observe(adapter, 6, 16)
     outcome = adapter.boundary(6, adapter.pool)
     assert outcome is not None and [t.signal for t in outcome.decision.triggers] == [RESTARTED]
     d = outcome.decision
-    if tight:
-        assert d.verdict == "admit" and d.target.step_latency_s < d.current_step_latency_s, d.to_dict()
-    else:
-        assert not d.admitted, d.to_dict()
+    assert d.verdict == "admit" and d.target.step_latency_s < d.current_step_latency_s, d.to_dict()
     observe(adapter, 7, 16)
     assert adapter.boundary(7, adapter.pool) is None   # once
 

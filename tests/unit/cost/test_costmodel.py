@@ -213,6 +213,7 @@ def test_workflows():
 
 def test_layer_launch_time_makes_generation_waves_cost():
     # local CPU devices: decode is dispatch-bound, so two waves of 8 cost about twice one of 16
+    # (each wave: one dispatch per layer for its prefill and for each of its 96 decode steps)
     import dataclasses
 
     import numpy as np
@@ -225,7 +226,7 @@ def test_layer_launch_time_makes_generation_waves_cost():
     kw = dict(sequences=16, prompt_length=8, response_length=96, tp=1, pp=1, dp=1)
     cm = CostModel(local)
     one, two = (cm.stage_cost(spec, gen, micro_batch=b, **kw).latency_s for b in (16, 8))
-    launch = local.layer_launch_s * spec.num_layers * 96 / PRIORS["launch"]
+    launch = local.layer_launch_s * spec.num_layers * (96 + 1) / PRIORS["launch"]
     assert two - one == pytest.approx(launch, rel=0.05)
     off = CostModel(dataclasses.replace(local, device=dataclasses.replace(local.device, layer_launch_us=0.0)))
     assert off.stage_cost(spec, gen, micro_batch=8, **kw).latency_s == pytest.approx(
@@ -234,6 +235,37 @@ def test_layer_launch_time_makes_generation_waves_cost():
                              dp=np.array([1, 1]), micro_batch=np.array([16, 8]), recompute=np.array([False, False]),
                              mini_batches=1)
     assert list(fast) == pytest.approx([one, two], rel=1e-12)
+
+
+def test_layer_launch_time_makes_small_training_micro_batches_cost():
+    """Each training micro-batch pays one dispatch per layer and pass (3: forward and backward;
+    4 with recomputation), so 16 micro-batches of 1 cost 15 × 3 × layers dispatches more than
+    one of 16 (the same FLOPs); scalar, fast and vectorised paths agree; without
+    ``layer_launch_us`` the micro-batch size costs nothing."""
+    import dataclasses
+
+    import numpy as np
+
+    from nereusd.cost import vector as costvec
+
+    local = load_site("local")
+    spec = preset("counting-tiny")
+    train = ModelStage.parse("actor/training")
+    kw = dict(sequences=16, prompt_length=8, response_length=16, tp=1, pp=1, dp=1)
+    cm = CostModel(local)
+    small, large, small_rc, large_rc = (cm.stage_cost(spec, train, micro_batch=b, recompute=rc, **kw).latency_s
+                                        for rc in (False, True) for b in (1, 16))
+    per_pass = local.layer_launch_s * spec.num_layers / PRIORS["launch"]
+    assert small - large == pytest.approx(15 * 3 * per_pass, rel=1e-9)
+    assert small_rc - large_rc == pytest.approx(15 * 4 * per_pass, rel=1e-9)
+    assert cm.stage_latency(spec, train, micro_batch=1, **kw)[0] == pytest.approx(small, rel=1e-12)
+    fast = costvec.latencies(cm, spec, train, sequences=16, prompt_length=8, response_length=16, tp=1, pp=1,
+                             dp=np.array([1, 1]), micro_batch=np.array([1, 16]), recompute=np.array([False, False]),
+                             mini_batches=1)
+    assert list(fast) == pytest.approx([small, large], rel=1e-12)
+    off = CostModel(dataclasses.replace(local, device=dataclasses.replace(local.device, layer_launch_us=0.0)))
+    assert off.stage_cost(spec, train, micro_batch=1, **kw).latency_s == pytest.approx(
+        off.stage_cost(spec, train, micro_batch=16, **kw).latency_s, rel=1e-9)
 
 
 def test_a_vllm_generation_books_its_weight_copy_and_a_whole_block_kv_cache():
