@@ -12,6 +12,7 @@ candidate ``π_M = ⟨tp, pp, dp, R⟩`` per model-stage ``M``, and a plan ``S =
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
@@ -170,16 +171,21 @@ class Candidate:
         """The device holding shard ``(pp_rank, tp_rank)`` of replica ``dp_rank``."""
         return self.devices[(dp_rank * self.pp + pp_rank) * self.tp + tp_rank]
 
+    @functools.cached_property
+    def _index(self) -> dict[int, int]:
+        """Position of each device in :attr:`devices` (``tuple.index`` per call was O(devices):
+        0.6 s of a 3.6 s ``plan_transition`` at 8,192 devices)."""
+        return {d: i for i, d in enumerate(self.devices)}
+
     def coords_of(self, device: int) -> tuple[int, int, int]:
         """``(dp_rank, pp_rank, tp_rank)`` of ``device``.
 
         Raises:
             PlanError: if ``device`` is not in ``R``.
         """
-        try:
-            index = self.devices.index(device)
-        except ValueError:
-            raise PlanError(f"device {device} is not in {list(self.devices)}") from None
+        index = self._index.get(device)
+        if index is None:
+            raise PlanError(f"device {device} is not in {list(self.devices)}")
         tp_rank = index % self.tp
         pp_rank = (index // self.tp) % self.pp
         dp_rank = index // (self.tp * self.pp)
