@@ -389,7 +389,8 @@ def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None
     lines.append(f"peak memory as the planner predicts it against the booked peak (both count the "
                  f"{WORKSPACE_BYTES[site.device_kind] // MIB} MiB workspace; the activations are one formula, "
                  f"checked against autograd's saved tensors in tests/unit/emu/test_activation_bytes.py; with pp > 1 "
-                 f"the planner adds the last stage's head to the first stage's activations): MAPE {mem_mape:.1f} %, "
+                 f"the planner takes the larger of the first stage's activations (most micro-batches in flight) "
+                 f"and the last stage's with the head): MAPE {mem_mape:.1f} %, "
                  f"max {max_abs_error(pred_mem, meas_mem):.1f} %, worst under-prediction "
                  f"{min(percent_errors(pred_mem, meas_mem)):+.1f} %")
     lines.append(f"costmodel: training MAPE {train_mape:.1f} %; max {train_max:.1f} %; "

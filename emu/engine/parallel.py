@@ -36,6 +36,7 @@ from torch import nn
 
 from emu.engine.canonical import canonical_shapes, shard_dim
 from emu.engine.model import TPGroup, reduce_from_tp
+from nereusd.cost.memory import pipeline_in_flight  # noqa: F401 - the engine books with the memory model's formula
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate
 from nereusd.shards import layer_range
@@ -204,13 +205,6 @@ def gather_pp(tensors: dict[str, torch.Tensor], spec: ModelSpec, value_head: boo
 
 
 # --------------------------------------------------------------------------- pipeline
-
-
-def pipeline_in_flight(n_micro: int, pp: int, pp_rank: int) -> int:
-    """Micro-batches whose activations stage ``pp_rank`` holds at once (1F1B; GPipe if ``n < pp``)."""
-    if pp == 1:
-        return 1
-    return n_micro if n_micro < pp else min(n_micro, pp - pp_rank)
 
 
 def run_pipeline(module: nn.Module, groups: StageGroups, device: torch.device, *,

@@ -33,9 +33,9 @@ from emu.state.devmem import DeviceMemory
 from emu.engine.generate import SamplingParams, generate, kv_cache_shape
 from emu.engine.canonical import init_full_state, replicated_grad_names, shard_dim, shard_full_tensor
 from emu.engine.model import KVCache, LlamaModel
-from emu.engine.parallel import (StageGroups, gather_pp, gather_tp, pipeline_in_flight, run_pipeline,
+from emu.engine.parallel import (StageGroups, gather_pp, gather_tp, run_pipeline,
                                 vocab_parallel_logprobs_entropy)
-from nereusd.cost.memory import micro_batch_activation_bytes
+from nereusd.cost.memory import micro_batch_activation_bytes, pipeline_in_flight
 from nereusd.errors import NereusError, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Stage

@@ -206,6 +206,16 @@ def micro_batch_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch
     return int(total)
 
 
+def pipeline_in_flight(n_micro: int, pp: int, pp_rank: int) -> int:
+    """Micro-batches whose training activations pipeline stage ``pp_rank`` holds at once:
+    ``pp − pp_rank`` under 1F1B (Narayanan et al. 2021, §2.2), all ``n_micro`` under GPipe,
+    which the engine runs when ``n_micro < pp`` (:func:`emu.engine.parallel.run_pipeline`).
+    The engine books with it; :func:`stage_memory` predicts with it."""
+    if pp == 1:
+        return 1
+    return n_micro if n_micro < pp else min(n_micro, pp - pp_rank)
+
+
 def kv_cache_bytes(spec: ModelSpec, tokens: int, tp: int, pp: int, kv_bytes: int) -> int:
     """KV cache on one device for ``tokens`` cached tokens (all sequences of the replica).
 
@@ -320,10 +330,17 @@ def stage_memory(
         comp.update(zero_state_bytes(params, dp, zero_stage, e))
         resident += comp["optimizer"]
         micro_batches = max(1, per_replica // b)
-        in_flight = min(pp, micro_batches)
-        comp["activations"] = in_flight * micro_batch_activation_bytes(
-            spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=True, recompute=recompute,
-            last_stage=False, flash_attention=flash_attention)
-        comp["logits"] = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
-                                               act_bytes=e, vocab_head=not value_output)
+        head = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
+                                     act_bytes=e, vocab_head=not value_output)
+
+        def held(pp_rank: int) -> tuple[int, int]:   # (activations, head) stage pp_rank holds at once
+            n = pipeline_in_flight(micro_batches, pp, pp_rank)
+            act = micro_batch_activation_bytes(
+                spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=True, recompute=recompute,
+                first_stage=pp_rank == 0, last_stage=False, flash_attention=flash_attention)
+            return n * act, n * head if pp_rank == pp - 1 else 0
+
+        # the first stage holds the most micro-batches, the last the head: the larger of the two
+        first, last = held(0), held(pp - 1)
+        comp["activations"], comp["logits"] = first if sum(first) >= sum(last) else last
     return MemoryEstimate(MappingProxyType(comp), int(resident))
