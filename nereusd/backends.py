@@ -35,7 +35,7 @@ from typing import Iterable, Mapping
 
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
-from nereusd.plan import ModelStage, Role, Stage
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 
 
 class Backend(str, Enum):
@@ -173,3 +173,31 @@ def resolve_backends(stages: Iterable[ModelStage], requested: Mapping[str, str],
                               f"deepspeed; `make install` installs it)")
         out[ms] = backend
     return out
+
+
+def vllm_replica_key(cand: Candidate, device: int, default_micro_batch: int) -> tuple:
+    """What a device's vLLM engine is started for: ``(tp, the replica's TP devices in order,
+    max_num_seqs)``. A worker keeps its engine across a transition only when this is unchanged
+    (:meth:`emu.worker.vllm_stages.VllmStages._sync_engines`), else starts a new one (seconds on
+    any machine); the controller prices that start-up into ``L̂_tran`` with the same rule
+    (:func:`restarts_vllm_engines`)."""
+    r, _, _ = cand.coords_of(device)
+    return cand.tp, tuple(cand.device_at(r, 0, t) for t in range(cand.tp)), cand.micro_batch or default_micro_batch
+
+
+def restarts_vllm_engines(source: Plan, target: Plan, vllm_stages: Iterable[ModelStage],
+                          default_micro_batch: int) -> bool:
+    """Whether going from ``source`` to ``target`` starts any vLLM engine: a device of a vLLM
+    model-stage of ``target`` whose replica key (:func:`vllm_replica_key`) differs from the one it
+    had in ``source``, or that had none."""
+    for ms in vllm_stages:
+        if ms not in target:
+            continue
+        before = source[ms] if ms in source else None
+        held = set(before.devices) if before is not None else set()
+        for d in target[ms].devices:
+            old = vllm_replica_key(before, d, default_micro_batch) if d in held else None
+            if old != vllm_replica_key(target[ms], d, default_micro_batch):
+                return True
+    return False
+

@@ -33,6 +33,7 @@ from emu.engine.parallel import StageGroups
 from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
 from emu.state.unit import derived_seed
 from nereusd import protocol as P
+from nereusd.backends import vllm_replica_key
 from nereusd.errors import NereusError
 from nereusd.cost.memory import kv_cache_bytes, vllm_block_tokens, vllm_kv_cache_tokens
 from nereusd.plan import Candidate, ModelStage, Stage
@@ -66,9 +67,7 @@ class VllmStages:
         self._emu_version[ms] = self._emu_version.get(ms, 0) + 1
 
     def _replica_key(self, ms: ModelStage, cand: Candidate) -> tuple:
-        r, _, _ = cand.coords_of(self.device_index)
-        devices = tuple(cand.device_at(r, 0, t) for t in range(cand.tp))
-        return cand.tp, devices, cand.micro_batch or self._build_args.train.micro_batch
+        return vllm_replica_key(cand, self.device_index, self._build_args.train.micro_batch)
 
     def _engine_config(self, ms: ModelStage, engine, addr: str, port: int) -> EngineConfig:
         args = self._build_args

@@ -135,6 +135,10 @@ def admit(
         payback_margin: ``γ``; ``inf`` admits any positive gain, 0 urgent switches only.
         current_valid: False when the current plan cannot run any more (lost devices, OOM).
 
+    An urgent trigger waives profitability but not cost: of the feasible targets it admits the
+    one with the least ``L̂_step·H_x + L̂_tran`` (S* on a tie) — a fallback whose transition
+    starts no engine can beat a slightly faster S* whose transition starts several.
+
     Returns:
         ``admit`` with the chosen target; else ``reject`` (opportunistic), ``keep`` (urgent but
         the current plan still runs) or ``checkpoint_restart`` (urgent, nothing fits).
@@ -144,6 +148,16 @@ def admit(
                   current_step_latency_s=current_step_latency_s, payback_margin=payback_margin,
                   horizon_steps=horizon_steps)
     tried: list[dict] = []
+    if urgent:   # the feasible target cheapest over the horizon, S* on a tie
+        feasible = [t for t in targets if t.feasible]
+
+        def over_horizon(t: Target) -> tuple[float, float]:
+            if math.isfinite(horizon_steps):
+                return t.step_latency_s * horizon_steps + t.transition_s, 0.0
+            return t.step_latency_s, t.transition_s
+
+        best = min(feasible, key=over_horizon, default=None)
+        targets = ([best] if best is not None else []) + [t for t in targets if t is not best]
     for target in targets:
         delta = current_step_latency_s - target.step_latency_s
         payback = target.transition_s / delta if delta > 0 else float("inf")
@@ -153,9 +167,14 @@ def admit(
             tried.append(record | {"verdict": "infeasible", "reason": target.reason})
             continue
         if urgent:
+            others = tuple(tried) + tuple(
+                {"step_latency_s": t.step_latency_s, "l_tran_s": t.transition_s, "verdict": "costlier",
+                 "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps"}
+                for t in targets if t is not target and t.feasible)
             return Decision(verdict=ADMIT, target=target, delta_l_s=delta, l_tran_s=target.transition_s,
-                            payback_steps=payback, alternatives=tuple(tried),
-                            reason="urgent: profitability waived", **common)
+                            payback_steps=payback, alternatives=others,
+                            reason="urgent: profitability waived; of the feasible targets the cheapest over "
+                                   "H_x (L_step·H_x + L_tran)", **common)
         if delta <= 0:
             tried.append(record | {"verdict": "no_gain", "reason": "not faster than the current plan"})
             continue

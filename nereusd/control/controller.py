@@ -9,9 +9,12 @@ and then asks :meth:`Controller.boundary` what to do:
    operation class (:meth:`nereusd.cost.calibration.Calibration.observe_stage`); measured peak
    memory per device against the predicted peak gives a memory ratio (the largest of the last
    ``memory_window`` steps) that widens the planner's headroom, ``1 − (1 − headroom)/ratio``;
+   the measured start-up of a vLLM engine (the build's, then each transition's) is added to the
+   ``L̂_tran`` of every target that starts one (:meth:`Controller.engine_started`,
+   :func:`nereusd.backends.restarts_vllm_engines`: the workers' own rule for keeping an engine);
    measured minus predicted transition time gives the fixed cost of a transition
-   (communicators, engine rebuilds) that the DAG's byte-and-link model leaves out, added to
-   every ``L̂_tran`` (:meth:`Controller.transition_measured`);
+   (communicators, other engine rebuilds) that the DAG's byte-and-link model leaves out, added
+   to every ``L̂_tran`` (:meth:`Controller.transition_measured`);
 2. *triggers* — :class:`nereusd.control.monitor.Monitor`: the pool changed or the current plan's
    predicted peak for the coming step exceeds the usable memory (urgent); the response length
    or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
@@ -45,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
 
-from nereusd.backends import Backend, check_zero_stage
+from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
 from nereusd.config.job import AdaptationConfig
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
@@ -200,6 +203,9 @@ class Controller:
         self._memory: deque[float] = deque(maxlen=self.policy.memory_window)
         self.transition_overhead_s = 0.0
         self._transitions_seen = 0
+        self.engine_start_s = 0.0
+        """Seconds a vLLM engine takes to start (the slowest rank's; EMA of measurements, 0 before one)."""
+        self._engine_starts_seen = 0
         self.efficiency = 1.0
         self.length = 1
         self.predicted_step_s: float | None = None
@@ -227,7 +233,8 @@ class Controller:
                 "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
-                "base_plan": self.base_plan.to_dict()}
+                "base_plan": self.base_plan.to_dict(),
+                "engine_start": [self.engine_start_s, self._engine_starts_seen]}
 
     def restore(self, state: Mapping) -> None:
         """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
@@ -248,6 +255,10 @@ class Controller:
                       float(state["efficiency"]), bool(state["relaunch"]), bool(state["restarted"]))
             predicted = state["predicted_step_s"]
             predicted = None if predicted is None else float(predicted)
+            engine_start_s, engine_starts_seen = state.get("engine_start", (0.0, 0))   # absent before it was learned
+            engine_start_s, engine_starts_seen = float(engine_start_s), int(engine_starts_seen)
+            if not (math.isfinite(engine_start_s) and engine_start_s >= 0):
+                raise ValueError(f"engine_start {engine_start_s!r}")
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -263,6 +274,7 @@ class Controller:
         (self.length, self.transition_overhead_s, self._transitions_seen, self.efficiency, self._relaunch,
          self._restarted) = fields
         self.predicted_step_s = predicted
+        self.engine_start_s, self._engine_starts_seen = engine_start_s, engine_starts_seen
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
@@ -315,11 +327,20 @@ class Controller:
 
     def transition_measured(self, predicted_s: float, measured_s: float) -> None:
         """Learn the fixed cost of a transition, ``measured − predicted`` seconds (EMA, weight 0.5;
-        the first measurement is taken as is)."""
+        the first measurement is taken as is). ``predicted_s`` includes the engine start-up it
+        priced (:meth:`engine_started`), so what is learned here is the rest."""
         extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
         self.transition_overhead_s = extra if not self._transitions_seen else (
             0.5 * self.transition_overhead_s + 0.5 * extra)
         self._transitions_seen += 1
+
+    def engine_started(self, seconds: float) -> None:
+        """Learn how long a vLLM engine takes to start, ``seconds`` measured by the workers (the
+        build's or a transition's slowest rank; EMA, weight 0.5; the first taken as is)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        self.engine_start_s = seconds if not self._engine_starts_seen else 0.5 * self.engine_start_s + 0.5 * seconds
+        self._engine_starts_seen += 1
 
     # ---- decisions -------------------------------------------------------------------------
     def _target(self, source: Plan, plan: Plan, problem: PlanProblem, usable: int) -> Target:
@@ -328,6 +349,8 @@ class Controller:
         over = ev.over_capacity(usable)
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
         l_tran = est.l_tran_s + (self.transition_overhead_s if plan != source else 0.0)
+        if self.engine_start_s and restarts_vllm_engines(source, plan, problem.engines, problem.workload.micro_batch):
+            l_tran += self.engine_start_s
         return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason, dag=est.dag)
 
     def boundary(self, step: int, pool: tuple[int, ...], *, source: Plan | None = None,

@@ -131,6 +131,9 @@ class LiveAdaptation:
         obs = StepObservation(step, record.response_length_max, record.model_stage_s, record.peak_memory_bytes,
                               record.step_latency_s)
         self.journal.event(Event.STEP_PREDICTION, self.controller.observe(obs))
+        if self.driver.engine_start_s:   # a build started engines: what a transition that starts them costs
+            self.controller.engine_started(self.driver.engine_start_s)
+            self.driver.engine_start_s = 0.0
         upcoming = step + 1
         if upcoming >= self.job.config.steps:
             return
@@ -373,11 +376,13 @@ class LiveAdaptation:
         self.driver.plan = target
         if predicted_s is not None:
             self.controller.transition_measured(predicted_s, elapsed)
+        self.controller.engine_started(progress.engine_start_s)
         self.controller.switched(target, tuple(sorted(self.world)))
         self.journal.event(Event.TRANSITION, {
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
             "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
-            "setup_s": progress.setup_s, "world": self.world, "generation": self.store.generation,
+            "setup_s": progress.setup_s, "engine_start_s": progress.engine_start_s, "world": self.world,
+            "generation": self.store.generation,
             "op_timings": progress.timings})
         log.info("transition at step %d: %d ops in %.2f s -> %s", step, len(dag.ops), elapsed, target.describe())
 

@@ -113,6 +113,9 @@ class RLDriver:
         self.sampler = PromptSampler(self.task)
         self.on_step = on_step or (lambda record: None)
         self.step_index = 0
+        self.engine_start_s = 0.0
+        """The slowest vLLM engine start-up of the last :meth:`build` (0: none started), read by the
+        live controller (``L̂_tran`` of transitions that start engines)."""
         self._ms_s: dict[str, float] = {}
         self._peaks: dict[int, int] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None
@@ -166,8 +169,10 @@ class RLDriver:
         world = world if world is not None else list(range(self.job.devices))
         results = self.control.run({d: args for d in world})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
+        self.engine_start_s = max((r.result.get("engine_start_s", 0.0) for r in results.values()), default=0.0)
         self.journal.event(Event.BUILD, {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
-                                     "memory_in_use_bytes": memory, "task": self.task.to_dict()})
+                                     "memory_in_use_bytes": memory, "engine_start_s": self.engine_start_s,
+                                     "task": self.task.to_dict()})
 
     # ------------------------------------------------------------------ dispatch helpers
     def _submit_replicas(self, kind: str, ms: ModelStage, count: int,

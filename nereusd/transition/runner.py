@@ -66,12 +66,14 @@ class TransitionInterrupted(WorkerError):
 
 @dataclass
 class TransitionProgress:
-    """What has run: completed op ids, per-op timings (seconds), set-up time."""
+    """What has run: completed op ids, per-op timings (seconds), set-up time, and the slowest
+    vLLM engine start-up of ``transition_finish`` (0 when no engine started)."""
 
     completed: set[str] = field(default_factory=set)
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
     setup_s: float = 0.0
     elapsed_s: float = 0.0
+    engine_start_s: float = 0.0
 
     def record(self, results: Mapping[int, Any]) -> None:
         """Merge the ``timings`` of one ``transition_run`` task's results (per device)."""
@@ -116,7 +118,8 @@ class TransitionRunner:
         try:
             self.run_ops(dag, progress)
             finish = P.TransitionFinishArgs(syncs=syncs or [])
-            self.control.run({d: finish for d in self.world}, self.timeout_s)
+            res = self.control.run({d: finish for d in self.world}, self.timeout_s)
+            progress.engine_start_s = max((r.result.get("engine_start_s", 0.0) for r in res.values()), default=0.0)
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)

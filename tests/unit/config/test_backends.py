@@ -71,3 +71,26 @@ def test_the_environment_asking_for_missing_vllm_names_the_job_unless_the_job_ov
     with pytest.raises(ConfigError, match="job.yaml: NEREUS_GENERATION_BACKEND=vllm makes actor/generation run"):
         resolve_backends(STAGES, {}, source="job.yaml")
     assert resolve_backends(STAGES, {"actor/generation": "native"}, source="job.yaml")[STAGES[0]] is Backend.NATIVE
+
+
+def test_a_vllm_engine_restarts_exactly_when_its_replica_changes():
+    """The workers keep a vLLM engine whose replica key — tp, the TP devices, max_num_seqs — is
+    unchanged; the controller prices a start-up by the same rule."""
+    from nereusd.backends import restarts_vllm_engines, vllm_replica_key
+    from nereusd.plan import Candidate, ModelStage, Plan
+
+    gen, train = ModelStage.parse("actor/generation"), ModelStage.parse("actor/training")
+    four = Plan({gen: Candidate(1, 1, 4, (0, 1, 2, 3), micro_batch=16), train: Candidate(2, 1, 2, (0, 1, 2, 3))})
+    assert vllm_replica_key(four[gen], 2, 8) == (1, (2,), 16)
+    assert vllm_replica_key(Candidate(2, 1, 2, (0, 1, 2, 3)), 3, 8) == (2, (2, 3), 8)
+    changes = {
+        "nothing": (four, False),
+        "training only": (Plan({gen: four[gen], train: Candidate(4, 1, 1, (0, 1, 2, 3))}), False),
+        "a replica leaves": (Plan({gen: Candidate(1, 1, 3, (0, 1, 2), micro_batch=16), train: four[train]}), False),
+        "max_num_seqs": (Plan({gen: Candidate(1, 1, 3, (0, 1, 2), micro_batch=22), train: four[train]}), True),
+        "tp": (Plan({gen: Candidate(2, 1, 2, (0, 1, 2, 3), micro_batch=16), train: four[train]}), True),
+        "a device joins": (Plan({gen: Candidate(1, 1, 5, (0, 1, 2, 3, 4), micro_batch=16), train: four[train]}), True),
+    }
+    for name, (target, restarts) in changes.items():
+        assert restarts_vllm_engines(four, target, [gen], 8) is restarts, name
+    assert not restarts_vllm_engines(four, changes["tp"][0], [], 8)   # generation on the native engine

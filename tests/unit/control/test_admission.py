@@ -112,6 +112,23 @@ def test_urgent_waives_profitability_and_restart():
     assert keep.verdict == KEEP
 
 
+def test_urgent_takes_the_feasible_target_cheapest_over_the_horizon():
+    """An urgent switch waives profitability, not cost: S* 0.1 s/step faster whose transition
+    starts vLLM engines (15 s) loses to the DP rescale over a 10-step horizon and wins over 1,000
+    steps; an infeasible cheaper target is never taken; equal costs keep S*."""
+    fast, cheap = target(2.4, 15.6), target(2.5, 0.6)
+    short = admit(step=19, triggers=[POOL], current_step_latency_s=1.8, targets=[fast, cheap], horizon_steps=10.0)
+    assert short.admitted and short.target is cheap
+    assert [a["verdict"] for a in short.alternatives] == ["costlier"]
+    assert admit(step=19, triggers=[POOL], current_step_latency_s=1.8, targets=[fast, cheap],
+                 horizon_steps=1000.0).target is fast
+    assert admit(step=19, triggers=[POOL], current_step_latency_s=1.8,
+                 targets=[fast, target(2.5, 0.6, feasible=False)], horizon_steps=10.0).target is fast
+    tie = target(2.4, 15.6)
+    assert admit(step=19, triggers=[POOL], current_step_latency_s=1.8, targets=[fast, tie],
+                 horizon_steps=10.0).target is fast
+
+
 def test_urgent_replan_widens_to_recompute():
     site = load_site("a100-ib").with_nodes(1)
     spec = preset("llama-3.1-8b")

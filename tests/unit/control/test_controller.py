@@ -4,6 +4,7 @@ opportunistic decisions, pool changes, forced layouts; the job schema of adaptat
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -306,3 +307,32 @@ def test_a_resumed_controller_decides_as_the_uninterrupted_one(demo):
         resumed.restore({**state, "version": 99})
     with pytest.raises(ConfigError, match="controller state: malformed"):
         resumed.restore({k: v for k, v in state.items() if k != "monitor"})
+
+
+def test_a_transition_that_starts_vllm_engines_is_priced_their_start_up(demo):
+    """The measured start-up of a vLLM engine (EMA) is added to the ``L̂_tran`` of a target that
+    changes a generation replica's key (here max_num_seqs), not to one that keeps every engine,
+    and it survives a resume of the controller's state."""
+    from nereusd.backends import Backend
+
+    job, site = demo
+    gen, train = ModelStage.parse("actor/generation"), ModelStage.parse("actor/training")
+    job = dataclasses.replace(job, backends={**job.backends, gen: Backend.VLLM})
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    plan = adapter.plan
+    new_seqs = Plan({**plan.candidates, gen: dataclasses.replace(plan[gen], micro_batch=8)})
+    train_only = Plan({**plan.candidates, train: dataclasses.replace(plan[train], micro_batch=8)})
+
+    def l_tran(step: int, target: Plan) -> float:
+        observe(adapter, step, 16)
+        return adapter.boundary(step, adapter.pool, forced=target).decision.l_tran_s
+
+    before, kept = l_tran(0, new_seqs), l_tran(1, train_only)
+    adapter.engine_started(14.0)
+    adapter.engine_started(10.0)
+    assert adapter.engine_start_s == pytest.approx(12.0)
+    assert l_tran(2, new_seqs) == pytest.approx(before + 12.0)
+    assert l_tran(3, train_only) == pytest.approx(kept)
+    resumed = controller_for_job(job, site, job.plan, PROMPT)
+    resumed.restore(json.loads(json.dumps(adapter.state())))
+    assert resumed.engine_start_s == pytest.approx(12.0)
