@@ -343,6 +343,21 @@ class Controller:
         self._engine_starts_seen += 1
 
     # ---- decisions -------------------------------------------------------------------------
+    def _keeping_engines(self, source: Plan, plan: Plan, problem: PlanProblem) -> Plan | None:
+        """``plan`` with each vLLM model-stage at ``source``'s ``max_num_seqs`` (its micro-batch),
+        when that is all that starts engines, else ``None``: the planner minimises the step
+        alone, and a slightly faster wave size can cost an engine start-up per replica (a pool
+        change in ``bench_adaptive`` went to 22 sequences per wave and restarted every engine,
+        16 s, where 16 kept them). Admission weighs the two by ``L̂_tran``."""
+        if not self.engine_start_s or not restarts_vllm_engines(source, plan, problem.engines,
+                                                                problem.workload.micro_batch):
+            return None
+        kept = Plan({ms: dataclasses.replace(c, micro_batch=source[ms].micro_batch)
+                     if ms in problem.engines and ms in source else c for ms, c in plan.candidates.items()})
+        if kept == plan or restarts_vllm_engines(source, kept, problem.engines, problem.workload.micro_batch):
+            return None
+        return kept
+
     def _target(self, source: Plan, plan: Plan, problem: PlanProblem, usable: int) -> Target:
         ev = evaluate(problem, plan, self.cost_model)
         est = self.transitions.estimate(source, plan)
@@ -416,6 +431,9 @@ class Controller:
             result, lines = solve(problem, self.cost_model, self.plan, headroom, urgent)
             if result is not None:
                 targets.append(self._target(source, result.plan, problem, usable))
+                kept = self._keeping_engines(source, result.plan, problem)
+                if kept is not None:
+                    targets.append(self._target(source, kept, problem, usable))
             rescaled = dp_rescale(self.plan, problem, current=source)
             if rescaled is not None and (result is None or rescaled != result.plan) and rescaled != self.plan:
                 targets.append(self._target(source, rescaled, problem, usable))

@@ -16,7 +16,7 @@ from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
 from nereusd.config.resolve import load_and_resolve
 from nereusd.cost.memory import usable_bytes
-from nereusd.plan import ModelStage, Plan, Role, Stage
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.planner.space import evaluate
 from nereusd.config.site import load_site
 
@@ -336,3 +336,37 @@ def test_a_transition_that_starts_vllm_engines_is_priced_their_start_up(demo):
     resumed = controller_for_job(job, site, job.plan, PROMPT)
     resumed.restore(json.loads(json.dumps(adapter.state())))
     assert resumed.engine_start_s == pytest.approx(12.0)
+
+
+def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_horizon(demo):
+    """A device leaves: the planner's S* decodes 22 sequences per wave on three replicas, which
+    starts a new vLLM engine on each; the same plan at the running 16 keeps every engine.
+    Admission is offered both and takes the one with the least ``L̂_step·H_x + L̂_tran``: S*
+    before any engine start-up was measured (it then costs nothing extra), the engine-keeping
+    plan once a start-up costs 16 s."""
+    from nereusd.backends import Backend
+
+    job, site = demo
+    gen = ModelStage.parse("actor/generation")
+    job = dataclasses.replace(job, backends={**job.backends, gen: Backend.VLLM})
+    running = Plan({gen: Candidate(1, 1, 4, (0, 1, 2, 3), micro_batch=16),
+                    ModelStage.parse("actor/inference"): Candidate(1, 2, 1, (0, 1), micro_batch=16),
+                    ModelStage.parse("reference/inference"): Candidate(1, 2, 1, (2, 3), micro_batch=16),
+                    ModelStage.parse("actor/training"): Candidate(1, 1, 4, (0, 1, 2, 3), micro_batch=4)})
+
+    def device_leaves(engine_start_s: float):
+        adapter = controller_for_job(job, site, running, PROMPT)
+        for step in range(6):
+            observe(adapter, step, 96)
+            adapter.boundary(step, adapter.pool)
+        adapter.engine_started(engine_start_s)
+        observe(adapter, 6, 96)
+        return adapter.boundary(6, (0, 1, 2)).decision
+
+    fresh = device_leaves(0.0)
+    assert fresh.admitted and fresh.target.plan[gen].micro_batch > 16
+    measured = device_leaves(16.0)
+    assert measured.admitted and measured.target.plan[gen].micro_batch == 16
+    assert measured.l_tran_s < 1.0
+    [faster] = [a for a in measured.alternatives if a["verdict"] == "costlier"]
+    assert faster["step_latency_s"] < measured.target.step_latency_s and faster["l_tran_s"] > 16.0
