@@ -16,6 +16,7 @@ explaining it (trigger, ΔL, L_tran, H_x, payback margin γ, verdict, alternativ
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -209,8 +210,8 @@ def urgent_replan(problem: PlanProblem, cost_model: CostModel, current: Plan | N
     smaller = tuple(1 << k for k in range(configured.bit_length()) if (1 << k) <= configured)
     attempts = [
         ("job settings", base),
-        ("smaller micro-batch", PlannerOptions(base.any_divisor, smaller, base.allow_recompute, base.headroom, base.generation_pp)),
-        ("smaller micro-batch + recomputation", PlannerOptions(base.any_divisor, smaller, True, base.headroom, base.generation_pp)),
+        ("smaller micro-batch", dataclasses.replace(base, micro_batches=smaller)),
+        ("smaller micro-batch + recomputation", dataclasses.replace(base, micro_batches=smaller, allow_recompute=True)),
     ]
     log_lines: list[str] = []
     for name, options in attempts:

@@ -343,20 +343,24 @@ class Controller:
         self._engine_starts_seen += 1
 
     # ---- decisions -------------------------------------------------------------------------
-    def _keeping_engines(self, source: Plan, plan: Plan, problem: PlanProblem) -> Plan | None:
-        """``plan`` with each vLLM model-stage at ``source``'s ``max_num_seqs`` (its micro-batch),
-        when that is all that starts engines, else ``None``: the planner minimises the step
-        alone, and a slightly faster wave size can cost an engine start-up per replica (a pool
-        change in ``bench_adaptive`` went to 22 sequences per wave and restarted every engine,
-        16 s, where 16 kept them). Admission weighs the two by ``L̂_tran``."""
-        if not self.engine_start_s or not restarts_vllm_engines(source, plan, problem.engines,
-                                                                problem.workload.micro_batch):
+    def _keeping_engines(self, source: Plan, plan: Plan, problem: PlanProblem, headroom: float,
+                         urgent: bool) -> Plan | None:
+        """The planner's best plan whose generation keeps ``source``'s vLLM engines (its wave
+        size pinned to their ``max_num_seqs``), when ``plan`` starts engines and a start-up has
+        been measured; else ``None``. The planner minimises the step alone, and a slightly faster
+        wave size can cost an engine start-up per replica (a pool change in ``bench_adaptive``
+        went to 22 sequences per wave and restarted every engine, 16 s, where 16 kept them).
+        Admission weighs the two by ``L̂_tran``."""
+        micro = problem.workload.micro_batch
+        if not self.engine_start_s or not restarts_vllm_engines(source, plan, problem.engines, micro):
             return None
-        kept = Plan({ms: dataclasses.replace(c, micro_batch=source[ms].micro_batch)
-                     if ms in problem.engines and ms in source else c for ms, c in plan.candidates.items()})
-        if kept == plan or restarts_vllm_engines(source, kept, problem.engines, problem.workload.micro_batch):
+        running = {source[ms].micro_batch or micro for ms in problem.engines if ms in source}
+        if len(running) != 1:
             return None
-        return kept
+        result, _ = solve(problem, self.cost_model, self.plan, headroom, urgent, generation_micro_batch=running.pop())
+        if result is None or result.plan == plan or restarts_vllm_engines(source, result.plan, problem.engines, micro):
+            return None
+        return result.plan
 
     def _target(self, source: Plan, plan: Plan, problem: PlanProblem, usable: int) -> Target:
         ev = evaluate(problem, plan, self.cost_model)
@@ -431,7 +435,7 @@ class Controller:
             result, lines = solve(problem, self.cost_model, self.plan, headroom, urgent)
             if result is not None:
                 targets.append(self._target(source, result.plan, problem, usable))
-                kept = self._keeping_engines(source, result.plan, problem)
+                kept = self._keeping_engines(source, result.plan, problem, headroom, urgent)
                 if kept is not None:
                     targets.append(self._target(source, kept, problem, usable))
             rescaled = dp_rescale(self.plan, problem, current=source)

@@ -59,9 +59,10 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
 
 
 def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, headroom: float,
-          urgent: bool) -> tuple[PlanResult | None, list[str]]:
-    """The planner's best plan (urgent: widening micro-batch and recomputation); log lines."""
-    options = PlannerOptions(headroom=headroom)
+          urgent: bool, generation_micro_batch: int = 0) -> tuple[PlanResult | None, list[str]]:
+    """The planner's best plan (urgent: widening micro-batch and recomputation); log lines.
+    ``generation_micro_batch``: :attr:`PlannerOptions.generation_micro_batch`."""
+    options = PlannerOptions(headroom=headroom, generation_micro_batch=generation_micro_batch)
     if urgent:
         return urgent_replan(problem, cost_model, current, options)
     try:

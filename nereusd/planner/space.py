@@ -89,6 +89,10 @@ class PlannerOptions:
         zero_stages: ZeRO stages to try for a training model-stage the problem does not pin
             (``nereus-launch plan --zero``); empty: the problem's (:attr:`PlanProblem.zero_stages`),
             else ZeRO-0. ZeRO-1/2 are offered at ``tp = pp = 1`` only, the DeepSpeed backend's scope.
+        generation_micro_batch: when set, the only wave size (concurrent sequences) generation
+            may take where a replica's share is at least that large: the running vLLM engines'
+            ``max_num_seqs``, so that a plan can keep them (the controller's engine-keeping
+            alternative). 0: every wave size.
     """
 
     any_divisor: bool = False
@@ -97,6 +101,7 @@ class PlannerOptions:
     headroom: float = HEADROOM
     generation_pp: bool = False
     zero_stages: tuple[int, ...] = ()
+    generation_micro_batch: int = 0
 
 
 def zero_stage_choices(problem: "PlanProblem", model_stage: ModelStage, options: PlannerOptions) -> tuple[int, ...]:
@@ -182,6 +187,8 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
     all of the share, then every power of two below it (the enumeration keeps the
     :data:`GENERATION_WAVE_CHOICES` largest that fit memory)."""
     if generation:
+        if 0 < options.generation_micro_batch <= per_replica:
+            return (options.generation_micro_batch,)
         out, b = [per_replica], 1 << max(0, (per_replica - 1).bit_length() - 1)
         while b >= 1:
             if b < per_replica:
