@@ -96,13 +96,14 @@ def test_sharded(tp, pp):
         assert want == pytest.approx(got, rel=0.01)
 
 
-def _inference_booking(rank: int, world: int) -> tuple[int, int]:
+def _pipeline_engine(rank: int, world: int, stage: Stage) -> tuple[StageEngine, list[int]]:
+    """A pp-``world`` engine of GQA on this rank, micro-batches of 2, and the list its every
+    activation booking is appended to."""
     candidate = Candidate(1, world, 1, tuple(range(world)))
-    ms = ModelStage(Role.ACTOR, Stage.INFERENCE)
-    eng = StageEngine(model_stage=ms, spec=GQA, candidate=candidate, rank=rank,
+    eng = StageEngine(model_stage=ModelStage(Role.ACTOR, stage), spec=GQA, candidate=candidate, rank=rank,
                       groups=build_stage_groups(candidate, rank), device=torch.device("cpu"),
-                      memory=DeviceMemory(rank, 1 << 34), value_head=False, trainable=False, lr=0.0, grad_clip=0.0,
-                      micro_batch=2)
+                      memory=DeviceMemory(rank, 1 << 34), value_head=False, trainable=stage is Stage.TRAINING,
+                      lr=1e-3, eps=1e-8, grad_clip=1.0, micro_batch=2)
     eng.initialize(seed=0)
     booked: list[int] = []
     allocate = eng.memory.allocate
@@ -113,6 +114,11 @@ def _inference_booking(rank: int, world: int) -> tuple[int, int]:
         return allocate(owner, kind, nbytes)
 
     eng.memory.allocate = record
+    return eng, booked
+
+
+def _inference_booking(rank: int, world: int) -> tuple[int, int]:
+    eng, booked = _pipeline_engine(rank, world, Stage.INFERENCE)
     seqs = [[(7 * i + j) % GQA.vocab_size for j in range(48)] for i in range(8)]   # 4 micro-batches
     eng.logprobs(seqs, [32] * 8)
     want = micro_batch_activation_bytes(GQA, tp=1, layers=len(eng.layers), batch=2, seq=48, act_bytes=4, train=False,
@@ -130,21 +136,7 @@ def test_a_pipelined_inference_books_one_micro_batch_at_a_time():
 
 
 def _training_booking(rank: int, world: int, sequences: int) -> int:
-    candidate = Candidate(1, world, 1, tuple(range(world)))
-    eng = StageEngine(model_stage=ModelStage(Role.ACTOR, Stage.TRAINING), spec=GQA, candidate=candidate, rank=rank,
-                      groups=build_stage_groups(candidate, rank), device=torch.device("cpu"),
-                      memory=DeviceMemory(rank, 1 << 34), value_head=False, trainable=True, lr=1e-3, eps=1e-8,
-                      grad_clip=1.0, micro_batch=2)
-    eng.initialize(seed=0)
-    booked: list[int] = []
-    allocate = eng.memory.allocate
-
-    def record(owner, kind, nbytes):
-        if kind == "activations":
-            booked.append(nbytes)
-        return allocate(owner, kind, nbytes)
-
-    eng.memory.allocate = record
+    eng, booked = _pipeline_engine(rank, world, Stage.TRAINING)
     seqs = [[(7 * i + j) % GQA.vocab_size for j in range(48)] for i in range(sequences)]
     eng.train_step(seqs, [32] * sequences, {}, lambda out, b: ((out["logprobs"] * b["mask"]).sum(), {}))
     return max(booked)
