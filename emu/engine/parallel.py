@@ -36,7 +36,6 @@ from torch import nn
 
 from emu.engine.canonical import canonical_shapes, shard_dim
 from emu.engine.model import TPGroup, reduce_from_tp
-from nereusd.cost.memory import pipeline_in_flight  # noqa: F401 - the engine books with the memory model's formula
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate
 from nereusd.shards import layer_range

@@ -263,16 +263,22 @@ class CostModel:
     def _per_mb_items(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
                       training: bool, recompute: bool, launch: bool = True) -> tuple[tuple[str, float], ...]:
         """Cached ``(class, ideal s)`` items of :meth:`_micro_batch` (shared with :meth:`stage_cost`)."""
+        key = ("mb_items", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute, launch)
+        items = self._cache.get(key)
+        if items is None:
+            items = self._cache[key] = tuple(self._per_mb(spec, lm_head, seq, tp, pp, b, training, recompute,
+                                                           launch).ideal.items())
+        return items
+
+    def _per_mb(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int, training: bool,
+                recompute: bool, launch: bool) -> _Acc:
+        """:meth:`_micro_batch`, cached (the one cache key of a micro-batch's cost)."""
         key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute, launch)
         per_mb = self._cache.get(key)
         if per_mb is None:
             per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute,
                                                           launch)
-        items_key = ("mb_items",) + key[1:]
-        items = self._cache.get(items_key)
-        if items is None:
-            items = self._cache[items_key] = tuple(per_mb.ideal.items())
-        return items
+        return per_mb
 
     def _params(self, spec: ModelSpec, tp: int, pp: int) -> int:
         """Cached :func:`~nereusd.cost.memory.parameters_per_device`."""
@@ -303,11 +309,7 @@ class CostModel:
         b = max(1, min(micro_batch, per_replica))
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
         lm_head = role in (Role.ACTOR, Role.REFERENCE)
-        key = ("mb", self._spec_key(spec), lm_head, seq, tp, pp, b, training, recompute, launch)
-        per_mb = self._cache.get(key)
-        if per_mb is None:
-            per_mb = self._cache[key] = self._micro_batch(spec, lm_head, seq, tp, pp, b, training, recompute,
-                                                          launch)
+        per_mb = self._per_mb(spec, lm_head, seq, tp, pp, b, training, recompute, launch)
         slots = mini_batches * (micro_per_opt + pp - 1)
         acc.merge(per_mb.scaled(slots))
         if training:

@@ -137,7 +137,6 @@ class TransitionRunner:
                  progress.setup_s)
         return progress
 
-
     def run_ops(self, dag: TransitionDag, progress: TransitionProgress,
                 prepared: tuple[dict[int, P.TransitionPrepareArgs], dict[str, Any]] | None = None) -> None:
         """Steps 1 and 2 of the module docstring: every op of ``dag`` run, ``progress`` kept.
