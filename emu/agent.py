@@ -4,12 +4,17 @@ It registers the node's devices with nereusd (ZeroMQ DEALER), starts and supervi
 worker process per device, relays nereusd's tasks to its workers and their results back over
 ``ipc://`` sockets in a directory only the job's user can open, sends heartbeats, and reports
 a worker that exits. It stops its workers when nereusd says so, on SIGTERM/SIGINT, or when
-nereusd stops answering heartbeats.
+nereusd stops answering heartbeats for ``--daemon-timeout-s`` (the site's
+``liveness.resume_grace_s``). Within that grace, a nereusd resumed in the same run directory
+(a new ``nereusd.json``) gets the agent back with its workers and their EMUs in memory
+(:meth:`Agent._rejoin`); it keeps them if their state is where the job's journal is, else it
+restarts them from the checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -29,11 +34,15 @@ from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError
 from nereusd.config.site import beat_interval_s
 from nereusd.daemon.security import JobKeys, load_keys, make_client
+from nereusd.journal import ENDPOINT_FILE
 from nereusd.slurm import visible_gpus
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+ORPHANED_AFTER_S = 3.0
+"""nereusd silent this long (it acknowledges every heartbeat): look for a resumed one in the run
+directory, once a second, until the grace (``--daemon-timeout-s``) ends."""
 RELAY_BATCH_BYTES = 8 * 2**20
 """A relayed frame is closed once its workers' messages pass this size (a single larger result
 still travels alone, within the protocol's frame limit)."""
@@ -67,12 +76,11 @@ class Agent:
         self.run_dir = run_dir
         self.daemon_timeout_s = daemon_timeout_s
         self._ctx = zmq.Context.instance()
-        self._up = self._ctx.socket(zmq.DEALER)
-        self._up.setsockopt(zmq.LINGER, 500)
-        self._up.setsockopt(zmq.IDENTITY, f"agent-{node_id}-{os.getpid()}".encode())
-        if keys is not None:
-            make_client(self._up, keys)  # CURVE: only holders of the job's client key get in
-        self._up.connect(connect)
+        self._keys = keys
+        self._up = self._connect(connect)
+        self._daemon_pid: int | None = None
+        """The pid in ``nereusd.json`` when this agent registered: another one there is a resumed nereusd."""
+        self._next_look_s = 0.0
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="nereus-agent-"))  # mode 0700: only this user
         self._down = self._ctx.socket(zmq.ROUTER)
         self._down.setsockopt(zmq.LINGER, 0)
@@ -90,21 +98,43 @@ class Agent:
         self._poller: zmq.Poller | None = None
 
     # ------------------------------------------------------------------ helpers
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        """A DEALER to nereusd at ``endpoint`` (CURVE with the job's client key, if any)."""
+        up = self._ctx.socket(zmq.DEALER)
+        up.setsockopt(zmq.LINGER, 500)
+        up.setsockopt(zmq.IDENTITY, f"agent-{self.node_id}-{os.getpid()}".encode())
+        if self._keys is not None:
+            make_client(up, self._keys)  # CURVE: only holders of the job's client key get in
+        up.connect(endpoint)
+        return up
+
+    def _announced(self) -> dict | None:
+        """``RUN_DIR/nereusd.json`` (endpoint and pid of the run's nereusd), or ``None``."""
+        try:
+            record = json.loads((self.run_dir / ENDPOINT_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
     def _send_up(self, msg: P._Message) -> None:
         self._up.send(P.encode(msg))
 
     def _alive(self) -> list[int]:
         return sorted(d for d, p in self.workers.items() if p.poll() is None)
 
-    def register(self, timeout_s: float = 30.0) -> None:
-        """Register with nereusd and wait for the welcome (global device indices).
+    def register(self, timeout_s: float = 30.0, kept: list[int] | None = None) -> None:
+        """Register with nereusd and wait for the welcome (global device indices). ``kept``: the
+        global indices of this agent's devices, whose workers it kept from a lost nereusd.
 
         Raises:
             ProtocolError: if nereusd refuses the registration.
             TimeoutError: if nereusd does not answer.
         """
+        announced = self._announced()
+        self._daemon_pid = announced.get("pid") if announced else None
         self._send_up(P.RegisterAgent(node_id=self.node_id, hostname=socket.gethostname(), pid=os.getpid(),
-                                      devices=self.devices, slurm_job_id=os.environ.get("SLURM_JOB_ID")))
+                                      devices=self.devices, slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                                      kept_devices=kept or []))
         if not self._up.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"nereusd did not answer the registration within {timeout_s:.0f} s")
         msg = P.decode(self._up.recv())
@@ -114,6 +144,38 @@ class Agent:
             raise ProtocolError(f"expected a welcome, got {msg.type!r}")
         self.global_devices = msg.global_devices
         log.info("node %s registered; devices %s", self.node_id, self.global_devices)
+
+    def _rejoin(self, now_s: float) -> bool:
+        """While nereusd is silent: if a resumed nereusd announced itself in the run directory,
+        re-register with it, offering the workers this agent kept. Returns False (the agent
+        stops its workers and exits) when it has none to offer (one of its devices' workers
+        died: the resume starts agents of its own) or the new nereusd refused them (a new job
+        that is not this one's continuation owns the directory).
+        """
+        if now_s < self._next_look_s:
+            return True
+        self._next_look_s = now_s + 1.0
+        announced = self._announced()
+        if not announced or announced.get("pid") in (None, self._daemon_pid) or not announced.get("endpoint"):
+            return True
+        if not self.global_devices or self._alive() != sorted(self.global_devices):
+            log.error("nereusd (pid %s) resumed, but not every worker of devices %s outlived its predecessor: "
+                      "stopping", announced["pid"], self.global_devices)
+            return False
+        kept = list(self.global_devices)
+        log.warning("nereusd (pid %s) resumed at %s: re-registering with the workers of devices %s and their state",
+                    announced["pid"], announced["endpoint"], kept)
+        self._poller.unregister(self._up)
+        self._up.close(linger=0)
+        self._up = self._connect(announced["endpoint"])
+        self._poller.register(self._up, zmq.POLLIN)
+        try:
+            self.register(kept=kept)
+        except (TimeoutError, ProtocolError) as err:
+            log.error("the resumed nereusd did not take this agent back: %s; stopping", err)
+            return False
+        self._last_daemon_s = time.monotonic()
+        return True
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, msg: P.SpawnWorkers) -> None:
@@ -340,6 +402,9 @@ class Agent:
                     log.error("nereusd silent for %.0f s: stopping workers", now - self._last_daemon_s)
                     code = 1
                     break
+                if now - self._last_daemon_s > ORPHANED_AFTER_S and not self._rejoin(now):
+                    code = 1
+                    break
         finally:
             self.stop_workers("agent stopping")
             try:
@@ -375,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="accounted memory of each virtual CPU device (default 1 GiB)")
     parser.add_argument("--run-dir", required=True, help="the job's run directory (worker logs go to RUN_DIR/logs)")
     parser.add_argument("--daemon-timeout-s", type=float, default=60.0,
-                        help="stop the workers if nereusd is silent this long (default 60)")
+                        help="stop the workers if nereusd is silent this long (default 60); a nereusd resumed "
+                             "in the run directory within it takes them back, their state in memory")
     parser.add_argument("--keys-dir", default=None,
                         help="the job's CURVE key directory (RUN_DIR/keys); required when nereusd uses keys")
     parser.add_argument("-v", "--verbose", action="store_true")

@@ -315,13 +315,18 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, quiet: bool,
-              resume: bool = False, launching: LaunchLock | None = None) -> int:
+              resume: bool = False, launching: LaunchLock | None = None, kept_agents: list[int] | None = None) -> int:
     """Start nereusd (``--resume`` with ``resume``) and one agent for ``job`` in ``run_dir``, show
     progress until nereusd exits, stop everything, and report; returns the exit code. A nereusd
     that dies without a summary (``kill -9``, a crash) gets one written here, status ``crashed``,
-    with the command that resumes it. ``launching`` is released once nereusd owns ``run_dir``."""
+    with the command that resumes it; its agent and workers are left to wait the site's
+    ``liveness.resume_grace_s`` for that resume (they stop by themselves after it).
+    ``kept_agents``: pids of such agents (a resume): they re-register with the new nereusd,
+    workers and EMUs kept, and no agent is started unless they exit before one registered.
+    ``launching`` is released once nereusd owns ``run_dir``."""
     logs = run_dir / "logs"
     daemon = agent = None
+    crashed = False
     progress = _Progress(job.config.steps, quiet)
     interrupted = False
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -341,13 +346,23 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                       "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, "--daemon-timeout-s", f"{grace_s:g}"]
         if not gpus:
             agent_argv += ["--cpu-devices", str(job.devices), "--cpu-memory-bytes", str(job.device_memory_bytes)]
-        agent = _start(agent_argv, logs / "agent.log")
+        kept = [pid for pid in kept_agents or () if Path(f"/proc/{pid}").exists()]
+        if kept:
+            print(f"nereus: the crashed run's agent (pid {', '.join(map(str, kept))}) re-registers with its workers "
+                  "and their state; nothing re-runs if that state is where the journal is")
+        else:
+            agent = _start(agent_argv, logs / "agent.log")
         while daemon.poll() is None:
             progress.update(run_dir)
-            if agent.poll() is not None and daemon.poll() is None:
+            if agent is None and not any(Path(f"/proc/{pid}").exists() for pid in kept) \
+                    and not _registered_since_start(run_dir):
+                print("nereus: the kept agent stopped before it registered; starting a new one", file=sys.stderr)
+                agent = _start(agent_argv, logs / "agent.log")
+            if agent is not None and agent.poll() is not None and daemon.poll() is None:
                 time.sleep(1.0)  # nereusd notices the lost agent by heartbeat and stops the job
             time.sleep(0.25)
         progress.update(run_dir)
+        crashed = _crash_summary(run_dir, daemon.returncode, write=False) is not None and grace_s > 0
     except (KeyboardInterrupt, _Terminated) as err:
         interrupted = True
         why = str(err) if isinstance(err, _Terminated) else "interrupted"
@@ -362,19 +377,32 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             launching.release()
         progress.close()
         _stop(daemon, grace_s=20.0)
-        _stop(agent, grace_s=10.0)
-        # agents of pool additions run in sessions of their own: nereusd told them to stop;
-        # none may outlive the job
-        stop_run_processes(run_dir, wait_s=10.0)
+        if not crashed or interrupted:
+            _stop(agent, grace_s=10.0)
+            # agents of pool additions run in sessions of their own: nereusd told them to stop;
+            # none may outlive the job
+            stop_run_processes(run_dir, wait_s=10.0)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         signal.signal(signal.SIGINT, sigint)
     return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
 
 
-def _crash_summary(run_dir: Path, returncode: int | None) -> dict | None:
+def _registered_since_start(run_dir: Path) -> bool:
+    """Whether an agent registered with the run's latest nereusd (``events.jsonl``)."""
+    registered = False
+    for record in read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []:
+        if record.get("event") == Event.NEREUSD_STARTED.value:
+            registered = False
+        elif record.get("event") == Event.AGENT_REGISTERED.value:
+            registered = True
+    return registered
+
+
+def _crash_summary(run_dir: Path, returncode: int | None, write: bool = True) -> dict | None:
     """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
-    crash before its handlers ran), written to ``summary.json``; ``None`` when it wrote its own."""
+    crash before its handlers ran), written to ``summary.json`` (with ``write``); ``None`` when
+    it wrote its own."""
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
         if summary.get("status") != "running":
@@ -387,7 +415,8 @@ def _crash_summary(run_dir: Path, returncode: int | None) -> dict | None:
     summary = {"status": "crashed", "error": f"nereusd died ({how}) without writing a summary",
                "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
                "resume": f"nereus-launch resume {run_dir}"}
-    write_summary(run_dir, summary)
+    if write:
+        write_summary(run_dir, summary)
     return summary
 
 
@@ -395,7 +424,8 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
     crashed = _crash_summary(run_dir, returncode)
     if crashed is not None:
         print(f"nereus: crashed: {crashed['error']} after {crashed['steps_completed']} step(s); the latest "
-              f"checkpoint is kept: continue with `{crashed['resume']}`\n{_tail(run_dir / 'logs' / 'nereusd.log')}",
+              f"checkpoint is kept: continue with `{crashed['resume']}` (within the site's liveness.resume_grace_s the agent "
+              f"and workers wait for it, their state in memory: then no step re-runs)\n{_tail(run_dir / 'logs' / 'nereusd.log')}",
               file=sys.stderr)
         return 130 if interrupted else 1
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())

@@ -5,11 +5,14 @@ first) or on a lost pool, or it was interrupted — from its latest committed ch
 It refuses a run directory a live nereusd still owns (the run-directory lock) and a job that
 succeeded. A Slurm run (time limit, preemption, a crash) is submitted again in mode ``resume``:
 same job, site and node count, and it continues on whatever nodes the new allocation gets.
-Locally, leftover agents and workers of the dead run are
-stopped first (without nereusd they would wait for it for ``--daemon-timeout-s``). Then nereusd
-starts with ``--resume`` and the job's original job file (the path its first nereusd recorded;
-``RUN_DIR/job.yaml`` if that is gone): the steps after the checkpoint leave ``metrics.jsonl`` and
-run again, on the same prompts and sampling seeds, so every step is there once.
+Locally, nereusd starts with ``--resume`` and the job's original job file (the path its first
+nereusd recorded; ``RUN_DIR/job.yaml`` if that is gone). The dead run's agent waits the site's
+``liveness.resume_grace_s`` for it with its workers and their EMUs in memory: it re-registers, and
+when that state is where the journal is (``nereusd.daemon.kept``) the job continues at the next
+step with nothing re-run — the default, because it is the cheaper way (``scripts/bench_resume.py``).
+Otherwise (or with ``--restart``, which stops the leftover agents and workers first) the job
+continues from the latest checkpoint: the steps after it leave ``metrics.jsonl`` and run again, on
+the same prompts and sampling seeds, so every step is there once.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 from pathlib import Path
 
 from launcher.local import supervise
-from launcher.procs import stop_run_processes
+from launcher.procs import run_processes, stop_run_processes
 from nereusd.config.resolve import load_and_resolve
 from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_dir_owner
@@ -33,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--gpus", action="store_true", help="use this machine's GPUs (as the job's 'local --gpus')")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--restart", action="store_true",
+                   help="stop the dead run's leftover agent and workers and restart from the latest checkpoint, "
+                        "instead of continuing on the workers' state in memory (local runs)")
     p.set_defaults(func=run)
 
 
@@ -85,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = job_file(run_dir)
     job = load_and_resolve(path)
-    stopped = stop_run_processes(run_dir)
+    kept = [] if args.restart else sorted(run_processes(run_dir, ("emu.agent",)))
+    stopped = [] if kept else stop_run_processes(run_dir)
     _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"
           + (f"; stopped {len(stopped)} leftover process(es)" if stopped else "") + ")")
-    return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True)
+    return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True, kept_agents=kept)

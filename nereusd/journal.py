@@ -41,7 +41,8 @@ class Event(str, enum.Enum):
     NEREUSD_STARTED = "nereusd_started"
     """Nereusd bound its endpoint; the job, its devices and whether it adapts."""
     NEREUSD_RESUMED = "nereusd_resumed"
-    """A nereusd started with ``--resume`` continues a crashed run from its latest checkpoint."""
+    """A nereusd started with ``--resume`` continues a crashed run: ``mode`` ``kept_workers`` (on
+    the EMUs its agents kept in memory) or ``checkpoint`` (from its latest checkpoint)."""
     NEREUSD_STOPPED = "nereusd_stopped"
     """Nereusd stopped every agent and exits (with the job's status)."""
     AGENT_REGISTERED = "agent_registered"
@@ -63,6 +64,9 @@ class Event(str, enum.Enum):
     """Nereusd stopped the workers of devices that leave the pool."""
     WORKERS_STARTED = "workers_started"
     """Workers of devices that joined started in a private world."""
+    WORKERS_KEPT = "workers_kept"
+    """``--resume``: whether the job continues on the workers the lost nereusd's agents kept
+    (their EMUs in memory), and why not (:mod:`nereusd.daemon.kept`)."""
     WORLD_FORMED = "world_formed"
     """Every worker joined a world generation."""
     LAUNCH_PLAN = "launch_plan"

@@ -56,7 +56,10 @@ class LogicalState:
 
     Attributes:
         step: ``c``, optimizer updates applied (Adam's ``step``).
-        version: ``v``, model-stage version (bumped by each weight synchronisation it receives).
+        version: ``v``, model-stage version. Of a training model-stage: the RL steps whose
+            updates its state holds (set by the step's last update, :func:`mark_trained`; −1
+            between that step's updates), what a resumed nereusd checks before it keeps a
+            worker's EMUs (``Daemon._keep_workers``).
         policy_version: ``v``, policy version the state was trained from.
         position: ``p``, samples of the global sample order consumed by the last completed update.
         seed: job seed from which replicas derive RNG and dataloader state.
@@ -307,6 +310,23 @@ def holding_of(engine) -> EmuShard:
         step = int(float(next(iter(engine.optimizer.state.values()))["step"]))
         shard.logical = replace(shard.logical, step=step)
     return shard
+
+
+def trained_steps(engine) -> int:
+    """The RL steps whose updates ``engine``'s state holds (``LogicalState.version``; −1: it
+    stopped between a step's updates). Local: no collective, also on a ZeRO engine."""
+    if getattr(engine, "zero_stage", 0):
+        return engine.logical.version
+    shard = getattr(engine, "emu_shard", None)
+    return shard.logical.version if shard is not None else 0
+
+
+def mark_trained(engine, steps: int) -> None:
+    """Record that ``engine``'s state now holds ``steps`` RL steps' updates (−1: mid-step)."""
+    if getattr(engine, "zero_stage", 0):
+        engine.logical = replace(engine.logical, version=steps)
+    elif getattr(engine, "emu_shard", None) is not None:
+        engine.emu_shard.logical = replace(engine.emu_shard.logical, version=steps)
 
 
 def params_holding_of(engine) -> EmuShard:

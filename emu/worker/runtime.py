@@ -30,7 +30,7 @@ from emu.engine.parallel import build_stage_groups
 from emu.state.primitives import HoldingStore
 from emu.worker.transition_tasks import TransitionTasks, rank_space
 from emu.worker.vllm_stages import VllmStages
-from emu.state.unit import LogicalState, bind_engine, holding_of
+from emu.state.unit import LogicalState, bind_engine, holding_of, mark_trained, trained_steps
 from emu.rl.losses import policy_loss_fn, value_loss_fn
 from nereusd import protocol as P
 from nereusd.errors import NereusError
@@ -101,6 +101,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
             "transition_finish": self.transition_finish,
             "reform_world": self.reform_world,
             "memory_report": self.memory_report,
+            "describe": self.describe,
         }
         assert set(self._handlers) == set(P.TASK_KINDS), "every task kind of the protocol has a handler"
 
@@ -219,7 +220,10 @@ class WorkerRuntime(TransitionTasks, VllmStages):
                                      entropy_coef=loss.entropy_coef)
         else:
             loss_fn = value_loss_fn(value_clip=loss.value_clip)
+        mark_trained(engine, -1)   # between a step's updates until its last one
         metrics = engine.train_step(args.sequences, args.prompt_lens, args.per_token, loss_fn)
+        if args.completes_step is not None:
+            mark_trained(engine, args.completes_step)
         return {"metrics": metrics} if self._reporting(engine) else {}
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -253,6 +257,16 @@ class WorkerRuntime(TransitionTasks, VllmStages):
 
     def memory_report(self, args: P.MemoryReportArgs) -> dict[str, Any]:
         return {"in_use_bytes": self.memory.in_use_bytes, "by_model_stage": self.memory.by_model_stage()}
+
+    def describe(self, args: P.DescribeArgs) -> dict[str, Any]:
+        """What this worker holds, for a resumed nereusd deciding whether to keep it: ``plan``
+        (the plan its EMUs form; ``None`` before a build) and ``trained_steps``
+        (``{model_stage: RL steps its state holds}`` for the training model-stages it holds) and
+        ``model_stages`` (the engines it holds). Local: no collective."""
+        return {"plan": self.plan.to_dict() if self.plan is not None else None,
+                "model_stages": sorted(str(ms) for ms in self.engines),
+                "trained_steps": {str(ms): trained_steps(e) for ms, e in self.engines.items()
+                                  if ms.stage == Stage.TRAINING}}
 
     def close(self) -> None:
         """Tear down cleanly (engine processes stopped; barrier, drop tensors, barrier, destroy) — see

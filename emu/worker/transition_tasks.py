@@ -184,6 +184,9 @@ class TransitionTasks:
         devices = list(args.devices)
         dist.destroy_process_group()
         self.rank = devices.index(self.device_index)
+        if args.store_host is not None and args.store_port is not None:   # a resumed nereusd's store
+            self.store_client = dist.TCPStore(args.store_host, args.store_port, is_master=False,
+                                              timeout=timedelta(seconds=args.timeout_s))
         join_world(self.store_client, generation=args.generation, rank=self.rank, world_size=len(devices),
                    backend=self.backend, timeout=timedelta(seconds=args.timeout_s))
         mapping = {d: i for i, d in enumerate(devices)}

@@ -32,6 +32,7 @@ from nereusd.config.site import SiteConfig, load_site
 from nereusd.control.controller import controller_for_job, job_fingerprint
 from nereusd.control.problem import launch_plan
 from nereusd.daemon.control_plane import ControlPlane, settle_heap
+from nereusd.daemon.kept import KeptState, NotKept, keep_workers
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
@@ -104,6 +105,7 @@ class Daemon:
                                     straggler_min_s=self.site.liveness.straggler_min_s,
                                     max_pool_devices=self.job.pool_limit(launch_devices))
         self.pool.control = self.control
+        self.control.accept_kept_workers = bool(args.resume)
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:
             self.watcher = AllocationWatcher(
@@ -218,18 +220,26 @@ class Daemon:
         job = self.job
         site = self.site
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
-        record = self._resume_record() if self.args.resume else None
+        record = checkpoints.resume_record(self.run_dir) if self.args.resume else None
         resumed = self._resumed_controller(record, driver) if self.pool.live and record is not None else None
         driver.plan = resumed.plan if resumed is not None else self._launch_plan(site, driver)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
-        self.control.spawn_workers(generation=self.store.generation, world=world, store_host=self.store.host,
-                                   store_port=self.store.port, memory_capacity_bytes=job.device_memory_bytes,
-                                   run_dir=str(self.run_dir.resolve()))
-        self.journal.event(Event.WORLD_FORMED, {"generation": self.store.generation, "devices": world})
+        kept = self._keep_workers(world, driver) if self.args.resume else None
+        if self.args.resume:
+            self._journal_resume(record, kept)
+        if kept is None:
+            self.control.spawn_workers(generation=self.store.generation, world=world, store_host=self.store.host,
+                                       store_port=self.store.port, memory_capacity_bytes=job.device_memory_bytes,
+                                       run_dir=str(self.run_dir.resolve()))
+        self.journal.event(Event.WORLD_FORMED, {"generation": self.store.generation, "devices": world,
+                                                **({"kept_workers": True} if kept else {})})
         self.pool.world_formed(driver.plan.to_dict(), world)
-        resume = None if record is None else (str(record["dir"]), int(record["step"]), int(record["sample_position"]))
+        resume = None if record is None or kept else (str(record["dir"]), int(record["step"]),
+                                                      int(record["sample_position"]))
         if self.pool.live:
             controller = resumed or controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
+            if kept is not None and kept.plan != controller.plan:
+                controller.switched(kept.plan, tuple(sorted(world)))
             if tuple(sorted(world)) != controller.pool:
                 controller.pool_changed(tuple(sorted(world)))
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
@@ -239,20 +249,50 @@ class Daemon:
             driver.checkpoint_fields = lambda: {"controller": self.live.controller.state(), "job_sha256": fingerprint}
         driver.on_step = self._on_step
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
-        return driver.run(resume=resume)
+        return driver.run(resume=resume, built=kept is not None)
 
-    def _resume_record(self) -> dict | None:
-        """``--resume``: the latest committed checkpoint's ``checkpoint`` event
-        (:func:`nereusd.checkpoints.resume_record`); the metrics of the steps from it on leave
-        ``metrics.jsonl`` (they run again, so each step is there once)."""
-        record = checkpoints.resume_record(self.run_dir)
+    def _keep_workers(self, world: list[int], driver: RLDriver) -> KeptState | None:
+        """``--resume`` with the workers the lost nereusd's agents kept: continue on their EMUs
+        (:func:`nereusd.daemon.kept.keep_workers`), or stop them (restart from the checkpoint)
+        and return ``None``; also ``None`` when no agent kept any."""
+        kept_devices = sorted(self.control.kept_workers)
+        if not kept_devices:
+            return None
+        try:
+            kept = keep_workers(self.control, self.store, driver, world, self.run_dir)
+        except NotKept as err:
+            log.warning("not keeping the workers of devices %s: %s; restarting them from the checkpoint",
+                        kept_devices, err)
+            self.journal.event(Event.WORKERS_KEPT, {"devices": kept_devices, "kept": False, "reason": str(err)})
+            self.control.abandon_tasks()
+            self.control.release_devices(kept_devices, f"resume: {err}", keep_in_pool=True)
+            if not self.control.wait_exited(kept_devices):
+                raise NereusError(f"the kept workers of {kept_devices} did not stop for the restart") from None
+            self.control.kept_workers.clear()
+            return None
+        self.journal.event(Event.WORKERS_KEPT, {"devices": kept_devices, "kept": True, "step": kept.step,
+                                                "sample_position": kept.position, "plan": kept.plan.to_dict(),
+                                                "elapsed_s": kept.elapsed_s})
+        log.warning("resumed on the kept workers of devices %s at step %d (%.1f s)", kept_devices, kept.step,
+                    kept.elapsed_s)
+        return kept
+
+    def _journal_resume(self, record: dict | None, kept: KeptState | None) -> None:
+        """``--resume``: journal where the job continues. From the latest committed checkpoint
+        (``record``, :func:`nereusd.checkpoints.resume_record`) the metrics of the steps from it
+        on leave ``metrics.jsonl`` (they run again, so each step is there once); on kept
+        workers nothing is re-run."""
+        if kept is not None:
+            self.journal.event(Event.NEREUSD_RESUMED, {"mode": "kept_workers", "step": kept.step,
+                                                       "dropped_metrics": 0,
+                                                       "controller_state": bool(record and record.get("controller"))})
+            return
         step = int(record["step"]) if record is not None else 0
         dropped = drop_metrics_from(self.run_dir / METRICS_FILE, step)
-        self.journal.event(Event.NEREUSD_RESUMED, {"checkpoint": record["dir"] if record else None, "step": step,
-                                                   "dropped_metrics": dropped,
+        self.journal.event(Event.NEREUSD_RESUMED, {"mode": "checkpoint", "checkpoint": record["dir"] if record else None,
+                                                   "step": step, "dropped_metrics": dropped,
                                                    "controller_state": bool(record and record.get("controller"))})
         log.warning("resuming at step %d from %s", step, record["dir"] if record else "the initial weights")
-        return record
 
     def _resumed_controller(self, record: dict, driver: RLDriver):
         """A resumed live job's controller as its checkpoint left it (the ``controller`` state of

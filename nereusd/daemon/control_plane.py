@@ -160,7 +160,15 @@ class ControlPlane(TaskDispatch):
         self._abandoned: set[int] = set()
         self._device_to_agent: dict[int, str] = {}
         self._pending: dict[int, PendingTask] = {}
-        self._next_task_id = 1
+        self._next_task_id = time.time_ns() // 1000
+        """Task ids start at the wall clock in microseconds, so a later nereusd's ids are above
+        an earlier one's (unless it issued more than a task per microsecond): a late result that
+        a kept worker sends for its lost nereusd's task never matches a new one."""
+        self.accept_kept_workers = False
+        """``nereusd --resume``: an agent may re-register with the workers it kept from the lost
+        nereusd (``RegisterAgent.kept_devices``); they count as ready (:attr:`kept_workers`)."""
+        self.kept_workers: set[int] = set()
+        """Devices whose worker a re-registering agent kept (their EMUs in memory)."""
         self._next_global_device = 0
         self._on_event = on_event or (lambda name, fields: None)
         self._on_pool_change = on_pool_change or (lambda change: None)
@@ -326,8 +334,14 @@ class ControlPlane(TaskDispatch):
         if self.max_pool_devices is not None and len(self._device_to_agent) + len(msg.devices) > self.max_pool_devices:
             raise ProtocolError(f"agent {msg.node_id!r} would bring the pool to {len(self._device_to_agent) + len(msg.devices)} "
                                 f"devices; the job allows {self.max_pool_devices} (pool.max_devices)")
-        global_devices = list(range(self._next_global_device, self._next_global_device + len(msg.devices)))
-        self._next_global_device += len(msg.devices)
+        kept = list(msg.kept_devices)
+        if kept:
+            self._check_kept(msg, kept)
+            global_devices = kept
+            self._next_global_device = max(self._next_global_device, max(kept) + 1)
+        else:
+            global_devices = list(range(self._next_global_device, self._next_global_device + len(msg.devices)))
+            self._next_global_device += len(msg.devices)
         record = AgentRecord(msg.node_id, identity, msg.hostname, msg.pid, list(msg.devices),
                              global_devices, time.monotonic(), slurm_job_id=msg.slurm_job_id)
         self.agents[msg.node_id] = record
@@ -336,12 +350,36 @@ class ControlPlane(TaskDispatch):
             self._device_to_agent[dev] = msg.node_id
         log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
                  len(msg.devices), global_devices)
+        if kept:
+            self.kept_workers.update(kept)
+            self.ready_workers.update(kept)
         self._on_event(Event.AGENT_REGISTERED, {"node_id": msg.node_id, "hostname": msg.hostname,
-                                            "devices": global_devices, "slurm_job_id": msg.slurm_job_id})
+                                            "devices": global_devices, "slurm_job_id": msg.slurm_job_id,
+                                            **({"kept_workers": kept} if kept else {})})
         self._send(identity, P.Welcome(node_id=msg.node_id, global_devices=global_devices))
         if self.world_formed:
             self._on_pool_change(PoolChange(PoolChangeKind.JOINED, "registration", msg.node_id,
                                             tuple(global_devices), f"node {msg.node_id} joined"))
+
+    def _check_kept(self, msg: P.RegisterAgent, kept: list[int]) -> None:
+        """A re-registration's kept workers: only a resumed nereusd takes them, one global index
+        per device, none registered already, within the pool's bound.
+
+        Raises:
+            ProtocolError: naming what is wrong (the agent then stops those workers).
+        """
+        if not self.accept_kept_workers:
+            raise ProtocolError(f"agent {msg.node_id!r} offers workers kept from a lost nereusd; this nereusd was "
+                                "not started with --resume and does not take them")
+        if len(kept) != len(msg.devices) or len(set(kept)) != len(kept) or min(kept) < 0:
+            raise ProtocolError(f"agent {msg.node_id!r}: kept_devices {kept[:16]} must name one distinct global "
+                                f"index ≥ 0 for each of its {len(msg.devices)} devices")
+        limit = self.max_pool_devices if self.max_pool_devices is not None else MAX_DEVICES_PER_AGENT
+        if max(kept) >= limit:
+            raise ProtocolError(f"agent {msg.node_id!r}: kept device {max(kept)} is beyond the pool's {limit} devices")
+        taken = sorted(set(kept) & set(self._device_to_agent))
+        if taken:
+            raise ProtocolError(f"agent {msg.node_id!r}: kept devices {taken} are registered already")
 
     def _seen(self, identity: bytes, fd: int | None) -> AgentRecord | None:
         """The registered agent of ``identity``, now heard from on socket ``fd`` (``None``: not

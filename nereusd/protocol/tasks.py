@@ -140,6 +140,10 @@ class TrainArgs(_Sequences):
     per_token: dict[str, list[list[float]]]
     """Per-token inputs of the loss (``old_logprobs``, ``advantages``, ``weight``, ...)."""
     loss: Annotated[Union[PolicyLoss, ValueLoss], Field(discriminator="kind")]
+    completes_step: int | None = Field(None, ge=1)
+    """On the RL step's last update: the RL steps the model-stage's state holds once it is
+    applied (step index + 1; the EMU's ``LogicalState.version``). ``None`` on the others: the
+    state is then between steps (version −1) until that last update."""
 
 
 class SyncWeightsArgs(_Args):
@@ -201,12 +205,23 @@ class TransitionFinishArgs(_Args):
 
 
 class ReformWorldArgs(_Args):
-    """Join world generation ``generation`` with rank = index of this device in ``devices``."""
+    """Join world generation ``generation`` with rank = index of this device in ``devices``;
+    through the store at ``store_host:store_port`` when given (a resumed nereusd serves a new
+    one), else the one the worker joined before."""
 
     kind: Literal["reform_world"] = "reform_world"
     generation: int = Field(ge=0)
     devices: list[int]
     timeout_s: float = Field(300.0, gt=0.0)
+    store_host: str | None = None
+    store_port: int | None = Field(None, ge=1, le=65535)
+
+
+class DescribeArgs(_Args):
+    """Report what this worker holds: the plan its EMUs form and, per training model-stage it
+    holds, the RL steps its state holds (``LogicalState.version``; −1 between steps)."""
+
+    kind: Literal["describe"] = "describe"
 
 
 class MemoryReportArgs(_Args):
@@ -218,12 +233,12 @@ class MemoryReportArgs(_Args):
 TaskArgs = Annotated[
     Union[BuildArgs, GenerateArgs, LogprobsArgs, ValuesArgs, ScoresArgs, TrainArgs, SyncWeightsArgs,
           SaveCheckpointArgs, LoadCheckpointArgs, TransitionPrepareArgs, TransitionRunArgs, TransitionFinishArgs,
-          ReformWorldArgs, MemoryReportArgs],
+          ReformWorldArgs, MemoryReportArgs, DescribeArgs],
     Field(discriminator="kind"),
 ]
 TASK_KINDS = ("build", "generate", "logprobs", "values", "scores", "train", "sync_weights", "save_checkpoint",
               "load_checkpoint", "transition_prepare", "transition_run", "transition_finish", "reform_world",
-              "memory_report")
+              "memory_report", "describe")
 _TASK_ARGS: TypeAdapter = TypeAdapter(TaskArgs)
 
 

@@ -410,6 +410,7 @@ class RLDriver:
             if epoch:
                 order = np.random.default_rng(derived_seed(cfg.seed, self.step_index, epoch)).permutation(n)
             for lo in range(0, n, train.global_batch):
+                last = epoch == train.epochs - 1 and lo + train.global_batch >= n
                 idx = [int(i) for i in order[lo:lo + train.global_batch]]
                 weights = adv.token_weights([batch.response_lens[i] for i in idx])
                 for j, i in enumerate(idx):
@@ -419,11 +420,12 @@ class RLDriver:
                               else train.kl_coef, "kl_estimator": train.kl_estimator,
                               "entropy_coef": train.entropy_coef}
                 keys = ["old_logprobs", "ref_logprobs", "advantages", "weight"]
-                dispatches.append(self._train_dispatch(ACTOR_TRAIN, batch, idx, keys, actor_loss))
+                done = {"completes_step": self.step_index + 1} if last else {}   # the EMUs' version
+                dispatches.append(self._train_dispatch(ACTOR_TRAIN, batch, idx, keys, actor_loss, done))
                 if CRITIC_TRAIN in self.plan:
                     critic_loss = {"kind": "value", "value_clip": train.value_clip}
                     dispatches.append(self._train_dispatch(CRITIC_TRAIN, batch, idx,
-                                                           ["old_values", "returns", "weight"], critic_loss))
+                                                           ["old_values", "returns", "weight"], critic_loss, done))
                 for dispatch in dispatches:
                     results = self.control.collect(dispatch.task_id)
                     self._note_time(dispatch.model_stage, results)
@@ -438,9 +440,9 @@ class RLDriver:
         return {k: v / max(minibatches, 1) for k, v in totals.items()}
 
     def _train_dispatch(self, ms: ModelStage, batch: RolloutBatch, idx: list[int], keys: list[str],
-                        loss: dict[str, Any]) -> _Dispatch:
+                        loss: dict[str, Any], extra: dict[str, Any]) -> _Dispatch:
         def payload(r: int, lo: int, hi: int) -> dict[str, Any]:
-            return {**batch.select(idx[lo:hi], keys), "loss": loss}
+            return {**batch.select(idx[lo:hi], keys), "loss": loss, **extra}
         return self._submit_replicas("train", ms, len(idx), payload)
 
     def _sync_weights(self) -> None:
@@ -520,10 +522,20 @@ class RLDriver:
         self.rewind(step, position)
         self._sync_weights()
 
-    def run(self, resume: tuple[str, int, int] | None = None) -> list[StepRecord]:
+    def adopt(self, step: int, position: int) -> None:
+        """Continue at ``step`` with the sampler at ``position`` on the EMUs that the workers kept
+        in memory across a nereusd crash (``Daemon._keep_workers`` checked that their training
+        state holds exactly ``step`` steps): nothing is loaded; the other model-stages' weights
+        are synchronised from the training ones, as after :meth:`restore`."""
+        self.rewind(step, position)
+        self._sync_weights()
+
+    def run(self, resume: tuple[str, int, int] | None = None, built: bool = False) -> list[StepRecord]:
         """Build, run every step, checkpoint; returns the step records (re-run steps once).
-        With ``resume`` (a checkpoint, as :meth:`restore` takes) the run continues from it."""
-        self.build()
+        With ``resume`` (a checkpoint, as :meth:`restore` takes) the run continues from it;
+        ``built``: the engines exist already (kept workers, :meth:`adopt`)."""
+        if not built:
+            self.build()
         if resume is not None:
             self.restore(resume)
         records: list[StepRecord] = []

@@ -1,9 +1,17 @@
-"""End to end, ``kill -9`` of nereusd, then ``nereus-launch resume`` (issue 17, item 2): the
-launcher writes a ``crashed`` summary naming the resume command; ``resume`` stops the dead run's
-agent and workers, and a new nereusd continues from the latest committed checkpoint. The steps
-after it run again on the same prompts and seeds: their rewards and lengths equal the first
-run's, losses within reduction tolerance, and every step is in ``metrics.jsonl`` once. The
-controller resumes with the state its checkpoint event journalled (plan, calibration, monitor).
+"""End to end, ``kill -9`` of nereusd, then ``nereus-launch resume`` (issue 17, item 2), both ways,
+in one job:
+
+1. nereusd is killed while a step runs (after a periodic checkpoint). The launcher writes a
+   ``crashed`` summary naming the resume command and leaves the agent and workers waiting (the
+   site's ``liveness.resume_grace_s``). ``resume`` starts a nereusd that takes them back with their
+   EMUs in memory: the job continues at the next step, nothing re-runs, no worker restarts.
+2. nereusd is killed again; ``resume --restart`` stops the leftovers and restarts from the latest
+   checkpoint, which the first resumed nereusd wrote. The steps after it run again on the same
+   prompts and seeds: their rewards and lengths equal what the kept workers produced, losses within
+   reduction tolerance. So the kept path continued exactly where a checkpoint says the job was.
+
+Every step is in ``metrics.jsonl`` once, and the controller resumes with the state its
+checkpoint event journalled (plan, calibration, monitor).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -26,7 +35,7 @@ JOB = """
 name: e2e-resume
 algorithm: grpo
 seed: 9
-steps: 6
+steps: 8
 devices: 2
 models: {actor: "@WARMSTART@"}
 rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 8}
@@ -36,41 +45,66 @@ checkpoint: {every_steps: 2}
 """
 
 
-def test_kill_9_of_nereusd_then_resume_continues_from_the_checkpoint(tmp_path):
+def _kill_nereusd_after(run_dir, rows: int, checkpoint: str) -> None:
+    """SIGKILL nereusd as soon as ``metrics.jsonl`` has ``rows`` rows and ``checkpoint`` is
+    committed: early in the next step (its generation), before that step's training."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (path.exists() and len(read_jsonl(path)) >= rows and (run_dir / "checkpoints" / checkpoint).is_dir()):
+        assert time.monotonic() < deadline, (run_dir / "logs" / "nereusd.log").read_text()[-3000:]
+        time.sleep(0.02)
+    os.kill(json.loads((run_dir / "nereusd.json").read_text())["pid"], signal.SIGKILL)
+
+
+def _resume(run_dir, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "resume", str(run_dir), "--quiet", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(write_job(tmp_path, "job", JOB), run_dir)
     try:
-        wait_for("the step-2 checkpoint and step 3", lambda: (run_dir / "checkpoints" / "step000002").is_dir()
-                 and len(read_jsonl(run_dir / "metrics.jsonl")) >= 3, 180, run_dir)
-        pid = json.loads((run_dir / "nereusd.json").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
+        _kill_nereusd_after(run_dir, 3, "step000002")
         out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "nereus-launch resume" in out, out
+        crashed = json.loads((run_dir / "summary.json").read_text())
+        assert crashed["status"] == "crashed" and "SIGKILL" in crashed["error"], crashed
+        workers = sorted(p for p in processes_mentioning(str(run_dir)) if "emu.worker" in p)
+        assert len(workers) == 2, "the agent and its workers wait for the resume"
+        kept_at = len(read_jsonl(run_dir / "metrics.jsonl"))
+
+        proc = _resume(run_dir)   # 1: on the kept workers
+        written = kept_at + 1 if kept_at % 2 else kept_at + 2   # the first checkpoint the kept run writes
+        _kill_nereusd_after(run_dir, written + 1, f"step{written:06d}")
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1, out
+        events = read_jsonl(run_dir / "events.jsonl")
+        resumed = [e for e in events if e["event"] == "nereusd_resumed"]
+        kept = [e for e in events if e["event"] == "workers_kept"]
+        assert resumed[0]["mode"] == "kept_workers" and resumed[0]["step"] == kept_at, (resumed, kept)
+        assert kept[0]["kept"] is True and kept[0]["devices"] == [0, 1], kept
+        assert not [e for e in events if e["event"] in ("workers_stopped", "fallback")]
+        saved = next(e for e in events if e["event"] == "checkpoint" and e["dir"].endswith("step000002"))
+        assert saved["controller"]["calibration"]["samples"] and resumed[0]["controller_state"] is True
+        first = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
+        assert sorted(first) == list(range(len(first))) and len(first) >= written + 1
+
+        proc = _resume(run_dir, "--restart")   # 2: from the checkpoint the kept run wrote
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1 and "nereus-launch resume" in out, out
-    crashed = json.loads((run_dir / "summary.json").read_text())
-    assert crashed["status"] == "crashed" and "SIGKILL" in crashed["error"], crashed
-    before = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
-    assert len(before) >= 3
-
-    resumed = subprocess.run([sys.executable, "-m", "launcher.cli", "resume", str(run_dir), "--quiet"],
-                             capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    assert summary["status"] == "succeeded" and summary["steps"] == 8, summary
     records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(8))
     events = read_jsonl(run_dir / "events.jsonl")
-    resumes = [e for e in events if e["event"] == "nereusd_resumed"]
-    assert len(resumes) == 1 and resumes[0]["step"] == 2 and resumes[0]["checkpoint"].endswith("step000002")
-    # the controller continues with what it had learned, on the plan it had (no planner solve)
-    saved = next(e for e in events if e["event"] == "checkpoint" and e["dir"].endswith("step000002"))
-    assert saved["controller"]["calibration"]["samples"] and resumes[0]["controller_state"] is True
-    launch = [e for e in events if e["event"] == "launch_plan"][-1]
-    assert launch["source"] == "resumed: the plan of the checkpoint" and launch["plan"] == saved["controller"]["plan"]
-    for r in records[2:len(before)]:   # run twice: the same samples and rewards
-        b = before[r["step"]]
+    restart = [e for e in events if e["event"] == "nereusd_resumed"][1]
+    assert restart["mode"] == "checkpoint" and restart["step"] == written, restart
+    for r in records[restart["step"]:len(first)]:   # run twice: on kept workers, then from the checkpoint
+        b = first[r["step"]]
         assert r["sample_position"] == b["sample_position"] and r["reward_mean"] == b["reward_mean"], r["step"]
         assert r["train/actor/loss"] == pytest.approx(b["train/actor/loss"], rel=1e-4, abs=1e-6)
     assert (run_dir / "summary.crashed.json").is_file()
