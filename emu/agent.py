@@ -122,9 +122,11 @@ class Agent:
     def _alive(self) -> list[int]:
         return sorted(d for d, p in self.workers.items() if p.poll() is None)
 
-    def register(self, timeout_s: float = 30.0, kept: list[int] | None = None) -> None:
+    def register(self, timeout_s: float = 30.0, kept: list[int] | None = None,
+                 kept_workers: list[int] | None = None) -> None:
         """Register with nereusd and wait for the welcome (global device indices). ``kept``: the
-        global indices of this agent's devices, whose workers it kept from a lost nereusd.
+        global indices this agent's devices had with a lost nereusd; ``kept_workers``: those of
+        them whose workers it kept.
 
         Raises:
             ProtocolError: if nereusd refuses the registration.
@@ -134,7 +136,7 @@ class Agent:
         self._daemon_pid = announced.get("pid") if announced else None
         self._send_up(P.RegisterAgent(node_id=self.node_id, hostname=socket.gethostname(), pid=os.getpid(),
                                       devices=self.devices, slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-                                      kept_devices=kept or []))
+                                      kept_devices=kept or [], kept_workers=kept_workers or []))
         if not self._up.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"nereusd did not answer the registration within {timeout_s:.0f} s")
         msg = P.decode(self._up.recv())
@@ -147,10 +149,10 @@ class Agent:
 
     def _rejoin(self, now_s: float) -> bool:
         """While nereusd is silent: if a resumed nereusd announced itself in the run directory,
-        re-register with it, offering the workers this agent kept. Returns False (the agent
-        stops its workers and exits) when it has none to offer (one of its devices' workers
-        died: the resume starts agents of its own) or the new nereusd refused them (a new job
-        that is not this one's continuation owns the directory).
+        re-register with it, offering the workers this agent kept (the new nereusd checks that
+        they are the ones its world needs). Returns False (the agent stops its workers and exits)
+        when it has none to offer (the resume starts agents of its own) or the new nereusd
+        refused them (a new job that is not this one's continuation owns the directory).
         """
         if now_s < self._next_look_s:
             return True
@@ -158,19 +160,18 @@ class Agent:
         announced = self._announced()
         if not announced or announced.get("pid") in (None, self._daemon_pid) or not announced.get("endpoint"):
             return True
-        if not self.global_devices or self._alive() != sorted(self.global_devices):
-            log.error("nereusd (pid %s) resumed, but not every worker of devices %s outlived its predecessor: "
-                      "stopping", announced["pid"], self.global_devices)
+        alive = self._alive()
+        if not self.global_devices or not alive:
+            log.error("nereusd (pid %s) resumed, but no worker of this agent is alive: stopping", announced["pid"])
             return False
-        kept = list(self.global_devices)
-        log.warning("nereusd (pid %s) resumed at %s: re-registering with the workers of devices %s and their state",
-                    announced["pid"], announced["endpoint"], kept)
+        log.warning("nereusd (pid %s) resumed at %s: re-registering devices %s with the workers of %s and their state",
+                    announced["pid"], announced["endpoint"], self.global_devices, alive)
         self._poller.unregister(self._up)
         self._up.close(linger=0)
         self._up = self._connect(announced["endpoint"])
         self._poller.register(self._up, zmq.POLLIN)
         try:
-            self.register(kept=kept)
+            self.register(kept=list(self.global_devices), kept_workers=alive)
         except (TimeoutError, ProtocolError) as err:
             log.error("the resumed nereusd did not take this agent back: %s; stopping", err)
             return False

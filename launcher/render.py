@@ -109,6 +109,7 @@ def environment(site: SiteConfig, req: RenderRequest) -> list[tuple[str, str]]:
         "NEREUS_PYTHON": spec.python or req.python,
         "NEREUS_CONTROL_PORT": str(spec.control_port),
         "NEREUS_HEARTBEAT_TIMEOUT_S": f"{spec.heartbeat_timeout_s:g}",
+        "NEREUS_RESUME_GRACE_S": f"{site.liveness.resume_grace_s:g}",
     }
     if site.device.kind == "cpu":
         nereus["NEREUS_CPU_DEVICES"] = "slurm" if spec.gpus_per_node else str(site.devices_per_node)

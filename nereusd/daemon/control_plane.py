@@ -351,11 +351,11 @@ class ControlPlane(TaskDispatch):
         log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
                  len(msg.devices), global_devices)
         if kept:
-            self.kept_workers.update(kept)
-            self.ready_workers.update(kept)
+            self.kept_workers.update(msg.kept_workers)
+            self.ready_workers.update(msg.kept_workers)
         self._on_event(Event.AGENT_REGISTERED, {"node_id": msg.node_id, "hostname": msg.hostname,
                                             "devices": global_devices, "slurm_job_id": msg.slurm_job_id,
-                                            **({"kept_workers": kept} if kept else {})})
+                                            **({"kept_workers": sorted(msg.kept_workers)} if kept else {})})
         self._send(identity, P.Welcome(node_id=msg.node_id, global_devices=global_devices))
         if self.world_formed:
             self._on_pool_change(PoolChange(PoolChangeKind.JOINED, "registration", msg.node_id,
@@ -374,6 +374,9 @@ class ControlPlane(TaskDispatch):
         if len(kept) != len(msg.devices) or len(set(kept)) != len(kept) or min(kept) < 0:
             raise ProtocolError(f"agent {msg.node_id!r}: kept_devices {kept[:16]} must name one distinct global "
                                 f"index ≥ 0 for each of its {len(msg.devices)} devices")
+        if not set(msg.kept_workers) <= set(kept):
+            raise ProtocolError(f"agent {msg.node_id!r}: kept workers {sorted(set(msg.kept_workers) - set(kept))[:16]} "
+                                "are not among its kept devices")
         limit = self.max_pool_devices if self.max_pool_devices is not None else MAX_DEVICES_PER_AGENT
         if max(kept) >= limit:
             raise ProtocolError(f"agent {msg.node_id!r}: kept device {max(kept)} is beyond the pool's {limit} devices")

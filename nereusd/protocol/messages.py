@@ -60,9 +60,11 @@ class RegisterAgent(_Message):
     """The Slurm allocation the agent runs in (a ``grow`` allocation differs from nereusd's)."""
     kept_devices: list[int] = Field(default_factory=list, max_length=4096)
     """A re-registration with a resumed nereusd after the previous one was lost: the global
-    device indices (one per entry of ``devices``, in order) whose workers the agent kept
-    running, their EMUs in memory. Empty: a new agent. Only ``nereusd --resume`` accepts it
-    (:meth:`nereusd.daemon.control_plane.ControlPlane.accept_kept_workers`)."""
+    device indices the agent had (one per entry of ``devices``, in order). Empty: a new agent.
+    Only ``nereusd --resume`` accepts it
+    (:attr:`nereusd.daemon.control_plane.ControlPlane.accept_kept_workers`)."""
+    kept_workers: list[int] = Field(default_factory=list, max_length=4096)
+    """Of ``kept_devices``, those whose workers the agent kept running, their EMUs in memory."""
 
 
 class Welcome(_Message):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,12 @@ def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env
     job_id, run_dir = submit(slurm_env, tmp_path, "slurm-preempt", steps=2000, nodes=1)
     try:
         wait_for("a first step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 150, run_dir)
+        # kill -9 of nereusd: the batch script starts it again with --resume in the same allocation;
+        # the agent keeps its workers for it (on their state, or from the checkpoint: the kill's timing)
+        os.kill(json.loads((run_dir / "nereusd.json").read_text())["pid"], signal.SIGKILL)
+        again = wait_for("nereusd again in the allocation", lambda: events(run_dir, "nereusd_resumed"), 120, run_dir)
+        assert again[0]["mode"] in ("kept_workers", "checkpoint") and squeue_states(slurm_env, job_id)[job_id], again
+        wait_for("a step after it", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) > again[0]["step"], 120, run_dir)
         subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], env=slurm_env, check=True)
         wait_for("the job to end", lambda: squeue_states(slurm_env, job_id)[job_id] is None, 90, run_dir)
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -178,7 +185,7 @@ def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env
         # resume: a continuation job (mode resume) picks the run up from the preemption checkpoint
         out = cli(slurm_env, "resume", str(run_dir))
         job_id = out.split("submitted job ")[1].split(":")[0]
-        resumed = wait_for("the continuation to resume", lambda: events(run_dir, "nereusd_resumed"), 150, run_dir)
+        resumed = wait_for("the continuation to resume", lambda: events(run_dir, "nereusd_resumed")[1:], 150, run_dir)
         assert resumed[0]["checkpoint"] == str(checkpoint) and (run_dir / "summary.preempted.json").is_file()
         step = resumed[0]["step"]
         wait_for("two steps after it", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step + 2, 150, run_dir)

@@ -16,11 +16,12 @@ from nereusd.journal import METRICS_FILE
 from nereusd.plan import Candidate, ModelStage, Plan
 
 
-def _register(control: ControlPlane, node_id: str, devices: int, kept: list[int]):
+def _register(control: ControlPlane, node_id: str, devices: int, kept: list[int], workers: list[int] | None = None):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(control.endpoint)
-    sock.send(P.encode(P.RegisterAgent(node_id=node_id, hostname="h", pid=1, kept_devices=kept, devices=[
+    sock.send(P.encode(P.RegisterAgent(node_id=node_id, hostname="h", pid=1, kept_devices=kept,
+                                       kept_workers=kept[:1] if workers is None else workers, devices=[
         P.DeviceInfo(local_index=i, kind="cpu", name="virtual-cpu", memory_bytes=1) for i in range(devices)])))
     for _ in range(100):
         control.poll(0.02)
@@ -44,10 +45,13 @@ def test_only_a_resumed_nereusd_takes_kept_workers_and_only_free_indices_within_
             sock, reply = _register(control, node, count, kept)
             socks.append(sock)
             assert isinstance(reply, P.ErrorReply) and why in reply.reason, (kept, reply)
+        sock, reply = _register(control, "n7", 2, [4, 5], workers=[6])
+        socks.append(sock)
+        assert isinstance(reply, P.ErrorReply) and "not among its kept devices" in reply.reason
         sock, reply = _register(control, "n4", 2, [4, 5])
         socks.append(sock)
         assert isinstance(reply, P.Welcome) and reply.global_devices == [4, 5]
-        assert control.kept_workers == {4, 5} and {4, 5} <= control.ready_workers
+        assert control.kept_workers == {4} and 4 in control.ready_workers and 5 not in control.ready_workers
         sock, reply = _register(control, "n5", 1, [5])
         socks.append(sock)
         assert isinstance(reply, P.ErrorReply) and "registered already" in reply.reason
