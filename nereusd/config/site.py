@@ -108,9 +108,10 @@ class LivenessSpec:
     Workers that wait on each other (collectives) finish together, so a task where fewer than
     half returned is not judged; a worker blocked on a frozen peer is the peer's beat's case."""
     resume_grace_s: float = 60.0
-    """In local mode, how long an agent outlives a silent (crashed) nereusd before it stops its
-    workers and exits (``nereus-agent --daemon-timeout-s``); ``nereus-launch resume`` stops them
-    at once. On Slurm agents use ``slurm.heartbeat_timeout_s``."""
+    """How long an agent outlives a silent (crashed) nereusd with its workers and their EMUs
+    before it stops them and exits (``nereus-agent --daemon-timeout-s``; on Slurm the batch
+    script's ``NEREUS_RESUME_GRACE_S``). A nereusd resumed in the run directory within it takes
+    them back (:mod:`nereusd.daemon.kept`); ``nereus-launch resume --restart`` stops them at once."""
 
 
 def beat_interval_s(worker_stall_s: float) -> float:
