@@ -50,20 +50,32 @@ still travels alone, within the protocol's frame limit)."""
 
 @dataclass
 class _Beat:
-    """The read end of one worker's liveness pipe and when it last beat (monotonic seconds)."""
+    """The read end of one worker's liveness pipe, when it last beat and since when it has been
+    waiting on peers (monotonic seconds)."""
 
     fd: int
     last_s: float
+    waiting_since_s: float | None = None
+    """Since its beats say ``c`` (waiting on peers, :func:`emu.liveness.waiting_on_peers`); ``None``: not."""
 
     def drain(self, now_s: float) -> None:
-        """Read whatever beats arrived; any byte counts as alive at ``now_s``."""
+        """Read whatever beats arrived; any byte counts as alive at ``now_s``, the last one says
+        whether it waits on peers."""
         try:
-            while os.read(self.fd, 4096):
+            while chunk := os.read(self.fd, 4096):
                 self.last_s = now_s
+                if chunk[-1:] == b"c":
+                    self.waiting_since_s = self.waiting_since_s if self.waiting_since_s is not None else now_s
+                else:
+                    self.waiting_since_s = None
         except BlockingIOError:
             pass
         except OSError:   # closed: the worker is gone, its exit is reported by _check_workers
             pass
+
+    def waiting_s(self, now_s: float) -> float:
+        """Seconds it has been waiting on peers without a break (0: not waiting)."""
+        return 0.0 if self.waiting_since_s is None else now_s - self.waiting_since_s
 
 
 class Agent:
@@ -397,7 +409,8 @@ class Agent:
                         beat.drain(now)
                 self._check_workers()
                 if now >= next_beat:
-                    self._send_up(P.Heartbeat(node_id=self.node_id, workers_alive=self._alive()))
+                    waiting = {d: round(b.waiting_s(now), 1) for d, b in self._beats.items() if b.waiting_s(now) >= 1.0}
+                    self._send_up(P.Heartbeat(node_id=self.node_id, workers_alive=self._alive(), waiting_s=waiting))
                     next_beat = now + HEARTBEAT_INTERVAL_S
                 if now - self._last_daemon_s > self.daemon_timeout_s:
                     log.error("nereusd silent for %.0f s: stopping workers", now - self._last_daemon_s)

@@ -9,14 +9,20 @@ is older than :data:`SILENT_S`, the worker withholds its own beat. The agent's w
 takes the worker as stalled (cause ``worker_stalled``), and the helper with it (it dies with its
 worker: ``PR_SET_PDEATHSIG``, ``SIGKILL``, which also ends a stopped process).
 
-What stays uncaught: a helper that beats but makes no progress (a live-locked loop); nereusd's
-straggler rule (:meth:`~nereusd.daemon.task_dispatch.TaskDispatch._kill_stragglers`) catches
-that when other workers of the task returned.
+What stays uncaught here: a helper that beats but makes no progress (a live-locked loop);
+nereusd's straggler rule (:meth:`~nereusd.daemon.task_dispatch.TaskDispatch._kill_stragglers`)
+catches that when other workers of the task returned or wait for it in a collective.
+
+A worker's beat also says whether its main thread is waiting on peers (:func:`waiting_on_peers`):
+blocked in a ``torch.distributed`` call, or inside :func:`peer_wait` (the waits of asynchronous
+point-to-point work). A worker that waits there for long is held up by another one; the one
+its peers wait for is the straggler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from typing import Iterator
@@ -82,3 +88,32 @@ def silent_helper(bound_s: float | None = None) -> tuple[str, float] | None:
         if silent > bound_s:
             return beat.name, silent
     return None
+
+
+_peer_waits = 0
+"""Depth of :func:`peer_wait` blocks on the main thread."""
+_TORCH_DISTRIBUTED = ("/torch/distributed/", "\\torch\\distributed\\")
+
+
+@contextlib.contextmanager
+def peer_wait() -> Iterator[None]:
+    """The main thread waits on peers inside this block (``work.wait()`` of asynchronous sends,
+    receives and broadcasts, which leave no ``torch.distributed`` frame on the stack)."""
+    global _peer_waits
+    _peer_waits += 1
+    try:
+        yield
+    finally:
+        _peer_waits -= 1
+
+
+def waiting_on_peers(main_ident: int | None = None) -> bool:
+    """Whether the main thread (``main_ident``, default the interpreter's main thread) is waiting
+    on other workers: inside :func:`peer_wait`, or its innermost Python frame is in
+    ``torch.distributed`` (a collective, a send or receive, a barrier: blocked in C++ below it).
+    Read from the beat thread; a sample, not a lock-step view."""
+    if _peer_waits:
+        return True
+    ident = main_ident if main_ident is not None else threading.main_thread().ident
+    frame = sys._current_frames().get(ident)
+    return frame is not None and any(part in frame.f_code.co_filename for part in _TORCH_DISTRIBUTED)

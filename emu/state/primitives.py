@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from emu.liveness import peer_wait
 from emu.state.devmem import DeviceMemory
 from emu.state.unit import EmuShard, LogicalState, narrow_piece, nbytes_of, shard_shape
 from nereusd.errors import NereusError
@@ -276,8 +277,9 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
                 buf = torch.empty(sizes[y], dtype=torch.float32, device=own.buffer.device)
                 peers.append(EmuShard(ms, own.spec, own.value_head, T, pos_of[y], own.slots, buffer=buf))
                 works.append(dist.irecv(buf, src=comms.rank_of(y), group=group))
-        for w in works:
-            w.wait()
+        with peer_wait():
+            for w in works:
+                w.wait()
     try:
         if me in receivers:
             new = store.allocate(own, S, sub_of[me], own.logical)
@@ -308,8 +310,9 @@ def extend(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Sp
         root = comms.rank_of(src)
         works.append(dist.broadcast(header, src=root, group=group, async_op=True))
         works.append(dist.broadcast(shard.buffer, src=root, group=group, async_op=True))
-    for w in works:
-        w.wait()
+    with peer_wait():
+        for w in works:
+            w.wait()
     for shard, header in new_ones:
         shard.logical = LogicalState.from_tensor(header)
         store.put(shard)
@@ -338,8 +341,9 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
                 buf = torch.empty(n_slots, *shard_shape(r.shard), dtype=torch.float32, device=own.buffer.device)
                 works.append(dist.irecv(buf, src=comms.rank_of(r.src), group=group))
                 received.append((r.shard, buf))
-        for w in works:
-            w.wait()
+        with peer_wait():
+            for w in works:
+                w.wait()
         new = store.allocate(own, Tt, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
         for r in op.routes:
             if r.src == r.dst == me:

@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_liveness_beat(fd: int, interval_s: float) -> threading.Thread:
     """Write one byte to ``fd`` every ``interval_s`` seconds from a daemon thread, for as long as
-    this process runs (the agent's watchdog, :meth:`emu.agent.Agent._check_stalls`).
+    this process runs (the agent's watchdog, :meth:`emu.agent.Agent._check_stalls`): ``c`` while
+    the main thread waits on peers (:func:`emu.liveness.waiting_on_peers`; nereusd's straggler
+    rule counts such a worker as arrived), ``.`` otherwise.
 
     The thread beats while the main thread waits in a torch op or a collective (they release
     the GIL), so a worker blocked on a stalled peer keeps beating; a stopped (``SIGSTOP``) or
@@ -56,6 +58,8 @@ def start_liveness_beat(fd: int, interval_s: float) -> threading.Thread:
     """
     os.set_blocking(fd, False)
     from emu import liveness
+
+    main_ident = threading.main_thread().ident
 
     def beat() -> None:
         withheld = False
@@ -70,7 +74,7 @@ def start_liveness_beat(fd: int, interval_s: float) -> threading.Thread:
                 continue
             withheld = False
             try:
-                os.write(fd, b".")
+                os.write(fd, b"c" if liveness.waiting_on_peers(main_ident) else b".")
             except BlockingIOError:
                 pass
             except OSError:

@@ -105,8 +105,14 @@ class LivenessSpec:
     (its dispatch, or its previous task's result) is killed and its device treated as lost
     (cause ``worker_stalled``). Both must exceed the slowest healthy worker of any such task —
     in RL generation the replica with the longest responses — or a healthy straggler is killed.
-    Workers that wait on each other (collectives) finish together, so a task where fewer than
-    half returned is not judged; a worker blocked on a frozen peer is the peer's beat's case."""
+    A worker waiting on peers (blocked in a collective, its beat says so) for 5 s counts as
+    arrived with the returned ones: it waits for the straggler. A worker blocked on a frozen
+    peer is the peer's beat's case."""
+    task_max_s: float = 3600.0
+    """Any task (one-worker tasks, transitions, checkpoints and builds included): a worker that
+    has neither returned nor waits on peers this long after it could start the task is killed
+    and its device treated as lost (cause ``worker_stalled``). Must exceed the longest healthy
+    task of the job — a generation with the longest responses, a vLLM engine start."""
     resume_grace_s: float = 60.0
     """How long an agent outlives a silent (crashed) nereusd with its workers and their EMUs
     before it stops them and exits (``nereus-agent --daemon-timeout-s``; on Slurm the batch
@@ -358,7 +364,7 @@ _POSITIVE = {
     SiteConfig: ("nodes", "devices_per_node"),
     DeviceSpec: ("memory_gib", "hbm_gbps"),
     NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
-    LivenessSpec: ("worker_stall_s", "resume_grace_s", "straggler_factor", "straggler_min_s"),
+    LivenessSpec: ("worker_stall_s", "resume_grace_s", "straggler_factor", "straggler_min_s", "task_max_s"),
 }
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
                  DeviceSpec: ("layer_launch_us",)}

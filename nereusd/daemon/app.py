@@ -103,6 +103,7 @@ class Daemon:
                                     worker_stall_s=self.site.liveness.worker_stall_s,
                                     straggler_factor=self.site.liveness.straggler_factor,
                                     straggler_min_s=self.site.liveness.straggler_min_s,
+                                    task_max_s=self.site.liveness.task_max_s,
                                     max_pool_devices=self.job.pool_limit(launch_devices))
         self.pool.control = self.control
         self.control.accept_kept_workers = bool(args.resume)

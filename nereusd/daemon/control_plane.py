@@ -106,7 +106,7 @@ class ControlPlane(TaskDispatch):
         status: returns the dict a ``StatusRequest`` is answered with.
         worker_stall_s: a worker whose liveness beat is silent this long is killed by its agent
             and reported lost with cause ``worker_stalled`` (site ``liveness.worker_stall_s``).
-        straggler_factor, straggler_min_s: the straggler rule (site ``liveness``,
+        straggler_factor, straggler_min_s, task_max_s: the straggler rule (site ``liveness``,
             :meth:`~nereusd.daemon.task_dispatch.TaskDispatch._kill_stragglers`).
     """
 
@@ -117,12 +117,13 @@ class ControlPlane(TaskDispatch):
                  on_pool_request: Callable[[int], dict[str, Any]] | None = None,
                  max_devices_per_agent: int = MAX_DEVICES_PER_AGENT, worker_stall_s: float = 120.0,
                  max_pool_devices: int | None = None, straggler_factor: float = 10.0,
-                 straggler_min_s: float = 600.0) -> None:
+                 straggler_min_s: float = 600.0, task_max_s: float = 3600.0) -> None:
         self._ctx = zmq.Context.instance()
         self.straggler_factor = straggler_factor
         self.straggler_min_s = straggler_min_s
-        """The straggler rule of :meth:`collect` (site ``liveness.straggler_factor`` and
-        ``straggler_min_s``, :class:`~nereusd.config.site.LivenessSpec`)."""
+        self.task_max_s = task_max_s
+        """The straggler rule of :meth:`collect` (site ``liveness.straggler_factor``,
+        ``straggler_min_s`` and ``task_max_s``, :class:`~nereusd.config.site.LivenessSpec`)."""
         self.worker_stall_s = worker_stall_s
         """Sent with every ``SpawnWorkers``: the agents' stall bound (site ``liveness.worker_stall_s``)."""
         self.max_devices_per_agent = max_devices_per_agent
@@ -151,6 +152,8 @@ class ControlPlane(TaskDispatch):
         self.exited_workers: dict[int, int | None] = {}
         self.stalled_workers: dict[int, float] = {}
         """Devices whose agent killed their stalled worker: ``{device: seconds silent}``."""
+        self._waiting_since: dict[int, float] = {}
+        """Since when each device's worker has been waiting on peers (monotonic; from heartbeats)."""
         self._free_since: dict[int, float] = {}
         """When each device's worker last returned a task result (monotonic): it starts its next
         task then at the latest (the straggler rule)."""
@@ -309,6 +312,13 @@ class ControlPlane(TaskDispatch):
             raise ProtocolError(f"{msg.type!r} from an unregistered peer")
         if isinstance(msg, P.Heartbeat):
             agent.workers_alive = set(msg.workers_alive)
+            now = time.monotonic()
+            for device in agent.global_devices:
+                waited = msg.waiting_s.get(device)
+                if waited is None:
+                    self._waiting_since.pop(device, None)
+                else:
+                    self._waiting_since[device] = now - min(max(waited, 0.0), 1e9)
             if agent.heartbeat_ack is None:
                 agent.heartbeat_ack = P.encode(P.Heartbeat(node_id=agent.node_id))
             self._send_frame(identity, "heartbeat", agent.heartbeat_ack)   # the ack tells the agent we live
@@ -398,6 +408,14 @@ class ControlPlane(TaskDispatch):
                 self._agent_at_fd[fd] = agent.node_id
         return agent
 
+    def waiting_s(self, device: int, now_s: float | None = None) -> float:
+        """Seconds the worker of ``device`` has been waiting on peers without a break, as its
+        agent's last heartbeat said (0: not waiting, or no word)."""
+        since = self._waiting_since.get(device)
+        if since is None:
+            return 0.0
+        return (time.monotonic() if now_s is None else now_s) - since
+
     def _agent_by_identity(self, identity: bytes) -> AgentRecord | None:
         return self._by_identity.get(identity)   # a dict: 8,192 results from 1,024 agents per boundary
 
@@ -448,6 +466,7 @@ class ControlPlane(TaskDispatch):
         if pending is None or device not in pending.devices:
             raise ProtocolError(f"result for unknown task {payload.task_id} from device {device}")
         pending.results[device] = payload
+        pending.arrived_s[device] = self._free_since[device]
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()

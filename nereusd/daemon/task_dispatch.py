@@ -31,14 +31,21 @@ class PendingTask:
     results: dict[int, P.TaskResult] = field(default_factory=dict)
     sent_s: float = field(default_factory=time.monotonic)
     """When it was dispatched (monotonic)."""
+    arrived_s: dict[int, float] = field(default_factory=dict)
+    """When each result came (monotonic)."""
     half_s: float | None = None
-    """Seconds from dispatch until half of its workers had returned (the straggler rule)."""
+    """Seconds from dispatch until half of its workers had arrived: returned, or waiting on peers
+    (the straggler rule; set when it is first judged)."""
 
 
 STRAGGLER_KINDS = frozenset({"generate", "logprobs", "values", "scores", "train"})
 """Tasks whose workers all do like work (a replica's share of one batch), the ones the straggler
 rule judges. Others are uneven by design: a checkpoint is verified by one device of a
 model-stage, a build or a transition's finish starts vLLM engines on some devices only."""
+WAITING_ARRIVED_S = 5.0
+"""A worker that has waited on peers (blocked in a collective, ``Heartbeat.waiting_s``) this long
+without a break has arrived at its task as far as the straggler rule goes: it waits for the
+ones that have not."""
 
 
 class TaskDispatch:
@@ -133,23 +140,35 @@ class TaskDispatch:
         return pending.results
 
     def _kill_stragglers(self, task_id: int, pending: PendingTask) -> None:
-        """The straggler rule (site ``liveness.straggler_factor``, ``straggler_min_s``), for the
-        :data:`STRAGGLER_KINDS`: once half of the task's workers returned, after ``t_half`` s, a
-        worker still without a result ``max(straggler_min_s, straggler_factor × t_half)`` s after
-        it could start the task — its dispatch, or its result of the task before it, since a
-        worker runs its tasks in order — is stalled although it beats (a live-locked loop, a
-        hung vLLM engine process): its agent stops it, and its exit makes :meth:`collect` raise
-        as for any lost worker, with cause ``worker_stalled``."""
-        if pending.kind not in STRAGGLER_KINDS or 2 * len(pending.results) < len(pending.devices):
-            return
+        """The straggler rule (site ``liveness``): a worker that beats but makes no progress (a
+        live-locked loop, a hung vLLM engine process) is stopped by its agent, and its exit makes
+        :meth:`collect` raise as for any lost worker, with cause ``worker_stalled``.
+
+        A worker of the task *arrived* when it returned, or when it has been waiting on peers
+        (blocked in a collective) for :data:`WAITING_ARRIVED_S` without a break — it waits for
+        the ones that have not. It could *start* the task at its dispatch, or at its result of
+        the task before it (a worker runs its tasks in order). Stopped, for a worker that has
+        neither arrived nor is still on an earlier task:
+
+        - in the :data:`STRAGGLER_KINDS`, once half of the task's workers arrived, after
+          ``t_half`` s: ``max(straggler_min_s, straggler_factor × t_half)`` s after it could start;
+        - in any task (one-worker tasks, transitions, checkpoints included): ``task_max_s`` s
+          after it could start.
+
+        A task whose workers all wait on each other (a deadlock, not a straggler) is left to the
+        backend's timeout."""
         now = time.monotonic()
-        if pending.half_s is None:
-            pending.half_s = now - pending.sent_s
-        bound_s = max(self.straggler_min_s, self.straggler_factor * pending.half_s)
-        if now - pending.sent_s <= bound_s:
-            return
+        if now - pending.sent_s <= min(self.straggler_min_s, self.task_max_s):
+            return   # cheap until a bound can be reached: this runs at every poll of collect
+        waiting = {d: now - self.waiting_s(d, now) for d in pending.devices - set(pending.results)
+                   if self.waiting_s(d, now) >= WAITING_ARRIVED_S}
+        bound_s = self.task_max_s
+        arrivals = sorted([*pending.arrived_s.values(), *waiting.values()])
+        if pending.kind in STRAGGLER_KINDS and 2 * len(arrivals) >= len(pending.devices):
+            pending.half_s = arrivals[(len(pending.devices) + 1) // 2 - 1] - pending.sent_s
+            bound_s = min(bound_s, max(self.straggler_min_s, self.straggler_factor * pending.half_s))
         stalled = []
-        for device in sorted(pending.devices - set(pending.results)):
+        for device in sorted(pending.devices - set(pending.results) - set(waiting)):
             if device in self.exited_workers or device in self.stalled_workers:
                 continue
             if any(device in other.devices and device not in other.results
@@ -160,12 +179,13 @@ class TaskDispatch:
         if not stalled:
             return
         elapsed_s = now - pending.sent_s
-        log.error("task %s #%d: devices %s have no result %.0f s after dispatch although half of its %d workers "
-                  "returned within %.1f s (bound %.1f s): stalled; stopping them", pending.kind, task_id, stalled,
-                  elapsed_s, len(pending.devices), pending.half_s, bound_s)
+        log.error("task %s #%d: devices %s have no result %.0f s after dispatch (bound %.1f s; %d of its %d workers "
+                  "returned, %d wait on peers): stalled; stopping them", pending.kind, task_id, stalled, elapsed_s,
+                  bound_s, len(pending.results), len(pending.devices), len(waiting))
         self._on_event(Event.WORKER_STRAGGLING, {"task": pending.kind, "task_id": task_id, "devices": stalled,
-                                                 "elapsed_s": round(elapsed_s, 3), "half_s": round(pending.half_s, 3),
-                                                 "bound_s": round(bound_s, 3)})
+                                                 "elapsed_s": round(elapsed_s, 3),
+                                                 "half_s": None if pending.half_s is None else round(pending.half_s, 3),
+                                                 "bound_s": round(bound_s, 3), "waiting_on_peers": sorted(waiting)})
         for device in stalled:
             self.stalled_workers[device] = round(elapsed_s, 3)
         self.release_devices(stalled, f"no result of task {pending.kind} #{task_id} within {bound_s:.0f} s",

@@ -80,6 +80,9 @@ class Heartbeat(_Message):
     node_id: str
     workers_alive: list[int] = Field(default_factory=list)
     """Global device indices whose worker process is running."""
+    waiting_s: dict[int, float] = Field(default_factory=dict, max_length=4096)
+    """Workers waiting on peers (blocked in a collective) for at least a second without a break:
+    ``{device: seconds}`` (nereusd's straggler rule counts them as arrived at their task)."""
 
 
 class WorkerSpec(BaseModel):

@@ -45,6 +45,47 @@ def test_beats_continue_while_the_main_thread_waits_in_torch():
     os.close(read_fd)
 
 
+def test_beats_say_when_the_main_thread_waits_on_peers(tmp_path):
+    """``c`` while blocked in a collective on a peer that does not come (the straggler rule counts
+    such a worker as arrived and names the peer), ``.`` while computing; ``peer_wait`` blocks
+    (the waits of asynchronous sends and receives) count too."""
+    import torch
+    import torch.distributed as dist
+
+    from emu.liveness import peer_wait
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, datetime, torch.distributed as dist\n"
+        "s = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))\n"
+        "dist.init_process_group('gloo', store=s, rank=1, world_size=2)\n"
+        "time.sleep(6)\n"), str(store.port)], cwd=REPO)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=2))
+        start_liveness_beat(write_fd, 0.1)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:   # computing: not waiting on peers
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        computing = os.read(read_fd, 4096)
+        with pytest.raises(Exception):
+            dist.barrier()   # the peer never arrives: gloo times out after 2 s
+        waiting = os.read(read_fd, 4096)
+        with peer_wait():
+            time.sleep(0.5)
+        marked = os.read(read_fd, 4096)
+    finally:
+        dist.destroy_process_group()
+        peer.kill()
+        peer.wait()
+        os.close(write_fd)
+        os.close(read_fd)
+    assert computing and set(computing) == {ord(".")}, computing
+    assert waiting.count(b"c") >= 0.8 * len(waiting) and len(waiting) >= 10, waiting
+    assert marked.count(b"c") >= 3, marked
+
+
 def test_a_stopped_worker_is_killed_and_reported_stalled(tmp_path):
     events: list[tuple[str, dict]] = []
     control = ControlPlane(on_event=lambda name, fields: events.append((name, fields)), worker_stall_s=STALL_S)

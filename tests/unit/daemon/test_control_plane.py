@@ -117,19 +117,31 @@ def test_registrations_beyond_the_jobs_pool_limit_are_refused():
         control.close()
 
 
-def _answering_agent(sock: zmq.Socket, answer: set[int], delay_s: dict[int, list[float]], stop):
+def _answering_agent(sock: zmq.Socket, answer: set[int], delay_s: dict[int, list[float]], stop,
+                     waiting: dict[int, float] | None = None):
     """An agent loop in a thread: answers ``answer``'s share of every task, each device its tasks
     in order (the next ``delay_s[d]`` seconds after it is free, or at once), never the others',
-    and reports a worker it is told to stop as exited (``SIGTERM``), as the real agent does."""
+    and reports a worker it is told to stop as exited (``SIGTERM``), as the real agent does.
+    ``waiting``: devices whose workers its heartbeats (every 0.1 s) say wait on peers, for that
+    many seconds more than when the loop started."""
     import threading
     import time
 
     def loop():
         due: list[tuple[float, int, int]] = []
         free: dict[int, float] = {}
+        start = time.monotonic()
+        next_beat = 0.0
         while not stop.is_set():
+            if waiting is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + 0.1
+                sock.send(P.encode(P.Heartbeat(node_id="n0", workers_alive=[0, 1, 2, 3], waiting_s={
+                    d: s + time.monotonic() - start for d, s in waiting.items()})))
             if sock.poll(20):
                 msg = P.decode(sock.recv())
+                if isinstance(msg, P.StopWorkers) and waiting is not None:
+                    for d in msg.devices:
+                        waiting.pop(d, None)
                 if isinstance(msg, P.ToWorkers):
                     for i in msg.items:
                         if i.device in answer:
@@ -189,6 +201,47 @@ def test_a_worker_without_a_result_long_after_half_its_task_returned_is_stopped_
             control.run({d: P.SaveCheckpointArgs(dir="/x") for d in (0, 1, 2, 4)}, timeout_s=1.0)   # uneven: not judged
         silent.close()
         assert sum(e == "worker_straggling" for e, _ in events) == 1 and 4 not in control.stalled_workers
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+        control.close()
+
+
+def test_workers_waiting_on_peers_count_as_arrived_and_any_task_has_a_bound():
+    """A hang that holds its peers in a collective (issue 17, item 5): device 2 waits on peers
+    (its beats say so) and device 3 never answers; with 0 and 1 returned, 3 of 4 arrived, so 3
+    is the straggler — not 2. A two-worker task where one waits on the other: 1 of 2 arrived,
+    the other is stopped (before, no result meant not judged). A one-worker task of any kind
+    (here a checkpoint) is stopped after ``task_max_s``."""
+    import threading
+
+    events: list[tuple[str, dict]] = []
+    control = ControlPlane(straggler_factor=4.0, straggler_min_s=0.6, task_max_s=1.5,
+                           on_event=lambda e, f: events.append((e, f)))
+    sock = fake_agent(control, "n0", 4)
+    stop = threading.Event()
+    waiting = {2: 10.0}
+    answer = {0, 1}
+    thread = _answering_agent(sock, answer=answer, delay_s={}, stop=stop, waiting=waiting)
+    try:
+        with pytest.raises(WorkerError, match=r"device\(s\) \[3\] exited"):
+            control.run(_generate(range(4)), timeout_s=10)
+        first = [f for e, f in events if e == "worker_straggling"][-1]
+        assert first["devices"] == [3] and first["waiting_on_peers"] == [2] and first["bound_s"] == 0.6
+        assert 2 not in control.stalled_workers
+        answer.clear()
+        waiting[0] = 10.0   # device 0 waits on device 1 inside a two-worker task; neither returns
+        with pytest.raises(WorkerError, match=r"device\(s\) \[1\] exited"):
+            control.run({d: _generate([d])[d] for d in (0, 1)}, timeout_s=10)
+        assert [f for e, f in events if e == "worker_straggling"][-1]["devices"] == [1]
+        waiting.clear()
+        silent = fake_agent(control, "n1", 1)   # device 4: a one-worker checkpoint that never ends
+        with pytest.raises(WorkerError, match=r"no result from devices \[4\] within 3 s"):
+            control.run({4: P.SaveCheckpointArgs(dir="/x")}, timeout_s=3.0)
+        last = [f for e, f in events if e == "worker_straggling"][-1]
+        assert last["devices"] == [4] and last["bound_s"] == 1.5 and last["task"] == "save_checkpoint"
+        silent.close()
     finally:
         stop.set()
         thread.join(5)

@@ -67,3 +67,27 @@ def test_relay_fans_out_a_batch_and_batches_results_under_the_byte_budget(tmp_pa
             sock.close(0)
         agent.close()
         daemon.close(0)
+
+
+def test_a_beat_pipe_tells_since_when_its_worker_waits_on_peers():
+    """The agent reads the worker's beats: the last byte of a read says whether it waits on peers
+    (``c``); the wait counts from the first such beat and ends at a ``.``."""
+    import os
+
+    from emu.agent import _Beat
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    try:
+        beat = _Beat(read_fd, 0.0)
+        os.write(write_fd, b"..c")
+        beat.drain(10.0)
+        os.write(write_fd, b"c")
+        beat.drain(12.0)
+        assert beat.last_s == 12.0 and beat.waiting_s(13.0) == 3.0
+        os.write(write_fd, b"c.")
+        beat.drain(14.0)
+        assert beat.waiting_s(15.0) == 0.0
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
