@@ -27,7 +27,7 @@ from nereusd.errors import ConfigError, NereusError
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, LaunchLock, clear_run_dir,
-                             read_jsonl, write_summary)
+                             crash_summary, read_jsonl)
 from nereusd.plan import Candidate
 from launcher.procs import stop_run_processes
 from nereusd.daemon.security import init_keys
@@ -362,7 +362,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                 time.sleep(1.0)  # nereusd notices the lost agent by heartbeat and stops the job
             time.sleep(0.25)
         progress.update(run_dir)
-        crashed = _crash_summary(run_dir, daemon.returncode, write=False) is not None and grace_s > 0
+        crashed = crash_summary(run_dir, daemon.returncode, write=False) is not None and grace_s > 0
     except (KeyboardInterrupt, _Terminated) as err:
         interrupted = True
         why = str(err) if isinstance(err, _Terminated) else "interrupted"
@@ -399,29 +399,8 @@ def _registered_since_start(run_dir: Path) -> bool:
     return registered
 
 
-def _crash_summary(run_dir: Path, returncode: int | None, write: bool = True) -> dict | None:
-    """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
-    crash before its handlers ran), written to ``summary.json`` (with ``write``); ``None`` when
-    it wrote its own."""
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-        if summary.get("status") != "running":
-            return None
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    how = (f"signal {signal.Signals(-returncode).name}" if returncode is not None and returncode < 0
-           else f"exit code {returncode}")
-    metrics = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
-    summary = {"status": "crashed", "error": f"nereusd died ({how}) without writing a summary",
-               "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
-               "resume": f"nereus-launch resume {run_dir}"}
-    if write:
-        write_summary(run_dir, summary)
-    return summary
-
-
 def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> int:
-    crashed = _crash_summary(run_dir, returncode)
+    crashed = crash_summary(run_dir, returncode)
     if crashed is not None:
         print(f"nereus: crashed: {crashed['error']} after {crashed['steps_completed']} step(s); the latest "
               f"checkpoint is kept: continue with `{crashed['resume']}` (within the site's liveness.resume_grace_s the agent "

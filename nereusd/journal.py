@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import stat
 import time
 from pathlib import Path
@@ -310,6 +311,36 @@ class Journal:
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
+
+
+def crash_summary(run_dir: str | Path, returncode: int | None, write: bool = True) -> dict | None:
+    """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
+    crash before its handlers ran) — ``None`` when it wrote its own — written to
+    ``summary.json`` with ``write``. ``returncode``: the process's (negative: a signal; above
+    128: a shell's code for signal ``code − 128``). Written by the local launcher and, once it
+    stops starting nereusd again, by the Slurm batch script."""
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        if summary.get("status") != "running":
+            return None
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    how = f"exit code {returncode}"
+    signum = -returncode if returncode is not None and returncode < 0 else (
+        returncode - 128 if returncode is not None and 128 < returncode < 160 else None)
+    if signum is not None:
+        try:
+            how = f"signal {signal.Signals(signum).name}"
+        except ValueError:
+            pass
+    metrics = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
+    summary = {"status": "crashed", "error": f"nereusd died ({how}) without writing a summary",
+               "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
+               "resume": f"nereus-launch resume {run_dir}"}
+    if write:
+        write_summary(run_dir, summary)
+    return summary
 
 
 def write_summary(run_dir: str | Path, record: dict[str, Any]) -> None:

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="nodes of the launch allocation (journalled; with the site's devices per node it "
                         "sets the default pool.max_devices)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in RUN_DIR after nereusd crashed: from its latest committed "
+                        help="continue the run in RUN_DIR after nereusd crashed: on the workers its agents kept "
+                        "(their state in memory, when it is where the journal is), else from its latest committed "
                         "checkpoint (steps after it run again and leave metrics.jsonl first), or from step 0")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address of the Prometheus endpoint (default 127.0.0.1; it has no authentication)")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from launcher.local import _crash_summary
+from nereusd.journal import crash_summary
 from launcher.resume_cmd import job_file, run
 from nereusd.errors import NereusError
 from nereusd.journal import Event, Journal, RunDirLock
@@ -55,9 +55,11 @@ def test_job_file_is_the_recorded_one_else_the_copy(tmp_path):
 
 def test_crash_summary_is_written_only_without_a_final_one(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
-    summary = _crash_summary(tmp_path, -9)
+    summary = crash_summary(tmp_path, -9)
     assert summary["status"] == "crashed" and "signal SIGKILL" in summary["error"]
     assert summary["steps_completed"] == 2 and summary["resume"] == f"nereus-launch resume {tmp_path}"
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    (tmp_path / "summary.json").unlink()
+    assert "signal SIGKILL" in crash_summary(tmp_path, 137, write=False)["error"]   # a shell's code for it
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
-    assert _crash_summary(tmp_path, 1) is None
+    assert crash_summary(tmp_path, 1) is None
