@@ -354,10 +354,11 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             agent = _start(agent_argv, logs / "agent.log")
         while daemon.poll() is None:
             progress.update(run_dir)
-            if agent is None and not any(Path(f"/proc/{pid}").exists() for pid in kept) \
-                    and not _registered_since_start(run_dir):
-                print("nereus: the kept agent stopped before it registered; starting a new one", file=sys.stderr)
-                agent = _start(agent_argv, logs / "agent.log")
+            if kept and not any(Path(f"/proc/{pid}").exists() for pid in kept):
+                if not _registered_since_start(run_dir):
+                    print("nereus: the kept agent stopped before it registered; starting a new one", file=sys.stderr)
+                    agent = _start(agent_argv, logs / "agent.log")
+                kept = []   # gone: nothing more to watch (one that had registered is nereusd's to miss)
             if agent is not None and agent.poll() is not None and daemon.poll() is None:
                 time.sleep(1.0)  # nereusd notices the lost agent by heartbeat and stops the job
             time.sleep(0.25)

@@ -25,9 +25,10 @@ Equivalence with the native engine (``stage.py`` module docstring):
   its flat partition — elementwise the same update as the native engine's.
 
 State crossing the EMU boundary (DESIGN.md "Training on DeepSpeed ZeRO"): :meth:`export_holding`
-gathers the replica's canonical ZeRO-0 holding — parameters and full Adam moments, via
-DeepSpeed's ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (collective over the DP
-group) — and :meth:`adopt_holding` writes a holding back into this rank's partition with
+gathers the replica's canonical ZeRO-0 holding — parameters and full Adam moments: one
+all-gather of the flat partitions per slot over the DP group, sliced at DeepSpeed's parameter
+offsets (the values of ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``, which
+would all-reduce one full tensor per parameter; :meth:`_gathered`) — and :meth:`adopt_holding` writes a holding back into this rank's partition with
 ``safe_set_full_*`` (local, no communication). Both only copy values, so a round trip is
 bit-exact; transitions, checkpoints and weight sync therefore run unchanged on holdings.
 
@@ -269,16 +270,41 @@ class DeepSpeedStageEngine(StageEngine):
             safe_set_full_fp32_param(p, state[name].to(torch.float32))
 
     @torch.no_grad()
+    def _gathered(self, partition: torch.Tensor, slot: str) -> dict[str, torch.Tensor]:
+        """Full fp32 tensors of every parameter from this rank's flat ``partition`` (the master
+        weights, ``slot="fp32"``, or an Adam moment of them): one all-gather of the partitions
+        over the DP group, sliced at DeepSpeed's parameter offsets in its flat buffer. The same
+        values as ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``, which all-reduce
+        one zero-padded full tensor per parameter: a third of the bytes and one collective
+        instead of one per parameter. Collective over DP; falls back to those calls on a
+        DeepSpeed without ``round_robin_bit16_offsets``."""
+        opt = self.ds_optimizer
+        offsets = getattr(opt, "round_robin_bit16_offsets", None)
+        if offsets is None:
+            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+            return {name: safe_get_full_fp32_param(p) if slot == "fp32" else safe_get_full_optimizer_state(p, slot)
+                    for name, p in self.params.items()}
+        group = opt.real_dp_process_group[0]
+        dp = dist.get_world_size(group=group)
+        full = partition
+        if dp > 1:   # gathered straight into one buffer (the list holds views of it)
+            n = partition.numel()
+            full = torch.empty(dp * n, dtype=partition.dtype, device=partition.device)
+            dist.all_gather([full.narrow(0, i * n, n) for i in range(dp)], partition.contiguous(), group=group)
+        name_of = {id(p): name for name, p in self.params.items()}
+        return {name_of[id(p)]: full.narrow(0, offset, p.numel()).view(p.shape)
+                for p, offset in zip(opt.round_robin_bit16_groups[0], offsets[0])}
+
+    @torch.no_grad()
     def optimizer_full_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """As :meth:`StageEngine.optimizer_full_state`; collective over the DP group."""
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        if self._adam_state() is None:
+        state = self._adam_state()
+        if state is None:
             return {}
-        step = self.adam_step()
-        return {name: {"step": torch.tensor(float(step)),
-                       **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}}
-                for name, p in self.params.items()}
+        step = torch.tensor(float(self.adam_step()))
+        moments = {k: self._gathered(state[k], k) for k in ("exp_avg", "exp_avg_sq")}
+        return {name: {"step": step.clone(), **{k: moments[k][name] for k in moments}} for name in self.params}
 
     @torch.no_grad()
     def load_optimizer_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -305,16 +331,17 @@ class DeepSpeedStageEngine(StageEngine):
     @torch.no_grad()
     def export_holding(self) -> EmuShard:
         """The replica's canonical holding (``TRAIN_SLOTS``, fp32 master values): collective over DP."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
         shard = EmuShard(self.model_stage, self.spec, self.value_head, self.candidate.layout, (0, 0), TRAIN_SLOTS,
                          device=self.device, logical=replace(self.logical, step=self.adam_step()))
-        moments = self.optimizer_full_state()
-        for name, p in self.params.items():
-            shard.view(name, "param").copy_(safe_get_full_fp32_param(p))
-            for slot in TRAIN_SLOTS[1:]:
+        state = self._adam_state()
+        sources = {"param": self.ds_optimizer.single_partition_of_fp32_groups[0],
+                   **{slot: state[slot] if state else None for slot in TRAIN_SLOTS[1:]}}
+        for slot, partition in sources.items():   # one slot's full tensors at a time
+            full = self._gathered(partition, "fp32" if slot == "param" else slot) if partition is not None else None
+            for name in self.params:
                 view = shard.view(name, slot)
-                view.copy_(moments[name][slot]) if moments else view.zero_()
+                view.copy_(full[name]) if full is not None else view.zero_()
+            del full
         self.logical = shard.logical
         return shard
 

@@ -88,6 +88,16 @@ def case(rank, world, zero_stage, value_head):
         out["metrics"] = max(rel(m, r) for m, r in zip(metrics, ref_metrics))
         out["booked_optimizer"] = memory.entries()[(str(TRAIN[value_head]), "optimizer")]
         out["params"] = sum(p.numel() for p in native.params.values())
+        # the export's one all-gather per slot gives exactly what DeepSpeed's per-parameter calls do
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        state = eng._adam_state()
+        mine = {"fp32": eng._gathered(eng.ds_optimizer.single_partition_of_fp32_groups[0], "fp32"),
+                **{k: eng._gathered(state[k], k) for k in ("exp_avg", "exp_avg_sq")}}
+        theirs = {"fp32": {n: safe_get_full_fp32_param(p) for n, p in eng.params.items()},
+                  **{k: {n: safe_get_full_optimizer_state(p, k) for n, p in eng.params.items()}
+                     for k in ("exp_avg", "exp_avg_sq")}}   # every call on both ranks: they are collective
+        out["gathered_as_deepspeed"] = [torch.equal(mine[k][n], theirs[k][n]) for k in mine for n in eng.params]
     exported = holding_of(eng) if eng is not None else None      # collective over the pair
     if exported is not None:
         out["vs_native"] = float((flat(exported) - ref).abs().max())
@@ -224,6 +234,7 @@ def test_deepspeed_zero_matches_native_and_moves_exactly(tmp_path):
                 assert r["vs_native"] < TOL, (label, r)
                 assert r["step"] == STEPS, (label, r)
                 assert r["dp2_roundtrip_exact"], label
+                assert r["gathered_as_deepspeed"] and all(r["gathered_as_deepspeed"]), label
                 # booked at DeepSpeed's partition sizes: fp32 master + m + v of half the model (+ padding)
                 half = -(-r["params"] // 2)
                 assert 12 * half <= r["booked_optimizer"] <= 12 * (half + 64), (label, r)
