@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from emu.state.checkpoint import load_holdings, save_holdings
 from emu.state.devmem import DeviceMemory
 from emu.state.executor import TransitionExecutor
-from emu.state.primitives import Communicators, HoldingStore, create_communicators, gather_groups
+from emu.state.primitives import Communicators, HoldingStore, all_gather_single, create_communicators, gather_groups
 from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState, nbytes_of
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
@@ -120,7 +120,7 @@ def raw_once(spec, src, dst, rank) -> float:
                     jobs.append(("gather", bufs, None, comms.get(op.id, g)))
     t0 = _start()
     works = [dist.broadcast(b, src=s, group=g, async_op=True) if kind == "bcast"
-             else dist.all_gather_single(b[0], b[1], group=g, async_op=True) for kind, b, s, g in jobs]
+             else all_gather_single(b[0], b[1], group=g, async_op=True) for kind, b, s, g in jobs]
     for w in works:
         w.wait()
     elapsed = _sync_time(t0)

@@ -49,6 +49,11 @@ from nereusd.transition.ops import Op, OpKind, TransitionDag
 
 log = logging.getLogger(__name__)
 
+#: ``dist.all_gather_single`` (torch ≥ 2.13, where ``all_gather_into_tensor`` became its deprecated
+#: alias) or, on the older torch a GPU cluster's vLLM pins, ``all_gather_into_tensor``: same
+#: signature ``(output, input, group=None, async_op=False)``.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 HoldingKey = tuple[ModelStage, Layout, Position]
 
 
@@ -258,7 +263,7 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
     if split_all_gathers([(y, pos_of[y]) for y in mine], receivers, lambda p: sizes[_dev_at(pos_of, p)]):
         store.memory.allocate(str(ms), staging, own.nbytes * len(mine))
         out = torch.empty(own.numel * len(mine), dtype=torch.float32, device=own.buffer.device)
-        dist.all_gather_single(out, own.buffer, group=group)
+        all_gather_single(out, own.buffer, group=group)
         order = sorted(mine, key=comms.rank_of)  # all_gather places by group rank = sorted world rank
         for j, y in enumerate(order):
             if y != me:
