@@ -49,12 +49,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="per-replica micro-batch (sequences)")
     p.add_argument("--any-divisor", action="store_true", help="TP/PP may be any divisor, not only 2^k")
     p.add_argument("--recompute", action="store_true", help="allow activation recomputation")
-    p.add_argument("--zero", action="store_true",
-                   help="training model-stages may also run ZeRO-1/2 (optimizer state, and at 2 gradients, "
-                        "sharded across DP; the deepspeed backend, tp = pp = 1)")
+    p.add_argument("--zero", nargs="?", const="1,2", default="", metavar="STAGES", type=_zero_stages,
+                   help="training model-stages may also run ZeRO (optimizer state, and at stage 2 gradients, "
+                        "sharded across DP; the deepspeed backend, tp = pp = 1): --zero allows stages 1 and 2, "
+                        "--zero 1 only stage 1")
     p.add_argument("--calibration", help="calibration state JSON to use (default: priors)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
+
+
+def _zero_stages(text: str) -> tuple[int, ...]:
+    """``--zero``'s value: comma-separated ZeRO stages from {1, 2} (empty: none)."""
+    try:
+        stages = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stages such as 1 or 1,2, got {text!r}") from None
+    if not set(stages) <= {1, 2}:
+        raise argparse.ArgumentTypeError(f"ZeRO stages are 1 and 2, got {text!r}")
+    return stages
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)))
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
     options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute,
-                             zero_stages=(0, 1, 2) if args.zero else ())
+                             zero_stages=(0, *args.zero) if args.zero else ())
     try:
         result = Planner(problem, CostModel(site, calibration), options, suggest=True).solve()
     except Infeasible as err:

@@ -10,7 +10,7 @@ import yaml
 from nereusd.errors import ConfigError
 from nereusd.config.site import SITE_CONFIG_DIR, load_site, site_from_dict
 
-SHIPPED = ["local", "h200-ib", "a100-ib", "frontier-mi250x"]
+SHIPPED = ["local", "h200-ib", "a100-ib", "frontier-mi250x", "l40s-pcie"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)

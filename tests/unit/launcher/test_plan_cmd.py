@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launcher.cli import main
 
 
@@ -75,3 +77,26 @@ def test_compact_plan_marks_zero():
 
     assert compact_plan({"actor/training": {"tp": 1, "pp": 1, "dp": 4, "zero_stage": 1},
                          "actor/generation": {"tp": 2, "pp": 1, "dp": 2}}) == "aT1·1·4z1 aG2·1·2"
+
+
+@pytest.mark.parametrize("model, algorithm, prompt, response", [("qwen2.5-3b", "ppo", 512, 512),
+                                                                 ("qwen2.5-1.5b", "ppo", 1024, 2048)])
+def test_plan_zero_1_on_a_pcie_site_is_the_readme_case(capsys, model, algorithm, prompt, response):
+    """README's ZeRO planner table, PCIe rows: on 8 L40S without NVLink, ZeRO-1 alone (``--zero 1``)
+    lets a training model-stage drop tensor parallelism, and the predicted step is ≥ 20 % faster."""
+    args = ["plan", "--model", model, "--algorithm", algorithm, "--site", "l40s-pcie", "--gpus", "8",
+            "--prompt-length", str(prompt), "--response-length", str(response), "--global-batch", "256", "--json"]
+    assert main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(args + ["--zero", "1"]) == 0
+    zero = json.loads(capsys.readouterr().out)
+    assert {r["zero_stage"] for r in zero["plan"]} == {0, 1}
+    assert all(r["tp"] == r["pp"] == 1 for r in zero["plan"] if r["zero_stage"])
+    assert base["predicted_step_latency_s"] >= 1.2 * zero["predicted_step_latency_s"]
+
+
+def test_plan_zero_names_bad_stages(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "qwen2.5-3b", "--site", "l40s-pcie", "--gpus", "8", "--zero", "3"])
+    assert exit_.value.code == 2
+    assert "ZeRO stages are 1 and 2, got '3'" in capsys.readouterr().err
