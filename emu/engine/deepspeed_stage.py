@@ -51,6 +51,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from emu.state.primitives import all_gather_single
 from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState
 from emu.engine.stage import StageEngine
 from nereusd.cost.memory import zero_bucket_elements, zero_state_bytes
@@ -272,12 +273,14 @@ class DeepSpeedStageEngine(StageEngine):
     @torch.no_grad()
     def _gathered(self, partition: torch.Tensor, slot: str) -> dict[str, torch.Tensor]:
         """Full fp32 tensors of every parameter from this rank's flat ``partition`` (the master
-        weights, ``slot="fp32"``, or an Adam moment of them): one all-gather of the partitions
-        over the DP group, sliced at DeepSpeed's parameter offsets in its flat buffer. The same
+        weights, ``slot="fp32"``, or an Adam moment of them): the DP group's partitions joined
+        into one flat buffer by one collective, sliced at DeepSpeed's parameter offsets. The same
         values as ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``, which all-reduce
-        one zero-padded full tensor per parameter: a third of the bytes and one collective
-        instead of one per parameter. Collective over DP; falls back to those calls on a
-        DeepSpeed without ``round_robin_bit16_offsets``."""
+        one zero-padded full tensor per parameter. On gloo the collective is one all-reduce of the
+        zero-padded flat buffer (``/tmp`` A/B, 2 gloo ranks, 3 slots: 0.10 s vs 0.20 s
+        per-parameter at 6 M parameters, 0.70 s vs 0.88 s at 40 M; an all-gather took 0.06 s and
+        1.33 s); elsewhere an all-gather, half the all-reduce's bytes. Collective over DP; falls
+        back to DeepSpeed's calls on a DeepSpeed without ``round_robin_bit16_offsets``."""
         opt = self.ds_optimizer
         offsets = getattr(opt, "round_robin_bit16_offsets", None)
         if offsets is None:
@@ -288,10 +291,15 @@ class DeepSpeedStageEngine(StageEngine):
         group = opt.real_dp_process_group[0]
         dp = dist.get_world_size(group=group)
         full = partition
-        if dp > 1:   # gathered straight into one buffer (the list holds views of it)
+        if dp > 1:
             n = partition.numel()
-            full = torch.empty(dp * n, dtype=partition.dtype, device=partition.device)
-            dist.all_gather([full.narrow(0, i * n, n) for i in range(dp)], partition.contiguous(), group=group)
+            if dist.get_backend(group) == "gloo":
+                full = torch.zeros(dp * n, dtype=partition.dtype, device=partition.device)
+                full.narrow(0, dist.get_rank(group=group) * n, n).copy_(partition)
+                dist.all_reduce(full, group=group)   # x + 0 = x (a -0.0 becomes 0.0, as in DeepSpeed's calls)
+            else:
+                full = torch.empty(dp * n, dtype=partition.dtype, device=partition.device)
+                all_gather_single(full, partition.contiguous(), group=group)
         name_of = {id(p): name for name, p in self.params.items()}
         return {name_of[id(p)]: full.narrow(0, offset, p.numel()).view(p.shape)
                 for p, offset in zip(opt.round_robin_bit16_groups[0], offsets[0])}
