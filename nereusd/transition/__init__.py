@@ -196,9 +196,11 @@ def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: Sta
 
     A ZeRO model-stage the transition changes (ops of it in ``dag``, another ZeRO stage, or gone
     from ``target``) first gathers its canonical holding on every replica
-    (:mod:`emu.engine.deepspeed_stage`: one all-reduce per parameter and slot over the DP group),
-    model-stages one after another. Priced as a ring all-reduce of the holding's bytes:
-    ``2(n−1)/n · bytes`` per rank over the slowest link of the ring (Thakur et al. 2005, §4).
+    (``DeepSpeedStageEngine._gathered``: per slot, one all-reduce of the zero-padded flat buffer
+    on gloo, one all-gather elsewhere), model-stages one after another. Priced as the ring
+    all-reduce: ``2(n−1)/n · bytes`` per rank over the slowest link of the ring (Thakur et al.
+    2005, §4); the all-gather moves half of that, so on NCCL this over-estimates (not measured
+    on a GPU).
     """
     touched = {op.model_stage for op in dag.ops}
     total_s, total_bytes = 0.0, 0
