@@ -104,6 +104,11 @@ class Workload:
             return micro_batch
         return max(1, min(share, -(-self.max_tokens_per_micro_batch // self.seq_length)))
 
+    @property
+    def packed(self) -> bool:
+        """Whether inference and training micro-batches are packed rows (a token budget)."""
+        return self.max_tokens_per_micro_batch is not None
+
     def with_response_length(self, response_length: int) -> "Workload":
         return replace(self, response_length=response_length)
 

@@ -270,6 +270,7 @@ def stage_memory(
     flash_attention: bool = True,
     engine_seq: int | None = None,
     zero_stage: int = 0,
+    packed: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``model_stage`` running as ``⟨tp, pp, dp⟩``.
 
@@ -291,6 +292,11 @@ def stage_memory(
             ``engine_seq`` tokens in whole blocks (:func:`vllm_kv_cache_tokens`) — the
             ``kv_cache_memory_bytes`` the workers give vLLM (:mod:`emu.worker.vllm_stages`).
         zero_stage: ZeRO stage of a training model-stage (:func:`zero_state_bytes`).
+        packed: inference and training micro-batches are packed rows (a token budget,
+            ``train.max_tokens_per_micro_batch``; ``micro_batch`` is then the priced count,
+            :meth:`nereusd.workflow.Workload.priced_micro_batch`): the engine keeps one attention
+            output more per layer (:func:`activation_bytes_per_token_layer`). Generation never
+            packs.
 
     Returns:
         A :class:`MemoryEstimate`; see the module docstring for the formulas.
@@ -323,7 +329,7 @@ def stage_memory(
     elif model_stage.stage is Stage.INFERENCE:
         comp["activations"] = micro_batch_activation_bytes(
             spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=False, last_stage=False,
-            flash_attention=flash_attention)
+            flash_attention=flash_attention, packed=packed)
         comp["logits"] = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
                                                act_bytes=e, vocab_head=not value_output)
     else:
@@ -337,7 +343,7 @@ def stage_memory(
             n = pipeline_in_flight(micro_batches, pp, pp_rank)
             act = micro_batch_activation_bytes(
                 spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=True, recompute=recompute,
-                first_stage=pp_rank == 0, last_stage=False, flash_attention=flash_attention)
+                first_stage=pp_rank == 0, last_stage=False, flash_attention=flash_attention, packed=packed)
             return n * act, n * head if pp_rank == pp - 1 else 0
 
         # the first stage holds the most micro-batches, the last the head: the larger of the two

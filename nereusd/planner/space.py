@@ -322,7 +322,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 per_replica = -(-sequences // dp)
                 per_opt = _share(problem, m, dp)
                 choices = micro_batch_choices(per_opt, wl.micro_batch, options, training, generation)
-                if wl.max_tokens_per_micro_batch is not None and not generation:
+                if wl.packed and not generation:
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike
                 kept = 0
                 for b in choices:
@@ -342,7 +342,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                                 spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=priced,
                                 recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind,
-                                engine_seq=problem.engines.get(m), zero_stage=zero)
+                                engine_seq=problem.engines.get(m), zero_stage=zero, packed=wl.packed)
                             mem = memo[key] = (est.peak_bytes, est.resident_bytes)
                         if mem[0] > usable_bytes:
                             continue
@@ -378,7 +378,7 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
               tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, _share(problem, model_stage, dp)),
               recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
-                       engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, **kw)
+                       engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed, **kw)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
                   cost.ideal_s_by_class, zero_stage=zero_stage)

@@ -156,3 +156,39 @@ def test_the_pipelined_training_peak_is_the_larger_stage(sequences):
                              response_length=16, tp=1, pp=2, dp=1, micro_batch=2, dtype="fp32",
                              device_kind="cpu").components
     assert predicted["activations"] + predicted["logits"] == max(booked)
+
+
+@pytest.mark.parametrize("stage", [Stage.TRAINING, Stage.INFERENCE])
+def test_the_memory_model_prices_packed_rows_as_the_engine_books_them(stage):
+    """With a token budget the engine packs sequences into rows and books a packed row (one
+    attention output more per layer); ``stage_memory(packed=True)`` at the workload's priced
+    micro-batch predicts exactly that. (It priced a padded batch: 1 attention output short.)"""
+    from nereusd.cost.memory import stage_memory
+    from nereusd.workflow import Workload
+
+    prompt, response, sequences, budget = 30, 10, 6, 120   # 3 sequences of 40 tokens per row
+    ms = ModelStage(Role.ACTOR, stage)
+    eng = StageEngine(model_stage=ms, spec=GQA, candidate=Candidate(1, 1, 1, (0,)), rank=0,
+                      groups=build_stage_groups(Candidate(1, 1, 1, (0,)), 0), device=torch.device("cpu"),
+                      memory=DeviceMemory(0, 1 << 34), value_head=False, trainable=stage is Stage.TRAINING,
+                      lr=1e-3, eps=1e-8, grad_clip=1.0, micro_batch=1, max_tokens_per_micro_batch=budget)
+    eng.initialize(seed=0)
+    booked: list[int] = []
+    allocate = eng.memory.allocate
+    eng.memory.allocate = lambda owner, kind, n: (booked.append(n) if kind == "activations" else None,
+                                                  allocate(owner, kind, n))[1]
+    seqs = [[(5 * i + j) % GQA.vocab_size for j in range(prompt + response)] for i in range(sequences)]
+    if stage is Stage.TRAINING:
+        eng.train_step(seqs, [prompt] * sequences, {}, lambda out, b: ((out["logprobs"] * b["mask"]).sum(), {}))
+    else:
+        eng.logprobs(seqs, [prompt] * sequences)
+    wl = Workload(prompt_length=prompt, response_length=response, global_batch=sequences,
+                  max_tokens_per_micro_batch=budget)
+    priced = wl.priced_micro_batch(stage, 1, sequences)
+    assert priced == 3
+    kw = dict(sequences=sequences, prompt_length=prompt, response_length=response, tp=1, pp=1, dp=1,
+              micro_batch=priced, dtype="fp32", device_kind="cpu")
+    packed = stage_memory(GQA, ms, packed=True, **kw).components
+    padded = stage_memory(GQA, ms, **kw).components
+    assert packed["activations"] + packed["logits"] == max(booked)
+    assert padded["activations"] < packed["activations"]
