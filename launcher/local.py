@@ -155,14 +155,30 @@ def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def _tail(path: Path, lines: int = 15, start: int = 0) -> str:
+    """The last ``lines`` lines of ``path`` from byte ``start`` on."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:]) or "(empty log)"
     except FileNotFoundError:
         return "(no log)"
 
 
-def _wait_endpoint(run_dir: Path, daemon: subprocess.Popen, timeout_s: float = 120.0) -> str:
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_endpoint(run_dir: Path, daemon: subprocess.Popen, log_from: int = 0, timeout_s: float = 120.0) -> str:
+    """The endpoint ``daemon`` binds (``RUN_DIR/nereusd.json`` with its pid).
+
+    Raises:
+        NereusError: it exits first (with its log from byte ``log_from``: its own lines), or
+            does not bind within ``timeout_s``.
+    """
     deadline = time.monotonic() + timeout_s
     path = run_dir / ENDPOINT_FILE
     while time.monotonic() < deadline:
@@ -175,7 +191,7 @@ def _wait_endpoint(run_dir: Path, daemon: subprocess.Popen, timeout_s: float = 1
                 pass
         if daemon.poll() is not None:
             raise NereusError(f"nereusd exited with {daemon.returncode} before binding:\n"
-                              f"{_tail(run_dir / 'logs' / 'nereusd.log')}")
+                              f"{_tail(run_dir / 'logs' / 'nereusd.log', start=log_from)}")
         time.sleep(0.05)
     raise NereusError(f"nereusd did not bind within {timeout_s:.0f} s")
 
@@ -326,16 +342,18 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     ``launching`` is released once nereusd owns ``run_dir``."""
     logs = run_dir / "logs"
     daemon = agent = None
-    crashed = False
+    crashed = owned = False   # owned: this launcher's nereusd held the run directory
     progress = _Progress(job.config.steps, quiet)
     interrupted = False
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         keys = str(init_keys(run_dir.resolve()))   # CURVE as on Slurm: status and pool need the run dir's keys
+        log_from = _size(logs / "nereusd.log")   # a resumed run's log holds earlier nereusds' lines
         daemon = _start([sys.executable, "-m", "nereusd.daemon.main", str(job_path),
                          "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, *(["--resume"] if resume else [])],
                         logs / "nereusd.log")
-        endpoint = _wait_endpoint(run_dir, daemon)
+        endpoint = _wait_endpoint(run_dir, daemon, log_from)
+        owned = True
         if launching is not None:
             launching.release()   # nereusd holds the run directory's own lock now
         metrics = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("metrics")
@@ -380,8 +398,10 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         _stop(daemon, grace_s=20.0)
         if not crashed or interrupted:
             _stop(agent, grace_s=10.0)
+        if owned and (not crashed or interrupted):
             # agents of pool additions run in sessions of their own: nereusd told them to stop;
-            # none may outlive the job
+            # none may outlive the job. Not when this nereusd never held the directory (another
+            # launcher's job does): those processes are that job's
             stop_run_processes(run_dir, wait_s=10.0)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

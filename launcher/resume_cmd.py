@@ -26,7 +26,7 @@ from launcher.local import supervise
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.config.resolve import load_and_resolve
 from nereusd.errors import NereusError
-from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, read_jsonl, run_dir_owner
+from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, read_jsonl, run_dir_owner
 
 
 
@@ -71,6 +71,16 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / EVENTS_FILE).is_file():
         raise NereusError(f"{run_dir}: not a run directory (no {EVENTS_FILE})")
+    # two resumes at once: the second waits here until the first's nereusd owns the directory,
+    # then refuses below, before it moves a summary or touches a process
+    launching = LaunchLock(run_dir)
+    try:
+        return _resume(args, run_dir, launching)
+    finally:
+        launching.release()
+
+
+def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> int:
     owner = run_dir_owner(run_dir)
     if owner is not None:
         raise NereusError(f"{run_dir}: nereusd (pid {owner}) is still running this job; nothing to resume")
@@ -96,4 +106,5 @@ def run(args: argparse.Namespace) -> int:
     _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"
           + (f"; stopped {len(stopped)} leftover process(es)" if stopped else "") + ")")
-    return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True, kept_agents=kept)
+    return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True, kept_agents=kept,
+                     launching=launching)
