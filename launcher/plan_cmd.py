@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="per-replica micro-batch (sequences)")
     p.add_argument("--any-divisor", action="store_true", help="TP/PP may be any divisor, not only 2^k")
     p.add_argument("--recompute", action="store_true", help="allow activation recomputation")
-    p.add_argument("--zero", nargs="?", const="1,2", default="", metavar="STAGES", type=_zero_stages,
+    p.add_argument("--zero", nargs="?", const=(1, 2), default=(), metavar="STAGES", type=_zero_stages,
                    help="training model-stages may also run ZeRO (optimizer state, and at stage 2 gradients, "
                         "sharded across DP; the deepspeed backend, tp = pp = 1): --zero allows stages 1 and 2, "
                         "--zero 1 only stage 1")
@@ -59,12 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _zero_stages(text: str) -> tuple[int, ...]:
-    """``--zero``'s value: comma-separated ZeRO stages from {1, 2} (empty: none)."""
+    """``--zero``'s value: comma-separated ZeRO stages from {1, 2}, at least one."""
     try:
         stages = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected stages such as 1 or 1,2, got {text!r}") from None
-    if not set(stages) <= {1, 2}:
+    if not stages or not set(stages) <= {1, 2}:
         raise argparse.ArgumentTypeError(f"ZeRO stages are 1 and 2, got {text!r}")
     return stages
 
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         })
     out = {"plan": rows, "predicted_step_latency_s": round(result.predicted_step_latency_s, 4),
            "search_time_ms": round(result.search_time_s * 1e3, 2),
-           "site": site.name, "gpus": args.gpus, "algorithm": args.algorithm, "asynchronous": args.asynchronous, "warnings": warnings}
+           "site": site.name, "gpus": args.gpus, "algorithm": args.algorithm, "asynchronous": args.asynchronous,
+           "zero_stages": list(args.zero), "warnings": warnings}
     if args.json:
         print(json.dumps(out))
         return 0

@@ -90,13 +90,14 @@ def test_plan_zero_1_on_a_pcie_site_is_the_readme_case(capsys, model, algorithm,
     base = json.loads(capsys.readouterr().out)
     assert main(args + ["--zero", "1"]) == 0
     zero = json.loads(capsys.readouterr().out)
-    assert {r["zero_stage"] for r in zero["plan"]} == {0, 1}
+    assert {r["zero_stage"] for r in zero["plan"]} == {0, 1} and zero["zero_stages"] == [1] and base["zero_stages"] == []
     assert all(r["tp"] == r["pp"] == 1 for r in zero["plan"] if r["zero_stage"])
     assert base["predicted_step_latency_s"] >= 1.2 * zero["predicted_step_latency_s"]
 
 
-def test_plan_zero_names_bad_stages(capsys):
+@pytest.mark.parametrize("value", ["3", "0", ""])
+def test_plan_zero_names_bad_stages(capsys, value):
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--model", "qwen2.5-3b", "--site", "l40s-pcie", "--gpus", "8", "--zero", "3"])
+        main(["plan", "--model", "qwen2.5-3b", "--site", "l40s-pcie", "--gpus", "8", "--zero", value])
     assert exit_.value.code == 2
-    assert "ZeRO stages are 1 and 2, got '3'" in capsys.readouterr().err
+    assert f"ZeRO stages are 1 and 2, got {value!r}" in capsys.readouterr().err
