@@ -10,8 +10,9 @@ nereusd recorded; ``RUN_DIR/job.yaml`` if that is gone). The dead run's agent wa
 ``liveness.resume_grace_s`` for it with its workers and their EMUs in memory: it re-registers, and
 when that state is where the journal is (``nereusd.daemon.kept``) the job continues at the next
 step with nothing re-run — the default, because it is the cheaper way (``scripts/bench_resume.py``).
-Otherwise (or with ``--restart``, which stops the leftover agents and workers first) the job
-continues from the latest checkpoint: the steps after it leave ``metrics.jsonl`` and run again, on
+Otherwise (or with ``--restart``, which stops the leftover agents and workers first, or when the
+job file changed since the run's last nereusd started, which it says) the job continues from the
+latest checkpoint: the steps after it leave ``metrics.jsonl`` and run again, on
 the same prompts and sampling seeds, so every step is there once.
 """
 
@@ -20,11 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from launcher.local import supervise
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.config.resolve import load_and_resolve
+from nereusd.control.controller import job_fingerprint
+from nereusd.daemon.kept import started_job_sha256
 from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, read_jsonl, run_dir_owner
 
@@ -101,7 +105,12 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
         return 0
     path = job_file(run_dir)
     job = load_and_resolve(path)
-    kept = [] if args.restart else sorted(run_processes(run_dir, ("emu.agent",)))
+    recorded = started_job_sha256(run_dir)
+    changed = recorded is not None and recorded != job_fingerprint(job)
+    if changed:
+        print(f"nereus: warning: {path} changed since the run's last nereusd started; resuming with the file as it "
+              "is now, from the latest checkpoint (the waiting workers were built from the old one)", file=sys.stderr)
+    kept = [] if args.restart or changed else sorted(run_processes(run_dir, ("emu.agent",)))
     stopped = [] if kept else stop_run_processes(run_dir)
     _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"

@@ -144,7 +144,8 @@ class Daemon:
             "endpoint": endpoint, "job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
             "devices": self.job.devices, "curve": self.curve, "adaptive": self.pool.live,
             "slurm_job_id": self.args.slurm_job_id, "nodes": self.args.nodes,
-            "job_file": str(Path(self.args.job).resolve()), "resume": bool(self.args.resume)})
+            "job_file": str(Path(self.args.job).resolve()), "job_sha256": job_fingerprint(self.job),
+            "resume": bool(self.args.resume)})
         started = time.time()
         summary: dict[str, Any] = {"job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
                                    "status": "running"}
@@ -260,7 +261,7 @@ class Daemon:
         if not kept_devices:
             return None
         try:
-            kept = keep_workers(self.control, self.store, driver, world, self.run_dir)
+            kept = keep_workers(self.control, self.store, driver, world, self.run_dir, job_fingerprint(self.job))
         except NotKept as err:
             log.warning("not keeping the workers of devices %s: %s; restarting them from the checkpoint",
                         kept_devices, err)

@@ -10,7 +10,8 @@ them only when their state is exactly where the journal is:
 - every training model-stage's state holds exactly the steps ``metrics.jsonl`` committed
   (``LogicalState.version``, set by a step's last update: a crash between a step's updates or
   after them but before its metrics row is refused);
-- ``metrics.jsonl`` holds steps ``0 … N−1`` once each.
+- ``metrics.jsonl`` holds steps ``0 … N−1`` once each;
+- the job file is the one the lost nereusd ran (``job_sha256`` of its ``nereusd_started``).
 
 Then the workers join a world generation through the new nereusd's rendezvous store, rebuild
 their engines around the held state (a transition without ops) and the generation and inference
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from nereusd import protocol as P
 from nereusd.errors import NereusError, WorkerError
-from nereusd.journal import METRICS_FILE, read_jsonl
+from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl
 from nereusd.plan import Plan, Stage
 from nereusd.transition.ops import TransitionDag
 from nereusd.transition.runner import TransitionRunner
@@ -54,6 +55,14 @@ class KeptState:
     step: int
     position: int
     elapsed_s: float
+
+
+def started_job_sha256(run_dir: Path, back: int = 0) -> str | None:
+    """The ``job_sha256`` (:func:`nereusd.control.controller.job_fingerprint`) that the
+    ``back``-th latest nereusd of ``run_dir`` journalled when it started (0: the latest); ``None``
+    when there is no such nereusd or it did not record one."""
+    started = [r for r in read_jsonl(run_dir / EVENTS_FILE) if r.get("event") == Event.NEREUSD_STARTED.value]
+    return started[-1 - back].get("job_sha256") if len(started) > back else None
 
 
 def committed_steps(run_dir: Path, prompts_per_step: int) -> tuple[int, int]:
@@ -111,16 +120,22 @@ def check_described(described: dict[int, dict], world: list[int], steps: int) ->
     return plan
 
 
-def keep_workers(control, store, driver, world: list[int], run_dir: Path) -> KeptState:
+def keep_workers(control, store, driver, world: list[int], run_dir: Path, job_sha256: str) -> KeptState:
     """Continue on the kept workers of ``world`` (module docstring): check their state, re-form
     the world through ``store``, rebuild the engines around the held state, synchronise weights
-    and rewind ``driver`` to the committed step.
+    and rewind ``driver`` to the committed step. ``job_sha256``: this nereusd's job; the lost
+    nereusd's (its ``nereusd_started`` event) must be the same, since the workers' engines were
+    built from it.
 
     Raises:
-        NotKept: the state is not where the journal is, or a worker failed on the way (then the
-            caller stops them and restarts from the checkpoint).
+        NotKept: the job file changed, the state is not where the journal is, or a worker failed
+            on the way (then the caller stops them and restarts from the checkpoint).
     """
     start = time.perf_counter()
+    lost = started_job_sha256(run_dir, back=1)
+    if lost is not None and lost != job_sha256:
+        raise NotKept("the job file changed since the kept workers' nereusd started: their engines were built "
+                      "from the old one")
     missing = sorted(set(world) - control.kept_workers)
     if missing:
         raise NotKept(f"devices {missing} have no kept worker")

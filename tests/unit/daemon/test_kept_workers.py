@@ -11,8 +11,8 @@ import zmq
 
 from nereusd import protocol as P
 from nereusd.daemon.control_plane import ControlPlane
-from nereusd.daemon.kept import NotKept, check_described, committed_steps
-from nereusd.journal import METRICS_FILE
+from nereusd.daemon.kept import NotKept, check_described, committed_steps, keep_workers, started_job_sha256
+from nereusd.journal import EVENTS_FILE, METRICS_FILE
 from nereusd.plan import Candidate, ModelStage, Plan
 
 
@@ -116,3 +116,17 @@ def test_kept_state_must_be_the_journals_on_every_device():
     for described, world, why in cases:
         with pytest.raises(NotKept, match=why):
             check_described(described, world, 3)
+
+
+def test_workers_built_from_another_job_file_are_not_kept(tmp_path):
+    """The lost nereusd journalled its job's fingerprint when it started; a resumed nereusd whose
+    job file differs does not keep its workers (their engines were built from the old file)."""
+    events = tmp_path / EVENTS_FILE
+    events.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"event": "nereusd_started", "job_sha256": "old"},
+        {"event": "step", "step": 0},
+        {"event": "nereusd_started", "job_sha256": "new"})))
+    assert started_job_sha256(tmp_path) == "new" and started_job_sha256(tmp_path, back=1) == "old"
+    assert started_job_sha256(tmp_path, back=2) is None
+    with pytest.raises(NotKept, match="the job file changed"):   # refused before any worker is asked
+        keep_workers(None, None, None, [0, 1], tmp_path, "new")
