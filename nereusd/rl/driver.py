@@ -540,8 +540,15 @@ class RLDriver:
             self.restore(resume)
         records: list[StepRecord] = []
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
+        # kept workers resume at a boundary whose checkpoint the lost nereusd may not have
+        # committed (killed while writing it, or before): write it first
+        missed = (built and every and 0 < self.step_index < self.cfg.steps and self.step_index % every == 0
+                  and not (self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}").is_dir())
         while True:
             try:   # the boundary too: a transition or checkpoint can lose a device as well
+                if missed:
+                    self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
+                    missed = False
                 if self.step_index >= self.cfg.steps:   # the final checkpoint, in the same failure domain
                     if self.cfg.checkpoint.final:
                         self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / "final"))

@@ -1,12 +1,13 @@
 """End to end, ``kill -9`` of nereusd, then ``nereus-launch resume`` (issue 17, item 2), both ways,
 in one job:
 
-1. nereusd is killed while a step runs (after a periodic checkpoint). The launcher writes a
+1. nereusd is killed while a step runs (after a periodic checkpoint, which the test then turns
+   back into the ``.partial`` directory a kill during the write leaves). The launcher writes a
    ``crashed`` summary naming the resume command and leaves the agent and workers waiting (the
    site's ``liveness.resume_grace_s``). Two ``resume`` commands start at once: one starts a
    nereusd that takes them back with their EMUs in memory (the job continues at the next step,
-   nothing re-runs, no worker restarts); the other refuses and touches nothing (it once stopped
-   the winner's workers on its way out).
+   nothing re-runs, no worker restarts, and the interrupted checkpoint is written first); the
+   other refuses and touches nothing (it once stopped the winner's workers on its way out).
 2. nereusd is killed again; ``resume --restart`` stops the leftovers and restarts from the latest
    checkpoint, which the first resumed nereusd wrote. The steps after it run again on the same
    prompts and seeds: their rewards and lengths equal what the kept workers produced, losses within
@@ -67,7 +68,7 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
     run_dir = tmp_path / "run"
     proc = start(write_job(tmp_path, "job", JOB), run_dir)
     try:
-        _kill_nereusd_after(run_dir, 3, "step000002")
+        _kill_nereusd_after(run_dir, 4, "step000004")
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 1 and "nereus-launch resume" in out, out
         crashed = json.loads((run_dir / "summary.json").read_text())
@@ -75,9 +76,12 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
         workers = sorted(p for p in processes_mentioning(str(run_dir)) if "emu.worker" in p)
         assert len(workers) == 2, "the agent and its workers wait for the resume"
         kept_at = len(read_jsonl(run_dir / "metrics.jsonl"))
+        assert kept_at == 4, kept_at   # killed in step 4, which takes seconds
+        # as if killed while writing the boundary's checkpoint
+        os.replace(run_dir / "checkpoints" / "step000004", run_dir / "checkpoints" / "step000004.partial")
 
         proc, rival = _resume(run_dir), _resume(run_dir)   # 1: on the kept workers; two at once
-        written = kept_at + 1 if kept_at % 2 else kept_at + 2   # the first checkpoint the kept run writes
+        written = kept_at   # the first checkpoint the kept run writes: the interrupted one, again
         _kill_nereusd_after(run_dir, written + 1, f"step{written:06d}")
         (out, _), (rival_out, _) = proc.communicate(timeout=120), rival.communicate(timeout=120)
         if proc.returncode == 2:
@@ -92,6 +96,7 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
         assert kept[0]["kept"] is True and kept[0]["devices"] == [0, 1], kept
         assert not [e for e in events if e["event"] in ("workers_stopped", "fallback")]
         saved = next(e for e in events if e["event"] == "checkpoint" and e["dir"].endswith("step000002"))
+        assert not list((run_dir / "checkpoints").glob("*.partial"))   # the interrupted one was written again
         assert saved["controller"]["calibration"]["samples"] and resumed[0]["controller_state"] is True
         first = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
         assert sorted(first) == list(range(len(first))) and len(first) >= written + 1
