@@ -431,7 +431,9 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     status = summary.get("status")
     if status == "succeeded":
-        print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s; "
+        print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s"
+              + (f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_wall_time_s']:.0f} s)"
+                 if summary.get("resumes") and summary.get("job_wall_time_s") else "") + "; "
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}, "
               f"response length {summary.get('response_length_first_10pct', 0):.1f} → "
               f"{summary.get('response_length_last_10pct', 0):.1f} tokens "

@@ -66,9 +66,13 @@ def job_file(run_dir: Path) -> Path:
 
 
 def _set_aside_summary(run_dir: Path, status: str) -> None:
-    """Keep the stopped run's summary as ``summary.<status>.json``, out of the resumed job's way."""
+    """Keep the stopped run's summary as ``summary.<status>.json`` (``summary.<status>.2.json``
+    and on for later ones), out of the resumed job's way."""
     if (run_dir / SUMMARY_FILE).exists():
-        os.replace(run_dir / SUMMARY_FILE, run_dir / f"summary.{status}.json")
+        n = 1
+        while (run_dir / (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json")).exists():
+            n += 1
+        os.replace(run_dir / SUMMARY_FILE, run_dir / (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from nereusd.daemon.security import load_keys
 from nereusd.cost.memory import usable_bytes
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
-from nereusd.journal import ENDPOINT_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
+from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.planner.space import evaluate
@@ -371,8 +371,14 @@ class Daemon:
         self.control.shutdown_agents(summary["status"])
         summary["wall_time_s"] = round(time.time() - started, 3)
         summary["backends"] = {str(ms): b.value for ms, b in self.job.backends.items()}
+        earlier = earlier_attempts(self.run_dir)
         if self.live is not None:
             summary.update(switches=self.live.switches, restarts=self.live.restarts, lost_steps=self.live.lost_steps)
+        if earlier["resumes"]:   # the job's totals, not this nereusd's alone
+            for key in ("switches", "restarts", "lost_steps"):
+                summary[key] = summary.get(key, 0) + earlier[key]
+            summary.update(resumes=earlier["resumes"],
+                           job_wall_time_s=round(time.time() - earlier["started_s"], 3) if earlier["started_s"] else None)
         try:
             summarise_metrics(self.run_dir, summary)
         except Exception as err:  # noqa: BLE001 - the summary is still written, with why its figures are missing
@@ -383,6 +389,35 @@ class Daemon:
         self.journal.close()
         self.observer.close(ok=summary["status"] in ("succeeded", "preempted"))
         self.control.close()
+
+
+def earlier_attempts(run_dir: Path) -> dict[str, Any]:
+    """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
+    resumed job's summary: ``switches`` (transitions and checkpoint restarts), ``restarts``
+    (checkpoint restarts, and resumes from a checkpoint), ``lost_steps`` (steps they re-run,
+    and the steps a resume from a checkpoint re-runs), ``resumes`` (``nereusd_resumed``, the
+    latest nereusd's included) and ``started_s`` (when the first started; 0.0 if unknown)."""
+    out: dict[str, Any] = {"switches": 0, "restarts": 0, "lost_steps": 0, "resumes": 0, "started_s": 0.0}
+    events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
+    starts = [i for i, e in enumerate(events) if e.get("event") == Event.NEREUSD_STARTED.value]
+    if starts:
+        out["started_s"] = float(events[starts[0]].get("time_s") or 0.0)
+    for i, e in enumerate(events):
+        kind = e.get("event")
+        if kind == Event.NEREUSD_RESUMED.value:
+            out["resumes"] += 1
+            if e.get("mode") == "checkpoint":
+                dropped = e.get("dropped_metrics") or 0
+                out["restarts"] += 1
+                out["lost_steps"] += len(dropped) if isinstance(dropped, list) else int(dropped)
+        elif starts and i < starts[-1]:
+            if kind == Event.TRANSITION.value:
+                out["switches"] += 1
+            elif kind == Event.FALLBACK.value and e.get("action") == "checkpoint_restart":
+                out["switches"] += 1
+                out["restarts"] += 1
+                out["lost_steps"] += int(e.get("lost_steps") or 0)
+    return out
 
 
 def summarise_metrics(run_dir: Path, summary: dict) -> None:

@@ -109,6 +109,8 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 8, summary
+    # the job's figures over its three nereusds: one resume from the checkpoint, its steps re-run
+    assert (summary["resumes"], summary["restarts"], summary["lost_steps"]) == (2, 1, len(first) - written), summary
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(8))
     events = read_jsonl(run_dir / "events.jsonl")
@@ -118,5 +120,5 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
         b = first[r["step"]]
         assert r["sample_position"] == b["sample_position"] and r["reward_mean"] == b["reward_mean"], r["step"]
         assert r["train/actor/loss"] == pytest.approx(b["train/actor/loss"], rel=1e-4, abs=1e-6)
-    assert (run_dir / "summary.crashed.json").is_file()
+    assert (run_dir / "summary.crashed.json").is_file() and (run_dir / "summary.crashed.2.json").is_file()
     assert processes_mentioning(str(run_dir)) == []
