@@ -19,6 +19,7 @@ the same prompts and sampling seeds, so every step is there once.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -69,10 +70,8 @@ def _set_aside_summary(run_dir: Path, status: str) -> None:
     """Keep the stopped run's summary as ``summary.<status>.json`` (``summary.<status>.2.json``
     and on for later ones), out of the resumed job's way."""
     if (run_dir / SUMMARY_FILE).exists():
-        n = 1
-        while (run_dir / (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json")).exists():
-            n += 1
-        os.replace(run_dir / SUMMARY_FILE, run_dir / (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json"))
+        names = (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json" for n in itertools.count(1))
+        os.replace(run_dir / SUMMARY_FILE, next(run_dir / name for name in names if not (run_dir / name).exists()))
 
 
 def run(args: argparse.Namespace) -> int:

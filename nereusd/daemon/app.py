@@ -77,6 +77,7 @@ class Daemon:
         self.args = args
         self.run_dir = Path(args.run_dir)
         self.job: ResolvedJob = load_and_resolve(args.job)
+        self.job_sha256 = job_fingerprint(self.job)   # journalled at start and with every checkpoint
         self.site: SiteConfig = load_site(self.job.config.site)
         launch_devices = (args.nodes or 1) * self.site.devices_per_node
         limit = self.job.config.pool.max_devices
@@ -144,7 +145,7 @@ class Daemon:
             "endpoint": endpoint, "job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
             "devices": self.job.devices, "curve": self.curve, "adaptive": self.pool.live,
             "slurm_job_id": self.args.slurm_job_id, "nodes": self.args.nodes,
-            "job_file": str(Path(self.args.job).resolve()), "job_sha256": job_fingerprint(self.job),
+            "job_file": str(Path(self.args.job).resolve()), "job_sha256": self.job_sha256,
             "resume": bool(self.args.resume)})
         started = time.time()
         summary: dict[str, Any] = {"job": self.job.config.name, "algorithm": self.job.config.algorithm.value,
@@ -247,8 +248,7 @@ class Daemon:
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
                                        self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
-            fingerprint = job_fingerprint(job)
-            driver.checkpoint_fields = lambda: {"controller": self.live.controller.state(), "job_sha256": fingerprint}
+            driver.checkpoint_fields = lambda: {"controller": self.live.controller.state(), "job_sha256": self.job_sha256}
         driver.on_step = self._on_step
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
         return driver.run(resume=resume, built=kept is not None)
@@ -261,7 +261,7 @@ class Daemon:
         if not kept_devices:
             return None
         try:
-            kept = keep_workers(self.control, self.store, driver, world, self.run_dir, job_fingerprint(self.job))
+            kept = keep_workers(self.control, self.store, driver, world, self.run_dir, self.job_sha256)
         except NotKept as err:
             log.warning("not keeping the workers of devices %s: %s; restarting them from the checkpoint",
                         kept_devices, err)

@@ -530,6 +530,10 @@ class RLDriver:
         self.rewind(step, position)
         self._sync_weights()
 
+    def _periodic_checkpoint(self) -> Path:
+        """The periodic checkpoint directory of the boundary before step ``step_index``."""
+        return self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"
+
     def run(self, resume: tuple[str, int, int] | None = None, built: bool = False) -> list[StepRecord]:
         """Build, run every step, checkpoint; returns the step records (re-run steps once).
         With ``resume`` (a checkpoint, as :meth:`restore` takes) the run continues from it;
@@ -543,11 +547,11 @@ class RLDriver:
         # kept workers resume at a boundary whose checkpoint the lost nereusd may not have
         # committed (killed while writing it, or before): write it first
         missed = (built and every and 0 < self.step_index < self.cfg.steps and self.step_index % every == 0
-                  and not (self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}").is_dir())
+                  and not self._periodic_checkpoint().is_dir())
         while True:
             try:   # the boundary too: a transition or checkpoint can lose a device as well
                 if missed:
-                    self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
+                    self.save_checkpoint(str(self._periodic_checkpoint()))
                     missed = False
                 if self.step_index >= self.cfg.steps:   # the final checkpoint, in the same failure domain
                     if self.cfg.checkpoint.final:
@@ -564,7 +568,7 @@ class RLDriver:
                 records.append(record)
                 self.on_step(record)
                 if every and self.step_index % every == 0 and self.step_index < self.cfg.steps:
-                    self.save_checkpoint(str(self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"))
+                    self.save_checkpoint(str(self._periodic_checkpoint()))
             except WorkerError as err:   # TransitionInterrupted is one
                 if self.on_failure is None or not self.on_failure(err):
                     raise
