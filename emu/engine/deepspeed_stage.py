@@ -25,11 +25,13 @@ Equivalence with the native engine (``stage.py`` module docstring):
   its flat partition — elementwise the same update as the native engine's.
 
 State crossing the EMU boundary (DESIGN.md "Training on DeepSpeed ZeRO"): :meth:`export_holding`
-gathers the replica's canonical ZeRO-0 holding — parameters and full Adam moments: one
-all-gather of the flat partitions per slot over the DP group, sliced at DeepSpeed's parameter
-offsets (the values of ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``, which
-would all-reduce one full tensor per parameter; :meth:`_gathered`) — and :meth:`adopt_holding` writes a holding back into this rank's partition with
-``safe_set_full_*`` (local, no communication). Both only copy values, so a round trip is
+gathers the replica's canonical ZeRO-0 holding — parameters and full Adam moments: per
+partitioned slot, one collective joins the DP group's flat partitions, sliced at DeepSpeed's
+parameter offsets (the values of ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``,
+which would all-reduce one full tensor per parameter; :meth:`_gathered`); in fp32 training the
+parameters are the module's own, which DeepSpeed keeps equal to the master — and
+:meth:`adopt_holding` writes a holding back into this rank's partition with ``safe_set_full_*``
+(local, no communication). Both only copy values, so a round trip is
 bit-exact; transitions, checkpoints and weight sync therefore run unchanged on holdings.
 
 Memory: parameters as the native engine; gradients and optimizer partitions booked from
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Optional
 
@@ -83,6 +86,30 @@ def import_deepspeed(device: torch.device):
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return deepspeed
+
+
+@contextmanager
+def _no_model_broadcast(deepspeed):
+    """DeepSpeed's engine without its construction-time broadcast of DP rank 0's parameters.
+
+    ``DeepSpeedEngine.__init__`` broadcasts every parameter from DP rank 0 (one call each) so that
+    replicas start equal. Ours are equal by construction: the module is allocated empty
+    (``to_empty``) and every path loads the parameters and the fp32 master afterwards on every rank
+    (:meth:`StageEngine.initialize`, :meth:`DeepSpeedStageEngine.adopt_holding`, a checkpoint), so
+    the broadcast copied uninitialised memory: 0.6–3 s of a dp 2 → 4 move at 40 M parameters on 4
+    gloo ranks (``scripts/bench_zero.py``, cProfile). A DeepSpeed without the private method is
+    left as it is.
+    """
+    cls = deepspeed.runtime.engine.DeepSpeedEngine
+    original = cls.__dict__.get("_broadcast_model")
+    if original is None:
+        yield
+        return
+    cls._broadcast_model = lambda self: None
+    try:
+        yield
+    finally:
+        cls._broadcast_model = original
 
 
 _SINGLE: dict[str, object] = {}
@@ -190,8 +217,9 @@ class DeepSpeedStageEngine(StageEngine):
             config[key] = {**config.get(key, {}), **value} if key == "zero_optimization" else value
         adam = torch.optim.Adam(list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._mpu = _StageMpu(self.groups.dp_group, self.groups.dp_ranks, self.rank)
-        self.ds, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=adam, config=config,
-                                                                mpu=self._mpu, dist_init_required=False)
+        with _no_model_broadcast(deepspeed):
+            self.ds, self.ds_optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=adam, config=config,
+                                                                    mpu=self._mpu, dist_init_required=False)
         self.params = dict(self.module.named_parameters())  # DeepSpeed re-pointed them into its flat buffer
         self.logical = LogicalState()
         self._stepped_micro = 0
@@ -270,17 +298,58 @@ class DeepSpeedStageEngine(StageEngine):
         for name, p in self.params.items():
             safe_set_full_fp32_param(p, state[name].to(torch.float32))
 
+    def _flat_is_holding_row(self, shard: EmuShard) -> bool:
+        """Whether DeepSpeed's flat buffer orders and packs the parameters as ``shard``'s slot rows do
+        (its only padding is after the last parameter): then elements ``[0, numel)`` of the flat
+        buffer *are* one slot's row of the holding, and partitions move between the two as slices.
+        True for every model here (one parameter group, module order); otherwise the engine goes
+        parameter by parameter."""
+        opt = self.ds_optimizer
+        offsets = getattr(opt, "round_robin_bit16_offsets", None)
+        if offsets is None or len(opt.round_robin_bit16_groups) != 1:
+            return False
+        held = [self.params.get(s.name) for s in shard.shards]
+        return ([id(p) for p in opt.round_robin_bit16_groups[0]] == [id(p) for p in held]
+                and list(offsets[0]) == [shard.offsets[s.name] for s in shard.shards])
+
+    def _partition_span(self, partition: torch.Tensor, numel: int) -> tuple[int, int]:
+        """``(start, valid)``: where this rank's flat ``partition`` starts in DeepSpeed's flat buffer
+        (DP rank × partition size; partitions are equal) and how many of its elements lie below
+        ``numel`` (the rest is DeepSpeed's alignment padding)."""
+        start = dist.get_rank(group=self.ds_optimizer.real_dp_process_group[0]) * partition.numel()
+        return start, max(0, min(partition.numel(), numel - start))
+
+    @torch.no_grad()
+    def _join(self, partition: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[0, out.numel())`` of DeepSpeed's flat buffer (master weights or an Adam
+        moment), joined from the DP group's flat partitions into ``out`` by one collective; returns
+        ``out``. On gloo one all-reduce of the zero-padded buffer (``/tmp`` A/B, 2 gloo ranks, 3
+        slots: 0.10 s vs 0.20 s per-parameter at 6 M parameters, 0.70 s vs 0.88 s at 40 M; an
+        all-gather took 0.06 s and 1.33 s); elsewhere an all-gather, half the all-reduce's bytes.
+        Collective over DP."""
+        group = self.ds_optimizer.real_dp_process_group[0]
+        dp, numel = dist.get_world_size(group=group), out.numel()
+        if dp == 1:
+            return out.copy_(partition[:numel])
+        if dist.get_backend(group) == "gloo":
+            start, valid = self._partition_span(partition, numel)
+            out.zero_()
+            out[start:start + valid].copy_(partition[:valid])
+            dist.all_reduce(out, group=group)   # x + 0 = x (a -0.0 becomes 0.0, as in DeepSpeed's calls)
+        else:
+            full = torch.empty(dp * partition.numel(), dtype=partition.dtype, device=partition.device)
+            all_gather_single(full, partition.contiguous(), group=group)
+            out.copy_(full[:numel])
+        return out
+
     @torch.no_grad()
     def _gathered(self, partition: torch.Tensor, slot: str) -> dict[str, torch.Tensor]:
         """Full fp32 tensors of every parameter from this rank's flat ``partition`` (the master
-        weights, ``slot="fp32"``, or an Adam moment of them): the DP group's partitions joined
-        into one flat buffer by one collective, sliced at DeepSpeed's parameter offsets. The same
-        values as ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``, which all-reduce
-        one zero-padded full tensor per parameter. On gloo the collective is one all-reduce of the
-        zero-padded flat buffer (``/tmp`` A/B, 2 gloo ranks, 3 slots: 0.10 s vs 0.20 s
-        per-parameter at 6 M parameters, 0.70 s vs 0.88 s at 40 M; an all-gather took 0.06 s and
-        1.33 s); elsewhere an all-gather, half the all-reduce's bytes. Collective over DP; falls
-        back to DeepSpeed's calls on a DeepSpeed without ``round_robin_bit16_offsets``."""
+        weights, ``slot="fp32"``, or an Adam moment of them): :meth:`_join` of the whole flat
+        buffer, sliced at DeepSpeed's parameter offsets. The same values as
+        ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state``, which all-reduce one
+        zero-padded full tensor per parameter. Collective over DP; falls back to DeepSpeed's calls
+        on a DeepSpeed without ``round_robin_bit16_offsets``."""
         opt = self.ds_optimizer
         offsets = getattr(opt, "round_robin_bit16_offsets", None)
         if offsets is None:
@@ -288,18 +357,9 @@ class DeepSpeedStageEngine(StageEngine):
 
             return {name: safe_get_full_fp32_param(p) if slot == "fp32" else safe_get_full_optimizer_state(p, slot)
                     for name, p in self.params.items()}
-        group = opt.real_dp_process_group[0]
-        dp = dist.get_world_size(group=group)
-        full = partition
-        if dp > 1:
-            n = partition.numel()
-            if dist.get_backend(group) == "gloo":
-                full = torch.zeros(dp * n, dtype=partition.dtype, device=partition.device)
-                full.narrow(0, dist.get_rank(group=group) * n, n).copy_(partition)
-                dist.all_reduce(full, group=group)   # x + 0 = x (a -0.0 becomes 0.0, as in DeepSpeed's calls)
-            else:
-                full = torch.empty(dp * n, dtype=partition.dtype, device=partition.device)
-                all_gather_single(full, partition.contiguous(), group=group)
+        dp = dist.get_world_size(group=opt.real_dp_process_group[0])
+        full = self._join(partition, torch.empty(dp * partition.numel(), dtype=partition.dtype,
+                                                 device=partition.device)) if dp > 1 else partition
         name_of = {id(p): name for name, p in self.params.items()}
         return {name_of[id(p)]: full.narrow(0, offset, p.numel()).view(p.shape)
                 for p, offset in zip(opt.round_robin_bit16_groups[0], offsets[0])}
@@ -338,14 +398,30 @@ class DeepSpeedStageEngine(StageEngine):
 
     @torch.no_grad()
     def export_holding(self) -> EmuShard:
-        """The replica's canonical holding (``TRAIN_SLOTS``, fp32 master values): collective over DP."""
+        """The replica's canonical holding (``TRAIN_SLOTS``, fp32 master values): collective over DP.
+
+        Each partitioned slot is joined straight into its row of the holding when DeepSpeed's flat
+        buffer is laid out as the row (:meth:`_flat_is_holding_row`), else gathered and copied
+        parameter by parameter. In fp32 training the ``param`` row is the module's parameters,
+        which DeepSpeed sets from the master after every update (no collective).
+        """
         shard = EmuShard(self.model_stage, self.spec, self.value_head, self.candidate.layout, (0, 0), TRAIN_SLOTS,
                          device=self.device, logical=replace(self.logical, step=self.adam_step()))
         state = self._adam_state()
         sources = {"param": self.ds_optimizer.single_partition_of_fp32_groups[0],
                    **{slot: state[slot] if state else None for slot in TRAIN_SLOTS[1:]}}
-        for slot, partition in sources.items():   # one slot's full tensors at a time
-            full = self._gathered(partition, "fp32" if slot == "param" else slot) if partition is not None else None
+        rows = shard.buffer.view(len(TRAIN_SLOTS), shard.numel_per_slot)
+        as_row = self._flat_is_holding_row(shard)
+        for slot, partition in sources.items():   # one slot at a time
+            if slot == "param" and all(p.dtype == torch.float32 for p in self.params.values()):
+                full = self.params
+            elif partition is None:
+                full = None
+            elif as_row:
+                self._join(partition, rows[TRAIN_SLOTS.index(slot)])
+                continue
+            else:
+                full = self._gathered(partition, "fp32" if slot == "param" else slot)
             for name in self.params:
                 view = shard.view(name, slot)
                 view.copy_(full[name]) if full is not None else view.zero_()
@@ -357,17 +433,41 @@ class DeepSpeedStageEngine(StageEngine):
     def adopt_holding(self, shard: EmuShard) -> None:
         """Take parameters, this rank's optimizer partition and ``c, v, p`` from ``shard`` (local).
 
+        When DeepSpeed's flat buffer is laid out as the holding's rows (:meth:`_flat_is_holding_row`)
+        the master and moment partitions are slices of the rows (padding zero, as DeepSpeed pads);
+        otherwise ``safe_set_full_*`` per parameter. Moments are loaded even at step 0 (zeros
+        there: Adam's own start).
+
         Raises:
             NereusError: if ``shard`` is another model-stage's or not a full training holding.
         """
         if (shard.model_stage, shard.slots, shard.layout) != (self.model_stage, TRAIN_SLOTS, self.candidate.layout):
             raise NereusError(f"{self.ms}: cannot adopt holding {shard.describe()} slots {shard.slots}")
-        names = list(self.params)
-        self.load_full_state({n: shard.view(n, "param") for n in names})
-        step = shard.logical.step   # moments are loaded even at step 0 (zeros there: Adam's own start)
-        self.load_optimizer_full_state({
-            n: {"step": torch.tensor(float(step)), "exp_avg": shard.view(n, "exp_avg"),
-                "exp_avg_sq": shard.view(n, "exp_avg_sq")} for n in names})
+        names, step = list(self.params), shard.logical.step
+        if not self._flat_is_holding_row(shard):
+            self.load_full_state({n: shard.view(n, "param") for n in names})
+            self.load_optimizer_full_state({
+                n: {"step": torch.tensor(float(step)), "exp_avg": shard.view(n, "exp_avg"),
+                    "exp_avg_sq": shard.view(n, "exp_avg_sq")} for n in names})
+            self.logical = shard.logical
+            return
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        StageEngine.load_full_state(self, {n: shard.view(n, "param") for n in names})
+        rows = shard.buffer.view(len(TRAIN_SLOTS), shard.numel_per_slot)
+        opt = self.ds_optimizer
+        flat = opt.single_partition_of_fp32_groups[0]
+        start, valid = self._partition_span(flat, shard.numel_per_slot)
+        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        for slot, row in zip(TRAIN_SLOTS, rows):
+            into = flat if slot == "param" else torch.empty_like(flat)
+            into[:valid].copy_(row[start:start + valid])
+            into[valid:].zero_()
+            if slot != "param":
+                state[slot] = into
+        opt.optimizer.state[flat] = state
+        lazy_init_hp_params_optimizer_state(opt.bit16_groups[0], flat, opt.optimizer.state)
+        opt._hp_optimizer_states_linked = True
         self.logical = shard.logical
 
     def detach(self, memory=None) -> EmuShard:

@@ -196,11 +196,12 @@ def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: Sta
 
     A ZeRO model-stage the transition changes (ops of it in ``dag``, another ZeRO stage, or gone
     from ``target``) first gathers its canonical holding on every replica
-    (``DeepSpeedStageEngine._gathered``: per slot, one all-reduce of the zero-padded flat buffer
-    on gloo, one all-gather elsewhere), model-stages one after another. Priced as the ring
-    all-reduce: ``2(n−1)/n · bytes`` per rank over the slowest link of the ring (Thakur et al.
-    2005, §4); the all-gather moves half of that, so on NCCL this over-estimates (not measured
-    on a GPU).
+    (``DeepSpeedStageEngine._join``: per partitioned slot — master weights unless training is
+    fp32, Adam ``m`` and ``v``, :meth:`AdamStateSizes.zero_joined_bytes_per_element` — one
+    all-reduce of the zero-padded flat buffer on gloo, one all-gather elsewhere), model-stages
+    one after another. Priced as the ring all-reduce: ``2(n−1)/n · bytes`` per rank over the
+    slowest link of the ring (Thakur et al. 2005, §4); the all-gather moves half of that, so on
+    NCCL this over-estimates (not measured on a GPU).
     """
     touched = {op.model_stage for op in dag.ops}
     total_s, total_bytes = 0.0, 0
@@ -209,7 +210,8 @@ def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: Sta
             continue
         if ms not in touched and ms in target and target[ms].zero_stage == cand.zero_stage:
             continue
-        nbytes = max(state.plan_bytes(Plan({ms: cand})).values())
+        joined = state.sizes.zero_joined_bytes_per_element(ms) / state.sizes.resident_bytes_per_element(ms)
+        nbytes = max(state.plan_bytes(Plan({ms: cand})).values()) * joined
         n = cand.dp
         per_rank = 2 * (n - 1) / n * nbytes
         ring = list(cand.devices)

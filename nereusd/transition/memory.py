@@ -55,6 +55,11 @@ class StateSizes(Protocol):
         safe boundary and are not moved)."""
         ...
 
+    def zero_joined_bytes_per_element(self, model_stage: ModelStage) -> float:
+        """Bytes per parameter element that a ZeRO replica's export joins over its DP group (the
+        partitioned slots; ``DeepSpeedStageEngine.export_holding``)."""
+        ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdamStateSizes:
@@ -93,6 +98,11 @@ class AdamStateSizes:
         if model_stage.stage is Stage.TRAINING:
             return self.param_bytes + self.master_bytes + self.optimizer_bytes
         return self.param_bytes
+
+    def zero_joined_bytes_per_element(self, model_stage: ModelStage) -> float:
+        """The fp32 master and Adam ``m``, ``v``: partitioned at ZeRO-1/2. Without a master (fp32
+        training) the parameters are the master's values and no replica lacks them."""
+        return self.master_bytes + self.optimizer_bytes if model_stage.stage is Stage.TRAINING else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

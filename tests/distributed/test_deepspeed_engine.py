@@ -100,6 +100,11 @@ def case(rank, world, zero_stage, value_head):
         out["gathered_as_deepspeed"] = [torch.equal(mine[k][n], theirs[k][n]) for k in mine for n in eng.params]
     exported = holding_of(eng) if eng is not None else None      # collective over the pair
     if exported is not None:
+        # the export joined each slot straight into its holding row: the same values as the above
+        rows = exported.buffer.view(3, exported.numel_per_slot)
+        out["export_rows_as_gathered"] = eng._flat_is_holding_row(exported) and all(
+            torch.equal(rows[i], torch.cat([mine[k][s.name].reshape(-1) for s in exported.shards]))
+            for i, k in enumerate(("fp32", "exp_avg", "exp_avg_sq")))
         out["vs_native"] = float((flat(exported) - ref).abs().max())
         out["step"] = exported.logical.step
         eng.release()
@@ -123,6 +128,17 @@ def case(rank, world, zero_stage, value_head):
     back = holding_of(eng2) if eng2 is not None else None
     if back is not None:
         out["dp2_roundtrip_exact"] = bool(torch.equal(flat(back), flat(holding)))
+    # the adoption by slices of the rows leaves DeepSpeed's partitions as its per-parameter calls do
+    eng3 = ds_engine(rank, swapped, value_head, zero_stage)
+    if eng3 is not None:
+        eng3._flat_is_holding_row = lambda shard: False
+        bind_engine(eng3, holding)
+        partitions = [(e.ds_optimizer.single_partition_of_fp32_groups[0], e._adam_state()) for e in (eng2, eng3)]
+        (m2, s2), (m3, s3) = partitions
+        out["adopt_rows_as_per_parameter"] = bool(torch.equal(m2, m3)) and all(
+            torch.equal(s2[k], s3[k]) for k in ("exp_avg", "exp_avg_sq")) and float(s2["step"]) == float(s3["step"])
+        eng3.release()
+    if eng2 is not None:
         eng2.release()
     return out
 
@@ -234,6 +250,7 @@ def test_deepspeed_zero_matches_native_and_moves_exactly(tmp_path):
                 assert r["vs_native"] < TOL, (label, r)
                 assert r["step"] == STEPS, (label, r)
                 assert r["dp2_roundtrip_exact"], label
+                assert r["export_rows_as_gathered"] and r["adopt_rows_as_per_parameter"], label
                 assert r["gathered_as_deepspeed"] and all(r["gathered_as_deepspeed"]), label
                 # booked at DeepSpeed's partition sizes: fp32 master + m + v of half the model (+ padding)
                 half = -(-r["params"] // 2)

@@ -122,6 +122,13 @@ def test_l_tran_counts_the_zero_export():
     zero1 = assess_transition(Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)}),
                               Plan({TRAIN: Candidate(1, 1, 4, four, zero_stage=1)}), models, site)
     assert zero1.l_tran_s > zero0.l_tran_s and zero1.cost.bytes_moved > zero0.cost.bytes_moved
+    # the export joins the partitioned slots only: master and moments, or the moments in fp32
+    from nereusd.plan import ModelStage, Stage
+    from nereusd.transition import AdamStateSizes
+
+    gen = ModelStage(Role.ACTOR, Stage.GENERATION)
+    assert [AdamStateSizes.for_dtype(d).zero_joined_bytes_per_element(TRAIN) for d in ("bf16", "fp32")] == [12, 8]
+    assert AdamStateSizes.for_dtype("bf16").zero_joined_bytes_per_element(gen) == 0
     # untouched ZeRO model-stages export nothing
     same = Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)})
     assert assess_transition(same, same, models, site).l_tran_s == 0.0
