@@ -16,6 +16,7 @@ and executor, as a worker does.
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -119,7 +120,10 @@ def case(rank, world, zero_stage, value_head):
     ref_next = step(native, own, 0, value_head, STEPS)
     out["dp1_next_metrics"] = rel(nxt, ref_next)
     out["dp1_next_state"] = float((flat(holding_of(alone)) - flat(holding_of(native))).abs().max())
+    buffers = [weakref.ref(alone.ds_optimizer.single_partition_of_fp32_groups[0]),
+               weakref.ref(alone.ds_optimizer.bit16_groups_flat[0])]
     alone.release()
+    out["released_buffers_freed"] = all(ref() is None for ref in buffers)   # not left to a later gc
     # dp = 2 on the reversed devices adopts the pair's exported holding
     swapped = Candidate(1, 1, 2, (1, 0), zero_stage=zero_stage)
     eng2 = ds_engine(rank, swapped, value_head, zero_stage)
@@ -259,6 +263,7 @@ def test_deepspeed_zero_matches_native_and_moves_exactly(tmp_path):
             assert r["dp1_step"] == STEPS, label
             assert r["dp1_next_metrics"] < TOL, (label, r)
             assert r["dp1_next_state"] < TOL, (label, r)
+            assert r["released_buffers_freed"], label
 
 
 # --------------------------------------------------------------------------- random transitions
