@@ -53,12 +53,21 @@ def comm_class(collective: str, link: str) -> str:
     return f"{collective}_{link}"
 
 
+def latency_class(link: str) -> str:
+    """Operation class of collectives' per-call latency (the α of the α–β model) on a link type,
+    e.g. ``latency_intra``: calibrated apart from their bytes over bandwidth (:func:`comm_class`),
+    so a fit can tell a launch-bound collective from a bandwidth-bound one."""
+    assert link in LINK_TYPES, link
+    return f"latency_{link}"
+
+
 #: Conservative priors: below typical achieved fractions of peak (dense bf16 GEMMs reach
 #: 0.6–0.8 on H100/MI250X; NCCL ring all-reduce 0.7–0.9 of link bandwidth intra-node).
 PRIORS: dict[str, float] = {
     GEMM: 0.45, ATTENTION: 0.30, DECODE: 0.50, OPTIMIZER: 0.50, LAUNCH: 1.0,
     **{comm_class(c, "intra"): 0.50 for c in COLLECTIVES},
     **{comm_class(c, "inter"): 0.40 for c in COLLECTIVES},
+    latency_class("intra"): 0.50, latency_class("inter"): 0.40,   # as the collectives': unchanged sums
 }
 DEFAULT_PRIOR = 0.30
 MIN_EFFICIENCY, MAX_EFFICIENCY = 1e-4, 1.5

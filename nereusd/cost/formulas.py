@@ -26,13 +26,26 @@ def ring_collective_s(collective: str, nbytes, ranks, bandwidth_bytes_per_s: flo
     Raises:
         KeyError: for another collective.
     """
+    bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, ranks, bandwidth_bytes_per_s, latency_s)
+    return bandwidth_s + per_call_s
+
+
+def ring_collective_parts(collective: str, nbytes, ranks, bandwidth_bytes_per_s: float, latency_s: float):
+    """:func:`ring_collective_s` as its two terms ``(bytes over bandwidth, per-call latency)``,
+    which the cost model calibrates as separate classes (the α–β model; on gloo the per-call
+    term is ~5 ms whatever the size)."""
     factor = _RING_FACTOR[collective]
-    return factor * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s + factor * (ranks - 1) * latency_s
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s, factor * (ranks - 1) * latency_s
 
 
 def p2p_s(nbytes, bandwidth_bytes_per_s: float, latency_s: float):
     """Seconds of one message of ``nbytes``: ``bytes / bw + α`` (the α-β model, Hockney 1994)."""
     return nbytes / bandwidth_bytes_per_s + latency_s
+
+
+def p2p_parts(nbytes, bandwidth_bytes_per_s: float, latency_s: float):
+    """:func:`p2p_s` as its two terms ``(bytes / bw, α)``."""
+    return nbytes / bandwidth_bytes_per_s, latency_s
 
 
 def local_copy_s(nbytes, hbm_bytes_per_s: float):

@@ -10,7 +10,9 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
 - decoding is memory-bound: per token step a replica reads its weights and KV cache from HBM
   (roofline with the compute bound, Williams et al. 2009);
 - TP: two all-reduces per layer forward, four with backward (Shoeybi et al. 2019, §3), of
-  ``b·s·h`` activations; ring all-reduce ``2(n−1)/n · bytes / bw + 2(n−1)·α`` (Thakur et al. 2005);
+  ``b·s·h`` activations; ring all-reduce ``2(n−1)/n · bytes / bw + 2(n−1)·α`` (Thakur et al. 2005),
+  its two terms calibrated as separate classes (the collective's, and ``latency_<link>`` for
+  the per-call α, which dominates small messages: gloo's ~5 ms per call here);
 - a fixed dispatch time per layer and pass (site ``layer_launch_us``, class ``launch``) that does
   not shrink with the batch: one pass per micro-batch forward, three with backward, four with
   recomputation; one per decode step, and one for each wave's prefill;
@@ -33,8 +35,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from nereusd.cost.calibration import ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class
-from nereusd.cost.formulas import adam_update_s, p2p_s, ring_collective_s
+from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
+                                      latency_class)
+from nereusd.cost.formulas import adam_update_s, p2p_parts, p2p_s, ring_collective_parts
 from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -124,15 +127,22 @@ class CostModel:
         return devices > self.site.devices_per_node
 
     def _ring(self, acc: _Acc, collective: str, nbytes: float, n: int, spans: bool, count: float = 1.0) -> None:
-        """Ring collective of ``nbytes`` over ``n`` ranks (:func:`~nereusd.cost.formulas.ring_collective_s`)."""
+        """``count`` ring collectives of ``nbytes`` over ``n`` ranks: bytes over bandwidth in the
+        collective's class, per-call latency in :func:`latency_class`
+        (:func:`~nereusd.cost.formulas.ring_collective_parts`)."""
         if n <= 1 or count <= 0:
             return
         link, bw, alpha = self.link(spans)
-        acc.add(comm_class(collective, link), ring_collective_s(collective, nbytes, n, bw, alpha) * count)
+        bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, n, bw, alpha)
+        acc.add(comm_class(collective, link), bandwidth_s * count)
+        acc.add(latency_class(link), per_call_s * count)
 
-    def _p2p(self, acc: _Acc, nbytes: float, spans: bool, count: float = 1.0) -> None:
+    def _p2p(self, acc: _Acc, nbytes: float, spans: bool, count: float = 1.0, collective: str = "p2p") -> None:
+        """``count`` messages of ``nbytes`` (``collective``: the class, ``p2p`` or ``broadcast``)."""
         link, bw, alpha = self.link(spans)
-        acc.add(comm_class("p2p", link), p2p_s(nbytes, bw, alpha) * count)
+        bandwidth_s, per_call_s = p2p_parts(nbytes, bw, alpha)
+        acc.add(comm_class(collective, link), bandwidth_s * count)
+        acc.add(latency_class(link), per_call_s * count)
 
     def transfer_s(self, nbytes: float, link: str, collective: str = "broadcast", concurrent: int = 1) -> float:
         """Transition-cost hook: seconds to move ``nbytes`` per sender over ``link``.
@@ -224,12 +234,11 @@ class CostModel:
             waves = -(-per_replica // concurrent)
             for k, v in decode.ideal.items():
                 ideal[k] = ideal.get(k, 0.0) + v * waves
-            spans = tp * pp * dp > self.site.devices_per_node
-            _, bw, alpha = self.link(spans)
-            seconds = p2p_s(self._params(spec, tp, pp) * self.bytes_per_element, bw, alpha)
-            if seconds > 0:
-                c = comm_class("broadcast", "inter" if spans else "intra")
-                ideal[c] = ideal.get(c, 0.0) + seconds
+            sync = _Acc()   # weight synchronisation, as _generation
+            self._p2p(sync, self._params(spec, tp, pp) * self.bytes_per_element,
+                      tp * pp * dp > self.site.devices_per_node, collective="broadcast")
+            for k, v in sync.ideal.items():
+                ideal[k] = ideal.get(k, 0.0) + v
         else:
             training = model_stage.stage is Stage.TRAINING
             minis = mini_batches if training else 1
@@ -241,16 +250,8 @@ class CostModel:
             slots = minis * (micro_per_opt + pp - 1)
             ideal = {k: v * slots for k, v in per_mb}
             if training:
-                shard = self._params(spec, tp, pp)
-                if dp > 1:
-                    link, bw, alpha = self.link(tp * pp * dp > self.site.devices_per_node)
-                    seconds = ring_collective_s("all_reduce", shard * self.bytes_per_element, dp, bw, alpha) * minis
-                    if seconds > 0:
-                        c = comm_class("all_reduce", link)
-                        ideal[c] = ideal.get(c, 0.0) + seconds
-                seconds = adam_update_s(shard, minis, self.site.hbm_bytes_per_s)
-                if seconds > 0:
-                    ideal[OPTIMIZER] = ideal.get(OPTIMIZER, 0.0) + seconds
+                for k, v in self._optimizer_step(spec, tp, pp, dp, minis).ideal.items():
+                    ideal[k] = ideal.get(k, 0.0) + v
         eff = self._eff
         latency = 0
         for c, s in ideal.items():
@@ -305,7 +306,6 @@ class CostModel:
         """Inference (forward) or training (forward + backward) of one replica, pipelined.
         ``launch``: charge each micro-batch its per-layer dispatch (not for a generation's
         prefill, charged per wave with its decode: :meth:`_decode`)."""
-        e = self.bytes_per_element
         b = max(1, min(micro_batch, per_replica))
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
         lm_head = role in (Role.ACTOR, Role.REFERENCE)
@@ -313,9 +313,20 @@ class CostModel:
         slots = mini_batches * (micro_per_opt + pp - 1)
         acc.merge(per_mb.scaled(slots))
         if training:
-            shard = parameters_per_device(spec, tp, pp)
-            self._ring(acc, "all_reduce", shard * e, dp, self.spans_nodes(tp * pp * dp), count=mini_batches)
+            acc.merge(self._optimizer_step(spec, tp, pp, dp, mini_batches))
+
+    def _optimizer_step(self, spec: ModelSpec, tp: int, pp: int, dp: int, mini_batches: int) -> _Acc:
+        """What ``mini_batches`` optimizer steps of one replica cost beyond their micro-batches
+        (cached): the DP ring all-reduce of the gradient shard and the memory-bound Adam update."""
+        key = ("opt", self._spec_key(spec), tp, pp, dp, mini_batches)
+        acc = self._cache.get(key)
+        if acc is None:
+            acc = self._cache[key] = _Acc()
+            shard = self._params(spec, tp, pp)
+            self._ring(acc, "all_reduce", shard * self.bytes_per_element, dp, self.spans_nodes(tp * pp * dp),
+                       count=mini_batches)
             acc.add(OPTIMIZER, adam_update_s(shard, mini_batches, self.site.hbm_bytes_per_s))
+        return acc
 
     def _micro_batch(self, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int, b: int,
                      training: bool, recompute: bool, launch: bool = True) -> _Acc:
@@ -362,9 +373,7 @@ class CostModel:
             decode = self._cache[key] = self._decode(spec, concurrent, prompt, response, tp, pp)
         acc.merge(decode.scaled(waves))
         # weight synchronisation from actor training: each device receives its shard once
-        link = self.spans_nodes(tp * pp * dp)
-        _, bw, alpha = self.link(link)
-        acc.add(comm_class("broadcast", "inter" if link else "intra"), p2p_s(weights_per_device * e, bw, alpha))
+        self._p2p(acc, weights_per_device * e, self.spans_nodes(tp * pp * dp), collective="broadcast")
 
     def _decode(self, spec: ModelSpec, per_replica: int, prompt: int, response: int, tp: int, pp: int) -> _Acc:
         """``response`` decode steps of ``per_replica`` concurrent sequences.

@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, OPTIMIZER, comm_class
-from nereusd.cost.formulas import adam_update_s, p2p_s, ring_collective_s
+from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, comm_class, latency_class
+from nereusd.cost.formulas import p2p_parts, ring_collective_parts
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -77,7 +77,9 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         weights = cm._params(spec, tp, pp) * e
         for flag, link in ((False, "intra"), (True, "inter")):
             _, bw, alpha = cm.link(flag)
-            acc.add(comm_class("broadcast", link), np.where(spans == flag, p2p_s(weights, bw, alpha), 0.0))
+            bandwidth_s, per_call_s = p2p_parts(weights, bw, alpha)
+            acc.add(comm_class("broadcast", link), np.where(spans == flag, bandwidth_s, 0.0))
+            acc.add(latency_class(link), np.where(spans == flag, per_call_s, 0.0))
         return acc.latency(cm)
     training = model_stage.stage is Stage.TRAINING
     minis = mini_batches if training else 1
@@ -86,14 +88,16 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
     lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
     _add_per_mb(cm, acc, spec, lm_head, prompt_length + response_length, tp, pp, b, rc,
                 minis * (micro_per_opt + pp - 1), training)
-    if training:
+    if training:   # CostModel._optimizer_step, with the DP all-reduce over the dp axis
         shard = cm._params(spec, tp, pp)
         spans = tp * pp * dp > dpn
         for flag, link in ((False, "intra"), (True, "inter")):
             _, bw, alpha = cm.link(flag)
-            seconds = ring_collective_s("all_reduce", shard * e, dp, bw, alpha)
-            acc.add(comm_class("all_reduce", link), np.where((spans == flag) & (dp > 1), seconds * minis, 0.0))
-        acc.add(OPTIMIZER, adam_update_s(shard, minis, cm.site.hbm_bytes_per_s))
+            bandwidth_s, per_call_s = ring_collective_parts("all_reduce", shard * e, dp, bw, alpha)
+            acc.add(comm_class("all_reduce", link), np.where((spans == flag) & (dp > 1), bandwidth_s * minis, 0.0))
+            acc.add(latency_class(link), np.where((spans == flag) & (dp > 1), per_call_s * minis, 0.0))
+        for c, v in cm._optimizer_step(spec, tp, pp, 1, minis).ideal.items():   # dp 1: no DP all-reduce
+            acc.add(c, v)
     return acc.latency(cm)
 
 
@@ -132,8 +136,11 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarra
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))
-        seconds = ring_collective_s("all_reduce", nbytes, tp, bw, alpha)
-        acc.add(comm_class("all_reduce", link), seconds * (2 * spec.num_layers) * response * waves)
+        bandwidth_s, per_call_s = ring_collective_parts("all_reduce", nbytes, tp, bw, alpha)
+        acc.add(comm_class("all_reduce", link), bandwidth_s * (2 * spec.num_layers) * response * waves)
+        acc.add(latency_class(link), per_call_s * (2 * spec.num_layers) * response * waves)
     if pp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp * pp))
-        acc.add(comm_class("p2p", link), p2p_s(nbytes, bw, alpha) * pp * response * waves)
+        bandwidth_s, per_call_s = p2p_parts(nbytes, bw, alpha)
+        acc.add(comm_class("p2p", link), bandwidth_s * pp * response * waves)
+        acc.add(latency_class(link), per_call_s * pp * response * waves)

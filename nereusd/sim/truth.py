@@ -91,8 +91,11 @@ class GroundTruth:
         self.problem = problem
         self.config = config or TruthConfig()
         rng = random.Random(self.config.seed)
-        self.efficiency = {c: min(0.95, p * rng.uniform(self.config.efficiency_lo, self.config.efficiency_hi))
-                           for c, p in sorted(PRIORS.items())}
+        # the per-call latency classes draw after the others, so each seed keeps the draws it had
+        # before they existed
+        order = sorted(PRIORS, key=lambda c: (c.startswith("latency_"), c))
+        self.efficiency = {c: min(0.95, PRIORS[c] * rng.uniform(self.config.efficiency_lo, self.config.efficiency_hi))
+                           for c in order}
         self._models: dict[bool, CostModel] = {}
         self._episodes: list[tuple[float, float]] = []
         self._episodes_until = 0.0

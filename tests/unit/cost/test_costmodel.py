@@ -137,6 +137,31 @@ def test_fit_recovers_efficiencies_of_exact_data():
     assert fit_efficiencies(fast, PRIORS, ridge=1e-9)["gemm"] == pytest.approx(1.5)
 
 
+def test_collective_latency_is_calibrated_apart_from_bandwidth():
+    """A machine whose collectives pay much more per call than the site's α (gloo) but move
+    bytes at about the site's bandwidth: per-call latency and bytes are separate classes, so a
+    fit over small (latency-bound) and large (bandwidth-bound) TP micro-batches learns both and
+    predicts every layout; one class per collective could fit only one of them."""
+    local = load_site("local")
+    spec = preset("counting-tiny")
+    true = {**PRIORS, "latency_intra": 0.05, "all_reduce_intra": 0.8}
+    truth, prior = CostModel(local, Calibration(priors=true)), CostModel(local)
+    shapes = [dict(tp=tp, micro_batch=mb, prompt_length=n, response_length=n)
+              for tp in (2, 4) for mb in (1, 8) for n in (8, 256)]
+
+    def run(cm, shape):
+        return cm.stage_cost(spec, TRAIN, sequences=16, pp=1, dp=4 // shape["tp"], **shape)
+
+    samples = [(dict(run(prior, sh).ideal_s_by_class), run(truth, sh).latency_s) for sh in shapes]
+    assert all(ideal.get("latency_intra", 0) > 0 and ideal.get("all_reduce_intra", 0) > 0 for ideal, _ in samples)
+    fitted = fit_efficiencies(samples, PRIORS, ridge=1e-9)
+    assert fitted["latency_intra"] == pytest.approx(0.05, rel=1e-3)
+    assert fitted["all_reduce_intra"] == pytest.approx(0.8, rel=1e-3)
+    # the shapes mix the two terms very differently (that is what lets the fit tell them apart)
+    ratios = [ideal["latency_intra"] / ideal["all_reduce_intra"] for ideal, _ in samples]
+    assert max(ratios) > 10 * min(ratios)
+
+
 def test_online_calibration_tells_classes_apart(tmp_path, monkeypatch):
     """Whole-stage times of stages with different class mixes (layouts, lengths): the least-squares
     window learns each class's efficiency, where one shared ratio per sample (the anchors alone,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nereusd.cost.formulas import ADAM_BYTES_MOVED_PER_PARAM, adam_update_s, local_copy_s, p2p_s, ring_collective_s
+from nereusd.cost.formulas import (ADAM_BYTES_MOVED_PER_PARAM, adam_update_s, local_copy_s, p2p_parts, p2p_s,
+                                   ring_collective_parts, ring_collective_s)
 
 
 def test_ring_collectives():
@@ -16,6 +17,9 @@ def test_ring_collectives():
     assert ring_collective_s("all_gather", 1e9, 8, bw, alpha) == pytest.approx((1.75 + 14e-5) / 2)
     with pytest.raises(KeyError):
         ring_collective_s("broadcast", 1.0, 2, bw, alpha)
+    # the α–β terms apart, as the cost model calibrates them
+    assert ring_collective_parts("all_reduce", 1e9, 8, bw, alpha) == pytest.approx((1.75, 14e-5))
+    assert p2p_parts(2e9, 1e9, 0.5) == (2.0, 0.5)
 
 
 def test_terms_take_arrays_and_scalars_alike():
