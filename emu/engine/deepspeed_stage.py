@@ -88,6 +88,25 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+def preload_deepspeed(device: torch.device) -> None:
+    """Import DeepSpeed and what its first ``initialize`` imports lazily, ahead of need.
+
+    ZeRO's optimizer check (``is_zero_supported_optimizer``) imports DeepSpeed's Muon optimizer,
+    which pulls in torch.compile's inductor: 2.2 s inside the first engine's construction on a
+    process that had imported DeepSpeed (cProfile of a ``scripts/bench_zero.py`` move, 40 M,
+    on a rank that had built no DeepSpeed engine before), on top of DeepSpeed's own import. A
+    worker that gets its first ZeRO replica in a transition (a device added to a ZeRO
+    model-stage) paid both inside the transition; workers of a job with a ``deepspeed`` backend
+    call this when they build instead. Failures are left to the engine's construction, which
+    reports them.
+    """
+    try:
+        import_deepspeed(device)
+        from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
+    except (ImportError, PlanError):
+        pass
+
+
 @contextmanager
 def _no_model_broadcast(deepspeed):
     """DeepSpeed's engine without its construction-time broadcast of DP rank 0's parameters.

@@ -129,6 +129,10 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         self.plan = plan
         self._build_args = args
         self._rebuild_all = False   # a re-formation's pending re-attach is this build (a restart's)
+        if "deepspeed" in args.backends.values():   # not inside a later transition that adds a replica here
+            from emu.engine.deepspeed_stage import preload_deepspeed
+
+            preload_deepspeed(self.torch_device)
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
             self.stage_groups[ms] = self._groups(cand)
             self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))
