@@ -512,11 +512,10 @@ class DeepSpeedStageEngine(StageEngine):
         DeepSpeed's engine, optimizer and hooks reference one another (closures over the engine
         in its own attributes and in the module's hooks), so after ``destroy()`` their buffers —
         the flat parameters, master and moment partitions, gradients — would wait for the cycle
-        collector, and a transition would allocate its holdings beside them. Their attributes are
-        cleared instead, which frees the buffers at once. Left to the collector, the dp 2 → 4 DAG
-        of ``scripts/bench_zero.py`` at 40 M parameters took 1.35–1.95 s on each rank instead of
-        0.49–0.66 s (a ``/tmp`` A/B, 4 gloo ranks); a ``gc.collect()`` per release costs ~0.3 s
-        in a worker that imported DeepSpeed.
+        collector, and a transition would allocate its holdings beside them (the worker collects
+        only after the transition). Their attributes are cleared instead, which frees the buffers
+        at once (``tests/distributed/test_deepspeed_engine.py`` checks it with weakrefs); a
+        ``gc.collect()`` per release would cost ~0.3 s in a worker that imported DeepSpeed.
         """
         ds, opt = self.ds, self.ds_optimizer
         opt.destroy()
