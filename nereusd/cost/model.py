@@ -234,10 +234,7 @@ class CostModel:
             waves = -(-per_replica // concurrent)
             for k, v in decode.ideal.items():
                 ideal[k] = ideal.get(k, 0.0) + v * waves
-            sync = _Acc()   # weight synchronisation, as _generation
-            self._p2p(sync, self._params(spec, tp, pp) * self.bytes_per_element,
-                      tp * pp * dp > self.site.devices_per_node, collective="broadcast")
-            for k, v in sync.ideal.items():
+            for k, v in self._weight_sync(spec, tp, pp, dp).ideal.items():
                 ideal[k] = ideal.get(k, 0.0) + v
         else:
             training = model_stage.stage is Stage.TRAINING
@@ -359,9 +356,8 @@ class CostModel:
     def _generation(self, acc: _Acc, spec: ModelSpec, per_replica: int, concurrent: int, prompt: int,
                     response: int, tp: int, pp: int, dp: int) -> None:
         """Prefill (compute-bound) plus ``response`` decode steps (memory-bound roofline) for each
-        wave of ``concurrent`` sequences (``ceil(per_replica/concurrent)`` waves)."""
-        e = self.bytes_per_element
-        weights_per_device = parameters_per_device(spec, tp, pp)
+        wave of ``concurrent`` sequences (``ceil(per_replica/concurrent)`` waves), and the weight
+        synchronisation that precedes them (:meth:`_weight_sync`)."""
         # prefill: inference over the prompts, one sequence per pipeline slot
         self._forward_backward(acc, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, 1, 1, False, False,
                                launch=False)
@@ -372,8 +368,18 @@ class CostModel:
         if decode is None:
             decode = self._cache[key] = self._decode(spec, concurrent, prompt, response, tp, pp)
         acc.merge(decode.scaled(waves))
-        # weight synchronisation from actor training: each device receives its shard once
-        self._p2p(acc, weights_per_device * e, self.spans_nodes(tp * pp * dp), collective="broadcast")
+        acc.merge(self._weight_sync(spec, tp, pp, dp))
+
+    def _weight_sync(self, spec: ModelSpec, tp: int, pp: int, dp: int) -> _Acc:
+        """Weight synchronisation from actor training into a generation replica (cached): each
+        device receives its shard once, a broadcast over the link the replica set spans."""
+        spans = self.spans_nodes(tp * pp * dp)
+        key = ("sync", self._spec_key(spec), tp, pp, spans)
+        acc = self._cache.get(key)
+        if acc is None:
+            acc = self._cache[key] = _Acc()
+            self._p2p(acc, self._params(spec, tp, pp) * self.bytes_per_element, spans, collective="broadcast")
+        return acc
 
     def _decode(self, spec: ModelSpec, per_replica: int, prompt: int, response: int, tp: int, pp: int) -> _Acc:
         """``response`` decode steps of ``per_replica`` concurrent sequences.
