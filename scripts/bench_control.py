@@ -29,7 +29,7 @@ make (an earlier version of this script timed the step's inside the boundary). T
 is printed beside its wall time.
 
 Once the agents registered and the transition DAG is built, the set-up heap is frozen
-(:func:`~nereusd.daemon.control_plane.settle_heap`), as nereusd does once its world is formed.
+(:func:`~nereusd.heap.settle_heap`), as nereusd does once its world is formed.
 
 A boundary is one step plus, every ``--transition-every`` boundaries, one transition; the first
 ``--warmup`` boundaries (first use of every socket and buffer) are printed and not counted.
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args: argparse.Namespace, control, procs: list[subprocess.Popen], workers: int) -> int:
-    from nereusd.daemon.control_plane import settle_heap
+    from nereusd.heap import settle_heap
 
     start = time.monotonic()
     world = control.wait_for_devices(workers, timeout_s=300)

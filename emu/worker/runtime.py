@@ -34,6 +34,7 @@ from emu.state.unit import LogicalState, bind_engine, holding_of, mark_trained, 
 from emu.rl.losses import policy_loss_fn, value_loss_fn
 from nereusd import protocol as P
 from nereusd.errors import NereusError
+from nereusd.heap import settle_heap
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 
@@ -85,6 +86,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         self._rebuild_all = False
         self._changed: set[ModelStage] = set()   # model-stages the running transition changes
         self._build_args: P.BuildArgs | None = None
+        self._heap_settled = False   # nereusd.heap.settle_heap done, once, at the first build
         self._init_vllm()
         self._handlers = {
             "build": self.build,
@@ -133,6 +135,9 @@ class WorkerRuntime(TransitionTasks, VllmStages):
             from emu.engine.deepspeed_stage import preload_deepspeed
 
             preload_deepspeed(self.torch_device)
+        if not self._heap_settled and not self.engines:   # imports done, no engine yet (its docstring)
+            settle_heap()
+            self._heap_settled = True
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
             self.stage_groups[ms] = self._groups(cand)
             self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))

@@ -138,14 +138,16 @@ class TransitionTasks:
                        else {op.model_stage for op in dag.ops})
         self._changed = ops_changed
         changed = ops_changed | self._zero_changes(dag.target)
+        start = time.perf_counter()
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
                 self._detach(ms)
+        detach_s = time.perf_counter() - start
         self._transition = TransitionExecutor(dag, self.device_index, self.store, self._specs(dag.target),
                                               rank_of=self.rank_of, communicators=args.communicators)
         setup_s = self._transition.prepare()
         timings = self._transition.run(args.ops) if args.ops else []
-        return {"setup_s": setup_s, "timings": [t.to_dict() for t in timings]}
+        return {"setup_s": setup_s, "detach_s": detach_s, "timings": [t.to_dict() for t in timings]}
 
     def transition_run(self, args: P.TransitionRunArgs) -> dict[str, Any]:
         if self._transition is None:
@@ -161,15 +163,20 @@ class TransitionTasks:
         target = ex.dag.target
         rebuild = self._to_rebuild(target)
         self._rebuild_all = False
+        start = time.perf_counter()
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             self._attach(ms, target[ms])
         for ms, engine in self.engines.items():
             if ms not in rebuild and ms in target:
                 self._retune(engine, target[ms])
+        rebuild_s = time.perf_counter() - start
         self.plan = target
         self._plan_syncs(args.syncs)
+        sync_setup_s = time.perf_counter() - start - rebuild_s
         gc.collect()
+        collect_s = time.perf_counter() - start - rebuild_s - sync_setup_s
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
+                "rebuild_s": rebuild_s, "sync_setup_s": sync_setup_s, "collect_s": collect_s,
                 **self._sync_engines()}
 
     def reform_world(self, args: P.ReformWorldArgs) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.control.controller import controller_for_job, job_fingerprint
 from nereusd.control.problem import launch_plan
-from nereusd.daemon.control_plane import ControlPlane, settle_heap
+from nereusd.daemon.control_plane import ControlPlane
+from nereusd.heap import settle_heap
 from nereusd.daemon.kept import KeptState, NotKept, keep_workers
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.observe import Observer

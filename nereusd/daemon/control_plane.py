@@ -15,7 +15,6 @@ Other threads hand work to the loop through :meth:`ControlPlane.call_soon` (one 
 
 from __future__ import annotations
 
-import gc
 import logging
 import queue
 import time
@@ -67,24 +66,6 @@ DISCONNECT_GRACE_S = 3.0
 ``disconnected``): a killed agent process (its node's kernel closes the socket) is noticed in
 seconds instead of the heartbeat timeout. Agents heartbeat every second and ZeroMQ reconnects a
 live one at once, so a transient drop does not get that far."""
-
-
-def settle_heap() -> None:
-    """Move every object alive now out of the cyclic garbage collector's reach (``gc.freeze``),
-    after a full collection; call once set-up is done (imports, tokenizer, dataset, registry).
-
-    Why: CPython's full (generation-2) collection traverses every container object, and it runs
-    whenever the objects allocated since the last one exceed a quarter of the long-lived ones. A
-    boundary at 8,192 workers allocates tens of thousands (every worker's args and result), so
-    one or two full collections land in every boundary, each over the whole start-up heap.
-    ``scripts/bench_control.py`` (1,024 agents, 8,192 workers) measured 170–370 ms per such
-    collection and 300–540 ms of collection per boundary (``gc.callbacks``); with the set-up heap
-    frozen its boundaries took 400–580 ms instead of 420–780 ms. Frozen objects are never freed,
-    which is what set-up state is for in a daemon that lives as long as its job; what a step
-    allocates is collected as before.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 REFUSALS_SHOWN = 10

@@ -382,6 +382,7 @@ class LiveAdaptation:
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
             "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
             "setup_s": progress.setup_s, "engine_start_s": progress.engine_start_s, "world": self.world,
+            "phases_s": progress.phases_s,
             "generation": self.store.generation,
             "op_timings": progress.timings})
         log.info("transition at step %d: %d ops in %.2f s -> %s", step, len(dag.ops), elapsed, target.describe())

@@ -66,14 +66,26 @@ class TransitionInterrupted(WorkerError):
 
 @dataclass
 class TransitionProgress:
-    """What has run: completed op ids, per-op timings (seconds), set-up time, and the slowest
-    vLLM engine start-up of ``transition_finish`` (0 when no engine started)."""
+    """What has run: completed op ids, per-op timings (seconds), set-up time, the slowest
+    vLLM engine start-up of ``transition_finish`` (0 when no engine started), and where the
+    time went (``phases_s``, seconds): the wall time of the three steps seen from nereusd
+    (``prepare``, ``ops``, ``finish``) and, slowest rank each, the workers' engine detach
+    (a ZeRO export included), communicator set-up, engine rebuild, weight-sync communicator
+    set-up and garbage collection (``detach``, ``setup``, ``rebuild``, ``sync_setup``,
+    ``collect``)."""
 
     completed: set[str] = field(default_factory=set)
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
     setup_s: float = 0.0
     elapsed_s: float = 0.0
     engine_start_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    def slowest(self, results: Mapping[int, Any], *fields: str) -> None:
+        """Keep, per field, the largest value any worker's result reports in ``phases_s``."""
+        for name in fields:
+            key = name.removesuffix("_s")
+            self.phases_s[key] = max((float(r.result.get(name, 0.0)) for r in results.values()), default=0.0)
 
     def record(self, results: Mapping[int, Any]) -> None:
         """Merge the ``timings`` of one ``transition_run`` task's results (per device)."""
@@ -117,9 +129,13 @@ class TransitionRunner:
         start = time.perf_counter()
         try:
             self.run_ops(dag, progress)
+            finished = time.perf_counter()
             finish = P.TransitionFinishArgs(syncs=syncs or [])
             res = self.control.run({d: finish for d in self.world}, self.timeout_s)
-            progress.engine_start_s = max((r.result.get("engine_start_s", 0.0) for r in res.values()), default=0.0)
+            progress.phases_s["ops"] = finished - start - progress.phases_s.get("prepare", 0.0)
+            progress.phases_s["finish"] = time.perf_counter() - finished
+            progress.slowest(res, "rebuild_s", "sync_setup_s", "collect_s", "engine_start_s")
+            progress.engine_start_s = progress.phases_s["engine_start"]
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)
@@ -149,8 +165,11 @@ class TransitionRunner:
         """
         ready = ready_ops(dag, set(), set())
         args, shared = prepared or prepare_task(dag, self.world, _by_device(dag, ready))
+        start = time.perf_counter()
         res = self.control.run(args, self.timeout_s, shared=shared)
-        progress.setup_s = max((r.result.get("setup_s", 0.0) for r in res.values()), default=0.0)
+        progress.phases_s["prepare"] = time.perf_counter() - start
+        progress.slowest(res, "setup_s", "detach_s")
+        progress.setup_s = progress.phases_s["setup"]
         progress.record(res)
         progress.completed.update(ready)
         started, pending = set(ready), {}

@@ -59,6 +59,13 @@ def _body(rank, world, job_text, tmp):
     runtime.build(P.BuildArgs(plan=start.to_dict(), roles=roles, lr={"actor/training": 1e-4}, seed=0,
                               train=P.EngineSettings(micro_batch=train.micro_batch, weight_decay=train.weight_decay,
                                                      grad_clip=train.grad_clip)))
+    import gc
+
+    # the build settled the set-up heap before any engine existed: the engines' objects stay
+    # within the collector's reach (frozen ones are not in gc.get_objects()), so a released
+    # engine's reference cycles are still collected
+    frozen = gc.get_freeze_count()
+    collectable = all(any(o is e.module for o in gc.get_objects()) for e in runtime.engines.values())
     dag = plan_transition(start, target, {r: rm.spec for r, rm in job.roles.items()}, devices_per_node=3)
     assert dag.ops, "extending training to a third device moves state"
     runtime.transition_prepare(prepare_args(dag, [0, 1, 2])[rank])
@@ -69,14 +76,18 @@ def _body(rank, world, job_text, tmp):
         if mine:
             runtime.transition_run(P.TransitionRunArgs(ops=mine))
         completed.update(ready)
-    runtime.transition_finish(P.TransitionFinishArgs())
+    finished = runtime.transition_finish(P.TransitionFinishArgs())
     engine = runtime.engines[ms("actor/training")]
     return {"plan": runtime.plan == target, "stages": sorted(str(m) for m in runtime.engines),
+            "frozen": frozen, "collectable": collectable,
+            "phases": {k: finished[k] for k in ("rebuild_s", "sync_setup_s", "collect_s")},
             "checksum": sum(float(p.double().sum()) for p in engine.params.values())}
 
 
 def test_a_transition_right_after_a_restart_on_a_non_uniform_plan(tmp_path):
     results = run_distributed(_body, 3, JOB, str(tmp_path), timeout_s=180)
     assert all(r["plan"] for r in results)
+    assert all(r["frozen"] > 0 and r["collectable"] for r in results)
+    assert all(r["phases"]["rebuild_s"] > 0 and r["phases"]["collect_s"] > 0 for r in results)
     assert results[2]["stages"] == ["actor/generation", "actor/training", "reference/inference"]
     assert len({r["checksum"] for r in results}) == 1, "the new replica got the training parameters"

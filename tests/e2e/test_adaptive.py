@@ -100,6 +100,9 @@ def test_growth_switches_before_oom_and_survives_pool_changes(tmp_path):
             assert key in e
     transitions = [e for e in events if e["event"] == "transition"]
     assert len(transitions) >= len(admitted) and all("op_timings" in e for e in transitions)
+    for e in transitions:   # where each transition's time went, seen from nereusd and the workers
+        assert {"prepare", "ops", "finish", "setup", "detach", "rebuild", "collect"} <= set(e["phases_s"])
+        assert e["phases_s"]["prepare"] + e["phases_s"]["ops"] + e["phases_s"]["finish"] <= e["elapsed_s"] + 1e-6
     # device 3 left (its worker stopped), device 4 joined (a new worker); the world re-formed twice
     changes = [e for e in events if e["event"] == "pool_changed" and "step" in e]
     assert [c["leaving"] for c in changes] == [[3], []] and [c["joined"] for c in changes] == [[], [4]]
