@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from emu.state.devmem import DeviceMemory
-from emu.engine.stage import StageEngine
+from emu.engine.stage import StageEngine, preload_optimizer
 from emu.state.checkpoint import load_holdings, save_holdings, verify_checkpoint
 from emu.engine.hf_io import load_state
 from emu.engine.parallel import build_stage_groups
@@ -124,7 +124,10 @@ class WorkerRuntime(TransitionTasks, VllmStages):
     # ------------------------------------------------------------------ build
     def build(self, args: P.BuildArgs) -> dict[str, Any]:
         """Create communicators for every model-stage and the engines this rank holds
-        (:class:`nereusd.protocol.tasks.BuildArgs`) → ``model_stages``, ``memory_in_use_bytes``."""
+        (:class:`nereusd.protocol.tasks.BuildArgs`) → ``model_stages``, ``memory_in_use_bytes``,
+        and what a transition's ``transition_finish`` repeats, in seconds: per model-stage its
+        communicators and engine (``rebuild_s_by_stage``; the initial weights' reading excluded),
+        the weight-sync communicators (``sync_setup_s``) and the garbage collection (``collect_s``)."""
         plan = Plan.from_dict(args.plan)
         roles = args.roles
         seed = args.seed
@@ -136,11 +139,15 @@ class WorkerRuntime(TransitionTasks, VllmStages):
 
             preload_deepspeed(self.torch_device)
         if not self._heap_settled and not self.engines:   # imports done, no engine yet (its docstring)
+            preload_optimizer()
             settle_heap()
             self._heap_settled = True
+        rebuild_s: dict[str, float] = {}   # per model-stage: what re-attaching it in a transition costs
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
+            start = time.perf_counter()
             self.stage_groups[ms] = self._groups(cand)
             self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))
+            rebuild_s[str(ms)] = time.perf_counter() - start
         states: dict[Role, dict[str, torch.Tensor]] = {}
         for ms, cand in plan.items():
             if self.device_index not in cand.devices:
@@ -149,15 +156,21 @@ class WorkerRuntime(TransitionTasks, VllmStages):
             spec = ModelSpec.from_dict(info.spec)
             if ms.role not in states:
                 states[ms.role] = initial_state(info, spec, seed + list(Role).index(ms.role))
+            start = time.perf_counter()
             engine = self._make_engine(ms, cand, self.stage_groups[ms])
             engine.load_full_state(states[ms.role])
             bind_engine(engine, logical=LogicalState(seed=seed))
             self.engines[ms] = engine
             self._params_changed(ms)
+            rebuild_s[str(ms)] += time.perf_counter() - start
         states.clear()
+        start = time.perf_counter()
         self._plan_syncs(args.syncs)
+        sync_setup_s = time.perf_counter() - start
         gc.collect()
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
+                "rebuild_s_by_stage": rebuild_s, "sync_setup_s": sync_setup_s,
+                "collect_s": time.perf_counter() - start - sync_setup_s,
                 **self._sync_engines()}
 
     def _groups(self, cand: Candidate):

@@ -44,6 +44,7 @@ from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role
 from nereusd.shards import value_head_for
+from nereusd.transition import rebuilt_model_stages
 from nereusd.transition.ops import TransitionDag
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,6 @@ class TransitionTasks:
         self.engines[ms] = engine
         self._params_changed(ms)
 
-    def _zero_changes(self, target: Plan) -> set[ModelStage]:
-        """Model-stages whose ZeRO stage ``target`` changes: their engine is rebuilt (another
-        engine class) though no op moves their state. Same answer on every rank (``self.plan``
-        is the plan before the transition until ``transition_finish`` ends)."""
-        if self.plan is None:
-            return set()
-        return {ms for ms in target if ms in self.plan and self.plan[ms].zero_stage != target[ms].zero_stage}
-
     def _to_rebuild(self, target: Plan) -> set[ModelStage]:
         """Model-stages ``transition_finish`` re-attaches: after a world re-formation every one of
         ``target`` (:meth:`reform_world` detached all engines), else those the transition changed.
@@ -107,7 +100,12 @@ class TransitionTasks:
         rank that holds no engine of a model-stage must still create its groups)."""
         if self._rebuild_all:
             return set(target)
-        return self._changed | self._zero_changes(target)
+        return self._rebuilt(target, self._changed)
+
+    def _rebuilt(self, target: Plan, moved: set[ModelStage]) -> set[ModelStage]:
+        """:func:`nereusd.transition.rebuilt_model_stages` from this rank's plan (the plan before
+        the transition until ``transition_finish`` ends), the same on every rank."""
+        return rebuilt_model_stages(self.plan, target, moved) if self.plan is not None else set(moved)
 
     def _retune(self, engine, cand: Candidate) -> None:
         """Apply what a candidate can change without moving state — micro-batch (generation
@@ -137,7 +135,7 @@ class TransitionTasks:
         ops_changed = ({ModelStage.parse(m) for m in args.changed} if args.changed is not None
                        else {op.model_stage for op in dag.ops})
         self._changed = ops_changed
-        changed = ops_changed | self._zero_changes(dag.target)
+        changed = self._rebuilt(dag.target, ops_changed)
         start = time.perf_counter()
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
@@ -164,8 +162,10 @@ class TransitionTasks:
         rebuild = self._to_rebuild(target)
         self._rebuild_all = False
         start = time.perf_counter()
+        by_stage: dict[str, float] = {}
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             self._attach(ms, target[ms])
+            by_stage[str(ms)] = time.perf_counter() - start - sum(by_stage.values())
         for ms, engine in self.engines.items():
             if ms not in rebuild and ms in target:
                 self._retune(engine, target[ms])
@@ -176,7 +176,8 @@ class TransitionTasks:
         gc.collect()
         collect_s = time.perf_counter() - start - rebuild_s - sync_setup_s
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
-                "rebuild_s": rebuild_s, "sync_setup_s": sync_setup_s, "collect_s": collect_s,
+                "rebuild_s": rebuild_s, "rebuild_s_by_stage": by_stage, "sync_setup_s": sync_setup_s,
+                "collect_s": collect_s,
                 **self._sync_engines()}
 
     def reform_world(self, args: P.ReformWorldArgs) -> dict[str, Any]:

@@ -63,6 +63,7 @@ from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, PlanResult
 from nereusd.planner.space import PlanProblem, evaluate
+from nereusd.transition import rebuilt_model_stages
 from nereusd.transition.estimate import TransitionEstimator
 
 MEMORY_WINDOW = 8
@@ -206,6 +207,9 @@ class Controller:
         self.engine_start_s = 0.0
         """Seconds a vLLM engine takes to start (the slowest rank's; EMA of measurements, 0 before one)."""
         self._engine_starts_seen = 0
+        self.rebuild_s: dict[ModelStage, float] = {}
+        """Seconds ``transition_finish`` takes to re-attach each model-stage (its communicators and
+        engine, the slowest rank's; measured by the build, then EMA over transitions)."""
         self.efficiency = 1.0
         self.length = 1
         self.predicted_step_s: float | None = None
@@ -225,7 +229,8 @@ class Controller:
     def state(self) -> dict:
         """What the controller learned, for the journal (JSON; ``checkpoint`` events carry it, so
         that ``nereusd --resume`` continues with it, :meth:`restore`): the plan, the response
-        length seen, the calibration, the memory ratios, the transition overhead, the monitor's
+        length seen, the calibration, the memory ratios, the transition overhead and each
+        model-stage's rebuild time, the monitor's
         signals and ``H_x``, the re-run and relaunch marks, and the ``frozen`` policy's base plan."""
         return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
                 "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
@@ -234,7 +239,8 @@ class Controller:
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
                 "base_plan": self.base_plan.to_dict(),
-                "engine_start": [self.engine_start_s, self._engine_starts_seen]}
+                "engine_start": [self.engine_start_s, self._engine_starts_seen],
+                "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()}}
 
     def restore(self, state: Mapping) -> None:
         """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
@@ -259,9 +265,12 @@ class Controller:
             engine_start_s, engine_starts_seen = float(engine_start_s), int(engine_starts_seen)
             if not (math.isfinite(engine_start_s) and engine_start_s >= 0):
                 raise ValueError(f"engine_start {engine_start_s!r}")
+            rebuild_s = {ModelStage.parse(ms): float(x) for ms, x in state.get("rebuild_s", {}).items()}
+            if not all(math.isfinite(x) and x >= 0 for x in rebuild_s.values()):
+                raise ValueError(f"rebuild_s {state['rebuild_s']!r}")
         except ConfigError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:
             raise ConfigError(f"controller state: malformed ({type(err).__name__}: {err})") from None
         self.calibration.restore(state["calibration"], "controller state: calibration")
         self.cost_model.refresh()
@@ -275,6 +284,7 @@ class Controller:
          self._restarted) = fields
         self.predicted_step_s = predicted
         self.engine_start_s, self._engine_starts_seen = engine_start_s, engine_starts_seen
+        self.rebuild_s = rebuild_s
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
@@ -327,12 +337,29 @@ class Controller:
 
     def transition_measured(self, predicted_s: float, measured_s: float) -> None:
         """Learn the fixed cost of a transition, ``measured − predicted`` seconds (EMA, weight 0.5;
-        the first measurement is taken as is). ``predicted_s`` includes the engine start-up it
-        priced (:meth:`engine_started`), so what is learned here is the rest."""
+        the first measurement is taken as is). ``predicted_s`` includes the engine start-ups and
+        re-attachments it priced (:meth:`engine_started`, :meth:`engines_rebuilt`), so what is
+        learned here is the rest: control-plane round trips, the weight-sync set-up, the garbage
+        collection (before a transition was measured: the build's, :meth:`engines_built`)."""
         extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
         self.transition_overhead_s = extra if not self._transitions_seen else (
             0.5 * self.transition_overhead_s + 0.5 * extra)
         self._transitions_seen += 1
+
+    def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float) -> None:
+        """What a build measured that a transition repeats: each model-stage's re-attachment
+        (:meth:`engines_rebuilt`) and, until a transition has been measured, the fixed cost
+        (``finish_overhead_s``: the weight-sync communicators and the garbage collection every
+        ``transition_finish`` runs), so that the first ``L̂_tran`` is not the DAG's alone."""
+        self.engines_rebuilt(rebuild_s)
+        if not self._transitions_seen and math.isfinite(finish_overhead_s) and finish_overhead_s >= 0:
+            self.transition_overhead_s = finish_overhead_s
+
+    def engines_rebuilt(self, rebuild_s: Mapping[ModelStage, float]) -> None:
+        """Learn each model-stage's re-attachment seconds (EMA, weight 0.5; the first taken as is)."""
+        for ms, seconds in rebuild_s.items():
+            if math.isfinite(seconds) and seconds >= 0:
+                self.rebuild_s[ms] = seconds if ms not in self.rebuild_s else 0.5 * self.rebuild_s[ms] + 0.5 * seconds
 
     def engine_started(self, seconds: float) -> None:
         """Learn how long a vLLM engine takes to start, ``seconds`` measured by the workers (the
@@ -367,7 +394,11 @@ class Controller:
         est = self.transitions.estimate(source, plan)
         over = ev.over_capacity(usable)
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
-        l_tran = est.l_tran_s + (self.transition_overhead_s if plan != source else 0.0)
+        l_tran = est.l_tran_s
+        if plan != source:
+            moved = {op.model_stage for op in est.dag.ops} if est.dag is not None else set(plan)
+            l_tran += self.transition_overhead_s + sum(self.rebuild_s.get(ms, 0.0)
+                                                       for ms in rebuilt_model_stages(source, plan, moved))
         if self.engine_start_s and restarts_vllm_engines(source, plan, problem.engines, problem.workload.micro_batch):
             l_tran += self.engine_start_s
         return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason, dag=est.dag)

@@ -134,6 +134,9 @@ class LiveAdaptation:
         if self.driver.engine_start_s:   # a build started engines: what a transition that starts them costs
             self.controller.engine_started(self.driver.engine_start_s)
             self.driver.engine_start_s = 0.0
+        if self.driver.rebuild_s:   # a build: what re-attaching engines costs, before any transition ran
+            self.controller.engines_built(self.driver.rebuild_s, self.driver.finish_overhead_s)
+            self.driver.rebuild_s = {}
         upcoming = step + 1
         if upcoming >= self.job.config.steps:
             return
@@ -377,12 +380,13 @@ class LiveAdaptation:
         if predicted_s is not None:
             self.controller.transition_measured(predicted_s, elapsed)
         self.controller.engine_started(progress.engine_start_s)
+        self.controller.engines_rebuilt(progress.rebuild_s)
         self.controller.switched(target, tuple(sorted(self.world)))
         self.journal.event(Event.TRANSITION, {
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
             "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
             "setup_s": progress.setup_s, "engine_start_s": progress.engine_start_s, "world": self.world,
-            "phases_s": progress.phases_s,
+            "phases_s": progress.phases_s, "rebuild_s": {str(m): s for m, s in progress.rebuild_s.items()},
             "generation": self.store.generation,
             "op_timings": progress.timings})
         log.info("transition at step %d: %d ops in %.2f s -> %s", step, len(dag.ops), elapsed, target.describe())

@@ -129,7 +129,7 @@ class TaskDispatch:
                 missing = sorted(pending.devices - set(pending.results))
                 raise WorkerError(f"task {pending.kind} #{task_id}: no result from devices {missing} "
                                   f"within {timeout_s:.0f} s")
-            self.poll(0.05)
+            self.poll(0.05, until=lambda: len(pending.results) >= len(pending.devices))
         del self._pending[task_id]
         failed = sorted((r for r in pending.results.values() if not r.ok), key=lambda r: r.device)
         if failed:

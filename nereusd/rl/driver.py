@@ -46,6 +46,7 @@ from nereusd.rl.record import StepRecord
 from nereusd.rl.rollout import RolloutBatch, as_lists, mean_of, split_even
 from nereusd.tasks import PromptSampler, get_task
 from nereusd.transition import sync_dag_args, weight_sync_dags
+from nereusd.transition.runner import slowest_by_stage
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,11 @@ class RLDriver:
         self.engine_start_s = 0.0
         """The slowest vLLM engine start-up of the last :meth:`build` (0: none started), read by the
         live controller (``L̂_tran`` of transitions that start engines)."""
+        self.rebuild_s: dict[ModelStage, float] = {}
+        self.finish_overhead_s = 0.0
+        """What the last :meth:`build` measured that a transition's ``transition_finish`` repeats
+        (slowest rank each, seconds): per model-stage its communicators and engine, and the
+        weight-sync set-up plus garbage collection; read (and cleared) by the live controller."""
         self._ms_s: dict[str, float] = {}
         self._peaks: dict[int, int] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None
@@ -170,8 +176,13 @@ class RLDriver:
         results = self.control.run({d: args for d in world})
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
         self.engine_start_s = max((r.result.get("engine_start_s", 0.0) for r in results.values()), default=0.0)
+        self.rebuild_s = slowest_by_stage(results)
+        self.finish_overhead_s = max((r.result.get("sync_setup_s", 0.0) + r.result.get("collect_s", 0.0)
+                                      for r in results.values()), default=0.0)
         self.journal.event(Event.BUILD, {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,
                                      "memory_in_use_bytes": memory, "engine_start_s": self.engine_start_s,
+                                     "rebuild_s": {str(m): x for m, x in self.rebuild_s.items()},
+                                     "finish_overhead_s": self.finish_overhead_s,
                                      "task": self.task.to_dict()})
 
     # ------------------------------------------------------------------ dispatch helpers

@@ -74,7 +74,7 @@ __all__ = [
     "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
-    "assess_transition", "weight_sync_dags", "sync_dag_args",
+    "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
 ]
 
 
@@ -190,6 +190,16 @@ def assess_transition(
     return TransitionAssessment(dag, report, cost)
 
 
+def rebuilt_model_stages(current: Plan, target: Plan, moved: set[ModelStage]) -> set[ModelStage]:
+    """The model-stages whose engines a transition ``current → target`` detaches at
+    ``transition_prepare`` and builds again at ``transition_finish``: those with ops in its DAG
+    (``moved``) and those ``target`` runs at another ZeRO stage (another engine class, though no
+    op moves their state). The one rule of the workers (``TransitionTasks``), the ZeRO export's
+    price and the controller's rebuild term of ``L̂_tran``. After a re-formation of the world the
+    workers rebuild every model-stage instead."""
+    return set(moved) | {ms for ms in target if ms in current and current[ms].zero_stage != target[ms].zero_stage}
+
+
 def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: StateModel,
                      links) -> tuple[float, int]:
     """Seconds and bytes of the ZeRO exports that precede a transition's ops.
@@ -203,12 +213,12 @@ def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: Sta
     slowest link of the ring (Thakur et al. 2005, §4); the all-gather moves half of that, so on
     NCCL this over-estimates (not measured on a GPU).
     """
-    touched = {op.model_stage for op in dag.ops}
+    rebuilt = rebuilt_model_stages(current, target, {op.model_stage for op in dag.ops})
     total_s, total_bytes = 0.0, 0
     for ms, cand in current.items():
         if not cand.zero_stage or cand.dp < 2:
             continue
-        if ms not in touched and ms in target and target[ms].zero_stage == cand.zero_stage:
+        if ms not in rebuilt and ms in target:
             continue
         joined = state.sizes.zero_joined_bytes_per_element(ms) / state.sizes.resident_bytes_per_element(ms)
         nbytes = max(state.plan_bytes(Plan({ms: cand})).values()) * joined

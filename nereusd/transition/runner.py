@@ -80,6 +80,8 @@ class TransitionProgress:
     elapsed_s: float = 0.0
     engine_start_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
+    rebuild_s: dict[ModelStage, float] = field(default_factory=dict)
+    """Per model-stage re-attached by ``transition_finish``: its slowest rank's seconds."""
 
     def slowest(self, results: Mapping[int, Any], *fields: str) -> None:
         """Keep, per field, the largest value any worker's result reports in ``phases_s``."""
@@ -96,6 +98,17 @@ class TransitionProgress:
                 cur["start_s"] = min(cur["start_s"], t["start_s"])
                 cur["end_s"] = max(cur["end_s"], t["end_s"])
                 cur["duration_s"] = cur["end_s"] - cur["start_s"]
+
+
+def slowest_by_stage(results: Mapping[int, Any], name: str = "rebuild_s_by_stage") -> dict[ModelStage, float]:
+    """Per model-stage, the largest of the workers' ``{model_stage: seconds}`` under ``name``
+    (``build`` and ``transition_finish`` report ``rebuild_s_by_stage``)."""
+    out: dict[ModelStage, float] = {}
+    for res in results.values():
+        for ms, seconds in (res.result.get(name) or {}).items():
+            key = ModelStage.parse(ms)
+            out[key] = max(out.get(key, 0.0), float(seconds))
+    return out
 
 
 def ready_ops(dag: TransitionDag, completed: set[str], started: set[str]) -> list[str]:
@@ -136,6 +149,7 @@ class TransitionRunner:
             progress.phases_s["finish"] = time.perf_counter() - finished
             progress.slowest(res, "rebuild_s", "sync_setup_s", "collect_s", "engine_start_s")
             progress.engine_start_s = progress.phases_s["engine_start"]
+            progress.rebuild_s = slowest_by_stage(res)
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)

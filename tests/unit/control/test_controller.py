@@ -338,6 +338,41 @@ def test_a_transition_that_starts_vllm_engines_is_priced_their_start_up(demo):
     assert resumed.engine_start_s == pytest.approx(12.0)
 
 
+def test_a_transition_is_priced_the_engines_it_rebuilds_and_the_builds_fixed_cost(demo):
+    """Before any transition was measured, ``L̂_tran`` adds what the build measured that a
+    transition repeats: the re-attachment of each model-stage the transition rebuilds (one with
+    ops in its DAG) and the fixed ``transition_finish`` cost. A change without ops (a training
+    micro-batch) rebuilds nothing and pays only the fixed cost; a measured transition then
+    replaces the build's fixed cost, and the rebuild times survive a resume."""
+    job, site = demo
+    train, gen = ModelStage.parse("actor/training"), ModelStage.parse("actor/generation")
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    plan = adapter.plan
+    moved = Plan({**plan.candidates, train: Candidate(4, 1, 1, (0, 1, 2, 3))})
+    retuned = Plan({**plan.candidates, train: dataclasses.replace(plan[train], micro_batch=8)})
+    assert plan[train] != moved[train]
+
+    def l_tran(step: int, target: Plan) -> float:
+        observe(adapter, step, 16)
+        return adapter.boundary(step, adapter.pool, forced=target).decision.l_tran_s
+
+    before_moved, before_retuned = l_tran(0, moved), l_tran(1, retuned)
+    adapter.engines_built({train: 0.5, gen: 3.0}, 0.2)
+    assert l_tran(2, moved) == pytest.approx(before_moved + 0.5 + 0.2)   # generation is not rebuilt
+    assert l_tran(3, retuned) == pytest.approx(before_retuned + 0.2)
+    adapter.engines_rebuilt({train: 0.3})
+    adapter.transition_measured(l_tran(4, moved), 1.0)
+    adapter.engines_built({train: 0.5}, 5.0)   # a later build (a restart) keeps the learned overhead
+    assert adapter.rebuild_s[train] == pytest.approx(0.5 * (0.5 * 0.5 + 0.5 * 0.3) + 0.5 * 0.5)
+    overhead = adapter.transition_overhead_s
+    assert overhead == pytest.approx(1.0 - before_moved - 0.4)
+    resumed = controller_for_job(job, site, job.plan, PROMPT)
+    resumed.restore(json.loads(json.dumps(adapter.state())))
+    assert resumed.rebuild_s == pytest.approx(adapter.rebuild_s) and resumed.transition_overhead_s == overhead
+    with pytest.raises(ConfigError, match="controller state: malformed"):
+        resumed.restore({**adapter.state(), "rebuild_s": {"actor/nothing": 1.0}})
+
+
 def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_horizon(demo):
     """A device leaves: the planner's S* decodes 22 sequences per wave on three replicas, which
     starts a new vLLM engine on each; the same plan at the running 16 keeps every engine.
