@@ -378,7 +378,7 @@ class LiveAdaptation:
         elapsed = time.perf_counter() - start
         self.driver.plan = target
         if predicted_s is not None:
-            self.controller.transition_measured(predicted_s, elapsed)
+            self.controller.transition_measured(predicted_s, elapsed, progress.terms_s())
         self.controller.engine_started(progress.engine_start_s)
         self.controller.engines_rebuilt(progress.rebuild_s)
         self.controller.switched(target, tuple(sorted(self.world)))

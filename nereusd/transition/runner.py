@@ -83,6 +83,14 @@ class TransitionProgress:
     rebuild_s: dict[ModelStage, float] = field(default_factory=dict)
     """Per model-stage re-attached by ``transition_finish``: its slowest rank's seconds."""
 
+    def terms_s(self) -> float:
+        """Seconds spent in what ``L̂_tran`` prices by terms of its own: the ops (first start to
+        last end over all workers), the engine re-attachments and vLLM start-ups of ``finish``
+        (:meth:`nereusd.control.controller.Controller.transition_measured`)."""
+        ops = (max(t["end_s"] for t in self.timings.values()) - min(t["start_s"] for t in self.timings.values())
+               if self.timings else 0.0)
+        return ops + self.phases_s.get("rebuild", 0.0) + self.phases_s.get("engine_start", 0.0)
+
     def slowest(self, results: Mapping[int, Any], *fields: str) -> None:
         """Keep, per field, the largest value any worker's result reports in ``phases_s``."""
         for name in fields:

@@ -371,6 +371,10 @@ def test_a_transition_is_priced_the_engines_it_rebuilds_and_the_builds_fixed_cos
     assert resumed.rebuild_s == pytest.approx(adapter.rebuild_s) and resumed.transition_overhead_s == overhead
     with pytest.raises(ConfigError, match="controller state: malformed"):
         resumed.restore({**adapter.state(), "rebuild_s": {"actor/nothing": 1.0}})
+    # a live transition measures its priced terms (ops, re-attachments): the fixed cost is the rest,
+    # whatever the DAG's prediction missed
+    resumed.transition_measured(0.1, 0.9, terms_s=0.6)
+    assert resumed.transition_overhead_s == pytest.approx(0.5 * overhead + 0.5 * 0.3)
 
 
 def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_horizon(demo):

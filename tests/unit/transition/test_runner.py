@@ -15,7 +15,7 @@ import pytest
 from nereusd.errors import WorkerError
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.transition import plan_transition
-from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
+from nereusd.transition.runner import TransitionInterrupted, TransitionProgress, TransitionRunner
 
 MS = ModelStage(Role.ACTOR, Stage.TRAINING)
 
@@ -87,3 +87,10 @@ def test_an_out_of_memory_transition_stays_an_out_of_memory_failure(tiny_models)
     with pytest.raises(TransitionInterrupted) as info:
         TransitionRunner(ScriptedControl(dead={}, error_kind="DeviceOutOfMemory"), [0, 1, 2, 3]).run(dag)
     assert info.value.error_kind == "DeviceOutOfMemory"
+
+
+def test_the_terms_a_transition_prices_apart_are_its_ops_span_rebuilds_and_engine_starts():
+    progress = TransitionProgress(timings={"a": {"start_s": 10.0, "end_s": 10.5}, "b": {"start_s": 10.2, "end_s": 11.0}},
+                                  phases_s={"rebuild": 0.3, "engine_start": 2.0, "collect": 0.1, "prepare": 0.4})
+    assert progress.terms_s() == pytest.approx(1.0 + 0.3 + 2.0)
+    assert TransitionProgress(phases_s={"rebuild": 0.2}).terms_s() == pytest.approx(0.2)
