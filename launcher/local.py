@@ -403,9 +403,13 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             # none may outlive the job. Not when this nereusd never held the directory (another
             # launcher's job does): those processes are that job's
             stop_run_processes(run_dir, wait_s=10.0)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        signal.signal(signal.SIGINT, sigint)
+        # an interrupted launcher exits next and keeps ignoring signals: a second Ctrl-C after a
+        # teardown that took under 0.5 s found SIGINT's handler restored and turned exit status
+        # 130 into a KeyboardInterrupt (-2)
+        if not interrupted:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            signal.signal(signal.SIGINT, sigint)
     return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
 
 

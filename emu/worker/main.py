@@ -106,6 +106,7 @@ def serve(args: argparse.Namespace) -> int:
                         store_host=args.store_host, store_port=args.store_port)
     memory = DeviceMemory(args.device, args.memory_bytes, workspace_bytes=WORKSPACE_BYTES[args.device_kind])
     runtime = WorkerRuntime(rank=args.rank, device_index=args.device, torch_device=device, memory=memory,
+                            settle_heap_at_build=True,
                             run_dir=args.run_dir, store_client=store, backend=backend)
     sock.send(P.encode(P.WorkerReady(device=args.device, pid=os.getpid())))
     log.info("worker ready: rank %d of %d on %s", args.rank, args.world_size, device)

@@ -66,10 +66,15 @@ def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str
 
 
 class WorkerRuntime(TransitionTasks, VllmStages):
-    """The state of one worker: its engines (one per model-stage it holds) and communicators."""
+    """The state of one worker: its engines (one per model-stage it holds) and communicators.
+
+    ``settle_heap_at_build``: freeze the process's set-up heap at the first :meth:`build`, before
+    any engine exists (:func:`nereusd.heap.settle_heap`); the worker process sets it, a runtime
+    built inside another program (a test) does not, since it would freeze that program's heap.
+    """
 
     def __init__(self, *, rank: int, device_index: int, torch_device: torch.device, memory: DeviceMemory,
-                 run_dir: str, store_client=None, backend: str = "gloo") -> None:
+                 run_dir: str, store_client=None, backend: str = "gloo", settle_heap_at_build: bool = False) -> None:
         self.rank = rank
         self.device_index = device_index
         self.torch_device = torch_device
@@ -86,7 +91,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         self._rebuild_all = False
         self._changed: set[ModelStage] = set()   # model-stages the running transition changes
         self._build_args: P.BuildArgs | None = None
-        self._heap_settled = False   # nereusd.heap.settle_heap done, once, at the first build
+        self._heap_settled = not settle_heap_at_build   # nereusd.heap.settle_heap, once, at the first build
         self._init_vllm()
         self._handlers = {
             "build": self.build,
@@ -126,7 +131,9 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         """Create communicators for every model-stage and the engines this rank holds
         (:class:`nereusd.protocol.tasks.BuildArgs`) → ``model_stages``, ``memory_in_use_bytes``,
         and what a transition's ``transition_finish`` repeats, in seconds: per model-stage its
-        communicators and engine (``rebuild_s_by_stage``; the initial weights' reading excluded),
+        communicators and engine (``rebuild_s_by_stage``; the initial weights' reading and
+        loading excluded; each model-stage timed from a world barrier, so that no rank's wait for
+        a slower one in the collective group creation is counted),
         the weight-sync communicators (``sync_setup_s``) and the garbage collection (``collect_s``)."""
         plan = Plan.from_dict(args.plan)
         roles = args.roles
@@ -144,6 +151,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
             self._heap_settled = True
         rebuild_s: dict[str, float] = {}   # per model-stage: what re-attaching it in a transition costs
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
+            dist.barrier()   # timed from a common start (see TransitionTasks._attach_timed)
             start = time.perf_counter()
             self.stage_groups[ms] = self._groups(cand)
             self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))
@@ -158,7 +166,9 @@ class WorkerRuntime(TransitionTasks, VllmStages):
                 states[ms.role] = initial_state(info, spec, seed + list(Role).index(ms.role))
             start = time.perf_counter()
             engine = self._make_engine(ms, cand, self.stage_groups[ms])
-            engine.load_full_state(states[ms.role])
+            rebuild_s[str(ms)] += time.perf_counter() - start
+            engine.load_full_state(states[ms.role])   # not timed: a transition binds its holding instead
+            start = time.perf_counter()
             bind_engine(engine, logical=LogicalState(seed=seed))
             self.engines[ms] = engine
             self._params_changed(ms)

@@ -12,9 +12,12 @@ and then asks :meth:`Controller.boundary` what to do:
    the measured start-up of a vLLM engine (the build's, then each transition's) is added to the
    ``L̂_tran`` of every target that starts one (:meth:`Controller.engine_started`,
    :func:`nereusd.backends.restarts_vllm_engines`: the workers' own rule for keeping an engine);
-   measured minus predicted transition time gives the fixed cost of a transition
-   (communicators, other engine rebuilds) that the DAG's byte-and-link model leaves out, added
-   to every ``L̂_tran`` (:meth:`Controller.transition_measured`);
+   each model-stage's measured re-attachment (the build's, then each transition's) is added to
+   the ``L̂_tran`` of every target that rebuilds it (:meth:`Controller.engines_rebuilt`,
+   :func:`nereusd.transition.rebuilt_model_stages`); the measured time of a transition outside
+   its priced terms gives the fixed cost the DAG's byte-and-link model leaves out (round trips,
+   weight-sync set-up, garbage collection), added to every ``L̂_tran``
+   (:meth:`Controller.transition_measured`);
 2. *triggers* — :class:`nereusd.control.monitor.Monitor`: the pool changed or the current plan's
    predicted peak for the coming step exceeds the usable memory (urgent); the response length
    or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
@@ -405,7 +408,9 @@ class Controller:
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
         l_tran = est.l_tran_s
         if plan != source:
-            moved = {op.model_stage for op in est.dag.ops} if est.dag is not None else set(plan)
+            moved = ({op.model_stage for op in est.dag.ops} if est.dag is not None else
+                     {ms for ms in set(plan) | set(source) if ms not in plan or ms not in source
+                      or (plan[ms].layout, plan[ms].devices) != (source[ms].layout, source[ms].devices)})
             l_tran += self.transition_overhead_s + sum(self.rebuild_s.get(ms, 0.0)
                                                        for ms in rebuilt_model_stages(source, plan, moved))
         if self.engine_start_s and restarts_vllm_engines(source, plan, problem.engines, problem.workload.micro_batch):

@@ -118,10 +118,12 @@ class RLDriver:
         """The slowest vLLM engine start-up of the last :meth:`build` (0: none started), read by the
         live controller (``L̂_tran`` of transitions that start engines)."""
         self.rebuild_s: dict[ModelStage, float] = {}
+        """Per model-stage, what the last :meth:`build` measured of what a transition's
+        ``transition_finish`` repeats: its communicators and engine (slowest rank, seconds); read
+        by the live controller, which empties it."""
         self.finish_overhead_s = 0.0
-        """What the last :meth:`build` measured that a transition's ``transition_finish`` repeats
-        (slowest rank each, seconds): per model-stage its communicators and engine, and the
-        weight-sync set-up plus garbage collection; read (and cleared) by the live controller."""
+        """The last :meth:`build`'s weight-sync set-up plus garbage collection (slowest rank,
+        seconds): the live controller's fixed transition cost until a transition is measured."""
         self._ms_s: dict[str, float] = {}
         self._peaks: dict[int, int] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None

@@ -71,8 +71,8 @@ class TransitionProgress:
     time went (``phases_s``, seconds): the wall time of the three steps seen from nereusd
     (``prepare``, ``ops``, ``finish``) and, slowest rank each, the workers' engine detach
     (a ZeRO export included), communicator set-up, engine rebuild, weight-sync communicator
-    set-up and garbage collection (``detach``, ``setup``, ``rebuild``, ``sync_setup``,
-    ``collect``)."""
+    set-up, garbage collection and vLLM engine start-up (``detach``, ``setup``, ``rebuild``,
+    ``sync_setup``, ``collect``, ``engine_start``)."""
 
     completed: set[str] = field(default_factory=set)
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -84,12 +84,17 @@ class TransitionProgress:
     """Per model-stage re-attached by ``transition_finish``: its slowest rank's seconds."""
 
     def terms_s(self) -> float:
-        """Seconds spent in what ``L̂_tran`` prices by terms of its own: the ops (first start to
-        last end over all workers), the engine re-attachments and vLLM start-ups of ``finish``
-        (:meth:`nereusd.control.controller.Controller.transition_measured`)."""
+        """Seconds spent in what ``L̂_tran`` prices by terms of its own
+        (:meth:`nereusd.control.controller.Controller.transition_measured`): the engines' detach
+        (a ZeRO export, ``zero_export_cost``), the ops (first start to last end over all workers,
+        at most the ``prepare`` plus ``ops`` phases that nereusd timed on its own clock: workers'
+        clocks on other nodes may be skewed), the engine re-attachments and vLLM start-ups."""
         ops = (max(t["end_s"] for t in self.timings.values()) - min(t["start_s"] for t in self.timings.values())
                if self.timings else 0.0)
-        return ops + self.phases_s.get("rebuild", 0.0) + self.phases_s.get("engine_start", 0.0)
+        if "prepare" in self.phases_s:
+            ops = min(ops, self.phases_s["prepare"] + self.phases_s.get("ops", 0.0))
+        return (self.phases_s.get("detach", 0.0) + max(0.0, ops) + self.phases_s.get("rebuild", 0.0)
+                + self.phases_s.get("engine_start", 0.0))
 
     def slowest(self, results: Mapping[int, Any], *fields: str) -> None:
         """Keep, per field, the largest value any worker's result reports in ``phases_s``."""

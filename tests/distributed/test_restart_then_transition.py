@@ -51,7 +51,7 @@ def _body(rank, world, job_text, tmp):
                   ms("actor/training"): Candidate(1, 1, 2, (0, 1))})
     target = Plan({**start.candidates, ms("actor/training"): Candidate(1, 1, 3, (0, 1, 2))})
     runtime = WorkerRuntime(rank=rank, device_index=rank, torch_device=torch.device("cpu"),
-                            memory=DeviceMemory(rank, 1 << 30), run_dir=tmp)
+                            memory=DeviceMemory(rank, 1 << 30), run_dir=tmp, settle_heap_at_build=True)
     runtime._rebuild_all = True   # what reform_world leaves: the restart re-formed the world
     roles = {r.value: P.RoleArgs(spec=rm.spec.to_dict(), path=rm.path, value_head=rm.value_head)
              for r, rm in job.roles.items()}

@@ -90,7 +90,10 @@ def test_an_out_of_memory_transition_stays_an_out_of_memory_failure(tiny_models)
 
 
 def test_the_terms_a_transition_prices_apart_are_its_ops_span_rebuilds_and_engine_starts():
-    progress = TransitionProgress(timings={"a": {"start_s": 10.0, "end_s": 10.5}, "b": {"start_s": 10.2, "end_s": 11.0}},
-                                  phases_s={"rebuild": 0.3, "engine_start": 2.0, "collect": 0.1, "prepare": 0.4})
-    assert progress.terms_s() == pytest.approx(1.0 + 0.3 + 2.0)
+    timings = {"a": {"start_s": 10.0, "end_s": 10.5}, "b": {"start_s": 10.2, "end_s": 11.0}}
+    phases = {"detach": 0.2, "rebuild": 0.3, "engine_start": 2.0, "collect": 0.1, "prepare": 0.4, "ops": 0.7}
+    assert TransitionProgress(timings=timings, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.0 + 0.3 + 2.0)
+    # workers' clocks (other nodes) are trusted only as far as nereusd's own prepare + ops
+    skewed = {**timings, "b": {"start_s": 10.2, "end_s": 15.0}}
+    assert TransitionProgress(timings=skewed, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.1 + 0.3 + 2.0)
     assert TransitionProgress(phases_s={"rebuild": 0.2}).terms_s() == pytest.approx(0.2)
