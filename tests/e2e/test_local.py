@@ -159,8 +159,12 @@ rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
 train: {{global_batch: 4, micro_batch: 2}}
 """)
     run_dir = tmp_path / "run"
+    # SIGINT as a terminal delivers it: a test run started in the background of a shell without
+    # job control inherits SIGINT ignored (POSIX), and so would the launcher, which then ran all
+    # 500 steps
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     while not read_jsonl(run_dir / "metrics.jsonl"):
         assert proc.poll() is None, proc.communicate()
