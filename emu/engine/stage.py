@@ -56,6 +56,7 @@ def preload_optimizer() -> None:
     """
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
 
+
 class StageEngine:
     """This rank's shard of one model-stage replica set (see module docstring for conventions).
 

@@ -151,7 +151,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
             self._heap_settled = True
         rebuild_s: dict[str, float] = {}   # per model-stage: what re-attaching it in a transition costs
         for ms, cand in plan.items():  # every rank, same order: group creation is collective
-            dist.barrier()   # timed from a common start (see TransitionTasks._attach_timed)
+            dist.barrier()   # timed from a common start, as transition_finish times its re-attachments
             start = time.perf_counter()
             self.stage_groups[ms] = self._groups(cand)
             self.stage_pg[ms] = dist.new_group(sorted(self.rank_of(d) for d in cand.devices))

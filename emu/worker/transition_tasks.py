@@ -164,8 +164,10 @@ class TransitionTasks:
         start = time.perf_counter()
         by_stage: dict[str, float] = {}
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
-            dist.barrier()   # each model-stage timed from a common start: no rank's wait for a
-            begin = time.perf_counter()   # slower one (the group creation is collective) counted
+            # each model-stage timed from a common start: no rank's wait for a slower one in the
+            # (collective) group creation is counted as this model-stage's re-attachment
+            dist.barrier()
+            begin = time.perf_counter()
             self._attach(ms, target[ms])
             by_stage[str(ms)] = time.perf_counter() - begin
         for ms, engine in self.engines.items():

@@ -345,8 +345,10 @@ class Controller:
         collection.
 
         ``terms_s``: seconds of the measured transition spent in what has a term of its own (the
-        DAG's ops, engine re-attachments and vLLM start-ups, :meth:`engines_rebuilt`,
-        :meth:`engine_started`); the fixed cost is then ``measured_s − terms_s``. Without it (the
+        engines' detach with any ZeRO export, the DAG's ops, engine re-attachments and vLLM
+        start-ups, :meth:`engines_rebuilt`, :meth:`engine_started`;
+        :meth:`nereusd.transition.runner.TransitionProgress.terms_s`); the fixed cost is then
+        ``measured_s − terms_s``. Without it (the
         simulator), ``measured − predicted`` plus the fixed cost predicted, so that the error of
         every other term lands in the fixed cost (a DAG predicted at 0.04 s that took 0.2 s made
         the next transition, 0.05 s, predicted at 0.26 s in the demo)."""

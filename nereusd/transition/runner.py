@@ -113,12 +113,12 @@ class TransitionProgress:
                 cur["duration_s"] = cur["end_s"] - cur["start_s"]
 
 
-def slowest_by_stage(results: Mapping[int, Any], name: str = "rebuild_s_by_stage") -> dict[ModelStage, float]:
-    """Per model-stage, the largest of the workers' ``{model_stage: seconds}`` under ``name``
-    (``build`` and ``transition_finish`` report ``rebuild_s_by_stage``)."""
+def slowest_by_stage(results: Mapping[int, Any]) -> dict[ModelStage, float]:
+    """Per model-stage, the largest of the workers' ``rebuild_s_by_stage`` (``{model_stage:
+    seconds}``, reported by ``build`` and ``transition_finish``)."""
     out: dict[ModelStage, float] = {}
     for res in results.values():
-        for ms, seconds in (res.result.get(name) or {}).items():
+        for ms, seconds in (res.result.get("rebuild_s_by_stage") or {}).items():
             key = ModelStage.parse(ms)
             out[key] = max(out.get(key, 0.0), float(seconds))
     return out
