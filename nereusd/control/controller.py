@@ -58,6 +58,7 @@ from nereusd.config.site import SiteConfig
 from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
 from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.control.problem import job_problem, site_for_pool, solve
+from nereusd.control.transition_costs import TransitionCostLearning
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.cost.model import CostModel
@@ -66,7 +67,6 @@ from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, PlanResult
 from nereusd.planner.space import PlanProblem, evaluate
-from nereusd.transition import rebuilt_model_stages
 from nereusd.transition.estimate import TransitionEstimator
 
 MEMORY_WINDOW = 8
@@ -173,7 +173,7 @@ class Outcome:
 
 
 
-class Controller:
+class Controller(TransitionCostLearning):
     """Calibrate, trigger, replan and admit for one running job (module docstring).
 
     Args:
@@ -205,14 +205,7 @@ class Controller:
         self.transitions = TransitionEstimator(problem.specs, problem.site, self.cost_model,
                                                problem.workflow.concurrent_sets(), max_devices=transition_scale_limit)
         self._memory: deque[float] = deque(maxlen=self.policy.memory_window)
-        self.transition_overhead_s = 0.0
-        self._transitions_seen = 0
-        self.engine_start_s = 0.0
-        """Seconds a vLLM engine takes to start (the slowest rank's; EMA of measurements, 0 before one)."""
-        self._engine_starts_seen = 0
-        self.rebuild_s: dict[ModelStage, float] = {}
-        """Seconds ``transition_finish`` takes to re-attach each model-stage (its communicators and
-        engine, the slowest rank's; measured by the build, then EMA over transitions)."""
+        self._init_transition_costs()
         self.efficiency = 1.0
         self.length = 1
         self.predicted_step_s: float | None = None
@@ -237,13 +230,10 @@ class Controller:
         signals and ``H_x``, the re-run and relaunch marks, and the ``frozen`` policy's base plan."""
         return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
                 "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
-                "transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
                 "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
-                "base_plan": self.base_plan.to_dict(),
-                "engine_start": [self.engine_start_s, self._engine_starts_seen],
-                "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()}}
+                "base_plan": self.base_plan.to_dict(), **self._transition_costs_state()}
 
     def restore(self, state: Mapping) -> None:
         """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
@@ -260,17 +250,11 @@ class Controller:
             memory = [float(x) for x in state["memory_ratios"]]
             base_plan = Plan.from_dict(state["base_plan"])
             replay_until, replay_length = (int(x) for x in state["replay"])
-            fields = (int(state["length"]), float(state["transition_overhead_s"]), int(state["transitions_seen"]),
-                      float(state["efficiency"]), bool(state["relaunch"]), bool(state["restarted"]))
+            fields = (int(state["length"]), float(state["efficiency"]), bool(state["relaunch"]),
+                      bool(state["restarted"]))
             predicted = state["predicted_step_s"]
             predicted = None if predicted is None else float(predicted)
-            engine_start_s, engine_starts_seen = state.get("engine_start", (0.0, 0))   # absent before it was learned
-            engine_start_s, engine_starts_seen = float(engine_start_s), int(engine_starts_seen)
-            if not (math.isfinite(engine_start_s) and engine_start_s >= 0):
-                raise ValueError(f"engine_start {engine_start_s!r}")
-            rebuild_s = {ModelStage.parse(ms): float(x) for ms, x in state.get("rebuild_s", {}).items()}
-            if not all(math.isfinite(x) and x >= 0 for x in rebuild_s.values()):
-                raise ValueError(f"rebuild_s {state['rebuild_s']!r}")
+            costs = self._parse_transition_costs(state)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:
@@ -283,11 +267,9 @@ class Controller:
         self._memory.extend(memory)
         self.base_plan = base_plan
         self._replay_until, self._replay_length = replay_until, replay_length
-        (self.length, self.transition_overhead_s, self._transitions_seen, self.efficiency, self._relaunch,
-         self._restarted) = fields
+        self.length, self.efficiency, self._relaunch, self._restarted = fields
         self.predicted_step_s = predicted
-        self.engine_start_s, self._engine_starts_seen = engine_start_s, engine_starts_seen
-        self.rebuild_s = rebuild_s
+        self._set_transition_costs(costs)
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
@@ -338,51 +320,6 @@ class Controller:
                 "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
                 "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max}
 
-    def transition_measured(self, predicted_s: float, measured_s: float, terms_s: float | None = None) -> None:
-        """Learn the fixed cost of a transition (EMA, weight 0.5; the first measurement is taken as
-        is; before one, the build's, :meth:`engines_built`): what ``L̂_tran`` prices by no term of
-        its own — control-plane round trips, communicator and weight-sync set-up, the garbage
-        collection.
-
-        ``terms_s``: seconds of the measured transition spent in what has a term of its own (the
-        engines' detach with any ZeRO export, the DAG's ops, engine re-attachments and vLLM
-        start-ups, :meth:`engines_rebuilt`, :meth:`engine_started`;
-        :meth:`nereusd.transition.runner.TransitionProgress.terms_s`); the fixed cost is then
-        ``measured_s − terms_s``. Without it (the
-        simulator), ``measured − predicted`` plus the fixed cost predicted, so that the error of
-        every other term lands in the fixed cost (a DAG predicted at 0.04 s that took 0.2 s made
-        the next transition, 0.05 s, predicted at 0.26 s in the demo)."""
-        if terms_s is not None:
-            extra = max(0.0, measured_s - terms_s)
-        else:
-            extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
-        self.transition_overhead_s = extra if not self._transitions_seen else (
-            0.5 * self.transition_overhead_s + 0.5 * extra)
-        self._transitions_seen += 1
-
-    def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float) -> None:
-        """What a build measured that a transition repeats: each model-stage's re-attachment
-        (:meth:`engines_rebuilt`) and, until a transition has been measured, the fixed cost
-        (``finish_overhead_s``: the weight-sync communicators and the garbage collection every
-        ``transition_finish`` runs), so that the first ``L̂_tran`` is not the DAG's alone."""
-        self.engines_rebuilt(rebuild_s)
-        if not self._transitions_seen and math.isfinite(finish_overhead_s) and finish_overhead_s >= 0:
-            self.transition_overhead_s = finish_overhead_s
-
-    def engines_rebuilt(self, rebuild_s: Mapping[ModelStage, float]) -> None:
-        """Learn each model-stage's re-attachment seconds (EMA, weight 0.5; the first taken as is)."""
-        for ms, seconds in rebuild_s.items():
-            if math.isfinite(seconds) and seconds >= 0:
-                self.rebuild_s[ms] = seconds if ms not in self.rebuild_s else 0.5 * self.rebuild_s[ms] + 0.5 * seconds
-
-    def engine_started(self, seconds: float) -> None:
-        """Learn how long a vLLM engine takes to start, ``seconds`` measured by the workers (the
-        build's or a transition's slowest rank; EMA, weight 0.5; the first taken as is)."""
-        if not (math.isfinite(seconds) and seconds > 0):
-            return
-        self.engine_start_s = seconds if not self._engine_starts_seen else 0.5 * self.engine_start_s + 0.5 * seconds
-        self._engine_starts_seen += 1
-
     # ---- decisions -------------------------------------------------------------------------
     def _keeping_engines(self, source: Plan, plan: Plan, problem: PlanProblem, headroom: float,
                          urgent: bool) -> Plan | None:
@@ -408,15 +345,8 @@ class Controller:
         est = self.transitions.estimate(source, plan)
         over = ev.over_capacity(usable)
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
-        l_tran = est.l_tran_s
-        if plan != source:
-            moved = ({op.model_stage for op in est.dag.ops} if est.dag is not None else
-                     {ms for ms in set(plan) | set(source) if ms not in plan or ms not in source
-                      or (plan[ms].layout, plan[ms].devices) != (source[ms].layout, source[ms].devices)})
-            l_tran += self.transition_overhead_s + sum(self.rebuild_s.get(ms, 0.0)
-                                                       for ms in rebuilt_model_stages(source, plan, moved))
-        if self.engine_start_s and restarts_vllm_engines(source, plan, problem.engines, problem.workload.micro_batch):
-            l_tran += self.engine_start_s
+        l_tran = est.l_tran_s + self.extra_l_tran_s(source, plan, est.dag, problem.engines,
+                                                     problem.workload.micro_batch)
         return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason, dag=est.dag)
 
     def boundary(self, step: int, pool: tuple[int, ...], *, source: Plan | None = None,

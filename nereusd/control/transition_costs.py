@@ -1,0 +1,128 @@
+"""What the controller learns about transitions beyond the DAG's byte-and-link model (paper §4.2,
+``L̂_tran``; DESIGN.md "Cost model"): a vLLM engine's start-up, each model-stage's re-attachment
+at ``transition_finish``, and the fixed cost of a transition — each learned from its own
+measurement (EMA, weight 0.5; the first measurement taken as is) and added to the ``L̂_tran`` of
+every target that incurs it (:meth:`TransitionCostLearning.extra_l_tran_s`).
+
+:class:`TransitionCostLearning` is a part of :class:`nereusd.control.controller.Controller`
+(its attributes are the controller's, kept in its ``state()``), in a module of its own so that
+the controller's decision logic stays readable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from nereusd.backends import restarts_vllm_engines
+from nereusd.plan import ModelStage, Plan
+from nereusd.transition import rebuilt_model_stages
+from nereusd.transition.ops import TransitionDag
+
+
+class TransitionCostLearning:
+    """The learned terms of ``L̂_tran`` (module docstring); call :meth:`_init_transition_costs`
+    from ``__init__``."""
+
+    def _init_transition_costs(self) -> None:
+        self.transition_overhead_s = 0.0
+        self._transitions_seen = 0
+        self.engine_start_s = 0.0
+        """Seconds a vLLM engine takes to start (the slowest rank's; EMA of measurements, 0 before one)."""
+        self._engine_starts_seen = 0
+        self.rebuild_s: dict[ModelStage, float] = {}
+        """Seconds ``transition_finish`` takes to re-attach each model-stage (its communicators and
+        engine, the slowest rank's; measured by the build, then EMA over transitions)."""
+
+    # ---- learning ----------------------------------------------------------------------------
+    def transition_measured(self, predicted_s: float, measured_s: float, terms_s: float | None = None) -> None:
+        """Learn the fixed cost of a transition (EMA, weight 0.5; the first measurement is taken as
+        is; before one, the build's, :meth:`engines_built`): what ``L̂_tran`` prices by no term of
+        its own — control-plane round trips, communicator and weight-sync set-up, the garbage
+        collection.
+
+        ``terms_s``: seconds of the measured transition spent in what has a term of its own (the
+        engines' detach with any ZeRO export, the DAG's ops, engine re-attachments and vLLM
+        start-ups, :meth:`engines_rebuilt`, :meth:`engine_started`;
+        :meth:`nereusd.transition.runner.TransitionProgress.terms_s`); the fixed cost is then
+        ``measured_s − terms_s``. Without it (the simulator), ``measured − predicted`` plus the
+        fixed cost predicted, so that the error of every other term lands in the fixed cost (a
+        DAG predicted at 0.04 s that took 0.2 s made the next transition, 0.05 s, predicted at
+        0.26 s in the demo)."""
+        if terms_s is not None:
+            extra = max(0.0, measured_s - terms_s)
+        else:
+            extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
+        self.transition_overhead_s = extra if not self._transitions_seen else (
+            0.5 * self.transition_overhead_s + 0.5 * extra)
+        self._transitions_seen += 1
+
+    def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float) -> None:
+        """What a build measured that a transition repeats: each model-stage's re-attachment
+        (:meth:`engines_rebuilt`) and, until a transition has been measured, the fixed cost
+        (``finish_overhead_s``: the weight-sync communicators and the garbage collection every
+        ``transition_finish`` runs), so that the first ``L̂_tran`` is not the DAG's alone."""
+        self.engines_rebuilt(rebuild_s)
+        if not self._transitions_seen and math.isfinite(finish_overhead_s) and finish_overhead_s >= 0:
+            self.transition_overhead_s = finish_overhead_s
+
+    def engines_rebuilt(self, rebuild_s: Mapping[ModelStage, float]) -> None:
+        """Learn each model-stage's re-attachment seconds (EMA, weight 0.5; the first taken as is)."""
+        for ms, seconds in rebuild_s.items():
+            if math.isfinite(seconds) and seconds >= 0:
+                self.rebuild_s[ms] = seconds if ms not in self.rebuild_s else 0.5 * self.rebuild_s[ms] + 0.5 * seconds
+
+    def engine_started(self, seconds: float) -> None:
+        """Learn how long a vLLM engine takes to start, ``seconds`` measured by the workers (the
+        build's or a transition's slowest rank; EMA, weight 0.5; the first taken as is)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        self.engine_start_s = seconds if not self._engine_starts_seen else 0.5 * self.engine_start_s + 0.5 * seconds
+        self._engine_starts_seen += 1
+
+    # ---- pricing -----------------------------------------------------------------------------
+    def extra_l_tran_s(self, source: Plan, plan: Plan, dag: TransitionDag | None, engines: Iterable[ModelStage],
+                       micro_batch: int) -> float:
+        """Seconds the learned terms add to the DAG's ``L̂_tran`` of ``source → plan``: the fixed
+        cost and the re-attachment of every model-stage the transition rebuilds
+        (:func:`nereusd.transition.rebuilt_model_stages`; without a ``dag``, the simulator's scaled
+        assessments, those whose layout or devices change), and a vLLM start-up when it starts
+        engines (:func:`nereusd.backends.restarts_vllm_engines`, the workers' own rule)."""
+        extra = 0.0
+        if plan != source:
+            moved = ({op.model_stage for op in dag.ops} if dag is not None else
+                     {ms for ms in set(plan) | set(source) if ms not in plan or ms not in source
+                      or (plan[ms].layout, plan[ms].devices) != (source[ms].layout, source[ms].devices)})
+            extra += self.transition_overhead_s + sum(self.rebuild_s.get(ms, 0.0)
+                                                      for ms in rebuilt_model_stages(source, plan, moved))
+        if self.engine_start_s and restarts_vllm_engines(source, plan, engines, micro_batch):
+            extra += self.engine_start_s
+        return extra
+
+    # ---- state of a resumed nereusd ----------------------------------------------------------
+    def _transition_costs_state(self) -> dict[str, Any]:
+        """This part of the controller's ``state()`` (JSON)."""
+        return {"transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
+                "engine_start": [self.engine_start_s, self._engine_starts_seen],
+                "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()}}
+
+    @staticmethod
+    def _parse_transition_costs(state: Mapping) -> tuple:
+        """This part of a controller state, checked (:meth:`_set_transition_costs` applies it).
+
+        Raises:
+            KeyError, TypeError, ValueError, PlanError: a missing or malformed field.
+        """
+        overhead_s, seen = float(state["transition_overhead_s"]), int(state["transitions_seen"])
+        engine_start_s, engine_starts_seen = state.get("engine_start", (0.0, 0))   # absent before it was learned
+        engine_start_s, engine_starts_seen = float(engine_start_s), int(engine_starts_seen)
+        if not (math.isfinite(engine_start_s) and engine_start_s >= 0):
+            raise ValueError(f"engine_start {engine_start_s!r}")
+        rebuild_s = {ModelStage.parse(ms): float(x) for ms, x in state.get("rebuild_s", {}).items()}
+        if not all(math.isfinite(x) and x >= 0 for x in rebuild_s.values()):
+            raise ValueError(f"rebuild_s {state['rebuild_s']!r}")
+        return overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s
+
+    def _set_transition_costs(self, parsed: tuple) -> None:
+        (self.transition_overhead_s, self._transitions_seen, self.engine_start_s, self._engine_starts_seen,
+         self.rebuild_s) = parsed
