@@ -284,7 +284,7 @@ class LiveAdaptation:
         With ``wait``, poll up to :attr:`LOSS_GRACE_S` for the news, and while an agent of the
         world has been silent for :attr:`SILENT_AGENT_S`, up to its heartbeat timeout (a killed
         agent's workers outlive it until their task ends; its loss is known by its dropped
-        connection, :data:`~nereusd.daemon.control_plane.DISCONNECT_GRACE_S`, or by heartbeat).
+        connection, :data:`~nereusd.daemon.registry.DISCONNECT_GRACE_S`, or by heartbeat).
         """
         start = self.clock()
         grace_end = start + (self.LOSS_GRACE_S if wait else 0.0)

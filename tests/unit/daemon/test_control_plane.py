@@ -67,9 +67,9 @@ def test_an_agent_whose_connection_drops_is_lost_within_the_grace_not_the_heartb
     before a 60 s heartbeat timeout. A live agent that keeps talking is not."""
     import time
 
-    from nereusd.daemon import control_plane
+    from nereusd.daemon import registry
 
-    monkeypatch.setattr(control_plane, "DISCONNECT_GRACE_S", 0.5)
+    monkeypatch.setattr(registry, "DISCONNECT_GRACE_S", 0.5)
     lost = []
     control = ControlPlane(heartbeat_timeout_s=60.0, on_pool_change=lost.append)
     gone, live = fake_agent(control, "gone", 1), fake_agent(control, "live", 1)
