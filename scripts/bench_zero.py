@@ -10,9 +10,11 @@ All in one run, on a Llama of ``--hidden``/``--layers``/``--vocab`` (seeded rand
    gradients, optimizer state and activations as each engine books them — for DeepSpeed at the
    partition sizes it allocated), max over ranks.
 2. **dp 2 → 4, live**: a ZeRO-1 model-stage trained on ranks 0–1 moves to ranks 0–3 as a worker
-   moves it (export of the canonical holding, the transition DAG that ``nereusd.transition``
-   plans, run by :class:`emu.state.executor.TransitionExecutor`; DeepSpeed engines built on 4
-   ranks adopt the state) — wall time from the first export to the last adoption, max over ranks.
+   moves it (:mod:`emu.engine.zero_repartition`: each old replica keeps its optimizer partition;
+   the transition DAG that ``nereusd.transition`` plans moves the parameters, run by
+   :class:`emu.state.executor.TransitionExecutor`; DeepSpeed engines built on 4 ranks take the
+   parameters and receive their partitions) — wall time from the detach to the last partition
+   received, max over ranks.
 3. **dp 2 → 4, restart** (the alternative every frozen framework uses): the same dp 2 job as a
    2-process job of its own trains the same 2 steps and saves with DeepSpeed's own
    ``save_checkpoint`` (timed); DeepSpeed loads ZeRO state at another DP size only from a
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from emu.engine.model import LlamaModel  # noqa: E402
 from emu.engine.parallel import build_stage_groups  # noqa: E402
 from emu.engine.stage import StageEngine  # noqa: E402
+from emu.engine.zero_repartition import keep_partition, repartition  # noqa: E402
 from emu.state.devmem import DeviceMemory  # noqa: E402
 from emu.state.executor import TransitionExecutor  # noqa: E402
 from emu.state.primitives import HoldingStore  # noqa: E402
@@ -132,23 +135,26 @@ def body(rank: int, world: int, args: dict, ckpt: str) -> dict:
     dist.barrier()
     t = time.perf_counter()
     store = HoldingStore(memory)
-    phases = {}
-    if eng is not None:   # detach as emu.worker.transition_tasks does
-        store.put(eng.detach(), book=True)
+    phases, kept = {}, None
+    if eng is not None:   # detach as emu.worker.transition_tasks does: ZeRO to ZeRO keeps the partition
+        holding, kept = keep_partition(eng, memory)
+        store.put(holding, book=True)
     dist.barrier()
-    phases["export"] = time.perf_counter() - t
-    ex = TransitionExecutor(dag, rank, store, {MS: (spec, False, ("param", "exp_avg", "exp_avg_sq"))})
+    phases["keep"] = time.perf_counter() - t
+    ex = TransitionExecutor(dag, rank, store, {MS: (spec, False, ("param",))})   # parameters only
     ex.prepare()
     ex.run()
     ex.close()
     dist.barrier()
-    phases["dag"] = time.perf_counter() - t - phases["export"]
+    phases["dag"] = time.perf_counter() - t - sum(phases.values())
     moved = make(rank, quad, spec, memory, args["micro_batch"])
-    phases["build"] = time.perf_counter() - t - phases["export"] - phases["dag"]
+    phases["build"] = time.perf_counter() - t - sum(phases.values())
     bind_engine(moved, store.pop(MS, quad.layout, (0, 0)))
+    phases["adopt"] = time.perf_counter() - t - sum(phases.values())
+    out["received_bytes"] = repartition(kept, moved, memory)
     dist.barrier()
     out["transition_s"] = time.perf_counter() - t
-    phases["adopt"] = out["transition_s"] - sum(phases.values())
+    phases["repartition"] = out["transition_s"] - sum(phases.values())
     out["phases"] = phases
     out["moved"] = holding_of(moved).buffer.clone()
     moved.release()
@@ -225,7 +231,8 @@ def main() -> int:
     restart = save_s + convert_s + max(r["restart_s"] for r in restarted)
     exact = all(torch.equal(x["moved"], y["state"]) for x, y in zip(live, restarted))
     phases = {k: max(r["phases"][k] for r in live) for k in live[0]["phases"]}
-    print("dp2->4 live, by phase (max over ranks): " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    print("dp2->4 live, by phase (max over ranks): " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+          + f"; partitions received {sum(r['received_bytes'] for r in live) / 2**20:.1f} MiB")
     print(f"dp2->4 live: {transition:.2f} s; DeepSpeed save {save_s:.2f} s + ds_to_universal {convert_s:.2f} s + restart "
           f"{max(r['restart_s'] for r in restarted):.2f} s; moved state == restarted state: {exact}")
     print(f"zero: stage1 peak {peak[1] / peak[0]:.2f}x of stage0; dp2->4 transition {transition:.2f} s "

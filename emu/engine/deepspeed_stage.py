@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from emu.state.primitives import all_gather_single
-from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState
+from emu.state.unit import PARAM_SLOTS, TRAIN_SLOTS, EmuShard, LogicalState
 from emu.engine.stage import StageEngine
 from nereusd.cost.memory import zero_bucket_elements, zero_state_bytes
 from nereusd.errors import NereusError, PlanError
@@ -457,12 +457,22 @@ class DeepSpeedStageEngine(StageEngine):
         otherwise ``safe_set_full_*`` per parameter. Moments are loaded even at step 0 (zeros
         there: Adam's own start).
 
+        A ``PARAM_SLOTS`` holding (a re-partitioning transition, :mod:`emu.engine.zero_repartition`)
+        gives the parameters and ``c, v, p`` only; :func:`~emu.engine.zero_repartition.repartition`
+        fills the optimizer partition next.
+
         Raises:
-            NereusError: if ``shard`` is another model-stage's or not a full training holding.
+            NereusError: if ``shard`` is another model-stage's or neither a full training holding
+                nor a parameter-only one.
         """
-        if (shard.model_stage, shard.slots, shard.layout) != (self.model_stage, TRAIN_SLOTS, self.candidate.layout):
+        if (shard.model_stage, shard.layout) != (self.model_stage, self.candidate.layout) or \
+                shard.slots not in (TRAIN_SLOTS, PARAM_SLOTS):
             raise NereusError(f"{self.ms}: cannot adopt holding {shard.describe()} slots {shard.slots}")
         names, step = list(self.params), shard.logical.step
+        if shard.slots == PARAM_SLOTS:
+            StageEngine.load_full_state(self, {n: shard.view(n, "param") for n in names})
+            self.logical = shard.logical
+            return
         if not self._flat_is_holding_row(shard):
             self.load_full_state({n: shard.view(n, "param") for n in names})
             self.load_optimizer_full_state({

@@ -88,6 +88,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         self.store_client, self.backend = store_client, backend
         self.rank_of = lambda device: device
         self._transition = None
+        self._partitions = {}   # ZeRO partitions a transition re-partitions (TransitionTasks._repartition)
         self._rebuild_all = False
         self._changed: set[ModelStage] = set()   # model-stages the running transition changes
         self._build_args: P.BuildArgs | None = None

@@ -5,15 +5,17 @@ Mixed into :class:`emu.worker.runtime.WorkerRuntime`. Task kinds (args → resul
 ``transition_prepare`` (every world rank; ``dag`` JSON, ``ops``)
     Engines of model-stages the DAG changes are detached into holdings (their memory moves from
     the engine's entries to the holding's, no copy: engines live in their holdings, see
-    :func:`emu.state.unit.bind_engine`), and the transition's communicators are created, collectively
+    :func:`emu.state.unit.bind_engine`; a ZeRO model-stage that stays on ZeRO keeps its optimizer
+    partition apart and its holding carries the parameters alone, :mod:`emu.engine.zero_repartition`), and the transition's communicators are created, collectively
     in DAG order; then this device's part of ``ops`` (the first ready set) runs as in
     ``transition_run`` → ``setup_s``, ``timings``.
 ``transition_run`` (the devices of ``ops``)
     This device's part of ``ops`` (a ready set) → ``timings`` (:class:`emu.state.executor.OpTiming`).
 ``transition_finish`` (every world rank; ``syncs``: the target plan's weight-sync DAGs)
     Communicators destroyed; engines of the target plan built, in canonical order (group creation
-    is collective), on the holdings the transition produced; the weight-sync communicators
-    created → ``model_stages``.
+    is collective), on the holdings the transition produced (a re-partitioned ZeRO model-stage's
+    optimizer partitions moved into its new engines right after they are built); the weight-sync
+    communicators created → ``model_stages``, ``rebuild_s``, ``repartition_s``, ….
 ``reform_world`` (every surviving or new worker; ``generation``, ``devices``)
     Engines detached into holdings, the old world destroyed, generation ``generation`` of the
     world joined with world rank = index of this device in ``devices``; tensors stay in memory.
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from emu.engine.zero_repartition import keep_partition, repartition
 from emu.state.executor import TransitionExecutor
 from emu.state.primitives import Communicators, HoldingStore, create_communicators
 from emu.state.unit import PARAM_SLOTS, EmuShard, bind_engine, holding_of, params_holding_of, slots_for
@@ -44,7 +47,7 @@ from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role
 from nereusd.shards import value_head_for
-from nereusd.transition import rebuilt_model_stages
+from nereusd.transition import rebuilt_model_stages, zero_repartitioned
 from nereusd.transition.ops import TransitionDag
 
 log = logging.getLogger(__name__)
@@ -58,19 +61,33 @@ def rank_space(cand: Candidate, rank_of) -> Candidate:
 class TransitionTasks:
     """Handlers of the task kinds in the module docstring (state lives on WorkerRuntime)."""
 
+    _repartition: set[ModelStage] = frozenset()
+    """ZeRO model-stages the running transition re-partitions (:func:`nereusd.transition.zero_repartitioned`
+    of those it rebuilds): detached with :func:`emu.engine.zero_repartition.keep_partition`, their
+    partitions moved by :func:`~emu.engine.zero_repartition.repartition` once rebuilt."""
+
     # ------------------------------------------------------------------ helpers
     def _models(self) -> dict[Role, ModelSpec]:
         return {Role(r): ModelSpec.from_dict(info.spec) for r, info in self._build_args.roles.items()}
 
-    def _specs(self, plan: Plan) -> dict[ModelStage, tuple[ModelSpec, bool, tuple[str, ...]]]:
+    def _specs(self, plan: Plan, params_only: set[ModelStage] = frozenset()) -> dict[
+            ModelStage, tuple[ModelSpec, bool, tuple[str, ...]]]:
+        """Per model-stage of ``plan``: its model, value head and the slots its holdings carry
+        (parameters alone for ``params_only``: ZeRO model-stages being re-partitioned)."""
         models = self._models()
-        return {m: (models[m.role], value_head_for(m.role), slots_for(m)) for m in plan}
+        return {m: (models[m.role], value_head_for(m.role), PARAM_SLOTS if m in params_only else slots_for(m))
+                for m in plan}
 
     def _detach(self, ms: ModelStage) -> None:
         """Move engine ``ms`` into the holding store (no copy; a ZeRO engine exports its canonical
-        holding first, collectively over its DP group, with the holding booked while both exist)."""
+        holding first, collectively over its DP group, with the holding booked while both exist,
+        or — re-partitioned, :data:`_repartition` — keeps its optimizer partition apart and puts
+        its parameters alone in the store)."""
         engine = self.engines.pop(ms)
-        holding = engine.detach() if getattr(engine, "zero_stage", 0) else holding_of(engine)
+        if ms in self._repartition:
+            holding, self._partitions[ms] = keep_partition(engine, self.memory)
+        else:
+            holding = engine.detach() if getattr(engine, "zero_stage", 0) else holding_of(engine)
         for what in ("parameters", "gradients", "optimizer"):
             self.memory.free(str(ms), what)
         engine.module = None
@@ -136,12 +153,14 @@ class TransitionTasks:
                        else {op.model_stage for op in dag.ops})
         self._changed = ops_changed
         changed = self._rebuilt(dag.target, ops_changed)
+        self._repartition = zero_repartitioned(self.plan, dag.target) & changed if self.plan is not None else set()
         start = time.perf_counter()
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
                 self._detach(ms)
         detach_s = time.perf_counter() - start
-        self._transition = TransitionExecutor(dag, self.device_index, self.store, self._specs(dag.target),
+        self._transition = TransitionExecutor(dag, self.device_index, self.store,
+                                              self._specs(dag.target, self._repartition),
                                               rank_of=self.rank_of, communicators=args.communicators)
         setup_s = self._transition.prepare()
         timings = self._transition.run(args.ops) if args.ops else []
@@ -163,6 +182,7 @@ class TransitionTasks:
         self._rebuild_all = False
         start = time.perf_counter()
         by_stage: dict[str, float] = {}
+        repartition_s = 0.0
         for ms in [m for m in target if m in rebuild]:  # canonical order on every rank
             # each model-stage timed from a common start: no rank's wait for a slower one in the
             # (collective) group creation is counted as this model-stage's re-attachment
@@ -170,22 +190,32 @@ class TransitionTasks:
             begin = time.perf_counter()
             self._attach(ms, target[ms])
             by_stage[str(ms)] = time.perf_counter() - begin
+            if ms in self._repartition:   # collective over the world, like the attachment
+                begin = time.perf_counter()
+                repartition(self._partitions.pop(ms, None), self.engines.get(ms), self.memory)
+                repartition_s += time.perf_counter() - begin
+        self._repartition = set()
         for ms, engine in self.engines.items():
             if ms not in rebuild and ms in target:
                 self._retune(engine, target[ms])
-        rebuild_s = time.perf_counter() - start
+        rebuild_s = time.perf_counter() - start - repartition_s
         self.plan = target
         self._plan_syncs(args.syncs)
         sync_setup_s = time.perf_counter() - start - rebuild_s
         gc.collect()
         collect_s = time.perf_counter() - start - rebuild_s - sync_setup_s
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
-                "rebuild_s": rebuild_s, "rebuild_s_by_stage": by_stage, "sync_setup_s": sync_setup_s,
+                "rebuild_s": rebuild_s, "rebuild_s_by_stage": by_stage, "repartition_s": repartition_s,
+                "sync_setup_s": sync_setup_s,
                 "collect_s": collect_s,
                 **self._sync_engines()}
 
     def reform_world(self, args: P.ReformWorldArgs) -> dict[str, Any]:
         start = time.perf_counter()
+        self._repartition = set()
+        for ms in self._partitions:   # of an interrupted transition: restored from a checkpoint
+            self.memory.free(str(ms), "partition")
+        self._partitions.clear()
         for ms in sorted(self.engines, key=ModelStage.sort_key):   # canonical order: a ZeRO export is collective
             self._detach(ms)
         for comms in getattr(self, "_sync", {}).values():

@@ -23,8 +23,9 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
-
 import logging
+import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -49,6 +50,7 @@ from nereusd.transition.memory import (
     FeasibilityReport,
     MemoryBudget,
     MemoryViolation,
+    ParamsMoved,
     StateModel,
     StateSizes,
     check_feasibility,
@@ -75,6 +77,7 @@ __all__ = [
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
     "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
+    "zero_repartitioned", "zero_state_cost", "repartition_cost", "ParamsMoved",
 ]
 
 
@@ -183,10 +186,11 @@ def assess_transition(
                           state=state, budget=budget)
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
     report = check_feasibility(dag, state, budget)
-    cost = estimate_l_tran(dag, sizes, links)
-    export_s, export_bytes = zero_export_cost(current, target, dag, state, links)
-    if export_s:
-        cost = dataclasses.replace(cost, l_tran_s=cost.l_tran_s + export_s, bytes_moved=cost.bytes_moved + export_bytes)
+    params_only = zero_repartitioned(current, target)
+    cost = estimate_l_tran(dag, ParamsMoved(sizes, frozenset(params_only)) if params_only else sizes, links)
+    zero_s, zero_bytes = zero_state_cost(current, target, dag, state, links)
+    if zero_s or zero_bytes:
+        cost = dataclasses.replace(cost, l_tran_s=cost.l_tran_s + zero_s, bytes_moved=cost.bytes_moved + zero_bytes)
     return TransitionAssessment(dag, report, cost)
 
 
@@ -194,36 +198,83 @@ def rebuilt_model_stages(current: Plan, target: Plan, moved: set[ModelStage]) ->
     """The model-stages whose engines a transition ``current → target`` detaches at
     ``transition_prepare`` and builds again at ``transition_finish``: those with ops in its DAG
     (``moved``) and those ``target`` runs at another ZeRO stage (another engine class, though no
-    op moves their state). The one rule of the workers (``TransitionTasks``), the ZeRO export's
+    op moves their state). The one rule of the workers (``TransitionTasks``), the ZeRO state's
     price and the controller's rebuild term of ``L̂_tran``. After a re-formation of the world the
     workers rebuild every model-stage instead."""
     return set(moved) | {ms for ms in target if ms in current and current[ms].zero_stage != target[ms].zero_stage}
 
 
-def zero_export_cost(current: Plan, target: Plan, dag: TransitionDag, state: StateModel,
-                     links) -> tuple[float, int]:
-    """Seconds and bytes of the ZeRO exports that precede a transition's ops.
+def zero_repartitioned(current: Plan, target: Plan) -> set[ModelStage]:
+    """The ZeRO model-stages whose optimizer partitions a transition ``current → target`` moves
+    straight from the old replica set to the new one (:mod:`emu.engine.zero_repartition`) instead
+    of exporting canonical holdings: those on ZeRO ≥ 1 in both plans. Their DAG ops move
+    parameters only. The one rule of the workers (``TransitionTasks``), the price
+    (:func:`zero_state_cost`, :func:`assess_transition`) and what an interrupted transition loses
+    (``nereusd.transition.runner``)."""
+    return {ms for ms, cand in current.items() if cand.zero_stage and ms in target and target[ms].zero_stage}
 
-    A ZeRO model-stage the transition changes (ops of it in ``dag``, another ZeRO stage, or gone
-    from ``target``) first gathers its canonical holding on every replica
-    (``DeepSpeedStageEngine._join``: per partitioned slot — master weights unless training is
-    fp32, Adam ``m`` and ``v``, :meth:`AdamStateSizes.zero_joined_bytes_per_element` — one
-    all-reduce of the zero-padded flat buffer on gloo, one all-gather elsewhere), model-stages
-    one after another. Priced as the ring all-reduce: ``2(n−1)/n · bytes`` per rank over the
-    slowest link of the ring (Thakur et al. 2005, §4); the all-gather moves half of that, so on
-    NCCL this over-estimates (not measured on a GPU).
+
+def _zero_elements(ms: ModelStage, cand, state: StateModel) -> float:
+    """Parameter elements of one replica of a ZeRO model-stage (``tp = pp = 1``: the whole model)."""
+    return max(state.plan_bytes(Plan({ms: cand})).values()) / state.sizes.resident_bytes_per_element(ms)
+
+
+def repartition_cost(current, target, elements: float, bytes_per_element: float, links) -> tuple[float, int]:
+    """Seconds and bytes of moving ZeRO partitions from replica set ``current`` to ``target``
+    (candidates): old replica ``i`` (DP rank = order of its device among the set's, as
+    ``new_group`` ranks) holds flat elements ``[i·⌈P/dp⌉, (i+1)·⌈P/dp⌉)``, new replica ``j``
+    likewise at the new ``dp``; each overlap between two devices is one transfer of
+    ``bytes_per_element`` per element (alignment padding ignored). Each device sends and receives
+    one transfer at a time (the DAG model's one port, ``nereusd.transition.cost``): the time is
+    the busiest device's sum."""
+    old, new = sorted(current.devices), sorted(target.devices)
+    per_old, per_new = math.ceil(elements / len(old)), math.ceil(elements / len(new))
+    busy: dict[int, float] = defaultdict(float)
+    total = 0
+    for i, a in enumerate(old):
+        for j, b in enumerate(new):
+            lo, hi = max(i * per_old, j * per_new), min((i + 1) * per_old, (j + 1) * per_new, elements)
+            if lo >= hi or a == b:
+                continue
+            nbytes = (hi - lo) * bytes_per_element
+            seconds = links.transfer_s(nbytes, a, b)
+            busy[a] += seconds
+            busy[b] += seconds
+            total += int(nbytes)
+    return max(busy.values(), default=0.0), total
+
+
+def zero_state_cost(current: Plan, target: Plan, dag: TransitionDag, state: StateModel,
+                    links) -> tuple[float, int]:
+    """Seconds and bytes of moving the ZeRO optimizer state of the model-stages a transition
+    changes (ops of it in ``dag``, another ZeRO stage, or gone from ``target``), model-stages one
+    after another, besides the DAG's makespan (which moves their parameters).
+
+    - Kept on ZeRO (:func:`zero_repartitioned`): the partitioned slots (master weights unless
+      training is fp32, Adam ``m`` and ``v``, :meth:`AdamStateSizes.zero_joined_bytes_per_element`)
+      move between the replica sets, :func:`repartition_cost`.
+    - Otherwise the replicas first export their canonical holding (``DeepSpeedStageEngine._join``:
+      per partitioned slot one all-reduce of the zero-padded flat buffer on gloo, one all-gather
+      elsewhere), priced as the ring all-reduce: ``2(n−1)/n · bytes`` per rank over the slowest
+      link of the ring (Thakur et al. 2005, §4); the all-gather moves half of that, so on NCCL this
+      over-estimates (not measured on a GPU).
     """
     rebuilt = rebuilt_model_stages(current, target, {op.model_stage for op in dag.ops})
+    kept = zero_repartitioned(current, target)
     total_s, total_bytes = 0.0, 0
     for ms, cand in current.items():
-        if not cand.zero_stage or cand.dp < 2:
+        if not cand.zero_stage or (ms not in rebuilt and ms in target):
             continue
-        if ms not in rebuilt and ms in target:
+        joined = state.sizes.zero_joined_bytes_per_element(ms)
+        elements = _zero_elements(ms, cand, state)
+        if ms in kept:
+            seconds, nbytes = repartition_cost(cand, target[ms], elements, joined, links)
+            total_s, total_bytes = total_s + seconds, total_bytes + nbytes
             continue
-        joined = state.sizes.zero_joined_bytes_per_element(ms) / state.sizes.resident_bytes_per_element(ms)
-        nbytes = max(state.plan_bytes(Plan({ms: cand})).values()) * joined
+        if cand.dp < 2:
+            continue
         n = cand.dp
-        per_rank = 2 * (n - 1) / n * nbytes
+        per_rank = 2 * (n - 1) / n * elements * joined
         ring = list(cand.devices)
         total_s += max(links.transfer_s(per_rank, a, b) for a, b in zip(ring, ring[1:] + ring[:1]))
         total_bytes += int(per_rank * n)

@@ -105,6 +105,29 @@ class AdamStateSizes:
         return self.master_bytes + self.optimizer_bytes if model_stage.stage is Stage.TRAINING else 0.0
 
 
+@dataclass(frozen=True)
+class ParamsMoved:
+    """``sizes`` except that a transition moves the parameters alone of ``model_stages``: ZeRO
+    model-stages whose optimizer partitions move apart from the DAG
+    (``nereusd.transition.zero_repartitioned``). Their moved bytes per element are those of a
+    parameter-only model-stage of the same role (the compute dtype's); what they hold is
+    unchanged."""
+
+    sizes: StateSizes
+    model_stages: frozenset
+
+    def resident_bytes_per_element(self, model_stage: ModelStage) -> float:
+        return self.sizes.resident_bytes_per_element(model_stage)
+
+    def moved_bytes_per_element(self, model_stage: ModelStage) -> float:
+        if model_stage in self.model_stages:
+            return self.sizes.moved_bytes_per_element(ModelStage(model_stage.role, Stage.INFERENCE))
+        return self.sizes.moved_bytes_per_element(model_stage)
+
+    def zero_joined_bytes_per_element(self, model_stage: ModelStage) -> float:
+        return self.sizes.zero_joined_bytes_per_element(model_stage)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryBudget:
     """What each device may hold during a transition.

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 from nereusd import protocol as P
 from nereusd.errors import WorkerError
 from nereusd.plan import ModelStage, Plan
+from nereusd.transition import rebuilt_model_stages, zero_repartitioned
 from nereusd.transition.comms import communicator_plan
 from nereusd.transition.dag import Holding, topological_order
 from nereusd.transition.ops import TransitionDag
@@ -70,9 +71,9 @@ class TransitionProgress:
     vLLM engine start-up of ``transition_finish`` (0 when no engine started), and where the
     time went (``phases_s``, seconds): the wall time of the three steps seen from nereusd
     (``prepare``, ``ops``, ``finish``) and, slowest rank each, the workers' engine detach
-    (a ZeRO export included), communicator set-up, engine rebuild, weight-sync communicator
-    set-up, garbage collection and vLLM engine start-up (``detach``, ``setup``, ``rebuild``,
-    ``sync_setup``, ``collect``, ``engine_start``)."""
+    (a ZeRO export included), communicator set-up, engine rebuild, ZeRO re-partition,
+    weight-sync communicator set-up, garbage collection and vLLM engine start-up (``detach``,
+    ``setup``, ``rebuild``, ``repartition``, ``sync_setup``, ``collect``, ``engine_start``)."""
 
     completed: set[str] = field(default_factory=set)
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -86,15 +87,16 @@ class TransitionProgress:
     def terms_s(self) -> float:
         """Seconds spent in what ``L̂_tran`` prices by terms of its own
         (:meth:`nereusd.control.controller.Controller.transition_measured`): the engines' detach
-        (a ZeRO export, ``zero_export_cost``), the ops (first start to last end over all workers,
-        at most the ``prepare`` plus ``ops`` phases that nereusd timed on its own clock: workers'
-        clocks on other nodes may be skewed), the engine re-attachments and vLLM start-ups."""
+        (a ZeRO export) and ZeRO re-partitions (both ``zero_state_cost``), the ops (first start to
+        last end over all workers, at most the ``prepare`` plus ``ops`` phases that nereusd timed
+        on its own clock: workers' clocks on other nodes may be skewed), the engine
+        re-attachments and vLLM start-ups."""
         ops = (max(t["end_s"] for t in self.timings.values()) - min(t["start_s"] for t in self.timings.values())
                if self.timings else 0.0)
         if "prepare" in self.phases_s:
             ops = min(ops, self.phases_s["prepare"] + self.phases_s.get("ops", 0.0))
         return (self.phases_s.get("detach", 0.0) + max(0.0, ops) + self.phases_s.get("rebuild", 0.0)
-                + self.phases_s.get("engine_start", 0.0))
+                + self.phases_s.get("repartition", 0.0) + self.phases_s.get("engine_start", 0.0))
 
     def slowest(self, results: Mapping[int, Any], *fields: str) -> None:
         """Keep, per field, the largest value any worker's result reports in ``phases_s``."""
@@ -160,13 +162,19 @@ class TransitionRunner:
             res = self.control.run({d: finish for d in self.world}, self.timeout_s)
             progress.phases_s["ops"] = finished - start - progress.phases_s.get("prepare", 0.0)
             progress.phases_s["finish"] = time.perf_counter() - finished
-            progress.slowest(res, "rebuild_s", "sync_setup_s", "collect_s", "engine_start_s")
+            progress.slowest(res, "rebuild_s", "repartition_s", "sync_setup_s", "collect_s", "engine_start_s")
             progress.engine_start_s = progress.phases_s["engine_start"]
             progress.rebuild_s = slowest_by_stage(res)
         except WorkerError as err:
             dead = {d for d in self.world if d in self.control.exited_workers}
             intact = intact_holdings(dag, progress.completed, dead)
             units, lost = intact_units(intact)
+            # a ZeRO model-stage being re-partitioned held each optimizer partition once, on its
+            # old replica: one of them dead, that state is gone (emu.engine.zero_repartition)
+            gone = {ms for ms in zero_repartitioned(dag.current, dag.target)
+                    & rebuilt_model_stages(dag.current, dag.target, {op.model_stage for op in dag.ops})
+                    if dead & set(dag.current[ms].devices)}
+            units = Plan({ms: cand for ms, cand in units.items() if ms not in gone})
             # a model-stage of the current plan with no holding left at all is lost as well
             lost = tuple(sorted((set(dag.current) | set(lost)) - set(units), key=ModelStage.sort_key))
             what = f"; no complete unit of {[str(m) for m in lost]} survived (restart from the last " \

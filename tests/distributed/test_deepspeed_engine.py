@@ -292,7 +292,9 @@ def zero_chain(seed: int) -> list[Candidate]:
 
 def engine_peak_bytes(cand: Candidate) -> int:
     """What a ZeRO engine of ``cand`` books by the memory model (parameters, gradients, optimizer
-    partitions) plus the canonical holding it exports before a transition (12 bytes/element)."""
+    partitions) plus what a rank keeps beside it through a transition: at most the 12
+    bytes/element of an export (a re-partition keeps the parameters' holding, 4 bytes/element,
+    and an old partition of ``m``, ``v``, at most 8 bytes/element)."""
     from nereusd.cost.memory import zero_state_bytes
     numel = sum(v.numel() for v in init_full_state(SPEC, value_head=False, seed=0).values())
     state = zero_state_bytes(numel, cand.dp, cand.zero_stage, 4)
@@ -300,14 +302,19 @@ def engine_peak_bytes(cand: Candidate) -> int:
 
 
 def random_zero_transitions(rank: int, world: int, seed: int) -> dict:
-    """The chain's transitions on this rank, as a worker runs them (detach: export, release;
-    the planned DAG on holdings; attach: build, adopt), checked bit-exact after each one."""
+    """The chain's transitions on this rank, as a worker runs them (ZeRO to ZeRO: each old replica
+    keeps its partition and detaches its parameters, the planned DAG moves parameter-only
+    holdings, the new replicas are built, take the parameters and receive their partitions,
+    ``emu.engine.zero_repartition``), each new replica's partitions and parameters checked
+    bit-exact against the canonical tensors after each one; at the end the export path too."""
     from emu.engine.deepspeed_stage import DeepSpeedStageEngine  # noqa: F811 (spawned process)
+    from emu.engine.zero_repartition import keep_partition, repartition
+    from nereusd.transition import zero_repartitioned
 
     chain = zero_chain(seed)
     models = {Role.ACTOR: SPEC}
     state_model = StateModel(models, SIZES)
-    report = {"transitions": 0, "kinds": set(), "max_peak_ratio": 0.0, "dp": set()}
+    report = {"transitions": 0, "kinds": set(), "max_peak_ratio": 0.0, "dp": set(), "received_bytes": 0}
     logical = LogicalState(step=5, version=2, policy_version=2, position=320, seed=seed)
 
     def build(cand, memory):
@@ -325,8 +332,10 @@ def random_zero_transitions(rank: int, world: int, seed: int) -> dict:
         h = EmuShard(ZERO_MS, SPEC, False, first.layout, (0, 0), TRAIN_SLOTS, logical=logical)
         fill(h, seed)
         bind_engine(engine, h)
+    flats = canonical_flats(engine, seed) if engine is not None else None
     for i, (cur, tgt) in enumerate(zip(chain, chain[1:])):
         cur_plan, tgt_plan = Plan({ZERO_MS: cur}), Plan({ZERO_MS: tgt})
+        assert zero_repartitioned(cur_plan, tgt_plan) == {ZERO_MS}
         need = max([*state_model.plan_bytes(cur_plan).values(), *state_model.plan_bytes(tgt_plan).values()])
         for factor in (1.0, 1.25, 1.5, 2.0, 3.0):
             budget = MemoryBudget(capacity_bytes=int(need * factor / 0.9) + 1, collective_buffer_bytes=1 << 30)
@@ -336,28 +345,55 @@ def random_zero_transitions(rank: int, world: int, seed: int) -> dict:
         limit = max(budget.limit_bytes, engine_peak_bytes(cur), engine_peak_bytes(tgt))
         memory = DeviceMemory(rank, limit)
         store = HoldingStore(memory)
-        if engine is not None:   # detach as TransitionTasks._detach: export (booked), release, book the holding
+        kept = None
+        if engine is not None:   # detach as TransitionTasks._detach: keep the partition, the parameters to the store
             memory.allocate(str(ZERO_MS), "parameters", 4 * sum(p.numel() for p in engine.params.values()))
-            holding = engine.detach(memory)
+            holding, kept = keep_partition(engine, memory)
             assert holding.logical == logical, (i, holding.logical)
             check_holding(holding, seed, (i, cur.describe()))
             store.put(holding, book=True)
-        ex = TransitionExecutor(dag, rank, store, specs_for(tgt_plan, SPEC))
+        ex = TransitionExecutor(dag, rank, store, {ZERO_MS: (SPEC, False, ("param",))})
         ex.prepare()
         ex.run()
         ex.close()
         engine = build(tgt, memory)
         if engine is not None:
             bind_engine(engine, store.pop(ZERO_MS, tgt.layout, (0, 0)))
+        report["received_bytes"] += repartition(kept, engine, memory)
+        if engine is not None:
+            flats = flats or canonical_flats(engine, seed)
+            check_partition(engine, flats, (i, tgt.describe()))
+            assert engine.logical == logical, (i, engine.logical)
         assert not store.items, (i, list(store.items))
+        assert (str(ZERO_MS), "partition") not in memory.entries(), i
         report["max_peak_ratio"] = max(report["max_peak_ratio"], memory.peak_bytes / limit)
         report["transitions"] += 1
         report["kinds"] |= {op.kind.value for op in dag.ops}
         report["dp"].add((cur.dp, tgt.dp))
     if engine is not None:
-        check_holding(holding_of(engine), seed, "end")
+        check_holding(holding_of(engine), seed, "end")   # the export path: joined over the last DP group
         engine.release()
     return report
+
+
+def canonical_flats(engine, seed) -> dict[str, torch.Tensor]:
+    """The canonical tensors of each slot, flattened in DeepSpeed's flat-buffer order (the module's)."""
+    return {slot: torch.cat([canonical(seed, ZERO_MS, name, slot, p.shape).reshape(-1)
+                             for name, p in engine.params.items()]) for slot in TRAIN_SLOTS}
+
+
+def check_partition(engine, flats, where) -> None:
+    """``engine``'s parameters, master partition and Adam moment partitions equal the canonical
+    tensors' slices, and its partition padding is zero."""
+    opt = engine.ds_optimizer
+    flat = opt.single_partition_of_fp32_groups[0]
+    numel = flats["param"].numel()
+    start, valid = engine._partition_span(flat, numel)
+    state = engine._adam_state()
+    assert torch.equal(opt.bit16_groups_flat[0][:numel], flats["param"]), where
+    for slot, part in (("param", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+        assert torch.equal(part[:valid], flats[slot][start:start + valid]), (where, slot)
+        assert not part[valid:].any(), (where, slot)
 
 
 def check_holding(h, seed, where) -> None:
@@ -371,14 +407,16 @@ def check_holding(h, seed, where) -> None:
 @requires_deepspeed
 def test_random_zero_transitions_keep_state_bit_exact():
     """100 random transitions of a ZeRO-1/2 training model-stage (dp 1–4, device moves, joins,
-    leaves, ZeRO-stage changes) on 4 ranks keep parameters and both Adam moments bit-exact
-    against the canonical tensors that never moved; each transition's DAG is planned under the
-    tightest budget of a few that is feasible, and no rank books beyond it (or beyond a ZeRO
-    engine's model-predicted peak with its export, when that is larger)."""
+    leaves, ZeRO-stage changes) on 4 ranks, re-partitioned as a worker does, keep parameters and
+    both Adam moments bit-exact against the canonical tensors that never moved; each
+    transition's DAG is planned under the tightest budget of a few that is feasible, and no rank
+    books beyond it (or beyond a ZeRO engine's model-predicted peak with what a transition keeps
+    beside it, when that is larger)."""
     reports = run_distributed(random_zero_transitions, POOL, 5, timeout_s=600)
     for r in reports:
         assert r["transitions"] == TRANSITIONS
         assert r["max_peak_ratio"] <= 1.0
+    assert sum(r["received_bytes"] for r in reports) > 0   # partitions crossed ranks, not only local copies
     r0 = reports[0]
     assert {"extend", "destroy"} <= r0["kinds"], r0["kinds"]
     assert {a for a, _ in r0["dp"]} == {1, 2, 3, 4}
