@@ -108,20 +108,32 @@ def test_the_planner_offers_zero_only_at_tp_pp_1_and_keeps_a_pinned_stage():
     assert opened.predicted_step_latency_s <= closed.predicted_step_latency_s + 1e-9
 
 
-def test_l_tran_counts_the_zero_export():
+def test_l_tran_counts_the_zero_state_moved():
     from nereusd.config.site import load_site
     from nereusd.models import preset
     from nereusd.plan import Plan, Role
-    from nereusd.transition import assess_transition
+    from nereusd.transition import assess_transition, zero_repartitioned
 
     site = load_site("h200-ib")
     models = {Role.ACTOR: preset("qwen2.5-1.5b")}
     two, four = (0, 1), (0, 1, 2, 3)
     zero0 = assess_transition(Plan({TRAIN: Candidate(1, 1, 2, two)}), Plan({TRAIN: Candidate(1, 1, 4, four)}),
                               models, site)
-    zero1 = assess_transition(Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)}),
-                              Plan({TRAIN: Candidate(1, 1, 4, four, zero_stage=1)}), models, site)
-    assert zero1.l_tran_s > zero0.l_tran_s and zero1.cost.bytes_moved > zero0.cost.bytes_moved
+    cur, tgt = Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)}), Plan({TRAIN: Candidate(1, 1, 4, four, zero_stage=1)})
+    assert zero_repartitioned(cur, tgt) == {TRAIN}
+    zero1 = assess_transition(cur, tgt, models, site)
+    # ZeRO-0 extends two whole bf16 holdings (param 2 + master 4 + moments 8 bytes/element); ZeRO-1
+    # extends the parameters (2) and re-partitions: 3 of the 4 new quarters of master and moments
+    # (12) come from another device
+    elements = zero0.cost.bytes_moved / (2 * 14)
+    assert zero1.cost.bytes_moved == pytest.approx(elements * (2 * 2 + 0.75 * 12), rel=1e-6)
+    assert zero1.l_tran_s < zero0.l_tran_s
+    # leaving ZeRO exports the canonical holding first (a ring all-reduce over the old pair: 12 bytes/element
+    # per rank), then
+    # extends whole holdings as ZeRO-0 does
+    to0 = assess_transition(cur, Plan({TRAIN: Candidate(1, 1, 4, four)}), models, site)
+    assert to0.cost.bytes_moved == pytest.approx(zero0.cost.bytes_moved + elements * 2 * 12, rel=1e-6)
+    assert to0.l_tran_s > zero0.l_tran_s
     # the export joins the partitioned slots only: master and moments, or the moments in fp32
     from nereusd.plan import ModelStage, Stage
     from nereusd.transition import AdamStateSizes

@@ -80,6 +80,22 @@ def test_one_holder_of_two_replicas_dead_keeps_the_other_unit(tiny_models):
     assert "no complete unit" not in str(err)
 
 
+def test_one_replica_of_a_repartitioned_zero_set_dead_loses_the_model_stage(tiny_models):
+    """ZeRO keeps one copy of each optimizer partition: a transition that moves them straight
+    between replica sets (``zero_repartitioned``) loses the model-stage with any old replica,
+    though its other replica still holds the parameters (a ZeRO-0 pair would keep that unit)."""
+    current = Plan({MS: Candidate(1, 1, 2, (0, 1), zero_stage=1)})
+    target = Plan({MS: Candidate(1, 1, 4, (0, 1, 2, 3), zero_stage=1)})
+    dag = plan_transition(current, target, tiny_models, devices_per_node=4)
+    with pytest.raises(TransitionInterrupted, match=r"no complete unit of \['actor/training'\]") as info:
+        TransitionRunner(ScriptedControl(dead={0: -9}), [0, 1, 2, 3]).run(dag)
+    assert info.value.lost == (MS,) and MS not in info.value.units
+    # a device outside the old set dead: the partitions are intact
+    with pytest.raises(TransitionInterrupted) as info:
+        TransitionRunner(ScriptedControl(dead={3: -9}), [0, 1, 2, 3]).run(dag)
+    assert info.value.lost == ()
+
+
 def test_an_out_of_memory_transition_stays_an_out_of_memory_failure(tiny_models):
     """Recovery restarts every device after an out-of-memory failure: the kind must survive."""
     dag = plan_transition(Plan({MS: Candidate(1, 1, 2, (0, 1))}), Plan({MS: Candidate(2, 1, 1, (2, 3))}), tiny_models,
@@ -93,6 +109,9 @@ def test_the_terms_a_transition_prices_apart_are_its_ops_span_rebuilds_and_engin
     timings = {"a": {"start_s": 10.0, "end_s": 10.5}, "b": {"start_s": 10.2, "end_s": 11.0}}
     phases = {"detach": 0.2, "rebuild": 0.3, "engine_start": 2.0, "collect": 0.1, "prepare": 0.4, "ops": 0.7}
     assert TransitionProgress(timings=timings, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.0 + 0.3 + 2.0)
+    # a ZeRO re-partition is priced apart too (zero_state_cost)
+    assert TransitionProgress(timings=timings, phases_s={**phases, "repartition": 0.4}).terms_s() == \
+        pytest.approx(0.2 + 1.0 + 0.3 + 0.4 + 2.0)
     # workers' clocks (other nodes) are trusted only as far as nereusd's own prepare + ops
     skewed = {**timings, "b": {"start_s": 10.2, "end_s": 15.0}}
     assert TransitionProgress(timings=skewed, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.1 + 0.3 + 2.0)
