@@ -32,7 +32,10 @@ which would all-reduce one full tensor per parameter; :meth:`_gathered`); in fp3
 parameters are the module's own, which DeepSpeed keeps equal to the master — and
 :meth:`adopt_holding` writes a holding back into this rank's partition with ``safe_set_full_*``
 (local, no communication). Both only copy values, so a round trip is
-bit-exact; transitions, checkpoints and weight sync therefore run unchanged on holdings.
+bit-exact; checkpoints, weight sync and transitions out of ZeRO therefore run unchanged on
+holdings. A transition that keeps the model-stage on ZeRO moves the partitions themselves
+instead (:mod:`emu.engine.zero_repartition`; :meth:`adopt_holding` then takes a parameter-only
+holding).
 
 Memory: parameters as the native engine; gradients and optimizer partitions booked from
 :func:`nereusd.cost.memory.zero_state_bytes` before DeepSpeed allocates, then corrected to the
