@@ -82,14 +82,16 @@ class TransitionExecutor:
         rank_of: world rank of a global device (identity unless the world was re-formed).
         communicators: the whole DAG's communicator plan when ``dag`` is this device's slice
             (:meth:`~nereusd.transition.ops.TransitionDag.slices`); ``None``: ``dag`` is whole.
+        pool: a :class:`emu.state.primitives.GroupPool` the communicators come from and go back
+            to (``None``: created and destroyed).
     """
 
     def __init__(self, dag: TransitionDag, device: int, store: HoldingStore, specs: Specs,
                  rank_of: Callable[[int], int] = lambda d: d, backend: Optional[str] = None,
-                 communicators: Optional[list[tuple[str, list[int]]]] = None) -> None:
+                 communicators: Optional[list[tuple[str, list[int]]]] = None, pool=None) -> None:
         self.dag, self.device, self.store, self.specs = dag, device, store, specs
         self.communicators = communicators
-        self.comms = Communicators(rank_of, backend)
+        self.comms = Communicators(rank_of, backend, pool)
         self._level = levels(dag)
         self._lock = threading.Lock()
         self.done: set[str] = set()

@@ -27,7 +27,7 @@ from emu.engine.stage import StageEngine, preload_optimizer
 from emu.state.checkpoint import load_holdings, save_holdings, verify_checkpoint
 from emu.engine.hf_io import load_state
 from emu.engine.parallel import build_stage_groups
-from emu.state.primitives import HoldingStore
+from emu.state.primitives import GroupPool, HoldingStore
 from emu.worker.transition_tasks import TransitionTasks, rank_space
 from emu.worker.vllm_stages import VllmStages
 from emu.state.unit import LogicalState, bind_engine, holding_of, mark_trained, trained_steps
@@ -89,6 +89,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
         self.rank_of = lambda device: device
         self._transition = None
         self._partitions = {}   # ZeRO partitions a transition re-partitions (TransitionTasks._repartition)
+        self.group_pool = GroupPool()   # transition and weight-sync communicators, reused across transitions
         self._rebuild_all = False
         self._changed: set[ModelStage] = set()   # model-stages the running transition changes
         self._build_args: P.BuildArgs | None = None

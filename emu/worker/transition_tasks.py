@@ -142,7 +142,7 @@ class TransitionTasks:
         self._sync: dict[tuple[ModelStage, ModelStage], tuple[TransitionDag, Communicators]] = {}
         for entry in syncs:
             dag = TransitionDag.from_json(entry.dag)
-            comms = Communicators(self.rank_of)
+            comms = Communicators(self.rank_of, pool=self.group_pool)
             create_communicators(dag, comms)
             self._sync[(ModelStage.parse(entry.source), ModelStage.parse(entry.target))] = (dag, comms)
 
@@ -161,7 +161,8 @@ class TransitionTasks:
         detach_s = time.perf_counter() - start
         self._transition = TransitionExecutor(dag, self.device_index, self.store,
                                               self._specs(dag.target, self._repartition),
-                                              rank_of=self.rank_of, communicators=args.communicators)
+                                              rank_of=self.rank_of, communicators=args.communicators,
+                                              pool=self.group_pool)
         setup_s = self._transition.prepare()
         timings = self._transition.run(args.ops) if args.ops else []
         return {"setup_s": setup_s, "detach_s": detach_s, "timings": [t.to_dict() for t in timings]}
@@ -198,12 +199,13 @@ class TransitionTasks:
         for ms, engine in self.engines.items():
             if ms not in rebuild and ms in target:
                 self._retune(engine, target[ms])
-        rebuild_s = time.perf_counter() - start - repartition_s
+        attached = time.perf_counter()
+        rebuild_s = attached - start - repartition_s
         self.plan = target
         self._plan_syncs(args.syncs)
-        sync_setup_s = time.perf_counter() - start - rebuild_s
+        synced = time.perf_counter()
         gc.collect()
-        collect_s = time.perf_counter() - start - rebuild_s - sync_setup_s
+        sync_setup_s, collect_s = synced - attached, time.perf_counter() - synced
         return {"model_stages": [str(m) for m in self.engines], "memory_in_use_bytes": self.memory.in_use_bytes,
                 "rebuild_s": rebuild_s, "rebuild_s_by_stage": by_stage, "repartition_s": repartition_s,
                 "sync_setup_s": sync_setup_s,
@@ -225,6 +227,7 @@ class TransitionTasks:
         self.stage_pg.clear()
         devices = list(args.devices)
         dist.destroy_process_group()
+        self.group_pool.clear()   # its groups went with the world
         self.rank = devices.index(self.device_index)
         if args.store_host is not None and args.store_port is not None:   # a resumed nereusd's store
             self.store_client = dist.TCPStore(args.store_host, args.store_port, is_master=False,
