@@ -1,6 +1,6 @@
 """What the controller learns about transitions beyond the DAG's byte-and-link model (paper §4.2,
 ``L̂_tran``; DESIGN.md "Cost model"): a vLLM engine's start-up, each model-stage's re-attachment
-at ``transition_finish``, and the fixed cost of a transition — each learned from its own
+at ``transition_finish``, the weight-sync communicators it creates, and the fixed cost of a transition — each learned from its own
 measurement (EMA, weight 0.5; the first measurement taken as is) and added to the ``L̂_tran`` of
 every target that incurs it (:meth:`TransitionCostLearning.extra_l_tran_s`).
 
@@ -33,17 +33,21 @@ class TransitionCostLearning:
         self.rebuild_s: dict[ModelStage, float] = {}
         """Seconds ``transition_finish`` takes to re-attach each model-stage (its communicators and
         engine, the slowest rank's; measured by the build, then EMA over transitions)."""
+        self.sync_group_s = 0.0
+        """Seconds per process group ``transition_finish`` creates for the weight-sync communicators
+        (the slowest rank's set-up over the groups created; EMA, 0 before a measurement)."""
+        self._sync_groups_seen = 0
 
     # ---- learning ----------------------------------------------------------------------------
     def transition_measured(self, predicted_s: float, measured_s: float, terms_s: float | None = None) -> None:
         """Learn the fixed cost of a transition (EMA, weight 0.5; the first measurement is taken as
         is; before one, the build's, :meth:`engines_built`): what ``L̂_tran`` prices by no term of
-        its own — control-plane round trips, communicator and weight-sync set-up, the garbage
-        collection.
+        its own — control-plane round trips, task handling, the garbage collection.
 
         ``terms_s``: seconds of the measured transition spent in what has a term of its own (the
-        engines' detach with any ZeRO export, the DAG's ops, engine re-attachments and vLLM
-        start-ups, :meth:`engines_rebuilt`, :meth:`engine_started`;
+        engines' detach with any ZeRO export or re-partition, the DAG's communicator set-up and
+        ops, engine re-attachments, weight-sync communicator set-up and vLLM start-ups,
+        :meth:`engines_rebuilt`, :meth:`sync_groups_set_up`, :meth:`engine_started`;
         :meth:`nereusd.transition.runner.TransitionProgress.terms_s`); the fixed cost is then
         ``measured_s − terms_s``. Without it (the simulator), ``measured − predicted`` plus the
         fixed cost predicted, so that the error of every other term lands in the fixed cost (a
@@ -57,14 +61,29 @@ class TransitionCostLearning:
             0.5 * self.transition_overhead_s + 0.5 * extra)
         self._transitions_seen += 1
 
-    def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float) -> None:
+    def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float,
+                      sync_setup_s: float = 0.0, sync_groups: int = 0) -> None:
         """What a build measured that a transition repeats: each model-stage's re-attachment
-        (:meth:`engines_rebuilt`) and, until a transition has been measured, the fixed cost
-        (``finish_overhead_s``: the weight-sync communicators and the garbage collection every
-        ``transition_finish`` runs), so that the first ``L̂_tran`` is not the DAG's alone."""
+        (:meth:`engines_rebuilt`), the weight-sync communicators' set-up (``sync_setup_s`` for
+        ``sync_groups`` groups, :meth:`sync_groups_set_up`) and, until a transition has been
+        measured, the fixed cost (``finish_overhead_s`` less the sync set-up: the garbage
+        collection every ``transition_finish`` runs), so that the first ``L̂_tran`` is not the
+        DAG's alone."""
         self.engines_rebuilt(rebuild_s)
-        if not self._transitions_seen and math.isfinite(finish_overhead_s) and finish_overhead_s >= 0:
-            self.transition_overhead_s = finish_overhead_s
+        self.sync_groups_set_up(sync_setup_s, sync_groups)
+        fixed = finish_overhead_s - sync_setup_s
+        if not self._transitions_seen and math.isfinite(fixed) and fixed >= 0:
+            self.transition_overhead_s = fixed
+
+    def sync_groups_set_up(self, seconds: float, groups: int) -> None:
+        """Learn the seconds per weight-sync process group created, from ``seconds`` measured for
+        ``groups`` new groups (EMA, weight 0.5; the first taken as is; nothing learned without a
+        new group: reused groups cost next to nothing, ``emu.state.primitives.GroupPool``)."""
+        if groups <= 0 or not (math.isfinite(seconds) and seconds >= 0):
+            return
+        per = seconds / groups
+        self.sync_group_s = per if not self._sync_groups_seen else 0.5 * self.sync_group_s + 0.5 * per
+        self._sync_groups_seen += 1
 
     def engines_rebuilt(self, rebuild_s: Mapping[ModelStage, float]) -> None:
         """Learn each model-stage's re-attachment seconds (EMA, weight 0.5; the first taken as is)."""
@@ -86,9 +105,13 @@ class TransitionCostLearning:
         """Seconds the learned terms add to the DAG's ``L̂_tran`` of ``source → plan``: the fixed
         cost and the re-attachment of every model-stage the transition rebuilds
         (:func:`nereusd.transition.rebuilt_model_stages`; without a ``dag``, the simulator's scaled
-        assessments, those whose layout or devices change), and a vLLM start-up when it starts
-        engines (:func:`nereusd.backends.restarts_vllm_engines`, the workers' own rule)."""
+        assessments, those whose layout or devices change), the weight-sync groups it creates
+        (:func:`nereusd.transition.sync_groups_created`, once a creation has been measured), and a
+        vLLM start-up when it starts engines (:func:`nereusd.backends.restarts_vllm_engines`, the
+        workers' own rule)."""
         extra = 0.0
+        if self.sync_group_s and dag is not None and plan != source:
+            extra += self.sync_group_s * self.transitions.sync_groups_created(source, plan, dag)
         if plan != source:
             moved = ({op.model_stage for op in dag.ops} if dag is not None else
                      {ms for ms in set(plan) | set(source) if ms not in plan or ms not in source
@@ -104,7 +127,8 @@ class TransitionCostLearning:
         """This part of the controller's ``state()`` (JSON)."""
         return {"transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
                 "engine_start": [self.engine_start_s, self._engine_starts_seen],
-                "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()}}
+                "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()},
+                "sync_group": [self.sync_group_s, self._sync_groups_seen]}
 
     @staticmethod
     def _parse_transition_costs(state: Mapping) -> tuple:
@@ -121,8 +145,12 @@ class TransitionCostLearning:
         rebuild_s = {ModelStage.parse(ms): float(x) for ms, x in state.get("rebuild_s", {}).items()}
         if not all(math.isfinite(x) and x >= 0 for x in rebuild_s.values()):
             raise ValueError(f"rebuild_s {state['rebuild_s']!r}")
-        return overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s
+        sync_group_s, sync_groups_seen = state.get("sync_group", (0.0, 0))   # absent before it was learned
+        sync_group_s, sync_groups_seen = float(sync_group_s), int(sync_groups_seen)
+        if not (math.isfinite(sync_group_s) and sync_group_s >= 0):
+            raise ValueError(f"sync_group {sync_group_s!r}")
+        return overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s, sync_group_s, sync_groups_seen
 
     def _set_transition_costs(self, parsed: tuple) -> None:
         (self.transition_overhead_s, self._transitions_seen, self.engine_start_s, self._engine_starts_seen,
-         self.rebuild_s) = parsed
+         self.rebuild_s, self.sync_group_s, self._sync_groups_seen) = parsed

@@ -135,7 +135,10 @@ class LiveAdaptation:
             self.controller.engine_started(self.driver.engine_start_s)
             self.driver.engine_start_s = 0.0
         if self.driver.rebuild_s:   # a build: what re-attaching engines costs, before any transition ran
-            self.controller.engines_built(self.driver.rebuild_s, self.driver.finish_overhead_s)
+            groups = self.controller.transitions.sync_groups_created(Plan({}), self.driver.plan,
+                                                                     TransitionDag(Plan({}), Plan({}), (), ()))
+            self.controller.engines_built(self.driver.rebuild_s, self.driver.finish_overhead_s,
+                                          self.driver.sync_setup_s, groups)
             self.driver.rebuild_s = {}
         upcoming = step + 1
         if upcoming >= self.job.config.steps:
@@ -379,6 +382,9 @@ class LiveAdaptation:
         self.driver.plan = target
         if predicted_s is not None:
             self.controller.transition_measured(predicted_s, elapsed, progress.terms_s())
+        if dag.ops or target != current:
+            self.controller.sync_groups_set_up(progress.phases_s.get("sync_setup", 0.0),
+                                               self.controller.transitions.sync_groups_created(current, target, dag))
         self.controller.engine_started(progress.engine_start_s)
         self.controller.engines_rebuilt(progress.rebuild_s)
         self.controller.switched(target, tuple(sorted(self.world)))

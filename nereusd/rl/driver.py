@@ -123,7 +123,11 @@ class RLDriver:
         by the live controller, which empties it."""
         self.finish_overhead_s = 0.0
         """The last :meth:`build`'s weight-sync set-up plus garbage collection (slowest rank,
-        seconds): the live controller's fixed transition cost until a transition is measured."""
+        seconds): less the set-up, the live controller's fixed transition cost until a transition
+        is measured."""
+        self.sync_setup_s = 0.0
+        """The last :meth:`build`'s weight-sync communicator set-up (slowest rank, seconds): every
+        group created anew."""
         self._ms_s: dict[str, float] = {}
         self._peaks: dict[int, int] = {}
         self.last_checkpoint: tuple[str, int, int] | None = None
@@ -179,6 +183,7 @@ class RLDriver:
         memory = {d: r.result["memory_in_use_bytes"] for d, r in results.items()}
         self.engine_start_s = max((r.result.get("engine_start_s", 0.0) for r in results.values()), default=0.0)
         self.rebuild_s = slowest_by_stage(results)
+        self.sync_setup_s = max((r.result.get("sync_setup_s", 0.0) for r in results.values()), default=0.0)
         self.finish_overhead_s = max((r.result.get("sync_setup_s", 0.0) + r.result.get("collect_s", 0.0)
                                       for r in results.values()), default=0.0)
         self.journal.event(Event.BUILD, {"plan": self.plan.to_dict(), "elapsed_s": time.perf_counter() - start,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -42,6 +42,7 @@ from nereusd.transition.cost import (
     estimate_l_tran,
     op_duration_s,
 )
+from nereusd.transition.comms import communicator_plan
 from nereusd.transition.dag import join, topological_order
 from nereusd.transition.validate import validate
 from nereusd.transition.local import Delta, local_dag, t_sub
@@ -77,7 +78,8 @@ __all__ = [
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
     "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
-    "zero_repartitioned", "zero_state_cost", "repartition_cost", "ParamsMoved",
+    "zero_repartitioned", "zero_state_cost", "repartition_cost", "ParamsMoved", "sync_communicator_sets",
+    "sync_groups_created",
 ]
 
 
@@ -305,6 +307,25 @@ def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,
             out[(source, target)] = plan_transition(Plan({target: src}), Plan({target: tcand}), models,
                                                     devices_per_node=devices_per_node)
     return out
+
+
+def sync_communicator_sets(plan: Plan, models: Mapping[Role, ModelSpec], *, devices_per_node: int) -> Counter:
+    """The device sets (sorted) of the communicators of ``plan``'s weight-sync DAGs
+    (:func:`weight_sync_dags`), with their multiplicity."""
+    return Counter(tuple(sorted(set(devices)))
+                   for dag in weight_sync_dags(plan, models, devices_per_node=devices_per_node).values()
+                   for _, devices in communicator_plan(dag) if len(set(devices)) > 1)
+
+
+def sync_groups_created(current_sync: Counter, target_sync: Counter, dag: TransitionDag) -> int:
+    """Process groups a transition's ``transition_finish`` creates for the target plan's weight-sync
+    communicators (``target_sync``, :func:`sync_communicator_sets`): the workers take groups from
+    their pool (``emu.state.primitives.GroupPool``), to which the current plan's sync
+    communicators (``current_sync``) and the transition's own (``dag``) have just been handed
+    back; a device set needed more often than those give is created. An upper bound: the pool
+    may also keep older idle groups."""
+    have = current_sync + Counter(tuple(sorted(set(d))) for _, d in communicator_plan(dag) if len(set(d)) > 1)
+    return sum((target_sync - have).values())
 
 
 def sync_dag_args(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list[SyncDag]:

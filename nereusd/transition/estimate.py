@@ -20,6 +20,7 @@ between more replicas than the scaled plan has. Such an estimate has no DAG to e
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -28,7 +29,7 @@ from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Plan, Role
 from nereusd.planner.placement import place
-from nereusd.transition import assess_transition
+from nereusd.transition import assess_transition, sync_communicator_sets, sync_groups_created
 from nereusd.transition.ops import TransitionDag
 
 
@@ -65,6 +66,21 @@ class TransitionEstimator:
         self.sets = [tuple(s) for s in concurrent_sets]
         self.max_devices = max_devices
         self._memo: dict[tuple, TransitionEstimate] = {}
+        self._sync_sets: dict[tuple, Counter] = {}
+
+    def sync_groups_created(self, current: Plan, target: Plan, dag: TransitionDag) -> int:
+        """:func:`nereusd.transition.sync_groups_created` for ``current → target`` by ``dag``
+        (each plan's weight-sync communicators memoised)."""
+        sets = []
+        for plan in (current, target):
+            key = plan.key()
+            if key not in self._sync_sets:
+                if len(self._sync_sets) > 256:
+                    self._sync_sets.clear()
+                self._sync_sets[key] = sync_communicator_sets(plan, self.specs,
+                                                              devices_per_node=self.site.devices_per_node)
+            sets.append(self._sync_sets[key])
+        return sync_groups_created(sets[0], sets[1], dag)
 
     def forget(self) -> None:
         """Drop every memoised estimate (the cost model's calibration changed wholesale)."""

@@ -409,3 +409,44 @@ def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_h
     assert measured.l_tran_s < 1.0
     [faster] = [a for a in measured.alternatives if a["verdict"] == "costlier"]
     assert faster["step_latency_s"] < measured.target.step_latency_s and faster["l_tran_s"] > 16.0
+
+
+def test_a_transition_is_priced_the_weight_sync_groups_it_creates(demo):
+    """Workers reuse process groups over the same devices (``emu.state.primitives.GroupPool``):
+    once a group's creation has been measured, ``L̂_tran`` adds it for each weight-sync group the
+    target plan needs beyond those the current plan's sync and the transition's own
+    communicators hand back — here the launch plan syncs training tp 2 to generation tp 1 over
+    device pairs, and training at tp 4 needs groups over all four devices; a resumed controller
+    keeps what it learned."""
+    from collections import Counter
+
+    from nereusd.transition import sync_communicator_sets, sync_groups_created
+    from nereusd.transition.comms import communicator_plan
+
+    job, site = demo
+    train = ModelStage.parse("actor/training")
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    plan = adapter.plan
+    moved = Plan({**plan.candidates, train: Candidate(4, 1, 1, (0, 1, 2, 3))})
+    models = {r: rm.spec for r, rm in job.roles.items()}
+    now, then = (sync_communicator_sets(p, models, devices_per_node=site.devices_per_node) for p in (plan, moved))
+    assert set(now) == {(0, 1), (2, 3)} and set(then) == {(0, 1, 2, 3)}
+
+    def assessed(step: int):
+        observe(adapter, step, 16)
+        return adapter.boundary(step, adapter.pool, forced=moved).decision
+
+    before = assessed(0)
+    dag = adapter.transitions.estimate(plan, moved).dag
+    created = sync_groups_created(now, then, dag)
+    own = Counter(tuple(sorted(set(d))) for _, d in communicator_plan(dag) if len(set(d)) > 1)
+    assert created == max(0, then[(0, 1, 2, 3)] - own[(0, 1, 2, 3)]) > 0
+    adapter.sync_groups_set_up(0.0, 0)     # nothing created: nothing learned
+    adapter.sync_groups_set_up(0.06, 3)
+    assert adapter.sync_group_s == pytest.approx(0.02)
+    assert assessed(1).l_tran_s == pytest.approx(before.l_tran_s + 0.02 * created)
+    # the same plan's sync groups come back from the pool: a transition that keeps them creates none
+    assert sync_groups_created(now, now, dag) == 0
+    resumed = controller_for_job(job, site, job.plan, PROMPT)
+    resumed.restore(json.loads(json.dumps(adapter.state())))
+    assert resumed.sync_group_s == pytest.approx(0.02)

@@ -105,13 +105,15 @@ def test_an_out_of_memory_transition_stays_an_out_of_memory_failure(tiny_models)
     assert info.value.error_kind == "DeviceOutOfMemory"
 
 
-def test_the_terms_a_transition_prices_apart_are_its_ops_span_rebuilds_and_engine_starts():
+def test_the_terms_a_transition_prices_apart_are_its_ops_span_rebuilds_syncs_and_engine_starts():
     timings = {"a": {"start_s": 10.0, "end_s": 10.5}, "b": {"start_s": 10.2, "end_s": 11.0}}
     phases = {"detach": 0.2, "rebuild": 0.3, "engine_start": 2.0, "collect": 0.1, "prepare": 0.4, "ops": 0.7}
     assert TransitionProgress(timings=timings, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.0 + 0.3 + 2.0)
-    # a ZeRO re-partition is priced apart too (zero_state_cost)
-    assert TransitionProgress(timings=timings, phases_s={**phases, "repartition": 0.4}).terms_s() == \
-        pytest.approx(0.2 + 1.0 + 0.3 + 0.4 + 2.0)
+    # a ZeRO re-partition (zero_state_cost), the DAG's communicators (its makespan) and the
+    # weight-sync groups (Controller.sync_groups_set_up) are priced apart too
+    more = {**phases, "repartition": 0.4, "setup": 0.05, "sync_setup": 0.07}
+    assert TransitionProgress(timings=timings, phases_s=more).terms_s() == \
+        pytest.approx(0.2 + 1.0 + 0.3 + 0.4 + 0.05 + 0.07 + 2.0)
     # workers' clocks (other nodes) are trusted only as far as nereusd's own prepare + ops
     skewed = {**timings, "b": {"start_s": 10.2, "end_s": 15.0}}
     assert TransitionProgress(timings=skewed, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.1 + 0.3 + 2.0)
