@@ -78,7 +78,8 @@ __all__ = [
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
     "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
-    "zero_repartitioned", "zero_state_cost", "repartition_cost", "ParamsMoved", "sync_communicator_sets",
+    "zero_repartitioned", "repartitioned_by", "zero_state_cost", "repartition_cost", "ParamsMoved",
+    "sync_communicator_sets",
     "sync_groups_created",
 ]
 
@@ -183,13 +184,12 @@ def assess_transition(
     """
     sizes = sizes or AdamStateSizes.for_dtype(site.compute_dtype)
     budget = budget or MemoryBudget.from_site(site)
-    state = StateModel(models, sizes)
+    state = StateModel(models, sizes, repartitioned_by(current, target))
     dag = plan_transition(current, target, models, devices_per_node=site.devices_per_node,
                           state=state, budget=budget)
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
     report = check_feasibility(dag, state, budget)
-    params_only = zero_repartitioned(current, target)
-    cost = estimate_l_tran(dag, ParamsMoved(sizes, frozenset(params_only)) if params_only else sizes, links)
+    cost = estimate_l_tran(dag, state.sizes, links)   # re-partitioned: parameters only (ParamsMoved)
     zero_s, zero_bytes = zero_state_cost(current, target, dag, state, links)
     if zero_s or zero_bytes:
         cost = dataclasses.replace(cost, l_tran_s=cost.l_tran_s + zero_s, bytes_moved=cost.bytes_moved + zero_bytes)
@@ -216,9 +216,14 @@ def zero_repartitioned(current: Plan, target: Plan) -> set[ModelStage]:
     return {ms for ms, cand in current.items() if cand.zero_stage and ms in target and target[ms].zero_stage}
 
 
-def _zero_elements(ms: ModelStage, cand, state: StateModel) -> float:
-    """Parameter elements of one replica of a ZeRO model-stage (``tp = pp = 1``: the whole model)."""
-    return max(state.plan_bytes(Plan({ms: cand})).values()) / state.sizes.resident_bytes_per_element(ms)
+def repartitioned_by(current: Plan, target: Plan) -> set[ModelStage]:
+    """The ZeRO model-stages a transition ``current → target`` re-partitions: those of
+    :func:`zero_repartitioned` that it rebuilds (:func:`rebuilt_model_stages`; ops exist exactly
+    for the model-stages whose layout or devices change), known before the DAG is planned
+    (:class:`StateModel` ``repartitioned``)."""
+    moved = {ms for ms, cand in current.items() if ms in target
+             and (cand.layout, cand.devices) != (target[ms].layout, target[ms].devices)}
+    return zero_repartitioned(current, target) & rebuilt_model_stages(current, target, moved)
 
 
 def repartition_cost(current, target, elements: float, bytes_per_element: float, links) -> tuple[float, int]:
@@ -268,7 +273,7 @@ def zero_state_cost(current: Plan, target: Plan, dag: TransitionDag, state: Stat
         if not cand.zero_stage or (ms not in rebuilt and ms in target):
             continue
         joined = state.sizes.zero_joined_bytes_per_element(ms)
-        elements = _zero_elements(ms, cand, state)
+        elements = state.elements(ms, cand.layout, (0, 0))
         if ms in kept:
             seconds, nbytes = repartition_cost(cand, target[ms], elements, joined, links)
             total_s, total_bytes = total_s + seconds, total_bytes + nbytes

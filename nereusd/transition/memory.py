@@ -107,22 +107,22 @@ class AdamStateSizes:
 
 @dataclass(frozen=True)
 class ParamsMoved:
-    """``sizes`` except that a transition moves the parameters alone of ``model_stages``: ZeRO
-    model-stages whose optimizer partitions move apart from the DAG
-    (``nereusd.transition.zero_repartitioned``). Their moved bytes per element are those of a
-    parameter-only model-stage of the same role (the compute dtype's); what they hold is
-    unchanged."""
+    """``sizes`` except that the holdings of ``model_stages`` carry their parameters alone: ZeRO
+    model-stages whose optimizer partitions a transition moves apart from the DAG
+    (``nereusd.transition.zero_repartitioned``). Their resident and moved bytes per element are
+    ``sizes``' less the partitioned slots (:meth:`AdamStateSizes.zero_joined_bytes_per_element`:
+    master unless fp32, Adam ``m``, ``v``), which :meth:`StateModel.partition_bytes` counts."""
 
     sizes: StateSizes
     model_stages: frozenset
 
     def resident_bytes_per_element(self, model_stage: ModelStage) -> float:
-        return self.sizes.resident_bytes_per_element(model_stage)
+        less = self.sizes.zero_joined_bytes_per_element(model_stage) if model_stage in self.model_stages else 0.0
+        return self.sizes.resident_bytes_per_element(model_stage) - less
 
     def moved_bytes_per_element(self, model_stage: ModelStage) -> float:
-        if model_stage in self.model_stages:
-            return self.sizes.moved_bytes_per_element(ModelStage(model_stage.role, Stage.INFERENCE))
-        return self.sizes.moved_bytes_per_element(model_stage)
+        less = self.sizes.zero_joined_bytes_per_element(model_stage) if model_stage in self.model_stages else 0.0
+        return self.sizes.moved_bytes_per_element(model_stage) - less
 
     def zero_joined_bytes_per_element(self, model_stage: ModelStage) -> float:
         return self.sizes.zero_joined_bytes_per_element(model_stage)
@@ -215,9 +215,16 @@ class StateModel:
         PlanError: (from :meth:`spec`) if a model-stage's role has no model spec.
     """
 
-    def __init__(self, models: Mapping[Role, ModelSpec], sizes: StateSizes) -> None:
+    def __init__(self, models: Mapping[Role, ModelSpec], sizes: StateSizes,
+                 repartitioned: Iterable[ModelStage] = ()) -> None:
         self.models = dict(models)
-        self.sizes = sizes
+        self.repartitioned = frozenset(repartitioned)
+        """ZeRO model-stages a transition re-partitions (``nereusd.transition.zero_repartitioned``,
+        of those it rebuilds): their holdings carry parameters only (:class:`ParamsMoved`), each
+        replica also holds its optimizer partition (:meth:`partition_bytes`), and
+        :func:`check_feasibility` adds the re-partition after the DAG's ops. Other ZeRO
+        model-stages are counted at their ZeRO-0 size, what their export makes them."""
+        self.sizes = ParamsMoved(sizes, self.repartitioned) if self.repartitioned else sizes
 
     def spec(self, model_stage: ModelStage) -> ModelSpec:
         try:
@@ -227,8 +234,20 @@ class StateModel:
 
     def holding_bytes(self, model_stage: ModelStage, layout: Layout, position: Position) -> int:
         """Resident bytes of ``model_stage``'s shard at ``position`` of ``layout``."""
-        elements = shard_elements(self.spec(model_stage), layout, position, value_head_for(model_stage.role))
-        return int(elements * self.sizes.resident_bytes_per_element(model_stage))
+        return int(self.elements(model_stage, layout, position) * self.sizes.resident_bytes_per_element(model_stage))
+
+    def elements(self, model_stage: ModelStage, layout: Layout, position: Position) -> int:
+        """Parameter elements of ``model_stage``'s shard at ``position`` of ``layout``."""
+        return shard_elements(self.spec(model_stage), layout, position, value_head_for(model_stage.role))
+
+    def partition_bytes(self, model_stage: ModelStage, cand) -> int:
+        """Bytes of one replica's optimizer partition of a re-partitioned ZeRO model-stage on
+        candidate ``cand`` (``tp = pp = 1``): ``⌈P/dp⌉`` elements of the partitioned slots
+        (DeepSpeed's alignment padding left out); 0 for other model-stages."""
+        if model_stage not in self.repartitioned or not cand.zero_stage:
+            return 0
+        elements = self.elements(model_stage, cand.layout, (0, 0))
+        return int(-(-elements // cand.dp) * self.sizes.zero_joined_bytes_per_element(model_stage))
 
     def plan_bytes(self, plan: Plan) -> dict[int, int]:
         """Resident state bytes per device of ``plan`` (all model-stages, co-resident summed)."""
@@ -236,7 +255,7 @@ class StateModel:
         for m, cand in plan.items():
             for x in cand.devices:
                 _, p, t = cand.coords_of(x)
-                out[x] += self.holding_bytes(m, cand.layout, (p, t))
+                out[x] += self.holding_bytes(m, cand.layout, (p, t)) + self.partition_bytes(m, cand)
         return dict(out)
 
     def op_bytes(self, op: Op, collective_buffer_bytes: int) -> dict[int, tuple[int, int, int]]:
@@ -369,6 +388,21 @@ def check_feasibility(
                                             in_use[x], limit)
             peak[x] = max(peak.get(x, 0), during)
             in_use[x] += alloc - free
+    for m in sorted(state.repartitioned, key=ModelStage.sort_key):
+        # transition_finish: each new replica's partition is allocated while the old ones still
+        # hold theirs (emu.engine.zero_repartition), then the old ones are released
+        cur, tgt = dag.current.candidates.get(m), dag.target.candidates.get(m)
+        if cur is None or tgt is None:
+            continue
+        new = state.partition_bytes(m, tgt)
+        for x in tgt.devices:
+            during = in_use[x] + new
+            if during > limit and violation is None:
+                violation = MemoryViolation(f"repartition {m}", x, str(m), new, in_use[x], limit)
+            peak[x] = max(peak.get(x, 0), during)
+            in_use[x] = during
+        for x in cur.devices:
+            in_use[x] -= state.partition_bytes(m, cur)
     if violation is not None:
         log.info("transition infeasible: %s", violation.describe())
     return FeasibilityReport(violation, dict(peak), {x: v for x, v in in_use.items()}, order)

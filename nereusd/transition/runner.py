@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 from nereusd import protocol as P
 from nereusd.errors import WorkerError
 from nereusd.plan import ModelStage, Plan
-from nereusd.transition import rebuilt_model_stages, zero_repartitioned
+from nereusd.transition import repartitioned_by
 from nereusd.transition.comms import communicator_plan
 from nereusd.transition.dag import Holding, topological_order
 from nereusd.transition.ops import TransitionDag
@@ -173,9 +173,7 @@ class TransitionRunner:
             units, lost = intact_units(intact)
             # a ZeRO model-stage being re-partitioned held each optimizer partition once, on its
             # old replica: one of them dead, that state is gone (emu.engine.zero_repartition)
-            gone = {ms for ms in zero_repartitioned(dag.current, dag.target)
-                    & rebuilt_model_stages(dag.current, dag.target, {op.model_stage for op in dag.ops})
-                    if dead & set(dag.current[ms].devices)}
+            gone = {ms for ms in repartitioned_by(dag.current, dag.target) if dead & set(dag.current[ms].devices)}
             units = Plan({ms: cand for ms, cand in units.items() if ms not in gone})
             # a model-stage of the current plan with no holding left at all is lost as well
             lost = tuple(sorted((set(dag.current) | set(lost)) - set(units), key=ModelStage.sort_key))

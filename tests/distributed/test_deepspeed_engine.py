@@ -309,11 +309,10 @@ def random_zero_transitions(rank: int, world: int, seed: int) -> dict:
     bit-exact against the canonical tensors after each one; at the end the export path too."""
     from emu.engine.deepspeed_stage import DeepSpeedStageEngine  # noqa: F811 (spawned process)
     from emu.engine.zero_repartition import keep_partition, repartition
-    from nereusd.transition import zero_repartitioned
+    from nereusd.transition import repartitioned_by, zero_repartitioned
 
     chain = zero_chain(seed)
     models = {Role.ACTOR: SPEC}
-    state_model = StateModel(models, SIZES)
     report = {"transitions": 0, "kinds": set(), "max_peak_ratio": 0.0, "dp": set(), "received_bytes": 0}
     logical = LogicalState(step=5, version=2, policy_version=2, position=320, seed=seed)
 
@@ -336,6 +335,7 @@ def random_zero_transitions(rank: int, world: int, seed: int) -> dict:
     for i, (cur, tgt) in enumerate(zip(chain, chain[1:])):
         cur_plan, tgt_plan = Plan({ZERO_MS: cur}), Plan({ZERO_MS: tgt})
         assert zero_repartitioned(cur_plan, tgt_plan) == {ZERO_MS}
+        state_model = StateModel(models, SIZES, repartitioned_by(cur_plan, tgt_plan))   # as assess_transition
         need = max([*state_model.plan_bytes(cur_plan).values(), *state_model.plan_bytes(tgt_plan).values()])
         for factor in (1.0, 1.25, 1.5, 2.0, 3.0):
             budget = MemoryBudget(capacity_bytes=int(need * factor / 0.9) + 1, collective_buffer_bytes=1 << 30)

@@ -146,6 +146,39 @@ def test_l_tran_counts_the_zero_state_moved():
     assert assess_transition(same, same, models, site).l_tran_s == 0.0
 
 
+def test_a_repartitioning_transition_is_checked_at_zeros_memory():
+    """The transition check books a re-partitioned ZeRO model-stage as it is held: parameters per
+    replica, ``12·P/dp`` bytes of partition (bf16: master and moments), the DAG moving
+    parameter-only holdings, then each new partition allocated while the old ones still exist.
+    A ZeRO-1 dp 2 → 4 move fits a limit of 12 bytes/parameter that a ZeRO-0 move (14) cannot."""
+    from nereusd.models import preset
+    from nereusd.plan import Plan, Role
+    from nereusd.transition import (AdamStateSizes, MemoryBudget, StateModel, check_feasibility, plan_transition,
+                                    repartitioned_by)
+
+    models = {Role.ACTOR: preset("qwen2.5-1.5b")}
+    sizes = AdamStateSizes.for_dtype("bf16")
+    two, four = (0, 1), (0, 1, 2, 3)
+    cur, tgt = Plan({TRAIN: Candidate(1, 1, 2, two, zero_stage=1)}), Plan({TRAIN: Candidate(1, 1, 4, four, zero_stage=1)})
+    state = StateModel(models, sizes, repartitioned_by(cur, tgt))
+    assert state.repartitioned == {TRAIN}
+    elements = state.elements(TRAIN, cur[TRAIN].layout, (0, 0))
+    assert state.plan_bytes(cur)[0] == 2 * elements + state.partition_bytes(TRAIN, cur[TRAIN])
+    assert state.partition_bytes(TRAIN, cur[TRAIN]) == -(-elements // 2) * 12
+    budget = MemoryBudget(capacity_bytes=int((12 * elements + (128 << 20)) / 0.9), collective_buffer_bytes=64 << 20)
+    dag = plan_transition(cur, tgt, models, devices_per_node=8, state=state, budget=budget)
+    report = check_feasibility(dag, state, budget)
+    assert report.feasible, report.violation
+    # an old replica peaks with parameters, its old and its new partition (2 + 6 + 3 bytes per
+    # parameter, plus a staging buffer); a joiner ends with parameters and a quarter (2 + 3)
+    assert 11 * elements <= report.peak_bytes[0] <= 11 * elements + (64 << 20) + 64
+    assert report.final_bytes[2] == pytest.approx(5 * elements, abs=64)
+    zero0 = StateModel(models, sizes)
+    plain = (Plan({TRAIN: Candidate(1, 1, 2, two)}), Plan({TRAIN: Candidate(1, 1, 4, four)}))
+    dag0 = plan_transition(*plain, models, devices_per_node=8, state=zero0, budget=budget)
+    assert not check_feasibility(dag0, zero0, budget).feasible
+
+
 def test_plan_default_zero_stage_is_for_training_and_an_error_names_plan_default(tmp_path):
     job = resolve(write(tmp_path, tiny_job("backends: {actor/training: deepspeed}\nplan: {default: {zero_stage: 2}}\n")))
     assert job.plan[TRAIN].zero_stage == 2 and job.zero_stages == {TRAIN: (2,)}
