@@ -218,8 +218,12 @@ def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None) ->
             return
         try:
             if cmd == "close":
+                # exit at once: vLLM's own teardown at interpreter exit outlasted the worker's 3 s
+                # grace on every engine stop (3.1 s per close, a /tmp script; transitions that
+                # stopped an engine paid it), and frees nothing the process's exit does not
                 conn.send(("ok", None))
-                return
+                conn.close()
+                os._exit(0)
             start = time.perf_counter()
             if asleep:
                 llm.wake_up()

@@ -81,9 +81,10 @@ class FlatPartition:
 
 def keep_partition(engine, memory=None) -> tuple[EmuShard, FlatPartition]:
     """Detach a ZeRO engine for a re-partitioning transition: its parameters as a new
-    ``PARAM_SLOTS`` holding (copied: DeepSpeed's parameters live in its flat buffer) and its
-    optimizer partitions, booked on ``memory`` (default: the engine's) as ``partition``; the engine
-    is released and its entries freed. Local: no communication.
+    ``PARAM_SLOTS`` holding (copied: DeepSpeed's parameters live in its flat buffer; booked as
+    ``export`` while the engine exists) and its optimizer partitions; the engine is released,
+    its entries freed, and the partitions booked on ``memory`` (default: the engine's) as
+    ``partition``. Local: no communication.
 
     Returns:
         ``(holding, partition)``: the holding is not booked (the caller puts it in its store).
@@ -92,9 +93,12 @@ def keep_partition(engine, memory=None) -> tuple[EmuShard, FlatPartition]:
         NereusError: if DeepSpeed's flat buffer is not laid out as the holding's rows.
     """
     memory = memory or engine.memory
+    params_bytes = sum(p.numel() * p.element_size() for p in engine.params.values())
+    memory.allocate(engine.ms, "export", params_bytes)   # the parameters' copy, beside the engine
     shard = EmuShard(engine.model_stage, engine.spec, engine.value_head, engine.candidate.layout, (0, 0), PARAM_SLOTS,
                      device=engine.device, logical=replace(engine.logical, step=engine.adam_step()))
     if not engine._flat_is_holding_row(shard):
+        memory.free(engine.ms, "export")
         raise NereusError(f"{engine.ms}: DeepSpeed's flat buffer is not laid out as a holding; cannot re-partition")
     opt = engine.ds_optimizer
     flat = opt.single_partition_of_fp32_groups[0]
@@ -108,11 +112,11 @@ def keep_partition(engine, memory=None) -> tuple[EmuShard, FlatPartition]:
     with torch.no_grad():
         for name, p in engine.params.items():
             shard.view(name, "param").copy_(p)
-    memory.allocate(engine.ms, "partition", part.nbytes)
     engine.logical = shard.logical
     engine.release()
-    for what in ("parameters", "gradients", "optimizer"):
+    for what in ("export", "parameters", "gradients", "optimizer"):
         memory.free(engine.ms, what)
+    memory.allocate(engine.ms, "partition", part.nbytes)   # what of the optimizer's entry it keeps
     return shard, part
 
 

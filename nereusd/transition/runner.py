@@ -72,8 +72,9 @@ class TransitionProgress:
     time went (``phases_s``, seconds): the wall time of the three steps seen from nereusd
     (``prepare``, ``ops``, ``finish``) and, slowest rank each, the workers' engine detach
     (a ZeRO export included), communicator set-up, engine rebuild, ZeRO re-partition,
-    weight-sync communicator set-up, garbage collection and vLLM engine start-up (``detach``,
-    ``setup``, ``rebuild``, ``repartition``, ``sync_setup``, ``collect``, ``engine_start``)."""
+    weight-sync communicator set-up, garbage collection, vLLM engine start-up and weight reload
+    (``detach``, ``setup``, ``rebuild``, ``repartition``, ``sync_setup``, ``collect``,
+    ``engine_start``, ``engine_load``)."""
 
     completed: set[str] = field(default_factory=set)
     timings: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -164,7 +165,8 @@ class TransitionRunner:
             res = self.control.run({d: finish for d in self.world}, self.timeout_s)
             progress.phases_s["ops"] = finished - start - progress.phases_s.get("prepare", 0.0)
             progress.phases_s["finish"] = time.perf_counter() - finished
-            progress.slowest(res, "rebuild_s", "repartition_s", "sync_setup_s", "collect_s", "engine_start_s")
+            progress.slowest(res, "rebuild_s", "repartition_s", "sync_setup_s", "collect_s", "engine_start_s",
+                             "engine_load_s")
             progress.engine_start_s = progress.phases_s["engine_start"]
             progress.rebuild_s = slowest_by_stage(res)
         except WorkerError as err:
