@@ -82,7 +82,7 @@ class TransitionExecutor:
         rank_of: world rank of a global device (identity unless the world was re-formed).
         communicators: the whole DAG's communicator plan when ``dag`` is this device's slice
             (:meth:`~nereusd.transition.ops.TransitionDag.slices`); ``None``: ``dag`` is whole.
-        pool: a :class:`emu.state.primitives.GroupPool` the communicators come from and go back
+        pool: a :class:`emu.state.groups.GroupPool` the communicators come from and go back
             to (``None``: created and destroyed).
     """
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from emu.liveness import peer_wait
 from emu.state.devmem import DeviceMemory
+from emu.state.groups import GroupPool, destroy_group
 from emu.state.unit import EmuShard, LogicalState, narrow_piece, nbytes_of, shard_shape
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -149,7 +150,7 @@ class Communicators:
     """
 
     def __init__(self, rank_of: Callable[[int], int] = lambda d: d, backend: Optional[str] = None,
-                 pool: Optional["GroupPool"] = None) -> None:
+                 pool: Optional[GroupPool] = None) -> None:
         self.rank_of = rank_of
         self.backend = backend
         self.pool = pool
@@ -185,69 +186,13 @@ class Communicators:
 
     def destroy(self) -> None:
         """Destroy every group this rank is a member of (best effort on a broken world), or with a
-        :class:`GroupPool`, hand every group back to it (every rank: the pools stay alike)."""
+        :class:`~emu.state.groups.GroupPool`, hand every group back to it (every rank: the pools stay alike)."""
         for (_, ranks), group in self.groups.items():
             if self.pool is not None:
                 self.pool.release(ranks, self.backend, group)
             else:
                 destroy_group(group)
         self.groups.clear()
-
-
-def destroy_group(group: Optional[dist.ProcessGroup]) -> None:
-    """Destroy ``group`` if this rank is a member (best effort on a broken world)."""
-    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-        try:
-            dist.destroy_process_group(group)
-        except (RuntimeError, ValueError) as err:
-            log.warning("destroying a transition communicator failed: %s", err)
-
-
-class GroupPool:
-    """Process groups kept for reuse between transitions and weight-sync plans.
-
-    Destroying a gloo group that carried traffic took 15–30 ms per group on each member in the
-    demo (``make demo``, worker logs; 4 ranks on 2 cores), and creating one ~12 ms (a
-    ``/tmp`` script, 4 gloo ranks): every transition destroyed its own communicators and the
-    old plan's weight-sync ones and created new ones, though they often span the same ranks. A
-    group handed back (:meth:`release`) is idle; :meth:`acquire` returns the oldest idle group
-    over the same ranks and backend, or creates one. Idle groups past ``capacity`` are destroyed,
-    oldest first. A group has one holder at a time, so the ops of one DAG still never share one
-    (:class:`Communicators`).
-
-    Every rank of the world must call :meth:`acquire` and :meth:`release` with the same
-    arguments in the same order — members and non-members alike (a non-member's group is
-    ``NON_GROUP_MEMBER``) — so that the pools of all ranks decide alike and ``new_group``, a
-    collective over the world, is called by all or none. :class:`Communicators` does (its
-    ``create`` and ``destroy`` are called on every rank in DAG order).
-    """
-
-    def __init__(self, capacity: int = 32) -> None:
-        self.capacity = capacity
-        self.idle: list[tuple[tuple[int, ...], Optional[str], Optional[dist.ProcessGroup]]] = []
-        self.created = self.reused = 0
-
-    def acquire(self, ranks: tuple[int, ...], backend: Optional[str]) -> Optional[dist.ProcessGroup]:
-        """An idle group over ``ranks`` (global, sorted), else a new one (collective)."""
-        for i, (r, b, group) in enumerate(self.idle):
-            if (r, b) == (ranks, backend):
-                del self.idle[i]
-                self.reused += 1
-                return group
-        self.created += 1
-        return dist.new_group(list(ranks), backend=backend)
-
-    def release(self, ranks: tuple[int, ...], backend: Optional[str], group: Optional[dist.ProcessGroup]) -> None:
-        """Make ``group`` idle; destroy the oldest idle groups past ``capacity``."""
-        self.idle.append((ranks, backend, group))
-        while len(self.idle) > self.capacity:
-            destroy_group(self.idle.pop(0)[2])
-
-    def clear(self) -> None:
-        """Forget every idle group (after the world they belonged to was destroyed)."""
-        self.idle.clear()
-
-
 
 
 def create_communicators(dag: TransitionDag, comms: Communicators,

@@ -27,7 +27,8 @@ from emu.engine.stage import StageEngine, preload_optimizer
 from emu.state.checkpoint import load_holdings, save_holdings, verify_checkpoint
 from emu.engine.hf_io import load_state
 from emu.engine.parallel import build_stage_groups
-from emu.state.primitives import GroupPool, HoldingStore
+from emu.state.groups import GroupPool
+from emu.state.primitives import HoldingStore
 from emu.worker.transition_tasks import TransitionTasks, rank_space
 from emu.worker.vllm_stages import VllmStages
 from emu.state.unit import LogicalState, bind_engine, holding_of, mark_trained, trained_steps

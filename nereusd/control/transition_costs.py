@@ -78,7 +78,7 @@ class TransitionCostLearning:
     def sync_groups_set_up(self, seconds: float, groups: int) -> None:
         """Learn the seconds per weight-sync process group created, from ``seconds`` measured for
         ``groups`` new groups (EMA, weight 0.5; the first taken as is; nothing learned without a
-        new group: reused groups cost next to nothing, ``emu.state.primitives.GroupPool``)."""
+        new group: reused groups cost next to nothing, ``emu.state.groups.GroupPool``)."""
         if groups <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return
         per = seconds / groups

@@ -325,7 +325,7 @@ def sync_communicator_sets(plan: Plan, models: Mapping[Role, ModelSpec], *, devi
 def sync_groups_created(current_sync: Counter, target_sync: Counter, dag: TransitionDag) -> int:
     """Process groups a transition's ``transition_finish`` creates for the target plan's weight-sync
     communicators (``target_sync``, :func:`sync_communicator_sets`): the workers take groups from
-    their pool (``emu.state.primitives.GroupPool``), to which the current plan's sync
+    their pool (``emu.state.groups.GroupPool``), to which the current plan's sync
     communicators (``current_sync``) and the transition's own (``dag``) have just been handed
     back; a device set needed more often than those give is created. An upper bound: the pool
     may also keep older idle groups."""

@@ -1,4 +1,4 @@
-"""Communicators from a :class:`emu.state.primitives.GroupPool` (4 gloo ranks): groups handed back
+"""Communicators from a :class:`emu.state.groups.GroupPool` (4 gloo ranks): groups handed back
 are reused for the same ranks without a ``new_group``, still carry collectives correctly, are
 never shared by two ops of one set, and idle ones past the capacity are destroyed."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from emu.state.primitives import Communicators, GroupPool
+from emu.state.groups import GroupPool
+from emu.state.primitives import Communicators
 from tests.support.distributed import run_distributed
 
 

@@ -412,7 +412,7 @@ def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_h
 
 
 def test_a_transition_is_priced_the_weight_sync_groups_it_creates(demo):
-    """Workers reuse process groups over the same devices (``emu.state.primitives.GroupPool``):
+    """Workers reuse process groups over the same devices (``emu.state.groups.GroupPool``):
     once a group's creation has been measured, ``L̂_tran`` adds it for each weight-sync group the
     target plan needs beyond those the current plan's sync and the transition's own
     communicators hand back — here the launch plan syncs training tp 2 to generation tp 1 over
