@@ -403,7 +403,12 @@ class Controller(TransitionCostLearning):
         lines: list[str] = []
         targets: list[Target] = []
         if forced is not None:
-            targets.append(self._target(source, forced, problem, usable))
+            target = self._target(source, forced, problem, usable)
+            outside = sorted(set(forced.devices()) - set(pool))
+            if outside:   # e.g. a device lost before the forced step (or the step re-run after a restart)
+                target = dataclasses.replace(target, feasible=False, reason=(
+                    f"the forced layout uses devices {outside}, which are not in the pool {list(pool)}"))
+            targets.append(target)
         elif frozen:
             rescaled = dp_rescale(self.base_plan, problem, current=source)
             if rescaled is not None:

@@ -183,7 +183,7 @@ class TransitionRunner:
                    "checkpoint)" if lost else ""
             log.error("transition interrupted after %d of %d ops (dead devices %s): %s; intact units %s%s",
                       len(progress.completed), len(dag.ops), sorted(dead), err, units.describe(), what)
-            raise TransitionInterrupted(f"transition interrupted: {err}{what}", progress, intact, units,
+            raise TransitionInterrupted(f"transition interrupted{what}: {err}", progress, intact, units,
                                         lost, error_kind=err.error_kind) from err
         progress.elapsed_s = time.perf_counter() - start
         log.info("transition done: %d ops in %.3f s (set-up %.3f s)", len(dag.ops), progress.elapsed_s,

@@ -107,3 +107,60 @@ def test_spare_device_lost_leaves_the_world_without_a_restart(tmp_path):
     assert [e["devices"] for e in events if e["event"] == "world_formed"][-1] == [0, 1]
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
     assert processes_mentioning(str(run_dir)) == []
+
+
+ZERO_MOVE = JOB.replace("plan: {default: {tp: 1, pp: 1}}\n", """plan:
+  default: {tp: 1, pp: 1}
+  model_stages: {actor/training: {devices: [0, 1], zero_stage: 1}}
+""") + """backends: {actor/training: deepspeed}
+adaptation:
+  policy: frozen
+  forced:
+    - {at_step: 3, model_stages: {actor/training: {devices: [0, 1, 2]}}}
+"""
+
+
+@requires_deepspeed
+def test_zero_replica_killed_while_its_partition_moves_restarts_from_the_checkpoint(tmp_path):
+    """A ZeRO-1 pair on devices 0, 1 is forced to dp 3 on 0, 1, 2 (a re-partition: each old replica
+    holds the only copy of its optimizer partition until the new replicas received theirs). The
+    worker of device 1 is killed as soon as nereusd journals the admitted switch, so the kill lands
+    in the transition or, on a slow machine, in the step after it; either way its partition's only
+    copy died with it and the survivors (devices 0 and 2) restart from the checkpoint. The test
+    says which of the two it saw. (It found that the forced switch, met again when the restart
+    re-ran its step, named the lost device: a forced layout outside the pool is now refused.)"""
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", ZERO_MOVE), run_dir)
+
+    def switch_admitted():
+        return any(e["event"] == "admission" and (e.get("target_plan") or {}).get("actor/training", {})
+                   .get("devices") == [0, 1, 2] for e in read_jsonl(run_dir / "events.jsonl"))
+
+    try:
+        wait_for("a step", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, 180, run_dir)
+        pid = worker_pid(run_dir, 1)
+        wait_for("the forced switch admitted", switch_admitted, 180, run_dir, interval_s=0.01)
+        os.kill(pid, signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6 and summary["restarts"] == 1, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    fallback = [e for e in events if e["event"] == "fallback"]
+    assert len(fallback) == 1 and fallback[0]["action"] == "checkpoint_restart", fallback
+    assert fallback[0]["lost_devices"] == [1]
+    moved = [e for e in events if e["event"] == "transition" and e["to_plan"]["actor/training"]["devices"] == [0, 1, 2]]
+    where = "after the transition, in the next step" if moved else "in the transition (re-partition interrupted)"
+    print(f"device 1 was killed {where}; restarted from {fallback[0]['checkpoint']}")
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert len(lost) == 1 and lost[0]["devices"] == [1], lost
+    if not moved:   # the runner named the model-stage whose partition's only copy died
+        assert lost[0]["error"].startswith("transition interrupted"), lost[0]
+        assert "no complete unit of ['actor/training']" in lost[0]["error"], lost[0]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    last = records[-1]["plan"]["actor/training"]   # the frozen policy rescales its launch pair: dp 1 on device 0
+    assert set(last["devices"]) <= {0, 2} and last.get("zero_stage") == 1, last
+    assert processes_mentioning(str(run_dir)) == []

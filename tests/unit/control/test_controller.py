@@ -138,6 +138,18 @@ def test_forced_plan_overrides_the_current_plan(demo):
         forced_plan(job, job.plan, {"actor/training": StagePlanConfig(tp=4, pp=2)})
 
 
+def test_a_forced_layout_on_a_device_outside_the_pool_is_refused(demo):
+    """A forced switch met after its device was lost (a restart re-runs the forced step) names a
+    device the world no longer has: refused with the reason, never planned into a transition."""
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    observe(adapter, 0, 16)
+    forced = forced_plan(job, adapter.plan, {"actor/training": StagePlanConfig(devices=[0, 1, 2, 3])})
+    decision = adapter.boundary(0, (0, 1, 2), forced=forced).decision
+    assert not decision.admitted
+    assert "devices [3], which are not in the pool [0, 1, 2]" in str(decision.alternatives), decision
+
+
 def test_schema_of_adaptation_and_pool():
     job = parse_job({"pool": {"schedule": [{"at_step": 3, "remove": 1}, {"at_step": 5, "add": 2}]},
                      "adaptation": {"payback_margin": 0.25, "forced": [{"at_step": 2, "model_stages": {
