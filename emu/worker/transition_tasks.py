@@ -153,7 +153,10 @@ class TransitionTasks:
                        else {op.model_stage for op in dag.ops})
         self._changed = ops_changed
         changed = self._rebuilt(dag.target, ops_changed)
-        self._repartition = zero_repartitioned(self.plan, dag.target) & changed if self.plan is not None else set()
+        # after a world re-formation every engine was detached by export (reform_world), on every
+        # rank alike (a new worker has no plan): nothing is left to re-partition
+        self._repartition = (set() if self._rebuild_all or self.plan is None
+                             else zero_repartitioned(self.plan, dag.target) & changed)
         start = time.perf_counter()
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:

@@ -13,6 +13,7 @@ import pytest
 
 from nereusd.journal import read_jsonl
 from tests.support import REPO
+from tests.support.deepspeed import requires_deepspeed
 from tests.support.e2e import finish, processes_mentioning, start, wait_for, write_job
 
 pytestmark = pytest.mark.slow
@@ -100,3 +101,49 @@ def _unauthenticated_status(run_dir):
         return P.decode(sock.recv()) if sock.poll(2000) else None
     finally:
         sock.close(0)
+
+
+ZERO_JOB = """
+name: e2e-pool-zero
+algorithm: grpo
+seed: 3
+steps: 30
+devices: 2
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 12}
+train: {global_batch: 8, micro_batch: 4, kl_coef: 0.0}
+checkpoint: {every_steps: 0}
+pool: {max_devices: 3}
+backends: {actor/training: deepspeed}
+plan: {default: {tp: 1, pp: 1}}
+adaptation: {policy: frozen}
+"""
+
+
+@requires_deepspeed
+def test_a_device_added_to_a_zero_job_joins_after_the_world_re_forms(tmp_path):
+    """A device joins a job whose training model-stage is on ZeRO-1. The world re-forms first
+    (every engine exported to canonical holdings), so the move of the ZeRO model-stage that
+    follows runs on full holdings, on every worker alike: the old workers once chose to
+    re-partition there while the new one, with no plan yet, did not, and the re-partition's
+    collective would have waited for it forever."""
+    run_dir = tmp_path / "run"
+    proc = start(write_job(tmp_path, "job", ZERO_JOB), run_dir)
+    try:
+        wait_for("a step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 180, run_dir)
+        assert "joins" in pool(run_dir, "--add", "1")
+        finish(proc, run_dir, timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 30 and summary["restarts"] == 0, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["devices"] for e in events if e["event"] == "world_formed"][-1] == [0, 1, 2]
+    # the frozen policy's rescale moves the ZeRO-1 training model-stage after the re-formation
+    # (its DP and devices change): full holdings, no re-partition
+    moves = [e for e in events if e["event"] == "transition" and e["to_plan"]["actor/training"]["devices"]
+             != e["from_plan"]["actor/training"]["devices"]]
+    assert moves and all(e["to_plan"]["actor/training"].get("zero_stage") == 1 for e in moves), moves
+    assert all(e["phases_s"].get("repartition", 0.0) == 0.0 for e in moves), [e["phases_s"] for e in moves]
+    assert processes_mentioning(str(run_dir)) == []
