@@ -103,17 +103,7 @@ def _unauthenticated_status(run_dir):
         sock.close(0)
 
 
-ZERO_JOB = """
-name: e2e-pool-zero
-algorithm: grpo
-seed: 3
-steps: 30
-devices: 2
-models: {actor: "@WARMSTART@"}
-rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 12}
-train: {global_batch: 8, micro_batch: 4, kl_coef: 0.0}
-checkpoint: {every_steps: 0}
-pool: {max_devices: 3}
+ZERO_JOB = JOB.replace("devices: 3", "devices: 2").replace("max_devices: 4", "max_devices: 3") + """\
 backends: {actor/training: deepspeed}
 plan: {default: {tp: 1, pp: 1}}
 adaptation: {policy: frozen}
