@@ -306,6 +306,18 @@ class DeepSpeedStageEngine(StageEngine):
         state = self.ds_optimizer.optimizer.state.get(flat)
         return state or None
 
+    def _set_adam_state(self, step: float, moments: dict[str, torch.Tensor]) -> None:
+        """Make ``moments`` (``exp_avg``, ``exp_avg_sq``: tensors shaped as this rank's flat
+        partition) and ``step`` the Adam state of the partition, linked to DeepSpeed's
+        per-parameter views (what ``safe_get_*`` and the checkpoint code read)."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        opt = self.ds_optimizer
+        flat = opt.single_partition_of_fp32_groups[0]
+        opt.optimizer.state[flat] = {"step": torch.tensor(float(step), dtype=torch.float32), **moments}
+        lazy_init_hp_params_optimizer_state(opt.bit16_groups[0], flat, opt.optimizer.state)
+        opt._hp_optimizer_states_linked = True
+
     def adam_step(self) -> int:
         """Optimizer updates applied (Adam's ``step``)."""
         state = self._adam_state()
@@ -399,7 +411,7 @@ class DeepSpeedStageEngine(StageEngine):
     @torch.no_grad()
     def load_optimizer_full_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """This rank's partition of :meth:`optimizer_full_state` output (empty: no state); local."""
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_set_full_optimizer_state
+        from deepspeed.utils import safe_set_full_optimizer_state
 
         opt = self.ds_optimizer
         flat = opt.single_partition_of_fp32_groups[0]
@@ -410,10 +422,7 @@ class DeepSpeedStageEngine(StageEngine):
         if missing:
             raise NereusError(f"{self.ms}: load_optimizer_full_state: missing {missing[0]!r}")
         step = float(next(iter(state.values()))["step"])
-        opt.optimizer.state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
-                                     "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        lazy_init_hp_params_optimizer_state(opt.bit16_groups[0], flat, opt.optimizer.state)
-        opt._hp_optimizer_states_linked = True
+        self._set_adam_state(step, {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)})
         for name, p in self.params.items():
             for k in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, state[name][k].to(flat.device, torch.float32), k)
@@ -483,23 +492,18 @@ class DeepSpeedStageEngine(StageEngine):
                     "exp_avg_sq": shard.view(n, "exp_avg_sq")} for n in names})
             self.logical = shard.logical
             return
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
         StageEngine.load_full_state(self, {n: shard.view(n, "param") for n in names})
         rows = shard.buffer.view(len(TRAIN_SLOTS), shard.numel_per_slot)
-        opt = self.ds_optimizer
-        flat = opt.single_partition_of_fp32_groups[0]
+        flat = self.ds_optimizer.single_partition_of_fp32_groups[0]
         start, valid = self._partition_span(flat, shard.numel_per_slot)
-        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        moments = {}
         for slot, row in zip(TRAIN_SLOTS, rows):
             into = flat if slot == "param" else torch.empty_like(flat)
             into[:valid].copy_(row[start:start + valid])
             into[valid:].zero_()
             if slot != "param":
-                state[slot] = into
-        opt.optimizer.state[flat] = state
-        lazy_init_hp_params_optimizer_state(opt.bit16_groups[0], flat, opt.optimizer.state)
-        opt._hp_optimizer_states_linked = True
+                moments[slot] = into
+        self._set_adam_state(step, moments)
         self.logical = shard.logical
 
     def detach(self, memory=None) -> EmuShard:

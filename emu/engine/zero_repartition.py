@@ -162,8 +162,6 @@ def repartition(old: Optional[FlatPartition], engine, memory) -> int:
     numel = max(m[6] for m in meta)
     received, pending, targets, covered = 0, [], {}, 0
     if engine is not None:
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
         opt = engine.ds_optimizer
         flat = opt.single_partition_of_fp32_groups[0]
         start, valid = engine._partition_span(flat, numel)
@@ -198,11 +196,7 @@ def repartition(old: Optional[FlatPartition], engine, memory) -> int:
         if slot_names and covered != valid:
             raise NereusError(f"{engine.ms}: re-partition covered {covered} of this partition's {valid} elements")
         if slot_names:
-            state = {"step": torch.tensor(float(step), dtype=torch.float32),
-                     **{k: targets[k] for k in MOMENTS}}
-            opt.optimizer.state[flat] = state
-            lazy_init_hp_params_optimizer_state(opt.bit16_groups[0], flat, opt.optimizer.state)
-            opt._hp_optimizer_states_linked = True
+            engine._set_adam_state(step, {k: targets[k] for k in MOMENTS})
         else:
             opt.optimizer.state.pop(flat, None)
     if old is not None:
