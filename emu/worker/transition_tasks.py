@@ -47,7 +47,7 @@ from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role
 from nereusd.shards import value_head_for
-from nereusd.transition import rebuilt_model_stages, zero_repartitioned
+from nereusd.transition import rebuilt_model_stages, repartitioned_by
 from nereusd.transition.ops import TransitionDag
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class TransitionTasks:
     """Handlers of the task kinds in the module docstring (state lives on WorkerRuntime)."""
 
     _repartition: set[ModelStage] = frozenset()
-    """ZeRO model-stages the running transition re-partitions (:func:`nereusd.transition.zero_repartitioned`
-    of those it rebuilds): detached with :func:`emu.engine.zero_repartition.keep_partition`, their
+    """ZeRO model-stages the running transition re-partitions (:func:`nereusd.transition.repartitioned_by`,
+    the rule nereusd prices and books by): detached with :func:`emu.engine.zero_repartition.keep_partition`, their
     partitions moved by :func:`~emu.engine.zero_repartition.repartition` once rebuilt."""
 
     # ------------------------------------------------------------------ helpers
@@ -156,7 +156,7 @@ class TransitionTasks:
         # after a world re-formation every engine was detached by export (reform_world), on every
         # rank alike (a new worker has no plan): nothing is left to re-partition
         self._repartition = (set() if self._rebuild_all or self.plan is None
-                             else zero_repartitioned(self.plan, dag.target) & changed)
+                             else repartitioned_by(self.plan, dag.target))
         start = time.perf_counter()
         for ms in sorted(changed, key=ModelStage.sort_key):
             if ms in self.engines:
