@@ -22,7 +22,7 @@ JOB = """
 name: e2e-pool-cmd
 algorithm: grpo
 seed: 2
-steps: 30
+steps: 80
 devices: 3
 models: {actor: "@WARMSTART@"}
 rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 12}
@@ -40,8 +40,9 @@ def pool(run_dir, *args: str) -> str:
 
 
 def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
-    # 30 steps (~0.3 s each here): the added agent needs a few seconds to start and register;
-    # with 9 steps a loaded machine finished the job first (CI, 2026-12-01)
+    # 80 steps (~0.3 s each here): the added agent needs a few seconds to start, register and join
+    # at a re-formation; with 9 steps a loaded machine finished the job before the agent registered
+    # (CI, 2026-12-01), with 30 an idle one before it joined (here, 2026-12-03)
     run_dir = tmp_path / "run"
     proc = start(write_job(tmp_path, "job", JOB), run_dir)
     try:
@@ -53,6 +54,12 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
         # the Prometheus endpoint nereusd.json names answers while the job runs
         metrics = json.loads((run_dir / "nereusd.json").read_text())["metrics"]
         assert "nereus_step_latency_seconds_count" in urllib.request.urlopen(metrics, timeout=10).read().decode()
+        # the pool holds 3 of the job's pool.max_devices 4: two more are refused, before any agent
+        # starts (asked first, while the job surely runs: after the join a fast machine could
+        # finish the job before the request arrived; CI, 2026-12-03)
+        out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), "--add", "2"],
+                             capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode != 0 and "the pool holds 3 devices and the job allows 4" in out.stderr, out.stderr
         assert "leave at the next safe boundary" in pool(run_dir, "--remove", "1")
 
         def left():
@@ -61,16 +68,12 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
         assert "joins" in pool(run_dir, "--add", "1")
         wait_for("the added agent", lambda: any(e["event"] == "agent_registered" and e["devices"] == [3]
                                                 for e in read_jsonl(run_dir / "events.jsonl")), 120, run_dir)
-        # the pool holds 3 of the job's pool.max_devices 4: two more are refused, before any agent starts
-        out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), "--add", "2"],
-                             capture_output=True, text=True, cwd=REPO, timeout=60)
-        assert out.returncode != 0 and "the pool holds 3 devices and the job allows 4" in out.stderr, out.stderr
         finish(proc, run_dir, timeout_s=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "succeeded" and summary["steps"] == 30, summary
+    assert summary["status"] == "succeeded" and summary["steps"] == 80, summary
     events = read_jsonl(run_dir / "events.jsonl")
     assert any(e["event"] == "pool_request" and e["remove"] == 1 for e in events)
     changes = [e for e in events if e["event"] == "pool_changed" and "step" in e and "leaving" in e]
@@ -103,7 +106,7 @@ def _unauthenticated_status(run_dir):
         sock.close(0)
 
 
-ZERO_JOB = JOB.replace("devices: 3", "devices: 2").replace("max_devices: 4", "max_devices: 3") + """\
+ZERO_JOB = JOB.replace("steps: 80", "steps: 30").replace("devices: 3", "devices: 2").replace("max_devices: 4", "max_devices: 3") + """\
 backends: {actor/training: deepspeed}
 plan: {default: {tp: 1, pp: 1}}
 adaptation: {policy: frozen}
