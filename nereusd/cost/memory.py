@@ -47,7 +47,10 @@ class MemoryEstimate:
 
     ``peak_bytes`` is the sum of ``components`` (the model-stage's own working peak);
     ``resident_bytes`` is what stays on the device while the model-stage is idle
-    (parameters, plus master copy and Adam state for training).
+    (parameters, plus gradients, master copy and Adam state for training: the engines keep the
+    gradient buffers between steps, as Megatron-core's persistent ``main_grad`` buffer and
+    DeepSpeed's partitions do; the native engine's ``p.grad`` and the DeepSpeed engine's
+    ``gradients`` booking live as long as the engine).
     """
 
     components: Mapping[str, int]
@@ -334,7 +337,7 @@ def stage_memory(
                                                act_bytes=e, vocab_head=not value_output)
     else:
         comp.update(zero_state_bytes(params, dp, zero_stage, e))
-        resident += comp["optimizer"]
+        resident += comp["optimizer"] + comp["gradients"]
         micro_batches = max(1, per_replica // b)
         head = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
                                      act_bytes=e, vocab_head=not value_output)

@@ -74,7 +74,7 @@ def test_memory_monotone(tp, pp, b):
     full = stage_memory(SPEC, TRAIN, tp=tp, pp=pp, **kw)
     rec = stage_memory(SPEC, TRAIN, tp=tp, pp=pp, recompute=True, **kw)
     assert rec.components["activations"] <= full.components["activations"]
-    assert full.resident_bytes == parameters_per_device(SPEC, tp, pp) * 16 - parameters_per_device(SPEC, tp, pp) * 2
+    assert full.resident_bytes == parameters_per_device(SPEC, tp, pp) * 16   # the gradients stay, too
     more = stage_memory(SPEC, TRAIN, tp=tp * 2, pp=pp, **kw)
     assert more.peak_bytes < full.peak_bytes
     assert usable_bytes(100) == 90

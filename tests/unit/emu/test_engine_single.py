@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from emu.state.devmem import DeviceMemory
-from nereusd.cost.memory import micro_batch_activation_bytes
+from nereusd.cost.memory import micro_batch_activation_bytes, stage_memory
 from emu.engine.stage import StageEngine
 from emu.engine.generate import SamplingParams, generate
 from emu.engine.model import LlamaModel, init_full_state
@@ -104,6 +104,20 @@ def test_engine_books_parameters_gradients_and_adam_state():
     with pytest.raises(DeviceOutOfMemory, match=r"in actor/training for gradients: wanted"):
         engine(DeviceMemory(0, p + 10))
     assert engine(DeviceMemory(0, p + 10), trainable=False).parameter_bytes() == p
+
+
+def test_an_idle_training_engine_holds_what_the_memory_model_calls_resident():
+    """Between steps a training engine keeps its parameters, gradients and Adam state: the memory
+    model's ``resident_bytes``, which the planner adds on every device the model-stage shares.
+    (Gradients were once left out of it, and a plan measured 55.2 MB per device where 52.8 MB
+    was predicted: bench_adaptive, 2026-12-03.)"""
+    mem = DeviceMemory(0, 1 << 30)
+    eng = engine(mem)
+    eng.initialize(seed=0)
+    eng.train_step([[1, 2, 3, 4]] * 2, [2, 2], {}, lambda out, b: ((out["logprobs"] * b["mask"]).sum(), {}))
+    predicted = stage_memory(SPEC, ACTOR_TRAIN, sequences=2, prompt_length=2, response_length=2, tp=1, pp=1, dp=1,
+                             micro_batch=2, dtype="fp32", device_kind="cpu")
+    assert mem.by_model_stage() == {"actor/training": predicted.resident_bytes}
 
 
 def test_too_large_micro_batch_fails_before_any_work():
