@@ -14,7 +14,10 @@ with its own :class:`~nereusd.control.controller.ControlPolicy`:
 - ``greedy``: the same triggers, any positive predicted gain admitted (``γ = ∞``);
 - ``periodic-k``: replan every ``k`` steps (and on urgent triggers), any positive gain admitted;
 - ``oracle`` (no controller): the best plan for every step under the ground truth (lengths,
-  contention and memory of the step known), transitions free — a lower bound.
+  contention and memory of the step known), transitions free — a lower bound for layout
+  choices. A pool change that takes every replica of one of its model-stages costs it the
+  checkpoint restart it costs every policy: device losses are not what layouts are compared on
+  (without it, the oracle's headroom on spot pools was mostly restarts no policy can avoid).
 """
 
 from __future__ import annotations

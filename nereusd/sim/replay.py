@@ -227,13 +227,13 @@ class Simulation:
                 new_pool = self.pool_at(t)
             outage = rec.stall_s > 0   # the pool fell below any plan: every replica is gone
             source = None if outage else surviving_units(plan, len(new_pool))
-            if ctl is None:
-                pool = new_pool
-                continue
-            if outage or source is None:   # some model-stage lost every replica
-                pool = new_pool
+            if outage or source is None:   # some model-stage lost every replica (the oracle's too:
+                pool = new_pool            # a lost device is no layout choice; its moves are free)
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
                 t += rec.restart_s
+                continue
+            if ctl is None:
+                pool = new_pool
                 continue
             outcome = ctl.boundary(i - 1, new_pool, source=None if source == plan else source)
             pool = new_pool

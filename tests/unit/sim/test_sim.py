@@ -151,6 +151,17 @@ def test_stall_when_pool_is_empty_is_not_step_latency():
     assert res.restarts >= 1   # every replica was lost with the pool
 
 
+def test_the_oracle_pays_the_restart_a_lost_pool_forces_on_every_policy():
+    """Its moves are free, but a pool that takes every replica costs it a checkpoint restart as
+    it costs the others (it once skipped those, and its headroom on spot pools was restarts)."""
+    pool = PoolTrace("hand-made outage", 5.0, (1.0, 0.0, 0.0, 1.0))
+    sim = Simulation(small_problem(), LengthTrace("flat", (512.0,)), pool, 40, QUIET)
+    oracle, frozen = sim.run(parse_policy("oracle")), sim.run(parse_policy("frozen"))
+    check_books(oracle)
+    assert oracle.restarts == frozen.restarts >= 1 and oracle.transition_s == 0.0
+    assert oracle.total_s == pytest.approx(frozen.total_s)   # same plans, same restarts
+
+
 def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
     real = load_length_trace("verl-amd-7b-grpo")
     assert len(real.response_lengths) == 1119 and not real.generated
