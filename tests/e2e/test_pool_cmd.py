@@ -106,7 +106,7 @@ def _unauthenticated_status(run_dir):
         sock.close(0)
 
 
-ZERO_JOB = JOB.replace("steps: 80", "steps: 30").replace("devices: 3", "devices: 2").replace("max_devices: 4", "max_devices: 3") + """\
+ZERO_JOB = JOB.replace("steps: 80", "steps: 100").replace("devices: 3", "devices: 2").replace("max_devices: 4", "max_devices: 3") + """\
 backends: {actor/training: deepspeed}
 plan: {default: {tp: 1, pp: 1}}
 adaptation: {policy: frozen}
@@ -120,6 +120,8 @@ def test_a_device_added_to_a_zero_job_joins_after_the_world_re_forms(tmp_path):
     follows runs on full holdings, on every worker alike: the old workers once chose to
     re-partition there while the new one, with no plan yet, did not, and the re-partition's
     collective would have waited for it forever."""
+    # 100 steps (~0.3 s each here): the added agent and its worker take ~14 s to start and join;
+    # with 30 steps the device joined at step 25, with 50 at step 46 (2026-12-03)
     run_dir = tmp_path / "run"
     proc = start(write_job(tmp_path, "job", ZERO_JOB), run_dir)
     try:
@@ -130,7 +132,7 @@ def test_a_device_added_to_a_zero_job_joins_after_the_world_re_forms(tmp_path):
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "succeeded" and summary["steps"] == 30 and summary["restarts"] == 0, summary
+    assert summary["status"] == "succeeded" and summary["steps"] == 100 and summary["restarts"] == 0, summary
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["devices"] for e in events if e["event"] == "world_formed"][-1] == [0, 1, 2]
     # the frozen policy's rescale moves the ZeRO-1 training model-stage after the re-formation
