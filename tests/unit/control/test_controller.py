@@ -77,6 +77,21 @@ def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
     assert max(target.peak_bytes.values()) <= usable_bytes(capacity, adapter.headroom())
 
 
+@pytest.mark.parametrize("ratio, headroom", [(1.0, 0.10), (1.05, 0.10), (1.25, 0.20), (4.0, 0.60)])
+def test_measured_peaks_over_the_prediction_widen_the_headroom_once(demo, ratio, headroom):
+    """The worst recent measured/predicted peak ``r`` widens the headroom to ``max(10 %, 1 − 1/r)``
+    (at most 60 %): a plan fits when its prediction times ``r`` is within capacity, and within
+    90 % of it as always; the 10 % allowance is not added on top of what was measured."""
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    problem = adapter.problem(adapter.pool, 32)
+    ev = evaluate(problem, adapter.plan, CostModel(problem.site))
+    adapter.observe(StepObservation(0, 32, {m: o.latency_s for m, o in ev.options.items()},
+                                    {d: int(b * ratio) for d, b in ev.peak_bytes.items()}, ev.step_latency_s))
+    assert adapter.memory_ratio() == pytest.approx(ratio, rel=1e-6)
+    assert adapter.headroom() == pytest.approx(headroom, rel=1e-5)
+
+
 def test_calibration_learns_the_machine_speed(demo):
     job, site = demo
     adapter = controller_for_job(job, site, job.plan, PROMPT)
