@@ -235,10 +235,13 @@ def describe_event(ev: dict) -> str | None:
         why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
         changed = [f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in (ev.get("target_plan") or {}).items()
                    if c != (ev.get("current_plan") or {}).get(ms)]
-        gain = ev.get("delta_l_s")   # a number, or "inf" when the current plan could not run
-        gain_s = f"{gain:+.2f}" if isinstance(gain, (int, float)) else str(gain)
+        gain = ev.get("delta_l_s")   # ΔL = current − target step, a number, or "inf" when the current plan could not run
+        if isinstance(gain, (int, float)) and math.isfinite(gain):
+            gain_s = f"{abs(gain):.2f} s/step {'faster' if gain >= 0 else 'slower'}"
+        else:
+            gain_s = "the current plan cannot run"
         return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
-                + (f" (ΔL {gain_s} s/step, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
+                + (f" (predicted {gain_s}, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
     if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
         plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
         return f"nereus: planner's launch plan: {plan}"

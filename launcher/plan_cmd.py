@@ -32,18 +32,23 @@ GIB = float(1 << 30)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="show the plan the planner picks (no job is started)",
-                              description=__doc__.split("\n\n")[0])
+                              description="Print the plan the planner picks for a model, algorithm, site and "
+                                          "pool. It plans from --model/--site/--gpus, not from a job file: a "
+                                          "job's own launch plan is journalled when the job starts "
+                                          "(RUN_DIR/events.jsonl, event launch_plan; 'local' also prints it).")
     p.add_argument("--model", required=True, help=f"preset name ({', '.join(PRESETS)}), "
                    "a HF model directory or a config.json")
     p.add_argument("--reward-model", help="a different model for the reward role (default: --model)")
     p.add_argument("--critic-model", help="a different model for the critic role (default: --model)")
-    p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"])
+    p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"],
+                   help="RL algorithm; it decides the model-stages (default: %(default)s)")
     p.add_argument("--async", dest="asynchronous", action="store_true",
                    help="asynchronous execution (generation overlaps training)")
     p.add_argument("--site", required=True, help="site config path or name (site_configs/NAME.yaml)")
     p.add_argument("--gpus", type=int, required=True, help="devices in the pool")
-    p.add_argument("--prompt-length", type=int, default=512)
-    p.add_argument("--response-length", type=int, default=1024)
+    p.add_argument("--prompt-length", type=int, default=512, help="longest prompt in tokens (default: %(default)s)")
+    p.add_argument("--response-length", type=int, default=1024,
+                   help="longest response in tokens the plan must hold (default: %(default)s)")
     p.add_argument("--global-batch", type=int, default=256, help="sequences per RL step")
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per RL step")
     p.add_argument("--micro-batch", type=int, default=1, help="per-replica micro-batch (sequences)")

@@ -21,8 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report", help="write PNG plots of a run directory's metrics",
         description="Plot reward, response length, step and stage latency, throughput, peak memory per "
-                    "device and held-out pass@1 (when the job evaluates) from RUN_DIR/metrics.jsonl and "
-                    "events.jsonl into RUN_DIR/plots/ (or --out).",
+                    "device, held-out pass@1 (when the job evaluates), the plan timeline (each model-stage's "
+                    "layout per step, switches and pool changes marked) and predicted against measured step "
+                    "latency from RUN_DIR/metrics.jsonl and events.jsonl into RUN_DIR/plots/ (or --out): "
+                    "reward.png, response_length.png, step_latency.png, tokens_per_s.png, stage_latency.png, "
+                    "peak_memory.png, eval_pass_at_1.png, plan_timeline.png, predicted_vs_measured.png.",
     )
     parser.add_argument("run_dir", help="a run directory written by 'nereus-launch local'")
     parser.add_argument("--out", help="output directory (default RUN_DIR/plots)")

@@ -1,6 +1,7 @@
 """``nereus-launch resume RUN_DIR``: continue a job that did not finish — its nereusd died
 (``kill -9``, a crash, the machine's OOM killer), it stopped on a storage fault (free the space
-first) or on a lost pool, or it was interrupted — from its latest committed checkpoint.
+first) or on a lost pool, or it was interrupted — on the workers' state in memory when the dead
+run's agent still holds it (local runs), else from its latest committed checkpoint.
 
 It refuses a run directory a live nereusd still owns (the run-directory lock) and a job that
 succeeded. A Slurm run (time limit, preemption, a crash) is submitted again in mode ``resume``:

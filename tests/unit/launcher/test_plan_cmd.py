@@ -101,3 +101,16 @@ def test_plan_zero_names_bad_stages(capsys, value):
         main(["plan", "--model", "qwen2.5-3b", "--site", "l40s-pcie", "--gpus", "8", "--zero", value])
     assert exit_.value.code == 2
     assert f"ZeRO stages are 1 and 2, got {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("delta_l_s, says", [(1.3, "predicted 1.30 s/step faster"), (-2.29, "predicted 2.29 s/step slower"),
+                                             ("inf", "predicted the current plan cannot run")])
+def test_an_admitted_switch_says_which_way_the_step_moves(delta_l_s, says):
+    """The progress line of an admitted switch says faster or slower in words (it printed a signed
+    ΔL, and a new user could not tell which sign was faster)."""
+    from launcher.local import describe_event
+
+    line = describe_event({"event": "admission", "verdict": "admit", "step": 1, "delta_l_s": delta_l_s,
+                           "l_tran_s": 0.11, "triggers": [{"signal": "peak_memory", "urgent": True}],
+                           "current_plan": {}, "target_plan": {}})
+    assert line == f"nereus: step 1: switch admitted [peak_memory (urgent)]: placement ({says}, L_tran 0.11 s)"
