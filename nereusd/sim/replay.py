@@ -70,6 +70,8 @@ class StepRecord:
     oom: bool = False
     switched: bool = False
     rerun: bool = False
+    pool_changed: bool = False
+    """The pool changed at the boundary after this step."""
 
 
 @dataclass
@@ -92,6 +94,12 @@ class PolicyResult:
     @property
     def transition_s(self) -> float:
         return self._sum("transition_s")
+
+    @property
+    def pool_transition_s(self) -> float:
+        """Transition seconds spent at boundaries where the pool changed (the switch a pool
+        change forces, or that it enables), as opposed to those adaptation chose on its own."""
+        return sum(r.transition_s for r in self.records if r.pool_changed)
 
     @property
     def stall_s(self) -> float:
@@ -226,6 +234,7 @@ class Simulation:
                 t = nxt
                 new_pool = self.pool_at(t)
             outage = rec.stall_s > 0   # the pool fell below any plan: every replica is gone
+            rec.pool_changed = tuple(new_pool) != tuple(pool)
             source = None if outage else surviving_units(plan, len(new_pool))
             if outage or source is None:   # some model-stage lost every replica (the oracle's too:
                 pool = new_pool            # a lost device is no layout choice; its moves are free)

@@ -105,6 +105,11 @@ def test_pool_changes_rescale_frozen_and_trigger_the_controller():
         # every pool change is handled at its boundary: a switch or a restart
         handled = [r for r in res.records if r.switched or r.restart_s > 0]
         assert len(handled) >= changes
+        # the transitions at those boundaries are the pool's; the frozen policy makes no others
+        at_changes = sum(a.transition_s for a, b in zip(res.records, res.records[1:]) if a.pool != b.pool)
+        assert res.pool_transition_s >= at_changes > 0   # (and the last boundary's, which no record follows)
+        if name == "frozen":
+            assert res.pool_transition_s == pytest.approx(res.transition_s)
     assert any(t["signal"] == "gpu_pool" and t["urgent"] for d in res.decisions for t in d["triggers"])
 
 
