@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
@@ -99,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     for line in warnings if not args.json else []:
         print(f"warning: {line}", file=sys.stderr)
     problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)))
+    if args.calibration and not Path(args.calibration).is_file():
+        print(f"nereus-launch plan: --calibration {args.calibration}: no such file", file=sys.stderr)
+        return 2
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
     options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute,
                              zero_stages=(0, *args.zero) if args.zero else ())

@@ -180,6 +180,8 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
 
 def run_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise NereusError(f"{run_dir}: not a run directory (no such directory)")
     out_dir = Path(args.out) if args.out else run_dir / "plots"
     for path in write_plots(run_dir, out_dir):
         print(path)

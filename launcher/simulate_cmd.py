@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
+from nereusd.errors import NereusError
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.sim.scenario import Scenario, build, run_policies
@@ -55,6 +57,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise NereusError(f"--jobs: expected a positive number of worker processes, got {args.jobs}")
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise NereusError(f"--out {args.out}: exists and is not a directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise NereusError(f"--out {args.out}: cannot create it ({err.strerror})") from None
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed)

@@ -341,7 +341,8 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
     fields: dict[str, Any] = dict(
         vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
         num_layers=need("num_hidden_layers"), num_heads=need("num_attention_heads"),
-        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        num_kv_heads=config["num_attention_heads"] if config.get("num_key_value_heads") is None
+        else config["num_key_value_heads"],
         max_position=config.get("max_position_embeddings", 2048),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

@@ -97,14 +97,22 @@ def load_length_trace(name: str, steps: int | None = None, seed: int = 0) -> Len
     """
     if name.startswith(GENERATED_RAMP):
         parts = name.split(":")
-        start, end = (float(parts[1]), float(parts[2])) if len(parts) == 3 else (500.0, 8000.0)
+        if parts[0] != GENERATED_RAMP or len(parts) not in (1, 3):
+            raise ConfigError(f"length trace {name!r}: expected {GENERATED_RAMP} or {GENERATED_RAMP}:START:END "
+                              "(tokens)")
+        try:
+            start, end = (float(parts[1]), float(parts[2])) if len(parts) == 3 else (500.0, 8000.0)
+        except ValueError:
+            raise ConfigError(f"length trace {name!r}: START and END must be numbers of tokens") from None
+        if not (math.isfinite(start) and math.isfinite(end) and start >= 1 and end >= 1):
+            raise ConfigError(f"length trace {name!r}: START and END must be at least 1 token")
         return generated_ramp(steps or 1000, start, end, seed=seed)
     if name in LENGTH_TRACES:
         file, column = LENGTH_TRACES[name]
         return LengthTrace(name, tuple(_read_column(LENGTH_DIR / file, column)))
     base, _, column = name.partition(":") if not Path(name).exists() else (name, "", "")
     path = Path(base) if Path(base).exists() else LENGTH_DIR / base
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"length trace {name!r}: not a shipped trace ({sorted(LENGTH_TRACES)}, "
                           f"{GENERATED_RAMP}) nor a file")
     return LengthTrace(path.stem, tuple(_read_column(path, column or "response_length_mean")))
@@ -140,7 +148,7 @@ def load_pool_trace(name: str | None) -> PoolTrace:
     if name in (None, "", "constant"):
         return PoolTrace("constant", math.inf, (1.0,))
     path = Path(name) if Path(name).exists() else SPOT_DIR / POOL_TRACES.get(name, name)
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"pool trace {name!r}: not a shipped trace ({sorted(POOL_TRACES)}, constant) nor a file")
     try:
         data = json.loads(path.read_text())

@@ -38,6 +38,7 @@ import numpy as np
 from nereusd.cost.calibration import PRIORS, Calibration
 from nereusd.cost.model import CostModel
 from nereusd.cost.memory import stage_memory
+from nereusd.errors import ConfigError
 from nereusd.plan import ModelStage, Plan, Stage
 from nereusd.planner.space import PlanProblem
 from nereusd.transition.memory import AdamStateSizes
@@ -77,6 +78,25 @@ class TruthConfig:
     storage_gbps: float = 2.0
     checkpoint_interval: int = 20
     engine_rebuild_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Raises:
+            ConfigError: for a knob outside its range (a negative rate, noise or time, a
+                non-finite value, efficiency bounds out of order), naming each."""
+        problems = [f"{name} must be a finite number >= 0, got {getattr(self, name)!r}"
+                    for name in ("noise_sigma", "contention_per_h", "contention_mean_h", "spread_sd", "restart_s",
+                                 "engine_rebuild_s")
+                    if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0)]
+        problems += [f"{name} must be a finite number > 0, got {getattr(self, name)!r}"
+                     for name in ("efficiency_lo", "efficiency_hi", "contention_factor", "spread_mean", "spread_max",
+                                  "storage_gbps")
+                     if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0)]
+        if self.efficiency_lo > self.efficiency_hi:
+            problems.append(f"efficiency_lo {self.efficiency_lo} exceeds efficiency_hi {self.efficiency_hi}")
+        if self.checkpoint_interval < 1:
+            problems.append(f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
+        if problems:
+            raise ConfigError("ground truth: " + "; ".join(problems))
 
 
 class GroundTruth:

@@ -161,3 +161,11 @@ def test_greedy_generation_with_the_kv_cache_matches_transformers(name, tmp_path
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
         assert response == want, (prompt, response, want)
+
+
+def test_zero_key_value_heads_are_refused_not_read_as_missing():
+    """``num_key_value_heads: 0`` was read as absent (= attention heads) and planned silently."""
+    with pytest.raises(ConfigError, match=r"cfg.json: model.num_kv_heads: expected a positive integer, got 0"):
+        ModelSpec.from_hf_config(_config("llama", num_key_value_heads=0), source="cfg.json")
+    assert ModelSpec.from_hf_config({k: v for k, v in _config("llama").items() if k != "num_key_value_heads"},
+                                    source="cfg.json").num_kv_heads == 2

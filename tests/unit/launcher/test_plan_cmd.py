@@ -114,3 +114,17 @@ def test_an_admitted_switch_says_which_way_the_step_moves(delta_l_s, says):
                            "l_tran_s": 0.11, "triggers": [{"signal": "peak_memory", "urgent": True}],
                            "current_plan": {}, "target_plan": {}})
     assert line == f"nereus: step 1: switch admitted [peak_memory (urgent)]: placement ({says}, L_tran 0.11 s)"
+
+
+def test_a_missing_calibration_file_is_an_error_not_the_priors(tmp_path, capsys):
+    """``--calibration`` naming no file once fell back to the priors silently (a misspelt path)."""
+    args = ["plan", "--model", "qwen2.5-1.5b", "--site", "l40s-pcie", "--gpus", "8"]
+    assert main(args + ["--calibration", str(tmp_path / "nope.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(args + ["--calibration", str(tmp_path)]) == 2
+
+
+def test_report_on_a_file_says_it_is_not_a_run_directory(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["report", str(tmp_path / "afile")]) == 2
+    assert "not a run directory" in capsys.readouterr().err

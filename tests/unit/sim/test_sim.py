@@ -231,3 +231,32 @@ def test_cli_json_and_plots(tmp_path, capsys):
     for name in ("step_latency.png", "plan_timeline.png", "pool.png", "sequence_length.png", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert main(["simulate", "--gpus", "12", "--steps", "5"]) == 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--length-trace", "generated-ramp:a:b"], "START and END must be numbers"),
+    (["--length-trace", "generated-ramp:1"], "expected generated-ramp or generated-ramp:START:END"),
+    (["--length-trace", "generated-ramp:-5:0"], "at least 1 token"),
+    (["--length-trace", "."], "not a shipped trace"),
+    (["--pool-trace", "."], "not a shipped trace"),
+    (["--noise", "-1"], "noise_sigma must be a finite number >= 0"),
+    (["--noise", "nan"], "noise_sigma must be a finite number >= 0"),
+    (["--contention-per-h", "-3", "--engine-rebuild-s", "-10"], "contention_per_h must be"),
+    (["--jobs", "0"], "--jobs: expected a positive number"),
+])
+def test_simulate_refuses_bad_input_with_one_line(argv, says, capsys):
+    """Each once ended in a traceback or ran on nonsense (a new user's trial, 2026-12-03)."""
+    from launcher.cli import main
+
+    assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
+                 *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_simulate_out_must_be_a_directory(tmp_path, capsys):
+    from launcher.cli import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
+                 "--out", str(tmp_path / "file")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
