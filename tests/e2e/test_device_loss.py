@@ -14,7 +14,7 @@ import pytest
 
 from nereusd.journal import read_jsonl
 from tests.support.deepspeed import requires_deepspeed
-from tests.support.e2e import finish, processes_mentioning, start, wait_for, worker_pid, write_job
+from tests.support.e2e import finish, processes_mentioning, running, wait_for, worker_pid, write_job
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path, backend):
     # deepspeed: actor training on ZeRO-1 at dp 3 loses a replica with its optimizer partition;
     # the survivors restart at dp 2 from the (canonical) DCP checkpoint
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", JOB + f"backends: {{actor/training: {backend}}}\n"), run_dir)
-    try:
+    with running(write_job(tmp_path, "job", JOB + f"backends: {{actor/training: {backend}}}\n"), run_dir) as proc:
         # steps 0-2 done (checkpoint step000002 taken after step 1): kill device 2 at once. The
         # kill lands at the boundary after step 2 (the registry knows the loss: recovery) or
         # inside step 3 (its task fails: recovery); both restart from step000002 at step 3
@@ -52,9 +51,6 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path, backend):
         os.kill(pid, signal.SIGKILL)
         assert len(read_jsonl(run_dir / "metrics.jsonl")) == 3, "step 3 ended before the kill (machine too slow)"
         finish(proc, run_dir, timeout_s=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
     assert summary["restarts"] == 1 and summary["lost_steps"] == 1, summary
@@ -90,14 +86,10 @@ SPARE = JOB.replace("plan: {default: {tp: 1, pp: 1}}", "plan: {default: {tp: 1, 
 def test_spare_device_lost_leaves_the_world_without_a_restart(tmp_path):
     # device 2 holds no model-stage: losing it costs a world re-formation, not a checkpoint/restart
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", SPARE), run_dir)
-    try:
+    with running(write_job(tmp_path, "job", SPARE), run_dir) as proc:
         wait_for("two steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 120, run_dir)
         os.kill(worker_pid(run_dir, 2), signal.SIGKILL)
         finish(proc, run_dir, timeout_s=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
     events = read_jsonl(run_dir / "events.jsonl")
@@ -130,21 +122,17 @@ def test_zero_replica_killed_while_its_partition_moves_restarts_from_the_checkpo
     says which of the two it saw. (It found that the forced switch, met again when the restart
     re-ran its step, named the lost device: a forced layout outside the pool is now refused.)"""
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", ZERO_MOVE), run_dir)
 
     def switch_admitted():
         return any(e["event"] == "admission" and (e.get("target_plan") or {}).get("actor/training", {})
                    .get("devices") == [0, 1, 2] for e in read_jsonl(run_dir / "events.jsonl"))
 
-    try:
+    with running(write_job(tmp_path, "job", ZERO_MOVE), run_dir) as proc:
         wait_for("a step", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, 180, run_dir)
         pid = worker_pid(run_dir, 1)
         wait_for("the forced switch admitted", switch_admitted, 180, run_dir, interval_s=0.01)
         os.kill(pid, signal.SIGKILL)
         finish(proc, run_dir, timeout_s=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 6 and summary["restarts"] == 1, summary
     events = read_jsonl(run_dir / "events.jsonl")

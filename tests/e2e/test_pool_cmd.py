@@ -14,7 +14,7 @@ import pytest
 from nereusd.journal import read_jsonl
 from tests.support import REPO
 from tests.support.deepspeed import requires_deepspeed
-from tests.support.e2e import finish, processes_mentioning, start, wait_for, write_job
+from tests.support.e2e import finish, processes_mentioning, running, wait_for, write_job
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,7 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
     # at a re-formation; with 9 steps a loaded machine finished the job before the agent registered
     # (CI, 2026-12-01), with 30 an idle one before it joined (here, 2026-12-03)
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", JOB), run_dir)
-    try:
+    with running(write_job(tmp_path, "job", JOB), run_dir) as proc:
         wait_for("a step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 180, run_dir)
         # local mode has CURVE keys as on Slurm: a peer without the run directory's client key
         # gets no answer (before, any local user could ask for status or remove devices)
@@ -69,9 +68,6 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
         wait_for("the added agent", lambda: any(e["event"] == "agent_registered" and e["devices"] == [3]
                                                 for e in read_jsonl(run_dir / "events.jsonl")), 120, run_dir)
         finish(proc, run_dir, timeout_s=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 80, summary
     events = read_jsonl(run_dir / "events.jsonl")
@@ -123,14 +119,10 @@ def test_a_device_added_to_a_zero_job_joins_after_the_world_re_forms(tmp_path):
     # 100 steps (~0.3 s each here): the added agent and its worker take ~14 s to start and join;
     # with 30 steps the device joined at step 25, with 50 at step 46 (2026-12-03)
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", ZERO_JOB), run_dir)
-    try:
+    with running(write_job(tmp_path, "job", ZERO_JOB), run_dir) as proc:
         wait_for("a step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 180, run_dir)
         assert "joins" in pool(run_dir, "--add", "1")
         finish(proc, run_dir, timeout_s=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 100 and summary["restarts"] == 0, summary
     events = read_jsonl(run_dir / "events.jsonl")

@@ -15,7 +15,7 @@ import pytest
 
 from emu.state.checkpoint import verify_checkpoint
 from nereusd.journal import read_jsonl
-from tests.support.e2e import processes_mentioning, start, wait_for, write_job
+from tests.support.e2e import processes_mentioning, running, wait_for, write_job
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +35,11 @@ checkpoint: {every_steps: 2}
 
 def test_a_refused_checkpoint_stops_the_job_and_keeps_the_previous_one(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(write_job(tmp_path, "job", JOB), run_dir)
-    try:
+    with running(write_job(tmp_path, "job", JOB), run_dir) as proc:
         wait_for("one step", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, 180, run_dir)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         (run_dir / "checkpoints" / "step000004.partial").write_text("in the way")
         out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode != 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["error_kind"] == "StorageFault", summary

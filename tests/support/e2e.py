@@ -3,10 +3,12 @@ the run directory, and processes left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -40,6 +42,18 @@ def write_job(tmp_path: Path, name: str, text: str) -> Path:
 def start(job: Path, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job), "--run-dir", str(run_dir),
                              "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+@contextlib.contextmanager
+def running(job: Path, run_dir: Path) -> Iterator[subprocess.Popen]:
+    """:func:`start` the job; on leaving (a failed wait or assertion included) kill it if it
+    still runs, so no test leaves a job behind."""
+    proc = start(job, run_dir)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 420) -> str:
