@@ -57,6 +57,7 @@ from nereusd.config.job import AdaptationConfig
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
+from nereusd.control.lookahead import LengthLookahead
 from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.control.problem import job_problem, site_for_pool, solve
 from nereusd.control.transition_costs import TransitionCostLearning
@@ -209,6 +210,8 @@ class Controller(TransitionCostLearning):
         self._init_transition_costs()
         self.efficiency = 1.0
         self.length = 1
+        self.lengths = LengthLookahead(self.policy.delta_length)
+        """The steps' longest responses: what :meth:`lookahead` forecasts from."""
         self.predicted_step_s: float | None = None
         self._replay_until, self._replay_length = 0, 0
         self._restarted = False
@@ -221,7 +224,7 @@ class Controller(TransitionCostLearning):
         self._relaunch = False
 
     # ---- state of a resumed nereusd ------------------------------------------------------------
-    STATE_VERSION = 1
+    STATE_VERSION = 2
 
     def state(self) -> dict:
         """What the controller learned, for the journal (JSON; ``checkpoint`` events carry it, so
@@ -234,7 +237,8 @@ class Controller(TransitionCostLearning):
                 "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
-                "base_plan": self.base_plan.to_dict(), **self._transition_costs_state()}
+                "base_plan": self.base_plan.to_dict(), "lengths": self.lengths.to_json(),
+                **self._transition_costs_state()}
 
     def restore(self, state: Mapping) -> None:
         """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
@@ -256,6 +260,8 @@ class Controller(TransitionCostLearning):
             predicted = state["predicted_step_s"]
             predicted = None if predicted is None else float(predicted)
             costs = self._parse_transition_costs(state)
+            lengths = LengthLookahead(self.policy.delta_length)
+            lengths.restore(state["lengths"])
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:
@@ -270,6 +276,7 @@ class Controller(TransitionCostLearning):
         self._replay_until, self._replay_length = replay_until, replay_length
         self.length, self.efficiency, self._relaunch, self._restarted = fields
         self.predicted_step_s = predicted
+        self.lengths = lengths
         self._set_transition_costs(costs)
 
     # ---- problem ---------------------------------------------------------------------------
@@ -281,8 +288,9 @@ class Controller(TransitionCostLearning):
                                    pool=tuple(pool))
 
     def lookahead(self, length: int) -> int:
-        """The longest response the monitor would not call drift, capped at the longest possible."""
-        return int(min(self.max_response_length, math.ceil(length * (1.0 + self.policy.delta_length))))
+        """The coming step's longest response, forecast from ``length`` and the run's recent
+        steps (:class:`nereusd.control.lookahead.LengthLookahead`), capped at the longest possible."""
+        return self.lengths.coming(length, self.max_response_length)
 
     def memory_ratio(self) -> float:
         """Largest recent measured/predicted device peak (1 before any measurement)."""
@@ -310,6 +318,7 @@ class Controller(TransitionCostLearning):
         own work and weight synchronisation).
         """
         self.length = max(1, obs.response_length_max)
+        self.lengths.observe(self.length)
         problem = self.problem(self.pool, self.length)
         ev = evaluate(problem, self.plan, self.cost_model)
         stage_s = {m: s for m, s in obs.model_stage_s.items() if m in ev.options}
