@@ -34,9 +34,9 @@ and then asks :meth:`Controller.boundary` what to do:
 Length. The engine pads every micro-batch to its longest sequence and decodes until the longest
 response of a wave ends, so time and memory follow the *longest* response of a step, not the
 mean; the length signal is the step's longest response. The coming step's length is unknown:
-plans are checked and chosen for ``min(max_response_length, ⌈L·(1 + δ_len)⌉)``, the longest
-response the monitor would not yet call drift — so a plan is left *before* growth makes it run
-out of memory, not after.
+plans are checked and chosen for a forecast of it, capped at ``max_response_length``
+(:mod:`nereusd.control.lookahead`: the recent steps' longest plus a margin from the run's own
+jumps) — so a plan is left *before* growth makes it run out of memory, not after.
 
 Pure: no torch, no sockets, no clock. The shell that executes decisions on workers is
 :mod:`nereusd.daemon.live`; the simulator's is :mod:`nereusd.sim.replay`.
