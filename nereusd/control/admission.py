@@ -9,6 +9,8 @@
 - *Urgent path* (pool change, predicted OOM): profitability is waived; the first feasible
   target is taken; if the planner finds none, smaller micro-batches and then recomputation are
   tried (:func:`urgent_replan`); if still nothing fits, the verdict is checkpoint/restart.
+- *Restart to switch*: a target whose plan fits but whose transition does not is reached by a
+  checkpoint/restart when its learned cost repays itself by the same payback rule.
 
 Every decision is a :class:`Decision` whose :meth:`Decision.to_json_line` is one JSONL record
 explaining it (trigger, ΔL, L_tran, H_x, payback margin γ, verdict, alternatives).
@@ -70,6 +72,8 @@ class Target:
     transition_s: float
     feasible: bool = True
     reason: str = ""
+    restartable: bool = False
+    """The plan fits memory but its transition DAG does not: only a checkpoint/restart reaches it."""
     dag: TransitionDag | None = field(default=None, compare=False, repr=False)
     """The transition DAG that was assessed (its memory feasibility, its ``L̂_tran``): the one
     an admitted transition executes. ``None`` only where the assessment was scaled (the
@@ -125,6 +129,7 @@ def admit(
     horizon_steps: float,
     payback_margin: float = DEFAULT_PAYBACK_MARGIN,
     current_valid: bool = True,
+    restart_s: float = 0.0,
 ) -> Decision:
     """Decide whether to execute a transition.
 
@@ -135,6 +140,11 @@ def admit(
         horizon_steps: ``H_x`` (the smallest of the triggering signals').
         payback_margin: ``γ``; ``inf`` admits any positive gain, 0 urgent switches only.
         current_valid: False when the current plan cannot run any more (lost devices, OOM).
+        restart_s: ``L̂_restart``, what a checkpoint/restart costs (learned from measured ones; 0:
+            unknown). When no target is admitted, a target that only a restart reaches
+            (:attr:`Target.restartable`) is restarted into when that repays itself by the payback
+            rule: ``L̂_restart / ΔL ≤ γ · H_x``, urgent or not (the verdict ``checkpoint_restart``
+            with that target).
 
     An urgent trigger waives profitability but not cost: of the feasible targets it admits the
     one with the least ``L̂_step·H_x + L̂_tran`` (S* on a tie) — a fallback whose transition
@@ -187,6 +197,16 @@ def admit(
                             **common)
         tried.append(record | {"verdict": "unprofitable",
                                "reason": f"payback {payback:.2f} steps > γ·H_x = {bound:.2f}"})
+    if restart_s > 0 and payback_margin > 0:
+        bound = payback_margin * horizon_steps
+        for target in targets:
+            delta = current_step_latency_s - target.step_latency_s
+            if target.restartable and delta > 0 and restart_s / delta <= bound:
+                return Decision(verdict=RESTART, target=target, delta_l_s=delta, l_tran_s=restart_s,
+                                payback_steps=restart_s / delta, alternatives=tuple(tried),
+                                reason=f"the transition does not fit memory; a checkpoint/restart into the target "
+                                       f"repays its {restart_s:.0f} s in {restart_s / delta:.2f} steps "
+                                       f"<= γ·H_x = {bound:.2f}", **common)
     if urgent:
         if current_valid:
             return Decision(verdict=KEEP, alternatives=tuple(tried),

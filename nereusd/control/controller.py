@@ -365,7 +365,8 @@ class Controller(TransitionCostLearning):
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
         l_tran = est.l_tran_s + self.extra_l_tran_s(source, plan, est.dag, problem.engines,
                                                      problem.workload.micro_batch)
-        return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason, dag=est.dag)
+        return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason,
+                      restartable=not est.feasible and not over, dag=est.dag)
 
     def boundary(self, step: int, pool: tuple[int, ...], *, source: Plan | None = None,
                  forced: Plan | None = None) -> Outcome | None:
@@ -455,7 +456,7 @@ class Controller(TransitionCostLearning):
         over = peak is not None and peak > usable
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
-                         current_valid=current_valid and not over)
+                         current_valid=current_valid and not over, restart_s=self.restart_s)
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         self.monitor.replanned(signals)

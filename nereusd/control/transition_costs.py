@@ -37,6 +37,11 @@ class TransitionCostLearning:
         """Seconds per process group ``transition_finish`` creates for the weight-sync communicators
         (the slowest rank's set-up over the groups created; EMA, 0 before a measurement)."""
         self._sync_groups_seen = 0
+        self.restart_s = 0.0
+        """Seconds a checkpoint/restart takes (stop, relaunch, checkpoint read; EMA of measured
+        ones, weight 0.5; 0 before one): the price of reaching a plan whose transition does not
+        fit memory (:func:`nereusd.control.admission.admit`)."""
+        self._restarts_seen = 0
 
     # ---- learning ----------------------------------------------------------------------------
     def transition_measured(self, predicted_s: float, measured_s: float, terms_s: float | None = None) -> None:
@@ -91,6 +96,13 @@ class TransitionCostLearning:
             if math.isfinite(seconds) and seconds >= 0:
                 self.rebuild_s[ms] = seconds if ms not in self.rebuild_s else 0.5 * self.rebuild_s[ms] + 0.5 * seconds
 
+    def restart_measured(self, seconds: float) -> None:
+        """Learn what a checkpoint/restart took (EMA, weight 0.5; the first taken as is)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        self.restart_s = seconds if not self._restarts_seen else 0.5 * self.restart_s + 0.5 * seconds
+        self._restarts_seen += 1
+
     def engine_started(self, seconds: float) -> None:
         """Learn how long a vLLM engine takes to start, ``seconds`` measured by the workers (the
         build's or a transition's slowest rank; EMA, weight 0.5; the first taken as is)."""
@@ -128,7 +140,8 @@ class TransitionCostLearning:
         return {"transition_overhead_s": self.transition_overhead_s, "transitions_seen": self._transitions_seen,
                 "engine_start": [self.engine_start_s, self._engine_starts_seen],
                 "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()},
-                "sync_group": [self.sync_group_s, self._sync_groups_seen]}
+                "sync_group": [self.sync_group_s, self._sync_groups_seen],
+                "restart": [self.restart_s, self._restarts_seen]}
 
     @staticmethod
     def _parse_transition_costs(state: Mapping) -> tuple:
@@ -149,8 +162,13 @@ class TransitionCostLearning:
         sync_group_s, sync_groups_seen = float(sync_group_s), int(sync_groups_seen)
         if not (math.isfinite(sync_group_s) and sync_group_s >= 0):
             raise ValueError(f"sync_group {sync_group_s!r}")
-        return overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s, sync_group_s, sync_groups_seen
+        restart_s, restarts_seen = state.get("restart", (0.0, 0))   # absent before it was learned
+        restart_s, restarts_seen = float(restart_s), int(restarts_seen)
+        if not (math.isfinite(restart_s) and restart_s >= 0):
+            raise ValueError(f"restart {restart_s!r}")
+        return (overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s, sync_group_s, sync_groups_seen,
+                restart_s, restarts_seen)
 
     def _set_transition_costs(self, parsed: tuple) -> None:
         (self.transition_overhead_s, self._transitions_seen, self.engine_start_s, self._engine_starts_seen,
-         self.rebuild_s, self.sync_group_s, self._sync_groups_seen) = parsed
+         self.rebuild_s, self.sync_group_s, self._sync_groups_seen, self.restart_s, self._restarts_seen) = parsed

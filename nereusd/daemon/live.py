@@ -336,6 +336,7 @@ class LiveAdaptation:
         step = checkpoint[1] if checkpoint is not None else 0
         dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
         self.controller.switched(result.plan, tuple(sorted(self.world)))
+        self.controller.restart_measured(time.perf_counter() - start)
         self.switches += 1
         self.restarts += 1
         self.lost_steps += max(0, failed_step - step)

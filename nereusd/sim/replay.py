@@ -274,8 +274,10 @@ class Simulation:
                 target = None
         if target is None:
             raise SimulationError(f"no plan fits {len(pool)} devices at length {length:.0f}")
-        rec.restart_s += truth.restart_s(target)
+        restart_s = truth.restart_s(target)
+        rec.restart_s += restart_s
         if ctl is not None:
+            ctl.restart_measured(restart_s)
             ctl.switched(target, pool)
         return target
 
