@@ -112,6 +112,30 @@ def test_urgent_waives_profitability_and_restart():
     assert keep.verdict == KEEP
 
 
+def test_a_target_only_a_restart_reaches_is_restarted_into_when_the_restart_repays_itself():
+    """A plan that fits but whose transition does not (``restartable``): with a learned restart
+    cost, checkpoint/restart into it when ``L̂_restart / ΔL ≤ γ·H_x``; a feasible target that pays
+    back goes first; an unknown restart cost (0) or a plan over memory never restarts."""
+    only = Target(PLAN, 40.0, 20.0, False, "Extend does not fit", restartable=True)
+    d = admit(step=5, triggers=[DRIFT], current_step_latency_s=56.0, targets=[only], horizon_steps=30.0,
+              restart_s=190.0)   # 190 / 16 = 11.9 steps <= 0.5 · 30
+    assert d.verdict == RESTART and d.target is only and d.l_tran_s == 190.0
+    assert d.payback_steps == pytest.approx(190.0 / 16.0)
+    assert admit(step=5, triggers=[DRIFT], current_step_latency_s=56.0, targets=[only], horizon_steps=20.0,
+                 restart_s=190.0).verdict == REJECT   # 11.9 > 10
+    assert admit(step=5, triggers=[DRIFT], current_step_latency_s=56.0, targets=[only],
+                 horizon_steps=30.0).verdict == REJECT   # nothing measured yet
+    over = Target(PLAN, 40.0, 20.0, False, "predicted peak over usable memory")
+    assert admit(step=5, triggers=[DRIFT], current_step_latency_s=56.0, targets=[over], horizon_steps=30.0,
+                 restart_s=190.0).verdict == REJECT
+    cheap = target(50.0, 1.0)
+    assert admit(step=5, triggers=[DRIFT], current_step_latency_s=56.0, targets=[only, cheap], horizon_steps=30.0,
+                 restart_s=190.0).target is cheap
+    # urgent and still running (devices joined): the same rule instead of keeping
+    assert admit(step=5, triggers=[POOL], current_step_latency_s=56.0, targets=[only], horizon_steps=30.0,
+                 restart_s=190.0).verdict == RESTART
+
+
 def test_urgent_takes_the_feasible_target_cheapest_over_the_horizon():
     """An urgent switch waives profitability, not cost: S* 0.1 s/step faster whose transition
     starts vLLM engines (15 s) loses to the DP rescale over a 10-step horizon and wins over 1,000

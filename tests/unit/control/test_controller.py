@@ -477,3 +477,22 @@ def test_a_transition_is_priced_the_weight_sync_groups_it_creates(demo):
     resumed = controller_for_job(job, site, job.plan, PROMPT)
     resumed.restore(json.loads(json.dumps(adapter.state())))
     assert resumed.sync_group_s == pytest.approx(0.02)
+
+
+def test_the_restart_cost_is_learned_from_measured_restarts_and_resumed(demo):
+    """``L̂_restart`` (what admission weighs a restart-only target with): EMA of measured restarts,
+    0 before one, in the controller's state; a malformed value is refused."""
+    import json
+
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    assert adapter.restart_s == 0.0
+    adapter.restart_measured(100.0)
+    adapter.restart_measured(float("nan"))   # ignored
+    adapter.restart_measured(200.0)
+    assert adapter.restart_s == pytest.approx(150.0)
+    resumed = controller_for_job(job, site, job.plan, PROMPT)
+    resumed.restore(json.loads(json.dumps(adapter.state())))
+    assert resumed.restart_s == pytest.approx(150.0)
+    with pytest.raises(ConfigError, match="controller state: malformed"):
+        resumed.restore({**adapter.state(), "restart": [-1.0, 1]})
