@@ -58,11 +58,15 @@ def test_beats_say_when_the_main_thread_waits_on_peers(tmp_path):
     peer = subprocess.Popen([sys.executable, "-c", (
         "import sys, time, datetime, torch.distributed as dist\n"
         "s = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))\n"
+        "s.set('peer_ready', '1')\n"
         "dist.init_process_group('gloo', store=s, rank=1, world_size=2)\n"
         "time.sleep(6)\n"), str(store.port)], cwd=REPO)
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     try:
+        # the peer's start (its torch import) can take longer than the 2 s timeout on a loaded
+        # machine: the rendezvous waits for it first (the suite failed on that here, 2026-12-04)
+        store.wait(["peer_ready"], timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=2))
         start_liveness_beat(write_fd, 0.1)
         deadline = time.monotonic() + 1.0
