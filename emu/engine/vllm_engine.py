@@ -182,6 +182,12 @@ def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None) ->
     if stamp is not None:
         ProcessBeat.start_stamping(stamp)
     os.environ.update(cfg.process_env())
+    # torch is imported already (this module imports it; so does unpickling ``cfg``), and the
+    # OpenMP runtime read OMP_NUM_THREADS when it loaded: the variable alone binds only the
+    # processes this one starts. Without this, an engine whose worker left the variable unset
+    # ran one thread per core, and two such engines on two cores ran 3-20x slower than with one
+    # thread each (scripts/bench_costmodel.py's generation part, 2026-12-04)
+    torch.set_num_threads(max(1, cfg.threads))
     _title(f"nereus-vllm-engine tp{cfg.tp_rank}/{cfg.tp} {workdir}")
     try:
         start = time.perf_counter()
