@@ -69,8 +69,45 @@ PRIORS: dict[str, float] = {
     **{comm_class(c, "inter"): 0.40 for c in COLLECTIVES},
     latency_class("intra"): 0.50, latency_class("inter"): 0.40,   # as the collectives': unchanged sums
 }
+GENERATION_PREFIX = "generation_"
+
+
+def generation_class(op_class: str) -> str:
+    """The class of ``op_class`` when a generation engine runs it (a wave's prefill and decode).
+
+    The engine's dispatch (:data:`LAUNCH`) and its collectives (a collective's bytes and its
+    per-call latency) are classes of their own, ``generation_<class>``: vLLM runs its own
+    scheduler per decode step and its own communicator (a shared-memory all-reduce on CPU,
+    custom all-reduce or NCCL on GPUs), which cost what the training engines' gloo or NCCL calls
+    do not. On this machine's local site a TP-2 decode step of vLLM took ~11 ms more than a
+    TP-1 one, where 16 gloo all-reduces at the site's 2 ms each would take 32 ms
+    (``scripts/bench_costmodel.py``, 2026-12-04). Compute and memory classes (GEMM, ATTENTION,
+    DECODE) are the device's and stay shared. The weight synchronisation into the engine runs
+    on the job's communicators and keeps their classes.
+    """
+    if op_class == LAUNCH or op_class.startswith(("latency_",) + COLLECTIVES):
+        return GENERATION_PREFIX + op_class
+    return op_class
+
+
+PRIORS.update({generation_class(c): e for c, e in list(PRIORS.items()) if generation_class(c) != c})
+"""A generation engine's classes start from the training engines' priors (so an uncalibrated
+model prices both alike)."""
 DEFAULT_PRIOR = 0.30
 MIN_EFFICIENCY, MAX_EFFICIENCY = 1e-4, 1.5
+MAX_EFFICIENCY_PER_CALL = 10.0
+"""Upper bound of a class priced from a per-call time the site config estimates (a collective's
+α, a layer's dispatch) rather than from a hardware peak: such a figure can overstate what an
+engine pays several times over (vLLM's shared-memory all-reduce on CPU against the site's gloo
+α). Hardware-peak classes stay within :data:`MAX_EFFICIENCY`."""
+
+
+def max_efficiency(op_class: str) -> float:
+    """The largest efficiency ``op_class`` may take: :data:`MAX_EFFICIENCY_PER_CALL` for the
+    per-call classes (``latency_<link>``, :data:`LAUNCH` and their generation-engine classes),
+    :data:`MAX_EFFICIENCY` for the rest."""
+    base = op_class[len(GENERATION_PREFIX):] if op_class.startswith(GENERATION_PREFIX) else op_class
+    return MAX_EFFICIENCY_PER_CALL if base == LAUNCH or base.startswith("latency_") else MAX_EFFICIENCY
 STATE_VERSION = 2
 """2 adds the whole-stage samples of the least-squares fit; a version-1 state (anchors only) loads."""
 RIDGE = 1e-2
@@ -104,7 +141,8 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
     class with a small share of the samples' time stays near it instead of absorbing their noise
     (a penalty scaled by the class's share let such classes swing to the efficiency bounds, and
     the simulator's ramp went from 3.6 % faster than frozen to 1.0 % slower). ``x_c`` outside
-    ``[1/MAX_EFFICIENCY, 1/MIN_EFFICIENCY]`` is fixed at the bound and the rest solved again.
+    ``[1/max_efficiency(c), 1/MIN_EFFICIENCY]`` (:func:`max_efficiency`) is fixed at the bound
+    and the rest solved again.
 
     Returns:
         Efficiency per class that appears in a sample with positive ideal seconds (an unknown
@@ -121,9 +159,10 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
         a, samples = a[keep], [x for x, k in zip(samples, keep) if k]
         if not samples:
             return {}
-    x0 = np.array([1.0 / min(MAX_EFFICIENCY, max(MIN_EFFICIENCY, anchor.get(c, DEFAULT_PRIOR))) for c in classes])
+    x0 = np.array([1.0 / min(max_efficiency(c), max(MIN_EFFICIENCY, anchor.get(c, DEFAULT_PRIOR)))
+                   for c in classes])
     weight = ridge * len(samples) * np.diag(1.0 / x0 ** 2)
-    lo, hi = 1.0 / MAX_EFFICIENCY, 1.0 / MIN_EFFICIENCY
+    lows, hi = [1.0 / max_efficiency(c) for c in classes], 1.0 / MIN_EFFICIENCY
     fixed: dict[int, float] = {}
     x = x0.copy()
     for _ in classes:
@@ -138,7 +177,7 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
         if not np.isfinite(solved).all():
             return {}   # ill-conditioned: the callers keep the anchors
         x[free] = solved
-        out = {k: (lo if x[k] < lo else hi) for k in free if not lo <= x[k] <= hi}
+        out = {k: (lows[k] if x[k] < lows[k] else hi) for k in free if not lows[k] <= x[k] <= hi}
         if not out:
             break
         fixed.update(out)
@@ -165,7 +204,7 @@ class Calibration:
         self._fitted: dict[str, float] | None = None
 
     def efficiency(self, op_class: str) -> float:
-        """Current efficiency of ``op_class`` in (0, 1.5]: the least-squares fit where at least
+        """Current efficiency of ``op_class`` in (0, :func:`max_efficiency`]: the least-squares fit where at least
         :data:`MIN_FIT_SAMPLES` whole-stage samples cover the class, else the robust anchor."""
         if self._fitted is None:
             self._fitted = {}
@@ -198,7 +237,7 @@ class Calibration:
         if not (ideal_s > 0 and measured_s > 0) or ideal_s == float("inf") or measured_s == float("inf"):
             log.debug("calibration: ignoring %s sample ideal=%r measured=%r", op_class, ideal_s, measured_s)
             return
-        sample = min(MAX_EFFICIENCY, max(MIN_EFFICIENCY, ideal_s / measured_s))
+        sample = min(max_efficiency(op_class), max(MIN_EFFICIENCY, ideal_s / measured_s))
         self._samples.setdefault(op_class, deque(maxlen=self.window)).append(sample)
         self._fitted = None
 
@@ -249,14 +288,14 @@ class Calibration:
             return x
 
         try:
-            cal = cls(priors={str(k): number(v, MIN_EFFICIENCY, MAX_EFFICIENCY, f"prior of {k}")
+            cal = cls(priors={str(k): number(v, MIN_EFFICIENCY, max_efficiency(str(k)), f"prior of {k}")
                               for k, v in data["priors"].items()},
                       window=int(data["window"]), prior_weight=number(data["prior_weight"], 0.0, 1e6, "prior_weight"))
             if cal.window < 1:
                 raise ValueError(f"window {cal.window} < 1")
             for op_class, values in data["samples"].items():
                 cal._samples[str(op_class)] = deque(
-                    (number(v, MIN_EFFICIENCY, MAX_EFFICIENCY, f"sample of {op_class}") for v in values),
+                    (number(v, MIN_EFFICIENCY, max_efficiency(str(op_class)), f"sample of {op_class}") for v in values),
                     maxlen=cal.window)
             for ideal, measured in data.get("stages", []) if version > 1 else []:
                 cal._stages.append(({str(c): number(v, 0.0, 1e9, f"stage ideal_s of {c}") for c, v in ideal.items()},

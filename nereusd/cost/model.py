@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
-                                      latency_class)
+                                      generation_class, latency_class)
 from nereusd.cost.formulas import adam_update_s, p2p_parts, p2p_s, ring_collective_parts
 from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
@@ -224,14 +224,14 @@ class CostModel:
         cache = self._cache
         if model_stage.stage is Stage.GENERATION:
             concurrent = max(1, min(micro_batch, per_replica))
-            prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, 1, False, False, launch=False)
-            slots = per_replica + pp - 1
-            ideal = {k: v * slots for k, v in prefill}
+            waves = -(-per_replica // concurrent)
+            prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, concurrent, False, False, launch=False)
+            slots = waves + pp - 1
+            ideal = {generation_class(k): v * slots for k, v in prefill}
             key = ("decode", self._spec_key(spec), concurrent, prompt_length, response_length, tp, pp)
             decode = cache.get(key)
             if decode is None:
                 decode = cache[key] = self._decode(spec, concurrent, prompt_length, response_length, tp, pp)
-            waves = -(-per_replica // concurrent)
             for k, v in decode.ideal.items():
                 ideal[k] = ideal.get(k, 0.0) + v * waves
             for k, v in self._weight_sync(spec, tp, pp, dp).ideal.items():
@@ -357,18 +357,32 @@ class CostModel:
                     response: int, tp: int, pp: int, dp: int) -> None:
         """Prefill (compute-bound) plus ``response`` decode steps (memory-bound roofline) for each
         wave of ``concurrent`` sequences (``ceil(per_replica/concurrent)`` waves), and the weight
-        synchronisation that precedes them (:meth:`_weight_sync`)."""
-        # prefill: inference over the prompts, one sequence per pipeline slot
-        self._forward_backward(acc, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, 1, 1, False, False,
-                               launch=False)
+        synchronisation that precedes them (:meth:`_weight_sync`).
+
+        A wave's prompts are prefilled in one forward pass (vLLM schedules them into one engine
+        step; the native decoder runs the wave's prompts as one batch), one wave per pipeline
+        slot. Prefill and decode are priced in the generation engine's classes
+        (:func:`~nereusd.cost.calibration.generation_class`)."""
         concurrent = max(1, concurrent)
         waves = math.ceil(per_replica / concurrent)
+        prefill = _Acc()
+        self._forward_backward(prefill, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, concurrent, 1, False,
+                               False, launch=False)
+        for c, s in prefill.ideal.items():
+            acc.add(generation_class(c), s)
         key = ("decode", self._spec_key(spec), concurrent, prompt, response, tp, pp)
         decode = self._cache.get(key)
         if decode is None:
             decode = self._cache[key] = self._decode(spec, concurrent, prompt, response, tp, pp)
         acc.merge(decode.scaled(waves))
         acc.merge(self._weight_sync(spec, tp, pp, dp))
+
+    def weight_sync_cost(self, spec: ModelSpec, tp: int, pp: int, dp: int) -> StageCost:
+        """The weight synchronisation a generation model-stage's :meth:`stage_cost` includes
+        (:meth:`_weight_sync`), on its own: what to subtract to price the generation alone."""
+        acc = self._weight_sync(spec, tp, pp, dp)
+        eff = self.efficiency
+        return StageCost(sum(s / eff(c) for c, s in acc.ideal.items()), MappingProxyType(dict(acc.ideal)))
 
     def _weight_sync(self, spec: ModelSpec, tp: int, pp: int, dp: int) -> _Acc:
         """Weight synchronisation from actor training into a generation replica (cached): each
@@ -415,4 +429,7 @@ class CostModel:
         if pp > 1:
             self._p2p(step, per_replica * h * e / pp, self.spans_nodes(tp * pp), count=pp)
         acc.merge(step.scaled(response))
-        return acc
+        out = _Acc()   # in the generation engine's classes
+        for c, s in acc.ideal.items():
+            out.add(generation_class(c), s)
+        return out

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, comm_class, latency_class
+from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, comm_class, generation_class, latency_class
 from nereusd.cost.formulas import p2p_parts, ring_collective_parts
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
@@ -68,10 +68,10 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
     dpn = cm.site.devices_per_node
     e = cm.bytes_per_element
     if model_stage.stage is Stage.GENERATION:
-        _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, np.ones(n, np.int64), np.zeros(n, bool),
-                    per_replica + pp - 1, False, launch=False)
         concurrent = np.maximum(1, np.minimum(mb, per_replica))
         waves = _ceil_div(per_replica, concurrent)
+        _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, concurrent, np.zeros(n, bool),
+                    waves + pp - 1, False, launch=False, classes=generation_class)
         _add_decode(cm, acc, spec, concurrent, waves, prompt_length, response_length, tp, pp)
         spans = tp * pp * dp > dpn
         weights = cm._params(spec, tp, pp) * e
@@ -102,14 +102,16 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
 
 
 def _add_per_mb(cm: CostModel, acc: _Sum, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int,
-                b: np.ndarray, rc: np.ndarray, slots: np.ndarray, training: bool, launch: bool = True) -> None:
+                b: np.ndarray, rc: np.ndarray, slots: np.ndarray, training: bool, launch: bool = True,
+                classes=lambda c: c) -> None:
     """``slots ×`` the cached per-micro-batch cost, for each distinct ``(b, recompute)``
-    (``launch``: with its per-layer dispatch, as :meth:`CostModel._micro_batch`)."""
+    (``launch``: with its per-layer dispatch, as :meth:`CostModel._micro_batch`; ``classes``
+    maps its operation classes, e.g. to a generation engine's)."""
     groups = sorted(set(zip(b.tolist(), rc.tolist())))
     for bb, rr in groups:
         scaled = slots if len(groups) == 1 else np.where((b == bb) & (rc == rr), slots, 0)
         for c, v in cm._per_mb_items(spec, lm_head, seq, tp, pp, bb, training, rr, launch):
-            acc.add(c, v * scaled)
+            acc.add(classes(c), v * scaled)
 
 
 def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarray, waves: np.ndarray,
@@ -132,15 +134,15 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarra
     acc.add(DECODE, np.where(memory_bound, memory_s * response, 0.0) * waves)
     acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * response) * waves)
     if cm.site.layer_launch_s:
-        acc.add(LAUNCH, cm.site.layer_launch_s * spec.num_layers * (response + 1) * waves)
+        acc.add(generation_class(LAUNCH), cm.site.layer_launch_s * spec.num_layers * (response + 1) * waves)
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))
         bandwidth_s, per_call_s = ring_collective_parts("all_reduce", nbytes, tp, bw, alpha)
-        acc.add(comm_class("all_reduce", link), bandwidth_s * (2 * spec.num_layers) * response * waves)
-        acc.add(latency_class(link), per_call_s * (2 * spec.num_layers) * response * waves)
+        acc.add(generation_class(comm_class("all_reduce", link)), bandwidth_s * (2 * spec.num_layers) * response * waves)
+        acc.add(generation_class(latency_class(link)), per_call_s * (2 * spec.num_layers) * response * waves)
     if pp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp * pp))
         bandwidth_s, per_call_s = p2p_parts(nbytes, bw, alpha)
-        acc.add(comm_class("p2p", link), bandwidth_s * pp * response * waves)
-        acc.add(latency_class(link), per_call_s * pp * response * waves)
+        acc.add(generation_class(comm_class("p2p", link)), bandwidth_s * pp * response * waves)
+        acc.add(generation_class(latency_class(link)), per_call_s * pp * response * waves)

@@ -35,7 +35,7 @@ from typing import Mapping
 
 import numpy as np
 
-from nereusd.cost.calibration import PRIORS, Calibration
+from nereusd.cost.calibration import GENERATION_PREFIX, PRIORS, Calibration
 from nereusd.cost.model import CostModel
 from nereusd.cost.memory import stage_memory
 from nereusd.errors import ConfigError
@@ -111,9 +111,9 @@ class GroundTruth:
         self.problem = problem
         self.config = config or TruthConfig()
         rng = random.Random(self.config.seed)
-        # the per-call latency classes draw after the others, so each seed keeps the draws it had
-        # before they existed
-        order = sorted(PRIORS, key=lambda c: (c.startswith("latency_"), c))
+        # the per-call latency classes draw after the others, and a generation engine's classes
+        # after those, so each seed keeps the draws it had before they existed
+        order = sorted(PRIORS, key=lambda c: (c.startswith(GENERATION_PREFIX), c.startswith("latency_"), c))
         self.efficiency = {c: min(0.95, PRIORS[c] * rng.uniform(self.config.efficiency_lo, self.config.efficiency_hi))
                            for c in order}
         self._models: dict[bool, CostModel] = {}

@@ -312,3 +312,68 @@ def test_a_vllm_generation_books_its_weight_copy_and_a_whole_block_kv_cache():
     # a response longer than the engine's max_model_len cannot happen; the longer of the two counts
     assert stage_memory(SPEC, gen, engine_seq=10, **kw).components["kv_cache"] == \
         kv_cache_bytes(SPEC, vllm_kv_cache_tokens(8, 300, 32), 2, 1, 4)
+
+
+def test_a_generation_engine_prices_its_dispatch_and_collectives_in_classes_of_its_own():
+    """Prefill and decode put the engine's dispatch and TP collectives in ``generation_*``
+    classes (vLLM's scheduler and communicator are not the training engines'), compute in the
+    shared ones, and the weight sync in the job's. A calibration that learns the generation
+    engine's dispatch and collectives leaves training's alone."""
+    from nereusd.cost.calibration import LAUNCH, generation_class
+
+    local = load_site("local")
+    spec = preset("counting-tiny")
+    kw = dict(sequences=16, prompt_length=8, response_length=32, pp=1, dp=1, micro_batch=16)
+    gen = CostModel(local).stage_cost(spec, GEN, tp=2, **kw).ideal_s_by_class
+    assert {"generation_launch", "generation_latency_intra", "generation_all_reduce_intra", GEMM} <= set(gen)
+    assert LAUNCH not in gen and "all_reduce_intra" not in gen
+    assert gen["broadcast_intra"] > 0 and gen["latency_intra"] > 0     # the weight sync
+    assert generation_class(GEMM) == GEMM and generation_class("decode") == "decode"
+    assert PRIORS["generation_latency_intra"] == PRIORS["latency_intra"]
+
+    cal = Calibration()
+    for _ in range(4):
+        cal.observe_stage(gen, 0.5 * CostModel(local, cal).stage_cost(spec, GEN, tp=2, **kw).latency_s)
+    assert cal.efficiency("generation_launch") > PRIORS[LAUNCH]
+    assert cal.efficiency("generation_latency_intra") > PRIORS["latency_intra"]
+    # training's dispatch and TP all-reduce bytes were not in these samples: unchanged
+    assert cal.efficiency(LAUNCH) == PRIORS[LAUNCH]
+    assert cal.efficiency("all_reduce_intra") == PRIORS["all_reduce_intra"]
+
+
+def test_a_generation_wave_prefills_its_prompts_in_one_pass():
+    """A wave's prompts go through one forward pass: at TP 2 the prefill makes 2 all-reduces
+    per layer per wave (not per sequence), and its FLOPs do not depend on the wave size."""
+    from nereusd.cost.formulas import ring_collective_parts
+
+    local = load_site("local")
+    spec = preset("counting-tiny")
+    cm = CostModel(local)
+    kw = dict(sequences=16, prompt_length=8, response_length=4, tp=2, pp=1, dp=1)
+    _, _, alpha = cm.link(False)
+    per_call = ring_collective_parts("all_reduce", 1.0, 2, 1e9, alpha)[1]
+    for waves, micro_batch in ((1, 16), (2, 8), (4, 4)):
+        ideal = cm.stage_cost(spec, GEN, micro_batch=micro_batch, **kw).ideal_s_by_class
+        decode_calls = 2 * spec.num_layers * kw["response_length"] * waves
+        prefill_calls = 2 * spec.num_layers * waves
+        assert ideal["generation_latency_intra"] == pytest.approx(per_call * (decode_calls + prefill_calls), rel=1e-9)
+    one, four = (cm.stage_cost(spec, GEN, micro_batch=b, **kw).ideal_s_by_class["attention"] for b in (16, 4))
+    assert one == pytest.approx(four, rel=1e-9)
+
+
+def test_per_call_classes_may_learn_more_than_the_hardware_peak_classes():
+    """A site's α or dispatch figure is an estimate, not a peak: their classes may learn an
+    engine 10x faster than it; compute stays within 1.5x of its peak."""
+    from nereusd.cost.calibration import MAX_EFFICIENCY, MAX_EFFICIENCY_PER_CALL, max_efficiency
+
+    assert max_efficiency("generation_latency_intra") == max_efficiency("launch") == MAX_EFFICIENCY_PER_CALL
+    assert max_efficiency("latency_inter") == MAX_EFFICIENCY_PER_CALL
+    assert max_efficiency(GEMM) == max_efficiency("generation_all_reduce_intra") == MAX_EFFICIENCY
+    cal = Calibration()
+    for _ in range(3):
+        cal.observe_stage({"generation_latency_intra": 1.0}, 0.2)    # 5x the site's α
+        cal.observe_stage({GEMM: 1.0}, 0.2)
+    assert cal.efficiency("generation_latency_intra") == pytest.approx(5.0, rel=1e-6)
+    assert cal.efficiency(GEMM) == pytest.approx(MAX_EFFICIENCY)
+    restored = Calibration.from_json(json.loads(json.dumps(cal.to_json())))
+    assert restored.efficiency("generation_latency_intra") == pytest.approx(5.0, rel=1e-6)

@@ -4,7 +4,12 @@ scalar implementation it replaced.
 ``data/planner_golden_before.json`` holds the plans and predicted step latencies the planner
 returned *before* the fast path (commit 0b331be), on 72 small cases (1–4 H200 nodes, PPO / GRPO
 / ReMax, synchronous and asynchronous, 512 and 4,096 response tokens, with and without
-any-divisor TP/PP and recomputation).
+any-divisor TP/PP and recomputation). A change of the cost model's formulas changes them; the
+file is then rewritten from the current planner (``python -m tests.unit.planner.test_planner_fastpath``)
+and becomes a regression snapshot, while :func:`test_vectorised_costs_equal_stage_cost` keeps
+checking the fast path against the scalar cost. Rewritten on 2026-12-04, when a generation wave's
+prefill became one forward pass (was one per sequence): 6 of the 72 plans changed, 16 more
+only their predicted latency.
 """
 
 from __future__ import annotations
@@ -117,3 +122,22 @@ def test_generation_keeps_pp_1_by_default():
         res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"],
                                                              allow_recompute=c["recompute"])).solve()
         assert all(cand.pp == 1 for ms, cand in res.plan.items() if ms.stage.value == "generation"), c
+
+
+def _regenerate() -> None:
+    """Rewrite the golden file from the current planner (same cases, same options as the test)."""
+    out = []
+    for entry in GOLDEN:
+        c = entry["case"]
+        pb = problem(c["nodes"], c["algorithm"], asynchronous=c["asynchronous"], response=c["response"])
+        res = Planner(pb, CostModel(pb.site), PlannerOptions(any_divisor=c["any_divisor"], generation_pp=True,
+                                                             allow_recompute=c["recompute"])).solve()
+        out.append({"case": c, "plan": res.plan.to_dict(), "step_latency_s": res.predicted_step_latency_s})
+    path = Path(__file__).parent / "data" / "planner_golden_before.json"
+    path.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
+    changed = sum(a["plan"] != b["plan"] for a, b in zip(GOLDEN, out))
+    print(f"{path}: {len(out)} cases, {changed} plans changed")
+
+
+if __name__ == "__main__":
+    _regenerate()
