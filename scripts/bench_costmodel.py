@@ -27,10 +27,19 @@ The model (h=256, 4 layers, vocabulary 512, ~3 M parameters, ~5× the FLOPs per 
 latency (~5 ms per all-reduce at ``tp=4`` on two pinned, otherwise idle cores; a micro-batch
 makes ~22 of them): with ``counting-tiny`` most layouts would time gloo, not the compute model.
 
-The last line is the summary of issue 3:
-``costmodel: training MAPE <x> %; max <y> %; memory error <z> %`` (training: online
-calibration, held-out layouts; memory: MAPE of the planner's prediction against the booked peak
-over all layouts).
+**Generation** (where vLLM is installed; ``--gen-layouts 0`` skips it): two ranks own the vLLM
+engine processes of :data:`GEN_LAYOUTS` (:class:`emu.engine.vllm_engine.VllmEngine`, as a worker
+runs them: two TP-1 replicas, or one TP-2 replica; one thread per engine process), 20 rollouts
+of 1–3 waves at concurrencies (``max_num_seqs``) of 8 and 32, prompts of 32–128 tokens and
+responses of exactly 32–128. A rollout's time is the median of ``--reps`` timed
+``generate`` calls (after a warm-up) between two barriers; the cost model's prediction is the
+generation model-stage without its weight synchronisation (:func:`predict_generation`), every
+other rollout calibrating it the same way.
+
+The last line is the summary of issue 16:
+``costmodel: training MAPE <a> %; max <b> %; generation MAPE <c> %; memory error <d> %``
+(training and generation: online calibration, held-out layouts; ``max`` over both held-out sets;
+memory: MAPE of the planner's prediction against the booked peak over all training layouts).
 """
 
 from __future__ import annotations
@@ -108,6 +117,56 @@ LAYOUTS: tuple[Layout, ...] = (
 )
 
 
+GEN = ModelStage(Role.ACTOR, Stage.GENERATION)
+GEN_WORLD = 2
+"""Engine processes of every generation layout: one thread each on this machine's two cores (two
+TP-1 replicas, or one TP-2 replica). Not four: two TP-2 vLLM engines on one machine would share
+their CPU all-reduce's /dev/shm segment names (:data:`emu.engine.vllm_engine.CPU_SHM_GLOB`)."""
+
+
+@dataclass(frozen=True)
+class GenLayout:
+    """One vLLM generation configuration on :data:`GEN_WORLD` devices.
+
+    ``max_num_seqs`` is the engine's concurrency (the plan's generation ``micro_batch``, the
+    wave size); each of the ``dp`` replicas generates ``sequences`` responses of exactly
+    ``response_len`` tokens to prompts of ``prompt_len`` tokens.
+    """
+
+    tp: int
+    max_num_seqs: int
+    sequences: int
+    prompt_len: int
+    response_len: int
+
+    @property
+    def dp(self) -> int:
+        return GEN_WORLD // self.tp
+
+    @property
+    def engine_key(self) -> tuple[int, int]:
+        """Layouts with the same key run on one engine (started once)."""
+        return self.tp, self.max_num_seqs
+
+    def describe(self) -> str:
+        return (f"tp{self.tp} dp{self.dp} seqs{self.max_num_seqs} n{self.sequences} "
+                f"p{self.prompt_len} r{self.response_len}")
+
+
+GEN_LAYOUTS: tuple[GenLayout, ...] = (
+    GenLayout(1, 8, 8, 32, 64), GenLayout(1, 8, 8, 32, 128), GenLayout(1, 8, 16, 32, 64),
+    GenLayout(1, 8, 4, 128, 64), GenLayout(1, 8, 24, 32, 32),
+    GenLayout(1, 32, 32, 32, 64), GenLayout(1, 32, 32, 128, 64), GenLayout(1, 32, 64, 32, 32),
+    GenLayout(1, 32, 16, 32, 128), GenLayout(1, 32, 32, 32, 128),
+    GenLayout(2, 8, 8, 32, 64), GenLayout(2, 8, 8, 32, 128), GenLayout(2, 8, 16, 32, 64),
+    GenLayout(2, 8, 4, 128, 64), GenLayout(2, 8, 24, 32, 32),
+    GenLayout(2, 32, 32, 32, 64), GenLayout(2, 32, 32, 128, 64), GenLayout(2, 32, 64, 32, 32),
+    GenLayout(2, 32, 16, 32, 128), GenLayout(2, 32, 32, 32, 128),
+)
+"""20 layouts on four engines (TP 1 and 2, concurrency 8 and 32): one to three waves, prompts
+of 32–128 tokens, responses of 32–128; every other one calibrates (:func:`split_layouts`)."""
+
+
 # --------------------------------------------------------------------------- pure helpers
 
 
@@ -148,7 +207,20 @@ def predict(cm: CostModel, spec: ModelSpec, layout: Layout) -> StageCost:
                          dp=layout.dp, micro_batch=layout.micro_batch)
 
 
-def calibrate(site: SiteConfig, spec: ModelSpec, samples: Iterable[tuple[Layout, float]],
+def predict_generation(cm: CostModel, spec: ModelSpec, layout: GenLayout) -> StageCost:
+    """Predicted seconds of ``layout``'s rollouts alone: the generation model-stage's cost without
+    the weight synchronisation that precedes them (:meth:`CostModel.weight_sync_cost`), which the
+    measurement does not include."""
+    full = cm.stage_cost(spec, GEN, sequences=layout.sequences * layout.dp, prompt_length=layout.prompt_len,
+                         response_length=layout.response_len, tp=layout.tp, pp=1, dp=layout.dp,
+                         micro_batch=layout.max_num_seqs)
+    sync = cm.weight_sync_cost(spec, layout.tp, 1, layout.dp).ideal_s_by_class
+    ideal = {c: s - sync.get(c, 0.0) for c, s in full.ideal_s_by_class.items()}
+    ideal = {c: s for c, s in ideal.items() if s > 1e-12}
+    return StageCost(sum(s / cm.efficiency(c) for c, s in ideal.items()), ideal)
+
+
+def calibrate(site: SiteConfig, spec: ModelSpec, samples: Iterable[tuple[Layout | GenLayout, float]],
               rounds: int = 1) -> Calibration:
     """A fresh :class:`Calibration` fed ``(layout, measured_s)`` samples through
     :meth:`Calibration.observe_stage`, as nereusd feeds it measured stage times; ``rounds``
@@ -158,8 +230,13 @@ def calibrate(site: SiteConfig, spec: ModelSpec, samples: Iterable[tuple[Layout,
     for _ in range(rounds):
         for layout, measured_s in samples:
             cm = CostModel(site, cal)  # efficiencies are read once per CostModel
-            cal.observe_stage(predict(cm, spec, layout).ideal_s_by_class, measured_s)
+            cal.observe_stage(predict_any(cm, spec, layout).ideal_s_by_class, measured_s)
     return cal
+
+
+def predict_any(cm: CostModel, spec: ModelSpec, layout: Layout | GenLayout) -> StageCost:
+    """:func:`predict` or :func:`predict_generation`, by the layout's kind."""
+    return predict_generation(cm, spec, layout) if isinstance(layout, GenLayout) else predict(cm, spec, layout)
 
 
 def predicted_peak_bytes(spec: ModelSpec, layout: Layout, site: SiteConfig) -> Mapping[str, int]:
@@ -276,15 +353,79 @@ def measure_rank(rank: int, layouts: list[dict], reps: int) -> dict:
     return out
 
 
-def _child(rank: int, tmp: str, layouts: list[dict], reps: int) -> None:
+def measure_generation_rank(rank: int, layouts: list[dict], reps: int, workdir: str) -> dict:
+    """On one of :data:`GEN_WORLD` ranks: per generation layout the wall seconds of every timed
+    rollout on :class:`emu.engine.vllm_engine.VllmEngine`, the engine process a worker owns.
+
+    Each engine (one per :attr:`GenLayout.engine_key`: a TP-1 engine per rank, or one TP-2 engine
+    over both) is started, loaded with the model's weights and warmed up on each of its layouts;
+    then ``reps`` rounds time one rollout of each of its layouts in turn, between two barriers.
+    Responses are exactly ``response_len`` tokens (no stop token, temperature 1, a seed per request).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from emu.engine.canonical import init_full_state
+    from emu.engine.vllm_engine import EngineConfig, VllmEngine, free_port
+    from nereusd.cost.memory import kv_cache_bytes, vllm_block_tokens, vllm_kv_cache_tokens
+
+    state = init_full_state(SPEC, seed=0)
+    items = [GenLayout(**raw) for raw in layouts]
+    out = {"layouts": [{"times_s": [], "startup_s": 0.0} for _ in items]}
+    block = vllm_block_tokens("cpu")
+    for key in dict.fromkeys(lay.engine_key for lay in items):
+        tp, max_num_seqs = key
+        mine = [i for i, lay in enumerate(items) if lay.engine_key == key]
+        max_len = max(items[i].prompt_len + items[i].response_len for i in mine)
+        box = [free_port("127.0.0.1") if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        cfg = EngineConfig(spec=SPEC, tp=tp, tp_rank=rank % tp, master_addr="127.0.0.1", master_port=box[0],
+                           max_model_len=max_len,
+                           kv_cache_bytes=kv_cache_bytes(SPEC, vllm_kv_cache_tokens(max_num_seqs, max_len, block),
+                                                         tp, 1, 4),
+                           block_tokens=block, max_num_seqs=max_num_seqs, dtype="float32", device="cpu", threads=1)
+        engine = VllmEngine(cfg, workdir=workdir)
+        try:
+            engine.load_weights(state.items(), version=1)
+            gen = torch.Generator().manual_seed(1 + rank // tp)   # replicas get different prompts
+            work = {}
+            for i in mine:
+                lay = items[i]
+                prompts = torch.randint(3, SPEC.vocab_size, (lay.sequences, lay.prompt_len), generator=gen).tolist()
+                work[i] = prompts
+                out["layouts"][i]["startup_s"] = engine.startup_s
+                engine.generate(prompts, max_new_tokens=lay.response_len, temperature=1.0, greedy=False,
+                                stop_ids=(), seeds=list(range(lay.sequences)))   # warm-up
+            for _ in range(reps):
+                for i in mine:
+                    lay = items[i]
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    got = engine.generate(work[i], max_new_tokens=lay.response_len, temperature=1.0, greedy=False,
+                                          stop_ids=(), seeds=list(range(lay.sequences)))
+                    dist.barrier()
+                    out["layouts"][i]["times_s"].append(time.perf_counter() - t0)
+                    if any(len(r) != lay.response_len for r in got):
+                        raise RuntimeError(f"{lay.describe()}: responses of {sorted({len(r) for r in got})} tokens")
+        finally:
+            engine.close()
+            dist.barrier()
+    out["barrier_s"] = _barrier_s(20)
+    return out
+
+
+def _child(rank: int, tmp: str, kind: str, world: int, layouts: list[dict], reps: int) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
-        result = measure_rank(rank, layouts, reps)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        if kind == "training":
+            result = measure_rank(rank, layouts, reps)
+        else:
+            result = measure_generation_rank(rank, layouts, reps, tmp)
         dist.barrier()
         gc.collect()
         dist.barrier()
@@ -296,56 +437,104 @@ def _child(rank: int, tmp: str, layouts: list[dict], reps: int) -> None:
     os._exit(0)  # after a clean teardown: skips a slow interpreter exit (docs/platform.md)
 
 
-def run_ranks(layouts: Sequence[Layout], reps: int) -> list[dict]:
-    """Per rank, :func:`measure_rank`'s result, from :data:`WORLD` ranks forked from a
-    ``forkserver`` that imported torch once (tests/support/distributed.py's approach)."""
+def run_ranks(layouts: Sequence[Layout | GenLayout], reps: int) -> list[dict]:
+    """Per rank, :func:`measure_rank`'s result (training layouts, :data:`WORLD` ranks) or
+    :func:`measure_generation_rank`'s (generation layouts, :data:`GEN_WORLD` ranks), from ranks
+    forked from a ``forkserver`` that imported torch once (tests/support/distributed.py's approach)."""
     import torch.multiprocessing as mp
 
+    kind = "generation" if layouts and isinstance(layouts[0], GenLayout) else "training"
+    world = GEN_WORLD if kind == "generation" else WORLD
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "emu.engine.stage"])
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_child, args=(tmp, [asdict(x) for x in layouts], reps), nprocs=WORLD,
+        ctx = mp.start_processes(_child, args=(tmp, kind, world, [asdict(x) for x in layouts], reps), nprocs=world,
                                  join=False, start_method="forkserver")
         while not ctx.join(timeout=1.0):
             pass
-        errors = [Path(tmp, f"error.{r}").read_text() for r in range(WORLD)
+        errors = [Path(tmp, f"error.{r}").read_text() for r in range(world)
                   if Path(tmp, f"error.{r}").exists()]
         if errors:
             raise RuntimeError("a rank failed:\n" + "\n".join(errors))
-        return [json.loads(Path(tmp, f"result.{r}.json").read_text()) for r in range(WORLD)]
+        return [json.loads(Path(tmp, f"result.{r}.json").read_text()) for r in range(world)]
 
 
-def summarise(per_rank: list[dict], layouts: Sequence[Layout]) -> list[dict]:
+def summarise(per_rank: list[dict], layouts: Sequence[Layout | GenLayout]) -> list[dict]:
     """Per layout: median over repetitions of the slowest rank's step minus a bare barrier,
-    and the largest booked peak over ranks."""
+    and (training) the largest booked peak over ranks and the slowest rank's CPU seconds, or
+    (generation) the engine's start-up seconds."""
     barrier = statistics.median(r["barrier_s"] for r in per_rank)
     rows = []
     for i, layout in enumerate(layouts):
         entries = [r["layouts"][i] for r in per_rank]
         slowest = [max(e["times_s"][k] for e in entries) for k in range(len(entries[0]["times_s"]))]
-        cpu = [max(e["cpu_s"][k] for e in entries) for k in range(len(entries[0]["cpu_s"]))]
         rel_sd = statistics.stdev(slowest) / statistics.median(slowest) if len(slowest) > 1 else 0.0
-        rows.append({"layout": asdict(layout), "step_s": statistics.median(slowest) - barrier,
-                     "rel_sd": rel_sd, "reps": len(slowest),
-                     "cpu_s": statistics.median(cpu),
-                     "spread": (max(slowest) - min(slowest)) / statistics.median(slowest),
-                     "peak_bytes": max(e["peak_bytes"] for e in entries), "barrier_s": barrier})
+        row = {"layout": asdict(layout), "step_s": statistics.median(slowest) - barrier,
+               "rel_sd": rel_sd, "reps": len(slowest),
+               "spread": (max(slowest) - min(slowest)) / statistics.median(slowest), "barrier_s": barrier}
+        if isinstance(layout, GenLayout):
+            row["startup_s"] = max(e["startup_s"] for e in entries)
+        else:
+            cpu = [max(e["cpu_s"][k] for e in entries) for k in range(len(entries[0]["cpu_s"]))]
+            row.update(cpu_s=statistics.median(cpu), peak_bytes=max(e["peak_bytes"] for e in entries))
+        rows.append(row)
     return rows
+
+
+def noise_line(rows: list[dict], what: str) -> str:
+    """How much repetitions of one layout differ, and so how uncertain their median is."""
+    sd = statistics.median(r["rel_sd"] for r in rows)
+    return (f"noise ({what}): repetitions differ by {100 * sd:.1f} % (median relative stdev), "
+            f"so the median of {rows[0]['reps']} is uncertain by about ±{125 * sd / math.sqrt(rows[0]['reps']):.1f} %")
+
+
+def generation_report(rows: list[dict], site: SiteConfig) -> tuple[list[str], float, float]:
+    """Printed lines of the generation part, its held-out MAPE and largest error (percent)."""
+    layouts = [GenLayout(**r["layout"]) for r in rows]
+    measured = {lay: r["step_s"] for lay, r in zip(layouts, rows)}
+    calib, held = split_layouts(layouts)
+    lines = [noise_line(rows, "generation")]
+    starts = {}
+    for lay, row in zip(layouts, rows):
+        starts.setdefault(lay.engine_key, row["startup_s"])
+    lines.append("vLLM engine start-up: " + ", ".join(f"tp{tp} max_num_seqs {m}: {s:.1f} s"
+                                                     for (tp, m), s in starts.items()))
+    cal = calibrate(site, SPEC, [(lay, measured[lay]) for lay in calib])
+    cm = CostModel(site, cal)
+    lines.append("online calibration on the 'calib' rollouts: "
+                 + ", ".join(f"{c} {e:.3f}" for c, e in cal.snapshot().items() if cal.samples(c)))
+    lines.append(f"{'rollout':<34}{'set':>6}{'measured s':>12}{'predicted s':>13}{'error %':>9}{'spread':>8}")
+    for lay, row in zip(layouts, rows):
+        pred = predict_generation(cm, SPEC, lay).latency_s
+        lines.append(f"{lay.describe():<34}{'calib' if lay in calib else 'test':>6}{measured[lay]:>12.3f}"
+                     f"{pred:>13.3f}{percent_errors([pred], [measured[lay]])[0]:>+9.1f}{row['spread']:>8.2f}")
+    meas_held = [measured[lay] for lay in held]
+    pred_held = [predict_generation(cm, SPEC, lay).latency_s for lay in held]
+    gen_mape, gen_max = mape(pred_held, meas_held), max_abs_error(pred_held, meas_held)
+    lines.append(f"held-out rollouts: {len(held)}; MAPE {gen_mape:.1f} %; max {gen_max:.1f} %")
+    base = CostModel(site)
+    eff = fit_efficiencies([(predict_generation(base, SPEC, lay).ideal_s_by_class, measured[lay]) for lay in calib],
+                           PRIORS)
+    fitted = CostModel(site, Calibration(priors=eff))
+    pred = [predict_generation(fitted, SPEC, lay).latency_s for lay in held]
+    lines.append(f"least-squares efficiencies instead (held-out): MAPE {mape(pred, meas_held):.1f} %; "
+                 f"max {max_abs_error(pred, meas_held):.1f} % ("
+                 + ", ".join(f"{c} {e:.3g}" for c, e in sorted(eff.items())) + ")")
+    return lines, gen_mape, gen_max
 
 
 # --------------------------------------------------------------------------- report
 
 
-def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None = None) -> str:
-    """The printed figures (see the module docstring); ``rows`` from :func:`summarise`."""
+def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None = None,
+           gen_rows: list[dict] | None = None) -> str:
+    """The printed figures (see the module docstring); ``rows`` (training) and ``gen_rows``
+    (generation; ``None``: not measured) from :func:`summarise`."""
     layouts = [Layout(**r["layout"]) for r in rows]
     measured = {lay: r["step_s"] for lay, r in zip(layouts, rows)}
     calib, held = split_layouts(layouts)
     lines = []
     if all("rel_sd" in r for r in rows):
-        sd = statistics.median(r["rel_sd"] for r in rows)
-        lines.append(f"noise: repetitions of a step differ by {100 * sd:.1f} % (median relative stdev), "
-                     f"so the median of {rows[0]['reps']} is uncertain by about "
-                     f"±{125 * sd / math.sqrt(rows[0]['reps']):.1f} %")
+        lines.append(noise_line(rows, "training"))
     if peaks:
         lines.append(f"per-device peaks measured with all ranks busy: {peaks['flops_per_s'] / 1e9:.1f} "
                      f"GFLOP/s fp32, "
@@ -393,7 +582,14 @@ def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None
                  f"and the last stage's with the head): MAPE {mem_mape:.1f} %, "
                  f"max {max_abs_error(pred_mem, meas_mem):.1f} %, worst under-prediction "
                  f"{min(percent_errors(pred_mem, meas_mem)):+.1f} %")
-    lines.append(f"costmodel: training MAPE {train_mape:.1f} %; max {train_max:.1f} %; "
+    generation = "generation not measured (vLLM is not installed)"
+    if gen_rows:
+        lines.append("")
+        gen_lines, gen_mape, gen_max = generation_report(gen_rows, site)
+        lines.extend(gen_lines)
+        generation = f"generation MAPE {gen_mape:.1f} %"
+    max_err = max(train_max, gen_max) if gen_rows else train_max    # over every held-out layout
+    lines.append(f"costmodel: training MAPE {train_mape:.1f} %; max {max_err:.1f} %; {generation}; "
                  f"memory error {mem_mape:.1f} %")
     return "\n".join(lines)
 
@@ -406,11 +602,19 @@ def _load_average() -> float:
         return float("nan")
 
 
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="timed steps per layout (median)")
+    parser.add_argument("--reps", type=int, default=5, help="timed steps (rollouts) per layout (median)")
     parser.add_argument("--layouts", type=int, default=len(LAYOUTS),
-                        help="run the first N layouts (smoke runs)")
+                        help="run the first N training layouts (smoke runs)")
+    parser.add_argument("--gen-layouts", type=int, default=len(GEN_LAYOUTS),
+                        help="run the first N generation layouts (smoke runs; 0: no generation part)")
     parser.add_argument("--site", default="local", help="site config the cost model reads")
     parser.add_argument("--save", help="write the measurements as JSON")
     parser.add_argument("--load", help="read measurements written by --save instead of running")
@@ -418,26 +622,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     site = load_site(args.site)
     if args.load:
         data = json.loads(Path(args.load).read_text())
-        rows, load = data["rows"], data["load"]
+        rows, load, gen_rows = data["rows"], data["load"], data.get("gen_rows")
         if "per_rank" in data:  # recompute with this version's summary
             rows = summarise(data["per_rank"], [Layout(**r["layout"]) for r in rows])
+        if data.get("gen_per_rank"):
+            gen_rows = summarise(data["gen_per_rank"], [GenLayout(**r["layout"]) for r in gen_rows])
     else:
         load_before = _load_average()
         t0 = time.monotonic()
         layouts = LAYOUTS[:args.layouts]
         per_rank = run_ranks(layouts, args.reps)
         rows = summarise(per_rank, layouts)
+        gen_rows, gen_per_rank = None, None
+        gen_layouts = GEN_LAYOUTS[:args.gen_layouts]
+        if gen_layouts and not _vllm_installed():
+            print("generation part skipped: vLLM is not installed (pip install -e '.[vllm]'; see README)")
+        elif gen_layouts:
+            gen_per_rank = run_ranks(gen_layouts, args.reps)
+            gen_rows = summarise(gen_per_rank, gen_layouts)
         peaks = {k: statistics.median(r["peaks"][k] for r in per_rank) for k in per_rank[0]["peaks"]}
         load = {"before": load_before, "after": _load_average(), "wall_s": time.monotonic() - t0,
                 "cpus": len(os.sched_getaffinity(0)), "peaks": peaks}
         if args.save:
-            data = {"rows": rows, "load": load, "per_rank": per_rank}
+            data = {"rows": rows, "load": load, "per_rank": per_rank, "gen_rows": gen_rows,
+                    "gen_per_rank": gen_per_rank}
             Path(args.save).write_text(json.dumps(data, indent=1))
-    print(f"{len(rows)} layouts on {WORLD} gloo ranks sharing {load['cpus']} CPUs, load average "
+    print(f"{len(rows)} training layouts on {WORLD} gloo ranks"
+          + (f", {len(gen_rows)} vLLM rollouts on {GEN_WORLD}" if gen_rows else "")
+          + f", sharing {load['cpus']} CPUs, load average "
           f"{load['before']:.1f} before / {load['after']:.1f} after, measured in {load['wall_s']:.0f} s; "
           f"bare barrier {rows[0]['barrier_s'] * 1e3:.1f} ms subtracted; "
           f"spread = (max − min)/median of reps")
-    print(report(rows, site, load.get("peaks")))
+    print(report(rows, site, load.get("peaks"), gen_rows))
 
 
 if __name__ == "__main__":
