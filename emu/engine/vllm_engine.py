@@ -199,7 +199,8 @@ def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None) ->
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
         cache = llm.llm_engine.vllm_config.cache_config
-        info = {"startup_s": 0.0, "kv_blocks": int(cache.num_gpu_blocks or 0), "block_tokens": int(cache.block_size)}
+        info = {"startup_s": 0.0, "kv_blocks": int(cache.num_gpu_blocks or 0), "block_tokens": int(cache.block_size),
+                "threads": torch.get_num_threads()}
         if cfg.sleep_mode:
             llm.sleep(level=1)
         info["startup_s"] = time.perf_counter() - start
@@ -308,6 +309,8 @@ class VllmEngine:
         self.startup_s = float(info["startup_s"])
         self.kv_blocks, self.block_tokens = info["kv_blocks"], info["block_tokens"]
         """The KV cache vLLM allocated: ``kv_blocks`` blocks of ``block_tokens`` tokens."""
+        self.threads = int(info["threads"])
+        """The engine process's torch threads (``cfg.threads``; the engine reports them)."""
         self.weights_version: Optional[int] = None
         log.info("vLLM engine tp %d/%d on %s started in %.1f s", cfg.tp_rank, cfg.tp, cfg.device, self.startup_s)
 

@@ -60,6 +60,9 @@ def test_tp1_matches_native_and_a_reload_matches_a_fresh_engine(tmp_path):
         # the memory model's KV cache is what vLLM allocated: 8 sequences of 64 tokens in blocks of
         # 32, plus the null block
         assert (engine.kv_blocks, engine.block_tokens) == (8 * 2 + 1, 32)
+        # one thread as configured, whatever this process runs (torch loads before the engine
+        # can set OMP_NUM_THREADS: an engine left at one thread per core oversubscribed the cores)
+        assert engine.threads == 1
         engine.load_weights(state.items(), version=1)
         greedy = engine.generate(PROMPTS, max_new_tokens=24, temperature=1.0, greedy=True, stop_ids=STOP,
                                  seeds=seeds)
