@@ -119,9 +119,9 @@ LAYOUTS: tuple[Layout, ...] = (
 
 GEN = ModelStage(Role.ACTOR, Stage.GENERATION)
 GEN_WORLD = 2
-"""Engine processes of every generation layout: one thread each on this machine's two cores (two
-TP-1 replicas, or one TP-2 replica). Not four: two TP-2 vLLM engines on one machine would share
-their CPU all-reduce's /dev/shm segment names (:data:`emu.engine.vllm_engine.CPU_SHM_GLOB`)."""
+"""Engine processes of every generation layout: one thread each, one per core of this 2-core
+machine (two TP-1 replicas, or one TP-2 replica), so every rollout keeps both cores busy and
+none borrows an idle one (the training layouts' four devices share the cores instead)."""
 
 
 @dataclass(frozen=True)
