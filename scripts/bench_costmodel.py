@@ -480,6 +480,20 @@ def summarise(per_rank: list[dict], layouts: Sequence[Layout | GenLayout]) -> li
     return rows
 
 
+def held_out_table(names: Sequence[str], rows: list[dict], measured: Sequence[float], in_calib: Sequence[bool],
+                   predicted: Sequence[float], extra: Sequence[str] = ()) -> tuple[list[str], float, float]:
+    """Per-layout lines (measured, predicted, error, spread and ``extra`` columns) and the MAPE
+    and largest error (percent) over the layouts not in the calibration set."""
+    lines = []
+    for k, (name, row) in enumerate(zip(names, rows)):
+        err = percent_errors([predicted[k]], [measured[k]])[0]
+        lines.append(f"{name:<34}{'calib' if in_calib[k] else 'test':>6}{measured[k]:>12.3f}{predicted[k]:>13.3f}"
+                     f"{err:>+9.1f}{row['spread']:>8.2f}" + (extra[k] if extra else ""))
+    held = [k for k in range(len(names)) if not in_calib[k]]
+    pred, meas = [predicted[k] for k in held], [measured[k] for k in held]
+    return lines, mape(pred, meas), max_abs_error(pred, meas)
+
+
 def noise_line(rows: list[dict], what: str) -> str:
     """How much repetitions of one layout differ, and so how uncertain their median is."""
     sd = statistics.median(r["rel_sd"] for r in rows)
@@ -503,13 +517,11 @@ def generation_report(rows: list[dict], site: SiteConfig) -> tuple[list[str], fl
     lines.append("online calibration on the 'calib' rollouts: "
                  + ", ".join(f"{c} {e:.3f}" for c, e in cal.snapshot().items() if cal.samples(c)))
     lines.append(f"{'rollout':<34}{'set':>6}{'measured s':>12}{'predicted s':>13}{'error %':>9}{'spread':>8}")
-    for lay, row in zip(layouts, rows):
-        pred = predict_generation(cm, SPEC, lay).latency_s
-        lines.append(f"{lay.describe():<34}{'calib' if lay in calib else 'test':>6}{measured[lay]:>12.3f}"
-                     f"{pred:>13.3f}{percent_errors([pred], [measured[lay]])[0]:>+9.1f}{row['spread']:>8.2f}")
+    table, gen_mape, gen_max = held_out_table(
+        [lay.describe() for lay in layouts], rows, [measured[lay] for lay in layouts], [lay in calib for lay in layouts],
+        [predict_generation(cm, SPEC, lay).latency_s for lay in layouts])
+    lines.extend(table)
     meas_held = [measured[lay] for lay in held]
-    pred_held = [predict_generation(cm, SPEC, lay).latency_s for lay in held]
-    gen_mape, gen_max = mape(pred_held, meas_held), max_abs_error(pred_held, meas_held)
     lines.append(f"held-out rollouts: {len(held)}; MAPE {gen_mape:.1f} %; max {gen_max:.1f} %")
     base = CostModel(site)
     eff = fit_efficiencies([(predict_generation(base, SPEC, lay).ideal_s_by_class, measured[lay]) for lay in calib],
@@ -544,16 +556,13 @@ def report(rows: list[dict], site: SiteConfig, peaks: Mapping[str, float] | None
     cm = CostModel(site, cal)
     lines.append("online calibration (Calibration.observe_stage on the 'calib' layouts): "
                  + ", ".join(f"{c} {e:.3f}" for c, e in cal.snapshot().items() if cal.samples(c)))
-    lines.append(f"{'layout':<26}{'set':>6}{'measured s':>12}{'predicted s':>13}{'error %':>9}{'spread':>8}"
+    lines.append(f"{'layout':<34}{'set':>6}{'measured s':>12}{'predicted s':>13}{'error %':>9}{'spread':>8}"
                  f"{'cpu/wall':>9}")
-    for lay, row in zip(layouts, rows):
-        pred = predict(cm, SPEC, lay).latency_s
-        lines.append(f"{lay.describe():<26}{'calib' if lay in calib else 'test':>6}{measured[lay]:>12.3f}"
-                     f"{pred:>13.3f}{percent_errors([pred], [measured[lay]])[0]:>+9.1f}{row['spread']:>8.2f}"
-                     f"{row['cpu_s'] / measured[lay]:>9.2f}")
-    meas_held = [measured[lay] for lay in held]
-    pred_held = [predict(cm, SPEC, lay).latency_s for lay in held]
-    train_mape, train_max = mape(pred_held, meas_held), max_abs_error(pred_held, meas_held)
+    table, train_mape, train_max = held_out_table(
+        [lay.describe() for lay in layouts], rows, [measured[lay] for lay in layouts], [lay in calib for lay in layouts],
+        [predict(cm, SPEC, lay).latency_s for lay in layouts],
+        [f"{row['cpu_s'] / measured[lay]:>9.2f}" for lay, row in zip(layouts, rows)])
+    lines.extend(table)
     lines.append(f"held-out layouts: {len(held)}; MAPE {train_mape:.1f} %; max {train_max:.1f} %")
     base = CostModel(site)
     for name, fit_on in (("held-out", calib), ("in-sample, all layouts", layouts)):

@@ -63,3 +63,37 @@ def test_predicted_memory_components():
     comp = bench.predicted_peak_bytes(bench.SPEC, x, site)
     assert comp["parameters"] == pytest.approx(bench.SPEC.num_parameters() * 4 / 2, rel=0.01)   # fp32, tp = 2 (norms replicated)
     assert comp["activations"] > 0 and comp["logits"] > 0 and comp["optimizer"] > 0
+
+
+def test_generation_rollouts_and_their_prediction():
+    """The vLLM rollouts cover both TP sizes, 1-3 waves and both concurrencies on the bench's two
+    engine processes; a rollout's prediction is the generation stage without its weight sync,
+    and the online calibration learns most of times that are 2x it (not all: the decode
+    roofline's choice of class moves with the efficiencies)."""
+    assert len(bench.GEN_LAYOUTS) >= 20 and all(x.tp * x.dp == bench.GEN_WORLD for x in bench.GEN_LAYOUTS)
+    assert {x.tp for x in bench.GEN_LAYOUTS} == {1, 2} and {x.max_num_seqs for x in bench.GEN_LAYOUTS} == {8, 32}
+    assert {-(-x.sequences // x.max_num_seqs) for x in bench.GEN_LAYOUTS} == {1, 2, 3}
+    site = load_site("local")
+    cm = bench.CostModel(site)
+    x = bench.GenLayout(2, 8, 16, 32, 64)
+    full = cm.stage_cost(bench.SPEC, bench.GEN, sequences=16, prompt_length=32, response_length=64, tp=2, pp=1, dp=1,
+                         micro_batch=8)
+    sync = cm.weight_sync_cost(bench.SPEC, 2, 1, 1)
+    got = bench.predict_generation(cm, bench.SPEC, x)
+    assert got.latency_s == pytest.approx(full.latency_s - sync.latency_s, rel=1e-9)
+    assert "broadcast_intra" not in got.ideal_s_by_class
+    layouts = bench.GEN_LAYOUTS[:6]
+    samples = [(g, 2.0 * bench.predict_generation(cm, bench.SPEC, g).latency_s) for g in layouts]
+    cal = bench.calibrate(site, bench.SPEC, samples, rounds=3)
+    pred = [bench.predict_generation(bench.CostModel(site, cal), bench.SPEC, g).latency_s for g in layouts]
+    prior = [bench.predict_generation(cm, bench.SPEC, g).latency_s for g in layouts]
+    assert bench.mape(prior, [m for _, m in samples]) == pytest.approx(50.0)
+    assert bench.mape(pred, [m for _, m in samples]) < 5.0
+
+
+def test_held_out_table_scores_the_test_rows_only():
+    rows = [{"spread": 0.0}] * 3
+    lines, err, worst = bench.held_out_table(["a", "b", "c"], rows, [1.0, 2.0, 4.0], [True, False, False],
+                                             [9.0, 2.2, 3.0])
+    assert len(lines) == 3 and "calib" in lines[0] and "test" in lines[1]
+    assert err == pytest.approx((10.0 + 25.0) / 2) and worst == pytest.approx(25.0)
