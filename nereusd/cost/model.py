@@ -76,6 +76,13 @@ class _Acc:
         for k, v in other.ideal.items():
             self.add(k, v)
 
+    def renamed(self, classes) -> "_Acc":
+        """The same seconds with each class mapped by ``classes`` (e.g. to a generation engine's)."""
+        out = _Acc()
+        for k, v in self.ideal.items():
+            out.add(classes(k), v)
+        return out
+
 
 def layer_parameters(spec: ModelSpec) -> int:
     """Weights of one decoder layer (q, k, v, o projections and SwiGLU MLP; norms excluded)."""
@@ -368,8 +375,7 @@ class CostModel:
         prefill = _Acc()
         self._forward_backward(prefill, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, concurrent, 1, False,
                                False, launch=False)
-        for c, s in prefill.ideal.items():
-            acc.add(generation_class(c), s)
+        acc.merge(prefill.renamed(generation_class))
         key = ("decode", self._spec_key(spec), concurrent, prompt, response, tp, pp)
         decode = self._cache.get(key)
         if decode is None:
@@ -429,7 +435,4 @@ class CostModel:
         if pp > 1:
             self._p2p(step, per_replica * h * e / pp, self.spans_nodes(tp * pp), count=pp)
         acc.merge(step.scaled(response))
-        out = _Acc()   # in the generation engine's classes
-        for c, s in acc.ideal.items():
-            out.add(generation_class(c), s)
-        return out
+        return acc.renamed(generation_class)   # in the generation engine's classes
