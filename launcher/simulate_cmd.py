@@ -26,7 +26,7 @@ from nereusd.errors import NereusError
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.sim.scenario import Scenario, build, run_policies
-from nereusd.sim.truth import TruthConfig
+from nereusd.sim.truth import TRUTH_KINDS, TruthConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h)
     p.add_argument("--engine-rebuild-s", type=float, default=TruthConfig.engine_rebuild_s,
                    help="seconds a transition that changes a generation layout spends restarting its engine")
+    p.add_argument("--truth", choices=TRUTH_KINDS, default="measured",
+                   help="ground truth: measured (formulas of its own from published hardware figures, with "
+                   "effects the controller's cost model lacks; nereusd/sim/measured.py) or efficiency (the "
+                   "controller's cost model with hidden per-class efficiencies; nereusd/sim/truth.py)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (policies run independently)")
     p.add_argument("--out", help="directory for summary.json, run.json, table.txt and PNG plots")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed)
     truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h,
-                        engine_rebuild_s=args.engine_rebuild_s)
+                        engine_rebuild_s=args.engine_rebuild_s, kind=args.truth)
     policies = parse_policies(args.policies)
     start = time.perf_counter()
     sim, meta = build(scenario, truth)

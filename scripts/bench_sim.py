@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nereusd.sim.policies import parse_policies  # noqa: E402
 from nereusd.sim.report import format_table, summary  # noqa: E402
 from nereusd.sim.scenario import Scenario, build, run_policies  # noqa: E402
-from nereusd.sim.truth import TruthConfig  # noqa: E402
+from nereusd.sim.truth import TRUTH_KINDS, TruthConfig  # noqa: E402
 
 POLICIES = "frozen-start,frozen-final,nereus,greedy,periodic-3,oracle"
 GAMMAS = "frozen-start,frozen-final,nereus@0,nereus@0.25,nereus,nereus@1,greedy,oracle"
@@ -84,12 +84,12 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def run_case(case: Case, steps: int, policies: str, jobs: int) -> dict[str, dict]:
+def run_case(case: Case, steps: int, policies: str, jobs: int, kind: str) -> dict[str, dict]:
     start, cpu = time.perf_counter(), time.process_time()
-    sim, meta = build(Scenario(steps=steps, **case.scenario), TruthConfig(**case.truth))
+    sim, meta = build(Scenario(steps=steps, **case.scenario), TruthConfig(**case.truth, kind=kind))
     rows = summary(run_policies(sim, parse_policies(policies), jobs=jobs))
     gen = " [GENERATED]" if meta["length_generated"] else ""
-    truth = f", truth {case.truth}" if case.truth else ""
+    truth = f", {kind} truth" + (f" {case.truth}" if case.truth else "")
     print(f"\n== {case.label}: {meta['gpus']} x {meta['site']}, lengths {meta['length_trace']}{gen}, pool "
           f"{meta['pool_trace']}, {steps} steps{truth} (wall {time.perf_counter() - start:.1f} s, main-process CPU "
           f"{time.process_time() - cpu:.1f} s)")
@@ -103,12 +103,15 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2, help="worker processes per scenario")
     parser.add_argument("--quick", action="store_true", help="200 steps, a third of the 64-GPU scenarios")
     parser.add_argument("--gamma", action="store_true", help="also γ ∈ {0, 0.25, 0.5, 1} on the ramp at 64 GPUs")
+    parser.add_argument("--truth", choices=TRUTH_KINDS, default="measured",
+                        help="ground truth (nereusd/sim/measured.py, or efficiency: the cost model with hidden "
+                        "efficiencies, nereusd/sim/truth.py)")
     args = parser.parse_args()
     steps = 200 if args.quick else args.steps
     t0 = time.perf_counter()
     results = []
     for case in cases(args.quick):
-        rows = run_case(case, steps, POLICIES, args.jobs)
+        rows = run_case(case, steps, POLICIES, args.jobs, args.truth)
         n, g = rows["nereus"], rows["greedy"]
         results.append({"case": case, "vs_frozen": n["vs_best_frozen_pct"], "headroom": n["oracle_headroom_pct"],
                         "captured": n["captured_pct"], "vs_greedy": 100.0 * (n["mean_step_s"] / g["mean_step_s"] - 1),
@@ -118,7 +121,7 @@ def main() -> int:
     if args.gamma:
         print("\n== gamma sensitivity")
         run_case(Case("ramp, H200, 64", dict(gpus=64, length_trace="generated-ramp", pool_trace="us-east-2b")),
-                 steps, GAMMAS, args.jobs)
+                 steps, GAMMAS, args.jobs, args.truth)
     print("\n== summary (nereus; % of mean step latency; captured: share of the oracle's headroom over the better "
           "frozen baseline)")
     width = max(len(r["case"].label) for r in results)

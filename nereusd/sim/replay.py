@@ -39,6 +39,7 @@ from nereusd.plan import Candidate, Plan
 from nereusd.planner.search import Infeasible, Planner
 from nereusd.planner.space import PlannerOptions, PlanProblem
 from nereusd.sim.policies import ORACLE, Policy
+from nereusd.sim.measured import ground_truth
 from nereusd.sim.truth import GroundTruth, TruthConfig
 from nereusd.traces import LengthTrace, PoolTrace
 from nereusd.transition.estimate import TransitionEstimator
@@ -149,7 +150,7 @@ class Simulation:
         self.truth_config = truth or TruthConfig()
         self.total = len(problem.pool)
         self.dpn = problem.site.devices_per_node
-        self._oracle = _Oracle(problem, GroundTruth(problem, self.truth_config))
+        self._oracle = _Oracle(problem, ground_truth(problem, self.truth_config))
         self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
         if self.launch is None:
             raise SimulationError(f"no plan fits {self.total} devices at length {lengths.at(0):.0f}")
@@ -181,7 +182,7 @@ class Simulation:
 
     def run(self, policy: Policy) -> PolicyResult:
         """Replay the whole run under ``policy``."""
-        truth = GroundTruth(self.problem, self.truth_config)
+        truth = ground_truth(self.problem, self.truth_config)
         links = TransitionEstimator(self.problem.specs, self.problem.site, truth.cost_model(False),
                                     self.problem.workflow.concurrent_sets(), max_devices=TRANSITION_SCALE_LIMIT)
         launch = self.launch_final if policy.launch_at_longest else self.launch
@@ -305,6 +306,10 @@ def length_bucket(length: float, per_octave: int) -> int:
     return int(math.ceil(2 ** (math.ceil(per_octave * math.log2(length) - 1e-9) / per_octave)))
 
 
+HEADROOMS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
+"""Headrooms at which the oracle asks the planner for a plan (until one fits the true peak)."""
+
+
 class _Oracle:
     """Best plan per step under the ground truth, memoised per (length bucket, pool,
     contention, headroom); raises headroom until the step's true peak fits."""
@@ -316,20 +321,42 @@ class _Oracle:
     def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float) -> Plan | None:
         contended = self.truth.contended(time_s)
         bucket = length_bucket(length, 16)
-        for headroom in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4):
-            key = (bucket, pool, contended, headroom)
-            if key not in self._memo:
-                wl = replace(self.problem.workload, response_length=bucket)
-                pb = replace(self.problem, workload=wl, pool=pool)
-                try:
-                    plan = Planner(pb, self.truth.cost_model(contended), PlannerOptions(headroom=headroom)).solve().plan
-                except Infeasible:
-                    plan = None
-                self._memo[key] = plan
-            plan = self._memo[key]
+        if self.truth.ranks_by_truth:   # the truth is not the planner's model: rank its plans
+            for plan in self._ranked(bucket, pool, contended):
+                if not self.truth.oom(plan, length, step):
+                    return plan
+            return None
+        for headroom in HEADROOMS:
+            plan = self._solve(bucket, pool, contended, headroom)
             if plan is not None and not self.truth.oom(plan, length, step):
                 return plan
         return None
+
+    def _solve(self, bucket: int, pool: tuple[int, ...], contended: bool, headroom: float) -> Plan | None:
+        """The planner's plan at ``bucket`` tokens under the truth's efficiencies (memoised)."""
+        key = (bucket, pool, contended, headroom)
+        if key not in self._memo:
+            wl = replace(self.problem.workload, response_length=bucket)
+            pb = replace(self.problem, workload=wl, pool=pool)
+            try:
+                plan = Planner(pb, self.truth.cost_model(contended), PlannerOptions(headroom=headroom)).solve().plan
+            except Infeasible:
+                plan = None
+            self._memo[key] = plan
+        return self._memo[key]
+
+    def _ranked(self, bucket: int, pool: tuple[int, ...], contended: bool) -> list[Plan]:
+        """The distinct plans of :meth:`_solve` over :data:`HEADROOMS`, fastest under the truth
+        first (at the bucket's length, without noise; memoised)."""
+        key = ("ranked", bucket, pool, contended)
+        if key not in self._memo:
+            plans: dict[str, Plan] = {}
+            for headroom in HEADROOMS:
+                plan = self._solve(bucket, pool, contended, headroom)
+                if plan is not None:
+                    plans.setdefault(plan.describe(), plan)
+            self._memo[key] = sorted(plans.values(), key=lambda p: self.truth.rank_key(p, bucket, 0))
+        return self._memo[key]
 
     def plan_for_run(self, lengths: LengthTrace, steps: int, pool: tuple[int, ...]) -> Plan | None:
         """The fastest plan for the run's longest length that no step of the run (its length
@@ -337,7 +364,8 @@ class _Oracle:
         run = [(i, lengths.at(i)) for i in range(steps)]
         longest = max(length for _, length in run)
         tall = [(i, length) for i, length in run if length >= 0.5 * longest]
-        for headroom in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5):
+        fitting = []
+        for headroom in HEADROOMS + (0.5,):
             wl = replace(self.problem.workload, response_length=length_bucket(longest, 16))
             try:
                 plan = Planner(replace(self.problem, workload=wl, pool=pool), self.truth.cost_model(False),
@@ -345,5 +373,7 @@ class _Oracle:
             except Infeasible:
                 continue
             if not any(self.truth.oom(plan, length, i) for i, length in tall):
-                return plan
-        return None
+                if not self.truth.ranks_by_truth:
+                    return plan
+                fitting.append(plan)
+        return min(fitting, key=lambda p: self.truth.rank_key(p, longest, 0)) if fitting else None

@@ -44,6 +44,10 @@ from nereusd.planner.space import PlanProblem
 from nereusd.transition.memory import AdamStateSizes
 
 
+TRUTH_KINDS = ("efficiency", "measured")
+"""The ground truths: the cost model with hidden efficiencies, or :mod:`nereusd.sim.measured`."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TruthConfig:
     """Knobs of the ground truth (see the module docstring for what each does).
@@ -62,6 +66,11 @@ class TruthConfig:
         checkpoint_interval: steps between checkpoints.
         engine_rebuild_s: seconds a transition adds when it changes a generation model-stage
             (its engine restarts on the new layout), beyond the DAG's own time.
+        kind: ``efficiency`` (this module: the cost model with hidden efficiencies) or
+            ``measured`` (:mod:`nereusd.sim.measured`: formulas of its own from published
+            figures, with effects the cost model lacks).
+        straggler_sd: ``measured`` only: spread of the per-device speed factor.
+        length_sigma: ``measured`` only: log-normal sigma of the responses' lengths in a step.
     """
 
     seed: int = 0
@@ -78,6 +87,9 @@ class TruthConfig:
     storage_gbps: float = 2.0
     checkpoint_interval: int = 20
     engine_rebuild_s: float = 0.0
+    kind: str = "efficiency"
+    straggler_sd: float = 0.03
+    length_sigma: float = 0.41
 
     def __post_init__(self) -> None:
         """Raises:
@@ -85,7 +97,7 @@ class TruthConfig:
                 non-finite value, efficiency bounds out of order), naming each."""
         problems = [f"{name} must be a finite number >= 0, got {getattr(self, name)!r}"
                     for name in ("noise_sigma", "contention_per_h", "contention_mean_h", "spread_sd", "restart_s",
-                                 "engine_rebuild_s")
+                                 "engine_rebuild_s", "straggler_sd", "length_sigma")
                     if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0)]
         problems += [f"{name} must be a finite number > 0, got {getattr(self, name)!r}"
                      for name in ("efficiency_lo", "efficiency_hi", "contention_factor", "spread_mean", "spread_max",
@@ -93,6 +105,8 @@ class TruthConfig:
                      if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0)]
         if self.efficiency_lo > self.efficiency_hi:
             problems.append(f"efficiency_lo {self.efficiency_lo} exceeds efficiency_hi {self.efficiency_hi}")
+        if self.kind not in TRUTH_KINDS:
+            problems.append(f"kind must be one of {', '.join(TRUTH_KINDS)}, got {self.kind!r}")
         if self.checkpoint_interval < 1:
             problems.append(f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
         if problems:
@@ -106,6 +120,10 @@ class GroundTruth:
         problem: workflow, model specs, site (the workload is replaced per step).
         config: the assumptions.
     """
+
+    ranks_by_truth = False
+    """Whether the oracle must rank the planner's plans by :meth:`rank_key` (a truth the planner
+    cannot search); this truth is the planner's own cost model, so its plans are its optimum."""
 
     def __init__(self, problem: PlanProblem, config: TruthConfig | None = None) -> None:
         self.problem = problem

@@ -1,0 +1,423 @@
+"""A ground truth that is not the controller's cost model (issue 16, "What to build" 2).
+
+:class:`~nereusd.sim.truth.GroundTruth` prices a step with the controller's own formulas and
+hidden per-class efficiencies: a controller that calibrates those efficiencies can only look
+good against it. :class:`MeasuredTruth` keeps that truth's memory, out-of-memory, noise,
+contention, transition and restart behaviour, but times every model-stage with formulas of its
+own, built from hardware figures and published measurements, with effects the cost model
+(:mod:`nereusd.cost.model`) does not have:
+
+Training and inference (a Megatron-style replica, 1F1B pipeline):
+
+- **GEMMs are rooflines with wave quantisation**: ``max(FLOPs / (peak · η_gemm · u), bytes /
+  (hbm · η_hbm))`` per layer pass, where ``bytes`` are the shard's weights plus the activations
+  in and out, and ``u`` the share of the last wave of 128 × 128 output tiles that the device's
+  SMs/CUs fill (NVIDIA, "Matrix Multiplication Background User's Guide", *wave quantisation*).
+  Small per-device work — few tokens per micro-batch, or a wide TP split — runs below peak.
+  The cost model charges FLOPs only.
+- **Causal attention** does half the dense FLOPs (FlashAttention skips masked blocks), at its
+  own efficiency (FlashAttention-2 reaches 50–73 % of A100 peak forward and less backward,
+  Dao 2023 §4.1); its backward is 2.5 × its forward FLOPs (five matmuls against two).
+- **Per-token work TP does not split**: RMSNorms and residual adds run replicated on every TP
+  rank without sequence parallelism (Korthikanti et al. 2022, §4.2.2): ``12 · h`` bytes per token
+  and layer forward, twice backward, at HBM speed.
+- **Vocab-parallel loss**: the actor's and reference's logits are materialised in fp32 and read
+  by the softmax and loss (4 passes of ``T · V/tp · 4`` bytes) plus three small all-reduces per
+  micro-batch (max, sum of exponentials, target logit: Megatron's vocab-parallel cross entropy).
+- **A kernel-launch floor**: a layer pass costs at least ``kernels × kernel_floor_s``.
+- **NCCL collectives** whose latency grows with ``log2`` of the group and whose bus bandwidth
+  ramps up with the message size: ``α(n) + ring_bytes / (η_link · B · s / (s + s_half))``.
+- **DP gradients in fp32** (Megatron accumulates and all-reduces main gradients in fp32 under
+  bf16), bucketed (25 MB, PyTorch DDP's default, Li et al. VLDB 2020) and overlapped with the
+  last micro-batch's backward; only what the backward does not hide is exposed.
+- **Adam** reads and writes fp32 parameter, ``m`` and ``v``, reads the fp32 gradient and writes
+  the bf16 copy: 30 bytes per parameter.
+- **Stragglers**: every device has a fixed speed factor ``1 + |N(0, straggler_sd)|`` (capped at
+  1.25), drawn once per seed; a model-stage runs at the pace of its slowest device (Sinha et
+  al., "Not All GPUs Are Created Equal", SC'22, measured up to 22 % spread among GPUs of one
+  model in production clusters).
+
+Generation (a vLLM-style engine with continuous batching):
+
+- each step's responses have **different lengths**: ``L · x`` with ``x`` log-normal of mean 1
+  and ``σ = length_sigma`` (0.41: in the verl traces of ``../shared/traces`` the longest response
+  of a batch is 1.7–4 × the mean and the shortest 0.3–0.4 ×; σ = 0.41 puts the extremes of a
+  128-sequence batch at 2.5 × and 0.33 ×), capped at 4 ×;
+- a replica runs at most ``R`` sequences at once (its wave size ``micro_batch``); a finished
+  sequence's slot takes the next waiting one (first come, first served), so the decode batch
+  shrinks only in the tail, and the replica's time is set by its **longest slot**;
+- a decode step is a roofline over the shard's weights and the running sequences' KV cache
+  (at the replica's mean context), plus per step a fixed engine overhead (scheduling, sampling,
+  launches) and 2 all-reduces per layer over TP (vLLM's custom all-reduce latency inside a
+  node); pipeline parallelism runs ``pp`` micro-batches through ``pp`` stages;
+- the prefill of every prompt is compute-bound at GEMM efficiency;
+- the weight synchronisation is a broadcast of the shard at the NCCL figures above.
+
+Every figure is in :data:`DEVICE_FIGURES` and :data:`LINK_FIGURES` with its source; where no
+public measurement was at hand the docstring says *assumption*. None was measured here (no
+GPU). What stays the old truth's: memory and out-of-memory (the memory model with the padded
+length), per-step noise, contention episodes (inter-node bandwidth × ``contention_factor``),
+transitions (the transition engine under the hidden efficiencies, plus engine rebuilds) and
+restarts.
+
+The planner cannot search this truth (it searches the cost model). The simulator's oracle
+therefore takes, per step, the fastest plan *under this truth* among the planner's plans under
+the old truth's efficiencies at several headrooms (:meth:`rank_key`); it is an upper bound on
+what the old truth's knowledge can find, not on every layout.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from nereusd.cost.memory import parameters_per_device
+from nereusd.cost.model import layer_parameters
+from nereusd.errors import ConfigError
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.planner.space import PlanProblem
+from nereusd.sim.truth import GroundTruth, TruthConfig
+
+TILE = 128
+"""Output tile edge of the GEMM kernels (cuBLAS/CUTLASS's common 128 × 128 tile on Ampere and
+Hopper; NVIDIA, "Matrix Multiplication Background User's Guide")."""
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket (PyTorch DDP ``bucket_cap_mb = 25``, Li et al., "PyTorch Distributed",
+VLDB 2020)."""
+
+ADAM_BYTES_PER_PARAM = 30
+"""fp32 parameter, ``m`` and ``v`` read and written (24), fp32 gradient read (4), bf16 copy
+written (2)."""
+
+UNSPLIT_BYTES_PER_TOKEN_HIDDEN = 12
+"""Forward bytes per token, per unit of ``h``, per layer of the work TP replicates: two RMSNorms
+(read and write ``h``: 4 h) and two residual adds (two reads and a write: 6 h) in bf16, rounded
+up for the RoPE tables and dropout masks (assumption from counting a Llama layer's element-wise
+kernels)."""
+
+KERNELS_PER_LAYER_FORWARD = 11
+"""Kernels of a Llama layer's forward: 2 norms, QKV, RoPE, attention, O, 2 residual adds, gate/up,
+SwiGLU, down (counted from Megatron-core's layer with fused kernels off); backward twice as many."""
+
+VOCAB_LOSS_ALL_REDUCES = 3
+"""Small all-reduces per micro-batch of the vocab-parallel cross entropy (max, sum of
+exponentials, target logit; Megatron's ``vocab_parallel_cross_entropy``)."""
+
+LENGTH_CAP = 4.0
+"""Largest response length over the step's mean (``../shared/traces/SOURCES.md``: the longest
+of a batch is about 1.7–4 × the mean in the verl runs)."""
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """What one kind of device achieves, beyond its datasheet peaks (the site config's).
+
+    Attributes:
+        compute_units: SMs (NVIDIA) or CUs (AMD) that GEMM tiles are spread over.
+        gemm_fraction: share of dense peak a large bf16 GEMM reaches.
+        attention_forward, attention_backward: share of dense peak of causal flash attention.
+        hbm_fraction: share of peak HBM bandwidth a streaming kernel reaches.
+        kernel_floor_s: shortest a kernel takes (launch and tail), seconds.
+        decode_overhead_s: an inference engine's fixed cost per decode step (scheduler,
+            sampling, launches under CUDA graphs), seconds.
+    """
+
+    compute_units: int
+    gemm_fraction: float
+    attention_forward: float
+    attention_backward: float
+    hbm_fraction: float
+    kernel_floor_s: float
+    decode_overhead_s: float
+
+
+DEVICE_FIGURES: dict[str, DeviceFigures] = {
+    # 132 SMs on H100 and H200 SXM (GH100; NVIDIA H100 Tensor Core GPU Architecture whitepaper,
+    # 2022). GEMM 0.75 of dense peak for large bf16 GEMMs (assumption: cuBLAS on Hopper reaches
+    # 70–80 % at 8k³; end-to-end Megatron MFU of 40–52 % includes everything else). Attention
+    # 0.6 / 0.45 (FlashAttention-2 paper: 50–73 % forward on A100; FA3 reaches 75 % on H100 with
+    # FP16; backward lower: assumption). HBM 0.9 (assumption: STREAM-like copies reach ~90 % of
+    # HBM3 peak). Kernel floor 4 µs (assumption: launch latency of a few µs). Decode overhead
+    # 1.5 ms (assumption: vLLM's per-step CPU and sampling cost at small batches).
+    "h100": DeviceFigures(132, 0.75, 0.60, 0.45, 0.90, 4e-6, 1.5e-3),
+    # 108 SMs (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020); Megatron-LM reached
+    # 44–52 % of A100 peak end to end (Narayanan et al. 2021, Table 1), GEMMs ~0.7 (assumption).
+    "a100": DeviceFigures(108, 0.70, 0.60, 0.45, 0.90, 4e-6, 2.0e-3),
+    # 110 CUs per GCD (AMD CDNA 2 architecture whitepaper, 2021: 220 per MI250X). GEMM 0.5:
+    # LLM training on Frontier reached 32–38 % of peak end to end (Dash et al., "Optimizing
+    # Distributed Training on Frontier for Large Language Models", 2023); attention without FA3,
+    # 0.4 / 0.3; HBM 0.8; kernel floor 6 µs; overhead 2.5 ms (assumptions).
+    "mi250x": DeviceFigures(110, 0.50, 0.40, 0.30, 0.80, 6e-6, 2.5e-3),
+    # 142 SMs (NVIDIA L40S datasheet, 2023); GDDR6 (assumptions as the A100's otherwise).
+    "l40s": DeviceFigures(142, 0.70, 0.55, 0.40, 0.85, 4e-6, 2.0e-3),
+}
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    """NCCL/RCCL collectives over one kind of link, beyond the site's peak bandwidth.
+
+    ``all_reduce(n ranks, s bytes) = latency_s · (1 + log2 n) / 2 + 2(n−1)/n · s /
+    (bus_fraction · B · s / (s + half_bytes))``: latency that grows with the tree depth, bus
+    bandwidth that reaches half its plateau at ``half_bytes``.
+
+    Attributes:
+        latency_s: a small all-reduce over 2 ranks, seconds.
+        bus_fraction: share of the link's peak the bus bandwidth of large messages reaches.
+        half_bytes: message size at which the bus bandwidth is half its plateau.
+    """
+
+    latency_s: float
+    bus_fraction: float
+    half_bytes: float
+
+
+LINK_FIGURES: dict[str, LinkFigures] = {
+    # Inside a node (NVLink/NVSwitch, Infinity Fabric, PCIe): small all-reduces of 10–20 µs and
+    # bus bandwidth at ~80 % of the per-direction peak for large messages (assumption in line
+    # with nccl-tests' published curves; half the plateau near 512 KiB).
+    "intra": LinkFigures(12e-6, 0.80, 512 * 2**10),
+    # Across nodes: a 2-node H200 NVL cluster's nccl-tests all-reduce peaks at ~35 GB/s bus
+    # bandwidth for ≥ 1 GB messages over 400 Gb/s RoCE, 70 % of 50 GB/s
+    # (kubernetes.recipes, "NCCL All-Reduce Benchmarking on Multi-Node GPUs"); latency 30 µs,
+    # half the plateau at 4 MiB (assumptions).
+    "inter": LinkFigures(30e-6, 0.70, 4 * 2**20),
+}
+
+CUSTOM_ALL_REDUCE_S = 8e-6
+"""vLLM's one-shot custom all-reduce of a decode step's small activations inside a node
+(assumption: it exists because NCCL's ~10–20 µs dominates at these sizes)."""
+
+
+def device_figures(model: str) -> DeviceFigures:
+    """The figures of a site's ``device.model`` (matched by name).
+
+    Raises:
+        ConfigError: for a device without figures (the CPU site, say).
+    """
+    name = model.lower().replace(" ", "")
+    for key in ("h100", "h200"):
+        if key in name:
+            return DEVICE_FIGURES["h100"]
+    for key in ("a100", "mi250x", "l40s"):
+        if key in name:
+            return DEVICE_FIGURES[key]
+    raise ConfigError(f"measured ground truth: no figures for device {model!r} "
+                      f"(known: H100/H200, A100, MI250X, L40S); use the 'efficiency' truth")
+
+
+class MeasuredTruth(GroundTruth):
+    """The ground truth of the module docstring.
+
+    Args:
+        problem: workflow, model specs, site.
+        config: the assumptions shared with :class:`~nereusd.sim.truth.GroundTruth`, plus
+            ``straggler_sd`` and ``length_sigma``.
+
+    Raises:
+        ConfigError: for a site whose device has no figures (:func:`device_figures`).
+    """
+
+    ranks_by_truth = True
+
+    def __init__(self, problem: PlanProblem, config: TruthConfig | None = None) -> None:
+        super().__init__(problem, config)
+        site = problem.site
+        self.device = device_figures(site.device.model)
+        self.peak = site.peak_flops() * self.device.gemm_fraction
+        self.hbm = site.hbm_bytes_per_s * self.device.hbm_fraction
+        self.e = 2   # bf16 activations and weights
+        rng = np.random.default_rng([self.config.seed, 41])
+        n = max(len(problem.pool), site.total_devices)
+        self.device_speed = np.minimum(1.25, 1.0 + np.abs(rng.normal(0.0, self.config.straggler_sd, n)))
+
+    # ---- links ---------------------------------------------------------------------------
+    def _link(self, spans: bool, contended: bool) -> tuple[LinkFigures, float]:
+        site = self.problem.site
+        if spans:
+            bw = site.inter_node_gbps * 1e9 * (self.config.contention_factor if contended else 1.0)
+            return LINK_FIGURES["inter"], bw
+        return LINK_FIGURES["intra"], site.intra_node_gbps * 1e9
+
+    def all_reduce_s(self, nbytes: float, ranks: int, spans: bool, contended: bool = False) -> float:
+        """Seconds of one all-reduce of ``nbytes`` per rank over ``ranks`` ranks (the
+        :class:`LinkFigures` formula); 0 for one rank."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        f, bw = self._link(spans, contended)
+        bus = f.bus_fraction * bw * nbytes / (nbytes + f.half_bytes)
+        return f.latency_s * (1 + math.log2(ranks)) / 2 + 2 * (ranks - 1) / ranks * nbytes / bus
+
+    def p2p_s(self, nbytes: float, spans: bool, contended: bool = False) -> float:
+        """Seconds of one point-to-point message of ``nbytes``."""
+        f, bw = self._link(spans, contended)
+        return f.latency_s / 2 + nbytes / (f.bus_fraction * bw * nbytes / (nbytes + f.half_bytes))
+
+    def spans(self, devices: int) -> bool:
+        return devices > self.problem.site.devices_per_node
+
+    # ---- compute -------------------------------------------------------------------------
+    def gemm_s(self, tokens: float, k: int, n: int, flops_mult: float = 1.0) -> float:
+        """A ``[tokens × k] · [k × n]`` bf16 GEMM: roofline with wave quantisation (``flops_mult``
+        scales the FLOPs and weight reads, 2 for a backward's two GEMMs)."""
+        if tokens <= 0 or n <= 0:
+            return 0.0
+        tiles = math.ceil(tokens / TILE) * math.ceil(n / TILE)
+        units = self.device.compute_units
+        fill = tiles / (math.ceil(tiles / units) * units)
+        compute = flops_mult * 2.0 * tokens * k * n / (self.peak * fill)
+        memory = flops_mult * (k * n + tokens * (k + n)) * self.e / self.hbm
+        return max(compute, memory)
+
+    def _layer_pass_s(self, spec, tokens: float, seq: int, tp: int, backward: bool) -> float:
+        """One decoder layer's forward (or backward) on one TP rank, without its collectives."""
+        h, f = spec.hidden_size, spec.intermediate_size
+        q = spec.num_heads * spec.head_dim
+        kv = math.ceil(spec.num_kv_heads / tp) * spec.head_dim * 2
+        mult = 2.0 if backward else 1.0
+        gemms = (self.gemm_s(tokens, h, q // tp + kv, mult) + self.gemm_s(tokens, q // tp, h, mult)
+                 + self.gemm_s(tokens, h, 2 * f // tp, mult) + self.gemm_s(tokens, f // tp, h, mult))
+        causal_flops = 2.0 * tokens * seq * q / tp          # QKᵀ and AV, half of the dense 4·T·s·q
+        frac = self.device.attention_backward if backward else self.device.attention_forward
+        attention = (2.5 if backward else 1.0) * causal_flops / (self.peak / self.device.gemm_fraction * frac)
+        elementwise = mult * tokens * (UNSPLIT_BYTES_PER_TOKEN_HIDDEN * h + 3 * f // tp) * self.e / self.hbm
+        floor = KERNELS_PER_LAYER_FORWARD * mult * self.device.kernel_floor_s
+        return max(gemms + attention + elementwise, floor)
+
+    def _head_s(self, spec, role: Role, tokens: float, tp: int, backward: bool, spans: bool,
+                contended: bool) -> float:
+        """The output head and loss of one micro-batch on the last pipeline stage."""
+        if role not in (Role.ACTOR, Role.REFERENCE):
+            return self.gemm_s(tokens, spec.hidden_size, 1, 3.0 if backward else 1.0)
+        vocab = math.ceil(spec.vocab_size / tp)
+        t = self.gemm_s(tokens, spec.hidden_size, vocab, 3.0 if backward else 1.0)
+        t += 4 * tokens * vocab * 4 / self.hbm                       # fp32 logits: write, 3 reads
+        t += VOCAB_LOSS_ALL_REDUCES * self.all_reduce_s(tokens * 4, tp, spans, contended)
+        return t
+
+    # ---- a model-stage ---------------------------------------------------------------------
+    def replica_s(self, m: ModelStage, c: Candidate, response_length: float, step: int,
+                  contended: bool) -> float:
+        """True seconds of one RL step of model-stage ``m`` laid out as ``c`` (no noise, no
+        stragglers): the slowest replica."""
+        wl = replace(self.problem.workload, response_length=max(1, int(round(response_length))))
+        spec = self.problem.spec(m)
+        sequences = self.problem.workflow.sequences(m, wl)
+        if m.stage is Stage.GENERATION:
+            return self._generation_s(spec, sequences, c, wl.prompt_length, response_length, step, contended)
+        training = m.stage is Stage.TRAINING
+        minis = wl.mini_batches if training else 1
+        per_replica = -(-sequences // c.dp)
+        b = max(1, min(c.micro_batch or wl.micro_batch, per_replica))
+        micro_per_opt = max(1, -(-per_replica // (b * minis)))
+        seq = wl.prompt_length + wl.response_length
+        tokens = b * seq
+        layers = math.ceil(spec.num_layers / c.pp)
+        h = spec.hidden_size
+        tp_spans = self.spans(c.tp)
+        ar = self.all_reduce_s(tokens * h * self.e, c.tp, tp_spans, contended)
+        forward = layers * (self._layer_pass_s(spec, tokens, seq, c.tp, False) + 2 * ar)
+        forward += self._head_s(spec, m.role, tokens, c.tp, False, tp_spans, contended)
+        slot = forward
+        backward = 0.0
+        if training:
+            backward = layers * (self._layer_pass_s(spec, tokens, seq, c.tp, True) + 2 * ar)
+            backward += self._head_s(spec, m.role, tokens, c.tp, True, tp_spans, contended)
+            if c.recompute:
+                backward += forward
+            slot += backward
+        if c.pp > 1:
+            slot += (2 if training else 1) * self.p2p_s(tokens * h * self.e, self.spans(c.tp * c.pp), contended)
+        total = minis * (micro_per_opt + c.pp - 1) * slot
+        if training:
+            shard = parameters_per_device(spec, c.tp, c.pp)
+            grads = shard * 4.0
+            dp_spans = self.spans(c.tp * c.pp * c.dp)
+            reduce_s = self.all_reduce_s(grads, c.dp, dp_spans, contended)
+            last_bucket = self.all_reduce_s(min(grads, DDP_BUCKET_BYTES), c.dp, dp_spans, contended)
+            exposed = max(last_bucket, reduce_s - backward) if c.dp > 1 else 0.0
+            total += minis * (exposed + shard * ADAM_BYTES_PER_PARAM / self.hbm)
+        return total
+
+    def response_lengths(self, mean_length: float, count: int, step: int) -> np.ndarray:
+        """The step's ``count`` response lengths (tokens, ≥ 1), the same for every policy."""
+        sigma = self.config.length_sigma
+        rng = np.random.default_rng([self.config.seed, 31, step])
+        x = np.exp(rng.normal(-sigma * sigma / 2, sigma, count))
+        return np.maximum(1.0, np.round(mean_length * np.minimum(x, LENGTH_CAP)))
+
+    def _generation_s(self, spec, sequences: int, c: Candidate, prompt: int, mean_length: float, step: int,
+                      contended: bool) -> float:
+        """The slowest replica's prefill, continuous-batching decode and weight sync."""
+        lengths = self.response_lengths(mean_length, sequences, step)
+        per_replica = -(-sequences // c.dp)
+        concurrent = max(1, min(c.micro_batch or per_replica, per_replica))
+        e, h, d = self.e, spec.hidden_size, spec.head_dim
+        layers = math.ceil(spec.num_layers / c.pp)
+        weights = parameters_per_device(spec, c.tp, c.pp) * e
+        kv_per_token = 2 * layers * math.ceil(spec.num_kv_heads / c.tp) * d * e
+        flops_per_token = 2.0 * (layers * layer_parameters(spec) + spec.vocab_size * h) / c.tp
+        tp_ar = 2 * layers * (CUSTOM_ALL_REDUCE_S if not self.spans(c.tp) else LINK_FIGURES["inter"].latency_s)
+        if c.tp == 1:
+            tp_ar = 0.0
+        p2p = self.p2p_s(h * e, self.spans(c.tp * c.pp), contended) if c.pp > 1 else 0.0
+        worst = 0.0
+        for r in range(c.dp):
+            mine = lengths[r * per_replica:(r + 1) * per_replica]
+            if len(mine) == 0:
+                continue
+            ends = _slot_ends(mine, concurrent)
+            context = prompt + float(np.sum(mine * (mine + 1) / 2) / np.sum(mine))
+            # decode: between consecutive slot ends, ``running`` sequences advance together
+            edges = np.concatenate(([0.0], ends))
+            steps = np.diff(edges)
+            running = np.arange(len(ends), 0, -1, dtype=np.float64)
+            micro = np.ceil(running / c.pp)
+            memory = (weights + micro * context * kv_per_token) / self.hbm
+            compute = micro * flops_per_token / self.peak
+            per_step = c.pp * (np.maximum(memory, compute) + tp_ar + p2p) + self.device.decode_overhead_s
+            decode = float(np.sum(steps * per_step))
+            prefill = len(mine) * prompt * flops_per_token / self.peak
+            worst = max(worst, decode + prefill)
+        sync = self.p2p_s(weights, self.spans(c.tp * c.pp * c.dp), contended)
+        return worst + sync
+
+    def stage_times(self, plan: Plan, response_length: float, step: int, time_s: float) -> dict[ModelStage, float]:
+        """True seconds of each model-stage of ``plan`` at ``step`` (noise, stragglers and
+        contention in)."""
+        contended = self.contended(time_s)
+        noise = self.noise(step)
+        return {m: self.replica_s(m, c, response_length, step, contended) * self.slowest(c) * noise[m]
+                for m, c in plan.items()}
+
+    def slowest(self, c: Candidate) -> float:
+        """Speed factor of the slowest of ``c``'s devices (≥ 1)."""
+        return float(max(self.device_speed[d % len(self.device_speed)] for d in c.devices))
+
+    def rank_key(self, plan: Plan, response_length: float, step: int) -> float:
+        """Step seconds of ``plan`` without noise or contention: how the oracle ranks plans."""
+        stage_s = {m: self.replica_s(m, c, response_length, step, False) * self.slowest(c) for m, c in plan.items()}
+        return self.problem.workflow.critical_path_s(stage_s)
+
+
+def _slot_ends(lengths: np.ndarray, slots: int) -> np.ndarray:
+    """Decode steps at which each of ``slots`` engine slots falls idle when ``lengths`` are
+    served first come, first served (a finished sequence's slot takes the next one), sorted."""
+    if len(lengths) <= slots:
+        return np.sort(lengths)
+    ends = [float(x) for x in lengths[:slots]]
+    heapq.heapify(ends)
+    for x in lengths[slots:]:
+        heapq.heapreplace(ends, ends[0] + float(x))
+    return np.sort(np.asarray(ends))
+
+
+def ground_truth(problem: PlanProblem, config: TruthConfig | None = None) -> GroundTruth:
+    """The ground truth ``config.kind`` names: ``efficiency`` (:class:`GroundTruth`) or
+    ``measured`` (:class:`MeasuredTruth`)."""
+    config = config or TruthConfig()
+    return MeasuredTruth(problem, config) if config.kind == "measured" else GroundTruth(problem, config)

@@ -1,0 +1,119 @@
+"""The measured ground truth (:mod:`nereusd.sim.measured`): the effects it has that the cost
+model lacks, its continuous batching, and the simulator's oracle ranking plans by it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from nereusd.config.site import load_site
+from nereusd.cost.model import CostModel
+from nereusd.errors import ConfigError
+from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.planner.space import PlanProblem
+from nereusd.sim.measured import MeasuredTruth, _slot_ends, device_figures, ground_truth
+from nereusd.sim.policies import parse_policy
+from nereusd.sim.replay import Simulation
+from nereusd.sim.truth import GroundTruth, TruthConfig
+from nereusd.traces import LengthTrace, PoolTrace
+from nereusd.workflow import Workload, build_workflow
+from tests.support.specs import SMALL_1B as SMALL
+
+MEASURED = TruthConfig(kind="measured", noise_sigma=0.0, contention_per_h=0.0, straggler_sd=0.0)
+GEN = ModelStage(Role.ACTOR, Stage.GENERATION)
+TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
+
+
+def problem(site="h200-ib", nodes=2, batch=64, response=256):
+    s = load_site(site).with_nodes(nodes)
+    wl = Workload(prompt_length=256, response_length=response, global_batch=batch)
+    return PlanProblem(build_workflow("ppo"), {r: SMALL for r in Role}, wl, s, tuple(range(nodes * 8)))
+
+
+def cand(tp, pp, dp, mb=1, first=0):
+    return Candidate(tp, pp, dp, tuple(range(first, first + tp * pp * dp)), micro_batch=mb)
+
+
+def test_kind_selects_the_truth_and_bad_settings_are_refused():
+    assert type(ground_truth(problem(), TruthConfig())) is GroundTruth
+    assert type(ground_truth(problem(), MEASURED)) is MeasuredTruth
+    with pytest.raises(ConfigError, match="kind must be one of efficiency, measured"):
+        TruthConfig(kind="exact")
+    with pytest.raises(ConfigError, match="straggler_sd"):
+        TruthConfig(straggler_sd=-0.1)
+    with pytest.raises(ConfigError, match="no figures for device 'virtual CPU"):
+        MeasuredTruth(problem(site="local", nodes=1), MEASURED)
+    assert device_figures("NVIDIA H200 SXM 141GB").compute_units == 132
+    assert device_figures("AMD Instinct MI250X (one GCD)").compute_units == 110
+
+
+def test_small_gemms_run_below_peak_and_tp_does_not_split_everything():
+    truth = MeasuredTruth(problem(), MEASURED)
+    h = SMALL.hidden_size
+    per_token = [truth.gemm_s(t, h, 4 * h) / t for t in (1, 16, 8192)]
+    assert per_token[0] > per_token[1] > per_token[2]          # weight-bound, then wave-quantised
+    one = truth._layer_pass_s(SMALL, 2048, 512, 1, backward=False)
+    eight = truth._layer_pass_s(SMALL, 2048, 512, 8, backward=False)
+    assert eight > one / 8 * 1.2                               # norms, residuals and small tiles stay
+
+
+def test_the_ratio_to_the_cost_model_is_not_one_constant():
+    """Calibration has something to learn: no single efficiency maps the cost model's prior
+    onto this truth across layouts and lengths."""
+    pb = problem(nodes=4)
+    truth = MeasuredTruth(pb, MEASURED)
+    cm = CostModel(pb.site)
+    ratios = []
+    for m, c, length in ((TRAIN, cand(1, 1, 8, 1), 256), (TRAIN, cand(8, 1, 1, 8), 256), (TRAIN, cand(2, 4, 4, 2), 2048),
+                         (GEN, cand(1, 1, 16, 64), 256), (GEN, cand(8, 1, 2, 8), 2048)):
+        wl = dataclasses.replace(pb.workload, response_length=length)
+        model_s = cm.stage_cost(SMALL, m, sequences=pb.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
+                                response_length=length, tp=c.tp, pp=c.pp, dp=c.dp, micro_batch=c.micro_batch).latency_s
+        ratios.append(truth.replica_s(m, c, length, 0, False) / model_s)
+    assert max(ratios) / min(ratios) > 1.5, ratios
+
+
+def test_continuous_batching_refills_slots_and_the_longest_sets_the_time():
+    assert _slot_ends(np.array([10.0, 1, 1, 1]), 2).tolist() == [3.0, 10.0]
+    assert _slot_ends(np.array([5.0, 2]), 4).tolist() == [2.0, 5.0]
+    truth = MeasuredTruth(problem(), MEASURED)
+    lengths = truth.response_lengths(500, 4096, step=3)
+    assert lengths.mean() == pytest.approx(500, rel=0.05)
+    assert 1.7 < lengths.max() / 500 <= 4.0 and lengths.min() / 500 < 0.4
+    assert np.array_equal(lengths, truth.response_lengths(500, 4096, step=3))
+    # the same sequences through more slots finish sooner, never later
+    c8, c64 = cand(1, 1, 1, 8), cand(1, 1, 1, 64)
+    assert truth.replica_s(GEN, c64, 256, 0, False) < truth.replica_s(GEN, c8, 256, 0, False)
+
+
+def test_dp_gradients_hide_behind_the_backward_and_stragglers_slow_a_stage():
+    truth = MeasuredTruth(problem(nodes=4), MEASURED)
+    grads = 4.0 * 1e9
+    full = truth.all_reduce_s(grads, 8, spans=True)
+    assert full > truth.all_reduce_s(grads, 8, spans=False) > 0
+    assert truth.all_reduce_s(grads, 1, spans=True) == 0.0
+    slow = MeasuredTruth(problem(nodes=4), dataclasses.replace(MEASURED, straggler_sd=0.05))
+    assert slow.slowest(cand(1, 1, 32)) >= slow.slowest(cand(1, 1, 2)) >= 1.0
+    assert truth.slowest(cand(1, 1, 32)) == 1.0
+
+
+def test_the_oracle_takes_the_truths_fastest_of_the_planners_plans():
+    lengths = LengthTrace("hand-made ramp", tuple(float(x) for x in np.linspace(256, 2048, 12)))
+    sim = Simulation(problem(), lengths, PoolTrace("constant", math.inf, (1.0,)), 12, MEASURED)
+    oracle = sim._oracle
+    for length in (256.0, 2048.0):
+        ranked = oracle._ranked(oracle_bucket(length), sim.problem.pool, False)
+        keys = [oracle.truth.rank_key(p, oracle_bucket(length), 0) for p in ranked]
+        assert keys == sorted(keys) and ranked
+        assert oracle.plan(0, length, sim.problem.pool, 0.0) is ranked[0] or oracle.truth.oom(ranked[0], length, 0)
+    results = {p: sim.run(parse_policy(p)) for p in ("frozen-start", "nereus", "oracle")}
+    assert all(r.oom_events == 0 for r in results.values())
+    assert results["oracle"].mean_step_s <= results["frozen-start"].mean_step_s * 1.001
+
+
+def oracle_bucket(length):
+    from nereusd.sim.replay import length_bucket
+    return length_bucket(length, 16)
