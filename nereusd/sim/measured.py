@@ -39,17 +39,20 @@ Training and inference (a Megatron-style replica, 1F1B pipeline):
 
 Generation (a vLLM-style engine with continuous batching):
 
-- each step's responses have **different lengths**: ``L · x`` with ``x`` log-normal of mean 1
-  and ``σ = length_sigma`` (0.41: in the verl traces of ``../shared/traces`` the longest response
-  of a batch is 1.7–4 × the mean and the shortest 0.3–0.4 ×; σ = 0.41 puts the extremes of a
-  128-sequence batch at 2.5 × and 0.33 ×), capped at 4 ×;
+- each step's responses have **different lengths**. The simulator's convention is that a
+  trace's length is the step's *longest* response (what a live job feeds the controller, and
+  what the memory truth pads); the others are ``longest · x / max(x)`` with ``x`` log-normal of
+  ``σ = length_sigma`` (0.41: in the verl traces of ``../shared/traces`` the longest response of
+  a batch is 1.7–4 × the mean and the shortest 0.3–0.4 ×; σ = 0.41 gives 2.5 × and 0.33 × in a
+  128-sequence batch). Training and inference process the tokens their replica holds (packed,
+  as with verl's padding removal): the slowest replica is the one with the most;
 - a replica runs at most ``R`` sequences at once (its wave size ``micro_batch``); a finished
   sequence's slot takes the next waiting one (first come, first served), so the decode batch
   shrinks only in the tail, and the replica's time is set by its **longest slot**;
 - a decode step is a roofline over the shard's weights and the running sequences' KV cache
   (at the replica's mean context), plus per step a fixed engine overhead (scheduling, sampling,
-  launches) and 2 all-reduces per layer over TP (vLLM's custom all-reduce latency inside a
-  node); pipeline parallelism runs ``pp`` micro-batches through ``pp`` stages;
+  launches) and 2 all-reduces per layer over TP (vLLM's custom all-reduce inside a node: a
+  fixed latency plus the bytes at the link's bus bandwidth); pipeline parallelism runs ``pp`` micro-batches through ``pp`` stages;
 - the prefill of every prompt is compute-bound at GEMM efficiency;
 - the weight synchronisation is a broadcast of the shard at the NCCL figures above.
 
@@ -106,10 +109,6 @@ SwiGLU, down (counted from Megatron-core's layer with fused kernels off); backwa
 VOCAB_LOSS_ALL_REDUCES = 3
 """Small all-reduces per micro-batch of the vocab-parallel cross entropy (max, sum of
 exponentials, target logit; Megatron's ``vocab_parallel_cross_entropy``)."""
-
-LENGTH_CAP = 4.0
-"""Largest response length over the step's mean (``../shared/traces/SOURCES.md``: the longest
-of a batch is about 1.7–4 × the mean in the verl runs)."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +188,9 @@ LINK_FIGURES: dict[str, LinkFigures] = {
 }
 
 CUSTOM_ALL_REDUCE_S = 8e-6
-"""vLLM's one-shot custom all-reduce of a decode step's small activations inside a node
-(assumption: it exists because NCCL's ~10–20 µs dominates at these sizes)."""
+"""Latency of vLLM's custom all-reduce of a decode step's activations inside a node, whatever
+the group (one-shot through NVLink peer memory; assumption: it exists because NCCL's ~10–20 µs
+dominates at these sizes); its bytes move at the link's bus bandwidth."""
 
 
 def device_figures(model: str) -> DeviceFigures:
@@ -233,6 +233,7 @@ class MeasuredTruth(GroundTruth):
         self.e = 2   # bf16 activations and weights
         rng = np.random.default_rng([self.config.seed, 41])
         n = max(len(problem.pool), site.total_devices)
+        self._replica_lengths: dict[tuple, float] = {}
         self.device_speed = np.minimum(1.25, 1.0 + np.abs(rng.normal(0.0, self.config.straggler_sd, n)))
 
     # ---- links ---------------------------------------------------------------------------
@@ -304,7 +305,7 @@ class MeasuredTruth(GroundTruth):
                   contended: bool) -> float:
         """True seconds of one RL step of model-stage ``m`` laid out as ``c`` (no noise, no
         stragglers): the slowest replica."""
-        wl = replace(self.problem.workload, response_length=max(1, int(round(response_length))))
+        wl = self.problem.workload
         spec = self.problem.spec(m)
         sequences = self.problem.workflow.sequences(m, wl)
         if m.stage is Stage.GENERATION:
@@ -314,7 +315,7 @@ class MeasuredTruth(GroundTruth):
         per_replica = -(-sequences // c.dp)
         b = max(1, min(c.micro_batch or wl.micro_batch, per_replica))
         micro_per_opt = max(1, -(-per_replica // (b * minis)))
-        seq = wl.prompt_length + wl.response_length
+        seq = wl.prompt_length + self.replica_length(response_length, sequences, c.dp, step)
         tokens = b * seq
         layers = math.ceil(spec.num_layers / c.pp)
         h = spec.hidden_size
@@ -343,17 +344,34 @@ class MeasuredTruth(GroundTruth):
             total += minis * (exposed + shard * ADAM_BYTES_PER_PARAM / self.hbm)
         return total
 
-    def response_lengths(self, mean_length: float, count: int, step: int) -> np.ndarray:
-        """The step's ``count`` response lengths (tokens, ≥ 1), the same for every policy."""
+    def response_lengths(self, longest: float, count: int, step: int) -> np.ndarray:
+        """The step's ``count`` response lengths (tokens, ≥ 1; the longest is ``longest``), the
+        same for every policy; replica ``r`` of ``dp`` holds the ``r``-th contiguous slice."""
         sigma = self.config.length_sigma
-        rng = np.random.default_rng([self.config.seed, 31, step])
-        x = np.exp(rng.normal(-sigma * sigma / 2, sigma, count))
-        return np.maximum(1.0, np.round(mean_length * np.minimum(x, LENGTH_CAP)))
+        rng = np.random.default_rng([self.config.seed, 31, step, count])
+        x = np.exp(rng.normal(0.0, sigma, count))
+        return np.maximum(1.0, np.round(longest * x / x.max()))
 
-    def _generation_s(self, spec, sequences: int, c: Candidate, prompt: int, mean_length: float, step: int,
+    def replica_length(self, longest: float, count: int, dp: int, step: int) -> float:
+        """Mean response length of the replica holding the most tokens among ``dp`` replicas."""
+        key = (longest, count, dp, step)
+        value = self._replica_lengths.get(key)
+        if value is None:
+            lengths = self.response_lengths(longest, count, step)
+            per = -(-count // dp)
+            starts = np.arange(0, count, per)
+            sums = np.add.reduceat(lengths, starts)
+            sizes = np.minimum(per, count - starts)
+            value = float(np.max(sums / sizes))
+            if len(self._replica_lengths) > 4096:
+                self._replica_lengths.clear()
+            self._replica_lengths[key] = value
+        return value
+
+    def _generation_s(self, spec, sequences: int, c: Candidate, prompt: int, longest: float, step: int,
                       contended: bool) -> float:
         """The slowest replica's prefill, continuous-batching decode and weight sync."""
-        lengths = self.response_lengths(mean_length, sequences, step)
+        lengths = self.response_lengths(longest, sequences, step)
         per_replica = -(-sequences // c.dp)
         concurrent = max(1, min(c.micro_batch or per_replica, per_replica))
         e, h, d = self.e, spec.hidden_size, spec.head_dim
@@ -361,9 +379,7 @@ class MeasuredTruth(GroundTruth):
         weights = parameters_per_device(spec, c.tp, c.pp) * e
         kv_per_token = 2 * layers * math.ceil(spec.num_kv_heads / c.tp) * d * e
         flops_per_token = 2.0 * (layers * layer_parameters(spec) + spec.vocab_size * h) / c.tp
-        tp_ar = 2 * layers * (CUSTOM_ALL_REDUCE_S if not self.spans(c.tp) else LINK_FIGURES["inter"].latency_s)
-        if c.tp == 1:
-            tp_ar = 0.0
+        tp_spans = self.spans(c.tp)
         p2p = self.p2p_s(h * e, self.spans(c.tp * c.pp), contended) if c.pp > 1 else 0.0
         worst = 0.0
         for r in range(c.dp):
@@ -379,12 +395,24 @@ class MeasuredTruth(GroundTruth):
             micro = np.ceil(running / c.pp)
             memory = (weights + micro * context * kv_per_token) / self.hbm
             compute = micro * flops_per_token / self.peak
+            tp_ar = 2 * layers * self._decode_all_reduce_s(micro * h * e, c.tp, tp_spans, contended)
             per_step = c.pp * (np.maximum(memory, compute) + tp_ar + p2p) + self.device.decode_overhead_s
             decode = float(np.sum(steps * per_step))
             prefill = len(mine) * prompt * flops_per_token / self.peak
             worst = max(worst, decode + prefill)
         sync = self.p2p_s(weights, self.spans(c.tp * c.pp * c.dp), contended)
         return worst + sync
+
+    def _decode_all_reduce_s(self, nbytes: np.ndarray, ranks: int, spans: bool, contended: bool) -> np.ndarray:
+        """One decode all-reduce of ``nbytes`` per rank (an array): vLLM's custom all-reduce
+        inside a node (:data:`CUSTOM_ALL_REDUCE_S` plus the ring's bytes at the link's bus
+        bandwidth), NCCL's across nodes; 0 for one rank."""
+        if ranks <= 1:
+            return np.zeros_like(nbytes)
+        if spans:
+            return np.array([self.all_reduce_s(float(b), ranks, True, contended) for b in nbytes])
+        f, bw = self._link(False, contended)
+        return CUSTOM_ALL_REDUCE_S + 2 * (ranks - 1) / ranks * nbytes / (f.bus_fraction * bw)
 
     def stage_times(self, plan: Plan, response_length: float, step: int, time_s: float) -> dict[ModelStage, float]:
         """True seconds of each model-stage of ``plan`` at ``step`` (noise, stragglers and

@@ -200,7 +200,7 @@ class Simulation:
                                       f"for {self.steps} steps (repeated failures)")
             length = self.lengths.at(i)
             if ctl is None:
-                plan = self._oracle.plan(i, length, pool, t) or plan
+                plan = self._oracle.plan(i, length, pool, t, incumbent=plan) or plan
             desc = plan.describe()
             rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done)
             if rec.plan_id == len(res.plans):
@@ -318,14 +318,18 @@ class _Oracle:
         self.problem, self.truth = problem, truth
         self._memo: dict[tuple, Plan | None] = {}
 
-    def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float) -> Plan | None:
+    def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float,
+             incumbent: Plan | None = None) -> Plan | None:
+        """The best plan at ``step``; ``incumbent``: the oracle's current plan, kept among the
+        candidates of a truth the planner cannot search while it lies in ``pool``."""
         contended = self.truth.contended(time_s)
         bucket = length_bucket(length, 16)
         if self.truth.ranks_by_truth:   # the truth is not the planner's model: rank its plans
-            for plan in self._ranked(bucket, pool, contended):
-                if not self.truth.oom(plan, length, step):
-                    return plan
-            return None
+            candidates = list(self._candidates(bucket, pool, contended))
+            if incumbent is not None and set(incumbent.devices()) <= set(pool):
+                candidates.append(incumbent)
+            fitting = [p for p in candidates if not self.truth.oom(p, length, step)]
+            return min(fitting, key=lambda p: self.truth.rank_key(p, length, step)) if fitting else None
         for headroom in HEADROOMS:
             plan = self._solve(bucket, pool, contended, headroom)
             if plan is not None and not self.truth.oom(plan, length, step):
@@ -345,17 +349,21 @@ class _Oracle:
             self._memo[key] = plan
         return self._memo[key]
 
-    def _ranked(self, bucket: int, pool: tuple[int, ...], contended: bool) -> list[Plan]:
-        """The distinct plans of :meth:`_solve` over :data:`HEADROOMS`, fastest under the truth
-        first (at the bucket's length, without noise; memoised)."""
-        key = ("ranked", bucket, pool, contended)
+    def _candidates(self, bucket: int, pool: tuple[int, ...], contended: bool) -> list[Plan]:
+        """The distinct plans the planner (under the truth's efficiencies) proposes for
+        ``bucket`` tokens at every one of :data:`HEADROOMS`, and for 2 ×, 4 × and 8 × longer
+        responses at the first two (memoised): the oracle takes the one the truth runs fastest
+        at the step (its lengths, without noise). Plans for longer responses are there because a
+        truth whose generation waits on its longest responses may run them faster."""
+        key = ("candidates", bucket, pool, contended)
         if key not in self._memo:
             plans: dict[str, Plan] = {}
-            for headroom in HEADROOMS:
-                plan = self._solve(bucket, pool, contended, headroom)
+            asks = [(bucket, h) for h in HEADROOMS] + [(bucket * k, h) for k in (2, 4, 8) for h in HEADROOMS[:2]]
+            for length, headroom in asks:
+                plan = self._solve(length, pool, contended, headroom)
                 if plan is not None:
                     plans.setdefault(plan.describe(), plan)
-            self._memo[key] = sorted(plans.values(), key=lambda p: self.truth.rank_key(p, bucket, 0))
+            self._memo[key] = list(plans.values())
         return self._memo[key]
 
     def plan_for_run(self, lengths: LengthTrace, steps: int, pool: tuple[int, ...]) -> Plan | None:

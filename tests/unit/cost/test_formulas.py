@@ -12,13 +12,17 @@ from nereusd.cost.formulas import (ADAM_BYTES_MOVED_PER_PARAM, adam_update_s, lo
 def test_ring_collectives():
     bw, alpha = 1e9, 1e-5
     assert ring_collective_s("all_reduce", 1e9, 1, bw, alpha) == 0.0          # one rank: nothing moves
-    # 8 ranks: 2·7/8 of the buffer over the link, 14 latencies
-    assert ring_collective_s("all_reduce", 1e9, 8, bw, alpha) == pytest.approx(1.75 + 14e-5)
-    assert ring_collective_s("all_gather", 1e9, 8, bw, alpha) == pytest.approx((1.75 + 14e-5) / 2)
+    # 8 ranks: 2·7/8 of the buffer over the link (ring), 2·log2 8 = 6 latencies (Rabenseifner)
+    assert ring_collective_s("all_reduce", 1e9, 8, bw, alpha) == pytest.approx(1.75 + 6e-5)
+    assert ring_collective_s("all_gather", 1e9, 8, bw, alpha) == pytest.approx((1.75 + 6e-5) / 2)
+    # two ranks: the ring's 2 α; then the latency grows with log2 of the group, not linearly
+    assert ring_collective_parts("all_reduce", 1.0, 2, bw, alpha)[1] == pytest.approx(2e-5)
+    assert ring_collective_parts("all_reduce", 1.0, 3, bw, alpha)[1] == pytest.approx(4e-5)
+    assert ring_collective_parts("all_reduce", 1.0, 64, bw, alpha)[1] == pytest.approx(12e-5)
     with pytest.raises(KeyError):
         ring_collective_s("broadcast", 1.0, 2, bw, alpha)
     # the α–β terms apart, as the cost model calibrates them
-    assert ring_collective_parts("all_reduce", 1e9, 8, bw, alpha) == pytest.approx((1.75, 14e-5))
+    assert ring_collective_parts("all_reduce", 1e9, 8, bw, alpha) == pytest.approx((1.75, 6e-5))
     assert p2p_parts(2e9, 1e9, 0.5) == (2.0, 0.5)
 
 

@@ -80,10 +80,13 @@ def test_continuous_batching_refills_slots_and_the_longest_sets_the_time():
     assert _slot_ends(np.array([10.0, 1, 1, 1]), 2).tolist() == [3.0, 10.0]
     assert _slot_ends(np.array([5.0, 2]), 4).tolist() == [2.0, 5.0]
     truth = MeasuredTruth(problem(), MEASURED)
-    lengths = truth.response_lengths(500, 4096, step=3)
-    assert lengths.mean() == pytest.approx(500, rel=0.05)
-    assert 1.7 < lengths.max() / 500 <= 4.0 and lengths.min() / 500 < 0.4
-    assert np.array_equal(lengths, truth.response_lengths(500, 4096, step=3))
+    lengths = truth.response_lengths(2000, 128, step=3)     # the trace's length is the longest
+    assert lengths.max() == 2000 and 1.7 < 2000 / lengths.mean() < 4.0 and lengths.min() / lengths.mean() < 0.5
+    assert np.array_equal(lengths, truth.response_lengths(2000, 128, step=3))
+    # the replica with the most tokens sets a training stage's pace
+    per_replica = [lengths[r * 32:(r + 1) * 32].mean() for r in range(4)]
+    assert truth.replica_length(2000, 128, 4, 3) == pytest.approx(max(per_replica))
+    assert truth.replica_length(2000, 128, 1, 3) == pytest.approx(lengths.mean())
     # the same sequences through more slots finish sooner, never later
     c8, c64 = cand(1, 1, 1, 8), cand(1, 1, 1, 64)
     assert truth.replica_s(GEN, c64, 256, 0, False) < truth.replica_s(GEN, c8, 256, 0, False)
@@ -104,11 +107,12 @@ def test_the_oracle_takes_the_truths_fastest_of_the_planners_plans():
     lengths = LengthTrace("hand-made ramp", tuple(float(x) for x in np.linspace(256, 2048, 12)))
     sim = Simulation(problem(), lengths, PoolTrace("constant", math.inf, (1.0,)), 12, MEASURED)
     oracle = sim._oracle
-    for length in (256.0, 2048.0):
-        ranked = oracle._ranked(oracle_bucket(length), sim.problem.pool, False)
-        keys = [oracle.truth.rank_key(p, oracle_bucket(length), 0) for p in ranked]
-        assert keys == sorted(keys) and ranked
-        assert oracle.plan(0, length, sim.problem.pool, 0.0) is ranked[0] or oracle.truth.oom(ranked[0], length, 0)
+    for step, length in ((0, 256.0), (11, 2048.0)):
+        candidates = oracle._candidates(oracle_bucket(length), sim.problem.pool, False)
+        chosen = oracle.plan(step, length, sim.problem.pool, 0.0)
+        assert chosen in candidates
+        assert oracle.truth.rank_key(chosen, length, step) == min(
+            oracle.truth.rank_key(p, length, step) for p in candidates if not oracle.truth.oom(p, length, step))
     results = {p: sim.run(parse_policy(p)) for p in ("frozen-start", "nereus", "oracle")}
     assert all(r.oom_events == 0 for r in results.values())
     assert results["oracle"].mean_step_s <= results["frozen-start"].mean_step_s * 1.001
