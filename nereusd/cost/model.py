@@ -10,7 +10,8 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
 - decoding is memory-bound: per token step a replica reads its weights and KV cache from HBM
   (roofline with the compute bound, Williams et al. 2009);
 - TP: two all-reduces per layer forward, four with backward (Shoeybi et al. 2019, §3), of
-  ``b·s·h`` activations; ring all-reduce ``2(n−1)/n · bytes / bw + 2(n−1)·α`` (Thakur et al. 2005),
+  ``b·s·h`` activations; all-reduce ``2(n−1)/n · bytes / bw + 2⌈log2 n⌉·α`` (ring bandwidth,
+  Rabenseifner latency: Thakur et al. 2005, :func:`~nereusd.cost.formulas.ring_collective_parts`),
   its two terms calibrated as separate classes (the collective's, and ``latency_<link>`` for
   the per-call α, which dominates small messages: gloo's ~5 ms per call here);
 - a fixed dispatch time per layer and pass (site ``layer_launch_us``, class ``launch``) that does

@@ -64,9 +64,10 @@ transitions (the transition engine under the hidden efficiencies, plus engine re
 restarts.
 
 The planner cannot search this truth (it searches the cost model). The simulator's oracle
-therefore takes, per step, the fastest plan *under this truth* among the planner's plans under
-the old truth's efficiencies at several headrooms (:meth:`rank_key`); it is an upper bound on
-what the old truth's knowledge can find, not on every layout.
+therefore takes, every step, the fastest plan *under this truth* (:meth:`MeasuredTruth.rank_key`)
+among the planner's plans under the old truth's efficiencies for the step's length at several
+headrooms and for 2, 4 and 8 × that length, and its own current plan: an upper bound on what
+that candidate set holds, not on every layout.
 """
 
 from __future__ import annotations
