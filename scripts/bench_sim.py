@@ -1,6 +1,10 @@
 """Benchmark the adaptation policies in the cluster-scale simulator against fair baselines (issue 16).
 
-    .venv/bin/python scripts/bench_sim.py [--steps 1000] [--jobs 2] [--quick] [--gamma]
+    .venv/bin/python scripts/bench_sim.py [--steps 1000] [--jobs 2] [--quick] [--gamma] [--truth measured]
+
+The ground truth is :mod:`nereusd.sim.measured` (formulas of its own from published figures, not
+the controller's cost model); ``--truth efficiency`` runs the cost model with hidden efficiencies
+(:mod:`nereusd.sim.truth`) instead.
 
 Llama-3.1-8B PPO (global batch 1,024, prompts of 512 tokens), 1,000 steps, seed 0, in these
 scenarios (each a row of the summary):
