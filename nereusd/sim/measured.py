@@ -208,7 +208,7 @@ def device_figures(model: str) -> DeviceFigures:
         if key in name:
             return DEVICE_FIGURES[key]
     raise ConfigError(f"measured ground truth: no figures for device {model!r} "
-                      f"(known: H100/H200, A100, MI250X, L40S); use the 'efficiency' truth")
+                      f"(known: H100/H200, A100, MI250X, L40S); use --truth efficiency")
 
 
 class MeasuredTruth(GroundTruth):
