@@ -78,7 +78,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nereusd.cost.memory import parameters_per_device
+from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.cost.model import layer_parameters
 from nereusd.errors import ConfigError
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
@@ -201,12 +201,9 @@ def device_figures(model: str) -> DeviceFigures:
         ConfigError: for a device without figures (the CPU site, say).
     """
     name = model.lower().replace(" ", "")
-    for key in ("h100", "h200"):
+    for key, figures in (("h200", "h100"), ("h100", "h100"), ("a100", "a100"), ("mi250x", "mi250x"), ("l40s", "l40s")):
         if key in name:
-            return DEVICE_FIGURES["h100"]
-    for key in ("a100", "mi250x", "l40s"):
-        if key in name:
-            return DEVICE_FIGURES[key]
+            return DEVICE_FIGURES[figures]
     raise ConfigError(f"measured ground truth: no figures for device {model!r} "
                       f"(known: H100/H200, A100, MI250X, L40S); use --truth efficiency")
 
@@ -231,7 +228,7 @@ class MeasuredTruth(GroundTruth):
         self.device = device_figures(site.device.model)
         self.peak = site.peak_flops() * self.device.gemm_fraction
         self.hbm = site.hbm_bytes_per_s * self.device.hbm_fraction
-        self.e = 2   # bf16 activations and weights
+        self.e = dtype_bytes(site.compute_dtype)   # activations and weights
         rng = np.random.default_rng([self.config.seed, 41])
         n = max(len(problem.pool), site.total_devices)
         self._replica_lengths: dict[tuple, float] = {}
@@ -251,13 +248,12 @@ class MeasuredTruth(GroundTruth):
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         f, bw = self._link(spans, contended)
-        bus = f.bus_fraction * bw * nbytes / (nbytes + f.half_bytes)
-        return f.latency_s * (1 + math.log2(ranks)) / 2 + 2 * (ranks - 1) / ranks * nbytes / bus
+        return f.latency_s * (1 + math.log2(ranks)) / 2 + 2 * (ranks - 1) / ranks * nbytes / _bus(f, bw, nbytes)
 
     def p2p_s(self, nbytes: float, spans: bool, contended: bool = False) -> float:
         """Seconds of one point-to-point message of ``nbytes``."""
         f, bw = self._link(spans, contended)
-        return f.latency_s / 2 + nbytes / (f.bus_fraction * bw * nbytes / (nbytes + f.half_bytes))
+        return f.latency_s / 2 + nbytes / _bus(f, bw, nbytes)
 
     def spans(self, devices: int) -> bool:
         return devices > self.problem.site.devices_per_node
@@ -431,6 +427,11 @@ class MeasuredTruth(GroundTruth):
         """Step seconds of ``plan`` without noise or contention: how the oracle ranks plans."""
         stage_s = {m: self.replica_s(m, c, response_length, step, False) * self.slowest(c) for m, c in plan.items()}
         return self.problem.workflow.critical_path_s(stage_s)
+
+
+def _bus(f: LinkFigures, bandwidth_bytes_per_s: float, nbytes: float) -> float:
+    """Bus bandwidth of a message of ``nbytes`` (bytes/s): ``η·B · s / (s + s_half)``."""
+    return f.bus_fraction * bandwidth_bytes_per_s * nbytes / (nbytes + f.half_bytes)
 
 
 def _slot_ends(lengths: np.ndarray, slots: int) -> np.ndarray:

@@ -311,8 +311,10 @@ HEADROOMS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
 
 
 class _Oracle:
-    """Best plan per step under the ground truth, memoised per (length bucket, pool,
-    contention, headroom); raises headroom until the step's true peak fits."""
+    """Best plan per step under the ground truth. The planner's plans are memoised per (length
+    bucket, pool, contention, headroom). For a truth that is the planner's model, the first plan
+    by rising headroom whose true peak fits; for another (``ranks_by_truth``), the truth's
+    fastest that fits among several such plans (:meth:`_candidates`)."""
 
     def __init__(self, problem: PlanProblem, truth: GroundTruth) -> None:
         self.problem, self.truth = problem, truth
@@ -374,13 +376,8 @@ class _Oracle:
         tall = [(i, length) for i, length in run if length >= 0.5 * longest]
         fitting = []
         for headroom in HEADROOMS + (0.5,):
-            wl = replace(self.problem.workload, response_length=length_bucket(longest, 16))
-            try:
-                plan = Planner(replace(self.problem, workload=wl, pool=pool), self.truth.cost_model(False),
-                               PlannerOptions(headroom=headroom)).solve().plan
-            except Infeasible:
-                continue
-            if not any(self.truth.oom(plan, length, i) for i, length in tall):
+            plan = self._solve(length_bucket(longest, 16), pool, False, headroom)
+            if plan is not None and not any(self.truth.oom(plan, length, i) for i, length in tall):
                 if not self.truth.ranks_by_truth:
                     return plan
                 fitting.append(plan)
