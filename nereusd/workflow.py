@@ -43,8 +43,11 @@ class Workload:
 
     Attributes:
         prompt_length: prompt tokens per sequence.
-        response_length: generated tokens per sequence (mean of the step; the ``len`` drift
-            signal of the monitor).
+        response_length: generated tokens per sequence: the step's longest response (the
+            ``len`` drift signal of the monitor; memory and training are priced padded to it).
+        response_mean_fraction: the step's mean response length over ``response_length``, in
+            (0, 1] (1: equal lengths). Generation's continuous batching finishes short responses
+            early (:func:`nereusd.cost.formulas.continuous_batching`).
         global_batch: sequences per RL step after group sampling (GRPO: prompts × group size;
             ReMax: prompts — the greedy baseline rollouts are added by the workflow).
         mini_batches: optimizer steps per RL step; the training global batch of one optimizer
@@ -65,6 +68,7 @@ class Workload:
     mini_batches: int = 1
     micro_batch: int = 1
     max_tokens_per_micro_batch: int | None = None
+    response_mean_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("prompt_length", "response_length", "global_batch", "mini_batches", "micro_batch"):
@@ -74,6 +78,9 @@ class Workload:
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ConfigError(f"workload.max_tokens_per_micro_batch: expected a positive integer, got {budget!r}")
+        fraction = self.response_mean_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ConfigError(f"workload.response_mean_fraction: expected a number in (0, 1], got {fraction!r}")
         if self.global_batch % self.mini_batches:
             raise ConfigError(
                 f"workload.mini_batches: {self.mini_batches} does not divide global_batch={self.global_batch}"
@@ -94,8 +101,8 @@ class Workload:
 
         By count, ``micro_batch``. By token budget ``B`` (inference and training), packed rows
         fill to nearly ``B`` tokens, so a micro-batch is priced as ``ceil(B / seq_length)``
-        sequences of the step's mean length (:attr:`seq_length`, ``response_length`` being the
-        mean; rounding up never books fewer than ``B`` tokens), at most ``share`` — the sequences
+        sequences of :attr:`seq_length` (the step's longest: conservative when lengths differ;
+        rounding up never books fewer than ``B`` tokens), at most ``share`` — the sequences
         one replica processes per pass (training: per optimizer step) — whatever
         ``micro_batch`` is. The memory model and the cost model price that and no padding.
         Generation is unaffected (its micro-batch is the concurrent sequences).

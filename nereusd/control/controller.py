@@ -48,6 +48,7 @@ import dataclasses
 import enum
 import hashlib
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
@@ -75,6 +76,10 @@ MEMORY_WINDOW = 8
 """Steps whose measured/predicted peak ratio is remembered (the largest one is used)."""
 MAX_HEADROOM = 0.6
 """The memory ratio never widens the planner's headroom past this fraction."""
+
+MEAN_FRACTION_WINDOW = 8
+"""Steps whose mean-over-longest response fraction :meth:`Controller.mean_fraction` takes the
+median of (the memory ratio's window, :data:`MEMORY_WINDOW`)."""
 
 
 class PolicyKind(str, enum.Enum):
@@ -147,6 +152,8 @@ class StepObservation:
             step's tasks of that model-stage).
         peak_bytes: measured peak bytes per device (all model-stages resident on it).
         step_latency_s: wall time of the whole step.
+        response_length_mean: mean generated response (tokens); ``None``: not measured (taken
+            as equal lengths).
     """
 
     step: int
@@ -154,6 +161,14 @@ class StepObservation:
     model_stage_s: Mapping[ModelStage, float]
     peak_bytes: Mapping[int, int]
     step_latency_s: float
+    response_length_mean: float | None = None
+
+    @property
+    def mean_fraction(self) -> float:
+        """Mean over longest response, in (0, 1] (1 when the mean is not measured)."""
+        if self.response_length_mean is None or self.response_length_max < 1:
+            return 1.0
+        return min(1.0, max(1.0 / self.response_length_max, self.response_length_mean / self.response_length_max))
 
 
 @dataclass(frozen=True)
@@ -212,6 +227,8 @@ class Controller(TransitionCostLearning):
         self.length = 1
         self.lengths = LengthLookahead(self.policy.delta_length)
         """The steps' longest responses: what :meth:`lookahead` forecasts from."""
+        self._mean_fractions: deque[float] = deque(maxlen=MEAN_FRACTION_WINDOW)
+        """Recent steps' mean over longest response (:meth:`mean_fraction`)."""
         self.predicted_step_s: float | None = None
         self._replay_until, self._replay_length = 0, 0
         self._restarted = False
@@ -238,7 +255,7 @@ class Controller(TransitionCostLearning):
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
                 "base_plan": self.base_plan.to_dict(), "lengths": self.lengths.to_json(),
-                **self._transition_costs_state()}
+                "mean_fractions": list(self._mean_fractions), **self._transition_costs_state()}
 
     def restore(self, state: Mapping) -> None:
         """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
@@ -262,6 +279,9 @@ class Controller(TransitionCostLearning):
             costs = self._parse_transition_costs(state)
             lengths = LengthLookahead(self.policy.delta_length)
             lengths.restore(state["lengths"])
+            fractions = [float(x) for x in state.get("mean_fractions", [])]   # absent before 2026-12-04
+            if not all(0.0 < x <= 1.0 for x in fractions):
+                raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:
@@ -277,15 +297,34 @@ class Controller(TransitionCostLearning):
         self.length, self.efficiency, self._relaunch, self._restarted = fields
         self.predicted_step_s = predicted
         self.lengths = lengths
+        self._mean_fractions.clear()
+        self._mean_fractions.extend(fractions)
         self._set_transition_costs(costs)
 
     # ---- problem ---------------------------------------------------------------------------
-    def problem(self, pool: tuple[int, ...], length: int) -> PlanProblem:
-        """The plan problem on ``pool`` for responses of ``length`` tokens."""
+    def problem(self, pool: tuple[int, ...], length: int, mean_fraction: float | None = None) -> PlanProblem:
+        """The plan problem on ``pool`` for responses of at most ``length`` tokens whose mean is
+        ``mean_fraction`` of it (default: :meth:`mean_fraction`)."""
         base = self.base_problem
-        workload = dataclasses.replace(base.workload, response_length=max(1, int(length)))
+        fraction = self.mean_fraction() if mean_fraction is None else mean_fraction
+        workload = dataclasses.replace(base.workload, response_length=max(1, int(length)),
+                                       response_mean_fraction=fraction)
         return dataclasses.replace(base, workload=workload, site=site_for_pool(base.site, tuple(pool)),
                                    pool=tuple(pool))
+
+    def mean_fraction(self) -> float:
+        """The coming steps' mean over longest response: the median of the last
+        :data:`MEAN_FRACTION_WINDOW` steps', to a twentieth (so that step-to-step noise does not
+        change the plans); 1 (equal lengths) before any is measured.
+
+        Generation's continuous batching finishes short responses early
+        (:func:`nereusd.cost.formulas.continuous_batching`); a cost model that takes every
+        response as long as the longest over-prices the KV cache, which the longest responses
+        alone read late in the step, and so under-rates layouts with more tensor parallelism
+        (``scripts/bench_sim.py``, 2026-12-04)."""
+        if not self._mean_fractions:
+            return 1.0
+        return max(0.05, round(statistics.median(self._mean_fractions) * 20) / 20)
 
     def lookahead(self, length: int) -> int:
         """The coming step's longest response, forecast from ``length`` and the run's recent
@@ -319,7 +358,9 @@ class Controller(TransitionCostLearning):
         """
         self.length = max(1, obs.response_length_max)
         self.lengths.observe(self.length)
-        problem = self.problem(self.pool, self.length)
+        if obs.response_length_mean is not None:
+            self._mean_fractions.append(obs.mean_fraction)
+        problem = self.problem(self.pool, self.length, obs.mean_fraction)
         ev = evaluate(problem, self.plan, self.cost_model)
         stage_s = {m: s for m, s in obs.model_stage_s.items() if m in ev.options}
         measured_path = problem.workflow.critical_path_s(stage_s) if len(stage_s) == len(ev.options) else None
@@ -336,7 +377,8 @@ class Controller(TransitionCostLearning):
         return {"step": obs.step, "predicted_step_latency_s": self.predicted_step_s,
                 "measured_stage_path_s": measured_path, "measured_step_latency_s": obs.step_latency_s,
                 "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
-                "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max}
+                "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max,
+                "response_length_mean": obs.response_length_mean}
 
     # ---- decisions -------------------------------------------------------------------------
     def _keeping_engines(self, source: Plan, plan: Plan, problem: PlanProblem, headroom: float,

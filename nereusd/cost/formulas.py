@@ -72,3 +72,40 @@ def adam_update_s(parameters, optimizer_steps, hbm_bytes_per_s: float):
     """Seconds of ``optimizer_steps`` Adam updates of ``parameters`` on one device: memory-bound,
     ``steps · P · ADAM_BYTES_MOVED_PER_PARAM / hbm`` (:data:`ADAM_BYTES_MOVED_PER_PARAM`)."""
     return optimizer_steps * parameters * ADAM_BYTES_MOVED_PER_PARAM / hbm_bytes_per_s
+
+
+def continuous_batching(per_replica, concurrent, response_length, mean_fraction: float = 1.0):
+    """Decode steps and mean running batch of one replica's continuous-batching decode.
+
+    A replica decodes ``per_replica`` sequences with at most ``concurrent`` running at once (its
+    KV-cache slots); a finished sequence's slot takes the next waiting one (vLLM's scheduler).
+    With responses of mean ``m = mean_fraction · response_length`` tokens and longest
+    ``L = response_length``, the replica runs
+
+        steps = L + max(0, per_replica − concurrent) · m / concurrent
+
+    decode steps: the longest response bounds the first ``concurrent`` sequences' time and the
+    remaining sequences' work spreads over the slots. This is Graham's list-scheduling bound
+    (makespan ≤ T/c + (1 − 1/c)·L, Graham 1969) with the first slots' work counted once in
+    ``L``. Against first-come-first-served slots over log-normal lengths (σ 0.2–0.8, 64–1,024
+    sequences, 8–128 slots, 20 draws each) its mean ratio to the true makespan is 0.90–1.22,
+    single draws 0.83–1.52 (over where one very long response outlasts the rest's work;
+    ``tests/unit/cost/test_formulas.py``). With equal lengths
+    (``mean_fraction`` 1) and ``concurrent`` dividing ``per_replica`` it is the waves model,
+    ``per_replica / concurrent`` waves of ``L`` steps.
+
+    The running batch averages ``per_replica · m / steps`` sequences (≤ ``concurrent``): the
+    tokens decoded over the steps.
+
+    Args:
+        per_replica: sequences of the replica (≥ 1; scalar or array).
+        concurrent: running sequences at most (≥ 1, ≤ ``per_replica``).
+        response_length: the longest response in tokens.
+        mean_fraction: mean response length over the longest, in (0, 1].
+
+    Returns:
+        ``(steps, batch)``: decode steps and mean running sequences per step (floats or arrays).
+    """
+    mean = mean_fraction * response_length
+    steps = response_length + np.maximum(0, per_replica - concurrent) * mean / concurrent
+    return steps, per_replica * mean / steps

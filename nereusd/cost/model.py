@@ -38,7 +38,7 @@ from typing import Mapping
 
 from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
                                       generation_class, latency_class)
-from nereusd.cost.formulas import adam_update_s, p2p_parts, p2p_s, ring_collective_parts
+from nereusd.cost.formulas import adam_update_s, continuous_batching, p2p_parts, p2p_s, ring_collective_parts
 from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -184,20 +184,26 @@ class CostModel:
         micro_batch: int,
         mini_batches: int = 1,
         recompute: bool = False,
+        response_mean_fraction: float = 1.0,
     ) -> StageCost:
         """Predicted seconds of ``model_stage`` as ``⟨tp, pp, dp⟩`` for one RL step.
 
         Args:
             sequences: sequences of the step (all replicas); a replica gets ``ceil(sequences/dp)``
                 — the slowest replica sets the latency.
-            micro_batch: per-replica micro-batch ``b`` (sequences).
+            response_length: the step's longest response (tokens); training and inference
+                price every sequence at ``prompt_length + response_length`` (padded).
+            micro_batch: per-replica micro-batch ``b`` (sequences); for generation the
+                concurrent sequences (KV-cache slots) of a replica.
             mini_batches: optimizer steps per RL step (training).
+            response_mean_fraction: mean response length over ``response_length``, in (0, 1]
+                (generation's continuous batching, :func:`~nereusd.cost.formulas.continuous_batching`).
         """
         acc = _Acc()
         per_replica = math.ceil(sequences / dp)
         if model_stage.stage is Stage.GENERATION:
             self._generation(acc, spec, per_replica, min(micro_batch, per_replica), prompt_length,
-                             response_length, tp, pp, dp)
+                             response_length, tp, pp, dp, response_mean_fraction)
         else:
             training = model_stage.stage is Stage.TRAINING
             self._forward_backward(acc, spec, model_stage.role, per_replica, prompt_length + response_length,
@@ -220,6 +226,7 @@ class CostModel:
         micro_batch: int,
         mini_batches: int = 1,
         recompute: bool = False,
+        response_mean_fraction: float = 1.0,
     ) -> tuple[float, dict[str, float]]:
         """Fast path of :meth:`stage_cost` for the planner's enumeration: ``(latency_s,
         ideal_s_by_class)`` with the same floating-point operations in the same order (so the
@@ -236,12 +243,14 @@ class CostModel:
             prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, concurrent, False, False, launch=False)
             slots = waves + pp - 1
             ideal = {generation_class(k): v * slots for k, v in prefill}
-            key = ("decode", self._spec_key(spec), concurrent, prompt_length, response_length, tp, pp)
+            key = ("decode", self._spec_key(spec), per_replica, concurrent, prompt_length, response_length,
+                   response_mean_fraction, tp, pp)
             decode = cache.get(key)
             if decode is None:
-                decode = cache[key] = self._decode(spec, concurrent, prompt_length, response_length, tp, pp)
+                decode = cache[key] = self._decode(spec, per_replica, concurrent, prompt_length, response_length,
+                                                   response_mean_fraction, tp, pp)
             for k, v in decode.ideal.items():
-                ideal[k] = ideal.get(k, 0.0) + v * waves
+                ideal[k] = ideal.get(k, 0.0) + v
             for k, v in self._weight_sync(spec, tp, pp, dp).ideal.items():
                 ideal[k] = ideal.get(k, 0.0) + v
         else:
@@ -362,26 +371,27 @@ class CostModel:
         return per_mb
 
     def _generation(self, acc: _Acc, spec: ModelSpec, per_replica: int, concurrent: int, prompt: int,
-                    response: int, tp: int, pp: int, dp: int) -> None:
-        """Prefill (compute-bound) plus ``response`` decode steps (memory-bound roofline) for each
-        wave of ``concurrent`` sequences (``ceil(per_replica/concurrent)`` waves), and the weight
-        synchronisation that precedes them (:meth:`_weight_sync`).
+                    response: int, tp: int, pp: int, dp: int, mean_fraction: float = 1.0) -> None:
+        """Prefill (compute-bound) of ``per_replica`` prompts, a continuous-batching decode of at
+        most ``concurrent`` running sequences (:meth:`_decode`), and the weight synchronisation
+        that precedes them (:meth:`_weight_sync`).
 
-        A wave's prompts are prefilled in one forward pass (vLLM schedules them into one engine
-        step; the native decoder runs the wave's prompts as one batch), one wave per pipeline
-        slot. Prefill and decode are priced in the generation engine's classes
+        The prompts are prefilled ``concurrent`` at a time in one forward pass each (vLLM
+        schedules a slot's new prompts into an engine step; the native decoder runs a wave's
+        prompts as one batch), ``ceil(per_replica/concurrent)`` passes, one per pipeline slot.
+        Prefill and decode are priced in the generation engine's classes
         (:func:`~nereusd.cost.calibration.generation_class`)."""
         concurrent = max(1, concurrent)
-        waves = math.ceil(per_replica / concurrent)
         prefill = _Acc()
         self._forward_backward(prefill, spec, Role.ACTOR, per_replica, prompt, tp, pp, dp, concurrent, 1, False,
                                False, launch=False)
         acc.merge(prefill.renamed(generation_class))
-        key = ("decode", self._spec_key(spec), concurrent, prompt, response, tp, pp)
+        key = ("decode", self._spec_key(spec), per_replica, concurrent, prompt, response, mean_fraction, tp, pp)
         decode = self._cache.get(key)
         if decode is None:
-            decode = self._cache[key] = self._decode(spec, concurrent, prompt, response, tp, pp)
-        acc.merge(decode.scaled(waves))
+            decode = self._cache[key] = self._decode(spec, per_replica, concurrent, prompt, response, mean_fraction,
+                                                     tp, pp)
+        acc.merge(decode)
         acc.merge(self._weight_sync(spec, tp, pp, dp))
 
     def weight_sync_cost(self, spec: ModelSpec, tp: int, pp: int, dp: int) -> StageCost:
@@ -402,14 +412,19 @@ class CostModel:
             self._p2p(acc, self._params(spec, tp, pp) * self.bytes_per_element, spans, collective="broadcast")
         return acc
 
-    def _decode(self, spec: ModelSpec, per_replica: int, prompt: int, response: int, tp: int, pp: int) -> _Acc:
-        """``response`` decode steps of ``per_replica`` concurrent sequences.
+    def _decode(self, spec: ModelSpec, per_replica: int, concurrent: int, prompt: int, response: int,
+                mean_fraction: float, tp: int, pp: int) -> _Acc:
+        """The decode of ``per_replica`` sequences, at most ``concurrent`` at once, whose longest
+        response is ``response`` tokens and mean ``mean_fraction · response``.
 
-        Per token step each stage reads its weights once per micro-batch in flight (pp of
-        them) and its share of the KV cache at the mean context length; the step is bound by
-        HBM traffic or by compute, whichever is slower (roofline), plus a fixed dispatch time
-        per layer (site ``layer_launch_us``, class ``launch``) that does not shrink with the batch,
-        for each decode step and for the prefill of the ``per_replica`` sequences (one pass).
+        Continuous batching (:func:`~nereusd.cost.formulas.continuous_batching`) gives the decode
+        steps and the mean running batch ``b``. Per step each stage reads its weights once per
+        micro-batch in flight (pp of them) and ``b`` sequences' share of the KV cache at the mean
+        context ``prompt + mean/2``; the step is bound by HBM traffic or by compute, whichever
+        is slower (roofline, Williams et al. 2009), plus a fixed dispatch time per layer (site
+        ``layer_launch_us``, class ``launch``) that does not shrink with the batch, for each
+        decode step and each of the ``ceil(per_replica/concurrent)`` prefill passes, and two TP
+        all-reduces per layer of ``b`` tokens' activations.
         """
         acc = _Acc()
         e = self.bytes_per_element
@@ -418,22 +433,24 @@ class CostModel:
         q = spec.num_heads * d
         weights_per_device = parameters_per_device(spec, tp, pp)
         kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
-        mean_context = prompt + response / 2.0
-        kv_bytes = per_replica * mean_context * 2 * layers * kv_heads_rank * d * e
+        steps, batch = (float(x) for x in continuous_batching(per_replica, concurrent, response, mean_fraction))
+        mean_context = prompt + mean_fraction * response / 2.0
+        kv_bytes = batch * mean_context * 2 * layers * kv_heads_rank * d * e
         memory_s = (pp * weights_per_device * e + kv_bytes) / self.site.hbm_bytes_per_s
-        flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * per_replica / tp
-        flops += 4 * layers * q * mean_context * per_replica / tp
+        flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * batch / tp
+        flops += 4 * layers * q * mean_context * batch / tp
         compute_s = self._flops_s(flops)
         eff = self.efficiency
         if memory_s / eff(DECODE) >= compute_s / eff(GEMM):
-            acc.add(DECODE, memory_s * response)
+            acc.add(DECODE, memory_s * steps)
         else:
-            acc.add(GEMM, compute_s * response)
+            acc.add(GEMM, compute_s * steps)
         if self.site.layer_launch_s:
-            acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * (response + 1))
+            passes = -(-per_replica // concurrent)
+            acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * (steps + passes))
         step = _Acc()
-        self._ring(step, "all_reduce", per_replica * h * e / pp, tp, self.spans_nodes(tp), count=2 * spec.num_layers)
+        self._ring(step, "all_reduce", batch * h * e / pp, tp, self.spans_nodes(tp), count=2 * spec.num_layers)
         if pp > 1:
-            self._p2p(step, per_replica * h * e / pp, self.spans_nodes(tp * pp), count=pp)
-        acc.merge(step.scaled(response))
+            self._p2p(step, batch * h * e / pp, self.spans_nodes(tp * pp), count=pp)
+        acc.merge(step.scaled(steps))
         return acc.renamed(generation_class)   # in the generation engine's classes

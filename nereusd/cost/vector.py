@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, comm_class, generation_class, latency_class
-from nereusd.cost.formulas import p2p_parts, ring_collective_parts
+from nereusd.cost.formulas import continuous_batching, p2p_parts, ring_collective_parts
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -52,7 +52,7 @@ class _Sum:
 
 def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequences: int, prompt_length: int,
               response_length: int, tp: int, pp: int, dp: np.ndarray, micro_batch: np.ndarray,
-              recompute: np.ndarray, mini_batches: int = 1) -> np.ndarray:
+              recompute: np.ndarray, mini_batches: int = 1, response_mean_fraction: float = 1.0) -> np.ndarray:
     """Predicted seconds per RL step of ``model_stage`` for each candidate ``⟨tp, pp, dp[i]⟩``
     with per-replica micro-batch ``micro_batch[i]`` and recomputation ``recompute[i]``.
 
@@ -72,7 +72,8 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         waves = _ceil_div(per_replica, concurrent)
         _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, concurrent, np.zeros(n, bool),
                     waves + pp - 1, False, launch=False, classes=generation_class)
-        _add_decode(cm, acc, spec, concurrent, waves, prompt_length, response_length, tp, pp)
+        _add_decode(cm, acc, spec, per_replica, concurrent, waves, prompt_length, response_length,
+                    response_mean_fraction, tp, pp)
         spans = tp * pp * dp > dpn
         weights = cm._params(spec, tp, pp) * e
         for flag, link in ((False, "intra"), (True, "inter")):
@@ -114,35 +115,36 @@ def _add_per_mb(cm: CostModel, acc: _Sum, spec: ModelSpec, lm_head: bool, seq: i
             acc.add(classes(c), v * scaled)
 
 
-def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, concurrent: np.ndarray, waves: np.ndarray,
-                prompt: int, response: int, tp: int, pp: int) -> None:
-    """``waves ×`` :meth:`CostModel._decode` of ``concurrent`` sequences, over arrays."""
+def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, per_replica: np.ndarray, concurrent: np.ndarray,
+                waves: np.ndarray, prompt: int, response: int, mean_fraction: float, tp: int, pp: int) -> None:
+    """:meth:`CostModel._decode` of ``per_replica`` sequences, ``concurrent`` at once, over arrays."""
     e = cm.bytes_per_element
     h, d = spec.hidden_size, spec.head_dim
     layers = math.ceil(spec.num_layers / pp)
     q = spec.num_heads * d
     weights = cm._params(spec, tp, pp)
     kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
-    mean_context = prompt + response / 2.0
-    c = concurrent.astype(np.float64)
+    steps, c = continuous_batching(per_replica.astype(np.float64), concurrent.astype(np.float64), response,
+                                   mean_fraction)
+    mean_context = prompt + mean_fraction * response / 2.0
     kv_bytes = c * mean_context * 2 * layers * kv_heads_rank * d * e
     memory_s = (pp * weights * e + kv_bytes) / cm.site.hbm_bytes_per_s
     flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp
     flops += 4 * layers * q * mean_context * c / tp
     compute_s = flops / cm.peak_flops
     memory_bound = memory_s / cm.efficiency(DECODE) >= compute_s / cm.efficiency(GEMM)
-    acc.add(DECODE, np.where(memory_bound, memory_s * response, 0.0) * waves)
-    acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * response) * waves)
+    acc.add(DECODE, np.where(memory_bound, memory_s * steps, 0.0))
+    acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * steps))
     if cm.site.layer_launch_s:
-        acc.add(generation_class(LAUNCH), cm.site.layer_launch_s * spec.num_layers * (response + 1) * waves)
+        acc.add(generation_class(LAUNCH), cm.site.layer_launch_s * spec.num_layers * (steps + waves))
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))
         bandwidth_s, per_call_s = ring_collective_parts("all_reduce", nbytes, tp, bw, alpha)
-        acc.add(generation_class(comm_class("all_reduce", link)), bandwidth_s * (2 * spec.num_layers) * response * waves)
-        acc.add(generation_class(latency_class(link)), per_call_s * (2 * spec.num_layers) * response * waves)
+        acc.add(generation_class(comm_class("all_reduce", link)), bandwidth_s * (2 * spec.num_layers) * steps)
+        acc.add(generation_class(latency_class(link)), per_call_s * (2 * spec.num_layers) * steps)
     if pp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp * pp))
         bandwidth_s, per_call_s = p2p_parts(nbytes, bw, alpha)
-        acc.add(generation_class(comm_class("p2p", link)), bandwidth_s * pp * response * waves)
-        acc.add(generation_class(latency_class(link)), per_call_s * pp * response * waves)
+        acc.add(generation_class(comm_class("p2p", link)), bandwidth_s * pp * steps)
+        acc.add(generation_class(latency_class(link)), per_call_s * pp * steps)

@@ -129,7 +129,7 @@ class LiveAdaptation:
         if self._first_step_start is None:
             self._first_step_start = time.monotonic() - record.step_latency_s
         obs = StepObservation(step, record.response_length_max, record.model_stage_s, record.peak_memory_bytes,
-                              record.step_latency_s)
+                              record.step_latency_s, record.response_length_mean)
         self.journal.event(Event.STEP_PREDICTION, self.controller.observe(obs))
         if self.driver.engine_start_s:   # a build started engines: what a transition that starts them costs
             self.controller.engine_started(self.driver.engine_start_s)

@@ -268,7 +268,7 @@ class OptionTable:
                 sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp,
                 micro_batch=wl.priced_micro_batch(m.stage, b, _share(self.problem, m, dp)),
-                mini_batches=wl.mini_batches, recompute=rc))
+                mini_batches=wl.mini_batches, recompute=rc, response_mean_fraction=wl.response_mean_fraction))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
                                             int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal,
                                             zero_stage=int(self.zero_stage[i]))
@@ -355,7 +355,8 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                     response_length=wl.response_length, tp=tp, pp=pp, dp=np.array(cols[2]),
                     micro_batch=np.array([wl.priced_micro_batch(m.stage, b, _share(problem, m, dp))
                                           for b, dp in zip(cols[3], cols[2])]),
-                    recompute=np.array(cols[4]), mini_batches=wl.mini_batches))
+                    recompute=np.array(cols[4]), mini_batches=wl.mini_batches,
+                    response_mean_fraction=wl.response_mean_fraction))
                 rows += block
     latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
     return OptionTable(problem, m, cost_model, rows, latency)
@@ -379,7 +380,8 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
               recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
                        engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed, **kw)
-    cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches, **kw)
+    cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches,
+                                 response_mean_fraction=wl.response_mean_fraction, **kw)
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
                   cost.ideal_s_by_class, zero_stage=zero_stage)
 

@@ -349,6 +349,13 @@ class MeasuredTruth(GroundTruth):
         x = np.exp(rng.normal(0.0, sigma, count))
         return np.maximum(1.0, np.round(longest * x / x.max()))
 
+    def response_length_mean(self, longest: float, step: int) -> float:
+        """Mean of the step's generated responses (:meth:`response_lengths` of the generation
+        model-stage's sequences)."""
+        wf, wl = self.problem.workflow, self.problem.workload
+        sequences = max(wf.sequences(m, wl) for m in wf.model_stages if m.stage is Stage.GENERATION)
+        return float(np.mean(self.response_lengths(max(1.0, float(longest)), sequences, step)))
+
     def replica_length(self, longest: float, count: int, dp: int, step: int) -> float:
         """Mean response length of the replica holding the most tokens among ``dp`` replicas."""
         key = (longest, count, dp, step)

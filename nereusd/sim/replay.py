@@ -224,7 +224,8 @@ class Simulation:
                 ckpt = i
             if ctl is not None:
                 ctl.observe(StepObservation(i - 1, max(1, math.ceil(length)), stage_s,
-                                            truth.device_peaks(plan, length, i - 1), step_s))
+                                            truth.device_peaks(plan, length, i - 1), step_s,
+                                            truth.response_length_mean(length, i - 1)))
             # ---- safe boundary ----
             new_pool = self.pool_at(t)
             while len(new_pool) < self.min_devices:
@@ -327,7 +328,7 @@ class _Oracle:
         contended = self.truth.contended(time_s)
         bucket = length_bucket(length, 16)
         if self.truth.ranks_by_truth:   # the truth is not the planner's model: rank its plans
-            candidates = list(self._candidates(bucket, pool, contended))
+            candidates = list(self._candidates(bucket, pool, contended, self._fraction(length, step)))
             if incumbent is not None and set(incumbent.devices()) <= set(pool):
                 candidates.append(incumbent)
             fitting = [p for p in candidates if not self.truth.oom(p, length, step)]
@@ -338,11 +339,18 @@ class _Oracle:
                 return plan
         return None
 
-    def _solve(self, bucket: int, pool: tuple[int, ...], contended: bool, headroom: float) -> Plan | None:
-        """The planner's plan at ``bucket`` tokens under the truth's efficiencies (memoised)."""
-        key = (bucket, pool, contended, headroom)
+    def _fraction(self, length: float, step: int) -> float:
+        """The truth's mean over longest response at ``step``, to a twentieth (what the
+        controller plans for, :meth:`~nereusd.control.controller.Controller.mean_fraction`)."""
+        return max(0.05, round(self.truth.response_length_mean(length, step) / max(1.0, length) * 20) / 20)
+
+    def _solve(self, bucket: int, pool: tuple[int, ...], contended: bool, headroom: float,
+               mean_fraction: float = 1.0) -> Plan | None:
+        """The planner's plan at ``bucket`` tokens (mean ``mean_fraction`` of it) under the
+        truth's efficiencies (memoised)."""
+        key = (bucket, pool, contended, headroom, mean_fraction)
         if key not in self._memo:
-            wl = replace(self.problem.workload, response_length=bucket)
+            wl = replace(self.problem.workload, response_length=bucket, response_mean_fraction=mean_fraction)
             pb = replace(self.problem, workload=wl, pool=pool)
             try:
                 plan = Planner(pb, self.truth.cost_model(contended), PlannerOptions(headroom=headroom)).solve().plan
@@ -351,18 +359,23 @@ class _Oracle:
             self._memo[key] = plan
         return self._memo[key]
 
-    def _candidates(self, bucket: int, pool: tuple[int, ...], contended: bool) -> list[Plan]:
+    def _candidates(self, bucket: int, pool: tuple[int, ...], contended: bool,
+                    mean_fraction: float = 1.0) -> list[Plan]:
         """The distinct plans the planner (under the truth's efficiencies) proposes for
-        ``bucket`` tokens at every one of :data:`HEADROOMS`, and for 2 ×, 4 × and 8 × longer
-        responses at the first two (memoised): the oracle takes the one the truth runs fastest
-        at the step (its lengths, without noise). Plans for longer responses are there because a
-        truth whose generation waits on its longest responses may run them faster."""
-        key = ("candidates", bucket, pool, contended)
+        ``bucket`` tokens at every one of :data:`HEADROOMS`, equal lengths and with the step's
+        ``mean_fraction``, and for 2 ×, 4 × and 8 × longer responses at the first two
+        (memoised): the oracle takes the one the truth runs fastest at the step (its lengths,
+        without noise). Plans for longer responses are there because a truth whose generation
+        waits on its longest responses may run them faster."""
+        key = ("candidates", bucket, pool, contended, mean_fraction)
         if key not in self._memo:
             plans: dict[str, Plan] = {}
-            asks = [(bucket, h) for h in HEADROOMS] + [(bucket * k, h) for k in (2, 4, 8) for h in HEADROOMS[:2]]
-            for length, headroom in asks:
-                plan = self._solve(length, pool, contended, headroom)
+            asks = [(bucket, h, 1.0) for h in HEADROOMS] + [(bucket * k, h, 1.0) for k in (2, 4, 8)
+                                                             for h in HEADROOMS[:2]]
+            if mean_fraction < 1.0:
+                asks += [(bucket, h, mean_fraction) for h in HEADROOMS]
+            for length, headroom, fraction in asks:
+                plan = self._solve(length, pool, contended, headroom, fraction)
                 if plan is not None:
                     plans.setdefault(plan.describe(), plan)
             self._memo[key] = list(plans.values())
@@ -375,10 +388,13 @@ class _Oracle:
         longest = max(length for _, length in run)
         tall = [(i, length) for i, length in run if length >= 0.5 * longest]
         fitting = []
+        step = max(run, key=lambda r: r[1])[0]
+        fractions = (1.0,) if not self.truth.ranks_by_truth else tuple(sorted({1.0, self._fraction(longest, step)}))
         for headroom in HEADROOMS + (0.5,):
-            plan = self._solve(length_bucket(longest, 16), pool, False, headroom)
-            if plan is not None and not any(self.truth.oom(plan, length, i) for i, length in tall):
-                if not self.truth.ranks_by_truth:
-                    return plan
-                fitting.append(plan)
+            for fraction in fractions:
+                plan = self._solve(length_bucket(longest, 16), pool, False, headroom, fraction)
+                if plan is not None and not any(self.truth.oom(plan, length, i) for i, length in tall):
+                    if not self.truth.ranks_by_truth:
+                        return plan
+                    fitting.append(plan)
         return min(fitting, key=lambda p: self.truth.rank_key(p, longest, 0)) if fitting else None

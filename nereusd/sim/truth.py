@@ -179,6 +179,11 @@ class GroundTruth:
         return float(min(cfg.spread_max, max(1.0, rng.normal(cfg.spread_mean, cfg.spread_sd))))
 
     # ---- a step ------------------------------------------------------------------------------
+    def response_length_mean(self, longest: float, step: int) -> float:
+        """Mean generated response (tokens) of the step whose longest is ``longest``, what a live
+        job's record reports: in this truth every response is as long as the longest."""
+        return float(longest)
+
     def stage_times(self, plan: Plan, response_length: float, step: int, time_s: float) -> dict[ModelStage, float]:
         """True seconds of each model-stage of ``plan`` at ``step`` (noise and contention in)."""
         cm = self.cost_model(self.contended(time_s))

@@ -496,3 +496,36 @@ def test_the_restart_cost_is_learned_from_measured_restarts_and_resumed(demo):
     assert resumed.restart_s == pytest.approx(150.0)
     with pytest.raises(ConfigError, match="controller state: malformed"):
         resumed.restore({**adapter.state(), "restart": [-1.0, 1]})
+
+
+def test_the_mean_response_fraction_is_learned_and_prices_generation(demo):
+    """Steps report their mean and longest responses; the controller plans generation for the
+    recent median of mean/longest (to a twentieth), keeps it across a resume, and prices the
+    continuous-batching decode with it: shorter responses than the longest cost less."""
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    assert adapter.mean_fraction() == 1.0 and adapter.problem(adapter.pool, 64).workload.response_mean_fraction == 1.0
+    problem = adapter.problem(adapter.pool, 64)
+    ev = evaluate(problem, adapter.plan, CostModel(problem.site))
+    for step, mean in enumerate([20.0, 26.0, 21.0, 40.0, 22.0]):   # of a longest of 64
+        adapter.observe(StepObservation(step, 64, {m: o.latency_s for m, o in ev.options.items()},
+                                        dict(ev.peak_bytes), ev.step_latency_s, response_length_mean=mean))
+    assert adapter.mean_fraction() == 0.35   # median 22/64 = 0.344, to a twentieth
+    assert adapter.problem(adapter.pool, 96).workload.response_mean_fraction == 0.35
+    gen = ModelStage(Role.ACTOR, Stage.GENERATION)
+    cm = CostModel(problem.site)
+    short = evaluate(adapter.problem(adapter.pool, 64), adapter.plan, cm).options[gen].latency_s
+    equal = evaluate(adapter.problem(adapter.pool, 64, 1.0), adapter.plan, cm).options[gen].latency_s
+    assert short < equal
+    state = json.loads(json.dumps(adapter.state()))
+    resumed = controller_for_job(job, site, adapter.plan, PROMPT)
+    resumed.restore(state)
+    assert resumed.mean_fraction() == 0.35
+    with pytest.raises(ConfigError, match="controller state: malformed"):
+        resumed.restore({**state, "mean_fractions": [0.5, 1.5]})
+    # a record without a mean (older agents) changes nothing
+    assert StepObservation(9, 64, {}, {}, 1.0).mean_fraction == 1.0
+    from nereusd.workflow import Workload
+    for bad in (0.0, 1.2, True, "0.5"):
+        with pytest.raises(ConfigError, match="workload.response_mean_fraction"):
+            Workload(prompt_length=8, response_length=64, global_batch=8, response_mean_fraction=bad)

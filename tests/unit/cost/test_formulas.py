@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nereusd.cost.formulas import (ADAM_BYTES_MOVED_PER_PARAM, adam_update_s, local_copy_s, p2p_parts, p2p_s,
-                                   ring_collective_parts, ring_collective_s)
+from nereusd.cost.formulas import (ADAM_BYTES_MOVED_PER_PARAM, adam_update_s, continuous_batching, local_copy_s,
+                                   p2p_parts, p2p_s, ring_collective_parts, ring_collective_s)
+from nereusd.sim.measured import _slot_ends
 
 
 def test_ring_collectives():
@@ -32,3 +33,28 @@ def test_terms_take_arrays_and_scalars_alike():
     assert vec.tolist() == [ring_collective_s("all_reduce", 4096.0, int(n), 2e9, 1e-6) for n in ranks]
     assert p2p_s(2e9, 1e9, 0.5) == 2.5 and local_copy_s(1e9, 2e9) == 1.0
     assert adam_update_s(1e9, 2, 64e9) == 2 * 1e9 * ADAM_BYTES_MOVED_PER_PARAM / 64e9
+
+
+def test_continuous_batching_is_the_waves_model_for_equal_lengths_and_tracks_fcfs_slots():
+    # equal lengths, slots dividing the sequences: 4 waves of 100 steps at a full batch of 16
+    steps, batch = continuous_batching(64, 16, 100)
+    assert (steps, batch) == (400, 16)
+    # no more sequences than slots: the longest response sets the steps; the batch shrinks
+    assert continuous_batching(10, 16, 100, 0.4) == (100, pytest.approx(4.0))
+    # arrays and scalars alike (the planner's fast path)
+    vec = continuous_batching(np.array([64.0, 10.0]), np.array([16.0, 10.0]), 100, 0.5)
+    assert vec[0].tolist() == [continuous_batching(64, 16, 100, 0.5)[0], 100.0]
+    # against first-come-first-served slots over log-normal lengths (what vLLM's scheduler does and
+    # the simulator's measured truth times): the mean ratio over 20 draws within -15 % / +30 %
+    rng = np.random.default_rng(0)
+    for sigma in (0.2, 0.41, 0.8):
+        for n, slots in ((128, 64), (100, 64), (256, 64), (512, 32), (1024, 16), (64, 8), (300, 128)):
+            ratios = []
+            for _ in range(20):
+                x = np.exp(rng.normal(0.0, sigma, n))
+                lengths = np.maximum(1.0, np.round(1000 * x / x.max()))
+                steps, batch = continuous_batching(n, slots, 1000, lengths.mean() / 1000)
+                ratios.append(steps / _slot_ends(lengths, slots).max())
+                assert batch * steps == pytest.approx(lengths.sum())   # every token decoded once
+                assert batch <= slots
+            assert 0.85 < np.mean(ratios) < 1.3, (sigma, n, slots)

@@ -14,6 +14,7 @@ only their predicted latency.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,16 +41,17 @@ def test_same_plan_as_before(entry):
     assert res.predicted_step_latency_s == pytest.approx(entry["step_latency_s"], rel=1e-12)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "remax"])
-def test_vectorised_costs_equal_stage_cost(algorithm):
+@pytest.mark.parametrize("algorithm,mean_fraction", [("ppo", 1.0), ("remax", 1.0), ("ppo", 0.35)])
+def test_vectorised_costs_equal_stage_cost(algorithm, mean_fraction):
     pb = problem(2, algorithm, response=2048)
+    pb = dataclasses.replace(pb, workload=dataclasses.replace(pb.workload, response_mean_fraction=mean_fraction))
     cm = CostModel(pb.site)
     opts = PlannerOptions(allow_recompute=True, micro_batches=(1, 2, 4))
     for m in pb.workflow.model_stages:
         for o in enumerate_options(pb, m, cm, opts, float("inf")):
             kw = dict(sequences=pb.workflow.sequences(m, pb.workload), prompt_length=pb.workload.prompt_length,
                       response_length=pb.workload.response_length, tp=o.tp, pp=o.pp, dp=o.dp,
-                      micro_batch=o.micro_batch, recompute=o.recompute)
+                      micro_batch=o.micro_batch, recompute=o.recompute, response_mean_fraction=mean_fraction)
             ref = cm.stage_cost(pb.spec(m), m, **kw)
             assert o.latency_s == pytest.approx(ref.latency_s, rel=1e-12), (m, o)
             assert dict(o.cost_by_class) == pytest.approx(dict(ref.ideal_s_by_class), rel=1e-12)
