@@ -66,7 +66,9 @@ restarts.
 The planner cannot search this truth (it searches the cost model). The simulator's oracle
 therefore takes, every step, the fastest plan *under this truth* (:meth:`MeasuredTruth.rank_key`)
 among the planner's plans under the old truth's efficiencies for the step's length at several
-headrooms and for 2, 4 and 8 × that length, and its own current plan: an upper bound on what
+headrooms (with equal lengths and with the step's mean over longest response, which the
+simulator reports to the controllers as a live step record does), for 2, 4 and 8 × that
+length, and its own current plan: an upper bound on what
 that candidate set holds, not on every layout.
 """
 

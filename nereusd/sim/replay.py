@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.control.controller import Controller, StepObservation
@@ -84,6 +85,8 @@ class PolicyResult:
     records: list[StepRecord] = field(default_factory=list)
     plans: list[str] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
+    layouts: dict[str, Plan] = field(default_factory=dict)
+    """Every plan the policy ran, by :meth:`Plan.describe` (what :attr:`plans` names)."""
 
     def _sum(self, name: str) -> float:
         return sum(getattr(r, name) for r in self.records)
@@ -157,6 +160,12 @@ class Simulation:
         self.min_devices = self._min_devices()
         self._launch_final: Plan | None = None
 
+    def learn_plans(self, results: Sequence[PolicyResult]) -> None:
+        """Give the oracle the plans ``results`` ran (:attr:`_Oracle.known`): run the other
+        policies first, then the oracle (:func:`nereusd.sim.scenario.run_policies` does)."""
+        for res in results:
+            self._oracle.known.update(res.layouts)
+
     @property
     def launch_final(self) -> Plan:
         """The ``frozen-final`` launch plan: the truth's fastest plan on the whole cluster that
@@ -205,6 +214,7 @@ class Simulation:
             rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done)
             if rec.plan_id == len(res.plans):
                 res.plans.append(desc)
+                res.layouts[desc] = plan
             res.records.append(rec)
             stage_s = truth.stage_times(plan, length, i, t)
             step_s = self.problem.workflow.critical_path_s(stage_s)
@@ -320,6 +330,10 @@ class _Oracle:
     def __init__(self, problem: PlanProblem, truth: GroundTruth) -> None:
         self.problem, self.truth = problem, truth
         self._memo: dict[tuple, Plan | None] = {}
+        self.known: dict[str, Plan] = {}
+        """Plans other policies ran on this simulation (:meth:`Simulation.learn_plans`): the
+        oracle of a truth the planner cannot search ranks them too, so that it bounds what the
+        policies found and not only what its own planner calls propose."""
 
     def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float,
              incumbent: Plan | None = None) -> Plan | None:
@@ -328,9 +342,13 @@ class _Oracle:
         contended = self.truth.contended(time_s)
         bucket = length_bucket(length, 16)
         if self.truth.ranks_by_truth:   # the truth is not the planner's model: rank its plans
-            candidates = list(self._candidates(bucket, pool, contended, self._fraction(length, step)))
-            if incumbent is not None and set(incumbent.devices()) <= set(pool):
-                candidates.append(incumbent)
+            candidates = {p.describe(): p for p in self._candidates(bucket, pool, contended,
+                                                                      self._fraction(length, step))}
+            here = set(pool)
+            for plan in (*self.known.values(), *(() if incumbent is None else (incumbent,))):
+                if set(plan.devices()) <= here:
+                    candidates.setdefault(plan.describe(), plan)
+            candidates = list(candidates.values())
             fitting = [p for p in candidates if not self.truth.oom(p, length, step)]
             return min(fitting, key=lambda p: self.truth.rank_key(p, length, step)) if fitting else None
         for headroom in HEADROOMS:

@@ -18,7 +18,7 @@ from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
 from nereusd.plan import Role
 from nereusd.planner.space import PlanProblem
-from nereusd.sim.policies import Policy
+from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import PolicyResult, Simulation
 from nereusd.traces import load_length_trace, load_pool_trace
 from nereusd.sim.truth import TruthConfig
@@ -82,7 +82,18 @@ def _run_one(policy: Policy) -> PolicyResult:
 
 
 def run_policies(sim: Simulation, policies: Sequence[Policy], jobs: int = 1) -> list[PolicyResult]:
-    """Run every policy on ``sim``; ``jobs > 1`` uses that many forked worker processes."""
+    """Run every policy on ``sim`` (results in the order of ``policies``); ``jobs > 1`` uses that
+    many forked worker processes. The oracle runs after the others and also ranks the plans they
+    ran (:meth:`Simulation.learn_plans`)."""
+    others = [p for p in policies if p.kind != ORACLE]
+    oracles = [p for p in policies if p.kind == ORACLE]
+    done = dict(zip((id(p) for p in others), _run(sim, others, jobs)))
+    sim.learn_plans(list(done.values()))
+    done.update(zip((id(p) for p in oracles), _run(sim, oracles, jobs)))
+    return [done[id(p)] for p in policies]
+
+
+def _run(sim: Simulation, policies: Sequence[Policy], jobs: int) -> list[PolicyResult]:
     global _SIM
     jobs = max(1, min(jobs, len(policies), os.cpu_count() or 1))
     if jobs == 1 or "fork" not in multiprocessing.get_all_start_methods():
