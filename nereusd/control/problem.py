@@ -76,13 +76,23 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
     """The plan for the job's initial conditions when its YAML gives none (paper §4.2).
 
     Chosen for ``adaptation.launch_response_length`` (default ``rollout.max_new_tokens``) on
-    devices ``0 … devices−1``.
+    devices ``0 … devices−1`` (:func:`launch_for`).
 
     Raises:
         Infeasible: when nothing fits, even with smaller micro-batches and recomputation.
     """
     length = job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens
-    problem = job_problem(job, site, tuple(range(job.devices)), length, prompt_length)
+    return launch_for(job_problem(job, site, tuple(range(job.devices)), length, prompt_length), calibration)
+
+
+def launch_for(problem: PlanProblem, calibration: Calibration | None = None) -> PlanResult:
+    """The launch plan of ``problem``: the planner's urgent path (smaller micro-batches and
+    recomputation when needed) under ``calibration`` (default: the site's priors) at the memory
+    model's headroom.
+
+    Raises:
+        Infeasible: when nothing fits, with the planner's account of what fails and would fit.
+    """
     cost_model = CostModel(problem.site, calibration or Calibration())
     result, lines = solve(problem, cost_model, None, HEADROOM, True)
     if result is None:
@@ -90,5 +100,5 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
             Planner(problem, cost_model, PlannerOptions(headroom=HEADROOM, allow_recompute=True), suggest=True).solve()
         except Infeasible as err:
             lines.append(str(err))
-        raise Infeasible(f"no launch plan fits {job.devices} devices: " + "; ".join(lines))
+        raise Infeasible(f"no launch plan fits {len(problem.pool)} devices: " + "; ".join(lines))
     return result

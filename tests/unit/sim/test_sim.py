@@ -260,3 +260,31 @@ def test_simulate_out_must_be_a_directory(tmp_path, capsys):
     assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
                  "--out", str(tmp_path / "file")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_adaptive_policies_launch_on_the_frozen_plan_unless_their_memory_model_refuses_it():
+    """The frozen baselines launch on the truth's best plan for the first step; the adaptive ones
+    on it too when the controller's memory model holds it at the length its first boundary
+    judges it at (the first step's with the lookahead's margin ``δ_len``), else on the
+    controller's own launch plan for that length, which it holds."""
+    from nereusd.control.problem import launch_for
+    from nereusd.cost.memory import usable_bytes
+    from nereusd.cost.model import CostModel
+    from nereusd.planner.space import evaluate
+
+    delta = parse_policy("nereus").control.delta_length
+    refused = set()
+    for memory_gib, lengths in ((140, (400.0, 800.0)), (20, (1200.0, 1300.0))):
+        sim = Simulation(small_problem(memory_gib=memory_gib), LengthTrace("hand-made", lengths), CONSTANT, 2, QUIET)
+        first = min(sim.max_response_length, math.ceil(lengths[0] * (1 + delta)))   # capped at max_new_tokens
+        problem = dataclasses.replace(sim.problem, workload=dataclasses.replace(sim.problem.workload,
+                                                                                response_length=first))
+        usable = usable_bytes(problem.site.device_memory_bytes)
+        fits = not evaluate(problem, sim.launch, CostModel(problem.site)).over_capacity(usable)
+        adaptive = sim.launch_adaptive(delta)
+        assert adaptive == (sim.launch if fits else launch_for(problem).plan)
+        assert not evaluate(problem, adaptive, CostModel(problem.site)).over_capacity(usable)
+        refused.add(not fits)
+        nereus, frozen = sim.run(parse_policy("nereus")), sim.run(parse_policy("frozen-start"))
+        assert nereus.layouts[nereus.plans[0]] == adaptive and frozen.layouts[frozen.plans[0]] == sim.launch
+    assert refused == {False, True}   # both cases are exercised
