@@ -432,9 +432,12 @@ class MeasuredTruth(GroundTruth):
         """Speed factor of the slowest of ``c``'s devices (≥ 1)."""
         return float(max(self.device_speed[d % len(self.device_speed)] for d in c.devices))
 
-    def rank_key(self, plan: Plan, response_length: float, step: int) -> float:
-        """Step seconds of ``plan`` without noise or contention: how the oracle ranks plans."""
-        stage_s = {m: self.replica_s(m, c, response_length, step, False) * self.slowest(c) for m, c in plan.items()}
+    def rank_key(self, plan: Plan, response_length: float, step: int, contended: bool = False) -> float:
+        """Step seconds of ``plan`` without noise, under the step's contention (``contended``):
+        how the oracle ranks plans. Ranked without it, the oracle ran slower plans than Nereus
+        through contention episodes on a spot trace (``scripts/bench_sim.py``, 2026-12-04)."""
+        stage_s = {m: self.replica_s(m, c, response_length, step, contended) * self.slowest(c)
+                   for m, c in plan.items()}
         return self.problem.workflow.critical_path_s(stage_s)
 
 

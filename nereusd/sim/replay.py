@@ -384,7 +384,7 @@ class _Oracle:
                     candidates.setdefault(plan.describe(), plan)
             candidates = list(candidates.values())
             fitting = [p for p in candidates if not self.truth.oom(p, length, step)]
-            return min(fitting, key=lambda p: self.truth.rank_key(p, length, step)) if fitting else None
+            return min(fitting, key=lambda p: self.truth.rank_key(p, length, step, contended)) if fitting else None
         for headroom in HEADROOMS:
             plan = self._solve(bucket, pool, contended, headroom)
             if plan is not None and not self.truth.oom(plan, length, step):

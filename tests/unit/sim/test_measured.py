@@ -127,3 +127,23 @@ def test_the_oracle_takes_the_truths_fastest_of_the_planners_plans():
 def oracle_bucket(length):
     from nereusd.sim.replay import length_bucket
     return length_bucket(length, 16)
+
+
+def test_the_oracle_ranks_under_the_steps_contention():
+    """In a contention episode (inter-node bandwidth × ``contention_factor``) the oracle takes
+    the truth's fastest plan *under contention*, which here is not the fastest without it:
+    ranked without it, the oracle ran slower plans than Nereus through the episodes of a spot
+    trace."""
+    length = 4096.0
+    config = dataclasses.replace(MEASURED, contention_per_h=50.0, contention_mean_h=10.0, contention_factor=0.1)
+    sim = Simulation(problem(nodes=2), LengthTrace("flat", (length,) * 4), PoolTrace("constant", math.inf, (1.0,)),
+                     4, config)
+    oracle, truth = sim._oracle, sim._oracle.truth
+    t = next(start + 1.0 for start, _ in truth.episodes())
+    assert truth.contended(t)
+    pool = sim.problem.pool
+    fitting = [p for p in oracle._candidates(oracle_bucket(length), pool, True, oracle._fraction(length, 1))
+               if not truth.oom(p, length, 1)]
+    chosen = oracle.plan(1, length, pool, t)
+    assert truth.rank_key(chosen, length, 1, True) == min(truth.rank_key(p, length, 1, True) for p in fitting)
+    assert chosen != min(fitting, key=lambda p: truth.rank_key(p, length, 1, False))
