@@ -31,9 +31,10 @@ and then asks :meth:`Controller.boundary` what to do:
    feasibility of the transition DAG (:class:`nereusd.transition.estimate.TransitionEstimator`).
    Each target carries the DAG it was assessed with; a live job executes that DAG.
 
-Length. The engine pads every micro-batch to its longest sequence and decodes until the longest
-response of a wave ends, so time and memory follow the *longest* response of a step, not the
-mean; the length signal is the step's longest response. The coming step's length is unknown:
+Length. The engine pads every micro-batch to its longest sequence, so memory and training time
+follow the *longest* response of a step, not the mean; the length signal is the step's longest
+response. Generation decodes by continuous batching and follows the mean as well: the
+controller plans with the recent steps' mean over longest response (:meth:`Controller.mean_fraction`). The coming step's length is unknown:
 plans are checked and chosen for a forecast of it, capped at ``max_response_length``
 (:mod:`nereusd.control.lookahead`: the recent steps' longest plus a margin from the run's own
 jumps) — so a plan is left *before* growth makes it run out of memory, not after.
@@ -45,7 +46,6 @@ Pure: no torch, no sockets, no clock. The shell that executes decisions on worke
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import math
 import statistics
@@ -54,11 +54,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
-from nereusd.config.job import AdaptationConfig
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
 from nereusd.control.lookahead import LengthLookahead
+from nereusd.control.policy import MEMORY_WINDOW, ControlPolicy, PolicyKind
 from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.control.problem import job_problem, site_for_pool, solve
 from nereusd.control.transition_costs import TransitionCostLearning
@@ -72,73 +72,12 @@ from nereusd.planner.search import Infeasible, PlanResult
 from nereusd.planner.space import PlanProblem, evaluate
 from nereusd.transition.estimate import TransitionEstimator
 
-MEMORY_WINDOW = 8
-"""Steps whose measured/predicted peak ratio is remembered (the largest one is used)."""
 MAX_HEADROOM = 0.6
 """The memory ratio never widens the planner's headroom past this fraction."""
 
 MEAN_FRACTION_WINDOW = 8
 """Steps whose mean-over-longest response fraction :meth:`Controller.mean_fraction` takes the
 median of (the memory ratio's window, :data:`MEMORY_WINDOW`)."""
-
-
-class PolicyKind(str, enum.Enum):
-    """How the controller reacts to triggers."""
-
-    NEREUS = "nereus"
-    """Monitor → planner → payback admission (the paper's controller)."""
-    FROZEN = "frozen"
-    """A static framework: keep the launch layouts; on a pool change rescale DP *from the launch
-    plan* (not from a plan a restart shrank); after an out-of-memory failure relaunch into the
-    planner's layout for the longest response, which becomes the new launch plan; a forced layout."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ControlPolicy:
-    """Everything that distinguishes one adaptation policy from another.
-
-    Attributes:
-        name: label for tables and journals (``nereus``, ``greedy``, ``periodic-3``, ...).
-        kind: :class:`PolicyKind`.
-        payback_margin: ``γ`` of payback admission; ``inf``: any positive gain (``greedy``); 0:
-            urgent switches only.
-        period: also replan every ``period`` steps (0: on triggers only).
-        delta_length: drift threshold ``δ_len`` of the response length (relative).
-        delta_efficiency: drift threshold of the achieved efficiency (relative).
-        memory_window: steps whose measured/predicted peak ratio is remembered.
-
-    Raises:
-        ConfigError: naming every knob out of range.
-    """
-
-    name: str = "nereus"
-    kind: PolicyKind = PolicyKind.NEREUS
-    payback_margin: float = 0.5
-    period: int = 0
-    delta_length: float = 0.30
-    delta_efficiency: float = 0.20
-    memory_window: int = MEMORY_WINDOW
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not self.payback_margin >= 0:   # NaN fails too
-            problems.append(f"payback_margin must be >= 0 (inf: any gain), got {self.payback_margin!r}")
-        if not isinstance(self.period, int) or self.period < 0:
-            problems.append(f"period must be a whole number >= 0, got {self.period!r}")
-        for name in ("delta_length", "delta_efficiency"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                problems.append(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(self.memory_window, int) or self.memory_window < 1:
-            problems.append(f"memory_window must be a whole number >= 1, got {self.memory_window!r}")
-        if problems:
-            raise ConfigError(f"control policy {self.name!r}: " + "; ".join(problems))
-
-    @classmethod
-    def from_config(cls, cfg: AdaptationConfig) -> "ControlPolicy":
-        """The policy a job's ``adaptation`` section describes."""
-        return cls(name=cfg.policy, kind=PolicyKind(cfg.policy), payback_margin=cfg.payback_margin,
-                   period=cfg.period, delta_length=cfg.delta_length)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from nereusd.control.controller import ControlPolicy, PolicyKind
+from nereusd.control.policy import ControlPolicy, PolicyKind
 from nereusd.errors import ConfigError
 
 FROZEN, NEREUS, GREEDY, PERIODIC, ORACLE = "frozen", "nereus", "greedy", "periodic", "oracle"
