@@ -57,7 +57,7 @@ from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
-from nereusd.control.lookahead import LengthLookahead
+from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
 from nereusd.control.policy import MEMORY_WINDOW, ControlPolicy, PolicyKind
 from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.control.problem import job_problem, site_for_pool, solve
@@ -263,7 +263,7 @@ class Controller(TransitionCostLearning):
         (``scripts/bench_sim.py``, 2026-12-04)."""
         if not self._mean_fractions:
             return 1.0
-        return max(0.05, round(statistics.median(self._mean_fractions) * 20) / 20)
+        return planned_mean_fraction(statistics.median(self._mean_fractions))
 
     def lookahead(self, length: int) -> int:
         """The coming step's longest response, forecast from ``length`` and the run's recent

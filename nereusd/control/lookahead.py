@@ -81,3 +81,14 @@ class LengthLookahead:
         self.window.clear()
         self.window.extend(window)
         self.jump, self.seen = jump, seen
+
+
+MEAN_FRACTION_GRID = 20
+"""Plans are made for the mean over longest response to a twentieth, so that step-to-step noise
+in it does not change the plans."""
+
+
+def planned_mean_fraction(fraction: float) -> float:
+    """``fraction`` (mean over longest response) to a 1/:data:`MEAN_FRACTION_GRID`, at least
+    one: what the controller, and the simulator's oracle, plan generation for."""
+    return max(1 / MEAN_FRACTION_GRID, round(fraction * MEAN_FRACTION_GRID) / MEAN_FRACTION_GRID)

@@ -11,8 +11,9 @@ with its own :class:`~nereusd.control.controller.ControlPolicy`:
 - ``frozen-final``: the same, launched on the fastest layout that holds the run's longest
   responses (what a user who knows the final length would pick);
 - ``nereus`` / ``nereus@G``: payback admission with the payback margin ``γ = 0.5`` or ``G``,
-  launched on the controller's own plan for the initial lengths (as ``greedy`` and
-  ``periodic-k``);
+  launched (as ``greedy`` and ``periodic-k``) on ``frozen-start``'s plan unless the controller's
+  memory model refuses it, then on its own launch plan
+  (:meth:`nereusd.sim.replay.Simulation.launch_adaptive`);
 - ``greedy``: the same triggers, any positive predicted gain admitted (``γ = ∞``);
 - ``periodic-k``: replan every ``k`` steps (and on urgent triggers), any positive gain admitted;
 - ``oracle`` (no controller): the best plan for every step under the ground truth (lengths,
@@ -35,8 +36,8 @@ FROZEN, NEREUS, GREEDY, PERIODIC, ORACLE = "frozen", "nereus", "greedy", "period
 FROZEN_START, FROZEN_FINAL = "frozen-start", "frozen-final"
 """The two frozen baselines' names (kind :data:`FROZEN`)."""
 ADAPTIVE = (NEREUS, GREEDY, PERIODIC)
-"""Kinds that adapt: they launch on the controller's own launch plan
-(:attr:`nereusd.sim.replay.Simulation.launch_adaptive`), the frozen ones on the truth's best."""
+"""Kinds that adapt: they launch on :meth:`nereusd.sim.replay.Simulation.launch_adaptive`, the
+frozen ones on the truth's best plan for their lengths."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.control.controller import Controller, StepObservation
-from nereusd.control.lookahead import LengthLookahead
+from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
 from nereusd.control.problem import launch_for
 from nereusd.errors import NereusError
 from nereusd.plan import Candidate, Plan
@@ -392,9 +392,9 @@ class _Oracle:
         return None
 
     def _fraction(self, length: float, step: int) -> float:
-        """The truth's mean over longest response at ``step``, to a twentieth (what the
+        """The truth's mean over longest response at ``step`` on the planning grid (what the
         controller plans for, :meth:`~nereusd.control.controller.Controller.mean_fraction`)."""
-        return max(0.05, round(self.truth.response_length_mean(length, step) / max(1.0, length) * 20) / 20)
+        return planned_mean_fraction(self.truth.response_length_mean(length, step) / max(1.0, length))
 
     def _solve(self, bucket: int, pool: tuple[int, ...], contended: bool, headroom: float,
                mean_fraction: float = 1.0) -> Plan | None:
