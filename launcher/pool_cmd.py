@@ -4,7 +4,8 @@
 the next safe boundary: the plan moves off them, their workers are stopped, and the survivors
 re-form the world. ``--add N`` starts another ``nereus-agent`` with ``N`` virtual devices that
 registers with the job's nereusd; at the next safe boundary their workers join the world and
-the job re-plans onto them. Both are journalled in ``RUN_DIR/events.jsonl``.
+the job re-plans: payback admission uses them where that repays the transition, else they
+stay spares until a later replan does. Both are journalled in ``RUN_DIR/events.jsonl``.
 """
 
 from __future__ import annotations

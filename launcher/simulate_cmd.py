@@ -25,7 +25,7 @@ from pathlib import Path
 from nereusd.errors import NereusError
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
-from nereusd.sim.scenario import Scenario, build, run_policies
+from nereusd.sim.scenario import GENERATION_ENGINES, Scenario, build, run_policies
 from nereusd.sim.truth import TRUTH_KINDS, TruthConfig
 
 
@@ -48,8 +48,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")
     p.add_argument("--noise", type=float, default=TruthConfig.noise_sigma, help="per-step time noise sigma")
     p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h)
+    p.add_argument("--generation", choices=GENERATION_ENGINES, default="native",
+                   help="generation engine: native (the EMU's decoder) or vllm (each replica's vLLM engine holds a "
+                   "weight copy and a KV cache preallocated for its wave; a transition that gives a device a new "
+                   "replica starts engines, priced by --engine-rebuild-s)")
     p.add_argument("--engine-rebuild-s", type=float, default=TruthConfig.engine_rebuild_s,
-                   help="seconds a transition that changes a generation layout spends restarting its engine")
+                   help="seconds a vLLM engine start-up adds to a transition or launch that starts engines (engines "
+                   "start in parallel; needs --generation vllm)")
     p.add_argument("--truth", choices=TRUTH_KINDS, default="measured",
                    help="ground truth: measured (formulas of its own from published hardware figures, with "
                    "effects the controller's cost model lacks; nereusd/sim/measured.py) or efficiency (the "
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise NereusError(f"--out {args.out}: cannot create it ({err.strerror})") from None
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
-                        prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed)
+                        prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed,
+                        generation=args.generation)
     truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h,
                         engine_rebuild_s=args.engine_rebuild_s, kind=args.truth)
     policies = parse_policies(args.policies)

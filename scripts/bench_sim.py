@@ -78,10 +78,11 @@ def cases(quick: bool) -> list[Case]:
             for t, p in (("verl-amd-7b-grpo", west), ("deepgrpo-tree", west), ("verl-0.5b-ppo", east))]
     out += [Case(f"ramp, {s}, 64", dict(gpus=64, length_trace=ramp, pool_trace=east, site=s))
             for s in ("a100-ib", "frontier-mi250x")]
-    out += [Case("ramp, H200, 64, noisy+costly", dict(gpus=64, length_trace=ramp, pool_trace=east), NOISY_COSTLY),
-            Case("verl-amd-7b-grpo, H200, 64, noisy+costly", dict(gpus=64, length_trace="verl-amd-7b-grpo",
+    vllm = dict(gpus=64, generation="vllm")   # the costly transitions are vLLM engine start-ups
+    out += [Case("ramp, H200, 64, noisy+costly", dict(vllm, length_trace=ramp, pool_trace=east), NOISY_COSTLY),
+            Case("verl-amd-7b-grpo, H200, 64, noisy+costly", dict(vllm, length_trace="verl-amd-7b-grpo",
                                                                 pool_trace=west), NOISY_COSTLY),
-            Case("ramp, a100-ib, 64, noisy+costly", dict(gpus=64, length_trace=ramp, pool_trace=east, site="a100-ib"),
+            Case("ramp, a100-ib, 64, noisy+costly", dict(vllm, length_trace=ramp, pool_trace=east, site="a100-ib"),
                  NOISY_COSTLY)]
     if quick:
         out = [c for c in out if c.scenario["gpus"] == 64][::3]

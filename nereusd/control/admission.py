@@ -6,8 +6,9 @@
 - *Profitability* (opportunistic transitions): admit when ``L_tran / ΔL ≤ γ · H_x`` with
   ``ΔL = L̂_step(S) − L̂_step(S*)``, the payback margin ``γ = 0.5`` by default, ``H_x`` the
   smallest horizon of the triggering signals. ``γ = 0`` admits only urgent transitions.
-- *Urgent path* (pool change, predicted OOM): profitability is waived; the first feasible
-  target is taken; if the planner finds none, smaller micro-batches and then recomputation are
+- *Urgent path* (pool change, predicted OOM): profitability is waived; the feasible target
+  cheapest over the horizon is taken, or the current plan kept where it still runs and is
+  cheaper; if the planner finds none, smaller micro-batches and then recomputation are
   tried (:func:`urgent_replan`); if still nothing fits, the verdict is checkpoint/restart.
 - *Restart to switch*: a target whose plan fits but whose transition does not is reached by a
   checkpoint/restart when its learned cost repays itself by the same payback rule.
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from nereusd.cost.model import CostModel
-from nereusd.control.monitor import Trigger
+from nereusd.control.monitor import FORCED, Trigger
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible, Planner, PlanResult
 from nereusd.planner.space import PlannerOptions, PlanProblem
@@ -130,6 +131,7 @@ def admit(
     payback_margin: float = DEFAULT_PAYBACK_MARGIN,
     current_valid: bool = True,
     restart_s: float = 0.0,
+    weigh_keeping: bool = True,
 ) -> Decision:
     """Decide whether to execute a transition.
 
@@ -145,10 +147,16 @@ def admit(
             (:attr:`Target.restartable`) is restarted into when that repays itself by the payback
             rule: ``L̂_restart / ΔL ≤ γ · H_x``, urgent or not (the verdict ``checkpoint_restart``
             with that target).
+        weigh_keeping: whether keeping a current plan that still runs competes on the urgent path
+            (below): payback admission's; not the frozen baselines', which always DP-rescale on a
+            pool change, nor greedy's (``γ = ∞``), which takes any gain whatever it costs.
 
     An urgent trigger waives profitability but not cost: of the feasible targets it admits the
     one with the least ``L̂_step·H_x + L̂_tran`` (S* on a tie) — a fallback whose transition
-    starts no engine can beat a slightly faster S* whose transition starts several.
+    starts no engine can beat a slightly faster S* whose transition starts several. Where the
+    current plan still runs (devices joined, or only spares left; not a forced layout), keeping
+    it (``L̂_step(S)·H_x``, no transition) is one more choice, taken on a tie: joining devices
+    that starts vLLM engines for 30 s is not worth a few steps of a pool that leaves again.
 
     Returns:
         ``admit`` with the chosen target; else ``reject`` (opportunistic), ``keep`` (urgent but
@@ -159,16 +167,28 @@ def admit(
                   current_step_latency_s=current_step_latency_s, payback_margin=payback_margin,
                   horizon_steps=horizon_steps)
     tried: list[dict] = []
+    keep_reason = "urgent trigger, no feasible target; the current plan still runs"
     if urgent:   # the feasible target cheapest over the horizon, S* on a tie
-        feasible = [t for t in targets if t.feasible]
 
-        def over_horizon(t: Target) -> tuple[float, float]:
+        def over_horizon(step_latency_s: float, transition_s: float) -> tuple[float, float]:
             if math.isfinite(horizon_steps):
-                return t.step_latency_s * horizon_steps + t.transition_s, 0.0
-            return t.step_latency_s, t.transition_s
+                return step_latency_s * horizon_steps + transition_s, 0.0
+            return step_latency_s, transition_s
 
-        best = min(feasible, key=over_horizon, default=None)
-        targets = ([best] if best is not None else []) + [t for t in targets if t is not best]
+        feasible = [t for t in targets if t.feasible]
+        best = min(feasible, key=lambda t: over_horizon(t.step_latency_s, t.transition_s), default=None)
+        keeps = (weigh_keeping and current_valid and math.isfinite(current_step_latency_s)
+                 and not any(t.signal == FORCED for t in triggers))
+        if best is not None and keeps and (over_horizon(best.step_latency_s, best.transition_s)
+                                           >= over_horizon(current_step_latency_s, 0.0)):
+            keep_reason = (f"urgent, but the current plan still runs and is the cheapest over H_x = "
+                           f"{horizon_steps:.2f} steps (L_step·H_x + L_tran)")
+            tried += [{"step_latency_s": t.step_latency_s, "l_tran_s": t.transition_s, "verdict": "costlier",
+                       "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps, against keeping "
+                                 "the current plan"} for t in feasible]
+            targets = [t for t in targets if not t.feasible]
+        else:
+            targets = ([best] if best is not None else []) + [t for t in targets if t is not best]
     for target in targets:
         delta = current_step_latency_s - target.step_latency_s
         payback = target.transition_s / delta if delta > 0 else float("inf")
@@ -209,8 +229,7 @@ def admit(
                                        f"<= γ·H_x = {bound:.2f}", **common)
     if urgent:
         if current_valid:
-            return Decision(verdict=KEEP, alternatives=tuple(tried),
-                            reason="urgent trigger, no feasible target; the current plan still runs", **common)
+            return Decision(verdict=KEEP, alternatives=tuple(tried), reason=keep_reason, **common)
         return Decision(verdict=RESTART, alternatives=tuple(tried),
                         reason="urgent trigger, no feasible target and the current plan cannot run", **common)
     return Decision(verdict=REJECT, alternatives=tuple(tried),

@@ -56,7 +56,7 @@ from typing import Mapping
 from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
-from nereusd.control.admission import ADMIT, KEEP, Decision, Target, admit
+from nereusd.control.admission import ADMIT, KEEP, RESTART, Decision, Target, admit
 from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
 from nereusd.control.policy import MEMORY_WINDOW, ControlPolicy, PolicyKind
 from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
@@ -435,11 +435,15 @@ class Controller(TransitionCostLearning):
         # transition: the verdict is then checkpoint/restart now, not an OOM later (issue 16: a
         # ramp ran 190 steps like that, then failed and lost the steps since its checkpoint)
         over = peak is not None and peak > usable
+        runs = current_valid and not over and set(self.plan.devices()) <= set(pool)
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
-                         current_valid=current_valid and not over, restart_s=self.restart_s)
+                         current_valid=runs, restart_s=self.restart_s,
+                         weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin))
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
+        if runs and not decision.admitted and decision.verdict != RESTART:
+            self.pool_changed(pool)   # kept on purpose: joined devices stay spares, no trigger at every boundary
         self.monitor.replanned(signals)
         self.predicted_step_s = decision.target.step_latency_s if decision.admitted else (
             current_s if current_valid else None)

@@ -130,9 +130,14 @@ class TransitionCostLearning:
                       or (plan[ms].layout, plan[ms].devices) != (source[ms].layout, source[ms].devices)})
             extra += self.transition_overhead_s + sum(self.rebuild_s.get(ms, 0.0)
                                                       for ms in rebuilt_model_stages(source, plan, moved))
-        if self.engine_start_s and restarts_vllm_engines(source, plan, engines, micro_batch):
-            extra += self.engine_start_s
-        return extra
+        return extra + self.engine_start_term_s(source, plan, engines, micro_batch)
+
+    def engine_start_term_s(self, source: Plan, plan: Plan, engines: Iterable[ModelStage], micro_batch: int) -> float:
+        """The vLLM start-up ``L̂_tran`` of ``source → plan`` holds: the learned start-up when the
+        transition starts engines (:func:`nereusd.backends.restarts_vllm_engines`, the workers'
+        own rule; they start in parallel), else 0."""
+        return self.engine_start_s if self.engine_start_s and restarts_vllm_engines(
+            source, plan, engines, micro_batch) else 0.0
 
     # ---- state of a resumed nereusd ----------------------------------------------------------
     def _transition_costs_state(self) -> dict[str, Any]:

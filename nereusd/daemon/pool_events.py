@@ -37,7 +37,7 @@ class PoolVerdict(str, enum.Enum):
     CHECKPOINT_AND_STOP = "checkpoint_and_stop"
     """Preemption warning: checkpoint at the next safe boundary, then stop."""
     REPLAN = "replan"
-    """Live adaptation: the job re-plans onto the changed pool at the next safe boundary."""
+    """Live adaptation: the job re-plans for the changed pool at the next safe boundary."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def assess(change: PoolChange, plan_devices: Iterable[int], live: bool = False) 
         return PoolVerdict.CHECKPOINT_AND_STOP, f"{change.detail}: checkpoint at the next step boundary and stop"
     if live and change.kind == PoolChangeKind.JOINED:
         return PoolVerdict.REPLAN, (f"{change.detail}: devices {list(change.devices)} join the pool; the job "
-                                "re-plans onto them at the next safe boundary")
+                                "re-plans at the next safe boundary and uses them where that repays the transition")
     if change.kind == PoolChangeKind.JOINED:
         return PoolVerdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} join the pool as spares "
                                   "(the current plan is kept until live re-planning uses them)")

@@ -237,6 +237,7 @@ class Simulation:
         ids: dict[str, int] = {}
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
+        built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # the launch started every engine
         while i < self.steps:
             if len(res.records) > 20 * self.steps + 1000:
                 raise SimulationError(f"{policy.name} makes no progress: {len(res.records)} records "
@@ -257,6 +258,7 @@ class Simulation:
                 if ctl is not None:
                     ctl.failed(i, math.ceil(length))
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # a restart is a new build
                 t += rec.lost_s + rec.restart_s
                 i = ckpt
                 continue
@@ -270,6 +272,9 @@ class Simulation:
                 ctl.observe(StepObservation(i - 1, max(1, math.ceil(length)), stage_s,
                                             truth.device_peaks(plan, length, i - 1), step_s,
                                             truth.response_length_mean(length, i - 1)))
+                if built_start_s:   # as a live job learns the build's engine start-up after its first step
+                    ctl.engine_started(built_start_s)
+                    built_start_s = 0.0
             # ---- safe boundary ----
             new_pool = self.pool_at(t)
             while len(new_pool) < self.min_devices:
@@ -285,6 +290,7 @@ class Simulation:
             if outage or source is None:   # some model-stage lost every replica (the oracle's too:
                 pool = new_pool            # a lost device is no layout choice; its moves are free)
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # a restart is a new build
                 t += rec.restart_s
                 continue
             if ctl is None:
@@ -296,14 +302,20 @@ class Simulation:
             if d is not None:
                 res.decisions.append(d.to_dict() | {"time_s": t})
             if d is not None and d.verdict == ADMIT:
-                rec.transition_s = links.estimate(source, d.target.plan).l_tran_s + truth.engine_rebuild_s(
-                    source, d.target.plan)
+                started_s = truth.engine_rebuild_s(source, d.target.plan)
+                rec.transition_s = links.estimate(source, d.target.plan).l_tran_s + started_s
                 rec.switched = True
-                ctl.transition_measured(d.l_tran_s, rec.transition_s)
+                # the engines' start-up is measured on its own, as the live workers report it
+                # (engine_start_s): the fixed cost learns the rest of the prediction's error
+                priced_start_s = ctl.engine_start_term_s(source, d.target.plan, self.problem.engines,
+                                                         self.problem.workload.micro_batch)
+                ctl.transition_measured(d.l_tran_s - priced_start_s, rec.transition_s - started_s)
+                ctl.engine_started(started_s)
                 plan = d.target.plan
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # a restart is a new build
             t += rec.transition_s + rec.restart_s
         return res
 

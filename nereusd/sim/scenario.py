@@ -16,7 +16,7 @@ from typing import Sequence
 
 from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
-from nereusd.plan import Role
+from nereusd.plan import Role, Stage
 from nereusd.planner.space import PlanProblem
 from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import PolicyResult, Simulation
@@ -42,6 +42,16 @@ class Scenario:
     mini_batches: int = 1
     micro_batch: int = 1
     seed: int = 0
+    generation: str = "native"
+    """``native`` (the EMU's own decoder) or ``vllm``: every generation model-stage on vLLM
+    engines, as a live job with ``backend: vllm`` runs it (:attr:`PlanProblem.engines`): each
+    replica's engine holds a weight copy and a KV cache preallocated for its wave at
+    ``max_model_len`` = prompt + the trace's longest response, and a transition that gives a
+    device a new replica starts engines (the truth's ``engine_rebuild_s``), which the controller
+    learns and prices as on a live job."""
+
+
+GENERATION_ENGINES = ("native", "vllm")
 
 
 def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, dict]:
@@ -57,19 +67,28 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
         raise ConfigError(f"--gpus {s.gpus}: expected a positive multiple of {dpn} (devices per node of {site.name})")
     if s.steps < 1:
         raise ConfigError(f"--steps {s.steps}: expected a positive integer")
+    if s.generation not in GENERATION_ENGINES:
+        raise ConfigError(f"--generation {s.generation!r}: expected one of {', '.join(GENERATION_ENGINES)}")
+    truth = truth or TruthConfig(seed=s.seed)
+    if truth.engine_rebuild_s and s.generation != "vllm":
+        raise ConfigError(f"--engine-rebuild-s {truth.engine_rebuild_s:g}: prices vLLM engine start-ups, but "
+                          "generation is native here (add --generation vllm)")
     site = site.with_nodes(s.gpus // dpn)
     spec = resolve_model(s.model)
     lengths = load_length_trace(s.length_trace, steps=s.steps, seed=s.seed)
     pool = load_pool_trace(s.pool_trace)
     wl = Workload(prompt_length=s.prompt_length, response_length=max(1, math.ceil(lengths.at(0))),
                   global_batch=s.global_batch, mini_batches=s.mini_batches, micro_batch=s.micro_batch)
-    problem = PlanProblem(build_workflow(s.algorithm), {r: spec for r in Role}, wl, site, tuple(range(s.gpus)))
-    truth = truth or TruthConfig(seed=s.seed)
+    workflow = build_workflow(s.algorithm)
+    max_model_len = s.prompt_length + math.ceil(max(lengths.response_lengths))
+    engines = ({m: max_model_len for m in workflow.model_stages if m.stage is Stage.GENERATION}
+               if s.generation == "vllm" else {})
+    problem = PlanProblem(workflow, {r: spec for r in Role}, wl, site, tuple(range(s.gpus)), engines=engines)
     sim = Simulation(problem, lengths, pool, s.steps, truth)
     meta = {"model": s.model, "algorithm": s.algorithm, "site": site.name, "gpus": s.gpus, "steps": s.steps,
             "length_trace": lengths.label, "length_generated": lengths.generated, "pool_trace": pool.label,
             "global_batch": s.global_batch, "prompt_length": s.prompt_length, "seed": s.seed,
-            "truth": vars(truth), "launch_plan": sim.launch.describe()}
+            "generation": s.generation, "truth": vars(truth), "launch_plan": sim.launch.describe()}
     return sim, meta
 
 

@@ -14,10 +14,12 @@ model (:mod:`nereusd.cost.model`, :mod:`nereusd.cost.memory`) but with:
 - **memory variance per batch**: the true peak is the memory model at the *padded* length of
   the step's longest micro-batch, ``mean × spread``, with ``spread ~ N(spread_mean, spread_sd)``
   clipped to ``[1, spread_max]`` — the controller's model sees only the mean length;
-- **engine rebuilds**: a transition that changes a generation model-stage's layout or devices
-  also restarts its inference engine (vLLM: weights, KV-cache profiling, CUDA graphs), which the
-  transition DAG's byte-and-link price leaves out: ``engine_rebuild_s`` seconds (0 by default;
-  the "costly transitions" scenarios of ``scripts/bench_sim.py`` set it);
+- **engine rebuilds**: a transition that gives a device of a vLLM generation model-stage a new
+  replica (another ``tp``, TP devices or wave size: the workers' rule,
+  :func:`nereusd.backends.restarts_vllm_engines`) starts its engines (vLLM: weights, KV-cache
+  profiling, CUDA graphs), which the transition DAG's byte-and-link price leaves out:
+  ``engine_rebuild_s`` seconds (0 by default; the "costly transitions" scenarios of
+  ``scripts/bench_sim.py`` set it, on ``Scenario.generation = "vllm"``);
 - **out-of-memory**: a device whose true peak (own working set plus co-resident state)
   exceeds its *capacity* fails the step: the partial step is lost, the job restarts from the
   last checkpoint (every ``checkpoint_interval`` steps; the steps since are re-run) after
@@ -35,6 +37,7 @@ from typing import Mapping
 
 import numpy as np
 
+from nereusd.backends import restarts_vllm_engines
 from nereusd.cost.calibration import GENERATION_PREFIX, PRIORS, Calibration
 from nereusd.cost.model import CostModel
 from nereusd.cost.memory import stage_memory
@@ -64,8 +67,9 @@ class TruthConfig:
             init), seconds, before reading the checkpoint.
         storage_gbps: checkpoint read bandwidth per node, GB/s.
         checkpoint_interval: steps between checkpoints.
-        engine_rebuild_s: seconds a transition adds when it changes a generation model-stage
-            (its engine restarts on the new layout), beyond the DAG's own time.
+        engine_rebuild_s: seconds a transition adds when it starts vLLM engines
+            (:meth:`GroundTruth.engine_rebuild_s`; the problem's generation runs on vLLM,
+            ``Scenario.generation``), beyond the DAG's own time.
         kind: ``efficiency`` (this module: the cost model with hidden efficiencies) or
             ``measured`` (:mod:`nereusd.sim.measured`: formulas of its own from published
             figures, with effects the cost model lacks).
@@ -253,9 +257,15 @@ class GroundTruth:
     # ---- transitions -------------------------------------------------------------------------
     def engine_rebuild_s(self, source: Plan, target: Plan) -> float:
         """Seconds the generation engines' restarts add to a transition from ``source`` to
-        ``target`` (engines restart in parallel: once if any generation model-stage changes)."""
-        changed = any(m.stage is Stage.GENERATION and source.candidates.get(m) != c for m, c in target.items())
-        return self.config.engine_rebuild_s if changed else 0.0
+        ``target``: ``engine_rebuild_s`` once (engines start in parallel) when any device of a
+        vLLM model-stage (:attr:`PlanProblem.engines`) starts an engine by the workers' own rule
+        (:func:`nereusd.backends.restarts_vllm_engines`: its replica's ``tp``, TP devices or
+        ``max_num_seqs`` change, or it had none), else 0. A pool shrink whose surviving replicas
+        keep their devices restarts nothing, as on a live job."""
+        if not self.config.engine_rebuild_s:
+            return 0.0
+        starts = restarts_vllm_engines(source, target, self.problem.engines, self.problem.workload.micro_batch)
+        return self.config.engine_rebuild_s if starts else 0.0
 
     # ---- restarts ----------------------------------------------------------------------------
     def restart_s(self, plan: Plan) -> float:

@@ -176,7 +176,8 @@ def test_local_job_follows_a_compressed_spot_trace(tmp_path):
     """us-east-2b at 6 steps per trace hour on 3 devices, at least 2 (GRPO's concurrent actor and
     reference inference need two): 6 of 16 instances from hour 0.25 (the boundary before step 2,
     hour 0.33: round(3 · 6/16) = 1, floored at 2: device 2 leaves), all 16 again from hour 0.58
-    (before step 4, hour 0.67: a new agent's device 3 joins)."""
+    (before step 4, hour 0.67: a new agent's device 3 joins the world; the job uses it when payback
+    admission finds that repays the transition over the pool's horizon)."""
     job = tmp_path / "job.yaml"
     job.write_text(TRACE_JOB.replace("@WARMSTART@", str(WARMSTART)))
     run_dir = tmp_path / "run"
@@ -202,7 +203,16 @@ def test_local_job_follows_a_compressed_spot_trace(tmp_path):
     assert any(e["event"] == "worker_exited" and e["device"] == 2 for e in events)
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
-    assert sorted(records[2]["peak_memory_bytes"]) == ["0", "1"] and "3" in records[4]["peak_memory_bytes"]
+    assert sorted(records[2]["peak_memory_bytes"]) == ["0", "1"]
+    (joined,) = [e for e in events if e["event"] == "admission" and e["step"] == 3]
+    assert joined["urgent"] and any(t["signal"] == "gpu_pool" for t in joined["triggers"])
+    if joined["verdict"] == "keep":   # payback admission: using device 3 does not repay its transition over H_x
+        keep_s = joined["current_step_latency_s"] * joined["h_x"]
+        assert joined["alternatives"] and all(a["step_latency_s"] * joined["h_x"] + a["l_tran_s"] >= keep_s
+                                              for a in joined["alternatives"]), joined
+        assert "3" not in records[4]["peak_memory_bytes"]
+    else:
+        assert joined["verdict"] == "admit" and "3" in records[4]["peak_memory_bytes"], joined
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
     print(f"e2e pool trace: {time.monotonic() - start:.1f} s")
 

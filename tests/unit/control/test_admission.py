@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -10,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Target, admit, urgent_replan
 from nereusd.cost.model import CostModel
 from nereusd.models import preset
-from nereusd.control.monitor import GPU_POOL, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.control.monitor import FORCED, GPU_POOL, PEAK_MEMORY, SEQUENCE_LENGTH, Monitor, Trigger
 from nereusd.plan import Candidate, ModelStage, Plan, Role
 from nereusd.planner.space import PlanProblem
 from nereusd.config.site import load_site
@@ -101,8 +102,8 @@ def test_feasibility_falls_back_to_slower_cheaper_target():
 
 
 def test_urgent_waives_profitability_and_restart():
-    d = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[target(50.0, 999.0)],
-              horizon_steps=1.0, payback_margin=0.0)
+    d = admit(step=1, triggers=[POOL], current_step_latency_s=math.inf, targets=[target(50.0, 999.0)],
+              horizon_steps=1.0, payback_margin=0.0, current_valid=False)
     assert d.admitted and d.urgent
     none = admit(step=1, triggers=[POOL], current_step_latency_s=1.0, targets=[], horizon_steps=1.0,
                  current_valid=False)
@@ -137,20 +138,38 @@ def test_a_target_only_a_restart_reaches_is_restarted_into_when_the_restart_repa
 
 
 def test_urgent_takes_the_feasible_target_cheapest_over_the_horizon():
-    """An urgent switch waives profitability, not cost: S* 0.1 s/step faster whose transition
-    starts vLLM engines (15 s) loses to the DP rescale over a 10-step horizon and wins over 1,000
-    steps; an infeasible cheaper target is never taken; equal costs keep S*."""
+    """An urgent switch waives profitability, not cost: after devices were lost, S* 0.1 s/step
+    faster whose transition starts vLLM engines (15 s) loses to the DP rescale over a 10-step
+    horizon and wins over 1,000 steps; an infeasible cheaper target is never taken; equal costs
+    keep S*."""
     fast, cheap = target(2.4, 15.6), target(2.5, 0.6)
-    short = admit(step=19, triggers=[POOL], current_step_latency_s=1.8, targets=[fast, cheap], horizon_steps=10.0)
+    lost = dict(triggers=[POOL], current_step_latency_s=math.inf, current_valid=False)
+    short = admit(step=19, targets=[fast, cheap], horizon_steps=10.0, **lost)
     assert short.admitted and short.target is cheap
     assert [a["verdict"] for a in short.alternatives] == ["costlier"]
-    assert admit(step=19, triggers=[POOL], current_step_latency_s=1.8, targets=[fast, cheap],
-                 horizon_steps=1000.0).target is fast
-    assert admit(step=19, triggers=[POOL], current_step_latency_s=1.8,
-                 targets=[fast, target(2.5, 0.6, feasible=False)], horizon_steps=10.0).target is fast
+    assert admit(step=19, targets=[fast, cheap], horizon_steps=1000.0, **lost).target is fast
+    assert admit(step=19, targets=[fast, target(2.5, 0.6, feasible=False)], horizon_steps=10.0, **lost).target is fast
     tie = target(2.4, 15.6)
-    assert admit(step=19, triggers=[POOL], current_step_latency_s=1.8, targets=[fast, tie],
-                 horizon_steps=10.0).target is fast
+    assert admit(step=19, targets=[fast, tie], horizon_steps=10.0, **lost).target is fast
+
+
+def test_urgent_keeps_a_plan_that_still_runs_when_that_is_cheapest_over_the_horizon():
+    """Devices joined (the current plan still runs): using them at 2.0 s/step instead of 2.4 costs
+    a 30 s engine start-up, which a 10-step horizon does not repay (24 < 20 + 30) and a 1,000-step
+    one does; a tie keeps the plan; a forced layout is always taken."""
+    joined = target(2.0, 30.0)
+    short = admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[joined], horizon_steps=10.0)
+    assert short.verdict == KEEP and short.urgent and "cheapest over H_x" in short.reason
+    assert [a["verdict"] for a in short.alternatives] == ["costlier"]
+    assert admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[joined],
+                 horizon_steps=1000.0).target is joined
+    assert admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[target(2.0, 4.0)],
+                 horizon_steps=10.0).verdict == KEEP   # 24 = 20 + 4
+    assert admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[joined], horizon_steps=10.0,
+                 current_valid=False).target is joined   # over memory: it does not run
+    forced = Trigger(FORCED, True, 7, None, "layout forced")
+    assert admit(step=7, triggers=[forced], current_step_latency_s=2.4, targets=[joined],
+                 horizon_steps=10.0).target is joined
 
 
 def test_urgent_replan_widens_to_recompute():

@@ -1,0 +1,86 @@
+"""Generation on vLLM engines in the simulator: the truth starts engines by the workers' rule, and
+the controller learns and prices the start-up as a live job does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nereusd.errors import ConfigError
+from nereusd.plan import Candidate, Plan, Stage
+from nereusd.sim.measured import ground_truth
+from nereusd.sim.policies import parse_policy
+from nereusd.sim.replay import Simulation, surviving_units
+from nereusd.sim.scenario import Scenario, build
+from nereusd.sim.truth import TruthConfig
+from nereusd.traces import LengthTrace, PoolTrace
+from tests.unit.sim.test_sim import QUIET, check_books, small_problem
+
+START_S = 30.0
+
+
+def vllm_problem(nodes=4):
+    problem = small_problem(nodes=nodes)
+    engines = {m: 2048 for m in problem.workflow.model_stages if m.stage is Stage.GENERATION}
+    return dataclasses.replace(problem, engines=engines)
+
+
+def with_generation(plan: Plan, cand: Candidate) -> Plan:
+    return Plan({m: (cand if m.stage is Stage.GENERATION else c) for m, c in plan.items()})
+
+
+def test_engines_start_by_the_workers_rule():
+    """A shrink whose surviving replicas keep their devices starts nothing; a new replica, a
+    new TP layout or another wave size starts engines: once, they start in parallel."""
+    problem = vllm_problem()
+    truth = ground_truth(problem, dataclasses.replace(QUIET, engine_rebuild_s=START_S))
+    sim = Simulation(problem, LengthTrace("flat", (512.0,)), PoolTrace("constant", float("inf"), (1.0,)), 4, QUIET)
+    plan = with_generation(sim.launch, Candidate(2, 1, 8, tuple(range(16)), micro_batch=32))
+    g = next(m for m in plan if m.stage is Stage.GENERATION)
+    assert truth.engine_rebuild_s(Plan({}), plan) == START_S   # a build starts every engine
+    assert truth.engine_rebuild_s(plan, plan) == 0.0
+    shrunk = with_generation(plan, surviving_units(Plan({g: plan[g]}), 12)[g])   # the replicas on 0-11 survive
+    assert truth.engine_rebuild_s(plan, shrunk) == 0.0
+    assert truth.engine_rebuild_s(shrunk, plan) == START_S   # the replicas on devices 12-15 start
+    assert truth.engine_rebuild_s(plan, with_generation(plan, Candidate(4, 1, 4, tuple(range(16)),
+                                                                        micro_batch=32))) == START_S
+    assert truth.engine_rebuild_s(plan, with_generation(plan, Candidate(2, 1, 8, tuple(range(16)),
+                                                                        micro_batch=16))) == START_S
+    native = ground_truth(small_problem(nodes=4), dataclasses.replace(QUIET, engine_rebuild_s=START_S))
+    assert native.engine_rebuild_s(plan, with_generation(plan, Candidate(4, 1, 4, tuple(range(16))))) == 0.0
+
+
+def test_the_controller_learns_and_prices_engine_start_ups():
+    """A length ramp on a pool that halves and comes back. The launch's start-up is learned after
+    the first step, as a live job learns its build's; from then on every target's ``L̂_tran``
+    holds one start-up (30 s) when it starts engines and none when it does not, and an admitted
+    switch is predicted within 5 % of what it took: the start-up is reported on its own, so the
+    fixed cost does not absorb it. Before, the simulated controller knew no engines and priced
+    these transitions at under a second."""
+    n = 600
+    lengths = LengthTrace("hand-made ramp", tuple(256.0 * 2 ** (4 * i / n) for i in range(n)))
+    pool = PoolTrace("hand-made halving", 200.0, (1.0, 0.5))
+    sim = Simulation(vllm_problem(), lengths, pool, n, dataclasses.replace(QUIET, engine_rebuild_s=START_S))
+    res = sim.run(parse_policy("nereus"))
+    check_books(res)
+    predicted = [a["l_tran_s"] for d in res.decisions for a in [d, *d["alternatives"]] if a.get("l_tran_s")]
+    assert predicted and all(START_S <= s < START_S + 10 for s in predicted), predicted
+    switched = {r.step: r.transition_s for r in res.records if r.switched}
+    admitted = [d for d in res.decisions if d["verdict"] == "admit"]
+    assert admitted and len(admitted) == len(switched)
+    for d in admitted:
+        assert d["l_tran_s"] == pytest.approx(switched[d["step"]], rel=0.05)
+
+
+def test_engine_start_ups_need_vllm_generation():
+    with pytest.raises(ConfigError, match="add --generation vllm"):
+        build(Scenario(model="counting-tiny", gpus=16, steps=2, global_batch=64), TruthConfig(engine_rebuild_s=30.0))
+    with pytest.raises(ConfigError, match="--generation 'sglang'"):
+        build(Scenario(model="counting-tiny", gpus=16, steps=2, global_batch=64, generation="sglang"))
+    sim, meta = build(Scenario(model="counting-tiny", gpus=16, steps=2, global_batch=64, generation="vllm",
+                               length_trace="generated-ramp:100:300", prompt_length=64),
+                      TruthConfig(engine_rebuild_s=30.0))
+    assert meta["generation"] == "vllm"
+    assert set(sim.problem.engines.values()) == {64 + 300}
+    assert {m.stage for m in sim.problem.engines} == {Stage.GENERATION}
