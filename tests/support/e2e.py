@@ -118,3 +118,22 @@ def wait_for(what: str, check, timeout_s: float, run_dir: Path | None = None, in
         for log in sorted((run_dir / "logs").glob("*")):
             logs += f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{logs}")
+
+def assert_join_decided(events: list[dict], records: list[dict], device: int) -> None:
+    """At the boundary where ``device`` joined, payback admission either used it (an admitted
+    switch, and the next steps run on it) or kept the running plan because that is the cheapest
+    over ``H_x``: every target's ``L̂_step·H_x + L̂_tran`` at least ``L̂_step(S)·H_x``, and the
+    device stays a spare for the next step."""
+    (change,) = [e for e in events if e["event"] == "pool_changed" and device in e.get("joined", [])
+                 and "step" in e]
+    (decision,) = [e for e in events if e["event"] == "admission" and e["step"] == change["step"]]
+    assert decision["urgent"] and any(t["signal"] == "gpu_pool" for t in decision["triggers"]), decision
+    after = [r for r in records if r["step"] > change["step"]]
+    if decision["verdict"] == "keep":
+        keep_s = decision["current_step_latency_s"] * decision["h_x"]
+        assert decision["alternatives"] and all(a["step_latency_s"] * decision["h_x"] + a["l_tran_s"] >= keep_s
+                                                for a in decision["alternatives"]), decision
+        assert after and str(device) not in after[0]["peak_memory_bytes"]
+    else:
+        assert decision["verdict"] == "admit", decision
+        assert after and str(device) in after[0]["peak_memory_bytes"]

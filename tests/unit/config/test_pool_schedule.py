@@ -23,6 +23,7 @@ from nereusd.config.pool_schedule import PoolSchedule, ScaledTrace, net_change
 from nereusd.traces import SPOT_DIR
 
 from tests.support import REPO
+from tests.support.e2e import assert_join_decided
 WARMSTART = REPO / "examples" / "models" / "counting-warmstart"
 
 
@@ -204,15 +205,7 @@ def test_local_job_follows_a_compressed_spot_trace(tmp_path):
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert sorted(records[2]["peak_memory_bytes"]) == ["0", "1"]
-    (joined,) = [e for e in events if e["event"] == "admission" and e["step"] == 3]
-    assert joined["urgent"] and any(t["signal"] == "gpu_pool" for t in joined["triggers"])
-    if joined["verdict"] == "keep":   # payback admission: using device 3 does not repay its transition over H_x
-        keep_s = joined["current_step_latency_s"] * joined["h_x"]
-        assert joined["alternatives"] and all(a["step_latency_s"] * joined["h_x"] + a["l_tran_s"] >= keep_s
-                                              for a in joined["alternatives"]), joined
-        assert "3" not in records[4]["peak_memory_bytes"]
-    else:
-        assert joined["verdict"] == "admit" and "3" in records[4]["peak_memory_bytes"], joined
+    assert_join_decided(events, records, 3)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
     print(f"e2e pool trace: {time.monotonic() - start:.1f} s")
 
