@@ -97,8 +97,11 @@ def write(out_dir: str | Path, results: Sequence[PolicyResult], meta: dict, leng
 
 def _title(meta: dict) -> str:
     gen = " [GENERATED length trace]" if meta.get("length_generated") else ""
+    engines = "; generation on vLLM" if meta.get("generation") == "vllm" else ""
+    rebuild = (meta.get("truth") or {}).get("engine_rebuild_s")
+    engines += f" (engine start-up {rebuild:g} s)" if engines and rebuild else ""
     return (f"{meta['model']} {meta['algorithm']} on {meta['gpus']} x {meta['site']}, {meta['steps']} steps; "
-            f"lengths: {meta['length_trace']}{gen}; pool: {meta['pool_trace']}")
+            f"lengths: {meta['length_trace']}{gen}; pool: {meta['pool_trace']}{engines}")
 
 
 def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:

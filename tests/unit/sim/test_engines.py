@@ -84,3 +84,11 @@ def test_engine_start_ups_need_vllm_generation():
     assert meta["generation"] == "vllm"
     assert set(sim.problem.engines.values()) == {64 + 300}
     assert {m.stage for m in sim.problem.engines} == {Stage.GENERATION}
+
+
+def test_simulate_says_generation_runs_on_vllm(capsys):
+    from launcher.cli import main
+
+    assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
+                 "--generation", "vllm", "--engine-rebuild-s", "30", "--policies", "nereus"]) == 0
+    assert "; generation on vLLM (engine start-up 30 s)" in capsys.readouterr().out.splitlines()[0]
