@@ -237,7 +237,6 @@ class Simulation:
         ids: dict[str, int] = {}
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
-        built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # the launch started every engine
         while i < self.steps:
             if len(res.records) > 20 * self.steps + 1000:
                 raise SimulationError(f"{policy.name} makes no progress: {len(res.records)} records "
@@ -258,7 +257,6 @@ class Simulation:
                 if ctl is not None:
                     ctl.failed(i, math.ceil(length))
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
-                built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # a restart is a new build
                 t += rec.lost_s + rec.restart_s
                 i = ckpt
                 continue
@@ -272,9 +270,8 @@ class Simulation:
                 ctl.observe(StepObservation(i - 1, max(1, math.ceil(length)), stage_s,
                                             truth.device_peaks(plan, length, i - 1), step_s,
                                             truth.response_length_mean(length, i - 1)))
-                if built_start_s:   # as a live job learns the build's engine start-up after its first step
-                    ctl.engine_started(built_start_s)
-                    built_start_s = 0.0
+                if len(res.records) == 1 or res.records[-2].restart_s > 0:   # a build's (launch, restart) first
+                    ctl.engine_started(truth.engine_rebuild_s(Plan({}), plan))   # step: its engines' start-up
             # ---- safe boundary ----
             new_pool = self.pool_at(t)
             while len(new_pool) < self.min_devices:
@@ -290,7 +287,6 @@ class Simulation:
             if outage or source is None:   # some model-stage lost every replica (the oracle's too:
                 pool = new_pool            # a lost device is no layout choice; its moves are free)
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
-                built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # a restart is a new build
                 t += rec.restart_s
                 continue
             if ctl is None:
@@ -315,7 +311,6 @@ class Simulation:
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
                 plan = self._restart(ctl, rec, truth, plan, length, pool, t)
-                built_start_s = truth.engine_rebuild_s(Plan({}), plan)   # a restart is a new build
             t += rec.transition_s + rec.restart_s
         return res
 
