@@ -329,7 +329,7 @@ class Controller(TransitionCostLearning):
         went to 22 sequences per wave and restarted every engine, 16 s, where 16 kept them).
         Admission weighs the two by ``L̂_tran``."""
         micro = problem.workload.micro_batch
-        if not self.engine_start_s or not restarts_vllm_engines(source, plan, problem.engines, micro):
+        if not self.engine_start_term_s(source, plan, problem.engines, micro):
             return None
         running = {source[ms].micro_batch or micro for ms in problem.engines if ms in source}
         if len(running) != 1:
