@@ -5,7 +5,14 @@ Every model-stage keeps its TP, PP and micro-batch; its DP degree scales with th
 concurrent set of the plan uses; training DP stays a divisor of the mini-batch (the global
 batch stays exact, DESIGN.md "Training semantics") and its micro-batch shrinks to divide the
 new per-replica share. If a concurrent set still does not fit, the member with the most
-devices steps down to its next valid DP until it does.
+devices steps down to its next valid DP until it does. Devices the floors leave idle are then
+filled: the member furthest below its share of the plan (fewest devices relative to ``base``)
+steps up to its next valid DP while every concurrent set it is in stays within its share of
+the pool, ``⌊devices of the set in base × n / n_plan⌋`` (so a set the plan left partly idle on
+purpose stays so, and a rescale to the plan's own pool is the plan). Without this a
+pool growing from 24 to 64 devices left a quarter of them idle: training DP must divide the
+mini-batch, so ``floor(1 × 64/24) = 2`` was the critic's DP and ``floor(2 × 64/24) = 5`` the
+actor's, stepped down to 4, 48 devices of 64 (``scripts/bench_sim.py``, A100 ramp, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ def dp_rescale(base: Plan, problem: PlanProblem, current: Plan | None = None) ->
             if not smaller:
                 return None
             dps[m] = smaller[-1]
+    _fill(problem, base, dps, sets, n, n_plan)
     layouts = {}
     for m, c in base.items():
         b = c.micro_batch
@@ -62,3 +70,29 @@ def dp_rescale(base: Plan, problem: PlanProblem, current: Plan | None = None) ->
                      current if current is not None else base)
     except PlanError:
         return None
+
+
+def _fill(problem: PlanProblem, base: Plan, dps: dict, sets, n: int, n_plan: int) -> None:
+    """Step members up to their next valid DP, the one with the fewest devices relative to
+    ``base`` first, while every concurrent set it is in stays within its share of the pool,
+    ``min(n, ⌊devices of the set in base × n / n_plan⌋)`` (in place): devices the floors left
+    idle are used, and a rescale to the plan's own pool returns the plan."""
+    budgets = [min(n, sum(base[m].tp * base[m].pp * base[m].dp for m in group) * n // n_plan) for group in sets]
+
+    def size(m, dp):
+        return base[m].tp * base[m].pp * dp
+
+    def fits(m, dp):
+        return all(sum(size(x, dp if x == m else dps[x]) for x in group) <= budget
+                   for group, budget in zip(sets, budgets) if m in group)
+
+    while True:
+        ups = []
+        for m in base:
+            bigger = [d for d in _valid_dps(problem, m, n // (base[m].tp * base[m].pp)) if d > dps[m]]
+            if bigger and fits(m, bigger[0]):
+                ups.append((dps[m] / base[m].dp, str(m), m, bigger[0]))
+        if not ups:
+            return
+        _, _, m, dp = min(ups)
+        dps[m] = dp
