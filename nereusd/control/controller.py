@@ -56,10 +56,11 @@ from typing import Mapping
 from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
-from nereusd.control.admission import ADMIT, KEEP, RESTART, Decision, Target, admit
+from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Decision, Target, admit, recheck_due
 from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
 from nereusd.control.policy import MEMORY_WINDOW, ControlPolicy, PolicyKind
-from nereusd.control.monitor import EFFICIENCY, FORCED, GPU_POOL, PERIOD, RESTARTED, SEQUENCE_LENGTH, Monitor, Trigger
+from nereusd.control.monitor import (EFFICIENCY, FORCED, GPU_POOL, PERIOD, RECHECK, RESTARTED, SEQUENCE_LENGTH,
+                                     Monitor, Trigger)
 from nereusd.control.problem import job_problem, site_for_pool, solve
 from nereusd.control.transition_costs import TransitionCostLearning
 from nereusd.cost.calibration import Calibration
@@ -178,6 +179,9 @@ class Controller(TransitionCostLearning):
         """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
         self._relaunch = False
+        self._rejected: tuple[int, float] | None = None
+        """The last boundary's ``reject`` of faster targets for their payback: (step, the smallest
+        payback in steps); asked again once due (:data:`RECHECK`)."""
 
     # ---- state of a resumed nereusd ------------------------------------------------------------
     STATE_VERSION = 2
@@ -187,14 +191,16 @@ class Controller(TransitionCostLearning):
         that ``nereusd --resume`` continues with it, :meth:`restore`): the plan, the response
         length seen, the calibration, the memory ratios, the transition overhead and each
         model-stage's rebuild time, the monitor's
-        signals and ``H_x``, the re-run and relaunch marks, and the ``frozen`` policy's base plan."""
+        signals and ``H_x``, the re-run and relaunch marks, a rejection waiting to be asked again,
+        and the ``frozen`` policy's base plan."""
         return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
                 "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
                 "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
                 "base_plan": self.base_plan.to_dict(), "lengths": self.lengths.to_json(),
-                "mean_fractions": list(self._mean_fractions), **self._transition_costs_state()}
+                "mean_fractions": list(self._mean_fractions), "rejected": self._rejected,
+                **self._transition_costs_state()}
 
     def restore(self, state: Mapping) -> None:
         """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
@@ -221,6 +227,8 @@ class Controller(TransitionCostLearning):
             fractions = [float(x) for x in state.get("mean_fractions", [])]   # absent before 2026-12-04
             if not all(0.0 < x <= 1.0 for x in fractions):
                 raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")
+            rejected = state.get("rejected")   # absent before 2026-12-05
+            rejected = None if rejected is None else (int(rejected[0]), float(rejected[1]))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:
@@ -238,6 +246,7 @@ class Controller(TransitionCostLearning):
         self.lengths = lengths
         self._mean_fractions.clear()
         self._mean_fractions.extend(fractions)
+        self._rejected = rejected
         self._set_transition_costs(costs)
 
     # ---- problem ---------------------------------------------------------------------------
@@ -393,6 +402,14 @@ class Controller(TransitionCostLearning):
             triggers.append(Trigger(RESTARTED, False, step, None,
                                     "restarted on the plan for the longest response; the coming steps may be shorter"))
         self._restarted = False
+        rejected, self._rejected = self._rejected, None
+        if (rejected is not None and current_valid and not triggers
+                and recheck_due(rejected[1], step - rejected[0], self.policy.payback_margin)):
+            triggers.append(Trigger(RECHECK, False, step, rejected[0],
+                                    f"a target rejected at step {rejected[0]} for its payback ({rejected[1]:.1f} steps) "
+                                    f"would repay within γ of the {step - rejected[0]} steps since"))
+        elif rejected is not None and not triggers:
+            self._rejected = rejected   # not due yet: still waiting
         frozen = self.policy.kind is PolicyKind.FROZEN
         if frozen:   # static framework: only a pool change (DP rescale) or a forced layout
             triggers = [t for t in triggers if t.signal in (GPU_POOL, FORCED)]
@@ -426,7 +443,7 @@ class Controller(TransitionCostLearning):
         # after a restart the plan lasts as long as the lengths stay put: at least H_len, and as
         # long as they have been steady already
         restart_h = max(self.monitor.horizon(SEQUENCE_LENGTH), float(self.monitor.steps_since_crossing(SEQUENCE_LENGTH, step)))
-        horizons = [restart_h if t.signal is RESTARTED else
+        horizons = [restart_h if t.signal is RESTARTED else float(step - t.reference) if t.signal is RECHECK else
                     self.monitor.horizon(t.signal) if t.signal not in (PERIOD, FORCED) else float(period or 1)
                     for t in triggers]
         if not urgent and targets and targets[0].plan == self.plan:
@@ -444,6 +461,8 @@ class Controller(TransitionCostLearning):
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         if runs and not decision.admitted and decision.verdict != RESTART:
             self.pool_changed(pool)   # kept on purpose: joined devices stay spares, no trigger at every boundary
+        if decision.verdict == REJECT and decision.rejected_payback_steps is not None:
+            self._rejected = (step, decision.rejected_payback_steps)
         self.monitor.replanned(signals)
         self.predicted_step_s = decision.target.step_latency_s if decision.admitted else (
             current_s if current_valid else None)

@@ -38,6 +38,10 @@ class Signal(str, enum.Enum):
     RESTARTED = "restarted"
     """The job restarted into a plan for the longest response (a failure's remedy, not the
     fastest plan for the coming steps): replan once, opportunistically."""
+    RECHECK = "recheck"
+    """A faster target was rejected for its payback period; the plan has since stayed valid long
+    enough that it would repay within ``γ`` of those steps: replan once, opportunistically
+    (:func:`nereusd.control.admission.recheck_due`)."""
 
     def __str__(self) -> str:
         return self.value
@@ -45,7 +49,7 @@ class Signal(str, enum.Enum):
 
 SEQUENCE_LENGTH, GPU_POOL, PEAK_MEMORY, EFFICIENCY = (Signal.SEQUENCE_LENGTH, Signal.GPU_POOL, Signal.PEAK_MEMORY,
                                                        Signal.EFFICIENCY)
-PERIOD, FORCED, RESTARTED = Signal.PERIOD, Signal.FORCED, Signal.RESTARTED
+PERIOD, FORCED, RESTARTED, RECHECK = Signal.PERIOD, Signal.FORCED, Signal.RESTARTED, Signal.RECHECK
 DEFAULT_DELTAS = {SEQUENCE_LENGTH: 0.30, EFFICIENCY: 0.20}
 DEFAULT_EMA_ALPHA = 0.5
 

@@ -529,3 +529,50 @@ def test_the_mean_response_fraction_is_learned_and_prices_generation(demo):
     for bad in (0.0, 1.2, True, "0.5"):
         with pytest.raises(ConfigError, match="workload.response_mean_fraction"):
             Workload(prompt_length=8, response_length=64, global_batch=8, response_mean_fraction=bad)
+
+
+def test_a_target_rejected_for_its_payback_is_asked_again_once_the_plan_has_lasted_long_enough(demo):
+    """``H_x`` is 1 before a signal's first interval (paper §4.3): the first efficiency crossing
+    (step 1, the calibration correcting the priors) admits only a switch that repays in half a
+    step. The rejected target is asked again (``recheck``) at the first boundary where the steps
+    the plan has stayed valid since would repay it by the payback rule, ``payback ≤ γ·steps``, and
+    not before; a resumed controller keeps the pending question. (The simulator's
+    ``verl-0.5b-ppo`` trace: a plan 2 % faster at step 1, repaid in 6 steps, never taken before.)"""
+    import json
+    import math
+
+    from nereusd.control.monitor import RECHECK
+
+    job, site = demo
+
+    def run(adapter, steps):
+        decisions = {}
+        for step in steps:
+            observe(adapter, step, 16, scale=0.5)
+            if step == 0:   # transitions here have cost a second more than the DAG prices
+                adapter.transition_measured(0.0, 1.0)
+            outcome = adapter.boundary(step, adapter.pool)
+            if outcome is not None:
+                decisions[step] = outcome.decision
+                if outcome.decision.admitted:
+                    adapter.switched(outcome.decision.target.plan, adapter.pool)
+        return decisions
+
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    decisions = run(adapter, range(2))
+    state = json.loads(json.dumps(adapter.state()))
+    decisions |= run(adapter, range(2, 40))
+    first = decisions[1]
+    assert first.verdict == "reject" and first.horizon_steps == 1.0, first.to_dict()
+    payback = first.rejected_payback_steps
+    assert payback is not None and payback > first.payback_margin * first.horizon_steps
+    due = 1 + math.ceil(payback / first.payback_margin)
+    assert due < 40 and sorted(decisions) == [1, due], sorted(decisions)
+    again = decisions[due]
+    assert [t.signal for t in again.triggers] == [RECHECK] and again.horizon_steps == due - 1
+    assert again.admitted and again.payback_steps <= again.payback_margin * again.horizon_steps, again.to_dict()
+
+    resumed = controller_for_job(job, site, Plan.from_dict(state["plan"]), PROMPT)
+    resumed.restore(state)
+    later = run(resumed, range(2, 40))
+    assert sorted(later) == [due] and [t.signal for t in later[due].triggers] == [RECHECK]
