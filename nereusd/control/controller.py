@@ -228,7 +228,11 @@ class Controller(TransitionCostLearning):
             if not all(0.0 < x <= 1.0 for x in fractions):
                 raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")
             rejected = state.get("rejected")   # absent before 2026-12-05
-            rejected = None if rejected is None else (int(rejected[0]), float(rejected[1]))
+            if rejected is not None:
+                rejected_step, rejected_payback = rejected   # ValueError: not a pair
+                rejected = (int(rejected_step), float(rejected_payback))
+                if not (math.isfinite(rejected[1]) and rejected[1] >= 0):
+                    raise ValueError(f"rejected payback {rejected[1]!r} is not a finite, non-negative number")
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:

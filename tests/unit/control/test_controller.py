@@ -536,7 +536,8 @@ def test_a_target_rejected_for_its_payback_is_asked_again_once_the_plan_has_last
     (step 1, the calibration correcting the priors) admits only a switch that repays in half a
     step. The rejected target is asked again (``recheck``) at the first boundary where the steps
     the plan has stayed valid since would repay it by the payback rule, ``payback ≤ γ·steps``, and
-    not before; a resumed controller keeps the pending question. (The simulator's
+    not before; a resumed controller keeps the pending question, and a malformed one is refused.
+    (The simulator's
     ``verl-0.5b-ppo`` trace: a plan 2 % faster at step 1, repaid in 6 steps, never taken before.)"""
     import json
     import math
@@ -576,3 +577,6 @@ def test_a_target_rejected_for_its_payback_is_asked_again_once_the_plan_has_last
     resumed.restore(state)
     later = run(resumed, range(2, 40))
     assert sorted(later) == [due] and [t.signal for t in later[due].triggers] == [RECHECK]
+    for bad in ([1], "ab", [1, -2.0], [1, "nan"], 7):
+        with pytest.raises(ConfigError, match="controller state: malformed"):
+            resumed.restore({**state, "rejected": bad})
