@@ -229,13 +229,15 @@ class Controller(TransitionCostLearning):
                 raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")
             rejected = state.get("rejected")   # absent before 2026-12-05
             if rejected is not None:
-                rejected_step, rejected_payback = rejected   # ValueError: not a pair
-                rejected = (int(rejected_step), float(rejected_payback))
-                if not (math.isfinite(rejected[1]) and rejected[1] >= 0):
-                    raise ValueError(f"rejected payback {rejected[1]!r} is not a finite, non-negative number")
+                if not (isinstance(rejected, list) and len(rejected) == 2 and type(rejected[0]) is int
+                        and type(rejected[1]) in (int, float)):
+                    raise ValueError(f"rejected: expected [step, payback steps], got {rejected!r}")
+                rejected = (rejected[0], float(rejected[1]))
+                if not (rejected[0] >= 0 and math.isfinite(rejected[1]) and rejected[1] >= 0):
+                    raise ValueError(f"rejected: a step ≥ 0 and a finite payback ≥ 0, got {list(rejected)!r}")
         except ConfigError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, PlanError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, PlanError) as err:
             raise ConfigError(f"controller state: malformed ({type(err).__name__}: {err})") from None
         self.calibration.restore(state["calibration"], "controller state: calibration")
         self.cost_model.refresh()

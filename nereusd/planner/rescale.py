@@ -2,14 +2,15 @@
 
 Every model-stage keeps its TP, PP and micro-batch; its DP degree scales with the pool, so
 ``dp' = floor(dp × n / n_plan)`` (at least 1), where ``n_plan`` is the most devices any
-concurrent set of the plan uses; training DP stays a divisor of the mini-batch (the global
+concurrent set of the plan uses, or the devices the whole plan spans if more; training DP stays a divisor of the mini-batch (the global
 batch stays exact, DESIGN.md "Training semantics") and its micro-batch shrinks to divide the
 new per-replica share. If a concurrent set still does not fit, the member with the most
-devices steps down to its next valid DP until it does. Devices the floors leave idle are then
+devices that can still step down steps down to its next valid DP until it does. Devices the floors leave idle are then
 filled: the member furthest below its share of the plan (fewest devices relative to ``base``)
 steps up to its next valid DP while every concurrent set it is in stays within its share of
 the pool, ``⌊devices of the set in base × n / n_plan⌋`` (so a set the plan left partly idle on
-purpose stays so, and a rescale to the plan's own pool is the plan). Without this a
+purpose stays so, and a rescale to the devices the plan spans is the plan; a plan that leaves
+some pool device idle in every set is filled into it). Without this a
 pool growing from 24 to 64 devices left a quarter of them idle: training DP must divide the
 mini-batch, so ``floor(1 × 64/24) = 2`` was the critic's DP and ``floor(2 × 64/24) = 5`` the
 actor's, stepped down to 4, 48 devices of 64 (``scripts/bench_sim.py``, A100 ramp, 2026-12-04).
@@ -41,7 +42,7 @@ def dp_rescale(base: Plan, problem: PlanProblem, current: Plan | None = None) ->
     sets = problem.workflow.concurrent_sets()
     if not n or any(m not in base for group in sets for m in group):
         return None
-    n_plan = max(sum(base[m].size for m in group) for group in sets)
+    n_plan = max(max(sum(base[m].size for m in group) for group in sets), len(base.devices()))
     dps = {}
     for m, c in base.items():
         valid = _valid_dps(problem, m, max(1, n // (c.tp * c.pp)))
@@ -52,11 +53,11 @@ def dp_rescale(base: Plan, problem: PlanProblem, current: Plan | None = None) ->
         dps[m] = fit[-1]
     for group in sets:
         while sum(base[m].tp * base[m].pp * dps[m] for m in group) > n:
-            m = max(group, key=lambda x: (base[x].tp * base[x].pp * dps[x], str(x)))
-            smaller = [d for d in _valid_dps(problem, m, dps[m] - 1)]
-            if not smaller:
+            shrinkable = [x for x in group if _valid_dps(problem, x, dps[x] - 1)]
+            if not shrinkable:
                 return None
-            dps[m] = smaller[-1]
+            m = max(shrinkable, key=lambda x: (base[x].tp * base[x].pp * dps[x], str(x)))
+            dps[m] = _valid_dps(problem, m, dps[m] - 1)[-1]
     _fill(problem, base, dps, sets, n, n_plan)
     layouts = {}
     for m, c in base.items():
@@ -76,7 +77,7 @@ def _fill(problem: PlanProblem, base: Plan, dps: dict, sets, n: int, n_plan: int
     """Step members up to their next valid DP, the one with the fewest devices relative to
     ``base`` first, while every concurrent set it is in stays within its share of the pool,
     ``min(n, ⌊devices of the set in base × n / n_plan⌋)`` (in place): devices the floors left
-    idle are used, and a rescale to the plan's own pool returns the plan."""
+    idle are used, and a rescale to the devices the plan spans returns the plan."""
     budgets = [min(n, sum(base[m].tp * base[m].pp * base[m].dp for m in group) * n // n_plan) for group in sets]
 
     def size(m, dp):

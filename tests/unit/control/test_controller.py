@@ -334,6 +334,8 @@ def test_a_resumed_controller_decides_as_the_uninterrupted_one(demo):
         resumed.restore({**state, "version": 99})
     with pytest.raises(ConfigError, match="controller state: malformed"):
         resumed.restore({k: v for k, v in state.items() if k != "monitor"})
+    with pytest.raises(ConfigError, match="controller state: malformed"):   # int(inf): OverflowError
+        resumed.restore({**state, "length": float("inf")})
 
 
 def test_a_transition_that_starts_vllm_engines_is_priced_their_start_up(demo):
@@ -577,6 +579,7 @@ def test_a_target_rejected_for_its_payback_is_asked_again_once_the_plan_has_last
     resumed.restore(state)
     later = run(resumed, range(2, 40))
     assert sorted(later) == [due] and [t.signal for t in later[due].triggers] == [RECHECK]
-    for bad in ([1], "ab", [1, -2.0], [1, "nan"], 7):
+    for bad in ([1], "ab", "12", [1, -2.0], [1, "nan"], 7, {1: 2, 3: 4}, [1.7, 2.0], [True, 1.0], [-5, 1.0],
+                [1, 10**400], [1, float("inf")]):
         with pytest.raises(ConfigError, match="controller state: malformed"):
             resumed.restore({**state, "rejected": bad})

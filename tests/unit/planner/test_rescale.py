@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from nereusd.control.problem import site_for_pool
 from nereusd.cost.model import CostModel
 from nereusd.plan import Stage
 from nereusd.planner.rescale import _valid_dps, dp_rescale
@@ -59,10 +62,26 @@ def test_a_pool_that_grows_back_is_filled():
     assert spare < min(out[m].tp * out[m].pp for m in training), (used, {str(m): out[m].describe() for m in training})
 
 
-@pytest.mark.parametrize("nodes", [1, 2, 3, 8])
-def test_a_rescale_to_the_plans_own_pool_is_the_plan(nodes):
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "remax"])
+@pytest.mark.parametrize("nodes,batch", [(1, 8), (2, 64), (3, 1024), (8, 1024), (5, 256)])
+def test_a_rescale_to_the_devices_the_plan_spans_is_the_plan(algorithm, nodes, batch):
     """The planner may leave devices of a concurrent set idle on purpose (a generation that
     gains nothing from more replicas): the fill does not undo that."""
-    pb = problem(nodes, "ppo", batch=1024)
+    pb = problem(nodes, algorithm, batch=batch)
     base = Planner(pb, CostModel(pb.site)).solve().plan
-    assert dp_rescale(base, pb) == base
+    spanned = dataclasses.replace(pb, pool=base.devices(), site=site_for_pool(pb.site, base.devices()))
+    assert dp_rescale(base, spanned) == base
+
+
+def test_a_set_that_cannot_shrink_lets_another_member_step_down():
+    """The member with the most devices may have nothing smaller (DP 1): the next one steps
+    down instead of the rescale giving up while DP 1 of every member fits (found by a fault
+    search: ``None`` for 5 devices where 1 + 4 fit)."""
+    pb = problem(1, "ppo", batch=16)
+    base = Planner(pb, CostModel(pb.site)).solve().plan
+    pool = tuple(range(5))
+    small = dataclasses.replace(pb, pool=pool, site=site_for_pool(pb.site, pool))
+    need = max(sum(base[m].tp * base[m].pp for m in group) for group in pb.workflow.concurrent_sets())
+    assert need <= len(pool)
+    out = dp_rescale(base, small)
+    assert out is not None and max(_set_sizes(small, out)) <= len(pool)
