@@ -26,28 +26,35 @@ from nereusd.errors import NereusError
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.sim.scenario import GENERATION_ENGINES, Scenario, build, run_policies
+from nereusd.models import PRESETS
 from nereusd.sim.truth import TRUTH_KINDS, TruthConfig
+from nereusd.traces import LENGTH_TRACES, POOL_TRACES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="replay a job on traces under adaptation policies (no GPUs used)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3.1-8b", help="preset name, HF model directory or config.json")
-    p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"])
+                              description=__doc__.split("\n\n")[0].replace("``", ""),
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help=f"preset name ({', '.join(sorted(PRESETS))}), HF model directory or config.json")
+    p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"], help="RL algorithm (its model-stages)")
     p.add_argument("--site", default="h200-ib", help="site config path or name")
     p.add_argument("--gpus", type=int, default=64, help="devices of the simulated cluster (whole nodes)")
     p.add_argument("--steps", type=int, default=1000, help="RL steps to complete")
-    p.add_argument("--length-trace", default="generated-ramp", help="shipped name, generated-ramp[:a:b] or path")
-    p.add_argument("--pool-trace", default="constant", help="shipped name (us-east-2b, us-west-2a), path or constant")
+    p.add_argument("--length-trace", default="generated-ramp",
+                   help=f"shipped name ({', '.join(sorted(LENGTH_TRACES))}), generated-ramp[:start:end] (tokens) or path")
+    p.add_argument("--pool-trace", default="constant",
+                   help=f"shipped name ({', '.join(sorted(POOL_TRACES))}), path or constant")
     p.add_argument("--policies", default="frozen-start,frozen-final,nereus,greedy,periodic-3,oracle",
                    help="comma-separated: frozen-start (or frozen: the launch layout, DP-rescaled on pool changes, "
                    "relaunched larger after an OOM), frozen-final (launched for the longest responses), nereus, "
                    "nereus@<gamma>, greedy, periodic-<k>, oracle")
-    p.add_argument("--prompt-length", type=int, default=512)
+    p.add_argument("--prompt-length", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per RL step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")
     p.add_argument("--noise", type=float, default=TruthConfig.noise_sigma, help="per-step time noise sigma")
-    p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h)
+    p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h,
+                   help="network contention episodes per hour of simulated wall clock (the ground truth's)")
     p.add_argument("--generation", choices=GENERATION_ENGINES, default="native",
                    help="generation engine: native (the EMU's decoder) or vllm (each replica's vLLM engine holds a "
                    "weight copy and a KV cache preallocated for its wave; a transition that gives a device a new "

@@ -291,3 +291,20 @@ def test_adaptive_policies_launch_on_the_frozen_plan_unless_their_memory_model_r
         nereus, frozen = sim.run(parse_policy("nereus")), sim.run(parse_policy("frozen-start"))
         assert nereus.layouts[nereus.plans[0]] == adaptive and frozen.layouts[frozen.plans[0]] == sim.launch
     assert refused == {False, True}   # both cases are exercised
+
+
+def test_simulate_help_names_the_defaults_and_the_shipped_traces(monkeypatch):
+    """A new user read no defaults and no trace names in ``simulate --help`` (2026-12-05)."""
+    import argparse
+
+    monkeypatch.setenv("COLUMNS", "400")   # argparse wraps at hyphens on a narrow terminal
+
+    from launcher import simulate_cmd
+    from nereusd.traces import LENGTH_TRACES
+
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    simulate_cmd.register(subparsers)
+    text = " ".join(subparsers.choices["simulate"].format_help().split())
+    assert "(default: measured)" in text and "(default: llama-3.1-8b)" in text and "``" not in text
+    assert all(name in text for name in LENGTH_TRACES), text
