@@ -135,8 +135,10 @@ def plan_transition(
     dag = join(current, target, local, tight=tight)
     if check:
         validate(dag)
-    log.info("transition %s → %s: %d ops, %d edges", current.describe() or "∅",
-             target.describe() or "∅", len(dag.ops), len(dag.edges))
+    # DEBUG: admission builds a DAG for every target it assesses; the one executed is logged by
+    # its runner ("transition done") and the daemon ("transition at step …")
+    log.debug("transition DAG %s → %s: %d ops, %d edges", current.describe() or "∅",
+              target.describe() or "∅", len(dag.ops), len(dag.edges))
     return dag
 
 

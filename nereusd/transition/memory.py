@@ -404,7 +404,7 @@ def check_feasibility(
         for x in cur.devices:
             in_use[x] -= state.partition_bytes(m, cur)
     if violation is not None:
-        log.info("transition infeasible: %s", violation.describe())
+        log.debug("transition DAG over memory: %s", violation.describe())   # the admission record says it
     return FeasibilityReport(violation, dict(peak), {x: v for x, v in in_use.items()}, order)
 
 
