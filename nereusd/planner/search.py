@@ -370,13 +370,16 @@ class Planner:
                 worst = (own + reserve, p, m, own, reserve)
         need, p, m, own, reserve = worst
         phase = " + ".join(str(x) for x in self.phases[p])
-        what = (f"the {m.stage} phase ({phase}) needs at least {format_bytes(need)} per device: {m}'s smallest "
-                f"peak {format_bytes(own)} plus the other phases' smallest resident state {format_bytes(reserve)}"
-                if need > self.usable else
-                f"no combination of layouts fits both {n} devices and memory (the {m.stage} phase alone needs at "
-                f"least {format_bytes(need)} per device)")
-        return Infeasible(f"no plan fits {n} devices: {what}, {format_bytes(self.usable)} usable"
-                          + self._suggestions(), m, need, self.usable)
+        if need > self.usable:
+            what = (f"the {m.stage} phase ({phase}) needs at least {format_bytes(need)} per device: {m}'s smallest "
+                    f"peak {format_bytes(own)} plus the other phases' smallest resident state {format_bytes(reserve)}, "
+                    f"{format_bytes(self.usable)} usable")
+        else:   # each bound is met by some layout, but no one combination meets them all
+            what = (f"no combination of layouts fits both the devices and memory: the {m.stage} phase ({phase}) "
+                    f"needs at least {format_bytes(need)} per device ({m}'s smallest peak plus the other phases' "
+                    f"smallest resident state), within the {format_bytes(self.usable)} usable, but the layouts that "
+                    f"reach those minima do not fit the devices together")
+        return Infeasible(f"no plan fits {n} devices: {what}" + self._suggestions(), m, need, self.usable)
 
     def _suggestions(self) -> str:
         """What would fit instead, tried by planning again: recomputation, ZeRO, more devices
