@@ -246,7 +246,14 @@ def admit(
                      if t.restartable and current_step_latency_s > t.step_latency_s]
     return Decision(verdict=REJECT, alternatives=tuple(tried),
                     reason="no feasible, profitable target; keeping the current plan",
-                    rejected_payback_steps=min(paybacks, default=None), **common)
+                    rejected_payback_steps=min(paybacks, default=None) if rechecks(payback_margin) else None,
+                    **common)
+
+
+def rechecks(payback_margin: float) -> bool:
+    """Whether a policy with payback margin ``γ`` asks a rejected target again (:func:`recheck_due`):
+    only ``0 < γ < ∞`` (greedy rejects no faster target, ``γ = 0`` admits urgent switches only)."""
+    return 0 < payback_margin < math.inf
 
 
 def recheck_due(payback_steps: float, steps_since: int, payback_margin: float) -> bool:
@@ -259,7 +266,7 @@ def recheck_due(payback_steps: float, steps_since: int, payback_margin: float) -
     admits only a switch that repays in half a step; without asking again, a plan found faster at
     step 1 (2 % on the simulator's ``verl-0.5b-ppo`` trace, repaid in 6 steps) was never taken,
     while greedy took it."""
-    return 0 < payback_margin < math.inf and payback_margin * steps_since >= payback_steps
+    return rechecks(payback_margin) and payback_margin * steps_since >= payback_steps
 
 
 def urgent_replan(problem: PlanProblem, cost_model: CostModel, current: Plan | None = None,

@@ -181,3 +181,21 @@ def test_urgent_replan_widens_to_recompute():
     assert attempts[0].startswith("job settings")
     if result is not None:
         assert max(result.peak_bytes.values()) <= result.usable_bytes
+
+
+def test_only_a_payback_policy_keeps_a_rejection_to_ask_again():
+    """``rejected_payback_steps`` (what the controller's recheck waits on) is set for
+    ``0 < γ < ∞`` only: ``γ = 0`` admits urgent switches only and would store a question it
+    never asks (a fault search found it in the controller's state)."""
+    from nereusd.control.admission import Target, admit, recheck_due
+    from nereusd.control.monitor import EFFICIENCY, Trigger
+    from nereusd.plan import Plan
+
+    trigger = Trigger(EFFICIENCY, False, 1.0, 1.3)
+    target = Target(Plan({}), step_latency_s=9.0, transition_s=10.0)   # pays back in 10 steps
+    for gamma, expected in ((0.5, 10.0), (0.0, None)):
+        d = admit(step=1, triggers=[trigger], current_step_latency_s=10.0, targets=[target], horizon_steps=1.0,
+                  payback_margin=gamma)
+        assert d.verdict == "reject" and d.rejected_payback_steps == expected, (gamma, d.to_dict())
+    assert not recheck_due(10.0, 10**6, 0.0) and not recheck_due(10.0, 10**6, float("inf"))
+    assert recheck_due(10.0, 20, 0.5) and not recheck_due(10.0, 19, 0.5)
