@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from nereusd.errors import NereusError
+from nereusd.models import PRESETS
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.sim.scenario import GENERATION_ENGINES, Scenario, build, run_policies
-from nereusd.models import PRESETS
 from nereusd.sim.truth import TRUTH_KINDS, TruthConfig
 from nereusd.traces import LENGTH_TRACES, POOL_TRACES
 

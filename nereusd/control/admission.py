@@ -225,25 +225,25 @@ def admit(
                             **common)
         tried.append(record | {"verdict": UNPROFITABLE,
                                "reason": f"payback {payback:.2f} steps > γ·H_x = {bound:.2f}"})
+    paybacks = [r["payback_steps"] for r in tried if r.get("verdict") == UNPROFITABLE]
     if restart_s > 0 and payback_margin > 0:
         bound = payback_margin * horizon_steps
         for target in targets:
             delta = current_step_latency_s - target.step_latency_s
-            if target.restartable and delta > 0 and restart_s / delta <= bound:
+            if not (target.restartable and delta > 0):
+                continue
+            if restart_s / delta <= bound:
                 return Decision(verdict=RESTART, target=target, delta_l_s=delta, l_tran_s=restart_s,
                                 payback_steps=restart_s / delta, alternatives=tuple(tried),
                                 reason=f"the transition does not fit memory; a checkpoint/restart into the target "
                                        f"repays its {restart_s:.0f} s in {restart_s / delta:.2f} steps "
                                        f"<= γ·H_x = {bound:.2f}", **common)
+            paybacks.append(restart_s / delta)
     if urgent:
         if current_valid:
             return Decision(verdict=KEEP, alternatives=tuple(tried), reason=keep_reason, **common)
         return Decision(verdict=RESTART, alternatives=tuple(tried),
                         reason="urgent trigger, no feasible target and the current plan cannot run", **common)
-    paybacks = [r["payback_steps"] for r in tried if r.get("verdict") == UNPROFITABLE]
-    if restart_s > 0:
-        paybacks += [restart_s / (current_step_latency_s - t.step_latency_s) for t in targets
-                     if t.restartable and current_step_latency_s > t.step_latency_s]
     return Decision(verdict=REJECT, alternatives=tuple(tried),
                     reason="no feasible, profitable target; keeping the current plan",
                     rejected_payback_steps=min(paybacks, default=None) if rechecks(payback_margin) else None,

@@ -408,14 +408,14 @@ class Controller(TransitionCostLearning):
             triggers.append(Trigger(RESTARTED, False, step, None,
                                     "restarted on the plan for the longest response; the coming steps may be shorter"))
         self._restarted = False
-        rejected, self._rejected = self._rejected, None
-        if (rejected is not None and current_valid and not triggers
-                and recheck_due(rejected[1], step - rejected[0], self.policy.payback_margin)):
-            triggers.append(Trigger(RECHECK, False, step, rejected[0],
-                                    f"a target rejected at step {rejected[0]} for its payback ({rejected[1]:.1f} steps) "
-                                    f"would repay within γ of the {step - rejected[0]} steps since"))
-        elif rejected is not None and not triggers:
-            self._rejected = rejected   # not due yet: still waiting
+        rejected, self._rejected = self._rejected, None   # another trigger replans anyway
+        if rejected is not None and not triggers:   # (a plan that lost devices has a pool trigger)
+            at, payback = rejected
+            if recheck_due(payback, step - at, self.policy.payback_margin):
+                triggers.append(Trigger(RECHECK, False, step, at, f"a target rejected at step {at} for its payback "
+                                        f"({payback:.1f} steps) would repay within γ of the {step - at} steps since"))
+            else:
+                self._rejected = rejected   # not due yet: still waiting
         frozen = self.policy.kind is PolicyKind.FROZEN
         if frozen:   # static framework: only a pool change (DP rescale) or a forced layout
             triggers = [t for t in triggers if t.signal in (GPU_POOL, FORCED)]

@@ -2,16 +2,17 @@
 
 Every model-stage keeps its TP, PP and micro-batch; its DP degree scales with the pool, so
 ``dp' = floor(dp × n / n_plan)`` (at least 1), where ``n_plan`` is the most devices any
-concurrent set of the plan uses, or the devices the whole plan spans if more; training DP stays a divisor of the mini-batch (the global
-batch stays exact, DESIGN.md "Training semantics") and its micro-batch shrinks to divide the
-new per-replica share. If a concurrent set still does not fit, the member with the most
-devices that can still step down steps down to its next valid DP until it does. Devices the floors leave idle are then
-filled: the member furthest below its share of the plan (fewest devices relative to ``base``)
-steps up to its next valid DP while every concurrent set it is in stays within its share of
-the pool, ``⌊devices of the set in base × n / n_plan⌋`` (so a set the plan left partly idle on
-purpose stays so, and a rescale to the devices the plan spans is the plan; a plan that leaves
-some pool device idle in every set is filled into it). Without this a
-pool growing from 24 to 64 devices left a quarter of them idle: training DP must divide the
+concurrent set of the plan uses, or the devices the whole plan spans if more; training DP
+stays a divisor of the mini-batch (the global batch stays exact, DESIGN.md "Training
+semantics") and its micro-batch shrinks to divide the new per-replica share. If a concurrent
+set still does not fit, the member with the most devices that can still step down steps down to
+its next valid DP until it does. Devices the floors leave idle are then filled: the member
+furthest below its share of the plan (fewest devices relative to ``base``) steps up to its next
+valid DP while every concurrent set it is in stays within its share of the pool,
+``⌊devices of the set in base × n / n_plan⌋`` (so a set the plan left partly idle on purpose
+stays so, and a rescale to the devices the plan spans is the plan; a plan that leaves some pool
+device idle in every set is filled into it). Without this a pool growing from 24 to 64 devices
+left a quarter of them idle: training DP must divide the
 mini-batch, so ``floor(1 × 64/24) = 2`` was the critic's DP and ``floor(2 × 64/24) = 5`` the
 actor's, stepped down to 4, 48 devices of 64 (``scripts/bench_sim.py``, A100 ramp, 2026-12-04).
 """
@@ -78,7 +79,7 @@ def _fill(problem: PlanProblem, base: Plan, dps: dict, sets, n: int, n_plan: int
     ``base`` first, while every concurrent set it is in stays within its share of the pool,
     ``min(n, ⌊devices of the set in base × n / n_plan⌋)`` (in place): devices the floors left
     idle are used, and a rescale to the devices the plan spans returns the plan."""
-    budgets = [min(n, sum(base[m].tp * base[m].pp * base[m].dp for m in group) * n // n_plan) for group in sets]
+    budgets = [min(n, sum(base[m].size for m in group) * n // n_plan) for group in sets]
 
     def size(m, dp):
         return base[m].tp * base[m].pp * dp
