@@ -6,6 +6,7 @@ persisted (W&B's run file, MLflow's store) — including a resumed nereusd conti
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -142,7 +143,11 @@ def _wandb_history(run_dir: Path, run_id: str, record_type: str = "history") -> 
     from wandb.proto import wandb_internal_pb2 as pb
 
     rows = []
-    for path in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    # a run resumed in the same second as it started gets the directory name with "-1" appended
+    # (W&B 0.31): that one is later, and sorts after it
+    paths = [p for p in run_dir.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb")
+             if re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", p.parent.name)]
+    for path in sorted(paths):
         data, pos, block, pending = path.read_bytes(), 7, 32768, b""
         assert data[:4] == b":W&B"
         while pos + 7 <= len(data):
