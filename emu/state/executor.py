@@ -165,7 +165,7 @@ class TransitionExecutor:
     def _run_one(self, op_id: str) -> OpTiming:
         op = self.dag.op(op_id)
         start = time.time()
-        run_op(op, self.device, self.store, self.comms, self.specs)
+        run_op(op, self.device, self.store, self.comms, self.specs, self.dag.staging_bytes)
         end = time.time()
         with self._lock:
             self.done.add(op_id)

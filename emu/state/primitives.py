@@ -11,12 +11,15 @@ device, are those of :mod:`nereusd.transition.ops`:
   ``all_gather_single`` (all-gather into one tensor) of the flat buffers on the group's communicator; otherwise each
   sender sends its flat buffer to each receiver point-to-point on that communicator. Receivers
   then copy the pieces into place; the ``T`` holding is freed only after the new one is whole.
+  When that would stage more than the DAG's ``staging_bytes`` on some member (holdings of a
+  real model: gigabytes), the receivers allocate their new holding first and the pieces it
+  needs move straight into it, in rounds of pairwise exchanges, one chunk at a time.
 * **Extend** — rank-aligned broadcast on one communicator per ``(source, target)`` pair: the
   source's flat buffer is sent once, as one contiguous buffer, straight into the target's new
   holding (plus the 5 integers of :class:`emu.state.unit.LogicalState`).
 * **Merge** — local slicing of the resident ``T_sub`` holding into the ``T*`` holding; only
   pieces a device lacks (k/v projections replicated by ``T*``) travel, point-to-point on a pair
-  communicator.
+  communicator, in chunks of at most ``staging_bytes``.
 * **Destroy** — drop a holding and release its booked memory; no collective.
 * **Create** — a zeroed holding for a model-stage that joins the plan.
 
@@ -24,7 +27,9 @@ Memory: every holding and staging buffer is booked on the worker's
 :class:`emu.state.devmem.DeviceMemory` before it is allocated (entries ``emu <tp>x<pp> <pp_rank>,<tp_rank>``
 and ``staging <op id>``), so a transition that does not fit fails with
 :class:`nereusd.errors.DeviceOutOfMemory` before allocating, exactly where a GPU would.
-Staging is the bytes received by the op (not chunked).
+Staging never exceeds the DAG's ``staging_bytes`` (:attr:`TransitionDag.staging_bytes`, what the
+memory model counts, :mod:`nereusd.transition.memory`), except that a chunk holds at least one
+index of a parameter's sliced dimension.
 """
 
 from __future__ import annotations
@@ -43,10 +48,10 @@ from emu.state.unit import EmuShard, LogicalState, narrow_piece, nbytes_of, shar
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage
-from nereusd.shards import Position, Shard
+from nereusd.shards import Position, Shard, shards_of
 from nereusd.transition.comms import communicator_plan, gather_groups, op_communicators  # noqa: F401 (re-exported)
 from nereusd.transition.memory import split_all_gathers
-from nereusd.transition.ops import Op, OpKind, TransitionDag
+from nereusd.transition.ops import STAGING_BYTES, Op, OpKind, TransitionDag
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +253,10 @@ def _union_covers(pieces: list[Shard], need: Shard) -> bool:
     return reach >= need.stop
 
 
-def split(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
-    """This device's part of a Split (module docstring)."""
+def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_bytes: int = STAGING_BYTES) -> None:
+    """This device's part of a Split (module docstring). When some member of this device's gather
+    group would stage more than ``staging_bytes`` at once, the group moves the pieces one chunk at
+    a time instead (:func:`_split_chunked`)."""
     ms, T, S = op.model_stage, op.source_layout, op.target_layout
     pos_of = dict(zip(op.source_devices, op.source_positions))
     sub_of = dict(zip(op.target_devices, op.target_positions))
@@ -260,9 +267,19 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
     own = store.get(ms, T, pos_of[me])
     group = comms.get(op.id, mine)
     sizes = {y: nbytes_of(own.spec, own.value_head, T, pos_of[y], len(own.slots)) // 4 for y in mine}
+    gathers = split_all_gathers([(y, pos_of[y]) for y in mine], receivers, lambda p: sizes[_dev_at(pos_of, p)])
+
+    def staged_bytes(y: int) -> int:   # what member y stages unchunked (the memory model's split_staging_elements)
+        if gathers:
+            return 4 * len(mine) * sizes[y]
+        return 4 * sum(sizes[z] for z in mine if z != y) if y in receivers else 0
+
+    if max(staged_bytes(y) for y in mine) > staging_bytes:   # the same choice on every member
+        _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
+        return
     peers: list[EmuShard] = []
     staging = f"staging {op.id}"
-    if split_all_gathers([(y, pos_of[y]) for y in mine], receivers, lambda p: sizes[_dev_at(pos_of, p)]):
+    if gathers:
         store.memory.allocate(str(ms), staging, own.nbytes * len(mine))
         out = torch.empty(own.numel * len(mine), dtype=torch.float32, device=own.buffer.device)
         all_gather_single(out, own.buffer, group=group)
@@ -298,6 +315,127 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
         store.memory.free(str(ms), staging)
 
 
+def split_pieces(op: Op, members: list[int], spec: ModelSpec, value_head: bool) -> list[tuple[int, int, Shard]]:
+    """``(src, dst, piece)`` that fill the new holdings of the receivers among ``members`` (one
+    gather group of the Split ``op``): per receiver in group order, its own holding's parts first,
+    then its peers' in group order, each part taken once (as :func:`_assemble` takes them). Every
+    member computes the same list, which fixes the order of the transfers.
+
+    Raises:
+        NereusError: if the group's holdings do not cover a receiver's new holding.
+    """
+    T, S = op.source_layout, op.target_layout
+    pos_of = dict(zip(op.source_devices, op.source_positions))
+    sub_of = dict(zip(op.target_devices, op.target_positions))
+    out: list[tuple[int, int, Shard]] = []
+    for dst in (x for x in members if x in sub_of):
+        need = {s.name: s for s in shards_of(spec, S, sub_of[dst], value_head)}
+        filled: dict[str, list[Shard]] = {}
+        for src in [dst, *(y for y in members if y != dst)]:
+            for s in shards_of(spec, T, pos_of[src], value_head):
+                m = need.get(s.name)
+                if m is None:
+                    continue
+                piece = m if s.contains(m) else s if m.contains(s) else None
+                if piece is None or _covered(filled, piece):
+                    continue
+                out.append((src, dst, piece))
+                filled.setdefault(s.name, []).append(piece)
+        for m in need.values():
+            if not _covered(filled, m) and not _union_covers(filled.get(m.name, []), m):
+                raise NereusError(f"{op.id}: device {dst} would not receive {m.name}[{m.start}:{m.stop}]")
+    return out
+
+
+def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: HoldingStore,
+                   group: dist.ProcessGroup, comms: Communicators, staging_bytes: int) -> None:
+    """A Split whose exchange would stage more than ``staging_bytes``: a receiver allocates its new
+    holding first and fills its own parts; then, in rounds ``r = 1 … k−1`` over the ``k``
+    members, each member sends to the member ``r`` after it and receives from the one ``r``
+    before it, at once, the pieces of :func:`split_pieces` between them, one chunk of at most
+    ``staging_bytes / 2`` each way at a time (:func:`_exchange`); the ``T`` holding is freed at
+    the end. Rounds keep every link busy as the all-gather would: a member sends and receives
+    ``k − 1`` holdings' worth in ``k − 1`` rounds."""
+    ms = op.model_stage
+    sub_of = dict(zip(op.target_devices, op.target_positions))
+    new = store.allocate(own, op.target_layout, sub_of[me], own.logical) if me in sub_of else None
+    pieces = split_pieces(op, members, own.spec, own.value_head)
+    for src, dst, piece in pieces:
+        if src == dst == me:
+            new.fill_from(own, piece)
+    k, at, n_slots = len(members), members.index(me), len(own.slots)
+    for r in range(1, k):
+        to, frm = members[(at + r) % k], members[(at - r) % k]
+        out = [c for s, d, p in pieces if s == me and d == to for c in _chunks(p, n_slots, staging_bytes // 2)]
+        inc = [c for s, d, p in pieces if s == frm and d == me for c in _chunks(p, n_slots, staging_bytes // 2)]
+        _exchange(op.id, out, to, inc, frm, own, new, group, comms, store)
+    if new is not None:
+        store.pop(ms, own.layout, own.position)
+        store.put(new)
+
+
+def _exchange(op_id: str, out: list[Shard], to: int, inc: list[Shard], frm: int, holding: EmuShard,
+              into: Optional[EmuShard], group: dist.ProcessGroup, comms: Communicators,
+              store: HoldingStore) -> None:
+    """Send the chunks ``out`` of ``holding`` to ``to`` while receiving the chunks ``inc`` from
+    ``frm`` into ``into``: the ``j``-th of each at once, both booked as ``staging <op id>`` while
+    live. Both ends of a pair list the same chunks, so their ``j``-th sends and receives match."""
+    ms, staging, n_slots = str(holding.model_stage), f"staging {op_id}", len(holding.slots)
+    for j in range(max(len(out), len(inc))):
+        send = out[j] if j < len(out) else None
+        recv = inc[j] if j < len(inc) else None
+        store.memory.allocate(ms, staging, 4 * n_slots * sum(c.numel for c in (send, recv) if c is not None))
+        try:
+            works, buf = [], None
+            if send is not None:
+                data = _piece(holding, send).contiguous()
+                works.append(dist.isend(data, dst=comms.rank_of(to), group=group))
+            if recv is not None:
+                buf = torch.empty(n_slots, *shard_shape(recv), dtype=torch.float32, device=into.buffer.device)
+                works.append(dist.irecv(buf, src=comms.rank_of(frm), group=group))
+            with peer_wait():
+                for w in works:
+                    w.wait()
+            if recv is not None:
+                into.fill_from(into, recv, buf)
+        finally:
+            store.memory.free(ms, staging)
+
+
+def _chunks(piece: Shard, n_slots: int, staging_bytes: int) -> list[Shard]:
+    """``piece`` cut along its dimension into slices of at most ``staging_bytes`` of fp32 data over
+    ``n_slots`` slots (at least one index of that dimension each)."""
+    length = piece.stop - piece.start
+    per_index = 4 * n_slots * (piece.numel // max(1, length))
+    step = max(1, staging_bytes // max(1, per_index))
+    if step >= length:
+        return [piece]
+    return [Shard(piece.name, piece.dim, a, min(a + step, piece.stop), piece.full_shape)
+            for a in range(piece.start, piece.stop, step)]
+
+
+def _transfer(op_id: str, piece: Shard, src: int, dst: int, me: int, holding: EmuShard,
+              into: Optional[EmuShard], group: dist.ProcessGroup, comms: Communicators,
+              store: HoldingStore, staging_bytes: int) -> None:
+    """Move ``piece`` from ``holding`` on ``src`` into ``into`` on ``dst``, chunk by chunk
+    (:func:`_chunks`), each a blocking send or receive booked as ``staging <op id>`` while it is
+    live. Every device walks its transfers in one order shared by all (route or
+    :func:`split_pieces` order), so the earliest unfinished transfer always has both ends waiting
+    on it: no deadlock."""
+    ms, staging, n_slots = str(holding.model_stage), f"staging {op_id}", len(holding.slots)
+    for chunk in _chunks(piece, n_slots, staging_bytes):
+        store.memory.allocate(ms, staging, 4 * n_slots * chunk.numel)
+        try:
+            if me == src:
+                dist.send(_piece(holding, chunk).contiguous(), dst=comms.rank_of(dst), group=group)
+            else:
+                buf = torch.empty(n_slots, *shard_shape(chunk), dtype=torch.float32, device=into.buffer.device)
+                dist.recv(buf, src=comms.rank_of(src), group=group)
+                into.fill_from(into, chunk, buf)
+        finally:
+            store.memory.free(ms, staging)
+
+
 def extend(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Specs) -> None:
     """This device's part of an Extend: one broadcast per rank-aligned pair it is in."""
     ms, S = op.model_stage, op.source_layout
@@ -325,43 +463,24 @@ def extend(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Sp
         store.put(shard)
 
 
-def merge(op: Op, me: int, store: HoldingStore, comms: Communicators) -> None:
-    """This device's part of a Merge: slice the resident ``T_sub`` holding, receive what is lacking."""
+def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_bytes: int = STAGING_BYTES) -> None:
+    """This device's part of a Merge: allocate the ``T*`` holding, slice the resident ``T_sub``
+    holding into it, and receive what is lacking (routes in their order, chunk by chunk:
+    :func:`_transfer`); then free the ``T_sub`` holding."""
     if me not in op.source_devices:
         return
     ms, S, Tt = op.model_stage, op.source_layout, op.target_layout
     src_pos = dict(zip(op.source_devices, op.source_positions))
     own = store.get(ms, S, src_pos[me])
-    remote = [r for r in op.routes if r.src != r.dst and me in (r.src, r.dst)]
-    staging = f"staging {op.id}"
-    n_slots = len(own.slots)
-    store.memory.allocate(str(ms), staging, 4 * n_slots * sum(r.shard.numel for r in remote if r.dst == me))
-    try:
-        works, received = [], []
-        for r in remote:  # route order is the same on both ends
-            group = comms.get(op.id, (r.src, r.dst))
-            if r.src == me:
-                data = _piece(own, r.shard).contiguous()
-                works.append(dist.isend(data, dst=comms.rank_of(r.dst), group=group))
-                received.append(data)  # keep alive until sent
-            else:
-                buf = torch.empty(n_slots, *shard_shape(r.shard), dtype=torch.float32, device=own.buffer.device)
-                works.append(dist.irecv(buf, src=comms.rank_of(r.src), group=group))
-                received.append((r.shard, buf))
-        with peer_wait():
-            for w in works:
-                w.wait()
-        new = store.allocate(own, Tt, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
-        for r in op.routes:
-            if r.src == r.dst == me:
-                new.fill_from(own, r.shard)
-        for item in received:
-            if isinstance(item, tuple):
-                new.fill_from(own, item[0], item[1])
-        store.pop(ms, S, src_pos[me])
-        store.put(new)
-    finally:
-        store.memory.free(str(ms), staging)
+    new = store.allocate(own, Tt, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
+    for r in op.routes:  # route order is the same on every device
+        if r.src == r.dst == me:
+            new.fill_from(own, r.shard)
+        elif me in (r.src, r.dst):
+            _transfer(op.id, r.shard, r.src, r.dst, me, own, new, comms.get(op.id, (r.src, r.dst)), comms,
+                      store, staging_bytes)
+    store.pop(ms, S, src_pos[me])
+    store.put(new)
 
 
 def _dev_at(pos_of: dict[int, Position], position: Position) -> int:
@@ -389,16 +508,18 @@ def create(op: Op, me: int, store: HoldingStore, specs: Specs) -> None:
             store.put(shard)
 
 
-def run_op(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Specs) -> None:
-    """Run this device's part of ``op`` (no-op when the device is not in it)."""
+def run_op(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Specs,
+           staging_bytes: int = STAGING_BYTES) -> None:
+    """Run this device's part of ``op`` (no-op when the device is not in it), staging at most
+    ``staging_bytes`` at a time in a Split or Merge (:attr:`TransitionDag.staging_bytes`)."""
     if me not in op.devices and not any(me in (r.src, r.dst) for r in op.routes):
         return
     if op.kind is OpKind.SPLIT:
-        split(op, me, store, comms)
+        split(op, me, store, comms, staging_bytes)
     elif op.kind is OpKind.EXTEND:
         extend(op, me, store, comms, specs)
     elif op.kind is OpKind.MERGE:
-        merge(op, me, store, comms)
+        merge(op, me, store, comms, staging_bytes)
     elif op.kind is OpKind.DESTROY:
         destroy(op, me, store)
     else:

@@ -109,7 +109,9 @@ def plan_transition(
             prefers a sender on the receiver's node.
         state, budget: with both, release-before-acquire edges are added on every device whose
             worst case exceeds the budget (:func:`~nereusd.transition.memory.tight_devices`);
-            without, only at hand-overs of devices between model-stages.
+            without, only at hand-overs of devices between model-stages. The budget's
+            ``collective_buffer_bytes`` becomes the DAG's ``staging_bytes`` (default
+            :data:`~nereusd.transition.ops.STAGING_BYTES`).
         check: run :func:`~nereusd.transition.dag.validate` on the result.
 
     Returns:
@@ -133,6 +135,8 @@ def plan_transition(
         devices = tight_devices((op for ops, _ in local for op in ops), current, state, budget)
         tight = devices.__contains__
     dag = join(current, target, local, tight=tight)
+    if budget is not None:
+        dag = dataclasses.replace(dag, staging_bytes=budget.collective_buffer_bytes)
     if check:
         validate(dag)
     # DEBUG: admission builds a DAG for every target it assesses; the one executed is logged by

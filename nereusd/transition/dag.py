@@ -4,7 +4,8 @@ Joining. Local DAGs (one per model-stage, :mod:`nereusd.transition.local`) are c
 canonical model-stage order (generation → inference → training, then role) and joined with
 *release-before-acquire* edges: an op that acquires memory on a device (Extend and Create on
 their target devices, Split on its receivers) waits for the ops that release memory there
-(Destroy, Merge). Stage order breaks ties: acquisitions are joined from the last stage to the
+(Destroy, Merge, and a Split on its receivers: two Splits on one tight device, which each
+allocate before they free, run one after the other). Stage order breaks ties: acquisitions are joined from the last stage to the
 first, so when two hand-overs would wait on each other the earlier stage proceeds and the later
 one waits; the topological order runs ready releases first, then generation → inference →
 training. An edge ``release → acquire`` is added only when ``acquire`` does not
@@ -13,7 +14,7 @@ acquisition is never chosen), so the DAG stays acyclic by construction; :func:`j
 
 Which pairs are joined: without a memory model (``tight=None``) every device that passes from
 one model-stage to another is handed over (cross-model-stage pairs only, as in the paper's
-examples: critic Extend onto GPU 10 waits for actor Destroy). With a memory model
+examples: critic Extend onto GPU 10 waits for actor Destroy; a Split hands over nothing). With a memory model
 (:func:`nereusd.transition.memory.tight_devices`) only devices whose worst case — everything
 acquired while nothing is released — exceeds the budget are joined, for every pair on them.
 
@@ -46,9 +47,12 @@ def acquires(op: Op) -> tuple[int, ...]:
 
 
 def releases(op: Op) -> tuple[int, ...]:
-    """Devices on which ``op`` frees state: Destroy sources, Merge devices."""
+    """Devices on which ``op`` frees state: Destroy sources, Merge devices, Split receivers (their
+    ``T`` holding, once the ``T_sub`` one is whole)."""
     if op.kind in (OpKind.DESTROY, OpKind.MERGE):
         return op.source_devices
+    if op.kind is OpKind.SPLIT:
+        return op.target_devices
     return ()
 
 
@@ -120,8 +124,8 @@ def join(
             for r in releasing[d]:
                 if r == a or reach.reaches(r, a):
                     continue
-                if tight is None and ops[r].model_stage == op.model_stage:
-                    continue
+                if tight is None and (ops[r].model_stage == op.model_stage or ops[r].kind is OpKind.SPLIT):
+                    continue   # hand-overs only: a Split's receivers keep their model-stage
                 if reach.reaches(a, r):
                     skipped += 1
                     continue

@@ -10,10 +10,14 @@ Accounting, per op and device (bytes):
 
 * ``alloc`` — new holdings, allocated when the op starts (Split receivers: the ``T_sub``
   shard; Extend targets: the copy; Merge: the ``T*`` slice; Create: the unit);
-* ``transient`` — staging buffers live only during the op, capped at
-  ``collective_buffer_bytes``: for a Split what the executor stages (:func:`split_staging_elements`:
-  the all-gather output, or the peers' whole holdings a receiver takes point-to-point); for a
-  Merge the pieces sent plus those received; otherwise the larger of bytes sent and received;
+* ``transient`` — staging buffers live only during the op, capped at the DAG's
+  ``staging_bytes`` (the budget's ``collective_buffer_bytes``): for a Split what the executor
+  stages (:func:`split_staging_elements`: the all-gather output, or the peers' whole holdings a
+  receiver takes point-to-point); for a Merge the pieces sent plus those received; otherwise the
+  larger of bytes sent and received. The cap is the executor's: an exchange larger than it moves
+  piece by piece in chunks of at most ``staging_bytes`` (``emu.state.primitives``; one index of a
+  parameter's sliced dimension is the smallest chunk), with the new holding allocated first;
+  Extend receives straight into the new holding and stages nothing of its own;
 * ``free`` — holdings released when the op ends (Split receivers: the ``T`` shard; Merge: the
   ``T_sub`` shard; Destroy: what it frees).
 
@@ -36,11 +40,9 @@ from nereusd.cost.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dty
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
 from nereusd.shards import Position, shard_elements, value_head_for
-from nereusd.transition.ops import Op, OpKind, TransitionDag
+from nereusd.transition.ops import STAGING_BYTES, Op, OpKind, TransitionDag
 
 log = logging.getLogger(__name__)
-
-MIB = 1 << 20
 
 
 class StateSizes(Protocol):
@@ -144,8 +146,10 @@ class MemoryBudget:
     """Bytes held by the framework on every device of either plan (``memory.WORKSPACE_BYTES``)."""
     reserved_bytes: Mapping[int, int] = field(default_factory=dict)
     """Further bytes per device held by other things than model state."""
-    collective_buffer_bytes: int = 64 * MIB
-    """Largest staging buffer one collective needs on one device."""
+    collective_buffer_bytes: int = STAGING_BYTES
+    """The most one op stages on one device at a time: :func:`nereusd.transition.plan_transition`
+    writes it into the DAG (:attr:`~nereusd.transition.ops.TransitionDag.staging_bytes`), and the
+    executor moves larger exchanges in chunks of at most this size."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
@@ -157,7 +161,7 @@ class MemoryBudget:
             raise PlanError("collective_buffer_bytes, workspace_bytes and reserved_bytes must be >= 0")
 
     @classmethod
-    def from_site(cls, site, *, collective_buffer_bytes: int = 64 * MIB) -> "MemoryBudget":
+    def from_site(cls, site, *, collective_buffer_bytes: int = STAGING_BYTES) -> "MemoryBudget":
         """From a ``nereusd.config.site.SiteConfig``: its device capacity, the memory model's headroom
         and the framework workspace of its device kind."""
         return cls(capacity_bytes=site.device_memory_bytes, headroom=HEADROOM,
@@ -356,6 +360,9 @@ def check_feasibility(
 ) -> FeasibilityReport:
     """Walk ``order`` (default: the DAG's topological order) and account every device's bytes.
 
+    Staging is capped at ``dag.staging_bytes``, what the executor stages (the budget's
+    ``collective_buffer_bytes`` when :func:`nereusd.transition.plan_transition` had the budget).
+
     Returns:
         A report with the first :class:`MemoryViolation` (``None`` if the walk fits), the peak
         and final bytes per device (reserved bytes included; the walk continues past a
@@ -381,7 +388,7 @@ def check_feasibility(
             violation = MemoryViolation(None, x, ",".join(map(str, owners)), 0, in_use[x], limit)
     for op_id in order:
         op = dag.op(op_id)
-        for x, (alloc, transient, free) in sorted(state.op_bytes(op, budget.collective_buffer_bytes).items()):
+        for x, (alloc, transient, free) in sorted(state.op_bytes(op, dag.staging_bytes).items()):
             during = in_use[x] + alloc + transient
             if during > limit and violation is None:
                 violation = MemoryViolation(op_id, x, str(op.model_stage), alloc + transient,

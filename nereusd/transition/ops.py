@@ -49,6 +49,10 @@ from nereusd.shards import Position, Shard
 SCHEMA_VERSION = 1
 """Version of the JSON form of :class:`TransitionDag`; a reader refuses any other."""
 
+STAGING_BYTES = 64 << 20
+"""Default :attr:`TransitionDag.staging_bytes`: the most one op stages on one device at a time
+(``nereusd.transition.memory.MemoryBudget.collective_buffer_bytes``)."""
+
 
 class OpKind(str, enum.Enum):
     """The primitives of paper §5.2, plus ``create`` for a model-stage that joins the plan."""
@@ -269,16 +273,27 @@ class TransitionDag:
 
     ``ops`` are in construction order (model-stages in canonical order, each local DAG in
     Split → Destroy → Extend → Destroy → Merge order); ``edges`` hold the local state
-    dependencies and the release-before-acquire edges between them.
+    dependencies and the release-before-acquire edges between them. ``staging_bytes`` bounds
+    the buffers one op stages on one device at a time: the executor moves larger exchanges in
+    chunks (``emu.state.primitives``), and the memory check counts at most this much
+    (:func:`nereusd.transition.memory.check_feasibility`); :func:`nereusd.transition.plan_transition`
+    sets it from the budget's ``collective_buffer_bytes``.
+
+    Raises:
+        PlanError: on an op id used twice, an edge naming an unknown op, or a negative
+            ``staging_bytes``.
     """
 
     current: Plan
     target: Plan
     ops: tuple[Op, ...]
     edges: tuple[Edge, ...]
+    staging_bytes: int = STAGING_BYTES
     _index: Mapping[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.staging_bytes, bool) or not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
+            raise PlanError(f"transition DAG: staging_bytes must be an integer >= 0, got {self.staging_bytes!r}")
         index: dict[str, int] = {}
         for i, op in enumerate(self.ops):
             if op.id in index:
@@ -333,7 +348,8 @@ class TransitionDag:
         for d, ops in mine.items():
             ids = {op.id for op in ops}
             edges = tuple(e for op in ops for e in by_src.get(op.id, ()) if e.dst in ids)
-            out[d] = TransitionDag(current=self.current, target=self.target, ops=tuple(ops), edges=edges)
+            out[d] = TransitionDag(current=self.current, target=self.target, ops=tuple(ops), edges=edges,
+                                   staging_bytes=self.staging_bytes)
         return out
 
     def ops_of(self, model_stage: ModelStage) -> list[Op]:
@@ -354,11 +370,14 @@ class TransitionDag:
             "target": self.target.to_dict(),
             "ops": [op.to_dict() for op in self.ops],
             "edges": [[e.src, e.dst, e.reason.value] for e in self.edges],
+            "staging_bytes": self.staging_bytes,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TransitionDag":
         """Inverse of :meth:`to_dict`.
+
+        ``staging_bytes`` may be absent (a DAG written before it existed): :data:`STAGING_BYTES`.
 
         Raises:
             PlanError: on another schema version, unknown or missing fields, or bad values.
@@ -368,7 +387,7 @@ class TransitionDag:
         if data.get("version") != SCHEMA_VERSION:
             raise PlanError(f"transition DAG: schema version {data.get('version')!r}, "
                             f"expected {SCHEMA_VERSION}")
-        unknown = sorted(set(data) - {"version", "current", "target", "ops", "edges"})
+        unknown = sorted(set(data) - {"version", "current", "target", "ops", "edges", "staging_bytes"})
         if unknown:
             raise PlanError(f"transition DAG: unknown field {unknown[0]!r}")
         try:
@@ -378,6 +397,7 @@ class TransitionDag:
                 target=Plan.from_dict(data["target"]),
                 ops=tuple(Op.from_dict(o) for o in data["ops"]),
                 edges=edges,
+                staging_bytes=data.get("staging_bytes", STAGING_BYTES),
             )
         except KeyError as err:
             raise PlanError(f"transition DAG: missing field {err}") from None
@@ -396,7 +416,8 @@ class TransitionDag:
         ops = ",".join(cache[op.id] if op.id in cache else cache.setdefault(
             op.id, json.dumps(op.to_dict(), separators=(",", ":"), sort_keys=True)) for op in self.ops)
         edges = json.dumps([[e.src, e.dst, e.reason.value] for e in self.edges], separators=(",", ":"))
-        return f'{{"edges":{edges},"ops":[{ops}],"version":{json.dumps(SCHEMA_VERSION)}}}'
+        return (f'{{"edges":{edges},"ops":[{ops}],"staging_bytes":{int(self.staging_bytes)},'
+                f'"version":{json.dumps(SCHEMA_VERSION)}}}')
 
 
     def plans_json(self) -> str:

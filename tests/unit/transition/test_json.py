@@ -40,7 +40,7 @@ def test_round_trip_is_exact(dag):
 def test_json_is_plain_and_versioned(dag):
     data = json.loads(dag.to_json())
     assert data["version"] == SCHEMA_VERSION
-    assert set(data) == {"version", "current", "target", "ops", "edges"}
+    assert set(data) == {"version", "current", "target", "ops", "edges", "staging_bytes"}
     extend = next(o for o in data["ops"] if o["kind"] == "extend")
     src, dst, shard = extend["routes"][0]
     assert isinstance(src, int) and isinstance(dst, int) and shard[0].startswith("model.")
@@ -58,6 +58,8 @@ def test_json_is_plain_and_versioned(dag):
     (lambda d: d["edges"].append(["a", "b", "state"]), "names unknown op 'a'"),
     (lambda d: d["edges"].append([d["ops"][0]["id"], d["ops"][1]["id"], "whim"]), "malformed"),
     (lambda d: d.pop("edges"), "missing field 'edges'"),
+    (lambda d: d.update(staging_bytes=-1), "staging_bytes must be an integer >= 0"),
+    (lambda d: d.update(staging_bytes="64M"), "staging_bytes must be an integer >= 0"),
 ])
 def test_malformed_json_is_refused(dag, mutate, message):
     data = json.loads(dag.to_json())
@@ -71,3 +73,20 @@ def test_not_json_is_refused():
         TransitionDag.from_json("{")
     with pytest.raises(PlanError, match="expected an object"):
         TransitionDag.from_json("[]")
+
+
+def test_the_staging_bound_travels_with_the_dag_and_its_slices(dag):
+    """The executor stages what the memory model counted: the budget's bound rides in the DAG,
+    in its worker slices (sent without their plans) and in older JSON without it (the default)."""
+    from nereusd.transition import MemoryBudget, StateModel, AdamStateSizes
+    from nereusd.transition.ops import STAGING_BYTES
+    budget = MemoryBudget(capacity_bytes=10**9, collective_buffer_bytes=4096)
+    planned = plan_transition(dag.current, dag.target, MODELS, devices_per_node=4,
+                              state=StateModel(MODELS, AdamStateSizes()), budget=budget)
+    assert planned.staging_bytes == 4096 and dag.staging_bytes == STAGING_BYTES
+    for part in planned.slices(planned.target.devices()).values():
+        back = TransitionDag.from_json(part.to_json(plans=False), plans=part.plans_json())
+        assert back.staging_bytes == 4096
+    data = json.loads(planned.to_json())
+    del data["staging_bytes"]
+    assert TransitionDag.from_dict(data).staging_bytes == STAGING_BYTES

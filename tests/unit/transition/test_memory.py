@@ -40,8 +40,8 @@ def test_sizes_per_element():
 
 def test_device_move_peaks_and_final_bytes():
     cur, tgt = Plan({AT: Candidate(1, 1, 1, (0,))}), Plan({AT: Candidate(1, 1, 1, (1,))})
-    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4)
     budget = MemoryBudget(capacity_bytes=10**7, collective_buffer_bytes=1_000)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     report = check_feasibility(dag, STATE, budget)
     assert report.feasible and report.order == ("actor/training:extend0", "actor/training:destroy0")
     # During the Extend both ends hold a 1,000-byte staging buffer; the copy lands on device 1.
@@ -53,9 +53,9 @@ def test_first_violation_names_op_device_and_bytes():
     """The critic already fills most of device 1, so the actor's copy does not fit there."""
     cur = Plan({AT: Candidate(1, 1, 1, (0,)), CT: Candidate(1, 1, 1, (1,))})
     tgt = Plan({AT: Candidate(1, 1, 1, (1,)), CT: Candidate(1, 1, 1, (1,))})
-    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4)
     limit = 14 * CRITIC + 14 * P + 999  # one byte short of copy + staging
     budget = MemoryBudget(capacity_bytes=limit, headroom=0.0, collective_buffer_bytes=1_000)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     v = check_feasibility(dag, STATE, budget).violation
     assert (v.op_id, v.device, v.model_stage) == ("actor/training:extend0", 1, "actor/training")
     assert (v.needed_bytes, v.in_use_bytes, v.limit_bytes) == (14 * P + 1_000, 14 * CRITIC, limit)
@@ -92,9 +92,9 @@ def test_tight_devices_get_release_before_acquire_inside_a_model_stage():
 def test_co_resident_model_stages_are_counted():
     cur = Plan({AG: Candidate(1, 1, 1, (0,)), AT: Candidate(1, 1, 1, (0,))})
     tgt = Plan({AG: Candidate(1, 1, 2, (0, 1)), AT: Candidate(1, 1, 1, (0,))})
-    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4)
-    report = check_feasibility(dag, STATE, MemoryBudget(capacity_bytes=10**8, collective_buffer_bytes=0,
-                                                        workspace_bytes=7, reserved_bytes={1: 5}))
+    budget = MemoryBudget(capacity_bytes=10**8, collective_buffer_bytes=0, workspace_bytes=7, reserved_bytes={1: 5})
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    report = check_feasibility(dag, STATE, budget)
     assert report.final_bytes == {0: 2 * P + 14 * P + 7, 1: 2 * P + 12}
 
 
@@ -107,3 +107,21 @@ def test_budget_checks_and_site_defaults():
     b = MemoryBudget.from_site(site)
     assert b.capacity_bytes == 512 * 2**20 and b.headroom == 0.1 and b.workspace_bytes == 16 << 20
     assert b.limit_bytes == int(0.9 * 512 * 2**20)
+
+
+def test_two_splits_on_a_tight_device_run_one_after_the_other():
+    """A Split allocates its receivers' ``T_sub`` holding before it frees their ``T`` one. Two
+    of them on one device whose worst case does not fit (both new holdings with both old
+    ones) must not run at once: the join orders them, as the walk that found them feasible
+    did (the executor runs the ops of a level concurrently)."""
+    cur = Plan({AG: Candidate(2, 1, 1, (0, 1)), AT: Candidate(2, 1, 1, (0, 1))})
+    tgt = Plan({AG: Candidate(1, 1, 2, (0, 1)), AT: Candidate(1, 1, 2, (0, 1))})
+    limit = 14 * P_TP2 + 16 * P + P_TP2   # the walk's peak, 14·P_TP2 + 16·P, fits; both at once do not
+    budget = MemoryBudget(capacity_bytes=limit, headroom=0.0, collective_buffer_bytes=0)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    splits = sorted(op.id for op in dag.ops if op.kind.value == "split")
+    assert splits == ["actor/generation:split0", "actor/training:split0"]
+    resource = {(e.src, e.dst) for e in dag.edges if e.reason is EdgeReason.RESOURCE}
+    assert ("actor/generation:split0", "actor/training:split0") in resource
+    report = check_feasibility(dag, STATE, budget)
+    assert report.feasible and report.peak_bytes[0] == 14 * P_TP2 + 16 * P
