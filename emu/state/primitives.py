@@ -28,15 +28,18 @@ Memory: every holding and staging buffer is booked on the worker's
 and ``staging <op id>``), so a transition that does not fit fails with
 :class:`nereusd.errors.DeviceOutOfMemory` before allocating, exactly where a GPU would.
 Staging never exceeds the DAG's ``staging_bytes`` (:attr:`TransitionDag.staging_bytes`, what the
-memory model counts, :mod:`nereusd.transition.memory`), except that a chunk holds at least one
-index of a parameter's sliced dimension.
+memory model counts, :mod:`nereusd.transition.memory`) as long as that is at least two indices of
+a parameter's sliced dimension (a chunk holds one at least, and an exchange moves one chunk each
+way): under 2 MB for any model here, against the 64 MiB default. A peer lost mid-exchange leaves
+no booking behind for the new holding it was filling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -257,9 +260,8 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     """This device's part of a Split (module docstring). When some member of this device's gather
     group would stage more than ``staging_bytes`` at once, the group moves the pieces one chunk at
     a time instead (:func:`_split_chunked`)."""
-    ms, T, S = op.model_stage, op.source_layout, op.target_layout
+    ms, T = op.model_stage, op.source_layout
     pos_of = dict(zip(op.source_devices, op.source_positions))
-    sub_of = dict(zip(op.target_devices, op.target_positions))
     receivers = set(op.target_devices)
     mine = next((g for g in gather_groups(op) if me in g), None)
     if mine is None:
@@ -277,8 +279,22 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     if max(staged_bytes(y) for y in mine) > staging_bytes:   # the same choice on every member
         _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
         return
-    peers: list[EmuShard] = []
     staging = f"staging {op.id}"
+    try:
+        _split_whole(op, me, mine, own, store, group, comms, gathers, sizes, staging)
+    finally:
+        store.memory.free(str(ms), staging)
+
+
+def _split_whole(op: Op, me: int, mine: list[int], own: EmuShard, store: HoldingStore, group: dist.ProcessGroup,
+                 comms: Communicators, gathers: bool, sizes: dict[int, int], staging: str) -> None:
+    """A Split that stages every piece at once: one all-gather of the flat buffers, or each
+    sender's whole buffer to each receiver; then the receivers assemble their new holding."""
+    ms, T, S = op.model_stage, op.source_layout, op.target_layout
+    pos_of = dict(zip(op.source_devices, op.source_positions))
+    sub_of = dict(zip(op.target_devices, op.target_positions))
+    receivers = set(op.target_devices)
+    peers: list[EmuShard] = []
     if gathers:
         store.memory.allocate(str(ms), staging, own.nbytes * len(mine))
         out = torch.empty(own.numel * len(mine), dtype=torch.float32, device=own.buffer.device)
@@ -291,28 +307,24 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     else:
         recv_from = [y for y in mine if y != me] if me in receivers else []
         store.memory.allocate(str(ms), staging, 4 * sum(sizes[y] for y in recv_from))
-        works = []
+        p2p = []
         for y in mine:  # deterministic order on both ends of every pair
             if y == me:
                 continue
             if y in receivers:
-                works.append(dist.isend(own.buffer, dst=comms.rank_of(y), group=group))
+                p2p.append(dist.P2POp(dist.isend, own.buffer, comms.rank_of(y), group))
             if me in receivers:
                 buf = torch.empty(sizes[y], dtype=torch.float32, device=own.buffer.device)
                 peers.append(EmuShard(ms, own.spec, own.value_head, T, pos_of[y], own.slots, buffer=buf))
-                works.append(dist.irecv(buf, src=comms.rank_of(y), group=group))
-        with peer_wait():
-            for w in works:
-                w.wait()
-    try:
-        if me in receivers:
-            new = store.allocate(own, S, sub_of[me], own.logical)
+                p2p.append(dist.P2POp(dist.irecv, buf, comms.rank_of(y), group))
+        _wait_all(p2p)
+    if me in receivers:
+        new = store.allocate(own, S, sub_of[me], own.logical)
+        with _released_on_error(store, new):
             _assemble(new, [own, *peers])
-            del peers
-            store.pop(ms, T, pos_of[me])
-            store.put(new)
-    finally:
-        store.memory.free(str(ms), staging)
+        del peers
+        store.pop(ms, T, pos_of[me])
+        store.put(new)
 
 
 def split_pieces(op: Op, members: list[int], spec: ModelSpec, value_head: bool) -> list[tuple[int, int, Shard]]:
@@ -358,20 +370,36 @@ def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: Ho
     ``k − 1`` holdings' worth in ``k − 1`` rounds."""
     ms = op.model_stage
     sub_of = dict(zip(op.target_devices, op.target_positions))
-    new = store.allocate(own, op.target_layout, sub_of[me], own.logical) if me in sub_of else None
     pieces = split_pieces(op, members, own.spec, own.value_head)
-    for src, dst, piece in pieces:
-        if src == dst == me:
-            new.fill_from(own, piece)
-    k, at, n_slots = len(members), members.index(me), len(own.slots)
-    for r in range(1, k):
-        to, frm = members[(at + r) % k], members[(at - r) % k]
-        out = [c for s, d, p in pieces if s == me and d == to for c in _chunks(p, n_slots, staging_bytes // 2)]
-        inc = [c for s, d, p in pieces if s == frm and d == me for c in _chunks(p, n_slots, staging_bytes // 2)]
-        _exchange(op.id, out, to, inc, frm, own, new, group, comms, store)
+    new = store.allocate(own, op.target_layout, sub_of[me], own.logical) if me in sub_of else None
+    with _released_on_error(store, new):
+        # every member calls one collective first: a member may have nothing to send or receive
+        # in round 1, and NCCL needs all ranks in a group's first batched point-to-point call
+        dist.all_reduce(torch.zeros(1, device=own.buffer.device), group=group)
+        for src, dst, piece in pieces:
+            if src == dst == me:
+                new.fill_from(own, piece)
+        k, at, n_slots = len(members), members.index(me), len(own.slots)
+        for r in range(1, k):
+            to, frm = members[(at + r) % k], members[(at - r) % k]
+            out = [c for s, d, p in pieces if s == me and d == to for c in _chunks(p, n_slots, staging_bytes // 2)]
+            inc = [c for s, d, p in pieces if s == frm and d == me for c in _chunks(p, n_slots, staging_bytes // 2)]
+            _exchange(op.id, out, to, inc, frm, own, new, group, comms, store)
     if new is not None:
         store.pop(ms, own.layout, own.position)
         store.put(new)
+
+
+@contextlib.contextmanager
+def _released_on_error(store: HoldingStore, new: Optional[EmuShard]) -> Iterator[None]:
+    """Release the booking of ``new`` (allocated, not yet registered) if the block raises — a
+    peer lost mid-exchange — so that the device's accounting keeps only what it holds."""
+    try:
+        yield
+    except BaseException:
+        if new is not None:
+            store.memory.free(str(new.model_stage), holding_entry(new.layout, new.position))
+        raise
 
 
 def _exchange(op_id: str, out: list[Shard], to: int, inc: list[Shard], frm: int, holding: EmuShard,
@@ -386,20 +414,31 @@ def _exchange(op_id: str, out: list[Shard], to: int, inc: list[Shard], frm: int,
         recv = inc[j] if j < len(inc) else None
         store.memory.allocate(ms, staging, 4 * n_slots * sum(c.numel for c in (send, recv) if c is not None))
         try:
-            works, buf = [], None
+            p2p, buf = [], None
             if send is not None:
                 data = _piece(holding, send).contiguous()
-                works.append(dist.isend(data, dst=comms.rank_of(to), group=group))
+                p2p.append(dist.P2POp(dist.isend, data, comms.rank_of(to), group))
             if recv is not None:
                 buf = torch.empty(n_slots, *shard_shape(recv), dtype=torch.float32, device=into.buffer.device)
-                works.append(dist.irecv(buf, src=comms.rank_of(frm), group=group))
-            with peer_wait():
-                for w in works:
-                    w.wait()
+                p2p.append(dist.P2POp(dist.irecv, buf, comms.rank_of(frm), group))
+            _wait_all(p2p)
             if recv is not None:
                 into.fill_from(into, recv, buf)
         finally:
             store.memory.free(ms, staging)
+
+
+def _wait_all(p2p: list) -> None:
+    """Post ``p2p`` (``dist.P2POp`` sends and receives) as one batch and wait for all of them.
+    One batch, because NCCL progresses a send and a receive between the same two ranks only when
+    they are issued in one group (NCCL user guide, "Point-to-point communication": calls that
+    must progress concurrently are merged); apart they could wait on each other."""
+    if not p2p:
+        return
+    works = dist.batch_isend_irecv(p2p)
+    with peer_wait():
+        for w in works:
+            w.wait()
 
 
 def _chunks(piece: Shard, n_slots: int, staging_bytes: int) -> list[Shard]:
@@ -473,12 +512,13 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     src_pos = dict(zip(op.source_devices, op.source_positions))
     own = store.get(ms, S, src_pos[me])
     new = store.allocate(own, Tt, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
-    for r in op.routes:  # route order is the same on every device
-        if r.src == r.dst == me:
-            new.fill_from(own, r.shard)
-        elif me in (r.src, r.dst):
-            _transfer(op.id, r.shard, r.src, r.dst, me, own, new, comms.get(op.id, (r.src, r.dst)), comms,
-                      store, staging_bytes)
+    with _released_on_error(store, new):
+        for r in op.routes:  # route order is the same on every device
+            if r.src == r.dst == me:
+                new.fill_from(own, r.shard)
+            elif me in (r.src, r.dst):
+                _transfer(op.id, r.shard, r.src, r.dst, me, own, new, comms.get(op.id, (r.src, r.dst)), comms,
+                          store, staging_bytes)
     store.pop(ms, S, src_pos[me])
     store.put(new)
 

@@ -3,9 +3,9 @@
 Joining. Local DAGs (one per model-stage, :mod:`nereusd.transition.local`) are concatenated in
 canonical model-stage order (generation → inference → training, then role) and joined with
 *release-before-acquire* edges: an op that acquires memory on a device (Extend and Create on
-their target devices, Split on its receivers) waits for the ops that release memory there
-(Destroy, Merge, and a Split on its receivers: two Splits on one tight device, which each
-allocate before they free, run one after the other). Stage order breaks ties: acquisitions are joined from the last stage to the
+their target devices, Split on its receivers, Merge on its devices) waits for the ops that
+release memory there (Destroy, Merge, and a Split on its receivers: two Splits or Merges on one
+tight device, which each allocate before they free, run one after the other). Stage order breaks ties: acquisitions are joined from the last stage to the
 first, so when two hand-overs would wait on each other the earlier stage proceeds and the later
 one waits; the topological order runs ready releases first, then generation → inference →
 training. An edge ``release → acquire`` is added only when ``acquire`` does not
@@ -40,8 +40,9 @@ Holding = tuple[ModelStage, int, Layout, Position]
 
 
 def acquires(op: Op) -> tuple[int, ...]:
-    """Devices on which ``op`` allocates state: Extend/Create targets, Split receivers."""
-    if op.kind in (OpKind.EXTEND, OpKind.CREATE, OpKind.SPLIT):
+    """Devices on which ``op`` allocates state: Extend/Create targets, Split receivers, Merge
+    devices (the ``T*`` holding, allocated before the ``T_sub`` one is freed)."""
+    if op.kind in (OpKind.EXTEND, OpKind.CREATE, OpKind.SPLIT, OpKind.MERGE):
         return op.target_devices
     return ()
 
@@ -118,6 +119,8 @@ def join(
     # training), and a later stage never overtakes an earlier one on a shared device.
     for a in reversed(range(len(ops))):
         op = ops[a]
+        if tight is None and op.kind is OpKind.MERGE:
+            continue   # hand-overs only: a Merge's devices already hold its model-stage
         for d in acquires(op):
             if tight is not None and not tight(d):
                 continue

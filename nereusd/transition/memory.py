@@ -156,6 +156,8 @@ class MemoryBudget:
             raise PlanError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
         if not 0 <= self.headroom < 1:
             raise PlanError(f"headroom must be in [0, 1), got {self.headroom!r}")
+        if isinstance(self.collective_buffer_bytes, bool) or not isinstance(self.collective_buffer_bytes, int):
+            raise PlanError(f"collective_buffer_bytes must be an integer, got {self.collective_buffer_bytes!r}")
         if self.collective_buffer_bytes < 0 or self.workspace_bytes < 0 or any(
                 v < 0 for v in self.reserved_bytes.values()):
             raise PlanError("collective_buffer_bytes, workspace_bytes and reserved_bytes must be >= 0")
@@ -320,9 +322,12 @@ def split_all_gathers(group: Sequence[tuple[int, Position]], receivers: set[int]
 def split_staging_elements(op: Op, elements: Callable[[Position], int]) -> dict[int, int]:
     """Staging per device of a Split, in parameter elements, as the executor stages it.
 
-    All-gather: every member stages ``k ×`` the holding (the gather output); point-to-point:
-    each receiver stages every peer's whole holding, senders send in place (nothing staged).
-    ``elements(position)`` gives the holding's parameter elements at a ``T`` position.
+    All-gather: every member stages ``k ×`` the holding (the gather output). Point-to-point:
+    each receiver stages every peer's whole holding, and a member that sends to another receiver
+    its own holding: unchunked it sends in place, but when the exchange is chunked
+    (:attr:`TransitionDag.staging_bytes`) each send is a copy, live beside the chunk received,
+    so the count bounds both ways of executing it. ``elements(position)`` gives the holding's
+    parameter elements at a ``T`` position.
     """
     receivers = set(op.target_devices)
     out: dict[int, int] = defaultdict(int)
@@ -331,9 +336,11 @@ def split_staging_elements(op: Op, elements: Callable[[Position], int]) -> dict[
             for x, p in group:
                 out[x] += len(group) * elements(p)
         else:
-            for x, _ in group:
+            for x, p in group:
                 if x in receivers:
                     out[x] += sum(elements(q) for y, q in group if y != x)
+                if (receivers - {x}) & {y for y, _ in group}:
+                    out[x] += elements(p)
     return dict(out)
 
 

@@ -439,6 +439,6 @@ class TransitionDag:
                 if not isinstance(data, dict) or not isinstance(extra, dict) or set(extra) != {"current", "target"}:
                     raise PlanError("transition DAG: plans must be an object of current and target")
                 data.update(extra)
-        except json.JSONDecodeError as err:
+        except ValueError as err:   # JSONDecodeError, or an integer literal past Python's digit limit
             raise PlanError(f"transition DAG: not valid JSON: {err}") from None
         return cls.from_dict(data)

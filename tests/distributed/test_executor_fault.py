@@ -141,3 +141,69 @@ def test_worker_death_mid_transition_leaves_state_recoverable():
     units = Plan.from_dict(results[0]["units"])
     assert MS in units and VICTIM not in units[MS].devices
     assert sum(r["checked"] for r in results.values()) > 0
+
+
+CHUNKED_CURRENT = Plan({MS: Candidate(2, 1, 1, (0, 1))})
+CHUNKED_TARGET = Plan({MS: Candidate(1, 1, 1, (0,))})
+
+
+def _chunked_child(rank: int, port: int, out: str) -> None:
+    """Rank 1 dies inside a chunked Split (at its third chunk); rank 0 must fail the op and keep
+    booked exactly what its store holds: the half-filled new holding is released."""
+    import emu.state.primitives as prim
+    from emu.worker.world import join_world
+    from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    join_world(store, generation=0, rank=rank, world_size=2, backend="gloo", timeout=timedelta(seconds=10))
+    memory = DeviceMemory(rank, 1 << 30)
+    holdings = HoldingStore(memory)
+    cand = CHUNKED_CURRENT[MS]
+    _, p, t = cand.coords_of(rank)
+    h = holdings.allocate((MS, SPEC, False, slots_for(MS)), cand.layout, (p, t), logical_for(SEED, MS))
+    fill(h, SEED)
+    holdings.put(h)
+    budget = MemoryBudget(capacity_bytes=1 << 30, collective_buffer_bytes=4096)
+    dag = plan_transition(CHUNKED_CURRENT, CHUNKED_TARGET, MODELS, devices_per_node=8,
+                          state=StateModel(MODELS, AdamStateSizes()), budget=budget)
+    ex = TransitionExecutor(dag, rank, holdings, _specs(CHUNKED_TARGET))
+    ex.prepare()
+    if rank == 1:
+        real, calls = prim._wait_all, []
+
+        def dying(p2p):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(17)
+            return real(p2p)
+        prim._wait_all = dying
+    failed = ""
+    try:
+        ex.run()
+    except RuntimeError as err:
+        failed = str(err)[:200]
+    held = sum(x.nbytes for x in holdings.items.values())
+    Path(out, f"result.{rank}").write_text(json.dumps(
+        {"failed": failed, "in_use": memory.in_use_bytes, "held": held, "chunked": dag.staging_bytes}))
+    os._exit(0)
+
+
+def test_a_peer_lost_in_a_chunked_split_leaves_no_booking_behind():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_chunked_child, args=(store.port, out), nprocs=2, join=False,
+                                 start_method=_context_method())
+        deadline = time.monotonic() + 90
+        for p in ctx.processes:
+            p.join(max(1.0, deadline - time.monotonic()))
+        codes = [p.exitcode for p in ctx.processes]
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        assert codes == [0, 17], codes
+        result = json.loads(Path(out, "result.0").read_text())
+    assert result["failed"], result          # the exchange with the dead peer failed
+    assert result["held"] > 0, result       # its tp2 holding, kept
+    assert result["in_use"] == result["held"], result

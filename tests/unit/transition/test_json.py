@@ -73,6 +73,9 @@ def test_not_json_is_refused():
         TransitionDag.from_json("{")
     with pytest.raises(PlanError, match="expected an object"):
         TransitionDag.from_json("[]")
+    # an integer literal past Python's digit limit is a ValueError of json, not a JSONDecodeError
+    with pytest.raises(PlanError, match="not valid JSON"):
+        TransitionDag.from_json('{"staging_bytes": ' + "1" * 5000 + "}")
 
 
 def test_the_staging_bound_travels_with_the_dag_and_its_slices(dag):

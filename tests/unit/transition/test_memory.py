@@ -125,3 +125,41 @@ def test_two_splits_on_a_tight_device_run_one_after_the_other():
     assert ("actor/generation:split0", "actor/training:split0") in resource
     report = check_feasibility(dag, STATE, budget)
     assert report.feasible and report.peak_bytes[0] == 14 * P_TP2 + 16 * P
+
+
+def test_two_merges_on_a_tight_device_run_one_after_the_other():
+    """A Merge, too, allocates its ``T*`` holding before it frees the ``T_sub`` one: two Merges
+    on one device whose walk fits only one at a time are ordered (fault search, 2026-12-05:
+    they ran at once and overran the device by 74 KB)."""
+    ci, ct = ModelStage(Role.CRITIC, Stage.INFERENCE), CT
+    cur = Plan({ci: Candidate(1, 1, 2, (0, 1)), ct: Candidate(1, 1, 2, (0, 1))})
+    tgt = Plan({ci: Candidate(2, 1, 1, (0, 1)), ct: Candidate(1, 2, 1, (0, 1))})
+    ample = MemoryBudget(capacity_bytes=10**9, headroom=0.0, collective_buffer_bytes=0)
+    walk_peak = max(check_feasibility(plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE,
+                                                      budget=ample), STATE, ample).peak_bytes.values())
+    budget = MemoryBudget(capacity_bytes=walk_peak, headroom=0.0, collective_buffer_bytes=0)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    assert sorted(op.kind.value for op in dag.ops) == ["merge", "merge"]
+    assert {(e.src, e.dst) for e in dag.edges} == {("critic/inference:merge0", "critic/training:merge0")}
+    assert check_feasibility(dag, STATE, budget).feasible
+    # both at once would need the current state plus both new holdings on device 0
+    both = STATE.plan_bytes(cur)[0] + sum(STATE.op_bytes(op, 0)[0][0] for op in dag.ops)
+    assert both > walk_peak
+
+
+def test_a_device_that_only_sends_in_a_split_counts_its_chunk_copies():
+    """tp2 on devices 0, 1 → tp1 on device 0: device 1 only sends. Chunked, each send is a copy
+    the executor books; the model counts it (capped at the staging bound) — it counted 0."""
+    cur, tgt = Plan({AT: Candidate(2, 1, 1, (0, 1))}), Plan({AT: Candidate(1, 1, 1, (0,))})
+    budget = MemoryBudget(capacity_bytes=10**9, collective_buffer_bytes=4096)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    split = next(op for op in dag.ops if op.kind.value == "split")
+    assert split.target_devices == (0,)
+    assert STATE.op_bytes(split, dag.staging_bytes)[1][1] == 4096
+    assert STATE.op_bytes(split, 10**9)[1][1] == 14 * P_TP2   # its whole holding, under a large bound
+
+
+def test_collective_buffer_bytes_must_be_an_integer():
+    for bad in (True, 1.5, "64M", None):
+        with pytest.raises(PlanError, match="collective_buffer_bytes must be an integer"):
+            MemoryBudget(capacity_bytes=10**6, collective_buffer_bytes=bad)
