@@ -122,18 +122,25 @@ def _child(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def test_worker_death_mid_transition_leaves_state_recoverable():
+def _spawn(child, nprocs: int, out: str, timeout_s: float) -> list:
+    """Run ``child(rank, port, out)`` on ``nprocs`` ranks rendezvousing through a TCPStore this
+    process serves; their exit codes (``None``: still running at the deadline, terminated)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = mp.start_processes(child, args=(store.port, out), nprocs=nprocs, join=False,
+                             start_method=_context_method())
+    deadline = time.monotonic() + timeout_s
+    for p in ctx.processes:
+        p.join(max(1.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.terminate()
+    return codes
+
+
+def test_worker_death_mid_transition_leaves_state_recoverable():
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_child, args=(store.port, out), nprocs=WORLD, join=False,
-                                 start_method=_context_method())
-        deadline = time.monotonic() + 120
-        for p in ctx.processes:
-            p.join(max(1.0, deadline - time.monotonic()))
-        codes = [p.exitcode for p in ctx.processes]
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+        codes = _spawn(_child, WORLD, out, 120)
         assert codes[VICTIM] == 17 and all(c == 0 for r, c in enumerate(codes) if r != VICTIM), codes
         results = {r: json.loads(Path(out, f"result.{r}").read_text()) for r in range(WORLD) if r != VICTIM}
     # Someone saw the collective with the dead rank fail; the units to replan from survived.
@@ -191,17 +198,8 @@ def _chunked_child(rank: int, port: int, out: str) -> None:
 
 
 def test_a_peer_lost_in_a_chunked_split_leaves_no_booking_behind():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_chunked_child, args=(store.port, out), nprocs=2, join=False,
-                                 start_method=_context_method())
-        deadline = time.monotonic() + 90
-        for p in ctx.processes:
-            p.join(max(1.0, deadline - time.monotonic()))
-        codes = [p.exitcode for p in ctx.processes]
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+        codes = _spawn(_chunked_child, 2, out, 90)
         assert codes == [0, 17], codes
         result = json.loads(Path(out, "result.0").read_text())
     assert result["failed"], result          # the exchange with the dead peer failed
