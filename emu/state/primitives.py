@@ -458,9 +458,8 @@ def _transfer(op_id: str, piece: Shard, src: int, dst: int, me: int, holding: Em
               store: HoldingStore, staging_bytes: int) -> None:
     """Move ``piece`` from ``holding`` on ``src`` into ``into`` on ``dst``, chunk by chunk
     (:func:`_chunks`), each a blocking send or receive booked as ``staging <op id>`` while it is
-    live. Every device walks its transfers in one order shared by all (route or
-    :func:`split_pieces` order), so the earliest unfinished transfer always has both ends waiting
-    on it: no deadlock."""
+    live. Every device of a Merge walks its transfers in route order, the same on all, so the
+    earliest unfinished transfer always has both ends waiting on it: no deadlock."""
     ms, staging, n_slots = str(holding.model_stage), f"staging {op_id}", len(holding.slots)
     for chunk in _chunks(piece, n_slots, staging_bytes):
         store.memory.allocate(ms, staging, 4 * n_slots * chunk.numel)
