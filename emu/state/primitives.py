@@ -53,7 +53,7 @@ from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage
 from nereusd.shards import Position, Shard, shards_of
 from nereusd.transition.comms import communicator_plan, gather_groups, op_communicators  # noqa: F401 (re-exported)
-from nereusd.transition.memory import split_all_gathers
+from nereusd.transition.memory import split_all_gathers, split_staging_elements
 from nereusd.transition.ops import STAGING_BYTES, Op, OpKind, TransitionDag
 
 log = logging.getLogger(__name__)
@@ -268,15 +268,13 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
         return
     own = store.get(ms, T, pos_of[me])
     group = comms.get(op.id, mine)
-    sizes = {y: nbytes_of(own.spec, own.value_head, T, pos_of[y], len(own.slots)) // 4 for y in mine}
-    gathers = split_all_gathers([(y, pos_of[y]) for y in mine], receivers, lambda p: sizes[_dev_at(pos_of, p)])
+    def elements(p: Position) -> int:   # fp32 elements of the holding at T position p
+        return nbytes_of(own.spec, own.value_head, T, p, len(own.slots)) // 4
 
-    def staged_bytes(y: int) -> int:   # what member y stages unchunked (the memory model's split_staging_elements)
-        if gathers:
-            return 4 * len(mine) * sizes[y]
-        return 4 * sum(sizes[z] for z in mine if z != y) if y in receivers else 0
-
-    if max(staged_bytes(y) for y in mine) > staging_bytes:   # the same choice on every member
+    sizes = {y: elements(pos_of[y]) for y in mine}
+    gathers = split_all_gathers([(y, pos_of[y]) for y in mine], receivers, elements)
+    staged = split_staging_elements(op, elements)   # what the memory model counts, capped by it
+    if max(4 * staged.get(y, 0) for y in mine) > staging_bytes:   # the same choice on every member
         _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
         return
     staging = f"staging {op.id}"
@@ -453,27 +451,6 @@ def _chunks(piece: Shard, n_slots: int, staging_bytes: int) -> list[Shard]:
             for a in range(piece.start, piece.stop, step)]
 
 
-def _transfer(op_id: str, piece: Shard, src: int, dst: int, me: int, holding: EmuShard,
-              into: Optional[EmuShard], group: dist.ProcessGroup, comms: Communicators,
-              store: HoldingStore, staging_bytes: int) -> None:
-    """Move ``piece`` from ``holding`` on ``src`` into ``into`` on ``dst``, chunk by chunk
-    (:func:`_chunks`), each a blocking send or receive booked as ``staging <op id>`` while it is
-    live. Every device of a Merge walks its transfers in route order, the same on all, so the
-    earliest unfinished transfer always has both ends waiting on it: no deadlock."""
-    ms, staging, n_slots = str(holding.model_stage), f"staging {op_id}", len(holding.slots)
-    for chunk in _chunks(piece, n_slots, staging_bytes):
-        store.memory.allocate(ms, staging, 4 * n_slots * chunk.numel)
-        try:
-            if me == src:
-                dist.send(_piece(holding, chunk).contiguous(), dst=comms.rank_of(dst), group=group)
-            else:
-                buf = torch.empty(n_slots, *shard_shape(chunk), dtype=torch.float32, device=into.buffer.device)
-                dist.recv(buf, src=comms.rank_of(src), group=group)
-                into.fill_from(into, chunk, buf)
-        finally:
-            store.memory.free(ms, staging)
-
-
 def extend(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Specs) -> None:
     """This device's part of an Extend: one broadcast per rank-aligned pair it is in."""
     ms, S = op.model_stage, op.source_layout
@@ -504,7 +481,7 @@ def extend(op: Op, me: int, store: HoldingStore, comms: Communicators, specs: Sp
 def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_bytes: int = STAGING_BYTES) -> None:
     """This device's part of a Merge: allocate the ``T*`` holding, slice the resident ``T_sub``
     holding into it, and receive what is lacking (routes in their order, chunk by chunk:
-    :func:`_transfer`); then free the ``T_sub`` holding."""
+    :func:`_exchange` in one direction); then free the ``T_sub`` holding."""
     if me not in op.source_devices:
         return
     ms, S, Tt = op.model_stage, op.source_layout, op.target_layout
@@ -512,18 +489,16 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     own = store.get(ms, S, src_pos[me])
     new = store.allocate(own, Tt, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
     with _released_on_error(store, new):
-        for r in op.routes:  # route order is the same on every device
+        for r in op.routes:  # route order is the same on every device: both ends meet on each route
             if r.src == r.dst == me:
                 new.fill_from(own, r.shard)
             elif me in (r.src, r.dst):
-                _transfer(op.id, r.shard, r.src, r.dst, me, own, new, comms.get(op.id, (r.src, r.dst)), comms,
-                          store, staging_bytes)
+                chunks = _chunks(r.shard, len(own.slots), staging_bytes)
+                sent, received = (chunks, []) if me == r.src else ([], chunks)
+                _exchange(op.id, sent, r.dst, received, r.src, own, new, comms.get(op.id, (r.src, r.dst)), comms,
+                          store)
     store.pop(ms, S, src_pos[me])
     store.put(new)
-
-
-def _dev_at(pos_of: dict[int, Position], position: Position) -> int:
-    return next(x for x, p in pos_of.items() if p == position)
 
 
 def _piece(holding: EmuShard, piece: Shard) -> torch.Tensor:

@@ -16,8 +16,8 @@ Accounting, per op and device (bytes):
   receiver takes point-to-point); for a Merge the pieces sent plus those received; otherwise the
   larger of bytes sent and received. The cap is the executor's: an exchange larger than it moves
   piece by piece in chunks of at most ``staging_bytes`` (``emu.state.primitives``; one index of a
-  parameter's sliced dimension is the smallest chunk), with the new holding allocated first;
-  Extend receives straight into the new holding and stages nothing of its own;
+  parameter's sliced dimension is the smallest chunk), with the new holding allocated first.
+  Extend receives straight into the new holding; its count here is conservative;
 * ``free`` — holdings released when the op ends (Split receivers: the ``T`` shard; Merge: the
   ``T_sub`` shard; Destroy: what it frees).
 
