@@ -8,8 +8,9 @@
   smallest horizon of the triggering signals. ``γ = 0`` admits only urgent transitions.
 - *Urgent path* (pool change, predicted OOM): profitability is waived; the feasible target
   cheapest over the horizon is taken, or the current plan kept where it still runs and is
-  cheaper; if the planner finds none, smaller micro-batches and then recomputation are
-  tried (:func:`urgent_replan`); if still nothing fits, the verdict is checkpoint/restart.
+  cheaper; if the planner finds none (its space holds every micro-batch up to the job's),
+  recomputation is tried (:func:`urgent_replan`); if still nothing fits, the verdict is
+  checkpoint/restart.
 - *Restart to switch*: a target whose plan fits but whose transition does not is reached by a
   checkpoint/restart when its learned cost repays itself by the same payback rule.
 
@@ -271,19 +272,17 @@ def recheck_due(payback_steps: float, steps_since: int, payback_margin: float) -
 
 def urgent_replan(problem: PlanProblem, cost_model: CostModel, current: Plan | None = None,
                   base: PlannerOptions | None = None) -> tuple[PlanResult | None, list[str]]:
-    """Plan for the urgent path, widening the space step by step.
+    """Plan for the urgent path, widening the space once.
 
-    Order: the job's own settings; then every power-of-two micro-batch up to the configured
-    one; then also full activation recomputation. Returns the first plan found (or None: the
-    caller checkpoints and restarts) and a line per attempt.
+    Order: the planner's own space (every layout, and micro-batches from the job's down through
+    the powers of two: :func:`nereusd.planner.space.micro_batch_choices`); then also full
+    activation recomputation, which is slower wherever the plain plans fit. Returns the first
+    plan found (or None: the caller checkpoints and restarts) and a line per attempt.
     """
     base = base or PlannerOptions()
-    configured = problem.workload.micro_batch
-    smaller = tuple(1 << k for k in range(configured.bit_length()) if (1 << k) <= configured)
     attempts = [
         ("job settings", base),
-        ("smaller micro-batch", dataclasses.replace(base, micro_batches=smaller)),
-        ("smaller micro-batch + recomputation", dataclasses.replace(base, micro_batches=smaller, allow_recompute=True)),
+        ("with recomputation", dataclasses.replace(base, allow_recompute=True)),
     ]
     log_lines: list[str] = []
     for name, options in attempts:

@@ -24,7 +24,7 @@ and then asks :meth:`Controller.boundary` what to do:
    or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
    ``period`` steps; a layout the operator forces;
 3. *replan* — :class:`nereusd.planner.search.Planner` (on the urgent path
-   :func:`nereusd.control.admission.urgent_replan`: smaller micro-batches, then recomputation),
+   :func:`nereusd.control.admission.urgent_replan`: then with recomputation),
    plus the DP-only rescale of the current plan as a cheaper fallback target
    (:func:`nereusd.planner.rescale.dp_rescale`); the ``frozen`` policy only rescales DP;
 4. *admission* — :func:`nereusd.control.admission.admit` with ``L̂_tran`` and the memory
@@ -475,7 +475,7 @@ class Controller(TransitionCostLearning):
         return Outcome(decision, length, tuple(lines))
 
     def restart_plan(self, pool: tuple[int, ...]) -> PlanResult:
-        """The plan a checkpoint/restart goes to (urgent path: smaller micro-batch, recomputation).
+        """The plan a checkpoint/restart goes to (urgent path: with recomputation if nothing else fits).
 
         After an out-of-memory failure (:meth:`failed`) the planner's plan for the longest
         response, :attr:`max_response_length`; after a device loss or a pool that no plan's units

@@ -79,15 +79,15 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
     devices ``0 … devices−1`` (:func:`launch_for`).
 
     Raises:
-        Infeasible: when nothing fits, even with smaller micro-batches and recomputation.
+        Infeasible: when nothing fits, even with recomputation.
     """
     length = job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens
     return launch_for(job_problem(job, site, tuple(range(job.devices)), length, prompt_length), calibration)
 
 
 def launch_for(problem: PlanProblem, calibration: Calibration | None = None) -> PlanResult:
-    """The launch plan of ``problem``: the planner's urgent path (smaller micro-batches and
-    recomputation when needed) under ``calibration`` (default: the site's priors) at the memory
+    """The launch plan of ``problem``: the planner's urgent path (recomputation
+    when nothing else fits) under ``calibration`` (default: the site's priors) at the memory
     model's headroom.
 
     Raises:

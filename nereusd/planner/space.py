@@ -79,8 +79,9 @@ class PlannerOptions:
 
     Attributes:
         any_divisor: TP/PP may be any divisor, not only powers of two.
-        micro_batches: per-replica micro-batch sizes to try; empty means the workload's, shrunk
-            to the largest divisor of the replica's share when it does not divide it.
+        micro_batches: per-replica micro-batch sizes to try (training and inference); empty
+            means the workload's and every power of two below it, each shrunk to the largest
+            divisor of the replica's share when it does not divide it.
         allow_recompute: also try full activation recomputation (training).
         headroom: memory fraction kept free (10 %).
         generation_pp: also try pipeline parallelism for generation (vLLM can; Nereus's engine
@@ -185,7 +186,13 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
                         generation: bool = False) -> list[int]:
     """Per-replica micro-batches to try. Generation: the concurrent sequences, largest first —
     all of the share, then every power of two below it (the enumeration keeps the
-    :data:`GENERATION_WAVE_CHOICES` largest that fit memory)."""
+    :data:`GENERATION_WAVE_CHOICES` largest that fit memory). Training and inference: the job's
+    ``configured`` micro-batch and every power of two below it (:attr:`PlannerOptions.micro_batches`
+    replaces that list), each capped at ``per_replica`` and, for training, lowered to a divisor
+    of it. A smaller micro-batch leaves the step's arithmetic as it is (gradient accumulation
+    keeps ``dp × b × a`` the global batch) and trades dispatch per micro-batch and kernel
+    efficiency against activation memory and, under PP, the pipeline bubble; the cost model
+    prices each, so the search takes it only where it is the faster plan."""
     if generation:
         if 0 < options.generation_micro_batch <= per_replica:
             return (options.generation_micro_batch,)
@@ -198,7 +205,7 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
     if options.micro_batches:
         wanted = sorted(set(options.micro_batches))
     else:
-        wanted = [configured]
+        wanted = [configured] + [1 << k for k in range(configured.bit_length()) if (1 << k) < configured]
     out = []
     for b in wanted:
         b = min(b, per_replica)
