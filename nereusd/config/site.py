@@ -65,6 +65,11 @@ class DeviceSpec:
     """Fixed time per transformer layer per decode step, microseconds: kernel launches and
     framework dispatch, independent of the batch. It makes generation waves cost what they
     do on small batches (decode that is neither HBM- nor compute-bound). 0: not modelled."""
+    host_cores: int = 0
+    """Cores the devices of one node share (virtual CPU devices, ``kind: cpu``); the peaks above
+    are then each device's fair share with every device busy. A device whose neighbours idle
+    runs faster, up to a whole core (:meth:`SiteConfig.lone_speedup`). 0 (default, and every
+    GPU): each device has its own compute."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +175,17 @@ class SiteConfig:
     def layer_launch_s(self) -> float:
         """:attr:`DeviceSpec.layer_launch_us` in seconds."""
         return self.device.layer_launch_us * 1e-6
+
+    def lone_speedup(self, devices: int) -> float:
+        """How much faster than its fair share one of ``devices`` packed devices runs while the
+        other devices of its model-stage idle: ``devices_per_node / host_cores`` when the
+        devices share cores (:attr:`DeviceSpec.host_cores`) and the model-stage holds every
+        device of each node it is on (so nothing else runs there: a pipeline's fill and drain
+        free cores for its busy stages); else 1."""
+        cores, dpn = self.device.host_cores, self.devices_per_node
+        if 0 < cores < dpn and devices % dpn == 0:
+            return dpn / cores
+        return 1.0
 
     @property
     def intra_node_gbps(self) -> float:
@@ -367,7 +383,7 @@ _POSITIVE = {
     LivenessSpec: ("worker_stall_s", "resume_grace_s", "straggler_factor", "straggler_min_s", "task_max_s"),
 }
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
-                 DeviceSpec: ("layer_launch_us",)}
+                 DeviceSpec: ("layer_launch_us", "host_cores")}
 
 
 def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:

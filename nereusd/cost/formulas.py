@@ -109,3 +109,22 @@ def continuous_batching(per_replica, concurrent, response_length, mean_fraction:
     mean = mean_fraction * response_length
     steps = response_length + np.maximum(0, per_replica - concurrent) * mean / concurrent
     return steps, per_replica * mean / steps
+
+
+def pipeline_slots(micro_batches, pp: int, lone_speedup=1.0):
+    """Micro-batch slots on a replica's critical path: ``m + pp − 1`` for ``m`` micro-batches
+    through ``pp`` stages (the GPipe/1F1B bubble ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021
+    §2.2), each slot one micro-batch through one stage at the device's speed.
+
+    ``lone_speedup`` (:meth:`nereusd.config.site.SiteConfig.lone_speedup`, > 1 only for virtual
+    CPU devices sharing a node's cores, and only for a model-stage that holds every device of its
+    nodes): a stage idle in the fill or drain lends its core to the busy ones, so the time is
+    the larger of the node's work, ``m`` slots at the shared speed, and the critical path at a
+    lone device's speed, ``(m + pp − 1) / lone_speedup`` (a work-conserving schedule's two
+    lower bounds; Graham 1969). Scalars or numpy arrays.
+    """
+    slots = micro_batches + pp - 1
+    if np.ndim(lone_speedup) == 0 and lone_speedup <= 1.0:
+        return slots
+    return np.maximum(micro_batches, slots / lone_speedup) if np.ndim(micro_batches) or np.ndim(lone_speedup) \
+        else max(micro_batches, slots / lone_speedup)

@@ -18,7 +18,9 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
   not shrink with the batch: one pass per micro-batch forward, three with backward, four with
   recomputation; one per decode step, and one for each wave's prefill;
 - PP: ``(m + pp − 1)`` micro-batch slots for ``m`` micro-batches (GPipe/1F1B bubble
-  ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus p2p activation sends;
+  ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus p2p activation sends; on virtual CPU
+  devices that share a node's cores, a stage holding the whole node reclaims its bubble
+  (:func:`~nereusd.cost.formulas.pipeline_slots`);
 - DP: ring all-reduce of the gradient shard ``P/(tp·pp)`` per optimizer step on the slowest
   link of the group;
 - the step latency is the critical path of the execution-overlap graph
@@ -38,7 +40,8 @@ from typing import Mapping
 
 from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
                                       generation_class, latency_class)
-from nereusd.cost.formulas import adam_update_s, continuous_batching, p2p_parts, p2p_s, ring_collective_parts
+from nereusd.cost.formulas import (adam_update_s, continuous_batching, p2p_parts, p2p_s, pipeline_slots,
+                                   ring_collective_parts)
 from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -241,7 +244,7 @@ class CostModel:
             concurrent = max(1, min(micro_batch, per_replica))
             waves = -(-per_replica // concurrent)
             prefill = self._per_mb_items(spec, True, prompt_length, tp, pp, concurrent, False, False, launch=False)
-            slots = waves + pp - 1
+            slots = pipeline_slots(waves, pp, self.site.lone_speedup(tp * pp * dp))
             ideal = {generation_class(k): v * slots for k, v in prefill}
             key = ("decode", self._spec_key(spec), per_replica, concurrent, prompt_length, response_length,
                    response_mean_fraction, tp, pp)
@@ -261,7 +264,7 @@ class CostModel:
             lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
             per_mb = self._per_mb_items(spec, lm_head, prompt_length + response_length, tp, pp, b,
                                         training, recompute)
-            slots = minis * (micro_per_opt + pp - 1)
+            slots = minis * pipeline_slots(micro_per_opt, pp, self.site.lone_speedup(tp * pp * dp))
             ideal = {k: v * slots for k, v in per_mb}
             if training:
                 for k, v in self._optimizer_step(spec, tp, pp, dp, minis).ideal.items():
@@ -324,7 +327,7 @@ class CostModel:
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
         lm_head = role in (Role.ACTOR, Role.REFERENCE)
         per_mb = self._per_mb(spec, lm_head, seq, tp, pp, b, training, recompute, launch)
-        slots = mini_batches * (micro_per_opt + pp - 1)
+        slots = mini_batches * pipeline_slots(micro_per_opt, pp, self.site.lone_speedup(tp * pp * dp))
         acc.merge(per_mb.scaled(slots))
         if training:
             acc.merge(self._optimizer_step(spec, tp, pp, dp, mini_batches))

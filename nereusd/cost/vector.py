@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, comm_class, generation_class, latency_class
-from nereusd.cost.formulas import continuous_batching, p2p_parts, ring_collective_parts
+from nereusd.cost.formulas import continuous_batching, p2p_parts, pipeline_slots, ring_collective_parts
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -71,7 +71,8 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         concurrent = np.maximum(1, np.minimum(mb, per_replica))
         waves = _ceil_div(per_replica, concurrent)
         _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, concurrent, np.zeros(n, bool),
-                    waves + pp - 1, False, launch=False, classes=generation_class)
+                    pipeline_slots(waves, pp, _lone_speedup(cm, tp * pp * dp)), False, launch=False,
+                    classes=generation_class)
         _add_decode(cm, acc, spec, per_replica, concurrent, waves, prompt_length, response_length,
                     response_mean_fraction, tp, pp)
         spans = tp * pp * dp > dpn
@@ -88,7 +89,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
     micro_per_opt = np.maximum(1, _ceil_div(per_replica, b * minis))
     lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
     _add_per_mb(cm, acc, spec, lm_head, prompt_length + response_length, tp, pp, b, rc,
-                minis * (micro_per_opt + pp - 1), training)
+                minis * pipeline_slots(micro_per_opt, pp, _lone_speedup(cm, tp * pp * dp)), training)
     if training:   # CostModel._optimizer_step, with the DP all-reduce over the dp axis
         shard = cm._params(spec, tp, pp)
         spans = tp * pp * dp > dpn
@@ -100,6 +101,14 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         for c, v in cm._optimizer_step(spec, tp, pp, 1, minis).ideal.items():   # dp 1: no DP all-reduce
             acc.add(c, v)
     return acc.latency(cm)
+
+
+def _lone_speedup(cm: CostModel, devices: np.ndarray) -> np.ndarray | float:
+    """:meth:`~nereusd.config.site.SiteConfig.lone_speedup` over an array of device counts (a
+    scalar 1.0 where no device shares cores, the common case)."""
+    if not cm.site.device.host_cores:
+        return 1.0
+    return np.array([cm.site.lone_speedup(int(g)) for g in np.asarray(devices).tolist()], dtype=np.float64)
 
 
 def _add_per_mb(cm: CostModel, acc: _Sum, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int,
