@@ -22,8 +22,9 @@ from nereusd.plan import ModelStage, Role, Stage  # noqa: E402
 GEN = ModelStage(Role.ACTOR, Stage.GENERATION)
 GEN_WORLD = 2
 """Engine processes of every generation layout: one thread each, one per core of this 2-core
-machine (two TP-1 replicas, or one TP-2 replica), so every rollout keeps both cores busy and
-none borrows an idle one (the training layouts' four devices share the cores instead)."""
+machine (two TP-1 replicas, or one TP-2 replica), so every rollout keeps both cores busy; each
+process has a whole core, twice the share of one of the local site's four devices (the
+training layouts' four devices share the cores instead)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,12 @@ def measure_generation_rank(rank: int, layouts: list[dict], reps: int, workdir: 
 
 
 def generation_report(rows: list[dict], site: SiteConfig) -> tuple[list[str], float, float]:
-    """Printed lines of the generation part, its held-out MAPE and largest error (percent)."""
+    """Printed lines of the generation part, its held-out MAPE and largest error (percent).
+
+    The cost model sees ``site`` as :data:`GEN_WORLD` busy devices per node
+    (:meth:`~nereusd.config.site.SiteConfig.with_busy_devices`): on the local site's four devices
+    and two cores, each engine process has a whole core, twice a device's share."""
+    site = site.with_busy_devices(GEN_WORLD)
     layouts = [GenLayout(**r["layout"]) for r in rows]
     measured = {lay: r["step_s"] for lay, r in zip(layouts, rows)}
     calib, held = split_layouts(layouts)

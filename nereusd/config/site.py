@@ -176,16 +176,34 @@ class SiteConfig:
         """:attr:`DeviceSpec.layer_launch_us` in seconds."""
         return self.device.layer_launch_us * 1e-6
 
-    def lone_speedup(self, devices: int) -> float:
-        """How much faster than its fair share one of ``devices`` packed devices runs while the
-        other devices of its model-stage idle: ``devices_per_node / host_cores`` when the
-        devices share cores (:attr:`DeviceSpec.host_cores`) and the model-stage holds every
-        device of each node it is on (so nothing else runs there: a pipeline's fill and drain
-        free cores for its busy stages); else 1."""
+    def busy_speedup(self, busy: int) -> float:
+        """How much faster than its fair share (this site's per-device figures) each device of a
+        node runs while ``busy`` of the node's devices compute: ``min(dpn/cores, dpn/busy)``
+        when the devices share ``host_cores`` cores (:attr:`DeviceSpec.host_cores`), else 1."""
         cores, dpn = self.device.host_cores, self.devices_per_node
-        if 0 < cores < dpn and devices % dpn == 0:
-            return dpn / cores
-        return 1.0
+        if not 0 < cores < dpn:
+            return 1.0
+        return min(dpn / cores, dpn / max(1, busy))
+
+    def lone_speedup(self, devices: int) -> float:
+        """:meth:`busy_speedup` of one device, for a model-stage on ``devices`` packed devices
+        that holds every device of each node it is on (so nothing else runs there: a
+        pipeline's fill and drain free cores for its busy stages); else 1."""
+        if devices % self.devices_per_node:
+            return 1.0
+        return self.busy_speedup(1)
+
+    def with_busy_devices(self, busy: int) -> "SiteConfig":
+        """This site as seen by ``busy`` devices per node with the others idle: compute,
+        memory bandwidth and per-layer dispatch :meth:`busy_speedup` times faster (a benchmark
+        that runs two engines on a four-device, two-core node gives each a whole core)."""
+        f = self.busy_speedup(busy)
+        if f == 1.0:
+            return self
+        d = self.device
+        return dataclasses.replace(self, device=dataclasses.replace(
+            d, peak_tflops=MappingProxyType({k: v * f for k, v in d.peak_tflops.items()}),
+            hbm_gbps=d.hbm_gbps * f, layer_launch_us=d.layer_launch_us / f))
 
     @property
     def intra_node_gbps(self) -> float:

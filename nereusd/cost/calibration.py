@@ -98,15 +98,23 @@ MIN_EFFICIENCY, MAX_EFFICIENCY = 1e-4, 1.5
 MAX_EFFICIENCY_PER_CALL = 10.0
 """Upper bound of a class priced from a per-call time the site config estimates (a collective's
 α, a layer's dispatch) rather than from a hardware peak: such a figure can overstate what an
-engine pays several times over (vLLM's shared-memory all-reduce on CPU against the site's gloo
-α). Hardware-peak classes stay within :data:`MAX_EFFICIENCY`."""
+engine pays several times over. Hardware-peak classes stay within :data:`MAX_EFFICIENCY`."""
+MAX_EFFICIENCY_ENGINE_CALL = 1000.0
+"""Upper bound of a generation engine's per-call collective latency (``generation_latency_<link>``):
+the engine's own communicator is not the site's link. vLLM's shared-memory all-reduce on CPU
+learned 445× the local site's gloo α (~9 µs a call against 4 ms) in ``scripts/bench_costmodel.py``
+on 2026-12-05, where the cap of 10 left TP-2 rollouts over-predicted by 120–200 %."""
 
 
 def max_efficiency(op_class: str) -> float:
-    """The largest efficiency ``op_class`` may take: :data:`MAX_EFFICIENCY_PER_CALL` for the
-    per-call classes (``latency_<link>``, :data:`LAUNCH` and their generation-engine classes),
+    """The largest efficiency ``op_class`` may take: :data:`MAX_EFFICIENCY_ENGINE_CALL` for a
+    generation engine's ``latency_<link>``, :data:`MAX_EFFICIENCY_PER_CALL` for the other
+    per-call classes (``latency_<link>``, :data:`LAUNCH`, ``generation_launch``),
     :data:`MAX_EFFICIENCY` for the rest."""
-    base = op_class[len(GENERATION_PREFIX):] if op_class.startswith(GENERATION_PREFIX) else op_class
+    engine = op_class.startswith(GENERATION_PREFIX)
+    base = op_class[len(GENERATION_PREFIX):] if engine else op_class
+    if engine and base.startswith("latency_"):
+        return MAX_EFFICIENCY_ENGINE_CALL
     return MAX_EFFICIENCY_PER_CALL if base == LAUNCH or base.startswith("latency_") else MAX_EFFICIENCY
 STATE_VERSION = 2
 """2 adds the whole-stage samples of the least-squares fit; a version-1 state (anchors only) loads."""
