@@ -411,3 +411,6 @@ def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
     for name in _NON_NEGATIVE.get(cls, ()):
         if name in kwargs and kwargs[name] < 0:
             raise _fail(label, _join(prefix, name), f"expected a number >= 0, got {kwargs[name]!r}")
+    if cls is DeviceSpec and kwargs.get("host_cores") and kwargs.get("kind") != "cpu":
+        raise _fail(label, _join(prefix, "host_cores"), f"describes virtual CPU devices sharing cores; "
+                    f"device.kind is {kwargs.get('kind')!r} (each GPU has its own compute: leave it out)")

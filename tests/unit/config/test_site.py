@@ -77,6 +77,10 @@ def _write(tmp_path: Path, mutate) -> Path:
         (lambda d: d["network"].__setitem__("communicator_setup_s", -1), r"network.communicator_setup_s: expected a number >= 0"),
         (lambda d: d.__setitem__("env", {"NCCL_DEBUG": 3}), r"env.NCCL_DEBUG: expected a string value, got 3"),
         (lambda d: d.__setitem__("slurm", {"partition": {"a": 1}}), r"slurm.partition: expected a string, got \{'a': 1\}"),
+        (lambda d: d["device"].__setitem__("host_cores", -2), r"device.host_cores: expected a number >= 0, got -2"),
+        (lambda d: d["device"].__setitem__("host_cores", 2.5), r"device.host_cores: expected an integer, got 2.5"),
+        (lambda d: d["device"].__setitem__("host_cores", 4),
+         r"^h200-ib.yaml: device.host_cores: describes virtual CPU devices sharing cores; device.kind is 'cuda'"),
     ],
 )
 def test_malformed(tmp_path, mutate, message):
