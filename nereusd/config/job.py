@@ -83,8 +83,9 @@ class TrainConfig(_Strict):
     global_batch: int = Field(64, ge=1)
     """Sequences per optimizer step; ``dp × micro_batch × grad_accum`` must equal it."""
     micro_batch: int = Field(8, ge=1)
-    """Sequences per micro-batch on one replica, at most: the planner may choose any power of two
-    below it for a layout where that is faster or fits memory (a plan's ``micro_batch``)."""
+    """Sequences per micro-batch on one replica, at most: for a layout this does not fit in
+    memory, the planner takes the largest power of two below it that does (a plan's
+    ``micro_batch``)."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Form training and inference micro-batches by this token budget instead of by count:
     sequences are packed padding-free into rows of at most this many tokens (verl's dynamic

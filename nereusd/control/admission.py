@@ -8,7 +8,8 @@
   smallest horizon of the triggering signals. ``γ = 0`` admits only urgent transitions.
 - *Urgent path* (pool change, predicted OOM): profitability is waived; the feasible target
   cheapest over the horizon is taken, or the current plan kept where it still runs and is
-  cheaper; if the planner finds none (its space holds every micro-batch up to the job's),
+  cheaper; if the planner finds none (each layout at the largest micro-batch up to the job's
+  that fits),
   recomputation is tried (:func:`urgent_replan`); if still nothing fits, the verdict is
   checkpoint/restart.
 - *Restart to switch*: a target whose plan fits but whose transition does not is reached by a
@@ -274,8 +275,8 @@ def urgent_replan(problem: PlanProblem, cost_model: CostModel, current: Plan | N
                   base: PlannerOptions | None = None) -> tuple[PlanResult | None, list[str]]:
     """Plan for the urgent path, widening the space once.
 
-    Order: the planner's own space (every layout, and micro-batches from the job's down through
-    the powers of two: :func:`nereusd.planner.space.micro_batch_choices`); then also full
+    Order: the planner's own space (every layout, each at the largest micro-batch up to the
+    job's that fits it: :func:`nereusd.planner.space.micro_batch_choices`); then also full
     activation recomputation, which is slower wherever the plain plans fit. Returns the first
     plan found (or None: the caller checkpoints and restarts) and a line per attempt.
     """

@@ -79,9 +79,10 @@ class PlannerOptions:
 
     Attributes:
         any_divisor: TP/PP may be any divisor, not only powers of two.
-        micro_batches: per-replica micro-batch sizes to try (training and inference); empty
-            means the workload's and every power of two below it, each shrunk to the largest
-            divisor of the replica's share when it does not divide it.
+        micro_batches: per-replica micro-batch sizes to try (training and inference), of which
+            each layout keeps the largest that fits memory; empty means the workload's and every
+            power of two below it. Each is capped at the replica's share and, for training,
+            shrunk to the largest divisor of it.
         allow_recompute: also try full activation recomputation (training).
         headroom: memory fraction kept free (10 %).
         generation_pp: also try pipeline parallelism for generation (vLLM can; Nereus's engine
@@ -184,15 +185,21 @@ def dp_degrees(model_stage: ModelStage, sequences: int, mini_batch: int, limit: 
 @functools.lru_cache(maxsize=65536)
 def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptions, training: bool,
                         generation: bool = False) -> list[int]:
-    """Per-replica micro-batches to try. Generation: the concurrent sequences, largest first —
+    """Per-replica micro-batches to try, largest first. Generation: the concurrent sequences —
     all of the share, then every power of two below it (the enumeration keeps the
     :data:`GENERATION_WAVE_CHOICES` largest that fit memory). Training and inference: the job's
     ``configured`` micro-batch and every power of two below it (:attr:`PlannerOptions.micro_batches`
     replaces that list), each capped at ``per_replica`` and, for training, lowered to a divisor
-    of it. A smaller micro-batch leaves the step's arithmetic as it is (gradient accumulation
-    keeps ``dp × b × a`` the global batch) and trades dispatch per micro-batch and kernel
-    efficiency against activation memory and, under PP, the pipeline bubble; the cost model
-    prices each, so the search takes it only where it is the faster plan."""
+    of it; the enumeration keeps, per layout, the largest that fits memory.
+
+    Why only the largest that fits: a smaller micro-batch leaves the step's arithmetic as it is
+    (gradient accumulation keeps ``dp × b × a`` the global batch) and needs less activation
+    memory, so where the job's does not fit a layout a smaller one lets the layout compete (at
+    response length 68 the demo's training fitted 4 devices at micro-batch 16 only at tp 4, which
+    ran 1.43 s a step against 0.58 s for dp 4 at 4). But the cost model prices a GEMM by its
+    FLOPs whatever the batch, so where the job's micro-batch fits, a smaller one would win on a
+    smaller PP bubble alone, and the simulator's measured truth, whose kernels lose efficiency on
+    small batches, ran such plans 3–8 % slower in three of four cases (a review, 2026-12-05)."""
     if generation:
         if 0 < options.generation_micro_batch <= per_replica:
             return (options.generation_micro_batch,)
@@ -213,7 +220,7 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
             while per_replica % b:
                 b -= 1
         out.append(max(1, b))
-    return tuple(sorted(set(out)))
+    return tuple(sorted(set(out), reverse=True))
 
 
 class _LazyCostByClass(Mapping):
@@ -331,7 +338,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 choices = micro_batch_choices(per_opt, wl.micro_batch, options, training, generation)
                 if wl.packed and not generation:
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike
-                kept = 0
+                kept, fitted = 0, set()
                 for b in choices:
                     if generation and kept >= GENERATION_WAVE_CHOICES:
                         break   # smaller waves than the largest that fit: slower, never needed
@@ -339,6 +346,8 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                     for recompute, zero in itertools.product(recompute_flags, zero_choices):
                         if zero and (tp, pp) != (1, 1):
                             continue   # the ZeRO backend (DeepSpeed) runs tp = pp = 1 units
+                        if not generation and (recompute, zero) in fitted:
+                            continue   # a larger micro-batch fits this layout (micro_batch_choices)
                         # memory depends on the share only through b and the in-flight
                         # micro-batches (see nereusd.cost.memory.stage_memory), and under ZeRO on dp
                         key = (tp, pp, min(priced, per_replica), recompute,
@@ -355,6 +364,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                             continue
                         block.append((tp, pp, dp, b, recompute, mem[0], mem[1], zero))
                         kept += 1
+                        fitted.add((recompute, zero))
             if block:
                 cols = list(zip(*block))
                 lat_parts.append(costvec.latencies(
