@@ -188,7 +188,12 @@ class SiteConfig:
     def lone_speedup(self, devices: int) -> float:
         """:meth:`busy_speedup` of one device, for a model-stage on ``devices`` packed devices
         that holds every device of each node it is on (so nothing else runs there: a
-        pipeline's fill and drain free cores for its busy stages); else 1."""
+        pipeline's fill and drain free cores for its busy stages); else 1.
+
+        Like :meth:`nereusd.cost.model.CostModel.spans_nodes`, it counts devices and assumes
+        them packed node by node (what placement does): a stage on devices ``0, 1, 2, 4`` of a
+        four-device node is taken as one whole node. A stage on part of a node gets no speed-up
+        even when nothing else runs beside it (a pool of three local devices)."""
         if devices % self.devices_per_node:
             return 1.0
         return self.busy_speedup(1)

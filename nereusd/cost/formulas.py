@@ -121,7 +121,9 @@ def pipeline_slots(micro_batches, pp: int, lone_speedup=1.0):
     nodes): a stage idle in the fill or drain lends its core to the busy ones, so the time is
     the larger of the node's work, ``m`` slots at the shared speed, and the critical path at a
     lone device's speed, ``(m + pp − 1) / lone_speedup`` (a work-conserving schedule's two
-    lower bounds; Graham 1969). Scalars or numpy arrays.
+    lower bounds; Graham 1969). Scalars or numpy arrays. Training, inference and a generation's
+    prefill passes use it; a pipelined generation's decode steps (``generation_pp`` only) keep
+    their own count.
     """
     slots = micro_batches + pp - 1
     if np.ndim(lone_speedup) == 0 and lone_speedup <= 1.0:
