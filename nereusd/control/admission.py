@@ -9,9 +9,8 @@
 - *Urgent path* (pool change, predicted OOM): profitability is waived; the feasible target
   cheapest over the horizon is taken, or the current plan kept where it still runs and is
   cheaper; if the planner finds none (each layout at the largest micro-batch up to the job's
-  that fits),
-  recomputation is tried (:func:`urgent_replan`); if still nothing fits, the verdict is
-  checkpoint/restart.
+  that fits), recomputation is tried (:func:`urgent_replan`); if still nothing fits, the
+  verdict is checkpoint/restart.
 - *Restart to switch*: a target whose plan fits but whose transition does not is reached by a
   checkpoint/restart when its learned cost repays itself by the same payback rule.
 

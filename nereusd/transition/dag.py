@@ -7,15 +7,16 @@ their target devices, Split on its receivers, Merge on its devices) waits for th
 release memory there (Destroy, Merge, and a Split on its receivers: two Splits or Merges on one
 tight device, which each allocate before they free, run one after the other). Stage order
 breaks ties: acquisitions are joined from the last stage to the first, so when two hand-overs
-would wait on each other the earlier stage proceeds and the later one waits; the topological order runs ready releases first, then generation → inference →
-training. An edge ``release → acquire`` is added only when ``acquire`` does not
+would wait on each other the earlier stage proceeds and the later one waits; the topological
+order runs ready releases first, then generation → inference → training. An edge ``release → acquire`` is added only when ``acquire`` does not
 already reach ``release`` (a Destroy that depends, directly or transitively, on the blocked
 acquisition is never chosen), so the DAG stays acyclic by construction; :func:`join` asserts it.
 
 Which pairs are joined: without a memory model (``tight=None``) every device that passes from
 one model-stage to another is handed over (cross-model-stage pairs only, as in the paper's
 examples: critic Extend onto GPU 10 waits for actor Destroy; a Split, and a Merge's
-allocation, hand over nothing). With a memory model (:func:`nereusd.transition.memory.tight_devices`) only devices whose worst case — everything
+allocation, hand over nothing). With a memory model
+(:func:`nereusd.transition.memory.tight_devices`) only devices whose worst case — everything
 acquired while nothing is released — exceeds the budget are joined, for every pair on them.
 
 The validator lives in :mod:`nereusd.transition.validate`.
