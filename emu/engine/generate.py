@@ -148,7 +148,8 @@ def generate(model: LlamaModel, prompts: list[list[int]], params: SamplingParams
     else:
         gen = torch.Generator(device=device).manual_seed(params.seed)
 
-    logits = model(tokens, attention_mask=full_mask[:, :width], position_ids=positions, kv_cache=kv_cache)
+    logits = model(tokens, attention_mask=full_mask[:, :width], position_ids=positions, kv_cache=kv_cache,
+                   last_position_only=True)
     next_pos = positions[:, -1] + 1
     responses: list[list[int]] = [[] for _ in prompts]
     done = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -397,7 +397,7 @@ class LlamaModel(nn.Module):
     def forward(self, inputs: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None,
-                segments: Optional[list[int]] = None) -> torch.Tensor:
+                segments: Optional[list[int]] = None, last_position_only: bool = False) -> torch.Tensor:
         """Run this shard.
 
         Args:
@@ -410,6 +410,9 @@ class LlamaModel(nn.Module):
                 lengths of the sequences laid end to end in it, summing to ``S``; each attends
                 causally to itself only (give ``position_ids`` restarting at 0 per segment).
                 Exactly what each sequence computes alone (:mod:`emu.engine.batch`).
+            last_position_only: the last stage runs its norm and head at position ``S − 1``
+                only (a generation's prefill samples from it alone; the logits of every prompt
+                token would be ``B·S·V/tp`` elements), so its output has ``S = 1``.
 
         Returns:
             On the last stage logits ``[B, S, V/tp]`` (``V`` when ``tp == 1``) or values
@@ -439,4 +442,6 @@ class LlamaModel(nn.Module):
                 x = layer(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length = past + s
-        return self.output_head(x) if self.is_last else x
+        if not self.is_last:
+            return x
+        return self.output_head(x[:, -1:] if last_position_only else x)

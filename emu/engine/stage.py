@@ -35,7 +35,7 @@ from emu.engine.canonical import init_full_state, replicated_grad_names, shard_d
 from emu.engine.model import KVCache, LlamaModel
 from emu.engine.parallel import (StageGroups, gather_pp, gather_tp, run_pipeline,
                                 vocab_parallel_logprobs_entropy)
-from nereusd.cost.memory import micro_batch_activation_bytes, pipeline_in_flight
+from nereusd.cost.memory import micro_batch_activation_bytes, pipeline_in_flight, prefill_activation_bytes
 from nereusd.errors import NereusError, PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Stage
@@ -229,9 +229,8 @@ class StageEngine:
                                 seeds=None if seeds is None else tuple(seeds))
         width = max(len(p) for p in prompts)
         shape = kv_cache_shape(self.module, len(prompts), width + max_new_tokens)
-        act = micro_batch_activation_bytes(self.spec, tp=self.groups.tp.size, layers=len(self.layers),
-                                           batch=len(prompts), seq=width, act_bytes=self._act_bytes, train=False,
-                                           head_positions=1, vocab_head=True)
+        act = sum(prefill_activation_bytes(self.spec, tp=self.groups.tp.size, layers=len(self.layers),
+                                           batch=len(prompts), prompt=width, act_bytes=self._act_bytes))
         self.memory.allocate(self.ms, "kv_cache", KVCache.nbytes_for(*shape))
         try:
             self.memory.allocate(self.ms, "activations", act)

@@ -209,6 +209,27 @@ def micro_batch_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch
     return int(total)
 
 
+def prefill_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: int, prompt: int, act_bytes: int,
+                             flash_attention: bool = True) -> tuple[int, int]:
+    """``(activations, head)`` bytes of the native decoder's prefill of ``batch`` prompts of
+    ``prompt`` tokens (padded) on one TP rank holding ``layers`` decoder layers: what
+    :meth:`emu.engine.stage.StageEngine.generate` books and :func:`stage_memory` predicts.
+
+    The decoder layers hold one layer's inference set at a time
+    (:func:`micro_batch_activation_bytes` without the head); the final norm and head run at each
+    prompt's last position only (``LlamaModel.forward(last_position_only=True)``), so the head
+    is :func:`head_activation_bytes` of one position per row: its logits ``[b, 1, V/t]``, and the
+    gathered logits and sampling probabilities ``2·b·V/t``. Pricing every prompt token's logits
+    instead would be ``b·prompt·V/t`` elements (10 GB in fp32 for 64 prompts of 256 tokens and
+    Qwen2.5's vocabulary of 151,936).
+    """
+    body = micro_batch_activation_bytes(spec, tp=tp, layers=layers, batch=batch, seq=prompt, act_bytes=act_bytes,
+                                        train=False, last_stage=False, flash_attention=flash_attention)
+    head = head_activation_bytes(spec, tp=tp, batch=batch, seq=1, head_positions=1, act_bytes=act_bytes,
+                                 vocab_head=True)
+    return body, head
+
+
 def pipeline_in_flight(n_micro: int, pp: int, pp_rank: int) -> int:
     """Micro-batches whose training activations pipeline stage ``pp_rank`` holds at once:
     ``pp − pp_rank`` under 1F1B (Narayanan et al. 2021, §2.2), all ``n_micro`` under GPipe,
@@ -324,11 +345,10 @@ def stage_memory(
             comp["logits"] = logits_bytes(spec, b, tp, backward=False)   # vLLM computes the sampled positions' only
         else:
             comp["kv_cache"] = kv_cache_bytes(spec, b * seq, tp, pp, e)
-            comp["logits"] = head_activation_bytes(spec, tp=tp, batch=b, seq=prompt_length, head_positions=1,
-                                                   act_bytes=e, vocab_head=True)
-        comp["activations"] = micro_batch_activation_bytes(
-            spec, tp=tp, layers=layers, batch=b, seq=prompt_length, act_bytes=e, train=False, last_stage=False,
-            flash_attention=flash_attention)
+        comp["activations"], head = prefill_activation_bytes(spec, tp=tp, layers=layers, batch=b, prompt=prompt_length,
+                                                             act_bytes=e, flash_attention=flash_attention)
+        if not engine_seq:
+            comp["logits"] = head
     elif model_stage.stage is Stage.INFERENCE:
         comp["activations"] = micro_batch_activation_bytes(
             spec, tp=tp, layers=layers, batch=b, seq=seq, act_bytes=e, train=False, last_stage=False,

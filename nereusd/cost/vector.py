@@ -72,7 +72,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         waves = _ceil_div(per_replica, concurrent)
         _add_per_mb(cm, acc, spec, True, prompt_length, tp, pp, concurrent, np.zeros(n, bool),
                     pipeline_slots(waves, pp, _lone_speedup(cm, tp * pp * dp)), False, launch=False,
-                    classes=generation_class)
+                    classes=generation_class, prefill=True)
         _add_decode(cm, acc, spec, per_replica, concurrent, waves, prompt_length, response_length,
                     response_mean_fraction, tp, pp)
         spans = tp * pp * dp > dpn
@@ -113,14 +113,15 @@ def _lone_speedup(cm: CostModel, devices: np.ndarray) -> np.ndarray | float:
 
 def _add_per_mb(cm: CostModel, acc: _Sum, spec: ModelSpec, lm_head: bool, seq: int, tp: int, pp: int,
                 b: np.ndarray, rc: np.ndarray, slots: np.ndarray, training: bool, launch: bool = True,
-                classes=lambda c: c) -> None:
+                classes=lambda c: c, prefill: bool = False) -> None:
     """``slots ×`` the cached per-micro-batch cost, for each distinct ``(b, recompute)``
-    (``launch``: with its per-layer dispatch, as :meth:`CostModel._micro_batch`; ``classes``
-    maps its operation classes, e.g. to a generation engine's)."""
+    (``launch``: with its per-layer dispatch, ``prefill``: the head at the last position only,
+    as :meth:`CostModel._micro_batch`; ``classes`` maps its operation classes, e.g. to a
+    generation engine's)."""
     groups = sorted(set(zip(b.tolist(), rc.tolist())))
     for bb, rr in groups:
         scaled = slots if len(groups) == 1 else np.where((b == bb) & (rc == rr), slots, 0)
-        for c, v in cm._per_mb_items(spec, lm_head, seq, tp, pp, bb, training, rr, launch):
+        for c, v in cm._per_mb_items(spec, lm_head, seq, tp, pp, bb, training, rr, launch, prefill):
             acc.add(classes(c), v * scaled)
 
 

@@ -53,7 +53,8 @@ Generation (a vLLM-style engine with continuous batching):
   (at the replica's mean context), plus per step a fixed engine overhead (scheduling, sampling,
   launches) and 2 all-reduces per layer over TP (vLLM's custom all-reduce inside a node: a
   fixed latency plus the bytes at the link's bus bandwidth); pipeline parallelism runs ``pp`` micro-batches through ``pp`` stages;
-- the prefill of every prompt is compute-bound at GEMM efficiency;
+- the prefill of every prompt is compute-bound at GEMM efficiency, its logits computed at the
+  last position only (vLLM's ``LogitsProcessor`` runs on the sampling indices);
 - the weight synchronisation is a broadcast of the shard at the NCCL figures above.
 
 Every figure is in :data:`DEVICE_FIGURES` and :data:`LINK_FIGURES` with its source; where no
@@ -384,7 +385,8 @@ class MeasuredTruth(GroundTruth):
         layers = math.ceil(spec.num_layers / c.pp)
         weights = parameters_per_device(spec, c.tp, c.pp) * e
         kv_per_token = 2 * layers * math.ceil(spec.num_kv_heads / c.tp) * d * e
-        flops_per_token = 2.0 * (layers * layer_parameters(spec) + spec.vocab_size * h) / c.tp
+        head_flops = 2.0 * spec.vocab_size * h / c.tp
+        flops_per_token = 2.0 * layers * layer_parameters(spec) / c.tp + head_flops
         tp_spans = self.spans(c.tp)
         p2p = self.p2p_s(h * e, self.spans(c.tp * c.pp), contended) if c.pp > 1 else 0.0
         worst = 0.0
@@ -404,7 +406,7 @@ class MeasuredTruth(GroundTruth):
             tp_ar = 2 * layers * self._decode_all_reduce_s(micro * h * e, c.tp, tp_spans, contended)
             per_step = c.pp * (np.maximum(memory, compute) + tp_ar + p2p) + self.device.decode_overhead_s
             decode = float(np.sum(steps * per_step))
-            prefill = len(mine) * prompt * flops_per_token / self.peak
+            prefill = len(mine) * (prompt * (flops_per_token - head_flops) + head_flops) / self.peak
             worst = max(worst, decode + prefill)
         sync = self.p2p_s(weights, self.spans(c.tp * c.pp * c.dp), contended)
         return worst + sync

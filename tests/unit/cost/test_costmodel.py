@@ -361,6 +361,26 @@ def test_a_generation_wave_prefills_its_prompts_in_one_pass():
     assert one == pytest.approx(four, rel=1e-9)
 
 
+def test_a_prefill_prices_the_head_at_each_prompts_last_position():
+    """The engines compute a prefill's logits at the sampled position only, so the GEMM FLOPs
+    of a wave's prefill are ``2·(L·P_layer·b·prompt + V·h·b)/tp``: the head's do not grow with
+    the prompt (Qwen2.5-1.5B: a head of 233 M parameters beside 1.3 B in the layers);
+    training keeps the head at every token."""
+    from nereusd.cost.model import layer_parameters
+
+    spec, tp, b = preset("qwen2.5-1.5b"), 2, 8
+    cm = CostModel(H200)
+    body, head = spec.num_layers * layer_parameters(spec), spec.vocab_size * spec.hidden_size
+    for prompt in (64, 512):
+        gemm = cm._micro_batch(spec, True, prompt, tp, 1, b, False, False, launch=False, prefill=True).ideal[GEMM]
+        assert gemm * cm.peak_flops == pytest.approx(2 * (body * b * prompt + head * b) / tp, rel=1e-12)
+    train = cm._micro_batch(spec, True, 512, tp, 1, b, True, False).ideal[GEMM]
+    assert train * cm.peak_flops == pytest.approx(6 * (body + head) * b * 512 / tp, rel=1e-12)
+    kw = dict(sequences=64, prompt_length=512, response_length=1, tp=tp, pp=1, dp=1, micro_batch=b)
+    assert cm.stage_latency(spec, GEN, **kw)[1][GEMM] == pytest.approx(cm.stage_cost(spec, GEN, **kw).ideal_s_by_class[GEMM],
+                                                                      rel=1e-12)
+
+
 def test_per_call_classes_may_learn_more_than_the_hardware_peak_classes():
     """A site's α or dispatch figure is an estimate, not a peak: their classes may learn an
     engine 10x faster than it, and a generation engine's own communicator 1,000x (vLLM's

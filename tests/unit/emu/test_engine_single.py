@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from emu.state.devmem import DeviceMemory
-from nereusd.cost.memory import micro_batch_activation_bytes, stage_memory
+from nereusd.cost.memory import micro_batch_activation_bytes, prefill_activation_bytes, stage_memory
 from emu.engine.stage import StageEngine
-from emu.engine.generate import SamplingParams, generate
-from emu.engine.model import LlamaModel, init_full_state
+from emu.engine.generate import SamplingParams, generate, kv_cache_shape
+from emu.engine.model import KVCache, LlamaModel, init_full_state
 from emu.engine.parallel import build_stage_groups
 from nereusd.shards import check_layout
 from nereusd.errors import DeviceOutOfMemory, PlanError
@@ -201,6 +201,35 @@ def test_kv_cache_generation_equals_full_recomputation():
         want = [_greedy_by_recomputation(model, p, 8, 7) for p in prompts]
     assert got == want
     assert any(r and r[-1] == 7 for r in got) or all(len(r) == 8 for r in got)
+
+
+def test_a_prefill_runs_the_head_at_the_last_position_only():
+    """The native decoder's prefill computes logits ``[B, 1, V]`` (what it samples from), equal
+    to the full forward's last position; the engine books, and the memory model predicts, a
+    head that does not grow with the prompt."""
+    model = LlamaModel(SPEC, seed=4)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9], [2, 6, 5, 3, 5, 8]])
+    with torch.no_grad():
+        full, last = model(tokens), model(tokens, last_position_only=True)
+    assert last.shape == (2, 1, SPEC.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:])
+    heads = [prefill_activation_bytes(SPEC, tp=1, layers=SPEC.num_layers, batch=4, prompt=p, act_bytes=4)[1]
+             for p in (8, 32)]
+    assert heads[0] == heads[1]
+    bodies = [prefill_activation_bytes(SPEC, tp=1, layers=SPEC.num_layers, batch=4, prompt=p, act_bytes=4)[0]
+              for p in (8, 32)]
+    assert bodies[1] > 3 * bodies[0]
+    mem = DeviceMemory(0, 1 << 30)
+    eng = engine(mem, trainable=False, model_stage=ACTOR_GEN, micro_batch=4)
+    eng.initialize(seed=2)
+    prompts = [[1] * 20, [2] * 20, [3] * 20]
+    eng.generate(prompts, max_new_tokens=4, greedy=True)
+    kv = KVCache.nbytes_for(*kv_cache_shape(eng.module, 3, 24))
+    assert mem.peak_bytes == eng.parameter_bytes() + kv + sum(
+        prefill_activation_bytes(SPEC, tp=1, layers=SPEC.num_layers, batch=3, prompt=20, act_bytes=4))
+    est = stage_memory(SPEC, ACTOR_GEN, sequences=3, prompt_length=20, response_length=4, tp=1, pp=1, dp=1,
+                       micro_batch=4, dtype="fp32", device_kind="cpu")
+    assert est.components["logits"] == heads[0] * 3 // 4 and est.components["kv_cache"] == kv
 
 
 def test_sampling_is_seeded_and_engine_books_the_kv_cache():
