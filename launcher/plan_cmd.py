@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "(RUN_DIR/events.jsonl, event launch_plan; 'local' also prints it).")
     p.add_argument("--model", required=True, help=f"preset name ({', '.join(PRESETS)}), "
                    "a HF model directory or a config.json")
-    p.add_argument("--reward-model", help="a different model for the reward role (default: --model)")
+    p.add_argument("--reward-model", help="a different model for the reward role (default: --model); 'none' for a "
+                   "rule-based reward (a verifier such as the counting or gsm8k task's: no reward model-stage)")
     p.add_argument("--critic-model", help="a different model for the critic role (default: --model)")
     p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"],
                    help="RL algorithm; it decides the model-stages (default: %(default)s)")
@@ -81,13 +82,24 @@ def run(args: argparse.Namespace) -> int:
         print("nereus-launch plan: --gpus must be >= 1", file=sys.stderr)
         return 2
     site = site.with_nodes(max(1, math.ceil(args.gpus / site.devices_per_node)))
+    for flag, value in (("--model", args.model), ("--reward-model", args.reward_model),
+                        ("--critic-model", args.critic_model)):
+        if value and Path(value).suffix.lower() in (".yaml", ".yml"):
+            print(f"nereus-launch plan: {flag} {value}: a YAML file; {flag} takes a preset name, a HF model "
+                  "directory or a config.json. 'plan' does not read job files: a job's launch plan is printed "
+                  "by 'nereus-launch local' and journalled as the launch_plan event of RUN_DIR/events.jsonl",
+                  file=sys.stderr)
+            return 2
     actor = resolve_model(args.model)
     specs = {r: actor for r in Role}
-    if args.reward_model:
+    rule_reward = (args.reward_model or "").lower() == "none"
+    if args.reward_model and not rule_reward:
         specs[Role.REWARD] = resolve_model(args.reward_model)
+    if rule_reward:
+        del specs[Role.REWARD]
     if args.critic_model:
         specs[Role.CRITIC] = resolve_model(args.critic_model)
-    workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous)
+    workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous, reward_model=not rule_reward)
     workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
                         global_batch=args.global_batch, mini_batches=args.mini_batches,
                         micro_batch=args.micro_batch)

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,36 +37,59 @@ RECORD_FILE = "slurm.json"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("submit", help="validate a job and submit it to Slurm (sbatch)")
+    p = subparsers.add_parser(
+        "submit", help="validate a job and submit it to Slurm (sbatch)",
+        description="Validate a job against a site (schema, launch plan, the site's slurm: section), render the "
+                    "batch script, write it and the job's CURVE keys into the run directory and submit it with "
+                    "sbatch. Prints the Slurm job id and the run directory; name the job afterwards by either. "
+                    "Nothing is left behind when sbatch refuses the job.")
     _job_args(p)
     p.add_argument("--run-dir", help="run directory on a shared file system (default: runs/<name>-<timestamp>)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     p.set_defaults(func=cmd_submit)
 
-    p = subparsers.add_parser("render", help="print the batch script submit would use, without submitting")
+    p = subparsers.add_parser(
+        "render", help="print the batch script submit would use, without submitting",
+        description="Validate a job as submit does and print the batch script it would submit (or, with --grow, "
+                    "the script of a grow allocation), without calling Slurm or writing anything.")
     _job_args(p)
     p.add_argument("--run-dir", default="/path/to/run", help="run directory to render into the script")
     p.add_argument("--grow", action="store_true", help="render the script of a grow allocation")
     p.set_defaults(func=cmd_render)
 
-    p = subparsers.add_parser("status", help="plan, pool, step and last decision of a job (all jobs without JOB)")
+    p = subparsers.add_parser(
+        "status", help="plan, pool, step and last decision of a job (all jobs without JOB)",
+        description="Ask a job's nereusd (over its CURVE-secured control plane) for its step, plan, pool and last "
+                    "decision; when it is not running, print the run's summary. JOB is a Slurm job id submitted "
+                    "from this account or a run directory (a local run's too). Without JOB, list the jobs "
+                    "submitted from this account with their Slurm state.")
     p.add_argument("job", nargs="?", help="Slurm job id or run directory")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_status)
 
-    p = subparsers.add_parser("grow", help="add nodes: a new allocation whose agents join the running nereusd")
+    p = subparsers.add_parser(
+        "grow", help="add nodes: a new allocation whose agents join the running nereusd",
+        description="Submit a second Slurm allocation of --nodes nodes whose agents join the running job's "
+                    "nereusd; the controller then re-plans onto the larger pool. The job must be running.")
     p.add_argument("job", help="Slurm job id or run directory")
     p.add_argument("--nodes", type=int, required=True, help="nodes to add")
     p.set_defaults(func=cmd_grow)
 
-    p = subparsers.add_parser("shrink", help="give nodes back to Slurm")
+    p = subparsers.add_parser(
+        "shrink", help="give nodes back to Slurm",
+        description="Give nodes back while the job runs: --nodes N keeps N nodes of the main allocation "
+                    "(scontrol update NumNodes), --grow-job ID cancels one grow allocation. The devices that "
+                    "leave are drained first, so no state is lost.")
     p.add_argument("job", help="Slurm job id or run directory")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--nodes", type=int, help="keep this many nodes of the main allocation (scontrol update NumNodes)")
     g.add_argument("--grow-job", help="cancel this grow allocation")
     p.set_defaults(func=cmd_shrink)
 
-    p = subparsers.add_parser("cancel", help="cancel a job and all its grow allocations (scancel)")
+    p = subparsers.add_parser(
+        "cancel", help="cancel a job and all its grow allocations (scancel)",
+        description="Cancel a submitted job's main allocation and every grow allocation (scancel). The run "
+                    "directory and its checkpoints stay; 'resume' continues from the latest checkpoint.")
     p.add_argument("job", help="Slurm job id or run directory")
     p.set_defaults(func=cmd_cancel)
 
@@ -169,10 +193,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     site, req = _prepare(args, str(run_dir))
     script = render(load_template(), site, req)
+    existed = run_dir.exists()
     clear_run_dir(run_dir, args.overwrite)
-    init_keys(run_dir)
-    (run_dir / "nereus.sbatch").write_text(script)
-    job_id = SlurmClient().sbatch(script)
+    try:
+        init_keys(run_dir)
+        (run_dir / "nereus.sbatch").write_text(script)
+        job_id = SlurmClient().sbatch(script)
+    except BaseException:
+        # nothing was submitted: leave no half-made run directory behind, so that the same
+        # command can be run again once the cause is fixed (without --overwrite)
+        if existed:
+            for child in run_dir.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     _write_record(run_dir, {"job_id": job_id, "grow_job_ids": [], "site": site.source, "job": req.job_path,
                             "nodes": req.nodes, "submitted_s": time.time()})
     print(f"nereus: submitted job {job_id} ({req.nodes} node(s) on site {site.name}); run directory {run_dir}")
@@ -192,10 +227,16 @@ def cmd_status(args: argparse.Namespace) -> int:
               "\n".join(f"{r['job_id']:>8} {r['state']:<12} {r['run_dir']}" for r in rows) or "no jobs")
         return 0
     run_dir = resolve_run_dir(args.job)
-    record = _read_record(run_dir)
-    client = SlurmClient()
-    slurm = {jid: (info.state if (info := client.job(jid)) else "GONE")
-             for jid in [record["job_id"], *record["grow_job_ids"]]}
+    if (run_dir / RECORD_FILE).is_file():
+        record = _read_record(run_dir)
+        client = SlurmClient()
+        slurm = {jid: (info.state if (info := client.job(jid)) else "GONE")
+                 for jid in [record["job_id"], *record["grow_job_ids"]]}
+    elif (run_dir / ENDPOINT_FILE).is_file() or (run_dir / SUMMARY_FILE).is_file():
+        slurm = {}   # a local run (nereus-launch local): no allocation to ask Slurm about
+    else:
+        raise NereusError(f"{run_dir}: not a Nereus run directory (no {RECORD_FILE}, {ENDPOINT_FILE} or "
+                          f"{SUMMARY_FILE}; has the job started?)")
     out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm, "nereusd": ask_nereusd(run_dir)}
     try:
         out["summary"] = json.loads((run_dir / SUMMARY_FILE).read_text())
@@ -204,13 +245,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"run {run_dir}: Slurm " + ", ".join(f"{j} {s}" for j, s in slurm.items()))
+    print(f"run {run_dir}: " + ("Slurm " + ", ".join(f"{j} {s}" for j, s in slurm.items()) if slurm else "local"))
     live = out["nereusd"]
     if live:
         plan = ", ".join(f"{ms} tp{c['tp']} pp{c['pp']} dp{c['dp']}" for ms, c in live["plan"].items())
         print(f"step {live['step']} of {live['steps']} ({live['state']}); plan: {plan or 'not formed yet'}")
         for node, agent in sorted(live["pool"].items()):
-            print(f"  node {node}: devices {agent['devices']} (allocation {agent['slurm_job_id']})")
+            where = f" (allocation {agent['slurm_job_id']})" if agent.get("slurm_job_id") else ""
+            print(f"  node {node}: devices {agent['devices']}{where}")
         if live["last_decision"]:
             print(f"last decision: {live['last_decision']['reason']} -> {live['last_decision']['verdict']}")
     elif out["summary"]:

@@ -260,6 +260,18 @@ class Candidate:
         )
 
 
+def training_micro_batch(configured: int, share: int) -> int:
+    """The per-replica training micro-batch for a job's ``train.micro_batch`` (an upper bound)
+    and a replica's ``share`` of the global batch (sequences per optimizer step): the largest
+    ``b ≤ configured`` dividing ``share``, so that ``dp × b × grad_accum`` is the global batch.
+    The planner and the launch plan both use it (:func:`nereusd.planner.space.micro_batch_choices`,
+    :mod:`nereusd.config.resolve`). E.g. ``(3, 16) → 2``, ``(128, 16) → 16``, ``(12, 24) → 12``."""
+    b = max(1, min(configured, share))
+    while share % b:
+        b -= 1
+    return b
+
+
 @dataclass(frozen=True)
 class Plan:
     """A plan ``S``: one candidate per model-stage.

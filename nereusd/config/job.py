@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from nereusd.config.yamlfile import read_yaml
 from nereusd.errors import ConfigError
@@ -62,15 +63,15 @@ class TaskConfig(_Strict):
 class RolloutConfig(_Strict):
     """Generation settings."""
 
-    prompts_per_step: int = Field(8, ge=1)
+    prompts_per_step: StrictInt = Field(8, ge=1)
     """Distinct prompts per RL step."""
-    group_size: int = Field(8, ge=1)
+    group_size: StrictInt = Field(8, ge=1)
     """Samples per prompt (GRPO's group; PPO and ReMax usually 1)."""
-    max_new_tokens: int = Field(96, ge=1)
+    max_new_tokens: StrictInt = Field(96, ge=1)
     """Longest response in tokens."""
-    temperature: float = Field(1.0, gt=0.0)
+    temperature: StrictFloat = Field(1.0, gt=0.0)
     """Sampling temperature."""
-    max_staleness: int = Field(0, ge=0, strict=True)
+    max_staleness: StrictInt = Field(0, ge=0, strict=True)
     """Asynchronous execution: generation runs up to this many policy versions ahead of
     training (step ``k`` trains on responses generated with the weights of step ``k − s``;
     1 is one-step off-policy, as in AReaL/Laminar). 0 (default): synchronous steps. The safe
@@ -80,44 +81,46 @@ class RolloutConfig(_Strict):
 class TrainConfig(_Strict):
     """Optimisation settings shared by the trainable roles."""
 
-    global_batch: int = Field(64, ge=1)
+    global_batch: StrictInt = Field(64, ge=1)
     """Sequences per optimizer step; ``dp × micro_batch × grad_accum`` must equal it."""
-    micro_batch: int = Field(8, ge=1)
-    """Sequences per micro-batch on one replica, at most: for a layout this does not fit in
-    memory, the planner takes the largest power of two below it that does (a plan's
-    ``micro_batch``)."""
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    micro_batch: StrictInt = Field(8, ge=1)
+    """Sequences per micro-batch on one replica, at most: a training replica takes the largest
+    divisor of its share of ``global_batch`` up to it (:func:`nereusd.plan.training_micro_batch`:
+    12 on a share of 16 trains at 8), and for a layout this does not fit in memory, the planner
+    takes the largest power of two below it that does (a plan's ``micro_batch``). A
+    ``micro_batch`` written in ``plan:`` is taken as it is and must divide the share."""
+    max_tokens_per_micro_batch: StrictInt | None = Field(None, ge=1)
     """Form training and inference micro-batches by this token budget instead of by count:
     sequences are packed padding-free into rows of at most this many tokens (verl's dynamic
     batch size). Must hold the longest sequence (prompt plus ``rollout.max_new_tokens``).
     Generation is unaffected. ``None`` (default): ``micro_batch`` sequences, padded."""
-    epochs: int = Field(1, ge=1)
+    epochs: StrictInt = Field(1, ge=1)
     """Passes over each step's rollout (PPO epochs)."""
-    actor_lr: float = Field(3e-4, gt=0.0)
-    critic_lr: float = Field(1e-3, gt=0.0)
-    clip: float = Field(0.2, gt=0.0)
+    actor_lr: StrictFloat = Field(3e-4, gt=0.0)
+    critic_lr: StrictFloat = Field(1e-3, gt=0.0)
+    clip: StrictFloat = Field(0.2, gt=0.0)
     """PPO ratio clip ε."""
-    value_clip: float = Field(0.2, gt=0.0)
-    kl_coef: float = Field(0.02, ge=0.0)
+    value_clip: StrictFloat = Field(0.2, gt=0.0)
+    kl_coef: StrictFloat = Field(0.02, ge=0.0)
     """β of the KL penalty to the reference."""
     kl_estimator: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0.0)
-    gamma: float = Field(1.0, gt=0.0, le=1.0)
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    grad_clip: float | None = Field(1.0, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    entropy_coef: StrictFloat = Field(0.0, ge=0.0)
+    gamma: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    lam: StrictFloat = Field(0.95, ge=0.0, le=1.0)
+    grad_clip: StrictFloat | None = Field(1.0, gt=0.0)
+    weight_decay: StrictFloat = Field(0.0, ge=0.0)
 
 
 class StagePlanConfig(_Strict):
     """``tp, pp, dp`` and devices of one model-stage; omitted fields come from ``plan.default``."""
 
-    tp: int | None = Field(None, ge=1)
-    pp: int | None = Field(None, ge=1)
-    dp: int | None = Field(None, ge=1)
-    devices: list[int] | None = None
-    micro_batch: int | None = Field(None, ge=1)
+    tp: StrictInt | None = Field(None, ge=1)
+    pp: StrictInt | None = Field(None, ge=1)
+    dp: StrictInt | None = Field(None, ge=1)
+    devices: list[StrictInt] | None = None
+    micro_batch: StrictInt | None = Field(None, ge=1)
     recompute: bool | None = None
-    zero_stage: int | None = Field(None, ge=0, le=2)
+    zero_stage: StrictInt | None = Field(None, ge=0, le=2)
     """ZeRO stage of a training model-stage (1, 2: ``backends: {<ms>: deepspeed}``); pinned like
     the other fields. Unset: ZeRO-0 on the native engine; on deepspeed, 1 at launch and the
     planner's choice after. Non-training model-stages ignore it in ``plan.default``."""
@@ -149,12 +152,12 @@ real models are long (generation-bound) next to a checkpoint write, so the ratio
 
 
 class CheckpointConfig(_Strict):
-    every_steps: int | None = Field(None, ge=0)
+    every_steps: StrictInt | None = Field(None, ge=0)
     """Save a DCP checkpoint every N steps (0: only the final one). Unset: 0 without live
     adaptation, :data:`ADAPTIVE_CHECKPOINT_EVERY` with it (see :meth:`interval`)."""
     final: bool = True
     """Save a DCP checkpoint at the end of the run."""
-    keep_last: int = Field(3, ge=1)
+    keep_last: StrictInt = Field(3, ge=1)
     """Periodic checkpoints kept (``checkpoints/step<N>``): after each new one is committed the
     older ones beyond this many are deleted (:func:`nereusd.checkpoints.prune`). ``final``,
     ``preempted-*`` and ``fallback-*`` checkpoints are always kept."""
@@ -176,17 +179,17 @@ class AdaptationConfig(_Strict):
     """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
     rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
     checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
-    payback_margin: float = Field(0.5, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
+    payback_margin: StrictFloat = Field(0.5, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
     """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain; 0:
     urgent switches only)."""
     gamma: Any = Field(None, exclude=True)
     """Removed: the payback margin was renamed :attr:`payback_margin` (``train.gamma`` is the RL
     discount); the old key is refused with a message naming the new one."""
-    period: int = Field(0, ge=0)
+    period: StrictInt = Field(0, ge=0)
     """Also re-plan every N steps (0: on triggers only)."""
-    delta_length: float = Field(0.30, gt=0.0)
+    delta_length: StrictFloat = Field(0.30, gt=0.0)
     """Drift threshold δ_len of the response-length signal (relative)."""
-    launch_response_length: int | None = Field(None, ge=1)
+    launch_response_length: StrictInt | None = Field(None, ge=1)
     """Response length (tokens) the launch plan is chosen for when the job gives no ``plan``
     (default: ``rollout.max_new_tokens``, so the launch plan holds the longest response)."""
     forced: list["ForcedSwitchConfig"] = Field(default_factory=list)
@@ -205,7 +208,7 @@ class AdaptationConfig(_Strict):
 class ForcedSwitchConfig(_Strict):
     """A layout forced at the safe boundary before step ``at_step`` (0-based)."""
 
-    at_step: int = Field(ge=1)
+    at_step: StrictInt = Field(ge=1)
     model_stages: dict[str, StagePlanConfig]
     """Overrides of the *current* plan per model-stage (``tp``, ``pp``, ``dp``, ``micro_batch``,
     ``recompute``, ``zero_stage``); devices default to those the model-stage has now."""
@@ -216,14 +219,14 @@ class PoolEventConfig(_Strict):
     (0-based), or the first one at or after ``at_s`` seconds since the job's first step started.
     Give exactly one of ``at_step`` and ``at_s``."""
 
-    at_step: int | None = Field(None, ge=1)
+    at_step: StrictInt | None = Field(None, ge=1)
     """Apply at the safe boundary before this step."""
-    at_s: float | None = Field(None, ge=0.0)
+    at_s: StrictFloat | None = Field(None, ge=0.0)
     """Apply at the first safe boundary at or after this many seconds since the first step
     started (a device cannot leave mid-step in local mode: it leaves at that boundary)."""
-    remove: int = Field(0, ge=0)
+    remove: StrictInt = Field(0, ge=0)
     """Devices whose workers are stopped (the highest-numbered ones of the pool)."""
-    add: int = Field(0, ge=0)
+    add: StrictInt = Field(0, ge=0)
     """Virtual devices added by a new local agent; their workers join the world."""
 
     @model_validator(mode="after")
@@ -250,13 +253,13 @@ class PoolTraceConfig(_Strict):
     name: str
     """A shipped trace (``us-east-2b``, ``us-west-2a``: 16-node AWS spot availability, one sample
     per 300 s; ``nereusd/data/traces/SOURCES.md``) or the path of a trace file of that format."""
-    seconds_per_trace_hour: float | None = Field(None, gt=0.0)
+    seconds_per_trace_hour: StrictFloat | None = Field(None, gt=0.0)
     """Wall-clock seconds of the job per trace hour (e.g. 60: a 10-hour trace in 10 minutes)."""
-    steps_per_trace_hour: float | None = Field(None, gt=0.0)
+    steps_per_trace_hour: StrictFloat | None = Field(None, gt=0.0)
     """RL steps per trace hour (e.g. 12: one step per 5-minute trace sample)."""
-    start_hour: float = Field(0.0, ge=0.0)
+    start_hour: StrictFloat = Field(0.0, ge=0.0)
     """Trace hour at which the job's first step starts."""
-    min_devices: int | None = Field(None, ge=1)
+    min_devices: StrictInt | None = Field(None, ge=1)
     """The scaled pool never drops below this many devices (nor rises above the job's devices).
     Default: the fewest the job can run on — its largest set of model-stages that run
     concurrently on disjoint devices (GRPO: actor and reference inference, 2)."""
@@ -288,7 +291,7 @@ class PoolConfig(_Strict):
     """Single events at given steps or times."""
     trace: PoolTraceConfig | None = None
     """A spot-availability trace scaled to the job's devices."""
-    max_devices: int | None = Field(None, ge=1)
+    max_devices: StrictInt | None = Field(None, ge=1)
     """Most devices the pool may hold at once (every agent's, ``grow``/``pool --add`` ones
     included); a registration beyond it is refused. Default: 4 × the larger of ``devices`` and
     the launch allocation's devices (:meth:`ResolvedJob.pool_limit`)."""
@@ -300,9 +303,9 @@ AdaptationConfig.model_rebuild()
 class EvaluationConfig(_Strict):
     """Evaluation on the task's held-out prompts (``math``: ``task.options.eval_size`` records)."""
 
-    every_steps: int = Field(0, ge=0)
+    every_steps: StrictInt = Field(0, ge=0)
     """Evaluate before step 0 and after every N steps, and after the last (0: never)."""
-    max_prompts: int | None = Field(None, ge=1)
+    max_prompts: StrictInt | None = Field(None, ge=1)
     """Evaluate on at most this many held-out prompts (default: all)."""
 
 
@@ -344,13 +347,13 @@ class JobConfig(_Strict):
 
     name: str = "nereus-job"
     algorithm: Algorithm = Algorithm.GRPO
-    seed: int = 0
-    steps: int = Field(20, ge=1)
+    seed: StrictInt = 0
+    steps: StrictInt = Field(20, ge=1)
     site: str = "local"
     """Site config: a name under ``site_configs/`` or a path."""
-    devices: int | None = Field(None, ge=1)
+    devices: StrictInt | None = Field(None, ge=1)
     """Devices the job uses (local mode: virtual devices); default: the site's node size."""
-    memory_gib: float | None = Field(None, gt=0.0)
+    memory_gib: StrictFloat | None = Field(None, gt=0.0, le=1e6)
     """Override of the site's per-device memory capacity (local virtual devices)."""
     models: ModelsConfig = ModelsConfig()
     reward: RewardConfig = RewardConfig()
@@ -378,7 +381,7 @@ class JobConfig(_Strict):
     @classmethod
     def _name_is_simple(cls, value: str) -> str:
         if not value or any(ch in value for ch in "/\\\n"):
-            raise ValueError(f"expected a short name without slashes, got {value!r}")
+            raise ValueError("expected a short name without slashes")
         return value
 
 

@@ -17,7 +17,7 @@ from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.loggers import check_loggers
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
-from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage
+from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage, training_micro_batch
 from nereusd.shards import check_checkpoint_shapes, check_layout, value_head_for
 from nereusd.workflow import Algorithm, build_workflow
 
@@ -163,24 +163,30 @@ def _resolve_candidate(
     else:   # plan.default's zero_stage is for training; one named on this model-stage is checked
         zero = override.zero_stage if own_zero else 0
     zero_key = key if own_zero or merged["zero_stage"] is None else "plan.default"
+    explicit = merged["micro_batch"] is not None   # written in the plan (else train.micro_batch, an upper bound)
+    micro_batch = merged["micro_batch"] or job.train.micro_batch
+    grad_accum = 1
+    if ms.stage == Stage.TRAINING:
+        gb = job.train.global_batch
+        if gb % dp:
+            raise ConfigError(f"{source}: {key}: train.global_batch={gb} is not a multiple of dp={dp} "
+                              f"({len(devs)} devices at tp·pp = {tp}·{pp}): each replica trains an equal share")
+        if not explicit:
+            micro_batch = training_micro_batch(micro_batch, gb // dp)
+        elif gb % (dp * micro_batch):
+            raise ConfigError(
+                f"{source}: {key}.micro_batch: {micro_batch} does not divide a replica's share of "
+                f"train.global_batch={gb} at dp={dp} ({gb // dp} sequences): dp·micro_batch·grad_accum must be "
+                f"the global batch (leave it out to take train.micro_batch, lowered to a divisor of the share)")
+        grad_accum = gb // (dp * micro_batch)
     try:
         check_zero_stage(ms, backend, zero, tp=tp, pp=pp, key=f"{source}: {zero_key}")
         check_layout(spec, Layout(tp, pp), value_head=value_head_for(ms.role))
-        micro_batch = merged["micro_batch"] or job.train.micro_batch
         cand = Candidate(tp, pp, dp, tuple(devs), micro_batch=micro_batch, recompute=bool(merged["recompute"]),
                          zero_stage=zero)
     except PlanError as err:
         msg = str(err)
         raise ConfigError(msg if msg.startswith(source) else f"{source}: {key}: {msg}") from None
-    grad_accum = 1
-    if ms.stage == Stage.TRAINING:
-        gb = job.train.global_batch
-        if gb % (dp * micro_batch):
-            raise ConfigError(
-                f"{source}: {key}: global_batch={gb} is not dp·micro_batch·grad_accum for "
-                f"dp={dp}, micro_batch={micro_batch} ({gb} % {dp * micro_batch} != 0)"
-            )
-        grad_accum = gb // (dp * micro_batch)
     return cand, grad_accum
 
 

@@ -236,7 +236,8 @@ class SiteConfig:
             return peaks[dtype] * 1e12
         if "fp32" in peaks:
             return peaks["fp32"] * 1e12
-        raise ConfigError(f"{self.name}: device.peak_tflops: no entry for {dtype!r} or 'fp32'")
+        raise ConfigError(f"{Path(self.source).name if self.source else self.name}: device.peak_tflops: no entry "
+                          f"for {dtype!r}" + ("" if dtype == "fp32" else " nor for fp32, its fallback"))
 
     def node_of(self, device: int) -> int:
         """Node index of global device index ``device`` (``device // devices_per_node``)."""
@@ -405,6 +406,17 @@ _POSITIVE = {
     NetworkSpec: ("intra_node_gbps", "inter_node_gbps"),
     LivenessSpec: ("worker_stall_s", "resume_grace_s", "straggler_factor", "straggler_min_s", "task_max_s"),
 }
+_MAXIMUM = {
+    SiteConfig: {"nodes": 1e6, "devices_per_node": 1e4},
+    DeviceSpec: {"memory_gib": 1e6, "hbm_gbps": 1e7, "layer_launch_us": 1e7, "host_cores": 1e5},
+    NetworkSpec: {"intra_node_gbps": 1e7, "inter_node_gbps": 1e7, "intra_node_latency_us": 1e7,
+                  "inter_node_latency_us": 1e7, "communicator_setup_s": 1e4},
+    LivenessSpec: {"worker_stall_s": 1e7, "resume_grace_s": 1e7, "straggler_factor": 1e6, "straggler_min_s": 1e7,
+                   "task_max_s": 1e7},
+}
+"""Upper bounds far above any real value (a 1 PiB device, a 10 s layer launch): what they catch is
+a wrong unit or a typo, which would otherwise overflow the byte counts or price every step at
+centuries."""
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
                  DeviceSpec: ("layer_launch_us", "host_cores")}
 
@@ -416,6 +428,21 @@ def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
     for name in _NON_NEGATIVE.get(cls, ()):
         if name in kwargs and kwargs[name] < 0:
             raise _fail(label, _join(prefix, name), f"expected a number >= 0, got {kwargs[name]!r}")
+    for name, limit in _MAXIMUM.get(cls, {}).items():
+        if name in kwargs and kwargs[name] > limit:
+            raise _fail(label, _join(prefix, name), f"{kwargs[name]!r} is implausibly large (at most {limit:g}; "
+                        "check the unit in the key's name)")
+    if cls is DeviceSpec and "peak_tflops" in kwargs:
+        dtype = kwargs.get("compute_dtype", "bf16")
+        if dtype not in kwargs["peak_tflops"] and "fp32" not in kwargs["peak_tflops"]:
+            fallback = "" if dtype == "fp32" else " nor for fp32, its fallback"
+            raise _fail(label, _join(prefix, "peak_tflops"), f"no entry for the compute dtype {dtype!r} "
+                        f"({_join(prefix, 'compute_dtype')}){fallback}: the cost model prices every FLOP at "
+                        "that peak")
+        for k, v in kwargs["peak_tflops"].items():
+            if v > 1e6:
+                raise _fail(label, _join(prefix, f"peak_tflops.{k}"), f"{v!r} is implausibly large (at most 1e+06 "
+                            "TFLOP/s; the unit is 10^12 FLOP/s per device)")
     if cls is DeviceSpec and kwargs.get("host_cores") and kwargs.get("kind") != "cpu":
         raise _fail(label, _join(prefix, "host_cores"), f"describes virtual CPU devices sharing cores; "
                     f"device.kind is {kwargs.get('kind')!r} (each GPU has its own compute: leave it out)")

@@ -27,7 +27,7 @@ from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
 from nereusd.cost.memory import HEADROOM, stage_memory
 from nereusd.models import ModelSpec
-from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
+from nereusd.plan import Layout, ModelStage, Plan, Role, Stage, training_micro_batch
 from nereusd.shards import check_layout, value_head_for
 from nereusd.config.site import SiteConfig
 from nereusd.workflow import Workflow, Workload
@@ -215,11 +215,7 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
         wanted = [configured] + [1 << k for k in range(configured.bit_length()) if (1 << k) < configured]
     out = []
     for b in wanted:
-        b = min(b, per_replica)
-        if training:
-            while per_replica % b:
-                b -= 1
-        out.append(max(1, b))
+        out.append(training_micro_batch(b, per_replica) if training else max(1, min(b, per_replica)))
     return tuple(sorted(set(out), reverse=True))
 
 

@@ -38,6 +38,14 @@ def tiny_job(extra: str = "") -> str:
     ("steps: [1\n", r"job.yaml: not valid YAML at line"),
     ("adaptation:\n  gamma: 0.5\n", r"job.yaml: adaptation.gamma: renamed: use adaptation.payback_margin "
                                       r"\(train.gamma is the RL discount\), got 0.5"),
+    # integers and numbers are taken as written, as the site loader takes them: a quoted number,
+    # a boolean or 2.0 was quietly converted
+    ("train:\n  micro_batch: true\n", r"^job.yaml: train.micro_batch: Input should be a valid integer, got True$"),
+    ("train:\n  micro_batch: '16'\n", r"^job.yaml: train.micro_batch: Input should be a valid integer, got '16'$"),
+    ("train:\n  micro_batch: 2.0\n", r"^job.yaml: train.micro_batch: Input should be a valid integer, got 2.0$"),
+    ("rollout:\n  temperature: yes\n", r"^job.yaml: rollout.temperature: Input should be a valid number, got True$"),
+    ("memory_gib: 1.0e+308\n", r"^job.yaml: memory_gib: Input should be less than or equal to 1000000"),
+    ("name: a/b\n", r"^job.yaml: name: expected a short name without slashes, got 'a/b'$"),
 ])
 def test_schema_errors_name_file_and_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -96,8 +104,11 @@ def test_missing_file_is_named(tmp_path):
      r"plan.model_stages.actor/training.devices: \[7\] outside the job's devices 0..3"),
     ("plan:\n  model_stages:\n    actor/generation: {pp: 2}\n",
      r"plan.model_stages.actor/generation.pp: generation folds PP into DP, pp must be 1, got 2"),
-    ("train:\n  global_batch: 64\n  micro_batch: 12\n",
-     r"plan.default: global_batch=64 is not dp·micro_batch·grad_accum for dp=4, micro_batch=12"),
+    ("train:\n  global_batch: 64\nplan:\n  default: {micro_batch: 12}\n",
+     r"plan.default.micro_batch: 12 does not divide a replica's share of train.global_batch=64 at dp=4 "
+     r"\(16 sequences\)"),
+    ("train:\n  global_batch: 64\nplan:\n  model_stages:\n    actor/training: {dp: 3, devices: [0, 1, 2]}\n",
+     r"plan.model_stages.actor/training: train.global_batch=64 is not a multiple of dp=3"),
     ("devices: 8\n", r"job.yaml: devices: 8 requested but site 'local' has 4"),
     ("rollout:\n  group_size: 1\ntrain: {global_batch: 8}\n", r"rollout.group_size: GRPO needs groups of at least 2"),
     ("rollout:\n  max_new_tokens: 200\n", r"job.yaml: rollout.max_new_tokens: 200 plus the longest prompt \(\d+ "
@@ -134,13 +145,25 @@ def test_colocated_default_and_disjoint_override(tmp_path):
         "actor/training", "critic/training"]
 
 
+@pytest.mark.parametrize("configured, trained", [(12, 8), (3, 2), (128, 16), (16, 16)])
+def test_train_micro_batch_is_an_upper_bound_lowered_to_a_divisor_of_the_share(tmp_path, configured, trained):
+    """``train.micro_batch`` is at most what a replica runs: where the plan names no micro-batch,
+    training takes the largest divisor of the replica's share (64 sequences over dp 4: 16) up to
+    it, as the planner does; 12, 3 and 128 were refused, naming ``plan.default`` the user never
+    wrote."""
+    job = resolve(write(tmp_path, tiny_job(f"train: {{global_batch: 64, micro_batch: {configured}}}\n")))
+    training = job.plan[ModelStage.parse("actor/training")]
+    assert (training.dp, training.micro_batch) == (4, trained)
+    assert job.grad_accum[ModelStage.parse("actor/training")] * training.dp * training.micro_batch == 64
+
+
 def test_without_a_plan_an_adaptive_job_falls_back_to_devices_that_split_the_batch(tmp_path):
     # 3 devices cannot split a global batch of 8: a YAML plan saying so is an error, but with
     # no plan (the planner chooses the launch plan) the fallback uses the first 2 devices
     text = "devices: 3\nrollout: {prompts_per_step: 2, group_size: 4}\ntrain: {global_batch: 8, micro_batch: 4}\n"
-    with pytest.raises(ConfigError, match="plan.default: global_batch=8"):
+    with pytest.raises(ConfigError, match="plan.default: train.global_batch=8 is not a multiple of dp=3"):
         resolve(write(tmp_path, tiny_job(text + "plan: {default: {tp: 1, pp: 1}}\n")))
-    with pytest.raises(ConfigError, match="plan.default: global_batch=8"):
+    with pytest.raises(ConfigError, match="plan.default: train.global_batch=8 is not a multiple of dp=3"):
         resolve(write(tmp_path, tiny_job(text + "adaptation: {enabled: false}\n")))
     job = resolve(write(tmp_path, tiny_job(text)))
     training = job.plan[ModelStage.parse("actor/training")]

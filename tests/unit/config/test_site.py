@@ -81,6 +81,15 @@ def _write(tmp_path: Path, mutate) -> Path:
         (lambda d: d["device"].__setitem__("host_cores", 2.5), r"device.host_cores: expected an integer, got 2.5"),
         (lambda d: d["device"].__setitem__("host_cores", 4),
          r"^h200-ib.yaml: device.host_cores: describes virtual CPU devices sharing cores; device.kind is 'cuda'"),
+        # a compute dtype without a peak (nor fp32's) was accepted, and the job failed once started
+        (lambda d: d["device"].__setitem__("peak_tflops", {"fp16": 900.0}),
+         r"^h200-ib.yaml: device.peak_tflops: no entry for the compute dtype 'bf16' \(device.compute_dtype\) nor for "
+         r"fp32, its fallback"),
+        # finite but absurd: overflowed the byte count, or priced steps at centuries
+        (lambda d: d["device"].__setitem__("memory_gib", 1e308),
+         r"^h200-ib.yaml: device.memory_gib: 1e\+308 is implausibly large \(at most 1e\+06"),
+        (lambda d: d["network"].__setitem__("intra_node_latency_us", 1e300), r"network.intra_node_latency_us: 1e\+300 is"),
+        (lambda d: d["device"]["peak_tflops"].__setitem__("bf16", 1e30), r"device.peak_tflops.bf16: 1e\+30 is implausibly"),
     ],
 )
 def test_malformed(tmp_path, mutate, message):

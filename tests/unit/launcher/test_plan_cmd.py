@@ -79,13 +79,14 @@ def test_compact_plan_marks_zero():
                          "actor/generation": {"tp": 2, "pp": 1, "dp": 2}}) == "aT1·1·4z1 aG2·1·2"
 
 
-@pytest.mark.parametrize("model, algorithm, prompt, response", [("qwen2.5-3b", "ppo", 512, 512),
-                                                                 ("qwen2.5-1.5b", "ppo", 1024, 2048)])
-def test_plan_zero_1_on_a_pcie_site_is_the_readme_case(capsys, model, algorithm, prompt, response):
+@pytest.mark.parametrize("model, algorithm, prompt, response, batch", [("qwen2.5-3b", "ppo", 512, 512, 256),
+                                                                        ("qwen2.5-1.5b", "grpo", 1024, 2048, 1024)])
+def test_plan_zero_1_on_a_pcie_site_is_the_readme_case(capsys, model, algorithm, prompt, response, batch):
     """README's ZeRO planner table, PCIe rows: on 8 L40S without NVLink, ZeRO-1 alone (``--zero 1``)
     lets a training model-stage drop tensor parallelism, and the predicted step is ≥ 20 % faster."""
     args = ["plan", "--model", model, "--algorithm", algorithm, "--site", "l40s-pcie", "--gpus", "8",
-            "--prompt-length", str(prompt), "--response-length", str(response), "--global-batch", "256", "--json"]
+            "--prompt-length", str(prompt), "--response-length", str(response), "--global-batch", str(batch),
+            "--json"]
     assert main(args) == 0
     base = json.loads(capsys.readouterr().out)
     assert main(args + ["--zero", "1"]) == 0
@@ -128,3 +129,22 @@ def test_report_on_a_file_says_it_is_not_a_run_directory(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["report", str(tmp_path / "afile")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_a_rule_based_reward_plans_no_reward_model_stage(capsys):
+    """GRPO on a verifier (the counting and gsm8k tasks) has no reward model: ``--reward-model
+    none`` plans what such a job launches, where the default plans a reward model-stage too."""
+    args = ["plan", "--model", "counting-tiny", "--algorithm", "grpo", "--site", "local", "--gpus", "4",
+            "--prompt-length", "8", "--response-length", "32", "--global-batch", "16", "--json"]
+    assert main(args) == 0
+    stages = {r["model_stage"] for r in json.loads(capsys.readouterr().out)["plan"]}
+    assert "reward/inference" in stages
+    assert main(args + ["--reward-model", "none"]) == 0
+    stages = {r["model_stage"] for r in json.loads(capsys.readouterr().out)["plan"]}
+    assert stages == {"actor/generation", "actor/inference", "reference/inference", "actor/training"}
+
+
+def test_a_job_file_given_as_the_model_is_named_as_such(capsys):
+    assert main(["plan", "--model", "examples/counting_grpo.yaml", "--site", "local", "--gpus", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "a YAML file" in err and "does not read job files" in err

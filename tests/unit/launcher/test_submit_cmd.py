@@ -1,0 +1,43 @@
+"""``submit`` and ``status`` without a cluster: a local run's status, and a refused submission
+that leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+
+from launcher.cli import main
+from nereusd.errors import SlurmError
+from nereusd.slurm import SlurmClient
+
+
+def test_status_reads_a_local_run_directory(tmp_path, capsys):
+    """A run of ``nereus-launch local`` has no ``slurm.json``; ``status`` still reports it."""
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded", "steps_completed": 30}))
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "local" in out and "finished: succeeded after 30 steps" in out
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["slurm"] == {}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["status", str(empty)]) == 2
+    assert "not a Nereus run directory" in capsys.readouterr().err
+
+
+def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    """sbatch refusing the job (no Slurm configuration here) must not leave keys and a script
+    behind that make the same command fail with 'exists and is not empty'."""
+    def refuse(self, script, args=()):
+        raise SlurmError("sbatch: fatal: Could not establish a configuration source")
+
+    monkeypatch.setattr(SlurmClient, "sbatch", refuse)
+    run_dir = tmp_path / "run"
+    args = ["submit", "examples/counting_grpo.yaml", "--run-dir", str(run_dir)]
+    for _ in range(2):   # the second attempt fails for the same reason, not for the directory
+        assert main(args) == 2
+        assert "configuration source" in capsys.readouterr().err
+        assert not run_dir.exists()
+    run_dir.mkdir()
+    (run_dir / "old.txt").write_text("x")
+    assert main(args + ["--overwrite"]) == 2
+    assert run_dir.is_dir() and not any(run_dir.iterdir())
