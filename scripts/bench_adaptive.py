@@ -108,6 +108,8 @@ def run_policy(policy: str, args: argparse.Namespace, round_: int = 0) -> dict:
     result["launcher_s"] = time.time() - start
     if proc.returncode:
         result["status"] = f"{result['status']} (exit {proc.returncode})"
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
+        print(f"# {policy}: nereus-launch local exited {proc.returncode}; its last lines:\n{tail}", file=sys.stderr)
     print(f"# {policy}{'' if round_ == 0 else f' (round {round_ + 1})'}: {result}", file=sys.stderr, flush=True)
     return result
 
@@ -141,23 +143,40 @@ def table(results: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--pool-step", type=int, default=20, help="a device leaves before this step")
-    parser.add_argument("--launch-length", type=int, default=40, help="response length the launch plan is for")
-    parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--out", default=str(REPO / "runs" / "bench_adaptive"))
+    parser.add_argument("--steps", type=int, default=30, help="RL steps of each job (default: %(default)s)")
+    parser.add_argument("--pool-step", type=int, default=20,
+                        help="a device leaves before this step; below --steps (default: %(default)s)")
+    parser.add_argument("--launch-length", type=int, default=40,
+                        help="response length (tokens) the launch plan is for, except frozen-final's, which is "
+                             "planned for rollout.max_new_tokens (default: %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=5,
+                        help="checkpoint every N steps, what an out-of-memory restart resumes from; 0: none "
+                             "(default: %(default)s)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma-separated policies to run, of {', '.join(POLICIES)} (default: all)")
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench_adaptive"),
+                        help="directory for each policy's job YAML and run directory (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every policy this many times, each round starting at the next policy; "
                              "report each policy's median run (the first job on a busy machine can run slower)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    policies = list(dict.fromkeys(p for p in args.policies.split(",") if p))
+    if args.steps < 1:
+        parser.error(f"--steps: expected at least 1, got {args.steps}")
+    if not 1 <= args.pool_step < args.steps:
+        parser.error(f"--pool-step: expected 1..{args.steps - 1} (below --steps), got {args.pool_step}")
+    if args.launch_length < 1:
+        parser.error(f"--launch-length: expected at least 1 token, got {args.launch_length}")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every: expected 0 or more, got {args.checkpoint_every}")
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    if not policies:
+        parser.error(f"--policies: expected at least one of {', '.join(POLICIES)}")
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser.error(f"--policies: unknown {unknown} (known: {', '.join(POLICIES)})")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     results = run_rounds(policies, args)
     if args.rounds > 1:
         print("mean step s per round: " + "; ".join(
@@ -169,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         gain = 100 * (f["mean_step_s"] - a["mean_step_s"]) / f["mean_step_s"]
         print(f"adaptive: {gain:.1f} % lower mean step latency than best frozen; switches {a['switches']}; "
               f"overhead {100 * a['transition_share']:.1f} %")
+    never_ran = [p for p, r in results.items() if r["status"].startswith("missing")]
+    if never_ran:   # the launcher refused the job (its reason is printed above): not a measurement
+        print(f"bench_adaptive: no run of {', '.join(never_ran)} started; see the launcher's errors above",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -67,6 +67,7 @@ from nereusd.cost.memory import WORKSPACE_BYTES, stage_memory  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
 from nereusd.plan import ModelStage, Role, Stage  # noqa: E402
 from nereusd.config.site import SiteConfig, load_site  # noqa: E402
+from nereusd.errors import NereusError  # noqa: E402
 from costmodel_common import (SPEC, barrier_s, calibrate_with, held_out_table, mape, max_abs_error,  # noqa: E402,F401
                               noise_line, percent_errors, split_layouts)
 from costmodel_rollouts import (GEN, GEN_LAYOUTS, GEN_WORLD, GenLayout, generation_report,  # noqa: E402,F401
@@ -402,14 +403,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--save", help="write the measurements as JSON")
     parser.add_argument("--load", help="read measurements written by --save instead of running")
     args = parser.parse_args(argv)
-    site = load_site(args.site)
+    if args.reps < 1:
+        parser.error(f"--reps: expected at least 1, got {args.reps}")
+    if not 1 <= args.layouts <= len(LAYOUTS):
+        parser.error(f"--layouts: expected 1..{len(LAYOUTS)}, got {args.layouts}")
+    if not 0 <= args.gen_layouts <= len(GEN_LAYOUTS):
+        parser.error(f"--gen-layouts: expected 0..{len(GEN_LAYOUTS)}, got {args.gen_layouts}")
+    if args.load and args.save:
+        parser.error("--load re-analyses saved measurements; --save writes new ones: give one")
+    if args.save:   # before minutes of measuring, not after
+        save = Path(args.save)
+        if not save.parent.is_dir():
+            parser.error(f"--save {args.save}: no directory {save.parent}")
+        if save.is_dir() or not os.access(save.parent, os.W_OK) or (save.exists() and not os.access(save, os.W_OK)):
+            parser.error(f"--save {args.save}: cannot write there")
+    try:
+        site = load_site(args.site)
+    except NereusError as err:
+        parser.error(f"--site: {err}")
     if args.load:
-        data = json.loads(Path(args.load).read_text())
-        rows, load, gen_rows = data["rows"], data["load"], data.get("gen_rows")
-        if "per_rank" in data:  # recompute with this version's summary
-            rows = summarise(data["per_rank"], [Layout(**r["layout"]) for r in rows])
-        if data.get("gen_per_rank"):
-            gen_rows = summarise(data["gen_per_rank"], [GenLayout(**r["layout"]) for r in gen_rows])
+        rows, load, gen_rows = _load_measurements(args.load, parser)
     else:
         load_before = _load_average()
         t0 = time.monotonic()
@@ -437,6 +450,29 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"bare barrier {rows[0]['barrier_s'] * 1e3:.1f} ms subtracted; "
           f"spread = (max − min)/median of reps")
     print(report(rows, site, load.get("peaks"), gen_rows))
+
+
+def _load_measurements(path: str, parser: argparse.ArgumentParser) -> tuple[list[dict], dict, list[dict] | None]:
+    """``(rows, load, gen_rows)`` of a ``--save`` file, re-summarised with this version's code;
+    a file that is missing or not such a JSON object is a usage error naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        parser.error(f"--load {path}: {err.strerror or err}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        parser.error(f"--load {path}: not JSON written by --save ({err})")
+    try:
+        rows, load, gen_rows = data["rows"], data["load"], data.get("gen_rows")
+        if "per_rank" in data:  # recompute with this version's summary
+            rows = summarise(data["per_rank"], [Layout(**r["layout"]) for r in rows])
+        if data.get("gen_per_rank"):
+            gen_rows = summarise(data["gen_per_rank"], [GenLayout(**r["layout"]) for r in gen_rows])
+        missing = [k for k in ("cpus", "before", "after", "wall_s") if k not in load]
+        if not rows or missing:
+            raise KeyError(missing[0] if missing else "rows (empty)")
+    except (KeyError, TypeError, IndexError, AttributeError) as err:
+        parser.error(f"--load {path}: not measurements written by --save (missing or malformed: {err})")
+    return rows, load, gen_rows
 
 
 if __name__ == "__main__":

@@ -104,14 +104,18 @@ def run_case(case: Case, steps: int, policies: str, jobs: int, kind: str) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes per scenario")
+    parser.add_argument("--steps", type=int, default=1000, help="RL steps per scenario (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes per scenario (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="200 steps, a third of the 64-GPU scenarios")
     parser.add_argument("--gamma", action="store_true", help="also γ ∈ {0, 0.25, 0.5, 1} on the ramp at 64 GPUs")
     parser.add_argument("--truth", choices=TRUTH_KINDS, default="measured",
                         help="ground truth (nereusd/sim/measured.py, or efficiency: the cost model with hidden "
                         "efficiencies, nereusd/sim/truth.py)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps: expected at least 1, got {args.steps}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected at least 1 worker process, got {args.jobs}")
     steps = 200 if args.quick else args.steps
     t0 = time.perf_counter()
     results = []

@@ -286,7 +286,10 @@ class Calibration:
         Raises:
             ConfigError: on another version or malformed content, naming ``source``.
         """
-        version = data.get("version") if isinstance(data, Mapping) else None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a calibration state (a JSON object written by nereusd), "
+                              f"got a {type(data).__name__}")
+        version = data.get("version")
         if version not in (1, STATE_VERSION):
             raise ConfigError(f"{source}: version: expected 1 or {STATE_VERSION}, got {version!r}")
         def number(value: object, low: float, high: float, what: str) -> float:

@@ -67,6 +67,8 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
         raise ConfigError(f"--gpus {s.gpus}: expected a positive multiple of {dpn} (devices per node of {site.name})")
     if s.steps < 1:
         raise ConfigError(f"--steps {s.steps}: expected a positive integer")
+    if s.seed < 0:
+        raise ConfigError(f"--seed {s.seed}: expected an integer >= 0 (it seeds numpy's generators)")
     if s.generation not in GENERATION_ENGINES:
         raise ConfigError(f"--generation {s.generation!r}: expected one of {', '.join(GENERATION_ENGINES)}")
     truth = truth or TruthConfig(seed=s.seed)

@@ -111,6 +111,8 @@ class TruthConfig:
             problems.append(f"efficiency_lo {self.efficiency_lo} exceeds efficiency_hi {self.efficiency_hi}")
         if self.kind not in TRUTH_KINDS:
             problems.append(f"kind must be one of {', '.join(TRUTH_KINDS)}, got {self.kind!r}")
+        if self.seed < 0:
+            problems.append(f"seed must be an integer >= 0, got {self.seed}")
         if self.checkpoint_interval < 1:
             problems.append(f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
         if problems:

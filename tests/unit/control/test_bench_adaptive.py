@@ -1,11 +1,13 @@
-"""``scripts/bench_adaptive.py --rounds``: rotated order and median runs (its jobs replaced by a
-recording stub; no processes)."""
+"""``scripts/bench_adaptive.py``: ``--rounds``' rotated order and median runs, and its argument
+checks (its jobs replaced by a recording stub; no processes)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import sys
+
+import pytest
 
 from tests.support import REPO
 
@@ -34,3 +36,31 @@ def test_rounds_rotate_the_first_policy_and_report_each_ones_median_run(monkeypa
     two = bench.run_rounds(["a", "b"], argparse.Namespace(rounds=2))   # even: the lower middle run
     assert order == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
     assert two["a"]["mean_step_s"] == 1.0 and two["b"]["mean_step_s"] == 4.0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--policies", ""], "--policies: expected at least one of"),
+    (["--policies", ","], "--policies: expected at least one of"),
+    (["--steps", "0"], "--steps: expected at least 1"),
+    (["--pool-step", "30"], "--pool-step: expected 1..29 (below --steps)"),
+    (["--launch-length", "0"], "--launch-length: expected at least 1 token"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every: expected 0 or more"),
+])
+def test_bad_arguments_are_refused_before_any_job_or_directory(tmp_path, capsys, args, says):
+    """``--policies ''`` crashed in the rotation (modulo by zero) and the other values ran five
+    jobs the launcher refused, exiting 0; none of them may create ``--out``."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        bench.main(args + ["--out", str(out)])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_job_the_launcher_refuses_is_shown_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    def refused(policy, args, round_=0):
+        return {"status": "missing (exit 2)", "mean_step_s": 0.0, "total_s": 0.0, "switches": 0,
+                "transition_share": 0.0, "ooms": 0, "lost_steps": 0}
+
+    monkeypatch.setattr(bench, "run_policy", refused)
+    assert bench.main(["--policies", "nereus", "--out", str(tmp_path)]) == 1
+    assert "no run of nereus started" in capsys.readouterr().err

@@ -108,6 +108,9 @@ def test_calibration_robust_and_persistent(tmp_path):
     path.write_text(json.dumps({"version": 99}))
     with pytest.raises(ConfigError, match="version: expected 1 or 2, got 99"):
         Calibration.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a calibration state .* got a list"):
+        Calibration.load(path)
     assert Calibration.load(tmp_path / "missing.json").efficiency(GEMM) == PRIORS[GEMM]
 
 

@@ -45,6 +45,8 @@ def test_kind_selects_the_truth_and_bad_settings_are_refused():
         TruthConfig(kind="exact")
     with pytest.raises(ConfigError, match="straggler_sd"):
         TruthConfig(straggler_sd=-0.1)
+    with pytest.raises(ConfigError, match="seed must be an integer >= 0, got -1"):   # was numpy's traceback
+        TruthConfig(seed=-1)
     with pytest.raises(ConfigError, match="no figures for device 'virtual CPU"):
         MeasuredTruth(problem(site="local", nodes=1), MEASURED)
     assert device_figures("NVIDIA H200 SXM 141GB").compute_units == 132
