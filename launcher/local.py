@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -361,7 +362,9 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             launching.release()   # nereusd holds the run directory's own lock now
         metrics = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("metrics")
         if metrics and not quiet:
-            print(f"nereus: Prometheus metrics at {metrics}; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+            viewer = "" if importlib.util.find_spec("tensorboard") else " (the viewer: pip install tensorboard)"
+            print(f"nereus: Prometheus metrics at {metrics}; TensorBoard: tensorboard --logdir "
+                  f"{run_dir / 'tensorboard'}{viewer}")
         grace_s = load_site(job.config.site).liveness.resume_grace_s
         agent_argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", "local0",
                       "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, "--daemon-timeout-s", f"{grace_s:g}"]
@@ -441,7 +444,9 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
         print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s"
               + (f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_wall_time_s']:.0f} s)"
                  if summary.get("resumes") and summary.get("job_wall_time_s") else "") + "; "
-              f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}, "
+              f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}"
+              + (f" (best {summary['reward_best']:.2f} at step {summary['reward_best_step']})"
+                 if "reward_best" in summary else "") + ", "
               f"response length {summary.get('response_length_first_10pct', 0):.1f} → "
               f"{summary.get('response_length_last_10pct', 0):.1f} tokens "
               f"({summary.get('response_length_growth', 0):.1f}×); layout switches: {summary.get('switches', 0)}"

@@ -78,9 +78,11 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     devices = sorted({d for r in records for d in r.get("peak_memory_bytes", {})}, key=int)
-    for device in devices:
+    styles = ("-", "--", ":", "-.")   # devices often book the same bytes: keep each line visible
+    for k, device in enumerate(devices):
         ax.plot(steps, [r.get("peak_memory_bytes", {}).get(device, 0) / 2**20 for r in records],
-                label=f"device {device}")
+                label=f"device {device}", ls=styles[k % len(styles)], lw=2.5 - 1.5 * k / max(1, len(devices) - 1),
+                marker="o" if len(steps) <= 40 else None, ms=3)
     ax.set(title="Peak memory per device", xlabel="step", ylabel="MiB")
     ax.grid(alpha=0.3)
     if devices:
@@ -149,13 +151,15 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
         if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
             ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
             why = ",".join(t["signal"] for t in e.get("triggers", []))
-            ax.text(e["step"] + 0.55, len(segments) - 0.4, f"switch ({why})", color="red", fontsize=7, rotation=90,
-                    va="top")
+            # above the axes (x in steps, y in axes fraction), clear of the layout labels
+            ax.text(e["step"] + 0.5, 1.02, f"{e['step']}: {why}", color="red", fontsize=6, rotation=45,
+                    ha="left", va="bottom", transform=ax.get_xaxis_transform(), clip_on=False)
         elif e.get("event") == Event.POOL_CHANGED and "step" in e:
             ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
     ax.set_yticks(range(len(segments)), list(segments))
-    ax.set(title="Plan timeline (red: admitted switch, purple: pool change)", xlabel="step")
-    fig.tight_layout()
+    ax.set_xlabel("step (red: admitted switch, with the step and its trigger above; purple: pool change)")
+    fig.suptitle("Plan timeline", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.85))
     fig.savefig(out_dir / "plan_timeline.png", dpi=100)
     plt.close(fig)
 

@@ -423,7 +423,8 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
 
 def summarise_metrics(run_dir: Path, summary: dict) -> None:
     """Add the run's figures from ``metrics.jsonl`` to ``summary``: steps, reward and response
-    length of the first and last 10 % of steps, mean step latency, the final plan.
+    length of the first and last 10 % of steps, the best step's mean reward and its step, mean
+    step latency, the final plan.
 
     Raises:
         JournalError: a damaged ``metrics.jsonl``.
@@ -447,3 +448,5 @@ def summarise_metrics(run_dir: Path, summary: dict) -> None:
     )
     summary["response_length_growth"] = summary["response_length_last_10pct"] / max(
         summary["response_length_first_10pct"], 1e-9)
+    best = max(records, key=lambda r: r["reward_mean"])   # first and last alone hide a collapse
+    summary.update(reward_best=best["reward_mean"], reward_best_step=best["step"])

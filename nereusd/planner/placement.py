@@ -123,7 +123,8 @@ def _place_packed(free: dict[int, list[int]], size: int, dp: int) -> list[int] |
     return [d for blk in blocks for d in blk]
 
 
-def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: set[int]) -> list[int]:
+def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: set[int],
+               devices_per_node: int | None = None) -> list[int]:
     if not prefer:
         packed = _place_packed(free, tp * pp, dp)
         if packed is not None:
@@ -141,7 +142,8 @@ def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: se
                     if len(rest) < tp:
                         raise PlanError(f"placement: {tp} devices needed, {len(rest)} free")
                     group = ([d for d in rest if d in prefer] + [d for d in rest if d not in prefer])[:tp]
-                    log.warning("placement: TP group %s crosses nodes (pool too fragmented)", group)
+                    if devices_per_node is None or tp <= devices_per_node:   # wider TP crosses nodes by design
+                        log.warning("placement: TP group %s crosses nodes (pool too fragmented)", group)
                     for node in free:
                         free[node] = [d for d in free[node] if d not in group]
                     if index is not None:
@@ -185,7 +187,7 @@ def place(
         for m in todo:
             tp, pp, dp = layouts[m][:3]
             prefer = set(current[m].devices) if current is not None and m in current else set()
-            placed[m] = _place_one(free, tp, pp, dp, prefer)
+            placed[m] = _place_one(free, tp, pp, dp, prefer, devices_per_node)
     return Plan({
         m: Candidate(tp=layouts[m][0], pp=layouts[m][1], dp=layouts[m][2], devices=tuple(devs),
                      micro_batch=layouts[m][3], recompute=layouts[m][4], zero_stage=layouts[m][5])

@@ -11,6 +11,7 @@ baseline each policy captures (:func:`summary`).
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -115,7 +116,7 @@ def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:
     title = _title(meta)
 
     def save(fig, name):
-        fig.suptitle(title, fontsize=7)
+        fig.suptitle(textwrap.fill(title, 110), fontsize=7)   # one long line was cut at both sides
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=110)

@@ -100,3 +100,17 @@ def test_a_pool_limit_below_the_slurm_allocation_is_refused_before_anything_star
 def test_timeouts_are_positive_finite_seconds(tmp_path, value):
     with pytest.raises(SystemExit):
         main.build_parser().parse_args(["job.yaml", "--run-dir", str(tmp_path), "--register-timeout-s", value])
+
+
+def test_the_summary_names_the_best_step_a_collapse_would_hide(tmp_path):
+    """An async run whose reward peaked at 15.9 and fell back to 4 read "reward 3.45 → 4.21";
+    the summary now carries the best step too."""
+    rewards = [3.0, 5.0, 15.9, 9.0, 4.0, 3.5, 4.2, 4.1, 4.0, 4.3]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, r in enumerate(rewards):
+            f.write(json.dumps({"step": step, "reward_mean": r, "response_length_mean": 10.0 + step,
+                                "step_latency_s": 1.0, "plan": {}}) + "\n")
+    summary: dict = {}
+    app.summarise_metrics(tmp_path, summary)
+    assert (summary["reward_best"], summary["reward_best_step"]) == (15.9, 2)
+    assert summary["reward_first_10pct"] == 3.0 and summary["reward_last_10pct"] == 4.3

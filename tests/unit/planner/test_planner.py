@@ -113,6 +113,23 @@ def test_placement_prefers_current_devices():
         assert set(again.plan[m].devices) == set(first.plan[m].devices)
 
 
+def test_only_a_tp_group_that_could_fit_a_node_warns_when_it_crosses_nodes(caplog):
+    """``simulate`` printed the warning for every TP-16 group on 8-device nodes, which crosses
+    nodes by design (and is priced so); a TP-4 group split by a fragmented pool still warns."""
+    import logging
+
+    from nereusd.plan import ModelStage
+    from nereusd.planner.placement import place
+
+    m = ModelStage.parse("actor/training")
+    with caplog.at_level(logging.WARNING, logger="nereusd.planner.placement"):
+        plan = place({m: (16, 1, 1, 1, False, 0)}, [[m]], list(range(16)), 8)
+    assert len(plan[m].devices) == 16 and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="nereusd.planner.placement"):
+        place({m: (4, 1, 1, 1, False, 0)}, [[m]], [5, 6, 7, 8, 9, 10], 8)   # 3 free on node 0, 3 on node 1
+    assert any("crosses nodes" in r.getMessage() for r in caplog.records)
+
+
 def test_frontier_and_min_max_exact():
     from nereusd.planner.space import Option
     from nereusd.plan import ModelStage
