@@ -22,7 +22,7 @@ from pathlib import Path
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
 from nereusd.models import PRESETS, resolve_model, shortest_context
-from nereusd.plan import Role
+from nereusd.plan import Role, Stage
 from nereusd.planner.search import Infeasible, Planner
 from nereusd.planner.space import PlannerOptions, PlanProblem
 from nereusd.config.site import load_site
@@ -60,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="training model-stages may also run ZeRO (optimizer state, and at stage 2 gradients, "
                         "sharded across DP; the deepspeed backend, tp = pp = 1): --zero allows stages 1 and 2, "
                         "--zero 1 only stage 1")
+    p.add_argument("--generation", choices=("native", "vllm"), default="native",
+                   help="generation engine whose memory the plan holds: native (the EMU's decoder) or vllm (each "
+                   "replica's engine keeps a weight copy and a KV cache preallocated for prompt + response "
+                   "tokens of its wave), as 'simulate --generation' (default: %(default)s)")
     p.add_argument("--calibration", help="calibration state JSON to use (default: priors)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -111,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
                         f"is refused at launch")
     for line in warnings if not args.json else []:
         print(f"warning: {line}", file=sys.stderr)
-    problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)))
+    engines = ({m: args.prompt_length + args.response_length for m in workflow.model_stages
+                if m.stage is Stage.GENERATION} if args.generation == "vllm" else {})
+    problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)), engines=engines)
     if args.calibration and not Path(args.calibration).is_file():
         print(f"nereus-launch plan: --calibration {args.calibration}: no such file", file=sys.stderr)
         return 2
@@ -141,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     out = {"plan": rows, "predicted_step_latency_s": round(result.predicted_step_latency_s, 4),
            "search_time_ms": round(result.search_time_s * 1e3, 2),
            "site": site.name, "gpus": args.gpus, "algorithm": args.algorithm, "asynchronous": args.asynchronous,
-           "zero_stages": list(args.zero), "warnings": warnings}
+           "zero_stages": list(args.zero), "generation": args.generation, "warnings": warnings}
     if args.json:
         print(json.dumps(out))
         return 0

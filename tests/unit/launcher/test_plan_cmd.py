@@ -148,3 +148,16 @@ def test_a_job_file_given_as_the_model_is_named_as_such(capsys):
     assert main(["plan", "--model", "examples/counting_grpo.yaml", "--site", "local", "--gpus", "4"]) == 2
     err = capsys.readouterr().err
     assert "a YAML file" in err and "does not read job files" in err
+
+
+def test_generation_vllm_plans_the_engines_memory(capsys):
+    """``--generation vllm`` holds each replica's engine weight copy and preallocated KV cache,
+    as a job on vLLM does; on this memory-tight case it changes the predicted step."""
+    args = ["plan", "--model", "qwen2.5-7b", "--site", "a100-ib", "--gpus", "8", "--algorithm", "grpo",
+            "--reward-model", "none", "--prompt-length", "1024", "--response-length", "4096", "--json"]
+    out = {}
+    for engine in ("native", "vllm"):
+        assert main(args + ["--generation", engine]) == 0
+        out[engine] = json.loads(capsys.readouterr().out)
+        assert out[engine]["generation"] == engine
+    assert out["vllm"]["predicted_step_latency_s"] != out["native"]["predicted_step_latency_s"]
