@@ -18,7 +18,10 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
   not shrink with the batch: one pass per micro-batch forward, three with backward, four with
   recomputation; one per decode step, and one for each wave's prefill;
 - PP: ``(m + pp − 1)`` micro-batch slots for ``m`` micro-batches (GPipe/1F1B bubble
-  ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus p2p activation sends; on virtual CPU
+  ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus the p2p calls of the busiest stage per
+  slot: a middle stage (``pp > 2``) receives and sends each micro-batch's activations, and with
+  backward its gradients (4 calls; an end stage 2: ``torch.distributed.pipelining`` posts each
+  as its own ``isend``/``irecv``, and gloo pays its α per call); on virtual CPU
   devices that share a node's cores, a stage holding the whole node reclaims its bubble
   (:func:`~nereusd.cost.formulas.pipeline_slots`);
 - DP: ring all-reduce of the gradient shard ``P/(tp·pp)`` per optimizer step on the slowest
@@ -380,8 +383,9 @@ class CostModel:
             per_mb.add(LAUNCH, self.site.layer_launch_s * layers * mult / 2)
         tp_collectives = (6 if recompute else 4) if training else 2
         self._ring(per_mb, "all_reduce", tokens * h * e, tp, self.spans_nodes(tp), count=tp_collectives * layers)
-        if pp > 1:
-            self._p2p(per_mb, tokens * h * e, self.spans_nodes(tp * pp), count=2 if training else 1)
+        if pp > 1:   # per micro-batch and direction a middle stage receives and sends, an end stage does one
+            calls = (2 if training else 1) * (2 if pp > 2 else 1)
+            self._p2p(per_mb, tokens * h * e, self.spans_nodes(tp * pp), count=calls)
         return per_mb
 
     def _generation(self, acc: _Acc, spec: ModelSpec, per_replica: int, concurrent: int, prompt: int,
