@@ -222,6 +222,13 @@ class SiteConfig:
     def compute_dtype(self) -> str:
         return self.device.compute_dtype
 
+    @property
+    def batches_p2p(self) -> bool:
+        """Whether the devices' communication library runs a batch of point-to-point sends and
+        receives (``torch.distributed.batch_isend_irecv``) as one call: NCCL and RCCL do (a group
+        call), gloo, on ``cpu`` devices, runs each op on its own and pays its latency per op."""
+        return self.device.kind != "cpu"
+
     def peak_flops(self, dtype: str | None = None) -> float:
         """Dense peak FLOP/s of one device for ``dtype`` (default: the site's ``compute_dtype``).
 

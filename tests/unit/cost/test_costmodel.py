@@ -384,11 +384,13 @@ def test_a_prefill_prices_the_head_at_each_prompts_last_position():
                                                                       rel=1e-12)
 
 
-def test_a_middle_pipeline_stage_pays_twice_the_p2p_calls_of_an_end_stage():
+def test_a_middle_pipeline_stage_pays_twice_the_p2p_calls_of_an_end_stage_on_gloo():
     """Per micro-batch a middle stage receives and sends (forward, and with backward the
-    gradients), an end stage does one of each pair: with pp > 2 the slot's p2p calls double.
-    Counting an end stage's made pp 4 at micro-batch 1 the worst held-out layout of
-    ``bench_costmodel.py`` (−15.5 % on 2026-12-05; −1.6 % with the middle stage's)."""
+    gradients), an end stage does one of each pair: on gloo, which runs each op of a batch on
+    its own, the slot's p2p calls double with pp > 2. Counting an end stage's made pp 4 at
+    micro-batch 1 the worst held-out layout of ``bench_costmodel.py`` (−15.5 % on 2026-12-05;
+    −1.6 % with the middle stage's). NCCL runs a schedule step's batch as one group call: a GPU
+    site keeps 2."""
     from nereusd.cost.formulas import p2p_parts
 
     local = load_site("local")
@@ -401,6 +403,12 @@ def test_a_middle_pipeline_stage_pays_twice_the_p2p_calls_of_an_end_stage():
         mb = cm._micro_batch(spec, True, 64, 1, pp, 4, training, False)
         assert mb.ideal[f"latency_{link}"] == pytest.approx(calls * per_call, rel=1e-12)
     assert "latency_intra" not in cm._micro_batch(spec, True, 64, 1, 1, 4, True, False).ideal
+    gpu = CostModel(H200)
+    _, bw, alpha = gpu.link(False)
+    per_call = p2p_parts(nbytes, bw, alpha)[1]
+    for pp in (2, 4):
+        assert gpu._micro_batch(spec, True, 64, 1, pp, 4, True, False).ideal["latency_intra"] == pytest.approx(
+            2 * per_call, rel=1e-12)
 
 
 def test_per_call_classes_may_learn_more_than_the_hardware_peak_classes():

@@ -11,9 +11,8 @@ checking the fast path against the scalar cost. Rewritten on 2026-12-04, when a 
 prefill became one forward pass (was one per sequence): 6 of the 72 plans changed, 16 more
 only their predicted latency. Rewritten on 2026-12-05, when a prefill's head moved to each
 prompt's last position (was every prompt token): 2 plans changed, 60 more only their predicted
-latency (median −0.04 %, at most −1.2 %). Rewritten again the same day, when a middle pipeline
-stage's p2p calls per micro-batch were counted (4 with backward, not an end stage's 2): 6 plans
-changed, 10 more only their predicted latency (at most +0.3 %).
+latency (median −0.04 %, at most −1.2 %). (A middle pipeline stage's p2p calls, counted the
+same day, change nothing here: NCCL batches them, and these cases are on H200.)
 """
 
 from __future__ import annotations
