@@ -160,7 +160,8 @@ class Simulation:
         self._oracle = _Oracle(problem, ground_truth(problem, self.truth_config))
         self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
         if self.launch is None:
-            raise SimulationError(f"no plan fits {self.total} devices at length {lengths.at(0):.0f}")
+            raise SimulationError(f"no plan fits {self.total} devices at a response length of {lengths.at(0):.0f} "
+                                  f"tokens and prompts of {problem.workload.prompt_length}")
         self.min_devices = self._min_devices()
         self._launch_final: Plan | None = None
         self._launch_adaptive: dict[float, Plan] = {}
@@ -326,7 +327,8 @@ class Simulation:
             except Infeasible:
                 target = None
         if target is None:
-            raise SimulationError(f"no plan fits {len(pool)} devices at length {length:.0f}")
+            raise SimulationError(f"no plan fits {len(pool)} devices at a response length of {length:.0f} tokens "
+                                  f"and prompts of {self.problem.workload.prompt_length}")
         restart_s = truth.restart_s(target)
         rec.restart_s += restart_s
         if ctl is not None:
