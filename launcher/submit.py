@@ -26,7 +26,7 @@ import zmq
 from launcher.render import RenderRequest, load_template, render
 from nereusd import protocol as P
 from nereusd.config.job import load_job
-from nereusd.errors import ConfigError, NereusError
+from nereusd.errors import ConfigError, NereusError, SlurmError
 from nereusd.config.resolve import resolve_job
 from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
@@ -195,18 +195,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
     script = render(load_template(), site, req)
     existed = run_dir.exists()
     clear_run_dir(run_dir, args.overwrite)
+    init_keys(run_dir)
+    (run_dir / "nereus.sbatch").write_text(script)
     try:
-        init_keys(run_dir)
-        (run_dir / "nereus.sbatch").write_text(script)
         job_id = SlurmClient().sbatch(script)
-    except BaseException:
-        # nothing was submitted: leave no half-made run directory behind, so that the same
-        # command can be run again once the cause is fixed (without --overwrite)
-        if existed:
-            for child in run_dir.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    except SlurmError as err:
+        if err.refused:
+            # sbatch said no, so nothing is queued: leave no half-made run directory behind, so
+            # that the same command can be run again once the cause is fixed (without
+            # --overwrite). A timeout or an unreadable answer may have queued the job, whose
+            # logs, keys and script live here: then everything stays.
+            if existed:
+                for child in run_dir.iterdir():
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            else:
+                shutil.rmtree(run_dir, ignore_errors=True)
         else:
-            shutil.rmtree(run_dir, ignore_errors=True)
+            err.args = (f"{err} -- the job may have been queued: check squeue before submitting again; its run "
+                        f"directory {run_dir} is kept",)
         raise
     _write_record(run_dir, {"job_id": job_id, "grow_job_ids": [], "site": site.source, "job": req.job_path,
                             "nodes": req.nodes, "submitted_s": time.time()})

@@ -72,4 +72,12 @@ class StorageError(NereusError):
 
 
 class SlurmError(NereusError):
-    """A Slurm command failed; the message carries argv, exit code and stderr."""
+    """A Slurm command failed; the message carries argv, exit code and stderr.
+
+    ``refused`` is true only when the command ran and said no (a non-zero exit, or not
+    installed): nothing was done. A timeout or an unreadable answer leaves it false, since the
+    controller may have acted (``sbatch`` may have queued the job)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused

@@ -224,15 +224,16 @@ class SlurmClient:
         """
         argv = list(argv)
         if self._runner is subprocess.run and shutil.which(argv[0]) is None:
-            raise SlurmError(f"{argv[0]}: command not found on PATH (is Slurm installed, or its module loaded?)")
+            raise SlurmError(f"{argv[0]}: command not found on PATH (is Slurm installed, or its module loaded?)",
+                             refused=True)
         try:
             proc = self._runner(argv, capture_output=True, text=True, timeout=self.timeout_s, input=input_text)
         except subprocess.TimeoutExpired:
             raise SlurmError(f"{argv} did not finish within {self.timeout_s:.0f} s") from None
         except FileNotFoundError:
-            raise SlurmError(f"{argv[0]}: command not found (is Slurm installed?)") from None
+            raise SlurmError(f"{argv[0]}: command not found (is Slurm installed?)", refused=True) from None
         if proc.returncode != 0:
-            raise SlurmError(f"{argv} failed with exit code {proc.returncode}: {proc.stderr.strip()}")
+            raise SlurmError(f"{argv} failed with exit code {proc.returncode}: {proc.stderr.strip()}", refused=True)
         return proc.stdout
 
     def sbatch(self, script: str, args: Sequence[str] = ()) -> str:

@@ -12,12 +12,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator,
-                      model_validator)
+import re
+from typing import Annotated, Any
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, ValidationError,
+                      field_validator, model_validator)
 
 from nereusd.config.yamlfile import read_yaml
 from nereusd.errors import ConfigError
 from nereusd.workflow import Algorithm
+
+_FLOAT_LITERAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+|[+-]?\.?inf(inity)?", re.IGNORECASE)
+
+
+def _yaml_float(value: Any) -> Any:
+    """PyYAML follows YAML 1.1, which reads ``1e-5`` (an exponent without a dot) and ``inf`` as
+    strings: take such a string as the number it spells. Any other string, and a boolean, stays
+    what it is, for the strict check to refuse."""
+    if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+        text = value.strip().lower().replace(".inf", "inf")
+        return float(text)
+    return value
+
+
+Number = Annotated[StrictFloat, BeforeValidator(_yaml_float)]
+"""A float field of the job: an int or a float as written (``true`` and ``"0.5"`` are refused, as
+the site loader refuses them), or an exponent literal YAML 1.1 leaves as a string (``1e-5``)."""
 
 
 class _Strict(BaseModel):
@@ -69,7 +89,7 @@ class RolloutConfig(_Strict):
     """Samples per prompt (GRPO's group; PPO and ReMax usually 1)."""
     max_new_tokens: StrictInt = Field(96, ge=1)
     """Longest response in tokens."""
-    temperature: StrictFloat = Field(1.0, gt=0.0)
+    temperature: Number = Field(1.0, gt=0.0)
     """Sampling temperature."""
     max_staleness: StrictInt = Field(0, ge=0, strict=True)
     """Asynchronous execution: generation runs up to this many policy versions ahead of
@@ -96,19 +116,19 @@ class TrainConfig(_Strict):
     Generation is unaffected. ``None`` (default): ``micro_batch`` sequences, padded."""
     epochs: StrictInt = Field(1, ge=1)
     """Passes over each step's rollout (PPO epochs)."""
-    actor_lr: StrictFloat = Field(3e-4, gt=0.0)
-    critic_lr: StrictFloat = Field(1e-3, gt=0.0)
-    clip: StrictFloat = Field(0.2, gt=0.0)
+    actor_lr: Number = Field(3e-4, gt=0.0)
+    critic_lr: Number = Field(1e-3, gt=0.0)
+    clip: Number = Field(0.2, gt=0.0)
     """PPO ratio clip ε."""
-    value_clip: StrictFloat = Field(0.2, gt=0.0)
-    kl_coef: StrictFloat = Field(0.02, ge=0.0)
+    value_clip: Number = Field(0.2, gt=0.0)
+    kl_coef: Number = Field(0.02, ge=0.0)
     """β of the KL penalty to the reference."""
     kl_estimator: Literal["k1", "k3"] = "k3"
-    entropy_coef: StrictFloat = Field(0.0, ge=0.0)
-    gamma: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    lam: StrictFloat = Field(0.95, ge=0.0, le=1.0)
-    grad_clip: StrictFloat | None = Field(1.0, gt=0.0)
-    weight_decay: StrictFloat = Field(0.0, ge=0.0)
+    entropy_coef: Number = Field(0.0, ge=0.0)
+    gamma: Number = Field(1.0, gt=0.0, le=1.0)
+    lam: Number = Field(0.95, ge=0.0, le=1.0)
+    grad_clip: Number | None = Field(1.0, gt=0.0)
+    weight_decay: Number = Field(0.0, ge=0.0)
 
 
 class StagePlanConfig(_Strict):
@@ -179,7 +199,7 @@ class AdaptationConfig(_Strict):
     """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
     rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
     checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
-    payback_margin: StrictFloat = Field(0.5, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
+    payback_margin: Number = Field(0.5, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
     """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain; 0:
     urgent switches only)."""
     gamma: Any = Field(None, exclude=True)
@@ -187,7 +207,7 @@ class AdaptationConfig(_Strict):
     discount); the old key is refused with a message naming the new one."""
     period: StrictInt = Field(0, ge=0)
     """Also re-plan every N steps (0: on triggers only)."""
-    delta_length: StrictFloat = Field(0.30, gt=0.0)
+    delta_length: Number = Field(0.30, gt=0.0)
     """Drift threshold δ_len of the response-length signal (relative)."""
     launch_response_length: StrictInt | None = Field(None, ge=1)
     """Response length (tokens) the launch plan is chosen for when the job gives no ``plan``
@@ -221,7 +241,7 @@ class PoolEventConfig(_Strict):
 
     at_step: StrictInt | None = Field(None, ge=1)
     """Apply at the safe boundary before this step."""
-    at_s: StrictFloat | None = Field(None, ge=0.0)
+    at_s: Number | None = Field(None, ge=0.0)
     """Apply at the first safe boundary at or after this many seconds since the first step
     started (a device cannot leave mid-step in local mode: it leaves at that boundary)."""
     remove: StrictInt = Field(0, ge=0)
@@ -253,11 +273,11 @@ class PoolTraceConfig(_Strict):
     name: str
     """A shipped trace (``us-east-2b``, ``us-west-2a``: 16-node AWS spot availability, one sample
     per 300 s; ``nereusd/data/traces/SOURCES.md``) or the path of a trace file of that format."""
-    seconds_per_trace_hour: StrictFloat | None = Field(None, gt=0.0)
+    seconds_per_trace_hour: Number | None = Field(None, gt=0.0)
     """Wall-clock seconds of the job per trace hour (e.g. 60: a 10-hour trace in 10 minutes)."""
-    steps_per_trace_hour: StrictFloat | None = Field(None, gt=0.0)
+    steps_per_trace_hour: Number | None = Field(None, gt=0.0)
     """RL steps per trace hour (e.g. 12: one step per 5-minute trace sample)."""
-    start_hour: StrictFloat = Field(0.0, ge=0.0)
+    start_hour: Number = Field(0.0, ge=0.0)
     """Trace hour at which the job's first step starts."""
     min_devices: StrictInt | None = Field(None, ge=1)
     """The scaled pool never drops below this many devices (nor rises above the job's devices).
@@ -353,7 +373,7 @@ class JobConfig(_Strict):
     """Site config: a name under ``site_configs/`` or a path."""
     devices: StrictInt | None = Field(None, ge=1)
     """Devices the job uses (local mode: virtual devices); default: the site's node size."""
-    memory_gib: StrictFloat | None = Field(None, gt=0.0, le=1e6)
+    memory_gib: Number | None = Field(None, gt=0.0, le=1e6)
     """Override of the site's per-device memory capacity (local virtual devices)."""
     models: ModelsConfig = ModelsConfig()
     reward: RewardConfig = RewardConfig()

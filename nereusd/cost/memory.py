@@ -217,16 +217,18 @@ def prefill_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: in
 
     The decoder layers hold one layer's inference set at a time
     (:func:`micro_batch_activation_bytes` without the head); the final norm and head run at each
-    prompt's last position only (``LlamaModel.forward(last_position_only=True)``), so the head
-    is :func:`head_activation_bytes` of one position per row: its logits ``[b, 1, V/t]``, and the
-    gathered logits and sampling probabilities ``2·b·V/t``. Pricing every prompt token's logits
-    instead would be ``b·prompt·V/t`` elements (10 GB in fp32 for 64 prompts of 256 tokens and
-    Qwen2.5's vocabulary of 151,936).
+    prompt's last position only (``LlamaModel.forward(last_position_only=True)``): the norm's
+    ``3h + 1`` per row and the local logits ``[b, V/t]``. Sampling
+    (:func:`emu.engine.generate._next_tokens`) then holds ``[b, V]`` tensors of the whole
+    vocabulary: at ``t > 1`` the all-gathered parts, their concatenation and the probabilities
+    (3), at ``t = 1`` the scaled logits and the probabilities (2). Pricing every prompt token's
+    logits instead would be ``b·prompt·V/t`` elements (10 GB in fp32 for 64 prompts of 256
+    tokens and Qwen2.5's vocabulary of 151,936).
     """
     body = micro_batch_activation_bytes(spec, tp=tp, layers=layers, batch=batch, seq=prompt, act_bytes=act_bytes,
                                         train=False, last_stage=False, flash_attention=flash_attention)
-    head = head_activation_bytes(spec, tp=tp, batch=batch, seq=1, head_positions=1, act_bytes=act_bytes,
-                                 vocab_head=True)
+    vocab = spec.vocab_size
+    head = batch * ((3 * spec.hidden_size + 1) + math.ceil(vocab / tp) + (3 if tp > 1 else 2) * vocab) * act_bytes
     return body, head
 
 

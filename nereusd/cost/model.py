@@ -20,10 +20,13 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
 - PP: ``(m + pp − 1)`` micro-batch slots for ``m`` micro-batches (GPipe/1F1B bubble
   ``(pp−1)/(m+pp−1)``, Narayanan et al. 2021 §2.2), plus the p2p calls of the busiest stage per
   slot: a middle stage (``pp > 2``) receives and sends each micro-batch's activations, and with
-  backward its gradients. ``torch.distributed.pipelining`` batches each schedule step's sends and
-  receives (``batch_isend_irecv``): NCCL and RCCL run a batch as one group call, so every stage
-  pays 2 calls' α; gloo runs each op on its own, so a middle stage pays 4
-  (:attr:`~nereusd.config.site.SiteConfig.batches_p2p`); on virtual CPU
+  backward its gradients. ``torch.distributed.pipelining``'s 1F1B batches each step's forward
+  send with a backward receive and vice versa (``batch_isend_irecv``): NCCL and RCCL run a batch
+  as one group call, so every stage pays 2 calls' α with backward; gloo runs each op on its own,
+  so a middle stage pays 4 (:attr:`~nereusd.config.site.SiteConfig.batches_p2p`). A forward-only
+  pass has nothing to pair: a middle stage pays 2, an end stage 1, on any backend (GPipe, which
+  the engine runs when there are fewer micro-batches than stages, pairs nothing either: not
+  modelled); on virtual CPU
   devices that share a node's cores, a stage holding the whole node reclaims its bubble
   (:func:`~nereusd.cost.formulas.pipeline_slots`);
 - DP: ring all-reduce of the gradient shard ``P/(tp·pp)`` per optimizer step on the slowest
@@ -386,7 +389,9 @@ class CostModel:
         tp_collectives = (6 if recompute else 4) if training else 2
         self._ring(per_mb, "all_reduce", tokens * h * e, tp, self.spans_nodes(tp), count=tp_collectives * layers)
         if pp > 1:   # per micro-batch and direction a middle stage receives and sends, an end stage does one
-            calls = (2 if training else 1) * (2 if pp > 2 and not self.site.batches_p2p else 1)
+            middle = 2 if pp > 2 else 1
+            # with backward, NCCL/RCCL run each 1F1B step's send and receive as one group call
+            calls = (2 * (1 if self.site.batches_p2p else middle)) if training else middle
             self._p2p(per_mb, tokens * h * e, self.spans_nodes(tp * pp), count=calls)
         return per_mb
 

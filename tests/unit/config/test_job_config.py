@@ -44,12 +44,20 @@ def tiny_job(extra: str = "") -> str:
     ("train:\n  micro_batch: '16'\n", r"^job.yaml: train.micro_batch: Input should be a valid integer, got '16'$"),
     ("train:\n  micro_batch: 2.0\n", r"^job.yaml: train.micro_batch: Input should be a valid integer, got 2.0$"),
     ("rollout:\n  temperature: yes\n", r"^job.yaml: rollout.temperature: Input should be a valid number, got True$"),
+    ("train:\n  actor_lr: '0.5'\n", r"^job.yaml: train.actor_lr: Input should be a valid number, got '0.5'$"),
     ("memory_gib: 1.0e+308\n", r"^job.yaml: memory_gib: Input should be less than or equal to 1000000"),
     ("name: a/b\n", r"^job.yaml: name: expected a short name without slashes, got 'a/b'$"),
 ])
 def test_schema_errors_name_file_and_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         load_job(write(tmp_path, text))
+
+
+def test_exponent_literals_yaml_reads_as_strings_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads ``1e-5`` and ``inf`` as strings; the usual way to write a learning
+    rate must stay a number (strict floats refused it, and a job could not be resumed)."""
+    job = load_job(write(tmp_path, "train: {actor_lr: 1e-5, kl_coef: 1E-3}\nadaptation: {payback_margin: inf}\n"))
+    assert (job.train.actor_lr, job.train.kl_coef, job.adaptation.payback_margin) == (1e-5, 1e-3, float("inf"))
 
 
 @pytest.mark.parametrize("content, match", [

@@ -409,6 +409,9 @@ def test_a_middle_pipeline_stage_pays_twice_the_p2p_calls_of_an_end_stage_on_glo
     for pp in (2, 4):
         assert gpu._micro_batch(spec, True, 64, 1, pp, 4, True, False).ideal["latency_intra"] == pytest.approx(
             2 * per_call, rel=1e-12)
+    # forward only: nothing to pair a middle stage's receive and send with, on any backend
+    assert gpu._micro_batch(spec, True, 64, 1, 4, 4, False, False).ideal["latency_intra"] == pytest.approx(
+        2 * per_call, rel=1e-12)
 
 
 def test_per_call_classes_may_learn_more_than_the_hardware_peak_classes():

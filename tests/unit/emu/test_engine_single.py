@@ -216,6 +216,11 @@ def test_a_prefill_runs_the_head_at_the_last_position_only():
     heads = [prefill_activation_bytes(SPEC, tp=1, layers=SPEC.num_layers, batch=4, prompt=p, act_bytes=4)[1]
              for p in (8, 32)]
     assert heads[0] == heads[1]
+    # at tp > 1 sampling gathers the whole vocabulary: parts, their concatenation, probabilities
+    norm = 4 * (3 * SPEC.hidden_size + 1) * 4
+    tp2 = prefill_activation_bytes(SPEC, tp=2, layers=SPEC.num_layers, batch=4, prompt=8, act_bytes=4)[1]
+    assert tp2 - norm == 4 * (SPEC.vocab_size // 2 + 3 * SPEC.vocab_size) * 4
+    assert heads[0] - norm == 4 * 3 * SPEC.vocab_size * 4
     bodies = [prefill_activation_bytes(SPEC, tp=1, layers=SPEC.num_layers, batch=4, prompt=p, act_bytes=4)[0]
               for p in (8, 32)]
     assert bodies[1] > 3 * bodies[0]

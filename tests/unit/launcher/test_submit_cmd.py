@@ -28,7 +28,7 @@ def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, cap
     """sbatch refusing the job (no Slurm configuration here) must not leave keys and a script
     behind that make the same command fail with 'exists and is not empty'."""
     def refuse(self, script, args=()):
-        raise SlurmError("sbatch: fatal: Could not establish a configuration source")
+        raise SlurmError("sbatch: fatal: Could not establish a configuration source", refused=True)
 
     monkeypatch.setattr(SlurmClient, "sbatch", refuse)
     run_dir = tmp_path / "run"
@@ -41,3 +41,16 @@ def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, cap
     (run_dir / "old.txt").write_text("x")
     assert main(args + ["--overwrite"]) == 2
     assert run_dir.is_dir() and not any(run_dir.iterdir())
+
+
+def test_a_submission_that_may_have_been_queued_keeps_its_run_directory(tmp_path, monkeypatch, capsys):
+    """An sbatch that timed out may have queued the job, whose #SBATCH --output is in logs/:
+    its keys, script and logs stay, and the error says to check squeue."""
+    def slow(self, script, args=()):
+        raise SlurmError("['sbatch', '--parsable'] did not finish within 30 s")
+
+    monkeypatch.setattr(SlurmClient, "sbatch", slow)
+    run_dir = tmp_path / "run"
+    assert main(["submit", "examples/counting_grpo.yaml", "--run-dir", str(run_dir)]) == 2
+    assert "may have been queued: check squeue" in capsys.readouterr().err
+    assert (run_dir / "nereus.sbatch").is_file() and (run_dir / "keys").is_dir() and (run_dir / "logs").is_dir()
