@@ -9,11 +9,9 @@ in :class:`ResolvedJob` (see ``nereusd/config/resolve.py``).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal, Mapping
-
 import re
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, ValidationError,
                       field_validator, model_validator)
