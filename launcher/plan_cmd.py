@@ -22,9 +22,9 @@ from pathlib import Path
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
 from nereusd.models import PRESETS, resolve_model, shortest_context
-from nereusd.plan import Role, Stage
+from nereusd.plan import Role
 from nereusd.planner.search import Infeasible, Planner
-from nereusd.planner.space import PlannerOptions, PlanProblem
+from nereusd.planner.space import GENERATION_ENGINES, PlannerOptions, PlanProblem, generation_engines
 from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
 
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="training model-stages may also run ZeRO (optimizer state, and at stage 2 gradients, "
                         "sharded across DP; the deepspeed backend, tp = pp = 1): --zero allows stages 1 and 2, "
                         "--zero 1 only stage 1")
-    p.add_argument("--generation", choices=("native", "vllm"), default="native",
+    p.add_argument("--generation", choices=GENERATION_ENGINES, default="native",
                    help="generation engine whose memory the plan holds: native (the EMU's decoder) or vllm (each "
                    "replica's engine keeps a weight copy and a KV cache preallocated for prompt + response "
                    "tokens of its wave), as 'simulate --generation' (default: %(default)s)")
@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
     actor = resolve_model(args.model)
     specs = {r: actor for r in Role}
     rule_reward = (args.reward_model or "").lower() == "none"
-    if args.reward_model and not rule_reward:
-        specs[Role.REWARD] = resolve_model(args.reward_model)
     if rule_reward:
         del specs[Role.REWARD]
+    elif args.reward_model:
+        specs[Role.REWARD] = resolve_model(args.reward_model)
     if args.critic_model:
         specs[Role.CRITIC] = resolve_model(args.critic_model)
     workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous, reward_model=not rule_reward)
@@ -115,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
                         f"is refused at launch")
     for line in warnings if not args.json else []:
         print(f"warning: {line}", file=sys.stderr)
-    engines = ({m: args.prompt_length + args.response_length for m in workflow.model_stages
-                if m.stage is Stage.GENERATION} if args.generation == "vllm" else {})
+    engines = generation_engines(workflow, args.generation, args.prompt_length + args.response_length)
     problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)), engines=engines)
     if args.calibration and not Path(args.calibration).is_file():
         print(f"nereus-launch plan: --calibration {args.calibration}: no such file", file=sys.stderr)

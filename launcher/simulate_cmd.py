@@ -26,7 +26,8 @@ from nereusd.errors import NereusError
 from nereusd.models import PRESETS
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
-from nereusd.sim.scenario import GENERATION_ENGINES, Scenario, build, run_policies
+from nereusd.planner.space import GENERATION_ENGINES
+from nereusd.sim.scenario import Scenario, build, run_policies
 from nereusd.sim.truth import TRUTH_KINDS, TruthConfig
 from nereusd.traces import LENGTH_TRACES, POOL_TRACES
 

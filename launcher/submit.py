@@ -205,7 +205,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             # that the same command can be run again once the cause is fixed (without
             # --overwrite). A timeout or an unreadable answer may have queued the job, whose
             # logs, keys and script live here: then everything stays.
-            if existed:
+            if existed:   # the user's directory (emptied by --overwrite): keep it, with its mode, empty
                 for child in run_dir.iterdir():
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
             else:

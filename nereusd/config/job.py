@@ -89,7 +89,7 @@ class RolloutConfig(_Strict):
     """Longest response in tokens."""
     temperature: Number = Field(1.0, gt=0.0)
     """Sampling temperature."""
-    max_staleness: StrictInt = Field(0, ge=0, strict=True)
+    max_staleness: StrictInt = Field(0, ge=0)
     """Asynchronous execution: generation runs up to this many policy versions ahead of
     training (step ``k`` trains on responses generated with the weights of step ``k − s``;
     1 is one-step off-policy, as in AReaL/Laminar). 0 (default): synchronous steps. The safe

@@ -394,6 +394,9 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
             out[k] = _value(float, v, label, f"{key}.{k}")
             if out[k] <= 0:
                 raise _fail(label, f"{key}.{k}", f"expected a positive number, got {v!r}")
+            if out[k] > 1e6:   # the only such mapping is peak_tflops
+                raise _fail(label, f"{key}.{k}", f"{v!r} is implausibly large (at most 1e+06 TFLOP/s; the unit is "
+                            "10^12 FLOP/s per device)")
         if not out:
             raise _fail(label, key, "expected at least one dtype")
         return MappingProxyType(out)
@@ -446,10 +449,6 @@ def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
             raise _fail(label, _join(prefix, "peak_tflops"), f"no entry for the compute dtype {dtype!r} "
                         f"({_join(prefix, 'compute_dtype')}){fallback}: the cost model prices every FLOP at "
                         "that peak")
-        for k, v in kwargs["peak_tflops"].items():
-            if v > 1e6:
-                raise _fail(label, _join(prefix, f"peak_tflops.{k}"), f"{v!r} is implausibly large (at most 1e+06 "
-                            "TFLOP/s; the unit is 10^12 FLOP/s per device)")
     if cls is DeviceSpec and kwargs.get("host_cores") and kwargs.get("kind") != "cpu":
         raise _fail(label, _join(prefix, "host_cores"), f"describes virtual CPU devices sharing cores; "
                     f"device.kind is {kwargs.get('kind')!r} (each GPU has its own compute: leave it out)")

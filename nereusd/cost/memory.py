@@ -227,9 +227,10 @@ def prefill_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: in
     """
     body = micro_batch_activation_bytes(spec, tp=tp, layers=layers, batch=batch, seq=prompt, act_bytes=act_bytes,
                                         train=False, last_stage=False, flash_attention=flash_attention)
-    vocab = spec.vocab_size
-    head = batch * ((3 * spec.hidden_size + 1) + math.ceil(vocab / tp) + (3 if tp > 1 else 2) * vocab) * act_bytes
-    return body, head
+    norm_and_logits = head_activation_bytes(spec, tp=tp, batch=batch, seq=1, head_positions=0, act_bytes=act_bytes,
+                                            vocab_head=True)
+    sampling = (3 if tp > 1 else 2) * batch * spec.vocab_size * act_bytes
+    return body, norm_and_logits + sampling
 
 
 def pipeline_in_flight(n_micro: int, pp: int, pp_rank: int) -> int:

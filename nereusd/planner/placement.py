@@ -124,7 +124,7 @@ def _place_packed(free: dict[int, list[int]], size: int, dp: int) -> list[int] |
 
 
 def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: set[int],
-               devices_per_node: int | None = None) -> list[int]:
+               devices_per_node: int) -> list[int]:
     if not prefer:
         packed = _place_packed(free, tp * pp, dp)
         if packed is not None:
@@ -142,7 +142,7 @@ def _place_one(free: dict[int, list[int]], tp: int, pp: int, dp: int, prefer: se
                     if len(rest) < tp:
                         raise PlanError(f"placement: {tp} devices needed, {len(rest)} free")
                     group = ([d for d in rest if d in prefer] + [d for d in rest if d not in prefer])[:tp]
-                    if devices_per_node is None or tp <= devices_per_node:   # wider TP crosses nodes by design
+                    if tp <= devices_per_node:   # a wider TP group crosses nodes by design
                         log.warning("placement: TP group %s crosses nodes (pool too fragmented)", group)
                     for node in free:
                         free[node] = [d for d in free[node] if d not in group]

@@ -73,6 +73,20 @@ class PlanProblem:
         return self.specs[model_stage.role]
 
 
+GENERATION_ENGINES = ("native", "vllm")
+"""Generation engines a what-if plan may assume (``plan --generation``, ``simulate --generation``)."""
+
+
+def generation_engines(workflow: Workflow, engine: str, max_model_len: int) -> dict[ModelStage, int]:
+    """:attr:`PlanProblem.engines` for every generation model-stage of ``workflow`` on ``engine``:
+    ``max_model_len`` each on ``vllm``, none on ``native``."""
+    if engine not in GENERATION_ENGINES:
+        raise ConfigError(f"--generation {engine!r}: expected one of {', '.join(GENERATION_ENGINES)}")
+    if engine != "vllm":
+        return {}
+    return {m: max_model_len for m in workflow.model_stages if m.stage is Stage.GENERATION}
+
+
 @dataclass(frozen=True)
 class PlannerOptions:
     """Search-space knobs.

@@ -16,8 +16,8 @@ from typing import Sequence
 
 from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
-from nereusd.plan import Role, Stage
-from nereusd.planner.space import PlanProblem
+from nereusd.plan import Role
+from nereusd.planner.space import GENERATION_ENGINES, PlanProblem, generation_engines
 from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import PolicyResult, Simulation
 from nereusd.traces import load_length_trace, load_pool_trace
@@ -51,7 +51,6 @@ class Scenario:
     learns and prices as on a live job."""
 
 
-GENERATION_ENGINES = ("native", "vllm")
 
 
 def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, dict]:
@@ -83,8 +82,7 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
                   global_batch=s.global_batch, mini_batches=s.mini_batches, micro_batch=s.micro_batch)
     workflow = build_workflow(s.algorithm)
     max_model_len = s.prompt_length + math.ceil(max(lengths.response_lengths))
-    engines = ({m: max_model_len for m in workflow.model_stages if m.stage is Stage.GENERATION}
-               if s.generation == "vllm" else {})
+    engines = generation_engines(workflow, s.generation, max_model_len)
     problem = PlanProblem(workflow, {r: spec for r in Role}, wl, site, tuple(range(s.gpus)), engines=engines)
     sim = Simulation(problem, lengths, pool, s.steps, truth)
     meta = {"model": s.model, "algorithm": s.algorithm, "site": site.name, "gpus": s.gpus, "steps": s.steps,
