@@ -76,6 +76,9 @@ from nereusd.transition.estimate import TransitionEstimator
 MAX_HEADROOM = 0.6
 """The memory ratio never widens the planner's headroom past this fraction."""
 
+RESTART_LENGTH_FACTOR = math.sqrt(2.0)
+"""Ratio between the response lengths :meth:`Controller._restart_for_growth` plans for."""
+
 MEAN_FRACTION_WINDOW = 8
 """Steps whose mean-over-longest response fraction :meth:`Controller.mean_fraction` takes the
 median of (the memory ratio's window, :data:`MEMORY_WINDOW`)."""
@@ -179,6 +182,10 @@ class Controller(TransitionCostLearning):
         """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
         self._relaunch = False
+        self._outgrown = False
+        """The last boundary's verdict was checkpoint/restart because the running plan no longer
+        fits the coming steps (it still had its devices): :meth:`restart_plan` weighs plans for
+        longer responses against the restarts they save (:meth:`_restart_for_growth`)."""
         self._rejected: tuple[int, float] | None = None
         """The last boundary's ``reject`` of faster targets for their payback: (step, the smallest
         payback in steps); asked again once due (:data:`RECHECK`)."""
@@ -463,6 +470,7 @@ class Controller(TransitionCostLearning):
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
                          current_valid=runs, restart_s=self.restart_s,
                          weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin))
+        self._outgrown = decision.verdict == RESTART and decision.target is None and current_valid and over
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         if runs and not decision.admitted and decision.verdict != RESTART:
@@ -500,6 +508,11 @@ class Controller(TransitionCostLearning):
                 ev = evaluate(problem, rescaled, self.cost_model)
                 usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
                 return PlanResult(rescaled, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
+        if self._outgrown and not (oom or frozen):
+            chosen = self._restart_for_growth(pool, coming)
+            if chosen is not None:
+                self._restart_target = (chosen.plan, False, False)
+                return chosen
         length = self.max_response_length if oom or frozen else coming
         problem = self.problem(pool, length)
         result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
@@ -507,6 +520,47 @@ class Controller(TransitionCostLearning):
             raise Infeasible(f"no plan holds responses of {length} tokens: " + "; ".join(lines))
         self._restart_target = (result.plan, oom, length > coming)
         return result
+
+    def _restart_for_growth(self, pool: tuple[int, ...], coming: int) -> PlanResult | None:
+        """The restart plan when the running plan was outgrown (:attr:`_outgrown`): of the
+        planner's plans for the coming length and for lengths √2, 2, 2√2 … times it, up to
+        :attr:`max_response_length`, the one with the least step time at the coming length plus
+        the restart amortised over the steps the plan lasts::
+
+            L̂_step(S_L) + L̂_restart / n_L,   n_L = ln(L / ℓ) / ln(1 + g)
+
+        where ``ℓ`` is the last step's longest response, ``g`` the run's growth per step
+        (:meth:`nereusd.control.lookahead.LengthLookahead.growth_per_step`) and ``n_L`` the
+        steps until the lengths reach ``L`` (infinite for the plan for the longest response).
+        Planning for the coming length alone, a growing run restarts again as soon as the
+        lengths pass it: on the simulator's memory-tight A100 ramp, three restarts of 188 s
+        each in the last 60 steps (``scripts/bench_sim.py``, 2026-12-05). The rule is the
+        payback rule's amortisation (paper §4.3) applied to the restart that growth will force.
+
+        Returns ``None`` (the caller plans for the coming length) before a restart was measured
+        or while the lengths do not grow."""
+        growth, restart_s = self.lengths.growth_per_step(), self.restart_s
+        if growth <= 0.0 or restart_s <= 0.0:
+            return None
+        coming_problem = self.problem(pool, coming)
+        best: tuple[float, PlanResult] | None = None
+        length = coming
+        while True:
+            result, _ = solve(self.problem(pool, length), self.cost_model, self.plan, self.headroom(), True)
+            if result is None:
+                break   # nothing holds this length: nor any longer one
+            if length >= self.max_response_length:
+                life = math.inf
+            else:
+                life = math.log(length / max(1, self.length)) / math.log1p(growth)
+            amortised = restart_s / life if life > 0 else math.inf
+            cost = evaluate(coming_problem, result.plan, self.cost_model).step_latency_s + amortised
+            if best is None or cost < best[0]:
+                best = (cost, result)
+            if length >= self.max_response_length:
+                break
+            length = min(self.max_response_length, math.ceil(length * RESTART_LENGTH_FACTOR))
+        return best[1] if best is not None else None
 
     def failed(self, step: int, length: int | None = None) -> None:
         """Step ``step`` ran out of memory at responses of ``length`` tokens (default, when the
@@ -523,6 +577,7 @@ class Controller(TransitionCostLearning):
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""
         self.plan, self.pool = plan, tuple(pool)
+        self._outgrown = False
         target, self._restart_target = self._restart_target, None
         if target is not None and target[0] == plan:   # the restart :meth:`restart_plan` planned
             _, oom, past_coming = target

@@ -34,6 +34,10 @@ JUMP_SAFETY = 1.5
 most half again the largest so far)."""
 MIN_MARGIN = 0.05
 """The smallest margin, whatever the run has shown."""
+GROWTH_WINDOW = 64
+"""Steps whose longest responses :meth:`LengthLookahead.growth_per_step` fits a trend to."""
+GROWTH_MIN_STEPS = 16
+"""Fewer steps than this give no trend (growth 0)."""
 
 
 class LengthLookahead:
@@ -49,13 +53,31 @@ class LengthLookahead:
         self.jump = 0.0
         """Largest ``L_i / max(L_{i−W} … L_{i−1}) − 1`` seen (relative)."""
         self.seen = 0
+        self.history: deque[int] = deque(maxlen=GROWTH_WINDOW)
+        """The last :data:`GROWTH_WINDOW` steps' longest responses, oldest first."""
 
     def observe(self, length: int) -> None:
         """A step's longest response (tokens, ≥ 1)."""
         if self.window:
             self.jump = max(self.jump, length / max(self.window) - 1.0)
         self.window.append(int(length))
+        self.history.append(int(length))
         self.seen += 1
+
+    def growth_per_step(self) -> float:
+        """The run's recent growth of the longest response, relative per step (≥ 0): the
+        least-squares slope ``b`` of ``log L_i = a + b·i`` over the last :data:`GROWTH_WINDOW`
+        steps, as ``e^b − 1``; 0 when the lengths fall or stay, or fewer than
+        :data:`GROWTH_MIN_STEPS` steps are known. One step's longest response is noisy (a
+        batch's maximum); a fit over 64 steps is not: on the generated ramp (16× over 1,000
+        steps, 0.28 % per step) it reads 0.2–0.4 %."""
+        n = len(self.history)
+        if n < GROWTH_MIN_STEPS:
+            return 0.0
+        ys = [math.log(max(1, x)) for x in self.history]
+        mean_i, mean_y = (n - 1) / 2.0, sum(ys) / n
+        slope = sum((i - mean_i) * (y - mean_y) for i, y in enumerate(ys)) / sum((i - mean_i) ** 2 for i in range(n))
+        return max(0.0, math.expm1(slope))
 
     def margin(self) -> float:
         """Relative margin over the base (module docstring)."""
@@ -70,16 +92,19 @@ class LengthLookahead:
         return max(1, int(min(cap, math.ceil(base * (1.0 + self.margin())))))
 
     def to_json(self) -> dict:
-        return {"window": list(self.window), "jump": self.jump, "seen": self.seen}
+        return {"window": list(self.window), "jump": self.jump, "seen": self.seen, "history": list(self.history)}
 
     def restore(self, data: Mapping) -> None:
         """Raises: KeyError, TypeError, ValueError for a malformed state (nothing changed then)."""
         window = [int(x) for x in data["window"]][-LENGTH_WINDOW:]
+        history = [int(x) for x in data.get("history", window)][-GROWTH_WINDOW:]   # absent before 2026-12-05
         jump, seen = float(data["jump"]), int(data["seen"])
-        if not (math.isfinite(jump) and jump >= 0.0) or seen < 0 or any(x < 1 for x in window):
+        if not (math.isfinite(jump) and jump >= 0.0) or seen < 0 or any(x < 1 for x in window + history):
             raise ValueError(f"lookahead state out of range: {dict(data)!r}")
         self.window.clear()
         self.window.extend(window)
+        self.history.clear()
+        self.history.extend(history)
         self.jump, self.seen = jump, seen
 
 

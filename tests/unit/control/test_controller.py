@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from launcher.report import plan_segments
 from nereusd.control.controller import Controller, StepObservation, controller_for_job, forced_plan
-from nereusd.control.problem import job_problem, launch_plan
+from nereusd.control.problem import job_problem, launch_plan, solve
 from nereusd.config.job import StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
@@ -235,6 +236,52 @@ def test_a_plan_predicted_over_usable_memory_is_not_kept_when_no_transition_fits
     assert any(over for over, _ in verdicts), verdicts
     assert all(v == RESTART for over, v in verdicts if over), verdicts
     assert not any(v == KEEP for over, v in verdicts if over)
+
+
+def test_a_restart_forced_by_growth_weighs_plans_for_longer_responses_against_the_restarts_they_save(demo):
+    """The running plan is outgrown and no transition fits (as above): the restart goes to the
+    plan with the least step time plus the measured restart cost amortised over the steps until
+    the growing lengths outgrow it. Priced at a restart of an hour, that is a plan for longer
+    responses than the coming step's, and the next boundary does not replan away from it (no
+    ``restarted`` trigger); before a restart was measured, the plan for the coming step as
+    before (lengths that do not grow: ``test_lookahead.py``, growth 0)."""
+    from nereusd.control.admission import RESTART
+    from nereusd.control.monitor import RESTARTED
+
+    job, site = demo
+
+    def outgrown(lengths, restart_s):
+        adapter = controller_for_job(job, site, job.plan, PROMPT)
+        real = adapter.transitions.estimate
+        adapter.transitions.estimate = lambda s, t: dataclasses.replace(real(s, t), feasible=False,
+                                                                        reason="does not fit (test)")
+        adapter.restart_measured(restart_s)
+        for step, length in enumerate(lengths):
+            observe(adapter, step, length)
+            outcome = adapter.boundary(step, adapter.pool)
+            if outcome is not None and outcome.decision.verdict == RESTART:
+                return adapter, step, outcome.planned_length
+        raise AssertionError("the running plan was never outgrown")
+
+    growing = [round(16 * 1.06 ** i) for i in range(40)]
+    adapter, step, coming = outgrown(growing, 3600.0)
+    assert adapter.lengths.growth_per_step() > 0.03
+    chosen = adapter.restart_plan(adapter.pool).plan
+    coming_plan, _ = solve(adapter.problem(adapter.pool, coming), adapter.cost_model, adapter.plan,
+                           adapter.headroom(), True)
+    assert chosen != coming_plan.plan
+    usable = usable_bytes(adapter.problem(adapter.pool, 1).site.device_memory_bytes, adapter.headroom())
+    longer = adapter.problem(adapter.pool, min(job.config.rollout.max_new_tokens, math.ceil(coming * 1.4)))
+    assert max(evaluate(longer, chosen, adapter.cost_model).peak_bytes.values()) <= usable
+    adapter.switched(chosen, adapter.pool)
+    observe(adapter, step + 1, growing[step + 1])
+    outcome = adapter.boundary(step + 1, adapter.pool)
+    assert outcome is None or not any(t.signal == RESTARTED for t in outcome.decision.triggers)
+
+    adapter, step, coming = outgrown(growing, 0.0)   # no restart measured yet
+    expected, _ = solve(adapter.problem(adapter.pool, coming), adapter.cost_model, adapter.plan,
+                        adapter.headroom(), True)
+    assert adapter.restart_plan(adapter.pool).plan == expected.plan
 
 
 @pytest.mark.parametrize("tight", [False, True])

@@ -43,3 +43,28 @@ def test_the_state_round_trips_and_a_malformed_one_changes_nothing():
         with pytest.raises((KeyError, TypeError, ValueError)):
             copy.restore(bad)
         assert copy.to_json() == la.to_json()
+
+
+def test_growth_is_the_trend_of_the_recent_longest_responses():
+    """The fit reads a noisy 1 %-per-step ramp as about 1 %; flat, falling or too short a
+    history reads no growth; the history survives a round trip, and a state written before it
+    existed restores from its window."""
+    from nereusd.control.lookahead import GROWTH_MIN_STEPS, GROWTH_WINDOW
+
+    ramp = LengthLookahead(0.30)
+    for i in range(100):
+        ramp.observe(round(500 * 1.01 ** i * (1.04 if i % 3 == 0 else 0.98)))   # a batch's maximum jitters
+    assert ramp.growth_per_step() == pytest.approx(0.01, abs=0.002)
+    assert len(ramp.history) == GROWTH_WINDOW
+    copy = LengthLookahead(0.30)
+    copy.restore(ramp.to_json())
+    assert copy.growth_per_step() == ramp.growth_per_step()
+    old = {k: v for k, v in ramp.to_json().items() if k != "history"}
+    copy.restore(old)
+    assert list(copy.history) == list(ramp.window)
+    for lengths in ([700] * 40, [round(900 * 0.99 ** i) for i in range(40)],
+                    [round(500 * 1.05 ** i) for i in range(GROWTH_MIN_STEPS - 1)]):
+        la = LengthLookahead(0.30)
+        for length in lengths:
+            la.observe(length)
+        assert la.growth_per_step() == 0.0, lengths
