@@ -449,7 +449,10 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
                  if "reward_best" in summary else "") + ", "
               f"response length {summary.get('response_length_first_10pct', 0):.1f} → "
               f"{summary.get('response_length_last_10pct', 0):.1f} tokens "
-              f"({summary.get('response_length_growth', 0):.1f}×); layout switches: {summary.get('switches', 0)}"
+              f"({summary.get('response_length_growth', 0):.1f}×); "
+              + (f"held-out pass@1 {summary['eval_pass_at_1_first']:.2f} → {summary['eval_pass_at_1_last']:.2f} "
+                 f"({summary.get('eval_prompts')} prompts); " if "eval_pass_at_1_last" in summary else "")
+              + f"layout switches: {summary.get('switches', 0)}"
               + (f" (of which {summary['restarts']} checkpoint/restart(s), {summary.get('lost_steps', 0)} step(s) "
                  "re-run)" if summary.get("restarts") else ""))
         print(f"nereus: results in {run_dir} (plots: nereus-launch report {run_dir})")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.errors import NereusError
-from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl
+from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, read_jsonl
 
 #: (file name, title, y label, series key(s)) of the per-step plots.
 _SERIES = (
@@ -83,10 +85,15 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
         ax.plot(steps, [r.get("peak_memory_bytes", {}).get(device, 0) / 2**20 for r in records],
                 label=f"device {device}", ls=styles[k % len(styles)], lw=2.5 - 1.5 * k / max(1, len(devices) - 1),
                 marker="o" if len(steps) <= 40 else None, ms=3)
+    capacity = _device_memory_bytes(run_dir)
+    if capacity:   # how close the devices came to their capacity is what the demo is about
+        ax.axhline(capacity / 2**20, color="black", lw=1, label=f"capacity {capacity / 2**20:.0f} MiB")
+        ax.axhline(usable_bytes(capacity) / 2**20, color="grey", lw=1, ls="--",
+                   label=f"usable ({100 * (1 - HEADROOM):.0f} %): what plans may book")
     ax.set(title="Peak memory per device", xlabel="step", ylabel="MiB")
     ax.grid(alpha=0.3)
-    if devices:
-        ax.legend()
+    if devices or capacity:
+        ax.legend(fontsize=8, loc="lower right", ncol=2)
     fig.tight_layout()
     fig.savefig(out_dir / "peak_memory.png", dpi=100)
     plt.close(fig)
@@ -94,6 +101,15 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
     written += adaptation_plots(run_dir, records, out_dir, plt)
     written += evaluation_plot(run_dir, out_dir, plt)
     return written
+
+
+def _device_memory_bytes(run_dir: Path) -> int | None:
+    """The job's device capacity from ``nereusd.json`` (``None`` when it is not there)."""
+    try:
+        value = json.loads((run_dir / ENDPOINT_FILE).read_text()).get("device_memory_bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def evaluation_plot(run_dir: Path, out_dir: Path, plt) -> list[Path]:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from nereusd.errors import NereusError
-from nereusd.models import PRESETS
+from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.planner.space import GENERATION_ENGINES
@@ -93,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     start = time.perf_counter()
     sim, meta = build(scenario, truth)
+    prompt = sim.problem.workload.prompt_length
+    short = shortest_context({r.value: spec for r, spec in sim.problem.specs.items()}, prompt + sim.max_response_length)
+    if short and not args.json:
+        print(f"warning: prompts of {prompt} tokens plus the length trace's longest response "
+              f"({sim.max_response_length}) exceed the {short[0]} model's max_position={short[1].max_position}: "
+              f"a job of this shape is refused at launch", file=sys.stderr)
     results = run_policies(sim, policies, jobs=args.jobs)
     meta["wall_s"] = round(time.perf_counter() - start, 2)
     rows = summary(results)

@@ -243,11 +243,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         raise NereusError(f"{run_dir}: not a Nereus run directory (no {RECORD_FILE}, {ENDPOINT_FILE} or "
                           f"{SUMMARY_FILE}; has the job started?)")
-    out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm, "nereusd": ask_nereusd(run_dir)}
     try:
-        out["summary"] = json.loads((run_dir / SUMMARY_FILE).read_text())
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (OSError, json.JSONDecodeError):
-        out["summary"] = None
+        summary = None
+    ended = isinstance(summary, dict) and summary.get("status") not in (None, "running")
+    # an ended job's nereusd is gone: asking it only waits out the timeout (5 s)
+    out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm,
+                           "nereusd": None if ended else ask_nereusd(run_dir), "summary": summary}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -262,12 +265,35 @@ def cmd_status(args: argparse.Namespace) -> int:
         if live["last_decision"]:
             print(f"last decision: {live['last_decision']['reason']} -> {live['last_decision']['verdict']}")
     elif out["summary"]:
-        s = out["summary"]
-        print(f"finished: {s.get('status')} after {s.get('steps_completed', 0)} steps" +
-              (f": {s['error']}" if s.get("error") else ""))
+        print(_finished_lines(out["summary"]))
     else:
         print("nereusd is not answering (starting, or gone); see the logs in " + str(run_dir / "logs"))
     return 0
+
+
+def _finished_lines(s: dict) -> str:
+    """What ``status`` prints for a job that has ended, from its ``summary.json``: the outcome,
+    and where the summary has them, reward, response length, held-out pass@1, switches and the
+    final plan (``summarise_metrics`` in ``nereusd/daemon/app.py`` writes them)."""
+    lines = [f"finished: {s.get('status')} after {s.get('steps_completed', 0)} steps"
+             + (f" in {s['wall_time_s']:.0f} s" if isinstance(s.get("wall_time_s"), (int, float)) else "")
+             + (f": {s['error']}" if s.get("error") else "")]
+    if "reward_last_10pct" in s:
+        lines.append(f"reward {s['reward_first_10pct']:.2f} → {s['reward_last_10pct']:.2f}"
+                     + (f" (best {s['reward_best']:.2f} at step {s['reward_best_step']})" if "reward_best" in s else "")
+                     + f"; response length {s.get('response_length_first_10pct', 0):.1f} → "
+                       f"{s.get('response_length_last_10pct', 0):.1f} tokens")
+    if "eval_pass_at_1_last" in s:
+        lines.append(f"held-out pass@1 {s['eval_pass_at_1_first']:.2f} → {s['eval_pass_at_1_last']:.2f}")
+    if "switches" in s:
+        lines.append(f"layout switches: {s['switches']}"
+                     + (f" (of which {s['restarts']} checkpoint/restart(s))" if s.get("restarts") else ""))
+    plan = s.get("final_plan")
+    if isinstance(plan, dict) and plan:
+        lines.append("final plan: " + ", ".join(
+            f"{ms} tp{c.get('tp')} pp{c.get('pp')} dp{c.get('dp')}" if isinstance(c, dict) else f"{ms} {c}"
+            for ms, c in plan.items()))
+    return "\n".join(lines)
 
 
 def cmd_grow(args: argparse.Namespace) -> int:

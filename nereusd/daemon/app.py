@@ -424,7 +424,9 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
 def summarise_metrics(run_dir: Path, summary: dict) -> None:
     """Add the run's figures from ``metrics.jsonl`` to ``summary``: steps, reward and response
     length of the first and last 10 % of steps, the best step's mean reward and its step, mean
-    step latency, the final plan.
+    step latency, the final plan; and from ``events.jsonl``, when the job evaluates, the
+    held-out pass@1 of the first and the last evaluation (``eval_pass_at_1_first`` /
+    ``_last``, ``eval_prompts``).
 
     Raises:
         JournalError: a damaged ``metrics.jsonl``.
@@ -450,3 +452,8 @@ def summarise_metrics(run_dir: Path, summary: dict) -> None:
         summary["response_length_first_10pct"], 1e-9)
     best = max(records, key=lambda r: r["reward_mean"])   # first and last alone hide a collapse
     summary.update(reward_best=best["reward_mean"], reward_best_step=best["step"])
+    events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
+    evals = [e for e in events if e.get("event") == Event.EVALUATION.value and "pass_at_1" in e]
+    if evals:   # held-out pass@1 before the first step (step -1) and at the last evaluation
+        summary.update(eval_pass_at_1_first=evals[0]["pass_at_1"], eval_pass_at_1_last=evals[-1]["pass_at_1"],
+                       eval_prompts=evals[-1].get("prompts"))

@@ -15,6 +15,8 @@ import textwrap
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from nereusd.sim.policies import FROZEN, ORACLE
 from nereusd.sim.replay import PolicyResult
 from nereusd.traces import LengthTrace, PoolTrace
@@ -111,6 +113,7 @@ def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
     title = _title(meta)
@@ -124,23 +127,35 @@ def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:
         paths.append(path)
 
     fig, ax = plt.subplots(figsize=(9, 4))
+    every = []
     for r in results:
         xs = [x.step for x in r.records if not x.oom]
         ys = [x.step_s + x.transition_s + x.restart_s for x in r.records if not x.oom]
+        every += ys
         ax.plot(xs, ys, lw=0.8, label=r.policy.name)
     ax.set_xlabel("RL step")
     ax.set_ylabel("step latency incl. transitions (s)")
+    if every:   # a restart's few hundred seconds would flatten every step into one line
+        top = 1.15 * float(np.percentile(every, 99))
+        if max(every) > top:
+            ax.set_ylim(0, top)
+            ax.set_xlabel(f"RL step (y cut at {top:.0f} s: restarts and slow transitions above it, up to "
+                          f"{max(every):.0f} s)")
     ax.legend(fontsize=7)
     save(fig, "step_latency.png")
 
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 1.1 * len(results) + 1), sharex=True, squeeze=False)
+    ooms = False
     for ax, r in zip(axes[:, 0], results):
         ax.step([x.step for x in r.records], [x.plan_id for x in r.records], where="post", lw=0.8)
         for x in r.records:
             if x.oom:
+                ooms = True
                 ax.axvline(x.step, color="red", lw=0.6)
         ax.set_ylabel(r.policy.name, fontsize=7)
-    axes[-1, 0].set_xlabel("RL step (y: plan number in order of first use; red: OOM)")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1, 0].set_xlabel("RL step (y: the policy's own plan number, in order of first use" +
+                           ("; red: OOM)" if ooms else ")"))
     save(fig, "plan_timeline.png")
 
     fig, ax = plt.subplots(figsize=(9, 3))
@@ -158,6 +173,6 @@ def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:
         seen.setdefault(x.step, x.length)
     ax.plot(list(seen), list(seen.values()), lw=0.8)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean response length (tokens)" + (" — GENERATED" if meta.get("length_generated") else ""))
+    ax.set_ylabel("longest response (tokens)", fontsize=8)   # the trace's length: the step's longest
     save(fig, "sequence_length.png")
     return paths

@@ -114,3 +114,22 @@ def test_the_summary_names_the_best_step_a_collapse_would_hide(tmp_path):
     app.summarise_metrics(tmp_path, summary)
     assert (summary["reward_best"], summary["reward_best_step"]) == (15.9, 2)
     assert summary["reward_first_10pct"] == 3.0 and summary["reward_last_10pct"] == 4.3
+
+
+def test_the_summary_carries_the_held_out_pass_at_1_before_and_after(tmp_path):
+    """A job that evaluates (GSM8K) printed its reward only; its held-out pass@1 was in
+    ``events.jsonl`` alone. The summary takes the first evaluation (before step 0) and the last;
+    a job without evaluations has neither key."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(3):
+            f.write(json.dumps({"step": step, "reward_mean": 0.4, "response_length_mean": 10.0,
+                                "step_latency_s": 1.0, "plan": {}}) + "\n")
+    summary: dict = {}
+    app.summarise_metrics(tmp_path, summary)
+    assert "eval_pass_at_1_last" not in summary
+    with open(tmp_path / "events.jsonl", "w") as f:
+        for step, passed in ((-1, 0.34), (1, 0.36), (2, 0.39)):
+            f.write(json.dumps({"event": "evaluation", "step": step, "prompts": 100, "pass_at_1": passed}) + "\n")
+        f.write(json.dumps({"event": "transition", "step": 1}) + "\n")
+    app.summarise_metrics(tmp_path, summary)
+    assert (summary["eval_pass_at_1_first"], summary["eval_pass_at_1_last"], summary["eval_prompts"]) == (0.34, 0.39, 100)

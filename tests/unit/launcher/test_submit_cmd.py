@@ -24,6 +24,33 @@ def test_status_reads_a_local_run_directory(tmp_path, capsys):
     assert "not a Nereus run directory" in capsys.readouterr().err
 
 
+def test_status_of_an_ended_job_reads_its_summary_without_waiting_for_nereusd(tmp_path, capsys, monkeypatch):
+    """An ended job's nereusd is gone; ``status`` asked it anyway and waited out its 5 s timeout,
+    then printed one line. It now reads the summary at once and prints the outcome, reward,
+    held-out pass@1, switches and the final plan."""
+    import launcher.submit as submit
+
+    asked = []
+    monkeypatch.setattr(submit, "ask_nereusd", lambda run_dir, timeout_s=5.0: asked.append(run_dir))
+    (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "status": "succeeded", "steps_completed": 30, "wall_time_s": 47.4, "switches": 3, "restarts": 1,
+        "reward_first_10pct": 0.38, "reward_last_10pct": 0.42, "reward_best": 0.5, "reward_best_step": 20,
+        "response_length_first_10pct": 16.0, "response_length_last_10pct": 94.9,
+        "eval_pass_at_1_first": 0.34, "eval_pass_at_1_last": 0.39,
+        "final_plan": {"actor/training": {"tp": 1, "pp": 2, "dp": 2}}}))
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert not asked
+    for line in ("finished: succeeded after 30 steps in 47 s", "reward 0.38 → 0.42 (best 0.50 at step 20)",
+                 "held-out pass@1 0.34 → 0.39", "layout switches: 3 (of which 1 checkpoint/restart(s))",
+                 "final plan: actor/training tp1 pp2 dp2"):
+        assert line in out, out
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "running"}))
+    main(["status", str(tmp_path)])
+    assert asked   # a running job is asked
+
+
 def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
     """sbatch refusing the job (no Slurm configuration here) must not leave keys and a script
     behind that make the same command fail with 'exists and is not empty'."""

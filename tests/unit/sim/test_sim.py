@@ -308,3 +308,17 @@ def test_simulate_help_names_the_defaults_and_the_shipped_traces(monkeypatch):
     text = " ".join(subparsers.choices["simulate"].format_help().split())
     assert "(default: measured)" in text and "(default: llama-3.1-8b)" in text and "``" not in text
     assert all(name in text for name in LENGTH_TRACES), text
+
+
+def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_context(capsys):
+    """``plan`` warned that a shape exceeds the model's ``max_position`` (a job of it is refused
+    at launch) and ``simulate`` ran it silently (a new user's trial, 2026-12-05)."""
+    from launcher.cli import main
+
+    base = ["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
+            "--policies", "nereus", "--truth", "efficiency", "--site", "local"]
+    assert main(base) == 0
+    err = capsys.readouterr().err
+    assert "exceed the actor model's max_position=160" in err and "refused at launch" in err
+    assert main(base + ["--prompt-length", "16", "--length-trace", "generated-ramp:20:60"]) == 0
+    assert "max_position" not in capsys.readouterr().err
