@@ -22,7 +22,7 @@ from pathlib import Path
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
 from nereusd.models import PRESETS, resolve_model, shortest_context
-from nereusd.plan import Role
+from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.search import Infeasible, Planner
 from nereusd.planner.space import GENERATION_ENGINES, PlannerOptions, PlanProblem, generation_engines
 from nereusd.config.site import load_site
@@ -82,8 +82,8 @@ def _zero_stages(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     site = load_site(args.site)
-    if args.gpus < 1:
-        print("nereus-launch plan: --gpus must be >= 1", file=sys.stderr)
+    if not 1 <= args.gpus <= MAX_DEVICES:
+        print(f"nereus-launch plan: --gpus must be between 1 and {MAX_DEVICES:,}, got {args.gpus}", file=sys.stderr)
         return 2
     site = site.with_nodes(max(1, math.ceil(args.gpus / site.devices_per_node)))
     for flag, value in (("--model", args.model), ("--reward-model", args.reward_model),
@@ -117,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     engines = generation_engines(workflow, args.generation, args.prompt_length + args.response_length)
     problem = PlanProblem(workflow, specs, workload, site, tuple(range(args.gpus)), engines=engines)
-    if args.calibration and not Path(args.calibration).is_file():
+    try:
+        missing = bool(args.calibration) and not Path(args.calibration).is_file()
+    except OSError as err:   # a name too long for the file system
+        print(f"nereus-launch plan: --calibration {args.calibration[:80]}…: {err.strerror}", file=sys.stderr)
+        return 2
+    if missing:
         print(f"nereus-launch plan: --calibration {args.calibration}: no such file", file=sys.stderr)
         return 2
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()

@@ -187,11 +187,13 @@ class ModelSpec:
         """
         cfg_path = Path(path) / "config.json"
         try:
-            data = json.loads(cfg_path.read_text())
+            data = json.loads(cfg_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{cfg_path}: no such file (a Hugging Face model directory needs config.json)") from None
         except json.JSONDecodeError as err:
             raise ConfigError(f"{cfg_path}: not valid JSON: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{cfg_path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{cfg_path}: expected a JSON object")
         return cls.from_hf_config(data, source=str(cfg_path))
@@ -457,13 +459,19 @@ def resolve_model(name_or_path: str | Path) -> ModelSpec:
     if text.lower() in PRESETS:
         return PRESETS[text.lower()]
     path = Path(text)
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as err:   # a name too long for the file system
+        raise ConfigError(f"model {text[:80]!r}{'…' if len(text) > 80 else ''}: {err.strerror}") from None
+    if is_dir:
         return ModelSpec.from_pretrained_dir(path)
-    if path.is_file():
+    if is_file:
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); is it a config.json?") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return ModelSpec.from_hf_config(data, source=str(path))

@@ -18,6 +18,11 @@ from typing import Iterable, Iterator, Mapping
 
 from nereusd.errors import PlanError
 
+MAX_DEVICES = 1 << 16
+"""Most devices a job, a plan or a simulated cluster may have (65,536): far above what the planner
+is measured at (8,192 GPUs, ``scripts/bench_planner.py``); ``--gpus 10**9`` was killed for its
+memory."""
+
 
 class Role(str, enum.Enum):
     """A model of the RL job. Each role has its own parameters."""

@@ -78,11 +78,32 @@ class PoolTrace:
 
 
 def _read_column(path: Path, column: str) -> list[float]:
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        if column not in (reader.fieldnames or []):
-            raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames})")
-        values = [float(row[column]) for row in reader if row[column] not in ("", None)]
+    """The numbers of ``column`` in the CSV ``path``, each finite and > 0 (a length in tokens).
+
+    Raises:
+        ConfigError: naming the file (and the row): not UTF-8, no such column, an empty column,
+            or a value that is not a positive finite number.
+    """
+    values = []
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            if column not in (reader.fieldnames or []):
+                raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames})")
+            for row in reader:
+                text = row[column]
+                if text in ("", None):
+                    continue
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = math.nan
+                if not (math.isfinite(value) and value > 0):
+                    raise ConfigError(f"{path.name}: line {reader.line_num}: {column} {text!r} is not a positive "
+                                      "number of tokens")
+                values.append(value)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path.name}: not UTF-8 text ({err.reason} at byte {err.start}); is it a CSV file?") from None
     if not values:
         raise ConfigError(f"{path.name}: column {column!r} is empty")
     return values
@@ -151,11 +172,15 @@ def load_pool_trace(name: str | None) -> PoolTrace:
     if not path.is_file():
         raise ConfigError(f"pool trace {name!r}: not a shipped trace ({sorted(POOL_TRACES)}, constant) nor a file")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         gap = float(data["metadata"]["gap_seconds"])
         counts = [int(x) for x in data["data"]]
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:   # UnicodeDecodeError is a ValueError
         raise ConfigError(f"{path.name}: expected {{'metadata': {{'gap_seconds': ..}}, 'data': [..]}}: {err!r}") from None
+    if not (math.isfinite(gap) and gap > 0):
+        raise ConfigError(f"{path.name}: metadata.gap_seconds must be a positive number of seconds, got {gap!r}")
+    if not counts or min(counts) < 0:
+        raise ConfigError(f"{path.name}: data must be a non-empty list of instance counts >= 0")
     full = max(counts)
     if full <= 0:
         raise ConfigError(f"{path.name}: no instance is ever available")

@@ -10,6 +10,7 @@ in :class:`ResolvedJob` (see ``nereusd/config/resolve.py``).
 from __future__ import annotations
 
 import re
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -18,6 +19,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat
 
 from nereusd.config.yamlfile import read_yaml
 from nereusd.errors import ConfigError
+from nereusd.plan import MAX_DEVICES
 from nereusd.workflow import Algorithm
 
 _FLOAT_LITERAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+|[+-]?\.?inf(inity)?", re.IGNORECASE)
@@ -369,8 +371,9 @@ class JobConfig(_Strict):
     steps: StrictInt = Field(20, ge=1)
     site: str = "local"
     """Site config: a name under ``site_configs/`` or a path."""
-    devices: StrictInt | None = Field(None, ge=1)
-    """Devices the job uses (local mode: virtual devices); default: the site's node size."""
+    devices: StrictInt | None = Field(None, ge=1, le=MAX_DEVICES)
+    """Devices the job uses (local mode: virtual devices); default: the site's node size; at most
+    :data:`nereusd.plan.MAX_DEVICES`."""
     memory_gib: Number | None = Field(None, gt=0.0, le=1e6)
     """Override of the site's per-device memory capacity (local virtual devices)."""
     models: ModelsConfig = ModelsConfig()
@@ -407,6 +410,23 @@ MAX_ERROR_LINES = 20
 """Problems :func:`format_validation_error` lists before it counts the rest."""
 
 
+_REPR = reprlib.Repr()   # keyword arguments need Python 3.12
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring = _REPR.maxother = 200
+
+
+def _short_repr(value: Any) -> str:
+    """A bad value for an error line: at most ~200 characters; a list or mapping is shown
+    without its whole ``repr`` (through aliases it can expand to billions of items)."""
+    if isinstance(value, (list, dict, tuple, set)):
+        return _REPR.repr(value)
+    try:
+        text = repr(value)
+    except ValueError:   # an int past Python's digit limit
+        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+    return text if len(text) <= 200 else text[:200] + f"… ({len(text)} characters)"
+
+
 def format_validation_error(source: str, err: ValidationError) -> str:
     """One line per problem: ``<source>: <dotted.key[index]>: <message>, got <value>``; at most
     :data:`MAX_ERROR_LINES` of them, then how many more. A check across sections names its keys
@@ -424,9 +444,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
             msg = "unknown key"
         elif item["type"] == "missing":
             msg = "required key is missing"
-        got = item.get("input")
-        shown = repr(got) if len(repr(got)) <= 200 else repr(got)[:200] + f"… ({len(repr(got))} characters)"
-        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {shown}"
+        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {_short_repr(item.get('input'))}"
         lines.append(f"{source}: {key}: {msg}{suffix}")
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"{source}: … and {len(errors) - MAX_ERROR_LINES} more problems")

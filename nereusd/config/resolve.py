@@ -80,8 +80,12 @@ class ResolvedJob:
 
 
 def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
-    path = (base_dir / value).resolve()
-    if not (path / "config.json").is_file():
+    try:
+        path = (base_dir / value).resolve()
+        found = (path / "config.json").is_file()
+    except OSError as err:   # a name too long for the file system
+        raise ConfigError(f"{source}: {key}: {value[:80]!r}{'…' if len(value) > 80 else ''}: {err.strerror}") from None
+    if not found:
         raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'})")
     return str(path)
 

@@ -272,19 +272,23 @@ def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
         ConfigError: if nothing is found; the message lists where it looked.
     """
     text = os.fspath(path_or_name)
-    if os.sep in text or "/" in text or text.endswith((".yaml", ".yml")):
-        path = Path(text)
-        if not path.is_file():
-            raise ConfigError(f"{text}: no such site config file")
-        return path
-    dirs = []
-    if os.environ.get("NEREUS_SITE_CONFIGS"):
-        dirs.append(Path(os.environ["NEREUS_SITE_CONFIGS"]))
-    dirs.append(SITE_CONFIG_DIR)
-    for d in dirs:
-        candidate = d / f"{text}.yaml"
-        if candidate.is_file():
-            return candidate
+    shown = f"{text[:80]!r}{'…' if len(text) > 80 else ''}"
+    try:
+        if os.sep in text or "/" in text or text.endswith((".yaml", ".yml")):
+            path = Path(text)
+            if not path.is_file():
+                raise ConfigError(f"{text}: no such site config file")
+            return path
+        dirs = []
+        if os.environ.get("NEREUS_SITE_CONFIGS"):
+            dirs.append(Path(os.environ["NEREUS_SITE_CONFIGS"]))
+        dirs.append(SITE_CONFIG_DIR)
+        for d in dirs:
+            candidate = d / f"{text}.yaml"
+            if candidate.is_file():
+                return candidate
+    except OSError as err:   # a name too long for the file system
+        raise ConfigError(f"site {shown}: {err.strerror}") from None
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
     raise ConfigError(f"site {text!r}: not found in {[str(d) for d in dirs]} (known: {known})")
 
@@ -397,6 +401,9 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
             if out[k] > 1e6:   # the only such mapping is peak_tflops
                 raise _fail(label, f"{key}.{k}", f"{v!r} is implausibly large (at most 1e+06 TFLOP/s; the unit is "
                             "10^12 FLOP/s per device)")
+            if out[k] < 1e-6:
+                raise _fail(label, f"{key}.{k}", f"{v!r} is implausibly small (at least 1e-06 TFLOP/s, a "
+                            "MFLOP/s; the unit is 10^12 FLOP/s per device)")
         if not out:
             raise _fail(label, key, "expected at least one dtype")
         return MappingProxyType(out)
@@ -427,6 +434,12 @@ _MAXIMUM = {
 """Upper bounds far above any real value (a 1 PiB device, a 10 s layer launch): what they catch is
 a wrong unit or a typo, which would otherwise overflow the byte counts or price every step at
 centuries."""
+_MINIMUM = {
+    DeviceSpec: {"memory_gib": 1e-6, "hbm_gbps": 1e-3},
+    NetworkSpec: {"intra_node_gbps": 1e-3, "inter_node_gbps": 1e-3},
+}
+"""Lower bounds far below any real value (a KiB device, a MB/s link) for the keys the cost model
+divides by: ``hbm_gbps: 1e-300`` priced a step at 1e296 s and ``simulate`` grew to 17 GB."""
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
                  DeviceSpec: ("layer_launch_us", "host_cores")}
 
@@ -438,6 +451,10 @@ def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
     for name in _NON_NEGATIVE.get(cls, ()):
         if name in kwargs and kwargs[name] < 0:
             raise _fail(label, _join(prefix, name), f"expected a number >= 0, got {kwargs[name]!r}")
+    for name, limit in _MINIMUM.get(cls, {}).items():
+        if name in kwargs and 0 < kwargs[name] < limit:
+            raise _fail(label, _join(prefix, name), f"{kwargs[name]!r} is implausibly small (at least {limit:g}; "
+                        "check the unit in the key's name)")
     for name, limit in _MAXIMUM.get(cls, {}).items():
         if name in kwargs and kwargs[name] > limit:
             raise _fail(label, _join(prefix, name), f"{kwargs[name]!r} is implausibly large (at most {limit:g}; "

@@ -2,7 +2,8 @@
 
 A file is refused, naming it, when it is larger than :data:`MAX_YAML_BYTES` (configuration is
 kilobytes; a 50 MB file would take minutes and print thousands of errors), not UTF-8, not
-YAML, or when a mapping repeats a key: PyYAML keeps the last silently, so ``steps: 3`` then
+YAML, nested deeper than :data:`MAX_YAML_DEPTH`, expands through aliases to more than
+:data:`MAX_YAML_VALUES` values, or when a mapping repeats a key: PyYAML keeps the last silently, so ``steps: 3`` then
 ``steps: 5`` would run 5 steps without a word.
 """
 
@@ -17,6 +18,13 @@ from nereusd.errors import ConfigError
 
 MAX_YAML_BYTES = 1 << 20
 """Largest configuration file read (1 MiB)."""
+
+MAX_YAML_VALUES = 1 << 20
+"""Most values a configuration may expand to through aliases: 2 KB of nested ``&a [*b, *b, …]``
+expand to 9^9 values (a "billion laughs"), which validation and its error message then walked
+for minutes."""
+MAX_YAML_DEPTH = 100
+"""Deepest nesting of lists and mappings (``[[[…`` 5,000 deep raised a ``RecursionError``)."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -66,9 +74,34 @@ def read_yaml(path: Path) -> Any:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err}") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested deeper than a configuration may be ({MAX_YAML_DEPTH} levels)") from None
+    values = _expanded_values(data, {}, 0, path)
+    if values > MAX_YAML_VALUES:
+        raise ConfigError(f"{path}: expands to {values:,} values through its aliases (*name), more than a "
+                          f"configuration may hold ({MAX_YAML_VALUES:,})")
+    return data
+
+
+def _expanded_values(node: Any, memo: dict[int, int], depth: int, path: Path) -> int:
+    """How many values ``node`` holds with every alias expanded (each shared list or mapping
+    counted once per reference, computed once per object: linear in the file, not in the
+    expansion).
+
+    Raises:
+        ConfigError: nested deeper than :data:`MAX_YAML_DEPTH`.
+    """
+    if not isinstance(node, (list, dict)):
+        return 1
+    if depth > MAX_YAML_DEPTH:
+        raise ConfigError(f"{path}: nested deeper than a configuration may be ({MAX_YAML_DEPTH} levels)")
+    if id(node) not in memo:
+        children = node.values() if isinstance(node, dict) else node
+        memo[id(node)] = 1 + sum(_expanded_values(c, memo, depth + 1, path) for c in children)
+    return memo[id(node)]

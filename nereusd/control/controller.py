@@ -57,7 +57,7 @@ from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Decision, Target, admit, recheck_due
-from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
+from nereusd.control.lookahead import MAX_TOKENS, LengthLookahead, planned_mean_fraction
 from nereusd.control.policy import MEMORY_WINDOW, ControlPolicy, PolicyKind
 from nereusd.control.monitor import (EFFICIENCY, FORCED, GPU_POOL, PERIOD, RECHECK, RESTARTED, SEQUENCE_LENGTH,
                                      Monitor, Trigger)
@@ -217,17 +217,27 @@ class Controller(TransitionCostLearning):
                 is unchanged (the caller resumes with what it has).
         """
         try:
-            if state.get("version") != self.STATE_VERSION:
+            if type(state.get("version")) is not int or state.get("version") != self.STATE_VERSION:
                 raise ValueError(f"version {state.get('version')!r}, expected {self.STATE_VERSION}")
             Calibration.from_json(state["calibration"], "controller state: calibration")   # checked first
             monitor = Monitor.from_json(state["monitor"])
             memory = [float(x) for x in state["memory_ratios"]]
+            if not all(math.isfinite(x) and x > 0 for x in memory):   # a nan hid the largest ratio from max()
+                raise ValueError(f"memory_ratios {memory!r}: expected finite ratios > 0")
             base_plan = Plan.from_dict(state["base_plan"])
             replay_until, replay_length = (int(x) for x in state["replay"])
-            fields = (int(state["length"]), float(state["efficiency"]), bool(state["relaunch"]),
-                      bool(state["restarted"]))
+            if not (0 <= replay_until and 0 <= replay_length <= max(self.max_response_length, 1)):
+                raise ValueError(f"replay {state['replay']!r}: a step ≥ 0 and a length of at most max_new_tokens")
+            flags = (state["relaunch"], state["restarted"])
+            if not all(isinstance(f, bool) for f in flags):   # bool("false") is True
+                raise TypeError(f"relaunch / restarted must be true or false, got {flags!r}")
+            fields = (int(state["length"]), float(state["efficiency"]), *flags)
+            if not (1 <= fields[0] <= MAX_TOKENS and math.isfinite(fields[1]) and fields[1] > 0):
+                raise ValueError(f"length {state['length']!r} / efficiency {state['efficiency']!r} out of range")
             predicted = state["predicted_step_s"]
             predicted = None if predicted is None else float(predicted)
+            if predicted is not None and not (math.isfinite(predicted) and predicted >= 0):
+                raise ValueError(f"predicted_step_s {predicted!r}")
             costs = self._parse_transition_costs(state)
             lengths = LengthLookahead(self.policy.delta_length)
             lengths.restore(state["lengths"])

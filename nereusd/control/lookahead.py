@@ -34,6 +34,9 @@ JUMP_SAFETY = 1.5
 most half again the largest so far)."""
 MIN_MARGIN = 0.05
 """The smallest margin, whatever the run has shown."""
+MAX_TOKENS = 1 << 31
+"""Longest response a restored state may hold (tokens); far above any model's context, and below
+what a float holds exactly (a state with 10**400 restored, then crashed the first forecast)."""
 GROWTH_WINDOW = 64
 """Steps whose longest responses :meth:`LengthLookahead.growth_per_step` fits a trend to."""
 GROWTH_MIN_STEPS = 16
@@ -96,16 +99,26 @@ class LengthLookahead:
 
     def restore(self, data: Mapping) -> None:
         """Raises: KeyError, TypeError, ValueError for a malformed state (nothing changed then)."""
-        window = [int(x) for x in data["window"]][-LENGTH_WINDOW:]
-        history = [int(x) for x in data.get("history", window)][-GROWTH_WINDOW:]   # absent before 2026-12-05
+        if not isinstance(data["window"], list) or not isinstance(data.get("history", []), list):
+            raise TypeError(f"lookahead window and history must be lists: {dict(data)!r}")
+        window = [_whole(x) for x in data["window"]][-LENGTH_WINDOW:]
+        history = [_whole(x) for x in data.get("history", window)][-GROWTH_WINDOW:]   # absent before 2026-12-05
         jump, seen = float(data["jump"]), int(data["seen"])
-        if not (math.isfinite(jump) and jump >= 0.0) or seen < 0 or any(x < 1 for x in window + history):
+        if not (math.isfinite(jump) and jump >= 0.0) or seen < 0 or any(
+                not 1 <= x <= MAX_TOKENS for x in window + history):
             raise ValueError(f"lookahead state out of range: {dict(data)!r}")
         self.window.clear()
         self.window.extend(window)
         self.history.clear()
         self.history.extend(history)
         self.jump, self.seen = jump, seen
+
+
+def _whole(x) -> int:
+    """A token count from a state: an int (not a bool, a string or a float)."""
+    if type(x) is not int:
+        raise TypeError(f"expected a whole number of tokens, got {x!r}")
+    return x
 
 
 MEAN_FRACTION_GRID = 20

@@ -16,6 +16,7 @@ Pure, clocked logic: the caller passes the step number; nothing reads a clock.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -184,4 +185,12 @@ class Monitor:
         mon._signals = {str(k): _Signal(reference=opt(v["reference"], float), last_crossing=opt(v["last_crossing"], int),
                                         horizon=float(v["horizon"]), intervals=int(v["intervals"]))
                         for k, v in data["signals"].items()}
+        # a nan threshold or reference never fires its trigger; a negative horizon inverts payback
+        if not all(math.isfinite(d) and d > 0 for d in mon.deltas.values()) or not 0 < mon.ema_alpha <= 1:
+            raise ValueError(f"monitor deltas {dict(mon.deltas)!r} / ema_alpha {mon.ema_alpha!r} out of range")
+        for name, sig in mon._signals.items():
+            if (sig.reference is not None and not math.isfinite(sig.reference)) or not (
+                    math.isfinite(sig.horizon) and sig.horizon > 0) or sig.intervals < 0 or (
+                    sig.last_crossing is not None and sig.last_crossing < 0):
+                raise ValueError(f"monitor signal {name}: {sig!r} out of range")
         return mon

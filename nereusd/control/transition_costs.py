@@ -156,20 +156,22 @@ class TransitionCostLearning:
             KeyError, TypeError, ValueError, PlanError: a missing or malformed field.
         """
         overhead_s, seen = float(state["transition_overhead_s"]), int(state["transitions_seen"])
+        if not math.isfinite(overhead_s) or seen < 0:   # the fixed cost may be negative (learned), not nan
+            raise ValueError(f"transition_overhead_s {overhead_s!r}, transitions_seen {seen!r}")
         engine_start_s, engine_starts_seen = state.get("engine_start", (0.0, 0))   # absent before it was learned
         engine_start_s, engine_starts_seen = float(engine_start_s), int(engine_starts_seen)
-        if not (math.isfinite(engine_start_s) and engine_start_s >= 0):
+        if not (math.isfinite(engine_start_s) and engine_start_s >= 0 and engine_starts_seen >= 0):
             raise ValueError(f"engine_start {engine_start_s!r}")
         rebuild_s = {ModelStage.parse(ms): float(x) for ms, x in state.get("rebuild_s", {}).items()}
         if not all(math.isfinite(x) and x >= 0 for x in rebuild_s.values()):
             raise ValueError(f"rebuild_s {state['rebuild_s']!r}")
         sync_group_s, sync_groups_seen = state.get("sync_group", (0.0, 0))   # absent before it was learned
         sync_group_s, sync_groups_seen = float(sync_group_s), int(sync_groups_seen)
-        if not (math.isfinite(sync_group_s) and sync_group_s >= 0):
+        if not (math.isfinite(sync_group_s) and sync_group_s >= 0 and sync_groups_seen >= 0):
             raise ValueError(f"sync_group {sync_group_s!r}")
         restart_s, restarts_seen = state.get("restart", (0.0, 0))   # absent before it was learned
         restart_s, restarts_seen = float(restart_s), int(restarts_seen)
-        if not (math.isfinite(restart_s) and restart_s >= 0):
+        if not (math.isfinite(restart_s) and restart_s >= 0 and restarts_seen >= 0):
             raise ValueError(f"restart {restart_s!r}")
         return (overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s, sync_group_s, sync_groups_seen,
                 restart_s, restarts_seen)

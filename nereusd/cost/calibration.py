@@ -181,7 +181,10 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
         if fixed:
             rhs -= a[:, list(fixed)] @ np.array(list(fixed.values()))
         w = weight[np.ix_(free, free)]
-        solved = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
+        try:
+            solved = np.linalg.solve(a[:, free].T @ a[:, free] + w, a[:, free].T @ rhs + w @ x0[free])
+        except np.linalg.LinAlgError:   # singular in floating point: a measured 1e-9 s beside 529 s
+            return {}
         if not np.isfinite(solved).all():
             return {}   # ill-conditioned: the callers keep the anchors
         x[free] = solved
@@ -348,10 +351,15 @@ class Calibration:
             ConfigError: if the file is not valid JSON or not a calibration state.
         """
         path = Path(path)
-        if not path.exists():
-            return cls()
         try:
-            data = json.loads(path.read_text())
+            if not path.exists():
+                return cls()
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); is it a calibration "
+                              "file?") from None
+        except OSError as err:
+            raise ConfigError(f"{str(path)[:80]}: cannot read it ({err.strerror})") from None
         return cls.from_json(data, source=str(path))

@@ -323,7 +323,7 @@ class Daemon:
             usable = usable_bytes(controller.problem(pool, length).site.device_memory_bytes, controller.headroom())
             if max(ev.peak_bytes.values(), default=0) > usable:
                 raise ConfigError(f"its plan is predicted over the usable device memory at {length}-token responses")
-        except (ConfigError, PlanError, KeyError, TypeError, ValueError) as err:
+        except (ConfigError, PlanError, KeyError, TypeError, ValueError, OverflowError) as err:
             log.warning("resuming without the checkpoint's controller state: %s", err)
             self.journal.event(Event.LAUNCH_PLAN, {"plan": None, "source": "resumed: the checkpoint's controller "
                                                    f"state not used ({err}); planning as a new job"})

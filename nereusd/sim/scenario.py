@@ -16,7 +16,7 @@ from typing import Sequence
 
 from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
-from nereusd.plan import Role
+from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.space import GENERATION_ENGINES, PlanProblem, generation_engines
 from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import PolicyResult, Simulation
@@ -62,8 +62,9 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     """
     site = load_site(s.site)
     dpn = site.devices_per_node
-    if s.gpus < 1 or s.gpus % dpn:
-        raise ConfigError(f"--gpus {s.gpus}: expected a positive multiple of {dpn} (devices per node of {site.name})")
+    if s.gpus < 1 or s.gpus % dpn or s.gpus > MAX_DEVICES:
+        raise ConfigError(f"--gpus {s.gpus}: expected a positive multiple of {dpn} (devices per node of {site.name}), "
+                          f"at most {MAX_DEVICES:,}")
     if s.steps < 1:
         raise ConfigError(f"--steps {s.steps}: expected a positive integer")
     if s.seed < 0:

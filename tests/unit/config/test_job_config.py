@@ -47,6 +47,7 @@ def tiny_job(extra: str = "") -> str:
     ("train:\n  actor_lr: '0.5'\n", r"^job.yaml: train.actor_lr: Input should be a valid number, got '0.5'$"),
     ("memory_gib: 1.0e+308\n", r"^job.yaml: memory_gib: Input should be less than or equal to 1000000"),
     ("name: a/b\n", r"^job.yaml: name: expected a short name without slashes, got 'a/b'$"),
+    ("devices: 1000000000\n", r"^job.yaml: devices: Input should be less than or equal to 65536"),   # was OOM-killed
 ])
 def test_schema_errors_name_file_and_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -248,3 +249,24 @@ def test_a_partial_value_head_is_refused_before_launch():
     with pytest.raises(ConfigError, match=r"critic: the weights do not match config.json: missing 1 tensors: "
                                           r"value_head.bias"):
         check_checkpoint_shapes(spec, partial, value_head=True, source="critic")
+
+
+def test_a_billion_laughs_or_a_deep_nesting_is_refused_at_once(tmp_path):
+    """2 KB of nested aliases expand to 9^9 values: validation and its error message walked them
+    for minutes (a bad-input search, 2026-12-05); 5,000 nested brackets raised a RecursionError."""
+    import time
+
+    path = tmp_path / "job.yaml"
+    levels = ["a0: &a0 [" + ", ".join(["x"] * 9) + "]"]
+    levels += [f"a{k}: &a{k} [" + ", ".join([f"*a{k - 1}"] * 9) + "]" for k in range(1, 9)]
+    path.write_text("name: bomb\nbomb:\n" + "".join(f"  {line}\n" for line in levels))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"job.yaml: expands to [\d,]+ values through its aliases"):
+        load_job(path)
+    assert time.perf_counter() - start < 5   # linear in the file (each shared list counted once)
+    path.write_text("steps: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested deeper than a configuration may be"):
+        load_job(path)
+    path.write_text("steps: [[1, 2], {a: [3]}]\nsteps_x: 1\n")   # ordinary nesting: the schema's errors
+    with pytest.raises(ConfigError, match=r"steps: .*got \[\[1, 2\], \{'a': \[3\]\}\]"):
+        load_job(path)

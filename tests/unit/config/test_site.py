@@ -90,6 +90,11 @@ def _write(tmp_path: Path, mutate) -> Path:
          r"^h200-ib.yaml: device.memory_gib: 1e\+308 is implausibly large \(at most 1e\+06"),
         (lambda d: d["network"].__setitem__("intra_node_latency_us", 1e300), r"network.intra_node_latency_us: 1e\+300 is"),
         (lambda d: d["device"]["peak_tflops"].__setitem__("bf16", 1e30), r"device.peak_tflops.bf16: 1e\+30 is implausibly"),
+        # tiny divisors priced a step at 1e296 s; simulate grew to 17 GB (a bad-input search, 2026-12-05)
+        (lambda d: d["device"]["peak_tflops"].__setitem__("bf16", 1e-300),
+         r"device.peak_tflops.bf16: 1e-300 is implausibly small"),
+        (lambda d: d["device"].__setitem__("hbm_gbps", 1e-300), r"device.hbm_gbps: 1e-300 is implausibly small"),
+        (lambda d: d["network"].__setitem__("inter_node_gbps", 1e-9), r"network.inter_node_gbps: 1e-09 is implausibly"),
     ],
 )
 def test_malformed(tmp_path, mutate, message):

@@ -484,3 +484,12 @@ def test_a_pipeline_on_cores_it_holds_alone_reclaims_its_bubble():
     pp4 = cm.stage_cost(spec, TRAIN, tp=1, pp=4, dp=1, **kw).ideal_s_by_class
     pp4_alone = cm_alone.stage_cost(spec, TRAIN, tp=1, pp=4, dp=1, **kw).ideal_s_by_class
     assert pp4["gemm"] == pytest.approx(pp4_alone["gemm"] * 4 / 7, rel=1e-12)
+
+
+def test_a_fit_singular_in_floating_point_keeps_the_anchors():
+    """A measured stage of 1e-9 s beside one of 529 s made the normal equations singular:
+    ``np.linalg.solve`` raised, and a live controller's ``observe`` with it (a bad-input search,
+    2026-12-05; ``simulate --noise 20`` too). The fit now answers ``{}``, as for any
+    ill-conditioned one, and the callers keep the anchors."""
+    samples = [({"gemm": 1.0, "attention": 0.5}, 1e-9), ({"gemm": 2.0, "attention": 0.1}, 529.0)]
+    assert fit_efficiencies(samples, PRIORS, 0.01) == {}

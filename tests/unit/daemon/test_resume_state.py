@@ -60,3 +60,27 @@ def test_the_checkpoints_state_is_taken_whole_or_not_at_all(tmp_path):
 
     controller, launch = _resumed(tmp_path / "e", job, _record(saved, job, monitor="garbage"))
     assert controller is None and "malformed" in launch["source"]
+
+
+def test_a_state_that_restore_once_took_and_then_crashed_on_is_refused_whole(tmp_path):
+    """A bad-input search (2026-12-05) found states ``restore`` accepted that then crashed the
+    resumed nereusd (an ``OverflowError`` its fallback did not catch) or silently changed what the
+    controller does (a nan memory ratio hid the largest one from ``max``; a nan threshold never
+    fired; ``bool("false")`` is True). Each is now refused as malformed, and the job plans as a
+    new one would."""
+    job = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
+    saved = controller_for_job(job, load_site(job.config.site), job.plan, PROMPT)
+    saved.length = 16
+    good = saved.state()
+    monitor = {**good["monitor"], "deltas": {**good["monitor"]["deltas"], "sequence_length": float("nan")}}
+    bad = [dict(length=10 ** 400), dict(length=0), dict(lengths={**good["lengths"], "window": [10 ** 400]}),
+           dict(lengths={**good["lengths"], "window": "999"}), dict(memory_ratios=[float("nan"), 2.0]),
+           dict(efficiency=-1.0), dict(predicted_step_s=float("inf")), dict(relaunch="false"),
+           dict(replay=[1_000_000, 1_000_000_000]), dict(transition_overhead_s=float("nan")),
+           dict(version=2.0), dict(monitor=monitor)]
+    for k, changes in enumerate(bad):
+        controller, launch = _resumed(tmp_path / str(k), job, _record(saved, job, **changes))
+        assert controller is None, changes
+        assert "not used" in launch["source"], (changes, launch["source"])
+    controller, _ = _resumed(tmp_path / "good", job, _record(saved, job))
+    assert controller is not None

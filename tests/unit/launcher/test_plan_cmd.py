@@ -161,3 +161,29 @@ def test_generation_vllm_plans_the_engines_memory(capsys):
         out[engine] = json.loads(capsys.readouterr().out)
         assert out[engine]["generation"] == engine
     assert out["vllm"]["predicted_step_latency_s"] != out["native"]["predicted_step_latency_s"]
+
+
+@pytest.mark.parametrize("gpus", ["0", "1000000000"])
+def test_plan_refuses_a_pool_out_of_range(gpus, capsys):
+    """``--gpus 10**9`` was killed for its memory (a bad-input search, 2026-12-05)."""
+    assert main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", gpus]) == 2
+    assert "--gpus must be between 1 and 65,536" in capsys.readouterr().err
+
+
+def test_long_names_and_binary_files_get_one_line_errors(tmp_path, capsys):
+    """A name too long for the file system (``OSError``) or a file that is not UTF-8
+    (``UnicodeDecodeError``) ended in a traceback (a bad-input search, 2026-12-05)."""
+    long = "x" * 300
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_bytes(b"\xff\xfe\x00")
+    base = ["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "4"]
+    for argv, says in ((["--site", long], "File name too long"), (["--model", long], "File name too long"),
+                       (["--calibration", str(tmp_path / long)], "File name too long"),
+                       (["--calibration", str(binary)], "not UTF-8 text"),
+                       (["--model", str(binary)], "not UTF-8 text"), (["--model", str(model_dir)], "not UTF-8 text")):
+        assert main(base + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (argv, err)

@@ -246,6 +246,7 @@ def test_cli_json_and_plots(tmp_path, capsys):
     (["--contention-per-h", "-3", "--engine-rebuild-s", "-10"], "contention_per_h must be"),
     (["--jobs", "0"], "--jobs: expected a positive number"),
     (["--engine-rebuild-s", "30"], "add --generation vllm"),
+    (["--gpus", "1048576"], "at most 65,536"),
 ])
 def test_simulate_refuses_bad_input_with_one_line(argv, says, capsys):
     """Each once ended in a traceback or ran on nonsense (a new user's trial, 2026-12-03)."""
@@ -322,3 +323,26 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
     assert "exceed the actor model's max_position=160" in err and "refused at launch" in err
     assert main(base + ["--prompt-length", "16", "--length-trace", "generated-ramp:20:60"]) == 0
     assert "max_position" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, content, says", [
+    ("length", "response_length_mean\n12\nabc\n", "line 3: response_length_mean 'abc' is not a positive number"),
+    ("length", "response_length_mean\n12\nnan\n", "'nan' is not a positive number of tokens"),
+    ("length", "response_length_mean\n12\n-50\n", "'-50' is not a positive number of tokens"),
+    ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a positive number"),
+    ("pool", '{"metadata": {"gap_seconds": "nan"}, "data": [1, 2]}', "gap_seconds must be a positive number"),
+    ("pool", '{"metadata": {"gap_seconds": 60}, "data": []}', "data must be a non-empty list"),
+    ("pool", '{"metadata": {"gap_seconds": 60}, "data": [3, -1]}', "data must be a non-empty list of instance counts"),
+])
+def test_a_malformed_trace_file_is_refused_naming_it(tmp_path, kind, content, says, capsys):
+    """Trace files were read unchecked: a value ``abc`` or ``nan`` in a length trace, and a pool
+    trace's zero gap or empty data, ended in tracebacks; negative values ran (a bad-input search,
+    2026-12-05)."""
+    from launcher.cli import main
+
+    path = tmp_path / ("trace.csv" if kind == "length" else "trace.json")
+    path.write_text(content)
+    assert main(["simulate", "--model", "counting-tiny", "--site", "local", "--truth", "efficiency", "--gpus", "4",
+                 "--steps", "3", f"--{kind}-trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and path.name in err
