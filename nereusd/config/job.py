@@ -367,7 +367,8 @@ class JobConfig(_Strict):
 
     name: str = "nereus-job"
     algorithm: Algorithm = Algorithm.GRPO
-    seed: StrictInt = 0
+    seed: StrictInt = Field(0, ge=0, lt=2**32)
+    """Seed of every random draw of the job (numpy's and torch's range: 0 to 2^32 − 1)."""
     steps: StrictInt = Field(20, ge=1)
     site: str = "local"
     """Site config: a name under ``site_configs/`` or a path."""
@@ -401,10 +402,15 @@ class JobConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name_is_simple(cls, value: str) -> str:
-        if not value or any(ch in value for ch in "/\\\n"):
-            raise ValueError("expected a short name without slashes")
+        # it names run directories and Slurm jobs: ' ', '..', '-rf' and '$(id)' were accepted
+        if not JOB_NAME.fullmatch(value):
+            raise ValueError("expected a short name: letters, digits, '.', '_' and '-', starting with a letter or "
+                             "digit, at most 64 characters (no slashes or spaces)")
         return value
 
+
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""What a job's ``name`` may be (:meth:`JobConfig._name_is_simple`)."""
 
 MAX_ERROR_LINES = 20
 """Problems :func:`format_validation_error` lists before it counts the rest."""
