@@ -386,41 +386,50 @@ class Planner:
         (``""`` without :attr:`suggest`)."""
         if not self.suggest:
             return ""
-        tries: list[tuple[str, PlannerOptions, PlanProblem]] = []
-        widest, remedies = self.options, []
+        # the remedies alone and together, fewest first: (label, options)
+        remedies: list[tuple[str, PlannerOptions]] = []
         if not self.options.allow_recompute:
-            widest = dataclasses.replace(widest, allow_recompute=True)
-            remedies.append("activation recomputation (--recompute; plan.*.recompute)")
-            tries.append((remedies[-1], widest, self.problem))
+            remedies.append(("activation recomputation (--recompute; plan.*.recompute)",
+                             dataclasses.replace(self.options, allow_recompute=True)))
         if (any(m.stage is Stage.TRAINING for m in self.problem.workflow.model_stages)
                 and not self.options.zero_stages and not self.problem.zero_stages):
-            zero = "ZeRO-1/2 for training (--zero; backends: {<role>/training: deepspeed})"
-            tries.append((zero, dataclasses.replace(self.options, zero_stages=(0, 1, 2)), self.problem))
-            widest = dataclasses.replace(widest, zero_stages=(0, 1, 2))
-            remedies.append(zero)
-            if len(remedies) > 1:
-                tries.append((" and ".join(remedies), widest, self.problem))
-        n, dpn = len(self.problem.pool), self.problem.site.devices_per_node
-        for more in (2 * n, 4 * n, 8 * n):
-            more = -(-more // dpn) * dpn
-            site = self.problem.site.with_nodes(more // dpn)
-            label = f"{more} devices" + (f" (with {' and '.join(remedies)})" if remedies else "")
-            tries.append((label, widest, dataclasses.replace(self.problem, site=site, pool=tuple(range(more)))))
-        fits = []
-        for label, options, problem in tries:
-            more_devices = problem is not self.problem
-            if fits and (more_devices or options is widest):
-                break   # a single remedy on these devices already fits
+            remedies.append(("ZeRO-1/2 for training (--zero; backends: {<role>/training: deepspeed})",
+                             dataclasses.replace(self.options, zero_stages=(0, 1, 2))))
+        if len(remedies) == 2:
+            remedies.append((" and ".join(label for label, _ in remedies),
+                             dataclasses.replace(remedies[0][1], zero_stages=(0, 1, 2))))
+
+        def fits(problem: PlanProblem, options: PlannerOptions) -> bool:
             try:
                 Planner(problem, self.cost_model, options, suggest=False).solve()
             except Infeasible:
-                continue
-            fits.append(label)
-            if more_devices:
-                break   # the fewest more devices that fit
-        if fits:
-            return f"; would fit with {' or with '.join(fits)}"
-        return f"; nothing tried fits (up to {8 * n} devices{' with ' + ' and '.join(remedies) if remedies else ''})"
+                return False
+            return True
+
+        # on these devices: each remedy that fits alone (the pair only when neither does)
+        alone = [label for label, options in remedies[:2] if fits(self.problem, options)]
+        if not alone and len(remedies) == 3 and fits(self.problem, remedies[2][1]):
+            alone = [remedies[2][0]]
+        # else the fewest more devices, with the fewest remedies that fit there (a 70B job on 8
+        # GPUs was told "32 devices with recomputation and ZeRO" where recomputation alone fits)
+        more_fit = ""
+        n, dpn = len(self.problem.pool), self.problem.site.devices_per_node
+        if not alone:
+            for more in (2 * n, 4 * n, 8 * n):
+                more = -(-more // dpn) * dpn
+                bigger = dataclasses.replace(self.problem, site=self.problem.site.with_nodes(more // dpn),
+                                             pool=tuple(range(more)))
+                for label, options in (("", self.options), *remedies):
+                    if fits(bigger, options):
+                        more_fit = f"{more} devices" + (f" (with {label})" if label else "")
+                        break
+                if more_fit:
+                    break
+        found = alone or ([more_fit] if more_fit else [])
+        if found:
+            return f"; would fit with {' or with '.join(found)}"
+        widest = f" with {remedies[-1][0]}" if remedies else ""
+        return f"; nothing tried fits (up to {8 * n} devices{widest})"
 
 
 def min_peak_bytes(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,
