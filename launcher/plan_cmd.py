@@ -14,6 +14,7 @@ infeasible request exits with status 1 and says which model-stage cannot fit and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -64,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="generation engine whose memory the plan holds: native (the EMU's decoder) or vllm (each "
                    "replica's engine keeps a weight copy and a KV cache preallocated for prompt + response "
                    "tokens of its wave), as 'simulate --generation' (default: %(default)s)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="each device's memory in GiB instead of the site's (a job's memory_gib)")
     p.add_argument("--calibration", help="calibration state JSON to use (default: priors)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -86,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"nereus-launch plan: --gpus must be between 1 and {MAX_DEVICES:,}, got {args.gpus}", file=sys.stderr)
         return 2
     site = site.with_nodes(max(1, math.ceil(args.gpus / site.devices_per_node)))
+    if args.memory_gib is not None:
+        if not (math.isfinite(args.memory_gib) and 0 < args.memory_gib <= 1e6):
+            print(f"nereus-launch plan: --memory-gib must be a number of GiB in (0, 1e6], got {args.memory_gib}",
+                  file=sys.stderr)
+            return 2
+        site = dataclasses.replace(site, device=dataclasses.replace(site.device, memory_gib=args.memory_gib))
     for flag, value in (("--model", args.model), ("--reward-model", args.reward_model),
                         ("--critic-model", args.critic_model)):
         if value and Path(value).suffix.lower() in (".yaml", ".yml"):
@@ -146,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
             "micro_batch": cand.micro_batch, "recompute": cand.recompute, "zero_stage": cand.zero_stage,
             "devices": list(cand.devices),
             "predicted_latency_s": round(opt.latency_s, 4), "peak_memory_gib": round(peak / GIB, 2),
-            "capacity_gib": round(site.device_memory_bytes / GIB, 2),
+            "own_peak_gib": round(opt.peak_bytes / GIB, 4), "capacity_gib": round(site.device_memory_bytes / GIB, 4),
+            "peak_bytes": int(peak), "own_peak_bytes": int(opt.peak_bytes), "capacity_bytes": site.device_memory_bytes,
         })
     out = {"plan": rows, "predicted_step_latency_s": round(result.predicted_step_latency_s, 4),
            "search_time_ms": round(result.search_time_s * 1e3, 2),
@@ -174,14 +184,20 @@ def _ranges(devices: list[int]) -> str:
 
 
 def format_table(rows: list[dict], usable_bytes: int) -> str:
-    """The plan as an aligned text table."""
-    header = ["model-stage", "tp", "pp", "dp", "mb", "zero", "devices", "latency s", "peak GiB / capacity"]
+    """The plan as an aligned text table; memory in GiB, or MiB on devices under 1 GiB (the
+    local site's: a tiny model's peaks read 0.0 GiB)."""
+    capacity = max((r["capacity_bytes"] for r in rows), default=GIB)
+    scale, unit = (GIB, "GiB") if capacity >= GIB else (1 << 20, "MiB")
+    header = ["model-stage", "tp", "pp", "dp", "mb", "zero", "devices", "latency s", f"own {unit}",
+              f"device peak / capacity {unit}"]
     body = [[r["model_stage"], str(r["tp"]), str(r["pp"]), str(r["dp"]),
              str(r["micro_batch"]) + ("R" if r["recompute"] else ""), str(r.get("zero_stage", 0)),
-             _ranges(r["devices"]),
-             f"{r['predicted_latency_s']:.2f}", f"{r['peak_memory_gib']:.1f} / {r['capacity_gib']:.1f}"]
+             _ranges(r["devices"]), f"{r['predicted_latency_s']:.2f}", f"{r['own_peak_bytes'] / scale:.1f}",
+             f"{r['peak_bytes'] / scale:.1f} / {r['capacity_bytes'] / scale:.1f}"]
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header] + body]
-    lines.append(f"(usable per device with 10 % headroom: {usable_bytes / GIB:.1f} GiB; R = recomputation)")
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + body]
+    lines.append(f"(own: the model-stage's peak per device; device peak: its fullest device with every "
+                 f"model-stage on it; usable per device with 10 % headroom: {usable_bytes / scale:.1f} {unit}; "
+                 "R = recomputation)")
     return "\n".join(lines)

@@ -187,3 +187,20 @@ def test_long_names_and_binary_files_get_one_line_errors(tmp_path, capsys):
         assert main(base + argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, (argv, err)
+
+
+def test_plan_takes_a_jobs_device_memory_and_shows_small_devices_in_mib(capsys):
+    """The demo's devices have 58 MiB (its job's ``memory_gib``); ``plan`` could not set it, and
+    printed every peak on the local site as 0.0 GiB (a new user's trial, 2026-12-05). With
+    ``--memory-gib`` it plans the demo's final layout: actor training ``pp2·dp2`` at micro-batch 4
+    (README "Live adaptation")."""
+    argv = ["plan", "--model", "examples/models/counting-warmstart", "--site", "local", "--gpus", "4",
+            "--algorithm", "grpo", "--reward-model", "none", "--global-batch", "64", "--micro-batch", "16",
+            "--prompt-length", "5", "--response-length", "96", "--memory-gib", "0.0566"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "device peak / capacity MiB" in out and "/ 58.0" in out
+    training = next(line for line in out.splitlines() if line.startswith("actor/training"))
+    assert training.split()[1:5] == ["1", "2", "2", "4"]
+    assert main(argv[:-1] + ["-1"]) == 2
+    assert "--memory-gib must be a number of GiB" in capsys.readouterr().err
