@@ -6,8 +6,10 @@ Example::
         --gpus 64 --prompt-length 512 --response-length 8192 --global-batch 1024 [--json]
 
 Prints a table (model-stage, tp, pp, dp, micro-batch, ZeRO stage, devices, predicted latency,
-peak memory GiB vs capacity), the predicted step latency and the search time; ``--json`` prints the same as one
-JSON object with keys ``plan``, ``predicted_step_latency_s`` and ``search_time_ms``. An
+the model-stage's own peak memory, and its fullest device's peak against the capacity, in GiB or
+on devices under 1 GiB in MiB), the predicted step latency and the search time; ``--json`` prints
+the same as one JSON object with keys ``plan``, ``predicted_step_latency_s`` and ``search_time_ms``.
+``--memory-gib`` replaces the site's device memory, as a job's ``memory_gib`` does. An
 infeasible request exits with status 1 and says which model-stage cannot fit and by how much.
 """
 
