@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 from nereusd.cost.memory import HEADROOM, usable_bytes
@@ -155,27 +156,40 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     against the measured critical path of model-stage times and the step's wall time)."""
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
     segments = plan_segments(records)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * max(1, len(segments))))
+    switches = [e for e in events if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit"]
+    # below the bars, each model-stage's history and each switch's triggers: a run of a step or two
+    # has no room for its layout (the demo's switches at steps 0-3 were unreadable)
+    history = [f"{ms}: " + " → ".join(f"{lo}{'' if hi == lo else f'–{hi}'} {text}" for lo, hi, text in runs)
+               for ms, runs in segments.items() if len(runs) > 1]
+    if switches:
+        history.append("switches: " + "; ".join(
+            f"after step {e['step']} ({', '.join(t['signal'] for t in e.get('triggers', []))})" for e in switches))
+    wrapped = [line for text in history for line in textwrap.wrap(text, 150, subsequent_indent="    ")]
+    height = 1.2 + 0.7 * max(1, len(segments))
+    fig, ax = plt.subplots(figsize=(10, height + 0.16 * len(wrapped)))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    kinds: dict[str, str] = {}   # one colour per layout and devices, whatever the micro-batch
+    span = max(1, max((hi for runs in segments.values() for _, hi, _ in runs), default=0) + 1)
     for row, (ms, runs) in enumerate(segments.items()):
-        for k, (lo, hi, text) in enumerate(runs):
-            ax.barh(row, hi - lo + 1, left=lo - 0.5, color=colors[k % len(colors)], alpha=0.5, edgecolor="k")
-            short = text.split(" ")[0] if hi - lo < 6 else text   # narrow run: layout only
-            ax.text((lo + hi) / 2, row, short, ha="center", va="center", fontsize=7 if hi - lo >= 2 else 5,
-                    rotation=0 if hi - lo >= 2 else 90)
+        for lo, hi, text in runs:
+            color = kinds.setdefault(text.split(" mb")[0], colors[len(kinds) % len(colors)])
+            ax.barh(row, hi - lo + 1, left=lo - 0.5, color=color, alpha=0.5, edgecolor="k")
+            if (hi - lo + 1) / span >= 0.25:
+                ax.text((lo + hi) / 2, row, text, ha="center", va="center", fontsize=7)
+            elif (hi - lo + 1) / span >= 0.1:
+                ax.text((lo + hi) / 2, row, text.split(" ")[0], ha="center", va="center", fontsize=6)
+    for e in switches:
+        ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
     for e in events:
-        if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
-            ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
-            why = ",".join(t["signal"] for t in e.get("triggers", []))
-            # above the axes (x in steps, y in axes fraction), clear of the layout labels
-            ax.text(e["step"] + 0.5, 1.02, f"{e['step']}: {why}", color="red", fontsize=6, rotation=45,
-                    ha="left", va="bottom", transform=ax.get_xaxis_transform(), clip_on=False)
-        elif e.get("event") == Event.POOL_CHANGED and "step" in e:
+        if e.get("event") == Event.POOL_CHANGED and "step" in e:
             ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
     ax.set_yticks(range(len(segments)), list(segments))
-    ax.set_xlabel("step (red: admitted switch, with the step and its trigger above; purple: pool change)")
+    ax.set_xlabel("step (red: admitted switch; purple: pool change; colour: layout and devices)")
     fig.suptitle("Plan timeline", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.85))
+    caption = len(wrapped) * 0.16 / (height + 0.16 * len(wrapped))
+    if wrapped:
+        fig.text(0.01, caption - 0.01, "\n".join(wrapped), fontsize=6.5, family="monospace", va="top")
+    fig.tight_layout(rect=(0, caption + 0.02, 1, 0.95))
     fig.savefig(out_dir / "plan_timeline.png", dpi=100)
     plt.close(fig)
 
