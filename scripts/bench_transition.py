@@ -13,7 +13,11 @@ of the largest world has started and joined before a transition begins.
 * (d) ``raw``: the same bytes with plain collectives on warm, touched buffers over pre-created
   groups (Extend pairs: broadcast; Split groups: all-gather), all pairs at once.
 
-Prints one line per transition and, last,
+Prints one line per transition, with ``L̂_tran``: the transition engine's estimate of the same DAG
+(:func:`nereusd.transition.estimate_l_tran`, the prediction admission uses, without its learned
+terms) priced with the local site's link figures (``site_configs/local.yaml``: gloo over loopback)
+and fp32 Adam state, against (a); above the last line the estimate's error per case and how many
+are within 25 % (issue 16's target for ``L̂_tran``); and, last,
 ``transition: emu <s> s; ckpt-restart <x>x slower; dcp-inplace <y>x slower; emu/raw <r>`` over the sum.
 Usage: ``python scripts/bench_transition.py [--hidden 512 --layers 8 --reps 3]``.
 """
@@ -37,9 +41,11 @@ from emu.state.devmem import DeviceMemory
 from emu.state.executor import TransitionExecutor
 from emu.state.primitives import Communicators, HoldingStore, all_gather_single, create_communicators, gather_groups
 from emu.state.unit import TRAIN_SLOTS, EmuShard, LogicalState, nbytes_of
+from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
-from nereusd.transition import plan_transition
+from nereusd.config.site import load_site
+from nereusd.transition import AdamStateSizes, SiteLinkCosts, estimate_l_tran, plan_transition
 from nereusd.transition.ops import OpKind
 
 MS = ModelStage(Role.ACTOR, Stage.TRAINING)
@@ -193,7 +199,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    spec = spec_of(args)
+    if args.layers < 1:
+        parser.error(f"--layers: expected at least 1, got {args.layers}")
+    if args.reps < 1:
+        parser.error(f"--reps: expected at least 1, got {args.reps}")
+    if args.hidden < 32 or args.hidden % 16:   # 8 heads of an even head dimension; intermediate 2.75 x, in 64s
+        parser.error(f"--hidden: expected a multiple of 16 of at least 32, got {args.hidden}")
+    try:
+        spec = spec_of(args)
+    except ConfigError as err:
+        parser.error(f"--hidden {args.hidden}: {err}")
     full = 12 * sum(s.numel for s in __import__("nereusd.shards", fromlist=["x"]).shards_of(
         spec, Candidate(1, 1, 1, (0,)).layout, (0, 0), False))
     print(f"model + Adam state: {full / 2**20:.0f} MiB; world of {WORLD} gloo ranks")
@@ -211,6 +226,8 @@ def main() -> None:
             p.join()
         exit_s = time.time() - t_done  # interpreter exit of every worker
         totals = {"emu": 0.0, "restart": 0.0, "inplace": 0.0, "raw": 0.0}
+        links, sizes = SiteLinkCosts.from_site(load_site("local")), AdamStateSizes.for_dtype("fp32")
+        errors = []
         for i, (name, _, _) in enumerate(CASES):
             args.case, args.gen = i, i + 1
             t_spawn = time.time()
@@ -223,13 +240,19 @@ def main() -> None:
                 p.join()
             r = out[name]
             restart = r["save"] + exit_s + start_load
-            print(f"{name}: emu {r['emu']:.3f} s, raw {r['raw']:.3f} s, dcp-inplace {r['inplace']:.3f} s, "
-                  f"ckpt-restart {restart:.3f} s (save {r['save']:.3f} + exit {exit_s:.3f} + "
-                  f"spawn/join/load {start_load:.3f})")
+            _, src, dst = CASES[i]
+            dag = plan_transition(Plan({MS: src}), Plan({MS: dst}), {Role.ACTOR: spec}, devices_per_node=8)
+            predicted = estimate_l_tran(dag, sizes, links).l_tran_s
+            errors.append(100.0 * (predicted / r["emu"] - 1.0))
+            print(f"{name}: emu {r['emu']:.3f} s (L_tran {predicted:.3f} s, {errors[-1]:+.0f} %), raw {r['raw']:.3f} s, "
+                  f"dcp-inplace {r['inplace']:.3f} s, ckpt-restart {restart:.3f} s (save {r['save']:.3f} + exit "
+                  f"{exit_s:.3f} + spawn/join/load {start_load:.3f})")
             for k, v in (("emu", r["emu"]), ("restart", restart), ("inplace", r["inplace"]), ("raw", r["raw"])):
                 totals[k] += v
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"L_tran vs emu (local site's links): {', '.join(f'{e:+.0f} %' for e in errors)}; within 25 %: "
+          f"{sum(abs(e) <= 25 for e in errors)} of {len(errors)}")
     print(f"transition: emu {totals['emu']:.3f} s; ckpt-restart {totals['restart'] / totals['emu']:.1f}x slower; "
           f"dcp-inplace {totals['inplace'] / totals['emu']:.1f}x slower; emu/raw {totals['emu'] / totals['raw']:.2f}")
 
