@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -189,6 +190,25 @@ def planner_solve_s(devices: int) -> float | None:
     return time.perf_counter() - start
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse out-of-range options and an unknown ``--model`` before any agent starts."""
+    from nereusd.errors import ConfigError
+    from nereusd.models import preset
+
+    for option, value, least in (("--agents", args.agents, 1), ("--devices-per-agent", args.devices_per_agent, 1),
+                                 ("--boundaries", args.boundaries, 1), ("--warmup", args.warmup, 0),
+                                 ("--transition-every", args.transition_every, 0),
+                                 ("--prompts-per-device", args.prompts_per_device, 1), ("--procs", args.procs, 1)):
+        if value < least:
+            parser.error(f"{option}: expected at least {least}, got {value}")
+    if not math.isfinite(args.max_dag_gib) or args.max_dag_gib < 0:
+        parser.error(f"--max-dag-gib: expected a finite size of 0 or more GiB, got {args.max_dag_gib}")
+    try:
+        preset(args.model)
+    except ConfigError as err:
+        parser.error(f"--model: {err}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         endpoint, first, count, devices = args.serve_agents
         serve_agents(endpoint, int(first), int(count), int(devices))
         return 0
+    check_args(parser, args)
 
     from nereusd.daemon.control_plane import ControlPlane
 

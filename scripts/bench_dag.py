@@ -81,6 +81,7 @@ calling a solver instead of ``estimate_l_tran`` would pay.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -91,7 +92,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nereusd.errors import PlanError  # noqa: E402
+from nereusd.errors import ConfigError, PlanError  # noqa: E402
 from nereusd.cost.memory import HEADROOM, WORKSPACE_BYTES  # noqa: E402
 from nereusd.models import ModelSpec, preset  # noqa: E402
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage  # noqa: E402
@@ -334,8 +335,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-scip", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="one line per case")
     args = parser.parse_args(argv)
+    if args.cases < 1:
+        parser.error(f"--cases: expected at least 1, got {args.cases}")
+    if args.workers < 1:
+        parser.error(f"--workers: expected at least 1 search thread, got {args.workers}")
+    if not math.isfinite(args.time_limit) or args.time_limit <= 0:
+        parser.error(f"--time-limit: expected a finite number of seconds above 0, got {args.time_limit}")
+    if not math.isfinite(args.tick_us) or args.tick_us <= 0:
+        parser.error(f"--tick-us: expected a finite number of µs above 0, got {args.tick_us}")
+    try:
+        site = load_site(args.site)
+    except ConfigError as err:
+        parser.error(f"--site: {err}")
     solvers = available_solvers(args.no_scip)
-    site = load_site(args.site)
     links = SiteLinkCosts.from_site(site)
     sizes = AdamStateSizes.for_dtype(site.compute_dtype)
     rng = random.Random(args.seed)

@@ -9,6 +9,7 @@ Run: ``GLOO_SOCKET_IFNAME=lo .venv/bin/python scripts/bench_engine_tp.py``
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -73,9 +74,16 @@ def _rank(rank: int, world: int):
     return out
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)   # no options: --help prints the usage instead of running the benchmark
     torch.set_num_threads(1)
     results = run_distributed(_rank, 2)
     for label, t_dt, t_manual in results[0]:
         print(f"{label}: DTensor {t_dt * 1e3:.2f} ms, hand-written {t_manual * 1e3:.2f} ms, "
               f"ratio {t_dt / t_manual:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -54,6 +54,10 @@ PROMPT_TOKENS = 16
 GEN = ModelStage.parse("actor/generation")
 
 
+MODEL_NAMES = ("demo", "40M", "100M")
+"""The keys of :func:`models`, known before loading any."""
+
+
 def models() -> dict[str, ModelSpec]:
     demo, _ = load_pretrained(REPO / "examples" / "models" / "counting-warmstart")
     return {
@@ -170,6 +174,17 @@ def _rebuild_rank(rank: int, world: int, spec: ModelSpec, workdir: str):
     return True
 
 
+def int_list(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """``text``, comma-separated integers of at least 1, or a usage error naming ``option``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"{option}: expected comma-separated integers of at least 1, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the headline point (40M, batch 64, 128 tokens, "
@@ -181,11 +196,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="CPU threads at TP 1 (TP 2: one per rank)")
     args = parser.parse_args()
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODEL_NAMES]
+    if unknown or not names:
+        parser.error(f"--models: expected a comma-separated subset of {', '.join(MODEL_NAMES)}, got {args.models!r}")
+    batches = int_list(parser, "--batches", args.batches)
+    new_tokens = int_list(parser, "--new-tokens", args.new_tokens)
+    tps = int_list(parser, "--tp", args.tp)
+    if args.threads < 1:
+        parser.error(f"--threads: expected at least 1, got {args.threads}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     specs = models()
     grid = [("40M", 64, 128, 1)] if args.quick else [
-        (m, int(b), int(n), int(t)) for m in args.models.split(",") for b in args.batches.split(",")
-        for n in args.new_tokens.split(",") for t in args.tp.split(",")]
+        (m, b, n, t) for m in names for b in batches for n in new_tokens for t in tps]
     rows = {}
     print(f"{'model':>6} {'params':>8} {'batch':>5} {'new':>4} {'tp':>2} {'vllm tok/s':>11} {'native tok/s':>12} "
           f"{'ratio':>6}", flush=True)

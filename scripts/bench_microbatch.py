@@ -54,12 +54,21 @@ from nereusd.plan import Candidate, ModelStage, Role, Stage  # noqa: E402
 from nereusd.traces import LENGTH_DIR, LENGTH_TRACES  # noqa: E402
 
 MIB = float(1 << 20)
+COLUMNS = tuple(f"{kind}_length_{stat}" for kind in ("response", "prompt") for stat in ("mean", "max", "min"))
+"""The columns of a trace's row that the fit reads."""
 SPEC = ModelSpec(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
                  num_kv_heads=2, max_position=2048, architecture="qwen2")
 
 
 def trace_row(name: str, step: int) -> dict[str, float]:
-    """Row ``step`` of a shipped verl-format length trace (columns in nereusd/data/traces/SOURCES.md)."""
+    """Row ``step`` of a shipped verl-format length trace (columns in nereusd/data/traces/SOURCES.md).
+
+    Raises:
+        OSError: the file cannot be read.
+        KeyError: it has no ``step`` column.
+        LookupError: it has no row ``step``.
+        ValueError: a value of that row is not a number.
+    """
     import csv
 
     file = LENGTH_TRACES[name][0] if name in LENGTH_TRACES else name
@@ -67,7 +76,7 @@ def trace_row(name: str, step: int) -> dict[str, float]:
         for row in csv.DictReader(fh):
             if int(float(row["step"])) == step:
                 return {k: float(v) for k, v in row.items() if v not in ("", None)}
-    raise SystemExit(f"{file}: no step {step}")
+    raise LookupError(f"{file}: no step {step}")
 
 
 def fit_lognormal(mean: float, largest: float, n: int) -> tuple[float, float]:
@@ -115,8 +124,28 @@ def main(argv: list[str] | None = None) -> int:
                         "both timings noisy)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for option, value in (("--sequences", args.sequences), ("--micro-batch", args.micro_batch),
+                          ("--reps", args.reps), ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{option}: expected at least 1, got {value}")
+    if not math.isfinite(args.scale) or args.scale <= 0:
+        parser.error(f"--scale: expected a finite number above 0, got {args.scale}")
+    try:
+        row = trace_row(args.trace, args.step)
+    except OSError as err:
+        parser.error(f"--trace {args.trace}: {err.strerror or err} (one of {', '.join(sorted(LENGTH_TRACES))} "
+                     f"or a file in {LENGTH_DIR})")
+    except KeyError as err:
+        parser.error(f"--trace {args.trace}: not a verl-format length trace (no {err} column)")
+    except LookupError as err:
+        parser.error(f"--step {args.step}: {err}")
+    except ValueError as err:
+        parser.error(f"--trace {args.trace}: not a verl-format length trace ({err})")
+    missing = [k for k in COLUMNS if k not in row]
+    if missing:
+        parser.error(f"--trace {args.trace}: step {args.step} has no {', '.join(missing)} (not a verl-format length "
+                     "trace?)")
     torch.set_num_threads(args.threads)
-    row = trace_row(args.trace, args.step)
     rng = random.Random(args.seed)
     s = args.scale
     responses = draw(row["response_length_mean"] / s, row["response_length_max"] / s,

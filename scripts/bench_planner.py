@@ -148,6 +148,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer settings (smoke run)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected at least 1, got {args.repeats}")
     base = baseline_eval_us()
     print(f"baseline: one stage-cost evaluation {base:.1f} us on this machine")
     counts = (8, 64, 256) if args.quick else (8, 64, 256, 1024, 8192)

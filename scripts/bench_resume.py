@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nereusd.config.job import load_job  # noqa: E402
+from nereusd.errors import ConfigError  # noqa: E402
 from nereusd.journal import read_jsonl  # noqa: E402
 
 
@@ -85,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     every = 5
     second = args.first + every
+    if args.first < 1:
+        parser.error(f"--first: expected at least 1 step before the first kill, got {args.first}")
+    try:   # before launching anything (nereus-launch runs in REPO: a relative --job is relative to it)
+        steps = load_job(REPO / args.job).steps
+    except ConfigError as err:
+        parser.error(f"--job: {err}")
+    if steps <= every + 1:
+        parser.error(f"--job: {Path(args.job).name} runs {steps} steps; the two kills need at least {every + 2}")
+    if second >= steps:   # the job must still be running after the second kill's step
+        parser.error(f"--first: expected below {steps - every} ({Path(args.job).name} runs {steps} steps; the second "
+                     f"kill comes {every} steps after the first), got {args.first}")
     tmp = Path(tempfile.mkdtemp(prefix="nereus-bench-resume-"))
     run_dir = tmp / "run"
     launcher = _launch("local", args.job, "--run-dir", str(run_dir), "--quiet")

@@ -54,6 +54,7 @@ from emu.state.devmem import DeviceMemory  # noqa: E402
 from emu.state.executor import TransitionExecutor  # noqa: E402
 from emu.state.primitives import HoldingStore  # noqa: E402
 from emu.state.unit import bind_engine, holding_of  # noqa: E402
+from nereusd.errors import ConfigError  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage  # noqa: E402
 from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel, plan_transition  # noqa: E402
@@ -203,9 +204,22 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for option, value, least, what in (
+            ("--hidden", a.hidden, 1, ""), ("--layers", a.layers, 1, ""), ("--micro-batch", a.micro_batch, 1, ""),
+            ("--vocab", a.vocab, 2, " (token ids are drawn from 1 .. vocab - 1)"),
+            ("--length", a.length, 2, " (half prompt, half response)"),
+            ("--steps", a.steps, 2, " (one warm-up step, then the timed ones)")):
+        if value < least:
+            ap.error(f"{option}: expected at least {least}{what}, got {value}")
+    if a.batch < 4 or a.batch % 4:   # train() splits it over the replicas: 4 ranks, and 2 before the move
+        ap.error(f"--batch: expected a positive multiple of 4 (an equal share for each of the 4 ranks), got {a.batch}")
     spec = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_layers=a.layers,
                 num_heads=max(1, a.hidden // 64), num_kv_heads=max(1, a.hidden // 128), max_position=a.length)
+    try:
+        ModelSpec(**spec)
+    except ConfigError as err:
+        ap.error(f"--hidden {a.hidden}: {err} (heads: hidden // 64, KV heads: hidden // 128)")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     args = {"spec": spec, "batch": a.batch, "length": a.length, "micro_batch": a.micro_batch, "steps": a.steps}
     with torch.device("meta"):
         params = sum(p.numel() for p in LlamaModel(ModelSpec(**spec), value_head=False).parameters())

@@ -354,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     parser.add_argument("--no-mount", action="store_true", help="disk_full without a tmpfs (a file in the way)")
     args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error(f"--trials: expected at least 1, got {args.trials}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps: expected at least 1, got {args.steps}")
     faults = [f for f in args.faults.split(",") if f]
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         parser.error(f"unknown fault types {unknown} (known: {', '.join(FAULTS)})")
+    if not faults:
+        parser.error(f"--faults: expected at least one of {', '.join(FAULTS)}")
     steps = args.steps or 8 * args.trials + 10
     root = Path(tempfile.mkdtemp(prefix="nereus-chaos-"))
     site = root / "local-chaos.yaml"

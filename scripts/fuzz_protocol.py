@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=100_000, help="frames to try (default 100000)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     args = parser.parse_args(argv)
+    if args.cases < 1:
+        parser.error(f"--cases: expected at least 1, got {args.cases}")
     start = time.monotonic()
     count = 0
     with tempfile.TemporaryDirectory(prefix="nereus-fuzz-") as tmp:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -34,8 +35,11 @@ import torch
 from emu.engine.generate import SamplingParams, generate
 from emu.engine.hf_io import load_pretrained
 from emu.engine.model import LlamaModel
-from emu.rl.losses import logprobs_and_entropy, policy_loss_fn
-from nereusd.rl import broadcast_to_tokens, grpo_advantages, pad, remax_advantages, token_weights
+from emu.rl.losses import KLEstimator, logprobs_and_entropy, policy_loss_fn
+from nereusd.errors import ConfigError
+from nereusd.models import ModelSpec, safetensors_files
+from nereusd.rl import (LossAggregation, broadcast_to_tokens, grpo_advantages, pad, remax_advantages,
+                        token_weights)
 from nereusd.tasks.counting import CountingTask, PromptSampler, sample_hash
 
 log = logging.getLogger("tune_rl")
@@ -185,6 +189,44 @@ def summarise(history: list[dict], seed: int, target_growth: float) -> dict:
     return summary
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse out-of-range options, unknown names and a missing warm start before the first step."""
+    least_group = 2 if args.algo == "grpo" else 1   # GRPO normalises within a group of at least 2
+    for option, value, least in (("--steps", args.steps, 1), ("--prompts", args.prompts, 1),
+                                 ("--group", args.group, least_group), ("--max-new-tokens", args.max_new_tokens, 1),
+                                 ("--epochs", args.epochs, 1), ("--minibatches", args.minibatches, 1),
+                                 ("--threads", args.threads, 1), ("--log-every", args.log_every, 1)):
+        if value < least:
+            grpo = " with --algo grpo" if option == "--group" and least == 2 else ""
+            parser.error(f"{option}: expected at least {least}{grpo}, got {value}")
+    if args.minibatches > args.prompts * args.group:
+        parser.error(f"--minibatches: expected at most the {args.prompts * args.group} responses of a step "
+                     f"(--prompts x --group), got {args.minibatches}")
+    for option, value, positive in (("--temperature", args.temperature, True), ("--clip", args.clip, True),
+                                    ("--grad-clip", args.grad_clip, True),
+                                    ("--target-growth", args.target_growth, True),
+                                    ("--lr", args.lr, False), ("--kl-coef", args.kl_coef, False)):
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            parser.error(f"{option}: expected a finite number {'above 0' if positive else 'of 0 or more'}, got {value}")
+    if not math.isfinite(args.entropy_coef):
+        parser.error(f"--entropy-coef: expected a finite number, got {args.entropy_coef}")
+    if args.kl_estimator not in {e.value for e in KLEstimator}:
+        parser.error(f"--kl-estimator: expected one of {', '.join(e.value for e in KLEstimator)}, "
+                     f"got {args.kl_estimator!r}")
+    if args.loss_agg not in {m.value for m in LossAggregation}:
+        parser.error(f"--loss-agg: expected one of {', '.join(m.value for m in LossAggregation)}, "
+                     f"got {args.loss_agg!r}")
+    try:   # what load_model reads, without the weights
+        ModelSpec.from_pretrained_dir(args.warmstart)
+        safetensors_files(args.warmstart)
+    except ConfigError as err:
+        parser.error(f"--warmstart: {err}")
+    except OSError as err:
+        parser.error(f"--warmstart {args.warmstart}: {err.strerror or err}")
+    if args.jsonl is not None and not args.jsonl.parent.is_dir():
+        parser.error(f"--jsonl {args.jsonl}: no directory {args.jsonl.parent}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warmstart", type=Path, default=Path("examples/models/counting-warmstart"))
@@ -211,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--jsonl", type=Path, default=None)
     args = parser.parse_args(argv)
+    check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     print("settings: " + json.dumps({k: str(v) for k, v in vars(args).items()}), flush=True)
