@@ -133,7 +133,7 @@ def run_rounds(policies: list[str], args: argparse.Namespace) -> dict[str, dict]
 
 
 def table(results: dict[str, dict]) -> str:
-    head = f"| policy | status | mean step s | total s | switches | transition share | OOMs | lost steps |"
+    head = "| policy | status | mean step s | total s | switches | transition share | OOMs | lost steps |"
     rows = [head, "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         rows.append(f"| {name} | {r['status']} | {r['mean_step_s']:.2f} | {r['total_s']:.0f} | {r['switches']} | "
