@@ -6,7 +6,7 @@ Needs the ``bench`` extra (``pip install -e .[bench]``: ortools, pyscipopt); a s
 installed is skipped with a message.
 
 Cases. Random transitions on the H200 site (``site_configs/h200-ib.yaml``, 8 devices per node,
-NVLink inside a node, InfiniBand across): a pool of 8–16 devices, two or three model-stages
+NVLink inside a node, InfiniBand across): a pool of 8–16 devices (``--devices MIN:MAX``), two or three model-stages
 (actor generation, reward inference, actor and critic training) whose candidates mostly cover the
 whole pool, so that the model-stages share every device, as in
 ``tests/unit/transition/test_properties.py``; models ``counting-tiny``, a 1B (Llama-3.2-1B shapes) and
@@ -151,9 +151,10 @@ def _candidate(rng: random.Random, pool: int) -> Candidate:
     return Candidate(tp, pp, dp, tuple(rng.sample(range(pool), tp * pp * dp)))
 
 
-def draw_case(rng: random.Random, site, sizes: AdamStateSizes) -> Case | None:
-    """One random transition on a nearly full pool (module docstring), or ``None`` to redraw."""
-    pool = rng.randint(8, 16)
+def draw_case(rng: random.Random, site, sizes: AdamStateSizes, pool_range: tuple[int, int] = (8, 16)) -> Case | None:
+    """One random transition on a nearly full pool of ``pool_range`` devices (module docstring), or
+    ``None`` to redraw."""
+    pool = rng.randint(*pool_range)
     name = rng.choice(sorted(MODELS))
     models = {r: MODELS[name] for r in Role}
     stages = rng.sample(STAGES, rng.randint(2, 3))
@@ -332,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="CP-SAT search threads")
     parser.add_argument("--tick-us", type=float, default=10.0, help="time unit of the solvers, µs")
     parser.add_argument("--site", default="h200-ib")
+    parser.add_argument("--devices", default="8:16", metavar="MIN:MAX",
+                        help="pool size range of the random transitions (default: %(default)s; 48:64 draws "
+                        "transitions of the size the simulator's 64-GPU scenarios assess)")
     parser.add_argument("--no-scip", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="one line per case")
     args = parser.parse_args(argv)
@@ -347,13 +351,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         site = load_site(args.site)
     except ConfigError as err:
         parser.error(f"--site: {err}")
+    try:
+        pool_range = tuple(int(x) for x in args.devices.split(":"))
+    except ValueError:
+        pool_range = ()
+    if len(pool_range) != 2 or not 8 <= pool_range[0] <= pool_range[1] <= 1024:
+        parser.error(f"--devices: expected MIN:MAX with 8 <= MIN <= MAX <= 1024, got {args.devices!r}")
     solvers = available_solvers(args.no_scip)
     links = SiteLinkCosts.from_site(site)
     sizes = AdamStateSizes.for_dtype(site.compute_dtype)
     rng = random.Random(args.seed)
     results, redrawn, t0 = [], 0, time.perf_counter()
     while len(results) < args.cases:
-        case = draw_case(rng, site, sizes)
+        case = draw_case(rng, site, sizes, pool_range)
         if case is None:
             redrawn += 1
             continue
