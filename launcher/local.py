@@ -259,19 +259,36 @@ def describe_event(ev: dict) -> str | None:
 
 
 class _Progress:
-    """A tqdm bar fed from ``metrics.jsonl``."""
+    """A tqdm bar fed from ``metrics.jsonl``, started when the job has built its engines (the
+    ``build`` event) or finished its first step: started with the launch, its first estimate took
+    the workers' and vLLM engines' start-up (20–45 s) for a step and read 22 minutes for a
+    one-minute job; the events printed before it (the launch plan, Prometheus, TensorBoard) ran
+    into its 0 % line."""
 
     def __init__(self, total: int, quiet: bool) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="step", disable=quiet, dynamic_ncols=True, desc="nereus")
+        self.total, self.bar = total, None
         self.seen = 0
         self.events_seen = 0
         self.switches = 0
         self.quiet = quiet
 
+    def _started(self):
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="step", disable=self.quiet, dynamic_ncols=True, desc="nereus")
+        return self.bar
+
+    def _write(self, line: str) -> None:
+        if self.bar is None:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
+
     def update(self, run_dir: Path) -> None:
         records = read_jsonl(run_dir / METRICS_FILE)
+        if records[self.seen:]:
+            self._started()
         for rec in records[self.seen:]:
             self.bar.set_postfix_str(
                 f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f} "
@@ -285,11 +302,14 @@ class _Progress:
                 self.switches += 1
             line = describe_event(ev)
             if line and not self.quiet:
-                self.bar.write(line)
+                self._write(line)
+            if ev.get("event") == Event.BUILD:
+                self._started()
         self.events_seen = len(events)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _Terminated(Exception):
