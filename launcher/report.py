@@ -91,7 +91,10 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
         ax.axhline(capacity / 2**20, color="black", lw=1, label=f"capacity {capacity / 2**20:.0f} MiB")
         ax.axhline(usable_bytes(capacity) / 2**20, color="grey", lw=1, ls="--",
                    label=f"usable ({100 * (1 - HEADROOM):.0f} %): what plans may book")
-    ax.set(title="Peak memory per device", xlabel="step", ylabel="MiB")
+    ax.set(title="Peak memory per device" + (" (a plan above the usable line: one the planner would not pick, "
+                                             "e.g. the job file's launch plan)" if capacity else ""),
+           xlabel="step", ylabel="MiB")
+    ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     if devices or capacity:
         ax.legend(fontsize=8, loc="lower right", ncol=2)
@@ -164,10 +167,11 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     if switches:
         history.append("switches: " + "; ".join(
             f"after step {e['step']} ({', '.join(t['signal'] for t in e.get('triggers', []))})" for e in switches))
-    wrapped = [line for text in history for line in textwrap.wrap(text, 150, subsequent_indent="    ")]
+    wrapped = [line for text in history for line in textwrap.wrap(text, 130, subsequent_indent="    ")]
     height = 1.2 + 0.7 * max(1, len(segments))
-    fig, ax = plt.subplots(figsize=(10, height + 0.16 * len(wrapped)))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(10, height + 0.19 * len(wrapped)))
+    # red and purple mark switches and pool changes: not layout colours
+    colors = [c for k, c in enumerate(plt.rcParams["axes.prop_cycle"].by_key()["color"]) if k not in (3, 4)]
     kinds: dict[str, str] = {}   # one colour per layout and devices, whatever the micro-batch
     span = max(1, max((hi for runs in segments.values() for _, hi, _ in runs), default=0) + 1)
     for row, (ms, runs) in enumerate(segments.items()):
@@ -186,9 +190,9 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     ax.set_yticks(range(len(segments)), list(segments))
     ax.set_xlabel("step (red: admitted switch; purple: pool change; colour: layout and devices)")
     fig.suptitle("Plan timeline", fontsize=10)
-    caption = len(wrapped) * 0.16 / (height + 0.16 * len(wrapped))
+    caption = len(wrapped) * 0.19 / (height + 0.19 * len(wrapped))
     if wrapped:
-        fig.text(0.01, caption - 0.01, "\n".join(wrapped), fontsize=6.5, family="monospace", va="top")
+        fig.text(0.01, caption - 0.01, "\n".join(wrapped), fontsize=7.5, family="monospace", va="top")
     fig.tight_layout(rect=(0, caption + 0.02, 1, 0.95))
     fig.savefig(out_dir / "plan_timeline.png", dpi=100)
     plt.close(fig)

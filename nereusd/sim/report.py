@@ -154,6 +154,7 @@ def plot(out: Path, results: Sequence[PolicyResult], meta: dict) -> list[Path]:
                 ax.axvline(x.step, color="red", lw=0.6)
         ax.set_ylabel(r.policy.name, fontsize=7)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(-0.5, max((x.plan_id for x in r.records), default=0) + 0.5)
     axes[-1, 0].set_xlabel("RL step (y: the policy's own plan number, in order of first use" +
                            ("; red: OOM)" if ooms else ")"))
     save(fig, "plan_timeline.png")
