@@ -204,3 +204,13 @@ def test_plan_takes_a_jobs_device_memory_and_shows_small_devices_in_mib(capsys):
     assert training.split()[1:5] == ["1", "2", "2", "4"]
     assert main(argv[:-1] + ["-1"]) == 2
     assert "--memory-gib must be a number of GiB" in capsys.readouterr().err
+
+
+def test_a_pool_too_small_for_concurrent_model_stages_names_a_lower_bound(capsys):
+    """The bound is necessary, not sufficient: a user read "need at least 8 devices" as enough,
+    and 8 did not fit (a new user's trial, 2026-12-05)."""
+    assert main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "1", "--async",
+                 "--prompt-length", "8", "--response-length", "32", "--global-batch", "16"]) == 1
+    err = capsys.readouterr().err
+    assert "run concurrently on disjoint devices" in err and "(a lower bound: more may be needed)" in err
+    assert "the pool has 1" in err and "would fit with 8 devices" in err
