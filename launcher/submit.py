@@ -243,10 +243,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         raise NereusError(f"{run_dir}: not a Nereus run directory (no {RECORD_FILE}, {ENDPOINT_FILE} or "
                           f"{SUMMARY_FILE}; has the job started?)")
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        summary = None
+    summary, malformed = None, ""
+    if (run_dir / SUMMARY_FILE).is_file():
+        try:
+            summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as err:   # UnicodeDecodeError is a ValueError
+            malformed = f"{run_dir / SUMMARY_FILE}: unreadable ({type(err).__name__})"
+        if summary is not None and not isinstance(summary, dict):
+            summary, malformed = None, f"{run_dir / SUMMARY_FILE}: expected a JSON object"
     ended = isinstance(summary, dict) and summary.get("status") not in (None, "running")
     # an ended job's nereusd is gone: asking it only waits out the timeout (5 s)
     out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm,
@@ -264,35 +268,44 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  node {node}: devices {agent['devices']}{where}")
         if live["last_decision"]:
             print(f"last decision: {live['last_decision']['reason']} -> {live['last_decision']['verdict']}")
-    elif out["summary"]:
+    elif ended:
         print(_finished_lines(out["summary"]))
     else:
-        print("nereusd is not answering (starting, or gone); see the logs in " + str(run_dir / "logs"))
+        print("nereusd is not answering (starting, or gone); see the logs in " + str(run_dir / "logs")
+              + (f"; {malformed}" if malformed else ""))
     return 0
 
 
 def _finished_lines(s: dict) -> str:
     """What ``status`` prints for a job that has ended, from its ``summary.json``: the outcome,
-    and where the summary has them, reward, response length, held-out pass@1, switches and the
-    final plan (``summarise_metrics`` in ``nereusd/daemon/app.py`` writes them)."""
-    lines = [f"finished: {s.get('status')} after {s.get('steps_completed', 0)} steps"
-             + (f" in {s['wall_time_s']:.0f} s" if isinstance(s.get("wall_time_s"), (int, float)) else "")
-             + (f": {s['error']}" if s.get("error") else "")]
-    if "reward_last_10pct" in s:
-        lines.append(f"reward {s['reward_first_10pct']:.2f} → {s['reward_last_10pct']:.2f}"
-                     + (f" (best {s['reward_best']:.2f} at step {s['reward_best_step']})" if "reward_best" in s else "")
-                     + f"; response length {s.get('response_length_first_10pct', 0):.1f} → "
-                       f"{s.get('response_length_last_10pct', 0):.1f} tokens")
-    if "eval_pass_at_1_last" in s:
-        lines.append(f"held-out pass@1 {s['eval_pass_at_1_first']:.2f} → {s['eval_pass_at_1_last']:.2f}")
-    if "switches" in s:
-        lines.append(f"layout switches: {s['switches']}"
-                     + (f" (of which {s['restarts']} checkpoint/restart(s))" if s.get("restarts") else ""))
+    and where the summary has them (each figure a finite number, else its line is left out),
+    reward, response length, held-out pass@1, switches and the final plan (``summarise_metrics``
+    in ``nereusd/daemon/app.py`` writes them)."""
+    def num(*keys: str) -> list[float] | None:
+        values = [s.get(k) for k in keys]
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+        return values if ok else None
+
+    wall, steps = num("wall_time_s"), num("steps_completed")
+    lines = [f"finished: {s.get('status')} after {int(steps[0]) if steps else 0} steps"
+             + (f" in {wall[0]:.0f} s" if wall else "") + (f": {s['error']}" if s.get("error") else "")]
+    reward, best, length = (num("reward_first_10pct", "reward_last_10pct"), num("reward_best", "reward_best_step"),
+                            num("response_length_first_10pct", "response_length_last_10pct"))
+    if reward:
+        lines.append(f"reward {reward[0]:.2f} → {reward[1]:.2f}"
+                     + (f" (best {best[0]:.2f} at step {best[1]:.0f})" if best else "")
+                     + (f"; response length {length[0]:.1f} → {length[1]:.1f} tokens" if length else ""))
+    passed = num("eval_pass_at_1_first", "eval_pass_at_1_last")
+    if passed:
+        lines.append(f"held-out pass@1 {passed[0]:.2f} → {passed[1]:.2f}")
+    switches, restarts = num("switches"), num("restarts")
+    if switches:
+        lines.append(f"layout switches: {switches[0]:.0f}"
+                     + (f" (of which {restarts[0]:.0f} checkpoint/restart(s))" if restarts and restarts[0] else ""))
     plan = s.get("final_plan")
-    if isinstance(plan, dict) and plan:
-        lines.append("final plan: " + ", ".join(
-            f"{ms} tp{c.get('tp')} pp{c.get('pp')} dp{c.get('dp')}" if isinstance(c, dict) else f"{ms} {c}"
-            for ms, c in plan.items()))
+    if isinstance(plan, dict) and plan and all(isinstance(c, dict) for c in plan.values()):
+        lines.append("final plan: " + ", ".join(f"{ms} tp{c.get('tp')} pp{c.get('pp')} dp{c.get('dp')}"
+                                                for ms, c in plan.items()))
     return "\n".join(lines)
 
 

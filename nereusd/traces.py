@@ -86,7 +86,7 @@ def _read_column(path: Path, column: str) -> list[float]:
     """
     values = []
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:   # a spreadsheet's BOM is not a column name
             reader = csv.DictReader(fh)
             if column not in (reader.fieldnames or []):
                 raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames})")
@@ -172,15 +172,18 @@ def load_pool_trace(name: str | None) -> PoolTrace:
     if not path.is_file():
         raise ConfigError(f"pool trace {name!r}: not a shipped trace ({sorted(POOL_TRACES)}, constant) nor a file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        gap = float(data["metadata"]["gap_seconds"])
-        counts = [int(x) for x in data["data"]]
-    except (KeyError, TypeError, ValueError, OverflowError) as err:   # UnicodeDecodeError is a ValueError
-        raise ConfigError(f"{path.name}: expected {{'metadata': {{'gap_seconds': ..}}, 'data': [..]}}: {err!r}") from None
-    if not (math.isfinite(gap) and gap > 0):
-        raise ConfigError(f"{path.name}: metadata.gap_seconds must be a positive number of seconds, got {gap!r}")
-    if not counts or min(counts) < 0:
-        raise ConfigError(f"{path.name}: data must be a non-empty list of instance counts >= 0")
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+        gap, raw = data["metadata"]["gap_seconds"], data["data"]
+    except (KeyError, TypeError, ValueError, RecursionError) as err:   # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"{path.name}: expected {{'metadata': {{'gap_seconds': ..}}, 'data': [..]}}: "
+                          f"{type(err).__name__}: {str(err)[:120]}") from None
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (math.isfinite(gap) and gap >= 1.0):
+        raise ConfigError(f"{path.name}: metadata.gap_seconds must be a number of seconds, at least 1, "
+                          f"got {str(gap)[:40]!r}")
+    if (not isinstance(raw, list) or not raw or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                    or not math.isfinite(x) or x != int(x) or x < 0 for x in raw)):
+        raise ConfigError(f"{path.name}: data must be a non-empty list of instance counts (whole numbers >= 0)")
+    gap, counts = float(gap), [int(x) for x in raw]
     full = max(counts)
     if full <= 0:
         raise ConfigError(f"{path.name}: no instance is ever available")

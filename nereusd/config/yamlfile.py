@@ -82,6 +82,8 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested deeper than a configuration may be ({MAX_YAML_DEPTH} levels)") from None
+    except ValueError as err:   # an integer past Python's 4,300-digit limit
+        raise ConfigError(f"{path}: not a valid configuration value: {str(err)[:120]}") from None
     values = _expanded_values(data, {}, 0, path)
     if values > MAX_YAML_VALUES:
         raise ConfigError(f"{path}: expands to {values:,} values through its aliases (*name), more than a "

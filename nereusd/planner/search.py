@@ -415,9 +415,8 @@ class Planner:
         # GPUs was told "32 devices with recomputation and ZeRO" where recomputation alone fits)
         more_fit = ""
         n, dpn = len(self.problem.pool), self.problem.site.devices_per_node
-        if not alone:
-            for more in (2 * n, 4 * n, 8 * n):
-                more = -(-more // dpn) * dpn
+        if not alone:   # the next whole node first (3 devices of a 4-device node: 4, not 8)
+            for more in sorted({-(-m // dpn) * dpn for m in (n + 1, 2 * n, 4 * n, 8 * n)}):
                 bigger = dataclasses.replace(self.problem, site=self.problem.site.with_nodes(more // dpn),
                                              pool=tuple(range(more)))
                 for label, options in (("", self.options), *remedies):
@@ -430,7 +429,7 @@ class Planner:
         if found:
             return f"; would fit with {' or with '.join(found)}"
         widest = f" with {remedies[-1][0]}" if remedies else ""
-        return f"; nothing tried fits (up to {8 * n} devices{widest})"
+        return f"; nothing tried fits (up to {-(-8 * n // dpn) * dpn} devices{widest})"
 
 
 def min_peak_bytes(problem: PlanProblem, model_stage: ModelStage, cost_model: CostModel,

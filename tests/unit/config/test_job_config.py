@@ -276,3 +276,12 @@ def test_a_billion_laughs_or_a_deep_nesting_is_refused_at_once(tmp_path):
     path.write_text("steps: [[1, 2], {a: [3]}]\nsteps_x: 1\n")   # ordinary nesting: the schema's errors
     with pytest.raises(ConfigError, match=r"steps: .*got \[\[1, 2\], \{'a': \[3\]\}\]"):
         load_job(path)
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_one_line_error(tmp_path):
+    """``seed: 1000…0`` (5,000 digits) raised PyYAML's ValueError from ``int()`` (a bad-input
+    search, 2026-12-05)."""
+    path = tmp_path / "job.yaml"
+    path.write_text("seed: 1" + "0" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"job.yaml: not a valid configuration value: Exceeds the limit"):
+        load_job(path)

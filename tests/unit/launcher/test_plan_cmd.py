@@ -214,3 +214,11 @@ def test_a_pool_too_small_for_concurrent_model_stages_names_a_lower_bound(capsys
     err = capsys.readouterr().err
     assert "run concurrently on disjoint devices" in err and "(a lower bound: more may be needed)" in err
     assert "the pool has 1" in err and "would fit with 8 devices" in err
+
+
+def test_more_devices_are_suggested_from_the_next_whole_node(capsys):
+    """On 3 of the local site's 4-device node, 4 devices fit; the suggestion said 8 (a bad-input
+    search, 2026-12-05)."""
+    assert main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "3"]) == 1
+    assert "would fit with 4 devices" in capsys.readouterr().err
+    assert main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "4"]) == 0

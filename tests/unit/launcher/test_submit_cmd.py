@@ -81,3 +81,28 @@ def test_a_submission_that_may_have_been_queued_keeps_its_run_directory(tmp_path
     assert main(["submit", "examples/counting_grpo.yaml", "--run-dir", str(run_dir)]) == 2
     assert "may have been queued: check squeue" in capsys.readouterr().err
     assert (run_dir / "nereus.sbatch").is_file() and (run_dir / "keys").is_dir() and (run_dir / "logs").is_dir()
+
+
+def test_status_of_a_malformed_summary_prints_what_it_can(tmp_path, capsys):
+    """A summary.json with wrong-typed or missing fields crashed ``status`` (KeyError, ValueError,
+    AttributeError on a list); one that is not JSON read as "nereusd is not answering" without
+    naming the file (a bad-input search, 2026-12-05)."""
+    bad = [{"status": "succeeded", "reward_last_10pct": "x", "reward_first_10pct": 0.1},
+           {"status": "succeeded", "reward_last_10pct": 0.5},
+           {"status": "succeeded", "eval_pass_at_1_last": 0.5, "reward_best": 0.7},
+           {"status": "succeeded", "reward_first_10pct": 0.1, "reward_last_10pct": 0.2,
+            "response_length_last_10pct": None, "switches": None, "final_plan": [1, 2], "wall_time_s": "fast"},
+           {"status": "succeeded", "final_plan": {"a": 5}, "steps_completed": float("nan")}]
+    for summary in bad:
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        assert main(["status", str(tmp_path)]) == 0, summary
+        out = capsys.readouterr().out
+        assert "finished: succeeded" in out, (summary, out)
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded", "reward_first_10pct": 0.1,
+                                                       "reward_last_10pct": "x"}))
+    main(["status", str(tmp_path)])
+    assert "reward" not in capsys.readouterr().out   # a line with a bad figure is left out
+    for content in (b"[1, 2]", b"\xff\xfe\x00", b"not json", b"[" * 100000):
+        (tmp_path / "summary.json").write_bytes(content)
+        assert main(["status", str(tmp_path)]) == 0
+        assert "summary.json: " in capsys.readouterr().out, content

@@ -329,10 +329,16 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
     ("length", "response_length_mean\n12\nabc\n", "line 3: response_length_mean 'abc' is not a positive number"),
     ("length", "response_length_mean\n12\nnan\n", "'nan' is not a positive number of tokens"),
     ("length", "response_length_mean\n12\n-50\n", "'-50' is not a positive number of tokens"),
-    ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a positive number"),
-    ("pool", '{"metadata": {"gap_seconds": "nan"}, "data": [1, 2]}', "gap_seconds must be a positive number"),
+    ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a number of seconds, at least 1"),
+    ("pool", '{"metadata": {"gap_seconds": "nan"}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
+    ("pool", '{"metadata": {"gap_seconds": 5e-324}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
+    ("pool", '{"metadata": {"gap_seconds": true}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": []}', "data must be a non-empty list"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": [3, -1]}', "data must be a non-empty list of instance counts"),
+    ("pool", '{"metadata": {"gap_seconds": 60}, "data": "1680"}', "data must be a non-empty list of instance counts"),
+    ("pool", '{"metadata": {"gap_seconds": 60}, "data": [true, 8.7]}', "data must be a non-empty list of instance counts"),
+    ("pool", '{"metadata": {"gap_seconds": 60}, "data": ' + "[" * 100000 + "]" * 100000 + "}",
+     "expected {'metadata'"),
 ])
 def test_a_malformed_trace_file_is_refused_naming_it(tmp_path, kind, content, says, capsys):
     """Trace files were read unchecked: a value ``abc`` or ``nan`` in a length trace, and a pool
@@ -346,3 +352,16 @@ def test_a_malformed_trace_file_is_refused_naming_it(tmp_path, kind, content, sa
                  "--steps", "3", f"--{kind}-trace", str(path)]) == 2
     err = capsys.readouterr().err
     assert says in err and path.name in err
+
+
+def test_a_trace_file_written_with_a_byte_order_mark_reads(tmp_path):
+    """A spreadsheet's UTF-8 BOM made the first column's name '\\ufeffresponse_length_mean' (a
+    bad-input search, 2026-12-05)."""
+    from nereusd.traces import load_length_trace, load_pool_trace
+
+    csv_path = tmp_path / "lengths.csv"
+    csv_path.write_bytes("response_length_mean,step\r\n100,0\r\n120,1\r\n".encode("utf-8-sig"))
+    assert load_length_trace(str(csv_path)).response_lengths == (100.0, 120.0)
+    pool_path = tmp_path / "pool.json"
+    pool_path.write_bytes('{"metadata": {"gap_seconds": 300}, "data": [16, 8.0]}'.encode("utf-8-sig"))
+    assert load_pool_trace(str(pool_path)).fractions == (1.0, 0.5)
