@@ -78,11 +78,11 @@ class PoolTrace:
 
 
 def _read_column(path: Path, column: str) -> list[float]:
-    """The numbers of ``column`` in the CSV ``path``, each finite and > 0 (a length in tokens).
+    """The numbers of ``column`` in the CSV ``path``, each finite and at least 1 (a length in tokens).
 
     Raises:
         ConfigError: naming the file (and the row): not UTF-8, no such column, an empty column,
-            or a value that is not a positive finite number.
+            or a value that is not a finite number of at least 1.
     """
     values = []
     try:
@@ -98,9 +98,9 @@ def _read_column(path: Path, column: str) -> list[float]:
                     value = float(text)
                 except ValueError:
                     value = math.nan
-                if not (math.isfinite(value) and value > 0):
-                    raise ConfigError(f"{path.name}: line {reader.line_num}: {column} {text!r} is not a positive "
-                                      "number of tokens")
+                if not (math.isfinite(value) and value >= 1):
+                    raise ConfigError(f"{path.name}: line {reader.line_num}: {column} {text!r} is not a number of "
+                                      "tokens of at least 1")
                 values.append(value)
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path.name}: not UTF-8 text ({err.reason} at byte {err.start}); is it a CSV file?") from None

@@ -326,9 +326,10 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
 
 
 @pytest.mark.parametrize("kind, content, says", [
-    ("length", "response_length_mean\n12\nabc\n", "line 3: response_length_mean 'abc' is not a positive number"),
-    ("length", "response_length_mean\n12\nnan\n", "'nan' is not a positive number of tokens"),
-    ("length", "response_length_mean\n12\n-50\n", "'-50' is not a positive number of tokens"),
+    ("length", "response_length_mean\n12\nabc\n", "line 3: response_length_mean 'abc' is not a number of tokens"),
+    ("length", "response_length_mean\n12\nnan\n", "'nan' is not a number of tokens of at least 1"),
+    ("length", "response_length_mean\n12\n-50\n", "'-50' is not a number of tokens of at least 1"),
+    ("length", "response_length_mean\n12\n1e-300\n", "'1e-300' is not a number of tokens of at least 1"),
     ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a number of seconds, at least 1"),
     ("pool", '{"metadata": {"gap_seconds": "nan"}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
     ("pool", '{"metadata": {"gap_seconds": 5e-324}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
