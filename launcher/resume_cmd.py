@@ -29,7 +29,7 @@ from pathlib import Path
 from launcher.local import supervise
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.config.resolve import load_and_resolve
-from nereusd.control.controller import job_fingerprint
+from nereusd.control.jobs import job_fingerprint
 from nereusd.daemon.kept import started_job_sha256
 from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, read_jsonl, run_dir_owner

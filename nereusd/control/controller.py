@@ -46,38 +46,32 @@ Pure: no torch, no sockets, no clock. The shell that executes decisions on worke
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
 
-from nereusd.backends import Backend, check_zero_stage, restarts_vllm_engines
-from nereusd.config.resolve import ResolvedJob
-from nereusd.config.site import SiteConfig
+from nereusd.backends import restarts_vllm_engines
 from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Decision, Target, admit, recheck_due
-from nereusd.control.lookahead import MAX_TOKENS, LengthLookahead, planned_mean_fraction
-from nereusd.control.policy import MEMORY_WINDOW, ControlPolicy, PolicyKind
+from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
+from nereusd.control.policy import ControlPolicy, PolicyKind
 from nereusd.control.monitor import (EFFICIENCY, FORCED, GPU_POOL, PERIOD, RECHECK, RESTARTED, SEQUENCE_LENGTH,
                                      Monitor, Trigger)
-from nereusd.control.problem import job_problem, site_for_pool, solve
+from nereusd.control.problem import site_for_pool, solve
+from nereusd.control.restarts import RestartPlanning
+from nereusd.control.state import ControllerState
 from nereusd.control.transition_costs import TransitionCostLearning
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.cost.model import CostModel
-from nereusd.errors import ConfigError, PlanError
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
-from nereusd.planner.search import Infeasible, PlanResult
 from nereusd.planner.space import PlanProblem, evaluate
 from nereusd.transition.estimate import TransitionEstimator
 
 MAX_HEADROOM = 0.6
 """The memory ratio never widens the planner's headroom past this fraction."""
-
-RESTART_LENGTH_FACTOR = math.sqrt(2.0)
-"""Ratio between the response lengths :meth:`Controller._restart_for_growth` plans for."""
 
 MEAN_FRACTION_WINDOW = 8
 """Steps whose mean-over-longest response fraction :meth:`Controller.mean_fraction` takes the
@@ -133,7 +127,7 @@ class Outcome:
 
 
 
-class Controller(TransitionCostLearning):
+class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
     """Calibrate, trigger, replan and admit for one running job (module docstring).
 
     Args:
@@ -173,104 +167,13 @@ class Controller(TransitionCostLearning):
         self._mean_fractions: deque[float] = deque(maxlen=MEAN_FRACTION_WINDOW)
         """Recent steps' mean over longest response (:meth:`mean_fraction`)."""
         self.predicted_step_s: float | None = None
-        self._replay_until, self._replay_length = 0, 0
-        self._restarted = False
-        """A restart put the job on the plan for the longest response: replan at the next boundary."""
-        self._restart_target: tuple[Plan, bool, bool] | None = None
-        """The last :meth:`restart_plan` answer: (plan, after an OOM, planned past the coming steps)."""
         self.base_plan = plan
         """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
-        self._relaunch = False
-        self._outgrown = False
-        """The last boundary's verdict was checkpoint/restart because the running plan no longer
-        fits the coming steps (it still had its devices): :meth:`restart_plan` weighs plans for
-        longer responses against the restarts they save (:meth:`_restart_for_growth`)."""
+        self._init_restarts()
         self._rejected: tuple[int, float] | None = None
         """The last boundary's ``reject`` of faster targets for their payback: (step, the smallest
         payback in steps); asked again once due (:data:`RECHECK`)."""
-
-    # ---- state of a resumed nereusd ------------------------------------------------------------
-    STATE_VERSION = 2
-
-    def state(self) -> dict:
-        """What the controller learned, for the journal (JSON; ``checkpoint`` events carry it, so
-        that ``nereusd --resume`` continues with it, :meth:`restore`): the plan, the response
-        length seen, the calibration, the memory ratios, the transition overhead and each
-        model-stage's rebuild time, the monitor's
-        signals and ``H_x``, the re-run and relaunch marks, a rejection waiting to be asked again,
-        and the ``frozen`` policy's base plan."""
-        return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
-                "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
-                "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
-                "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
-                "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
-                "base_plan": self.base_plan.to_dict(), "lengths": self.lengths.to_json(),
-                "mean_fractions": list(self._mean_fractions), "rejected": self._rejected,
-                **self._transition_costs_state()}
-
-    def restore(self, state: Mapping) -> None:
-        """Continue from :meth:`state` (the plan is the caller's: a resumed job may run another).
-
-        Raises:
-            ConfigError: another version or a malformed state, naming the field; the controller
-                is unchanged (the caller resumes with what it has).
-        """
-        try:
-            if type(state.get("version")) is not int or state.get("version") != self.STATE_VERSION:
-                raise ValueError(f"version {state.get('version')!r}, expected {self.STATE_VERSION}")
-            Calibration.from_json(state["calibration"], "controller state: calibration")   # checked first
-            monitor = Monitor.from_json(state["monitor"])
-            memory = [float(x) for x in state["memory_ratios"]]
-            if not all(math.isfinite(x) and x > 0 for x in memory):   # a nan hid the largest ratio from max()
-                raise ValueError(f"memory_ratios {memory!r}: expected finite ratios > 0")
-            base_plan = Plan.from_dict(state["base_plan"])
-            replay_until, replay_length = (int(x) for x in state["replay"])
-            if not (0 <= replay_until and 0 <= replay_length <= max(self.max_response_length, 1)):
-                raise ValueError(f"replay {state['replay']!r}: a step ≥ 0 and a length of at most max_new_tokens")
-            flags = (state["relaunch"], state["restarted"])
-            if not all(isinstance(f, bool) for f in flags):   # bool("false") is True
-                raise TypeError(f"relaunch / restarted must be true or false, got {flags!r}")
-            fields = (int(state["length"]), float(state["efficiency"]), *flags)
-            if not (1 <= fields[0] <= MAX_TOKENS and math.isfinite(fields[1]) and fields[1] > 0):
-                raise ValueError(f"length {state['length']!r} / efficiency {state['efficiency']!r} out of range")
-            predicted = state["predicted_step_s"]
-            predicted = None if predicted is None else float(predicted)
-            if predicted is not None and not (math.isfinite(predicted) and predicted >= 0):
-                raise ValueError(f"predicted_step_s {predicted!r}")
-            costs = self._parse_transition_costs(state)
-            lengths = LengthLookahead(self.policy.delta_length)
-            lengths.restore(state["lengths"])
-            fractions = [float(x) for x in state.get("mean_fractions", [])]   # absent before 2026-12-04
-            if not all(0.0 < x <= 1.0 for x in fractions):
-                raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")
-            rejected = state.get("rejected")   # absent before 2026-12-05
-            if rejected is not None:
-                if not (isinstance(rejected, list) and len(rejected) == 2 and type(rejected[0]) is int
-                        and type(rejected[1]) in (int, float)):
-                    raise ValueError(f"rejected: expected [step, payback steps], got {rejected!r}")
-                rejected = (rejected[0], float(rejected[1]))
-                if not (rejected[0] >= 0 and math.isfinite(rejected[1]) and rejected[1] >= 0):
-                    raise ValueError(f"rejected: a step ≥ 0 and a finite payback ≥ 0, got {list(rejected)!r}")
-        except ConfigError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, PlanError) as err:
-            raise ConfigError(f"controller state: malformed ({type(err).__name__}: {err})") from None
-        self.calibration.restore(state["calibration"], "controller state: calibration")
-        self.cost_model.refresh()
-        self.transitions.forget()
-        self.monitor = monitor
-        self._memory.clear()
-        self._memory.extend(memory)
-        self.base_plan = base_plan
-        self._replay_until, self._replay_length = replay_until, replay_length
-        self.length, self.efficiency, self._relaunch, self._restarted = fields
-        self.predicted_step_s = predicted
-        self.lengths = lengths
-        self._mean_fractions.clear()
-        self._mean_fractions.extend(fractions)
-        self._rejected = rejected
-        self._set_transition_costs(costs)
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int, mean_fraction: float | None = None) -> PlanProblem:
@@ -492,156 +395,11 @@ class Controller(TransitionCostLearning):
             current_s if current_valid else None)
         return Outcome(decision, length, tuple(lines))
 
-    def restart_plan(self, pool: tuple[int, ...]) -> PlanResult:
-        """The plan a checkpoint/restart goes to (urgent path: with recomputation if nothing else fits).
-
-        After an out-of-memory failure (:meth:`failed`) the planner's plan for the longest
-        response, :attr:`max_response_length`; after a device loss or a pool that no plan's units
-        survive, the plan for the coming steps (the lookahead length), as at any boundary.
-
-        The ``frozen`` policy restarts after a device loss into its launch plan DP-rescaled to
-        ``pool`` (a static framework relaunches the same TP/PP on fewer GPUs; when even DP 1 of it
-        does not fit ``pool``, into the planner's plan, until the GPUs are back), and after an
-        out-of-memory failure into the planner's plan for the longest response, which becomes its
-        launch plan.
-
-        Raises:
-            Infeasible: when nothing holds it.
-        """
-        frozen = self.policy.kind is PolicyKind.FROZEN
-        oom = self._relaunch   # cleared by switched(): callers may ask more than once before restarting
-        coming = self.lookahead(self.length)
-        if frozen and not oom:
-            problem = self.problem(pool, coming)
-            rescaled = dp_rescale(self.base_plan, problem)
-            if rescaled is not None:
-                ev = evaluate(problem, rescaled, self.cost_model)
-                usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
-                return PlanResult(rescaled, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
-        if self._outgrown and not (oom or frozen):
-            chosen = self._restart_for_growth(pool, coming)
-            if chosen is not None:
-                self._restart_target = (chosen.plan, False, False)
-                return chosen
-        length = self.max_response_length if oom or frozen else coming
-        problem = self.problem(pool, length)
-        result, lines = solve(problem, self.cost_model, self.plan, self.headroom(), True)
-        if result is None:
-            raise Infeasible(f"no plan holds responses of {length} tokens: " + "; ".join(lines))
-        self._restart_target = (result.plan, oom, length > coming)
-        return result
-
-    def _restart_for_growth(self, pool: tuple[int, ...], coming: int) -> PlanResult | None:
-        """The restart plan when the running plan was outgrown (:attr:`_outgrown`): of the
-        planner's plans for the coming length and for lengths √2, 2, 2√2 … times it, up to
-        :attr:`max_response_length`, the one with the least step time at the coming length plus
-        the restart amortised over the steps the plan lasts::
-
-            L̂_step(S_L) + L̂_restart / n_L,   n_L = ln(L / ℓ) / ln(1 + g)
-
-        where ``ℓ`` is the last step's longest response, ``g`` the run's growth per step
-        (:meth:`nereusd.control.lookahead.LengthLookahead.growth_per_step`) and ``n_L`` the
-        steps until the lengths reach ``L`` (infinite for the plan for the longest response).
-        Planning for the coming length alone, a growing run restarts again as soon as the
-        lengths pass it: on the simulator's memory-tight A100 ramp, three restarts of 188 s
-        each in the last 60 steps (``scripts/bench_sim.py``, 2026-12-05). The rule is the
-        payback rule's amortisation (paper §4.3) applied to the restart that growth will force.
-
-        Returns ``None`` (the caller plans for the coming length) before a restart was measured
-        or while the lengths do not grow."""
-        growth, restart_s = self.lengths.growth_per_step(), self.restart_s
-        if growth <= 0.0 or restart_s <= 0.0:
-            return None
-        coming_problem = self.problem(pool, coming)
-        best: tuple[float, PlanResult] | None = None
-        length = coming
-        while True:
-            result, _ = solve(self.problem(pool, length), self.cost_model, self.plan, self.headroom(), True)
-            if result is None:
-                break   # nothing holds this length: nor any longer one
-            if length >= self.max_response_length:
-                life = math.inf
-            else:
-                life = math.log(length / max(1, self.length)) / math.log1p(growth)
-            amortised = restart_s / life if life > 0 else math.inf
-            cost = evaluate(coming_problem, result.plan, self.cost_model).step_latency_s + amortised
-            if best is None or cost < best[0]:
-                best = (cost, result)
-            if length >= self.max_response_length:
-                break
-            length = min(self.max_response_length, math.ceil(length * RESTART_LENGTH_FACTOR))
-        return best[1] if best is not None else None
-
-    def failed(self, step: int, length: int | None = None) -> None:
-        """Step ``step`` ran out of memory at responses of ``length`` tokens (default, when the
-        caller does not know: :attr:`max_response_length`). Until the job is past it again —
-        the steps since the checkpoint re-run the same batches — plans are chosen for at least
-        that length, so that a replan during the re-run does not return to a layout that
-        failed (without this a job can fail, restart and fail again at the same step forever;
-        ``tests/unit/sim/test_sim.py`` replays such a run)."""
-        length = self.max_response_length if length is None else int(length)
-        self._replay_length = max(self._replay_length if step < self._replay_until else 0, length)
-        self._replay_until = max(self._replay_until, step + 1)
-        self._relaunch = True   # the next restart plans for the longest response (frozen: and keeps it)
-
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
         """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""
         self.plan, self.pool = plan, tuple(pool)
-        self._outgrown = False
-        target, self._restart_target = self._restart_target, None
-        if target is not None and target[0] == plan:   # the restart :meth:`restart_plan` planned
-            _, oom, past_coming = target
-            self._relaunch = False
-            self._restarted = past_coming   # planned past the coming steps: replan at the next boundary
-            if oom and self.policy.kind is PolicyKind.FROZEN:   # a user relaunching after an OOM keeps it
-                self.base_plan = plan
+        self._restart_done(plan)
 
     def pool_changed(self, pool: tuple[int, ...]) -> None:
         """Devices joined without changing the plan (they stay spares until a replan uses them)."""
         self.pool = tuple(pool)
-
-
-def job_fingerprint(job: ResolvedJob) -> str:
-    """SHA-256 of the job's validated configuration: a controller state journalled under another
-    job file is not resumed (its plan and calibration may not fit it)."""
-    return hashlib.sha256(job.config.model_dump_json().encode()).hexdigest()
-
-
-def controller_for_job(job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_length: int,
-                       pool: tuple[int, ...] | None = None, calibration: Calibration | None = None) -> Controller:
-    """The controller of a live job: its plan problem, its ``adaptation`` policy, every
-    transition assessed at full size (the DAG admission assesses is the one executed)."""
-    pool = tuple(sorted(pool)) if pool is not None else plan.devices()
-    problem = job_problem(job, site, pool, job.config.rollout.max_new_tokens, prompt_length)
-    return Controller(problem, plan, ControlPolicy.from_config(job.config.adaptation),
-                      max_response_length=job.config.rollout.max_new_tokens, pool=pool, calibration=calibration)
-
-
-def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]) -> Plan:
-    """``current`` with the per-model-stage overrides of an ``adaptation.forced`` entry.
-
-    Unspecified degrees keep the current values; ``dp`` defaults to ``devices / (tp·pp)``.
-
-    Raises:
-        PlanError: naming the model-stage when the override does not fit its devices.
-    """
-    out = dict(current.candidates)
-    for name, cfg in overrides.items():
-        ms = ModelStage.parse(name)
-        cur = current[ms]
-        devices = tuple(cfg.devices) if cfg.devices is not None else cur.devices
-        tp, pp = cfg.tp or cur.tp, cfg.pp or cur.pp
-        if len(devices) % (tp * pp):
-            raise PlanError(f"adaptation.forced: {ms}: {len(devices)} devices are not a multiple of tp·pp={tp * pp}")
-        dp = cfg.dp or len(devices) // (tp * pp)
-        mb = cfg.micro_batch if cfg.micro_batch is not None else cur.micro_batch
-        zero = cfg.zero_stage if cfg.zero_stage is not None else cur.zero_stage
-        try:
-            check_zero_stage(ms, job.backends.get(ms, Backend.NATIVE), zero, tp=tp, pp=pp,
-                             key=f"adaptation.forced: {ms}")
-        except ConfigError as err:
-            raise PlanError(str(err)) from None
-        out[ms] = dataclasses.replace(cur, tp=tp, pp=pp, dp=dp, devices=devices[:tp * pp * dp], micro_batch=mb,
-                                      recompute=cfg.recompute if cfg.recompute is not None else cur.recompute,
-                                      zero_stage=zero)
-    return Plan(out)

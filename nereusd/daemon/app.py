@@ -29,7 +29,7 @@ from typing import Any
 from nereusd import checkpoints
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
-from nereusd.control.controller import controller_for_job, job_fingerprint
+from nereusd.control.jobs import controller_for_job, job_fingerprint
 from nereusd.control.problem import launch_plan
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.heap import settle_heap

@@ -58,7 +58,7 @@ class KeptState:
 
 
 def started_job_sha256(run_dir: Path, back: int = 0) -> str | None:
-    """The ``job_sha256`` (:func:`nereusd.control.controller.job_fingerprint`) that the
+    """The ``job_sha256`` (:func:`nereusd.control.jobs.job_fingerprint`) that the
     ``back``-th latest nereusd of ``run_dir`` journalled when it started (0: the latest); ``None``
     when there is no such nereusd or it did not record one."""
     started = [r for r in read_jsonl(run_dir / EVENTS_FILE) if r.get("event") == Event.NEREUSD_STARTED.value]

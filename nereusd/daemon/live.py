@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from nereusd import protocol as P
-from nereusd.control.controller import Controller, StepObservation, forced_plan
+from nereusd.control.controller import Controller, StepObservation
+from nereusd.control.jobs import forced_plan
 from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
 from nereusd.daemon.pool import PoolController
 from nereusd.errors import NereusError, WorkerError

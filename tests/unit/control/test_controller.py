@@ -10,7 +10,8 @@ import math
 import pytest
 
 from launcher.report import plan_segments
-from nereusd.control.controller import Controller, StepObservation, controller_for_job, forced_plan
+from nereusd.control.controller import Controller, StepObservation
+from nereusd.control.jobs import controller_for_job, forced_plan
 from nereusd.control.problem import job_problem, launch_plan, solve
 from nereusd.config.job import StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel

@@ -4,7 +4,7 @@ The simulator replays a growing-length run of the demo job's own plan problem un
 policy (its ground truth supplies the measurements). Every call it makes to its controller —
 observations, boundaries with their pools and surviving units, transitions measured, switches —
 is recorded, then made again on the controller a live job builds for that job
-(:func:`nereusd.control.controller.controller_for_job`, what ``nereusd`` runs). Every decision
+(:func:`nereusd.control.jobs.controller_for_job`, what ``nereusd`` runs). Every decision
 must come out the same: verdict, triggers, target plan, predicted latencies and ``L̂_tran``.
 A simulator with a controller, policy or knob of its own fails this test.
 """
@@ -18,6 +18,7 @@ import pytest
 from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.control import controller as control
+from nereusd.control.jobs import controller_for_job
 from nereusd.control.problem import job_problem
 from nereusd.sim import replay
 from nereusd.sim.policies import parse_policy
@@ -77,7 +78,7 @@ def test_simulated_decisions_are_the_live_controllers(monkeypatch):
     result = sim.run(parse_policy("nereus"))
     assert result.switches >= 1, "the growth should make the simulated job switch at least once"
 
-    live = control.controller_for_job(job, site, sim.launch, PROMPT, pool=pool)
+    live = controller_for_job(job, site, sim.launch, PROMPT, pool=pool)
     boundaries = 0
     for name, args, kw, sim_out in Recording.calls:
         live_out = getattr(live, name)(*args, **kw)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from nereusd import protocol as P
 from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
-from nereusd.control.controller import controller_for_job
+from nereusd.control.jobs import controller_for_job
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.pool import PoolController
 from nereusd.journal import Journal

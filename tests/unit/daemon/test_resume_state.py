@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
-from nereusd.control.controller import controller_for_job, job_fingerprint
+from nereusd.control.jobs import controller_for_job, job_fingerprint
 from nereusd.daemon.app import Daemon
 from nereusd.journal import Journal, read_jsonl
 from nereusd.plan import Candidate, Plan
