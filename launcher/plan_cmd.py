@@ -24,6 +24,7 @@ from pathlib import Path
 
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
+from nereusd.errors import shortened
 from nereusd.models import PRESETS, resolve_model, shortest_context
 from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.search import Infeasible, Planner
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         missing = bool(args.calibration) and not Path(args.calibration).is_file()
     except OSError as err:   # a name too long for the file system
-        print(f"nereus-launch plan: --calibration {args.calibration[:80]}…: {err.strerror}", file=sys.stderr)
+        print(f"nereus-launch plan: --calibration {shortened(args.calibration)}: {err.strerror}", file=sys.stderr)
         return 2
     if missing:
         print(f"nereus-launch plan: --calibration {args.calibration}: no such file", file=sys.stderr)

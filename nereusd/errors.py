@@ -31,6 +31,17 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
+def not_utf8(err: UnicodeDecodeError) -> str:
+    """What a message says of a file that is not UTF-8 text: ``not UTF-8 text (<reason> at byte N)``."""
+    return f"not UTF-8 text ({err.reason} at byte {err.start})"
+
+
+def shortened(text: str, limit: int = 80) -> str:
+    """``text`` for a message, quoted, its first ``limit`` characters and ``…`` when longer (a
+    name too long for the file system is thousands of characters)."""
+    return f"{text[:limit]!r}{'…' if len(text) > limit else ''}"
+
+
 class DeviceOutOfMemory(NereusError):
     """An allocation on a (virtual) device would exceed its capacity.
 

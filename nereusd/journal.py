@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from nereusd.errors import NereusError, StorageError
+from nereusd.errors import NereusError, StorageError, not_utf8
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     except UnicodeDecodeError as err:
-        raise JournalError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise JournalError(f"{path}: {not_utf8(err)}") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

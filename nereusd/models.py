@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, not_utf8, shortened
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -193,7 +193,7 @@ class ModelSpec:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{cfg_path}: not valid JSON: {err}") from None
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{cfg_path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            raise ConfigError(f"{cfg_path}: {not_utf8(err)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{cfg_path}: expected a JSON object")
         return cls.from_hf_config(data, source=str(cfg_path))
@@ -462,7 +462,7 @@ def resolve_model(name_or_path: str | Path) -> ModelSpec:
     try:
         is_dir, is_file = path.is_dir(), path.is_file()
     except OSError as err:   # a name too long for the file system
-        raise ConfigError(f"model {text[:80]!r}{'…' if len(text) > 80 else ''}: {err.strerror}") from None
+        raise ConfigError(f"model {shortened(text)}: {err.strerror}") from None
     if is_dir:
         return ModelSpec.from_pretrained_dir(path)
     if is_file:
@@ -471,7 +471,7 @@ def resolve_model(name_or_path: str | Path) -> ModelSpec:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON: {err}") from None
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); is it a config.json?") from None
+            raise ConfigError(f"{path}: {not_utf8(err)}; is it a config.json?") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return ModelSpec.from_hf_config(data, source=str(path))

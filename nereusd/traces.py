@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, not_utf8
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
 LENGTH_DIR = DATA / "length"
@@ -103,7 +103,7 @@ def _read_column(path: Path, column: str) -> list[float]:
                                       "tokens of at least 1")
                 values.append(value)
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path.name}: not UTF-8 text ({err.reason} at byte {err.start}); is it a CSV file?") from None
+        raise ConfigError(f"{path.name}: {not_utf8(err)}; is it a CSV file?") from None
     if not values:
         raise ConfigError(f"{path.name}: column {column!r} is empty")
     return values

@@ -15,7 +15,7 @@ from nereusd.backends import (ZERO_STAGES, Backend, check_engine_support, check_
                               resolve_backends)
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.loggers import check_loggers
-from nereusd.errors import ConfigError, PlanError
+from nereusd.errors import ConfigError, PlanError, shortened
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage, training_micro_batch
 from nereusd.shards import check_checkpoint_shapes, check_layout, value_head_for
@@ -84,7 +84,7 @@ def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
         path = (base_dir / value).resolve()
         found = (path / "config.json").is_file()
     except OSError as err:   # a name too long for the file system
-        raise ConfigError(f"{source}: {key}: {value[:80]!r}{'…' if len(value) > 80 else ''}: {err.strerror}") from None
+        raise ConfigError(f"{source}: {key}: {shortened(value)}: {err.strerror}") from None
     if not found:
         raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'})")
     return str(path)

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, shortened
 from nereusd.config.site_slurm import ContainerSpec, SlurmSpec, check_env, check_slurm  # noqa: F401 (re-exported)
 
 GIB = 1 << 30
@@ -272,7 +272,7 @@ def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
         ConfigError: if nothing is found; the message lists where it looked.
     """
     text = os.fspath(path_or_name)
-    shown = f"{text[:80]!r}{'…' if len(text) > 80 else ''}"
+    shown = shortened(text)
     try:
         if os.sep in text or "/" in text or text.endswith((".yaml", ".yml")):
             path = Path(text)

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, not_utf8
 
 MAX_YAML_BYTES = 1 << 20
 """Largest configuration file read (1 MiB)."""
@@ -70,7 +70,7 @@ def read_yaml(path: Path) -> Any:
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); is it a YAML file?") from None
+        raise ConfigError(f"{path}: {not_utf8(err)}; is it a YAML file?") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err}") from None
     try:

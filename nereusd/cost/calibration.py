@@ -34,7 +34,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, not_utf8, shortened
 
 log = logging.getLogger(__name__)
 
@@ -358,8 +358,8 @@ class Calibration:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON: {err}") from None
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); is it a calibration "
+            raise ConfigError(f"{path}: {not_utf8(err)}; is it a calibration "
                               "file?") from None
         except OSError as err:
-            raise ConfigError(f"{str(path)[:80]}: cannot read it ({err.strerror})") from None
+            raise ConfigError(f"{shortened(str(path))}: cannot read it ({err.strerror})") from None
         return cls.from_json(data, source=str(path))

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, not_utf8
 
 Messages = list[dict[str, str]]
 
@@ -62,7 +62,7 @@ def _rows(path: Path) -> list[Any]:
         try:
             text = path.read_text(encoding="utf-8-sig")   # a leading byte-order mark is not data
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            raise ConfigError(f"{path}: {not_utf8(err)}") from None
         # JSON lines end at "\n" only: str.splitlines would also cut at U+2028 and U+0085, which
         # JSON allows raw inside strings.
         for number, line in enumerate(text.split("\n"), 1):
