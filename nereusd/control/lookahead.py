@@ -52,18 +52,21 @@ class LengthLookahead:
 
     def __init__(self, delta_length: float) -> None:
         self.delta_length = float(delta_length)
-        self.window: deque[int] = deque(maxlen=LENGTH_WINDOW)
         self.jump = 0.0
         """Largest ``L_i / max(L_{i−W} … L_{i−1}) − 1`` seen (relative)."""
         self.seen = 0
         self.history: deque[int] = deque(maxlen=GROWTH_WINDOW)
         """The last :data:`GROWTH_WINDOW` steps' longest responses, oldest first."""
 
+    @property
+    def window(self) -> list[int]:
+        """The last :data:`LENGTH_WINDOW` steps' longest responses (the base's), oldest first."""
+        return list(self.history)[-LENGTH_WINDOW:]
+
     def observe(self, length: int) -> None:
         """A step's longest response (tokens, ≥ 1)."""
-        if self.window:
+        if self.history:
             self.jump = max(self.jump, length / max(self.window) - 1.0)
-        self.window.append(int(length))
         self.history.append(int(length))
         self.seen += 1
 
@@ -77,7 +80,7 @@ class LengthLookahead:
         n = len(self.history)
         if n < GROWTH_MIN_STEPS:
             return 0.0
-        ys = [math.log(max(1, x)) for x in self.history]
+        ys = [math.log(max(1, x)) for x in self.history]   # exact sums: a flat run reads 0, not 1e-17
         mean_i, mean_y = (n - 1) / 2.0, sum(ys) / n
         slope = sum((i - mean_i) * (y - mean_y) for i, y in enumerate(ys)) / sum((i - mean_i) ** 2 for i in range(n))
         return max(0.0, math.expm1(slope))
@@ -91,7 +94,7 @@ class LengthLookahead:
     def coming(self, length: int, cap: int) -> int:
         """The coming step's longest response: ``⌈max(length, base)·(1 + margin)⌉``, at most
         ``cap`` (``max_new_tokens``), at least 1."""
-        base = max(int(length), *self.window) if self.window else int(length)
+        base = max(int(length), *self.window) if self.history else int(length)
         return max(1, int(min(cap, math.ceil(base * (1.0 + self.margin())))))
 
     def to_json(self) -> dict:
@@ -101,14 +104,12 @@ class LengthLookahead:
         """Raises: KeyError, TypeError, ValueError for a malformed state (nothing changed then)."""
         if not isinstance(data["window"], list) or not isinstance(data.get("history", []), list):
             raise TypeError(f"lookahead window and history must be lists: {dict(data)!r}")
-        window = [_whole(x) for x in data["window"]][-LENGTH_WINDOW:]
+        window = [_whole(x) for x in data["window"]]   # written for the states before "history"
         history = [_whole(x) for x in data.get("history", window)][-GROWTH_WINDOW:]   # absent before 2026-12-05
         jump, seen = float(data["jump"]), int(data["seen"])
         if not (math.isfinite(jump) and jump >= 0.0) or seen < 0 or any(
                 not 1 <= x <= MAX_TOKENS for x in window + history):
             raise ValueError(f"lookahead state out of range: {dict(data)!r}")
-        self.window.clear()
-        self.window.extend(window)
         self.history.clear()
         self.history.extend(history)
         self.jump, self.seen = jump, seen
