@@ -28,7 +28,7 @@ from nereusd import protocol as P
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError, SlurmError
 from nereusd.config.resolve import resolve_job
-from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir
+from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir, to_json
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.slurm import SlurmClient
@@ -255,8 +255,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     # an ended job's nereusd is gone: asking it only waits out the timeout (5 s)
     out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm,
                            "nereusd": None if ended else ask_nereusd(run_dir), "summary": summary}
-    if args.json:
-        print(json.dumps(out, indent=1))
+    if args.json:   # strict JSON: a summary's NaN reads back as Python's NaN, which json.dumps writes bare
+        print(to_json(out, indent=1))
         return 0
     print(f"run {run_dir}: " + ("Slurm " + ", ".join(f"{j} {s}" for j, s in slurm.items()) if slurm else "local"))
     live = out["nereusd"]

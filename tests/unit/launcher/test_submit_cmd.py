@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launcher.cli import main
 from nereusd.errors import SlurmError
 from nereusd.slurm import SlurmClient
@@ -106,3 +108,13 @@ def test_status_of_a_malformed_summary_prints_what_it_can(tmp_path, capsys):
         (tmp_path / "summary.json").write_bytes(content)
         assert main(["status", str(tmp_path)]) == 0
         assert "summary.json: " in capsys.readouterr().out, content
+
+
+def test_status_json_is_strict_json_whatever_the_summary_holds(tmp_path, capsys):
+    """A summary holding NaN (Python's reader accepts it) made ``status --json`` print a bare
+    ``NaN``, which strict JSON readers (jq, JavaScript) refuse (a bad-input search, 2026-12-05)."""
+    (tmp_path / "summary.json").write_text('{"status": "succeeded", "reward_best": NaN, "wall_time_s": Infinity}')
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))["summary"]
+    assert summary["reward_best"] == "nan" and summary["wall_time_s"] == "inf"
