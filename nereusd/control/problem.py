@@ -18,7 +18,7 @@ from nereusd.cost.calibration import Calibration
 from nereusd.backends import Backend
 from nereusd.cost.memory import HEADROOM
 from nereusd.cost.model import CostModel
-from nereusd.plan import Plan
+from nereusd.plan import ModelStage, Plan
 from nereusd.planner.search import Infeasible, Planner, PlanResult
 from nereusd.planner.space import PlannerOptions, PlanProblem
 from nereusd.workflow import Workload, build_workflow
@@ -59,10 +59,11 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
 
 
 def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, headroom: float,
-          urgent: bool, generation_micro_batch: int = 0) -> tuple[PlanResult | None, list[str]]:
+          urgent: bool, generation_micro_batch: int = 0,
+          shapes: tuple[tuple[ModelStage, int, int], ...] = ()) -> tuple[PlanResult | None, list[str]]:
     """The planner's best plan (urgent: widening micro-batch and recomputation); log lines.
-    ``generation_micro_batch``: :attr:`PlannerOptions.generation_micro_batch`."""
-    options = PlannerOptions(headroom=headroom, generation_micro_batch=generation_micro_batch)
+    ``generation_micro_batch`` and ``shapes``: :class:`PlannerOptions`' fields."""
+    options = PlannerOptions(headroom=headroom, generation_micro_batch=generation_micro_batch, shapes=shapes)
     if urgent:
         return urgent_replan(problem, cost_model, current, options)
     try:

@@ -109,6 +109,11 @@ class PlannerOptions:
             may take where a replica's share is at least that large: the running vLLM engines'
             ``max_num_seqs``, so that a plan can keep them (the controller's engine-keeping
             alternative). 0: every wave size.
+        shapes: ``(model_stage, tp, pp)`` triples: those model-stages may take only that TP and PP
+            (DP, micro-batch and placement stay free). The controller pins the shape a running
+            model-stage cannot leave by a transition that fits memory
+            (:meth:`nereusd.control.controller.Controller._unblocked`), so that the planner finds
+            the best plan the job can reach instead of one it cannot.
     """
 
     any_divisor: bool = False
@@ -118,6 +123,14 @@ class PlannerOptions:
     generation_pp: bool = False
     zero_stages: tuple[int, ...] = ()
     generation_micro_batch: int = 0
+    shapes: tuple[tuple[ModelStage, int, int], ...] = ()
+
+    def shape_of(self, model_stage: ModelStage) -> tuple[int, int] | None:
+        """The ``(tp, pp)`` pinned for ``model_stage`` by :attr:`shapes`, else None."""
+        for m, tp, pp in self.shapes:
+            if m == model_stage:
+                return tp, pp
+        return None
 
 
 def zero_stage_choices(problem: "PlanProblem", model_stage: ModelStage, options: PlannerOptions) -> tuple[int, ...]:
@@ -336,9 +349,14 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
     rows: list[tuple] = []
     lat_parts: list[np.ndarray] = []
     memo: dict = {}
+    pinned = options.shape_of(m)
     for tp in tp_degrees(spec, min(tp_limit, n), options.any_divisor):
+        if pinned is not None and tp != pinned[0]:
+            continue
         pps = degrees(n // tp, spec.num_layers, options.any_divisor)
         for pp in ((1,) if generation and not options.generation_pp else pps):
+            if pinned is not None and pp != pinned[1]:
+                continue
             if not shardable(spec, value_head_for(m.role), tp, pp, generation and not options.generation_pp):
                 continue
             block: list[tuple] = []

@@ -37,13 +37,15 @@ from nereusd.transition.ops import TransitionDag
 class TransitionEstimate:
     """``l_tran_s`` seconds; ``feasible`` and ``reason`` from the DAG's memory check; ``scale``
     the DP reduction factor used (1: the full plans); ``dag`` the assessed DAG (``None`` when
-    nothing changes or the plans were scaled)."""
+    nothing changes or the plans were scaled); ``blocked`` the model-stage (its string form)
+    whose op does not fit memory, ``""`` when it fits or the current plan itself does not."""
 
     l_tran_s: float
     feasible: bool
     reason: str = ""
     scale: int = 1
     dag: TransitionDag | None = None
+    blocked: str = ""
 
 
 class TransitionEstimator:
@@ -106,8 +108,10 @@ class TransitionEstimator:
                 scale *= 2
             cur, tgt = (current, target) if scale == 1 else self._scaled(current, target, scale)
             result = assess_transition(cur, tgt, self.specs, self.site, cost_model=self.cost_model)
+            v = result.feasibility.violation
             est = TransitionEstimate(result.l_tran_s, result.feasible, result.reason, scale,
-                                     result.dag if scale == 1 else None)
+                                     result.dag if scale == 1 else None,
+                                     v.model_stage if v is not None and v.op_id is not None else "")
         if len(self._memo) > 4096:
             self._memo.clear()
         self._memo[key] = est

@@ -635,3 +635,51 @@ def test_a_target_rejected_for_its_payback_is_asked_again_once_the_plan_has_last
                 [1, 10**400], [1, float("inf")]):
         with pytest.raises(ConfigError, match="controller state: malformed"):
             resumed.restore({**state, "rejected": bad})
+
+
+def test_a_plan_the_job_cannot_move_to_gives_way_to_the_best_plan_it_can_reach():
+    """The simulator's A100 ramp (``scripts/bench_sim.py``; Llama-3.1-8B PPO on 64 × 64 GB),
+    the pool growing from 44 devices back to 64 (step 341 of its noisy run). The planner's plan
+    trains the actor at another TP·PP, whose Split does not fit memory next to what the devices
+    already hold; the DP rescale, which the urgent path then took, leaves actor and critic
+    training on 16 of 64 devices each. The controller now asks the planner again with the
+    blocked model-stage's TP and PP pinned, and offers that plan: training at ``pp4`` over twice
+    the replicas, whose move fits, predicted faster than the rescale."""
+    from nereusd.cost.memory import HEADROOM
+    from nereusd.planner.rescale import dp_rescale
+    from nereusd.sim.scenario import Scenario, build
+    from nereusd.sim.truth import TruthConfig
+
+    sim, _ = build(Scenario(steps=1000, gpus=64, length_trace="generated-ramp", pool_trace="us-east-2b",
+                            site="a100-ib", generation="vllm"), TruthConfig(kind="measured"))
+    r = lambda *spans: tuple(d for a, b in spans for d in range(a, b))   # noqa: E731
+    running = Plan({
+        ModelStage.parse("actor/generation"): Candidate(4, 1, 11, r((0, 44)), micro_batch=32),
+        ModelStage.parse("actor/inference"): Candidate(1, 4, 3, r((0, 12)), micro_batch=1),
+        ModelStage.parse("critic/inference"): Candidate(1, 4, 3, r((16, 28)), micro_batch=1),
+        ModelStage.parse("reference/inference"): Candidate(1, 4, 3, r((32, 44)), micro_batch=1),
+        ModelStage.parse("reward/inference"): Candidate(1, 4, 2, r((12, 16), (28, 32)), micro_batch=1),
+        TRAIN: Candidate(1, 4, 4, r((0, 16)), micro_batch=1),
+        ModelStage.parse("critic/training"): Candidate(1, 4, 4, r((32, 44), (16, 20)), micro_batch=1)})
+    ctl = Controller(sim.problem, running, max_response_length=8000, pool=r((0, 44)))
+    grown = r((0, 64))
+    problem = ctl.problem(grown, 1421, 0.25)
+    best, _ = solve(problem, ctl.cost_model, running, HEADROOM, True)
+    move = ctl.transitions.estimate(running, best.plan)
+    assert not move.feasible and move.blocked == str(TRAIN), move.reason
+    reachable = ctl._unblocked(running, best.plan, problem, HEADROOM, True)
+    assert reachable is not None and ctl.transitions.estimate(running, reachable).feasible
+    assert (reachable[TRAIN].tp, reachable[TRAIN].pp) == (1, 4) and reachable[TRAIN].dp == 8
+    rescaled = dp_rescale(running, problem, current=running)
+    assert reachable[TRAIN].dp > rescaled[TRAIN].dp
+    assert (evaluate(problem, reachable, ctl.cost_model).step_latency_s
+            < 0.8 * evaluate(problem, rescaled, ctl.cost_model).step_latency_s)
+    # at the boundary after a step of that length, the urgent path is offered it and takes it
+    now = ctl.problem(ctl.pool, 1269, 0.25)
+    ev = evaluate(now, running, CostModel(now.site))
+    ctl.observe(StepObservation(340, 1269, {m: o.latency_s for m, o in ev.options.items()}, dict(ev.peak_bytes),
+                                ev.step_latency_s, 0.25 * 1269))
+    decision = ctl.boundary(340, grown).decision
+    assert decision.admitted and decision.urgent
+    assert (decision.target.plan[TRAIN].pp, decision.target.plan[TRAIN].dp) == (4, 8), decision.target.plan.describe()
+    assert [a["verdict"] for a in decision.alternatives] == ["costlier"]   # the rescale, slower

@@ -317,3 +317,20 @@ def test_a_smaller_micro_batch_beats_a_wider_tp_where_the_jobs_does_not_fit():
     result, attempts = urgent_replan(pb, cost)
     assert attempts == [f"job settings: step {searched.predicted_step_latency_s:.3f} s"]
     assert not any(c.recompute for _, c in result.plan.items())
+
+
+def test_a_pinned_shape_leaves_dp_micro_batch_and_devices_free():
+    """``PlannerOptions.shapes`` pins a model-stage's TP and PP (what the controller asks when
+    the move to another shape does not fit memory); everything else is searched as before."""
+    pb = problem(2)
+    free = Planner(pb, CostModel(pb.site)).solve()
+    train = next(m for m in free.plan if m.stage.value == "training")
+    shape = next((tp, pp) for tp, pp in ((1, 2), (2, 1), (1, 1), (2, 2))
+                 if (tp, pp) != (free.plan[train].tp, free.plan[train].pp))
+    pinned = Planner(pb, CostModel(pb.site), PlannerOptions(shapes=((train, *shape),))).solve()
+    check_plan(pb, pinned)
+    assert (pinned.plan[train].tp, pinned.plan[train].pp) == shape
+    assert pinned.predicted_step_latency_s >= free.predicted_step_latency_s
+    assert pinned.plan[train].dp * shape[0] * shape[1] > 1   # DP still searched, not left at 1
+    assert PlannerOptions(shapes=((train, *shape),)).shape_of(train) == shape
+    assert PlannerOptions().shape_of(train) is None
