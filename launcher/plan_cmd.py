@@ -22,9 +22,10 @@ import math
 import sys
 from pathlib import Path
 
+from launcher.cli import DefaultsHelpFormatter
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
-from nereusd.errors import shortened
+from nereusd.errors import ConfigError, shortened
 from nereusd.models import PRESETS, resolve_model, shortest_context
 from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.search import Infeasible, Planner
@@ -37,6 +38,7 @@ GIB = float(1 << 30)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="show the plan the planner picks (no job is started)",
+                              formatter_class=DefaultsHelpFormatter,
                               description="Print the plan the planner picks for a model, algorithm, site and "
                                           "pool. It plans from --model/--site/--gpus, not from a job file: a "
                                           "job's own launch plan is journalled when the job starts "
@@ -112,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     if rule_reward:
         del specs[Role.REWARD]
     elif args.reward_model:
-        specs[Role.REWARD] = resolve_model(args.reward_model)
+        try:
+            specs[Role.REWARD] = resolve_model(args.reward_model)
+        except ConfigError as err:   # the model resolver does not know --reward-model's own 'none'
+            raise ConfigError(f"--reward-model: {err}; or 'none' for a rule-based reward") from None
     if args.critic_model:
         specs[Role.CRITIC] = resolve_model(args.critic_model)
     workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous, reward_model=not rule_reward)

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.cli import DefaultsHelpFormatter
 from nereusd.errors import NereusError
 from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies
@@ -36,17 +37,22 @@ from nereusd.traces import LENGTH_TRACES, POOL_TRACES
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="replay a job on traces under adaptation policies (no GPUs used)",
                               description=__doc__.split("\n\n")[0].replace("``", ""),
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"preset name ({', '.join(sorted(PRESETS))}), HF model directory or config.json")
     p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"], help="RL algorithm (its model-stages)")
     p.add_argument("--site", default="h200-ib", help="site config path or name")
     p.add_argument("--gpus", type=int, default=64, help="devices of the simulated cluster (whole nodes)")
-    p.add_argument("--steps", type=int, default=1000, help="RL steps to complete")
+    p.add_argument("--steps", type=int, default=1000,
+                   help="RL steps to complete (a generated ramp spans them: fewer steps, a steeper ramp)")
     p.add_argument("--length-trace", default="generated-ramp",
-                   help=f"shipped name ({', '.join(sorted(LENGTH_TRACES))}), generated-ramp[:start:end] (tokens) or path")
+                   help=f"shipped name ({', '.join(sorted(LENGTH_TRACES))}), generated-ramp[:start:end] (tokens, "
+                   "geometric over --steps), or a CSV path (FILE.csv or FILE.csv:COLUMN, default column "
+                   "response_length_mean, one row per step; a trace shorter than --steps repeats)")
     p.add_argument("--pool-trace", default="constant",
-                   help=f"shipped name ({', '.join(sorted(POOL_TRACES))}), path or constant")
+                   help=f"shipped name ({', '.join(sorted(POOL_TRACES))}), constant, or a JSON path "
+                   "({\"metadata\": {\"gap_seconds\": S}, \"data\": [instance counts, one per S seconds]}; "
+                   "scaled so its largest count is the whole cluster, started there, repeating)")
     p.add_argument("--policies", default="frozen-start,frozen-final,nereus,greedy,periodic-3,oracle",
                    help="comma-separated: frozen-start (or frozen: the launch layout, DP-rescaled on pool changes, "
                    "relaunched larger after an OOM), frozen-final (launched for the longest responses), nereus, "
@@ -96,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
     sim, meta = build(scenario, truth)
     prompt = sim.problem.workload.prompt_length
     short = shortest_context({r.value: spec for r, spec in sim.problem.specs.items()}, prompt + sim.max_response_length)
-    if short and not args.json:
+    if short:   # stderr: --json's stdout stays one JSON object
         print(f"warning: prompts of {prompt} tokens plus the length trace's longest response "
               f"({sim.max_response_length}) exceed the {short[0]} model's max_position={short[1].max_position}: "
               f"a job of this shape is refused at launch", file=sys.stderr)
+    trace_steps = len(sim.lengths.response_lengths)
+    if trace_steps < args.steps:
+        print(f"warning: the length trace has {trace_steps} steps, fewer than --steps {args.steps}: "
+              f"it repeats from its start after step {trace_steps - 1}", file=sys.stderr)
     results = run_policies(sim, policies, jobs=args.jobs)
     meta["wall_s"] = round(time.perf_counter() - start, 2)
     rows = summary(results)

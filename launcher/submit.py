@@ -154,10 +154,12 @@ def resolve_run_dir(job: str) -> Path:
     """
     if Path(job).is_dir():
         return Path(job).resolve()
+    if not job.isdigit():
+        raise NereusError(f"{job!r}: no such run directory (a Slurm job id is a number)")
     entry = _home() / "jobs" / f"{job}.json"
-    if job.isdigit() and entry.is_file():
+    if entry.is_file():
         return Path(json.loads(entry.read_text())["run_dir"])
-    raise NereusError(f"{job!r} is neither a run directory nor a job id submitted from here ({entry} not found)")
+    raise NereusError(f"{job!r} is not a job id submitted from here ({entry} not found)")
 
 
 def ask_nereusd(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
@@ -251,6 +253,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             malformed = f"{run_dir / SUMMARY_FILE}: unreadable ({type(err).__name__})"
         if summary is not None and not isinstance(summary, dict):
             summary, malformed = None, f"{run_dir / SUMMARY_FILE}: expected a JSON object"
+        if isinstance(summary, dict) and "status" not in summary and isinstance(summary.get("summary"), list) \
+                and not (run_dir / ENDPOINT_FILE).is_file() and not (run_dir / RECORD_FILE).is_file():
+            raise NereusError(f"{run_dir}: the output of nereus-launch simulate, not a job's run directory "
+                              f"(its results are in {run_dir / 'table.txt'})")
     ended = isinstance(summary, dict) and summary.get("status") not in (None, "running")
     # an ended job's nereusd is gone: asking it only waits out the timeout (5 s)
     out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm,

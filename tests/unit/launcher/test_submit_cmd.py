@@ -118,3 +118,14 @@ def test_status_json_is_strict_json_whatever_the_summary_holds(tmp_path, capsys)
     out = capsys.readouterr().out
     summary = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))["summary"]
     assert summary["reward_best"] == "nan" and summary["wall_time_s"] == "inf"
+
+
+def test_status_names_what_it_was_given_when_it_is_no_run_directory(tmp_path, capsys):
+    """``status`` on a simulation's output said "nereusd is not answering … see the logs" (there
+    are none), and on a mistyped path it named a job-index file under ~/.nereus (a new-user
+    trial, 2026-12-05)."""
+    (tmp_path / "summary.json").write_text(json.dumps({"length_trace": "generated ramp", "summary": [{"policy": "x"}]}))
+    assert main(["status", str(tmp_path)]) == 2
+    assert "the output of nereus-launch simulate, not a job's run directory" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nonexistent")]) == 2
+    assert "no such run directory" in capsys.readouterr().err

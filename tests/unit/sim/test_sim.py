@@ -366,3 +366,38 @@ def test_a_trace_file_written_with_a_byte_order_mark_reads(tmp_path):
     pool_path = tmp_path / "pool.json"
     pool_path.write_bytes('{"metadata": {"gap_seconds": 300}, "data": [16, 8.0]}'.encode("utf-8-sig"))
     assert load_pool_trace(str(pool_path)).fractions == (1.0, 0.5)
+
+
+def test_the_table_says_what_its_comparison_columns_need_and_when_they_mean_little():
+    """A new user's ``--policies nereus,greedy,oracle`` printed empty comparison columns without a
+    word, and a 0.2 % headroom read ``captured -7440`` (a new-user trial, 2026-12-05)."""
+    from nereusd.sim.report import NOISY_HEADROOM_PCT, format_table
+
+    def row(policy, mean, headroom, captured):
+        return {"policy": policy, "mean_step_s": mean, "total_s": 100 * mean, "switches": 0, "transition_s": 0.0,
+                "transition_share_pct": 0.0, "oom_events": 0, "restarts": 0, "stall_s": 0.0,
+                "vs_best_frozen_pct": None if headroom is None else 0.0, "oracle_headroom_pct": headroom,
+                "captured_pct": captured}
+
+    without = format_table([row("nereus", 10.0, None, None), row("oracle", 9.9, None, None)])
+    assert "needs a frozen baseline in --policies" in without
+    noisy = format_table([row("frozen-start", 10.0, 0.2, 0.0), row("oracle", 9.98, 0.2, 100.0)])
+    assert "oracle headroom over the better frozen baseline: 0.2 %" in noisy and "means little" in noisy
+    clear = format_table([row("frozen-start", 10.0, 2 * NOISY_HEADROOM_PCT, 0.0), row("oracle", 9.8, 2.0, 100.0)])
+    assert "means little" not in clear and "needs a frozen" not in clear
+
+
+def test_simulate_warns_on_stderr_when_the_length_trace_repeats(tmp_path, capsys):
+    """A 5-row trace under ``--steps 8`` ran on repeats without a word; with ``--json`` the
+    warnings go to stderr, so stdout stays one JSON object (a new-user trial, 2026-12-05)."""
+    import json
+
+    from launcher.cli import main
+
+    trace = tmp_path / "short.csv"
+    trace.write_text("step,response_length_mean\n" + "".join(f"{i},{40 + 10 * i}\n" for i in range(5)))
+    assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "8", "--global-batch", "64",
+                 "--length-trace", str(trace), "--policies", "frozen,nereus", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["summary"]
+    assert "the length trace has 5 steps, fewer than --steps 8" in out.err
