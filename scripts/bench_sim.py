@@ -125,7 +125,7 @@ def main() -> int:
         results.append({"case": case, "vs_frozen": n["vs_best_frozen_pct"], "headroom": n["oracle_headroom_pct"],
                         "captured": n["captured_pct"], "vs_greedy": 100.0 * (n["mean_step_s"] / g["mean_step_s"] - 1),
                         "share": n["transition_share_pct"], "switches": n["switches"],
-                        "pool_share": n["pool_transition_share_pct"],
+                        "pool_share": n["pool_transition_share_pct"], "engine_share": n["engine_start_share_pct"],
                         "frozen_share": min(rows[f]["transition_share_pct"] for f in ("frozen-start", "frozen-final"))})
     if args.gamma:
         print("\n== gamma sensitivity")
@@ -152,6 +152,9 @@ def main() -> int:
     print(f"switch overhead outside pool changes (the switches adaptation chose): {own:.3f} %; the frozen "
           f"baselines' lower overhead where nereus's is largest: "
           f"{max(results, key=lambda r: r['share'])['frozen_share']:.3f} %")
+    moved = max(r["share"] - r["engine_share"] for r in results)
+    print(f"switch overhead without vLLM engine start-ups (communicator set-up and state movement, the paper's "
+          f"transition cost): {moved:.3f} % (the largest of any scenario)")
     print(f"sim: nereus vs best frozen {x:+.1f} %; captured {c} % of oracle headroom; vs greedy {y} %; "
           f"switch overhead {z:.3f} %")
     return 0

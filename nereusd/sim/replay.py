@@ -78,6 +78,8 @@ class StepRecord:
     rerun: bool = False
     pool_changed: bool = False
     """The pool changed at the boundary after this step."""
+    engine_start_s: float = 0.0
+    """Of ``transition_s``, the vLLM engines' start-up (the truth's ``engine_rebuild_s``; 0 without it)."""
 
 
 @dataclass
@@ -102,6 +104,12 @@ class PolicyResult:
     @property
     def transition_s(self) -> float:
         return self._sum("transition_s")
+
+    @property
+    def engine_start_s(self) -> float:
+        """Of :attr:`transition_s`, the vLLM engines' start-ups: the rest is the paper's transition
+        cost (communicator set-up and state movement: the paper's evaluation, "Metrics")."""
+        return self._sum("engine_start_s")
 
     @property
     def pool_transition_s(self) -> float:
@@ -301,6 +309,7 @@ class Simulation:
             if d is not None and d.verdict == ADMIT:
                 started_s = truth.engine_rebuild_s(source, d.target.plan)
                 rec.transition_s = links.estimate(source, d.target.plan).l_tran_s + started_s
+                rec.engine_start_s = started_s
                 rec.switched = True
                 # the engines' start-up is measured on its own, as the live workers report it
                 # (engine_start_s): the fixed cost learns the rest of the prediction's error

@@ -2,7 +2,7 @@
 
 A run's summary per policy: mean step latency (s, transitions and failures included, waiting
 for GPUs excluded), total time (s), switches, transition seconds and their share of the total
-(and the share spent at boundaries where the pool changed),
+(and the shares spent at boundaries where the pool changed and in vLLM engine start-ups),
 OOM events, restarts, stall seconds, the difference of mean step latency against the better
 frozen baseline in percent (negative: faster), and the part of the oracle's headroom over that
 baseline each policy captures (:func:`summary`).
@@ -43,6 +43,7 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
             "mean_step_s": r.mean_step_s, "total_s": total, "switches": r.switches,
             "transition_s": r.transition_s, "transition_share_pct": 100.0 * r.transition_s / total if total else 0.0,
             "pool_transition_share_pct": 100.0 * r.pool_transition_s / total if total else 0.0,
+            "engine_start_share_pct": 100.0 * r.engine_start_s / total if total else 0.0,
             "oom_events": r.oom_events, "restarts": r.restarts, "restart_s": r.restart_s, "stall_s": r.stall_s,
             "vs_best_frozen_pct": (100.0 * (r.mean_step_s / best_frozen - 1.0)) if best_frozen else None,
             "oracle_headroom_pct": 100.0 * headroom / best_frozen if headroom is not None and best_frozen else None,

@@ -71,6 +71,10 @@ def test_the_controller_learns_and_prices_engine_start_ups():
     assert admitted and len(admitted) == len(switched)
     for d in admitted:
         assert d["l_tran_s"] == pytest.approx(switched[d["step"]], rel=0.05)
+    # the start-ups are kept apart, so that reports can give the paper's transition cost without them
+    started = [r.engine_start_s for r in res.records if r.switched]
+    assert all(s in (0.0, START_S) for s in started) and START_S in started
+    assert res.engine_start_s == pytest.approx(sum(started)) and 0 < res.engine_start_s < res.transition_s
 
 
 def test_engine_start_ups_need_vllm_generation():
