@@ -72,9 +72,11 @@ def format_table(rows: Sequence[dict]) -> str:
         if abs(headroom) < NOISY_HEADROOM_PCT:
             table += (f" (captured % divides by it: below {NOISY_HEADROOM_PCT:g} % it swings with the step noise "
                       "and means little)")
-    elif rows:
+    elif rows and all(r["vs_best_frozen_pct"] is None for r in rows):
         table += ("\n(vs best frozen % needs a frozen baseline in --policies: frozen-start or frozen-final; "
                   "captured % also needs the oracle)")
+    elif rows:
+        table += "\n(captured % needs the oracle in --policies)"
     return table
 
 

@@ -381,6 +381,8 @@ def test_the_table_says_what_its_comparison_columns_need_and_when_they_mean_litt
 
     without = format_table([row("nereus", 10.0, None, None), row("oracle", 9.9, None, None)])
     assert "needs a frozen baseline in --policies" in without
+    frozen_only = format_table([{**row("frozen-start", 10.0, None, None), "vs_best_frozen_pct": 0.0}])
+    assert "captured % needs the oracle" in frozen_only and "needs a frozen" not in frozen_only
     noisy = format_table([row("frozen-start", 10.0, 0.2, 0.0), row("oracle", 9.98, 0.2, 100.0)])
     assert "oracle headroom over the better frozen baseline: 0.2 %" in noisy and "means little" in noisy
     clear = format_table([row("frozen-start", 10.0, 2 * NOISY_HEADROOM_PCT, 0.0), row("oracle", 9.8, 2.0, 100.0)])
