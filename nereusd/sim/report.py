@@ -53,9 +53,16 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
     return rows
 
 
+NOISY_HEADROOM_PCT = 1.0
+"""An oracle headroom (percent of the better frozen baseline's mean step) under which
+:func:`format_table` says the captured share is noise-dominated: the measured truth's per-stage
+noise is 3 % per step (σ), and a 100-step run at 0.2–0.4 % headroom read captured shares of
+−7,440 % and −158 % (a new-user trial, 2026-12-05)."""
+
+
 def format_table(rows: Sequence[dict]) -> str:
     """The summary as an aligned text table, then the oracle's headroom over the better frozen
-    baseline."""
+    baseline, or what ``--policies`` lacks for the comparison columns."""
     header = ["policy", "mean step s", "total s", "switches", "transition s", "share %", "OOM",
               "restarts", "stall s", "vs best frozen %", "captured %"]
     body = [[r["policy"], f"{r['mean_step_s']:.2f}", f"{r['total_s']:.0f}", str(r["switches"]),
@@ -78,13 +85,6 @@ def format_table(rows: Sequence[dict]) -> str:
     elif rows:
         table += "\n(captured % needs the oracle in --policies)"
     return table
-
-
-NOISY_HEADROOM_PCT = 1.0
-"""An oracle headroom (percent of the better frozen baseline's mean step) under which
-:func:`format_table` says the captured share is noise-dominated: the measured truth's per-stage
-noise is 3 % per step (σ), and a 100-step run at 0.2–0.4 % headroom read captured shares of
-−7,440 % and −158 % (a new-user trial, 2026-12-05)."""
 
 
 def to_json(results: Sequence[PolicyResult], meta: dict) -> dict:
