@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 GEMM = "gemm"
 ATTENTION = "attention"
-DECODE = "decode"            # HBM-bound token generation
+DECODE = "decode"            # a decode step at its roofline time (HBM- or compute-bound)
 OPTIMIZER = "optimizer"      # HBM-bound optimizer update
 LAUNCH = "launch"            # fixed per-layer dispatch time of each decode step (site layer_launch_us)
 LINK_TYPES = ("intra", "inter")

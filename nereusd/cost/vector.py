@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from nereusd.cost.calibration import DECODE, GEMM, LAUNCH, comm_class, generation_class, latency_class
+from nereusd.cost.calibration import DECODE, LAUNCH, comm_class, generation_class, latency_class
 from nereusd.cost.formulas import continuous_batching, p2p_parts, pipeline_slots, ring_collective_parts
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
@@ -142,9 +142,7 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, per_replica: np.ndarr
     flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp
     flops += 4 * layers * q * mean_context * c / tp
     compute_s = flops / cm.peak_flops
-    memory_bound = memory_s / cm.efficiency(DECODE) >= compute_s / cm.efficiency(GEMM)
-    acc.add(DECODE, np.where(memory_bound, memory_s * steps, 0.0))
-    acc.add(GEMM, np.where(memory_bound, 0.0, compute_s * steps))
+    acc.add(DECODE, np.maximum(memory_s, compute_s) * steps)
     if cm.site.layer_launch_s:
         acc.add(generation_class(LAUNCH), cm.site.layer_launch_s * spec.num_layers * (steps + waves))
     nbytes = c * h * e / pp

@@ -493,3 +493,21 @@ def test_a_fit_singular_in_floating_point_keeps_the_anchors():
     ill-conditioned one, and the callers keep the anchors."""
     samples = [({"gemm": 1.0, "attention": 0.5}, 1e-9), ({"gemm": 2.0, "attention": 0.1}, 529.0)]
     assert fit_efficiencies(samples, PRIORS, 0.01) == {}
+
+
+def test_a_decode_step_is_priced_in_its_own_class_whichever_bound_it():
+    """A decode step costs its roofline time in class ``decode``, HBM-bound (one sequence: the
+    weights dominate) or compute-bound (64: ~9× the bytes' time here); the prefill's GEMMs stay
+    ``gemm``. So a longer response adds decode time and leaves ``gemm`` as it was: when a
+    compute-bound step was priced as ``gemm``, one efficiency served prefill and decode alike."""
+    cm = CostModel(load_site("local"))
+    spec = preset("counting-tiny")
+    gen = ModelStage.parse("actor/generation")
+    by_batch = {}
+    for b in (1, 64):
+        short, long = (cm.stage_cost(spec, gen, sequences=b, prompt_length=8, response_length=r, tp=1, pp=1, dp=1,
+                                     micro_batch=b).ideal_s_by_class for r in (32, 64))
+        assert long["gemm"] == pytest.approx(short["gemm"], rel=1e-12)     # the prompts' prefill only
+        assert long["decode"] == pytest.approx(2 * short["decode"], rel=0.05)
+        by_batch[b] = short["decode"]
+    assert by_batch[64] > 5 * by_batch[1]   # 64 sequences' step is compute-bound: it grows with the batch
