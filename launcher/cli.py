@@ -28,10 +28,11 @@ SUBCOMMAND_MODULES = (
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each option's default, where it has one (not ``None`` or ``False``)."""
+    """``--help`` with each option's default, where it has one (not ``None``, ``False`` or an
+    empty sequence: ``--zero``'s ``()`` means "no ZeRO", which its help says)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default in ((), []):
             return action.help or ""
         return super()._get_help_string(action)
 

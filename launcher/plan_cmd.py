@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--zero", nargs="?", const=(1, 2), default=(), metavar="STAGES", type=_zero_stages,
                    help="training model-stages may also run ZeRO (optimizer state, and at stage 2 gradients, "
                         "sharded across DP; the deepspeed backend, tp = pp = 1): --zero allows stages 1 and 2, "
-                        "--zero 1 only stage 1")
+                        "--zero 1 only stage 1; without it, no ZeRO")
     p.add_argument("--generation", choices=GENERATION_ENGINES, default="native",
                    help="generation engine whose memory the plan holds: native (the EMU's decoder) or vllm (each "
                    "replica's engine keeps a weight copy and a KV cache preallocated for prompt + response "
