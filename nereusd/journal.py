@@ -394,21 +394,33 @@ def _check_regular(path: Path) -> None:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every record of the JSONL file at ``path`` (``[]`` when it does not exist).
 
-    Only the last line may be incomplete: a writer that died mid-line (the journal flushes whole
-    lines, so nothing else can tear one) leaves it without its newline, and it is skipped. Any
-    other line that is not a JSON object means the file is damaged or not a journal.
+    Only the last line may be incomplete: a writer that died mid-line, or one appending while this
+    reads (the journal writes whole lines, so nothing else can tear one), leaves it without its
+    newline, and it is skipped. Any other line that is not a JSON object means the file is damaged
+    or not a journal. The file is read as one buffer and split here: a text-mode ``readlines``
+    returned a line being appended as two lines, its part before the reader reached the end and
+    the rest (a multi-page record; the launcher's progress poll failed on one in a suite run,
+    2026-12-05).
 
     Raises:
         JournalError: naming the file, the line number and what is wrong with it.
     """
     try:
         _check_regular(Path(path))
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.readlines()
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except FileNotFoundError:
         return []
+    whole = raw.rfind(b"\n") + 1   # after it: the torn last line, if any
+    try:
+        lines = [line + "\n" for line in raw[:whole].decode("utf-8").split("\n")[:-1]]
     except UnicodeDecodeError as err:
         raise JournalError(f"{path}: {not_utf8(err)}") from None
+    if whole < len(raw):
+        try:
+            lines.append(raw[whole:].decode("utf-8"))
+        except UnicodeDecodeError:
+            pass   # torn inside a character: skipped as any torn line
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
