@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="frozen-start,frozen-final,nereus,greedy,periodic-3,oracle",
                    help="comma-separated: frozen-start (or frozen: the launch layout, DP-rescaled on pool changes, "
                    "relaunched larger after an OOM), frozen-final (launched for the longest responses), nereus, "
-                   "nereus@<gamma>, greedy, periodic-<k>, oracle")
+                   "nereus@<gamma>, greedy, periodic-<k>, oracle (the best plan every step, switches free), "
+                   "oracle@<h> (the oracle leaving a share h of memory free, e.g. oracle@0.1: the planner's headroom)")
     p.add_argument("--prompt-length", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per RL step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")

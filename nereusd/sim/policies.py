@@ -21,6 +21,11 @@ with its own :class:`~nereusd.control.controller.ControlPolicy`:
   choices. A pool change that takes every replica of one of its model-stages costs it the
   checkpoint restart it costs every policy: device losses are not what layouts are compared on
   (without it, the oracle's headroom on spot pools was mostly restarts no policy can avoid).
+- ``oracle@H``: the oracle keeping ``H`` of every device's memory free under the truth (each
+  step's padded lengths known): ``oracle@0.1`` keeps the planner's 10 % headroom
+  (:data:`nereusd.cost.memory.HEADROOM`), so its gain over the oracle's is what running at
+  memory limits known in advance is worth. A diagnostic: the captured share of a table is
+  measured against ``oracle`` when it runs.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class Policy:
     launch_at_longest: bool = False
     """Launch on the best plan for the run's longest responses (``frozen-final``) instead of the
     initial lengths."""
+    memory_headroom: float = 0.0
+    """(Oracle) share of each device's memory its plans leave free under the truth (``oracle@H``)."""
 
     @property
     def payback_margin(self) -> float:
@@ -63,7 +70,7 @@ class Policy:
 
 def parse_policy(text: str) -> Policy:
     """``frozen-start`` (``frozen``), ``frozen-final``, ``nereus``, ``nereus@0.25``, ``greedy``,
-    ``periodic-3``, ``oracle``.
+    ``periodic-3``, ``oracle``, ``oracle@0.1``.
 
     Raises:
         ConfigError: for an unknown name or a bad parameter.
@@ -75,6 +82,12 @@ def parse_policy(text: str) -> Policy:
         raise ConfigError(f"policy {name!r}: bad parameter (e.g. nereus@0.25, nereus@inf)")
     if name.startswith(PERIODIC + "-") and not re.fullmatch(r"periodic-[1-9]\d*", name, re.ASCII):
         raise ConfigError(f"policy {name!r}: bad parameter (e.g. periodic-3)")
+    if name.startswith(ORACLE + "@"):
+        match = re.fullmatch(r"oracle@(0(\.\d*)?|\.\d+)", name, re.ASCII)
+        if not match or not float(match.group(1)) < 0.9:
+            raise ConfigError(f"policy {name!r}: bad parameter: the share of memory to keep free, "
+                              "0 ≤ H < 0.9 (e.g. oracle@0.1)")
+        return Policy(name, ORACLE, None, memory_headroom=float(match.group(1)))
     try:
         if name in (FROZEN, FROZEN_START, FROZEN_FINAL):
             label = FROZEN_START if name == FROZEN else name
@@ -99,7 +112,7 @@ def parse_policy(text: str) -> Policy:
     except ValueError:
         raise ConfigError(f"policy {name!r}: bad parameter (e.g. nereus@0.25, periodic-3)") from None
     raise ConfigError(f"policy {name!r}: expected frozen-start (frozen), frozen-final, nereus, nereus@<gamma>, "
-                      "greedy, periodic-<k> or oracle")
+                      "greedy, periodic-<k>, oracle or oracle@<memory headroom>")
 
 
 def parse_policies(text: str) -> list[Policy]:

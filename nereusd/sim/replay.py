@@ -166,6 +166,8 @@ class Simulation:
         self.total = len(problem.pool)
         self.dpn = problem.site.devices_per_node
         self._oracle = _Oracle(problem, ground_truth(problem, self.truth_config))
+        self._oracles = {0.0: self._oracle}
+        """The oracle of each ``oracle@H`` policy by ``H`` (:meth:`oracle_for`)."""
         self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
         if self.launch is None:
             raise SimulationError(f"no plan fits {self.total} devices at a response length of {lengths.at(0):.0f} "
@@ -178,7 +180,8 @@ class Simulation:
         """Give the oracle the plans ``results`` ran (:attr:`_Oracle.known`): run the other
         policies first, then the oracle (:func:`nereusd.sim.scenario.run_policies` does)."""
         for res in results:
-            self._oracle.known.update(res.layouts)
+            for oracle in self._oracles.values():
+                oracle.known.update(res.layouts)
 
     def launch_adaptive(self, delta_length: float) -> Plan:
         """The plan the adaptive policies launch on: :attr:`launch` (``frozen-start``'s, the
@@ -228,6 +231,16 @@ class Simulation:
                 return nodes * self.dpn
         return self.dpn
 
+    def oracle_for(self, policy: Policy) -> "_Oracle":
+        """The oracle of ``policy`` (``oracle`` or ``oracle@H``: its memory headroom), sharing
+        the plans the other policies ran."""
+        headroom = policy.memory_headroom
+        if headroom not in self._oracles:
+            oracle = self._oracles[headroom] = _Oracle(self.problem, self._oracle.truth, headroom)
+            oracle.known.update(self._oracle.known)
+            oracle._memo = self._oracle._memo   # the planner's plans: the same whatever the margin
+        return self._oracles[headroom]
+
     def pool_at(self, time_s: float) -> tuple[int, ...]:
         return tuple(range(self.pool_trace.devices_at(time_s, self.total, self.dpn)))
 
@@ -238,7 +251,8 @@ class Simulation:
                                     self.problem.workflow.concurrent_sets(), max_devices=TRANSITION_SCALE_LIMIT)
         launch = (self.launch_final if policy.launch_at_longest else
                   self.launch_adaptive(policy.control.delta_length) if policy.kind in ADAPTIVE else self.launch)
-        ctl = None if policy.kind == ORACLE else Controller(
+        oracle = self.oracle_for(policy) if policy.kind == ORACLE else None
+        ctl = None if oracle is not None else Controller(
             self.problem, launch, policy.control, max_response_length=self.max_response_length,
             pool=self.problem.pool, transition_scale_limit=TRANSITION_SCALE_LIMIT)
         res = PolicyResult(policy, self.steps)
@@ -251,8 +265,8 @@ class Simulation:
                 raise SimulationError(f"{policy.name} makes no progress: {len(res.records)} records "
                                       f"for {self.steps} steps (repeated failures)")
             length = self.lengths.at(i)
-            if ctl is None:
-                plan = self._oracle.plan(i, length, pool, t, incumbent=plan) or plan
+            if oracle is not None:
+                plan = oracle.plan(i, length, pool, t, incumbent=plan) or plan
             desc = plan.describe()
             rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done)
             if rec.plan_id == len(res.plans):
@@ -265,7 +279,7 @@ class Simulation:
                 rec.oom, rec.lost_s = True, OOM_LOST_FRACTION * step_s
                 if ctl is not None:
                     ctl.failed(i, math.ceil(length))
-                plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
                 t += rec.lost_s + rec.restart_s
                 i = ckpt
                 continue
@@ -295,7 +309,7 @@ class Simulation:
             source = None if outage else surviving_units(plan, len(new_pool))
             if outage or source is None:   # some model-stage lost every replica (the oracle's too:
                 pool = new_pool            # a lost device is no layout choice; its moves are free)
-                plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
                 t += rec.restart_s
                 continue
             if ctl is None:
@@ -320,16 +334,16 @@ class Simulation:
                 plan = d.target.plan
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
-                plan = self._restart(ctl, rec, truth, plan, length, pool, t)
+                plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
             t += rec.transition_s + rec.restart_s
         return res
 
-    def _restart(self, ctl: Controller | None, rec: StepRecord, truth: GroundTruth, plan: Plan, length: float,
-                 pool: tuple[int, ...], time_s: float) -> Plan:
-        """Checkpoint/restart into the controller's restart plan for ``pool`` (the oracle: its
+    def _restart(self, ctl: Controller | None, oracle: "_Oracle | None", rec: StepRecord, truth: GroundTruth,
+                 plan: Plan, length: float, pool: tuple[int, ...], time_s: float) -> Plan:
+        """Checkpoint/restart into the controller's restart plan for ``pool`` (an oracle: its
         best plan for the step)."""
         if ctl is None:
-            target = self._oracle.plan(rec.step, length, pool, time_s)
+            target = oracle.plan(rec.step, length, pool, time_s)
         else:
             try:
                 target = ctl.restart_plan(pool).plan
@@ -379,8 +393,11 @@ class _Oracle:
     by rising headroom whose true peak fits; for another (``ranks_by_truth``), the truth's
     fastest that fits among several such plans (:meth:`_candidates`)."""
 
-    def __init__(self, problem: PlanProblem, truth: GroundTruth) -> None:
+    def __init__(self, problem: PlanProblem, truth: GroundTruth, memory_headroom: float = 0.0) -> None:
         self.problem, self.truth = problem, truth
+        self.memory_headroom = memory_headroom
+        """Share of each device's memory a plan leaves free under the truth where some plan can
+        (``oracle@H``)."""
         self._memo: dict[tuple, Plan | None] = {}
         self.known: dict[str, Plan] = {}
         """Plans other policies ran on this simulation (:meth:`Simulation.learn_plans`): the
@@ -390,7 +407,18 @@ class _Oracle:
     def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float,
              incumbent: Plan | None = None) -> Plan | None:
         """The best plan at ``step``; ``incumbent``: the oracle's current plan, kept among the
-        candidates of a truth the planner cannot search while it lies in ``pool``."""
+        candidates of a truth the planner cannot search while it lies in ``pool``. With a
+        :attr:`memory_headroom`, the best that leaves it free, else (no plan does) the best that
+        fits at all."""
+        for headroom in dict.fromkeys((self.memory_headroom, 0.0)):
+            plan = self._best(step, length, pool, time_s, incumbent, headroom)
+            if plan is not None:
+                return plan
+        return None
+
+    def _best(self, step: int, length: float, pool: tuple[int, ...], time_s: float, incumbent: Plan | None,
+              memory_headroom: float) -> Plan | None:
+        """:meth:`plan` at one memory headroom."""
         contended = self.truth.contended(time_s)
         bucket = length_bucket(length, 16)
         if self.truth.ranks_by_truth:   # the truth is not the planner's model: rank its plans
@@ -401,11 +429,11 @@ class _Oracle:
                 if set(plan.devices()) <= here:
                     candidates.setdefault(plan.describe(), plan)
             candidates = list(candidates.values())
-            fitting = [p for p in candidates if not self.truth.oom(p, length, step)]
+            fitting = [p for p in candidates if not self.truth.oom(p, length, step, memory_headroom)]
             return min(fitting, key=lambda p: self.truth.rank_key(p, length, step, contended)) if fitting else None
         for headroom in HEADROOMS:
             plan = self._solve(bucket, pool, contended, headroom)
-            if plan is not None and not self.truth.oom(plan, length, step):
+            if plan is not None and not self.truth.oom(plan, length, step, memory_headroom):
                 return plan
         return None
 

@@ -29,11 +29,13 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
     run (``frozen-start``, ``frozen-final``); ``oracle_headroom_pct`` is how much faster the
     oracle is than that baseline, and ``captured_pct`` the part of that headroom a policy
     realises, ``100·(best_frozen − policy)/(best_frozen − oracle)`` (``None`` without an oracle, a
-    frozen baseline, or headroom).
+    frozen baseline, or headroom). The oracle is ``oracle`` when it ran, else the first
+    ``oracle@H``.
     """
     frozen = [r.mean_step_s for r in results if r.policy.kind == FROZEN]
     best_frozen = min(frozen) if frozen else None
-    oracle = next((r.mean_step_s for r in results if r.policy.kind == ORACLE), None)
+    oracles = sorted((r for r in results if r.policy.kind == ORACLE), key=lambda r: r.policy.name != ORACLE)
+    oracle = oracles[0].mean_step_s if oracles else None
     headroom = best_frozen - oracle if best_frozen is not None and oracle is not None else None
     rows = []
     for r in results:
@@ -48,6 +50,7 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
             "vs_best_frozen_pct": (100.0 * (r.mean_step_s / best_frozen - 1.0)) if best_frozen else None,
             "oracle_headroom_pct": 100.0 * headroom / best_frozen if headroom is not None and best_frozen else None,
             "captured_pct": 100.0 * (best_frozen - r.mean_step_s) / headroom if headroom else None,
+            "oracle": oracles[0].policy.name if oracles else None,
             "distinct_plans": len(r.plans),
         })
     return rows
@@ -75,7 +78,7 @@ def format_table(rows: Sequence[dict]) -> str:
                       for row in [header] + body)
     headroom = next((r["oracle_headroom_pct"] for r in rows if r["oracle_headroom_pct"] is not None), None)
     if headroom is not None:
-        table += f"\noracle headroom over the better frozen baseline: {headroom:.1f} %"
+        table += f"\n{rows[0].get('oracle') or 'oracle'} headroom over the better frozen baseline: {headroom:.1f} %"
         if abs(headroom) < NOISY_HEADROOM_PCT:
             table += (f" (captured % divides by it: below {NOISY_HEADROOM_PCT:g} % it swings with the step noise "
                       "and means little)")

@@ -42,7 +42,7 @@ from nereusd.cost.calibration import GENERATION_PREFIX, PRIORS, Calibration
 from nereusd.cost.model import CostModel
 from nereusd.cost.memory import stage_memory
 from nereusd.errors import ConfigError
-from nereusd.plan import ModelStage, Plan, Stage
+from nereusd.plan import ModelStage, Plan
 from nereusd.planner.space import PlanProblem
 from nereusd.transition.memory import AdamStateSizes
 
@@ -230,10 +230,11 @@ class GroundTruth:
                 out[d] = max(out.get(d, 0), peaks[m][0] + others)
         return out
 
-    def oom(self, plan: Plan, response_length: float, step: int) -> str:
-        """Why ``plan`` runs out of memory at ``step`` (``""`` when it fits the capacity)."""
+    def oom(self, plan: Plan, response_length: float, step: int, headroom: float = 0.0) -> str:
+        """Why ``plan`` runs out of memory at ``step`` (``""`` when it fits the capacity);
+        ``headroom``: the share of capacity to leave free (``oracle@H``: over ``1 − H`` counts)."""
         peaks = self.stage_peaks(plan, response_length, step)
-        capacity = self.problem.site.device_memory_bytes
+        capacity = self.problem.site.device_memory_bytes * (1.0 - headroom)
         for m, others in self.colocation(plan):
             need = peaks[m][0] + sum(peaks[o][1] for o in others)
             if need > capacity:

@@ -169,6 +169,33 @@ def test_the_oracle_pays_the_restart_a_lost_pool_forces_on_every_policy():
     assert oracle.total_s == pytest.approx(frozen.total_s)   # same plans, same restarts
 
 
+def test_an_oracle_keeping_memory_headroom_never_runs_past_it():
+    """``oracle@H`` takes the oracle's best plan among those whose true peak leaves ``H`` of every
+    device free at each step where one does: here the plain oracle runs at 99 % of memory on the
+    long responses, ``oracle@0.3`` within 70 %, and the margin costs it time (the difference is
+    what the plain oracle's knowing each step's memory is worth). Where no plan leaves the margin
+    (responses of 16,384 tokens here) it takes the best that fits."""
+    from nereusd.sim.measured import ground_truth
+
+    lengths = LengthTrace("hand-made jump", tuple([256.0] * 10 + [4096.0] * 10))
+    sim = Simulation(small_problem(memory_gib=16), lengths, CONSTANT, 20, QUIET)
+    truth = ground_truth(sim.problem, QUIET)
+    free, kept = sim.run(parse_policy("oracle")), sim.run(parse_policy("oracle@0.3"))
+    check_books(kept)
+    capacity = sim.problem.site.device_memory_bytes
+
+    def peak(res, rec):
+        return max(truth.device_peaks(res.layouts[res.plans[rec.plan_id]], rec.length, rec.step).values())
+
+    assert all(peak(kept, r) <= 0.7 * capacity for r in kept.records)
+    assert any(peak(free, r) > 0.7 * capacity for r in free.records)
+    assert kept.oom_events == free.oom_events == 0 and kept.transition_s == 0.0
+    assert kept.mean_step_s > free.mean_step_s
+    tall = Simulation(small_problem(memory_gib=16), LengthTrace("jump", tuple([256.0] * 5 + [16384.0] * 5)),
+                      CONSTANT, 10, QUIET).run(parse_policy("oracle@0.3"))
+    assert tall.oom_events == 0   # over 70 % at 16,384 tokens: the best plan that fits
+
+
 def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
     real = load_length_trace("verl-amd-7b-grpo")
     assert len(real.response_lengths) == 1119 and not real.generated
@@ -199,8 +226,9 @@ def test_policy_names():
         parse_policies("frozen,frozen")
     with pytest.raises(ConfigError, match="twice"):
         parse_policies("frozen,frozen-start")
+    assert parse_policy("oracle@0.1").memory_headroom == 0.1 and parse_policy("oracle").memory_headroom == 0.0
     for odd in ("periodic-03", "periodic-+3", "periodic-0", "nereus@1e309", "nereus@1_0", "nereus@-1", "nereus@nan",
-                "periodic-1\u0661"):
+                "periodic-1\u0661", "oracle@0.9", "oracle@1", "oracle@-0.1", "oracle@nan", "oracle@0.1\u0661"):
         with pytest.raises(ConfigError, match="bad parameter"):
             parse_policy(odd)
 
