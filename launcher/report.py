@@ -48,6 +48,9 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
 
     records = read_jsonl(run_dir / METRICS_FILE)
     if not records:
+        if (run_dir / "table.txt").is_file() and (run_dir / "run.json").is_file():
+            raise NereusError(f"{run_dir}: the output of nereus-launch simulate, not a job's run directory "
+                              "(simulate wrote its plots there with it)")
         raise NereusError(f"{run_dir / METRICS_FILE}: no metrics to plot (is this a run directory?)")
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in records]
@@ -221,6 +224,11 @@ def run_report(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         raise NereusError(f"{run_dir}: not a run directory (no such directory)")
     out_dir = Path(args.out) if args.out else run_dir / "plots"
-    for path in write_plots(run_dir, out_dir):
+    try:
+        paths = write_plots(run_dir, out_dir)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:   # JSON, but not what nereusd writes
+        raise NereusError(f"{run_dir}: a record of metrics.jsonl or events.jsonl is not one nereusd writes "
+                          f"({type(err).__name__}: {str(err)[:80]}); was the journal edited?") from None
+    for path in paths:
         print(path)
     return 0

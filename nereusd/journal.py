@@ -411,6 +411,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             raw = fh.read()
     except FileNotFoundError:
         return []
+    except OSError as err:   # a symlink loop, no permission, an I/O error
+        raise JournalError(f"{path}: cannot read: {err.strerror or err}") from None
+    raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")   # a JSON line holds no raw CR
     whole = raw.rfind(b"\n") + 1   # after it: the torn last line, if any
     try:
         lines = [line + "\n" for line in raw[:whole].decode("utf-8").split("\n")[:-1]]

@@ -87,7 +87,8 @@ def parse_policy(text: str) -> Policy:
         if not match or not float(match.group(1)) < 0.9:
             raise ConfigError(f"policy {name!r}: bad parameter: the share of memory to keep free, "
                               "0 ≤ H < 0.9 (e.g. oracle@0.1)")
-        return Policy(name, ORACLE, None, memory_headroom=float(match.group(1)))
+        headroom = float(match.group(1))   # named canonically: oracle@0.10 is oracle@0.1, oracle@0 the oracle
+        return Policy(f"{ORACLE}@{headroom:g}" if headroom else ORACLE, ORACLE, None, memory_headroom=headroom)
     try:
         if name in (FROZEN, FROZEN_START, FROZEN_FINAL):
             label = FROZEN_START if name == FROZEN else name

@@ -80,6 +80,8 @@ class StepRecord:
     """The pool changed at the boundary after this step."""
     engine_start_s: float = 0.0
     """Of ``transition_s``, the vLLM engines' start-up (the truth's ``engine_rebuild_s``; 0 without it)."""
+    margin_missed: bool = False
+    """(``oracle@H``) no plan left ``H`` of memory free at this step: it ran the best that fits."""
 
 
 @dataclass
@@ -120,6 +122,11 @@ class PolicyResult:
     @property
     def stall_s(self) -> float:
         return self._sum("stall_s")
+
+    @property
+    def margin_missed_steps(self) -> int:
+        """Steps at which an ``oracle@H`` could not leave ``H`` of memory free (0 for the others)."""
+        return sum(r.margin_missed for r in self.records)
 
     @property
     def restart_s(self) -> float:
@@ -268,7 +275,8 @@ class Simulation:
             if oracle is not None:
                 plan = oracle.plan(i, length, pool, t, incumbent=plan) or plan
             desc = plan.describe()
-            rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done)
+            rec = StepRecord(i, t, length, len(pool), ids.setdefault(desc, len(ids)), rerun=i in done,
+                             margin_missed=oracle is not None and oracle.margin_missed)
             if rec.plan_id == len(res.plans):
                 res.plans.append(desc)
                 res.layouts[desc] = plan
@@ -398,6 +406,8 @@ class _Oracle:
         self.memory_headroom = memory_headroom
         """Share of each device's memory a plan leaves free under the truth where some plan can
         (``oracle@H``)."""
+        self.margin_missed = False
+        """Whether the last :meth:`plan` found no plan leaving :attr:`memory_headroom` free."""
         self._memo: dict[tuple, Plan | None] = {}
         self.known: dict[str, Plan] = {}
         """Plans other policies ran on this simulation (:meth:`Simulation.learn_plans`): the
@@ -413,7 +423,9 @@ class _Oracle:
         for headroom in dict.fromkeys((self.memory_headroom, 0.0)):
             plan = self._best(step, length, pool, time_s, incumbent, headroom)
             if plan is not None:
+                self.margin_missed = headroom < self.memory_headroom
                 return plan
+        self.margin_missed = self.memory_headroom > 0
         return None
 
     def _best(self, step: int, length: float, pool: tuple[int, ...], time_s: float, incumbent: Plan | None,

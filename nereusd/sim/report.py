@@ -51,6 +51,7 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
             "oracle_headroom_pct": 100.0 * headroom / best_frozen if headroom is not None and best_frozen else None,
             "captured_pct": 100.0 * (best_frozen - r.mean_step_s) / headroom if headroom else None,
             "oracle": oracles[0].policy.name if oracles else None,
+            "margin_missed_steps": r.margin_missed_steps,
             "distinct_plans": len(r.plans),
         })
     return rows
@@ -83,10 +84,14 @@ def format_table(rows: Sequence[dict]) -> str:
             table += (f" (captured % divides by it: below {NOISY_HEADROOM_PCT:g} % it swings with the step noise "
                       "and means little)")
     elif rows and all(r["vs_best_frozen_pct"] is None for r in rows):
-        table += ("\n(vs best frozen % needs a frozen baseline in --policies: frozen-start or frozen-final; "
-                  "captured % also needs the oracle)")
+        table += ("\n(vs best frozen % needs a frozen baseline in --policies: frozen-start or frozen-final"
+                  + ("" if rows[0].get("oracle") else "; captured % also needs the oracle") + ")")
     elif rows:
         table += "\n(captured % needs the oracle in --policies)"
+    for r in rows:
+        if r.get("margin_missed_steps"):
+            table += (f"\n({r['policy']}: no plan left that share of memory free at {r['margin_missed_steps']} "
+                      "steps; it ran the best plan that fits there)")
     return table
 
 

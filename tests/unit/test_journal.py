@@ -25,6 +25,16 @@ def test_a_line_torn_inside_a_character_is_skipped_too(tmp_path):
     assert read_jsonl(tmp_path / "events.jsonl") == [{"event": "a"}]
 
 
+def test_line_ends_of_other_systems_read_and_an_unreadable_path_is_a_journal_error(tmp_path):
+    (tmp_path / "crlf.jsonl").write_bytes(b'{"step": 1}\r\n{"step": 2}\r\n{"st')
+    (tmp_path / "cr.jsonl").write_bytes(b'{"step": 1}\r{"step": 2}\r')
+    assert [r["step"] for r in read_jsonl(tmp_path / "crlf.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "cr.jsonl")] == [1, 2]
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    with pytest.raises(JournalError, match="loop.jsonl: cannot read"):
+        read_jsonl(tmp_path / "loop.jsonl")
+
+
 def _append_records(path, stop) -> None:
     """Journals of 40 records of 3–7 KB, one ``write`` each, each journal a new file, until ``stop``."""
     import os

@@ -131,6 +131,16 @@ def test_report_on_a_file_says_it_is_not_a_run_directory(tmp_path, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("record", ['{"reward_mean": 1.0}', '{"step": 0, "stage_latency_s": "x"}'])
+def test_report_on_a_journal_nereusd_did_not_write_is_one_clear_line(tmp_path, capsys, record):
+    """JSON records of another shape (an edited journal) got tracebacks from the plotting
+    (KeyError, AttributeError; an adversarial helper, 2026-12-05)."""
+    (tmp_path / "metrics.jsonl").write_text(record + "\n")
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err
+    assert "is not one nereusd writes" in err and "Traceback" not in err
+
+
 def test_a_rule_based_reward_plans_no_reward_model_stage(capsys):
     """GRPO on a verifier (the counting and gsm8k tasks) has no reward model: ``--reward-model
     none`` plans what such a job launches, where the default plans a reward model-stage too."""

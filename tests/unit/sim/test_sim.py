@@ -176,6 +176,7 @@ def test_an_oracle_keeping_memory_headroom_never_runs_past_it():
     what the plain oracle's knowing each step's memory is worth). Where no plan leaves the margin
     (responses of 16,384 tokens here) it takes the best that fits."""
     from nereusd.sim.measured import ground_truth
+    from nereusd.sim.report import format_table, summary
 
     lengths = LengthTrace("hand-made jump", tuple([256.0] * 10 + [4096.0] * 10))
     sim = Simulation(small_problem(memory_gib=16), lengths, CONSTANT, 20, QUIET)
@@ -190,10 +191,11 @@ def test_an_oracle_keeping_memory_headroom_never_runs_past_it():
     assert all(peak(kept, r) <= 0.7 * capacity for r in kept.records)
     assert any(peak(free, r) > 0.7 * capacity for r in free.records)
     assert kept.oom_events == free.oom_events == 0 and kept.transition_s == 0.0
-    assert kept.mean_step_s > free.mean_step_s
+    assert kept.mean_step_s > free.mean_step_s and kept.margin_missed_steps == 0
     tall = Simulation(small_problem(memory_gib=16), LengthTrace("jump", tuple([256.0] * 5 + [16384.0] * 5)),
                       CONSTANT, 10, QUIET).run(parse_policy("oracle@0.3"))
-    assert tall.oom_events == 0   # over 70 % at 16,384 tokens: the best plan that fits
+    assert tall.oom_events == 0 and tall.margin_missed_steps == 5   # over 70 % at 16,384: the best that fits
+    assert "oracle@0.3: no plan left that share of memory free at 5 steps" in format_table(summary([tall]))
 
 
 def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
@@ -227,6 +229,10 @@ def test_policy_names():
     with pytest.raises(ConfigError, match="twice"):
         parse_policies("frozen,frozen-start")
     assert parse_policy("oracle@0.1").memory_headroom == 0.1 and parse_policy("oracle").memory_headroom == 0.0
+    assert parse_policy("oracle@.10").name == "oracle@0.1" and parse_policy("oracle@0").name == "oracle"
+    for same in ("oracle@0.1,oracle@0.10", "oracle,oracle@0"):
+        with pytest.raises(ConfigError, match="twice"):
+            parse_policies(same)
     for odd in ("periodic-03", "periodic-+3", "periodic-0", "nereus@1e309", "nereus@1_0", "nereus@-1", "nereus@nan",
                 "periodic-1\u0661", "oracle@0.9", "oracle@1", "oracle@-0.1", "oracle@nan", "oracle@0.1\u0661"):
         with pytest.raises(ConfigError, match="bad parameter"):
