@@ -7,9 +7,10 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
 - training FLOPs per token ``6·P + 12·L·q·s`` (Narayanan et al. 2021, "Efficient Large-Scale
   Language Model Training on GPU Clusters", Eq. 3, with ``q = heads·head_dim``), ``8·P + 16·L·q·s``
   with full recomputation; inference ``2·P + 4·L·q·s``;
-- a decode step takes its roofline time (Williams et al. 2009): the slower of reading the
-  weights and KV cache from HBM and the step's FLOPs at peak, in one class (``decode``) apart
-  from the prefill's large GEMMs;
+- a decode step's GEMMs and its attention are kernels of their own, each at its roofline time
+  (Williams et al. 2009): the slower of reading the weights from HBM and the GEMM FLOPs at peak,
+  plus the slower of reading the KV cache and the attention FLOPs; in one class (``decode``)
+  apart from the prefill's large GEMMs;
 - TP: two all-reduces per layer forward, four with backward (Shoeybi et al. 2019, §3), of
   ``b·s·h`` activations; all-reduce ``2(n−1)/n · bytes / bw + 2⌈log2 n⌉·α`` (ring bandwidth,
   Rabenseifner latency: Thakur et al. 2005, :func:`~nereusd.cost.formulas.ring_collective_parts`),
@@ -446,12 +447,19 @@ class CostModel:
         Continuous batching (:func:`~nereusd.cost.formulas.continuous_batching`) gives the decode
         steps and the mean running batch ``b``. Per step each stage reads its weights once per
         micro-batch in flight (pp of them) and ``b`` sequences' share of the KV cache at the mean
-        context ``prompt + mean/2``; the step takes its roofline time, the slower of that HBM
-        traffic and its FLOPs at peak (Williams et al. 2009), in class ``decode`` whichever
-        bounds it: a decode step's small-batch GEMMs reach a lower fraction of peak than a
-        prefill's (vLLM on this machine: ~65 against ~100 GFLOP/s a core), so one class for
-        both mispriced one or the other (``scripts/bench_costmodel.py``: generation 10.0 → 9.3 %
-        held-out MAPE, mean of five stored runs). Plus a fixed dispatch time per layer (site
+        context ``prompt + mean/2``. The step's GEMMs and its attention (PagedAttention, a
+        kernel of its own: Kwon et al. 2023) each take their roofline time (Williams et al.
+        2009), the slower of their HBM traffic (weights; KV cache) and their FLOPs at peak, and
+        the two add: one roofline over both hid the KV reads behind compute-bound GEMMs, where
+        vLLM on this CPU pays ~0.4 µs per sequence, step and context token. Both in class
+        ``decode``, whichever bounds them: a decode step's small-batch GEMMs reach a lower
+        fraction of peak than a prefill's (vLLM here: ~65 against ~100 GFLOP/s a core), so one
+        class for both mispriced one or the other. Held-out generation MAPE of
+        ``scripts/bench_costmodel.py``, mean over six stored runs (``--load``): 9.7 % with one
+        roofline priced as ``gemm`` when compute-bound, 8.9 % as ``decode``, 8.4 % as two
+        rooflines. When
+        both are HBM-bound (GPU decode of small batches) the time is all the bytes over
+        bandwidth, as before. Plus a fixed dispatch time per layer (site
         ``layer_launch_us``, class ``launch``) that does not shrink with the batch, for each
         decode step and each of the ``ceil(per_replica/concurrent)`` prefill passes, and two TP
         all-reduces per layer of ``b`` tokens' activations.
@@ -466,11 +474,11 @@ class CostModel:
         steps, batch = (float(x) for x in continuous_batching(per_replica, concurrent, response, mean_fraction))
         mean_context = prompt + mean_fraction * response / 2.0
         kv_bytes = batch * mean_context * 2 * layers * kv_heads_rank * d * e
-        memory_s = (pp * weights_per_device * e + kv_bytes) / self.site.hbm_bytes_per_s
-        flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * batch / tp
-        flops += 4 * layers * q * mean_context * batch / tp
-        compute_s = self._flops_s(flops)
-        acc.add(DECODE, max(memory_s, compute_s) * steps)
+        weights_s = pp * weights_per_device * e / self.site.hbm_bytes_per_s
+        gemm_s = self._flops_s(2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * batch / tp)
+        kv_s = kv_bytes / self.site.hbm_bytes_per_s
+        attn_s = self._flops_s(4 * layers * q * mean_context * batch / tp)
+        acc.add(DECODE, (max(weights_s, gemm_s) + max(kv_s, attn_s)) * steps)
         if self.site.layer_launch_s:
             passes = -(-per_replica // concurrent)
             acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * (steps + passes))

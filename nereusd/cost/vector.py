@@ -138,11 +138,11 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, per_replica: np.ndarr
                                    mean_fraction)
     mean_context = prompt + mean_fraction * response / 2.0
     kv_bytes = c * mean_context * 2 * layers * kv_heads_rank * d * e
-    memory_s = (pp * weights * e + kv_bytes) / cm.site.hbm_bytes_per_s
-    flops = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp
-    flops += 4 * layers * q * mean_context * c / tp
-    compute_s = flops / cm.peak_flops
-    acc.add(DECODE, np.maximum(memory_s, compute_s) * steps)
+    weights_s = pp * weights * e / cm.site.hbm_bytes_per_s
+    gemm_s = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp / cm.peak_flops
+    kv_s = kv_bytes / cm.site.hbm_bytes_per_s
+    attn_s = 4 * layers * q * mean_context * c / tp / cm.peak_flops
+    acc.add(DECODE, (np.maximum(weights_s, gemm_s) + np.maximum(kv_s, attn_s)) * steps)
     if cm.site.layer_launch_s:
         acc.add(generation_class(LAUNCH), cm.site.layer_launch_s * spec.num_layers * (steps + waves))
     nbytes = c * h * e / pp
