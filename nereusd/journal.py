@@ -417,8 +417,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     whole = raw.rfind(b"\n") + 1   # after it: the torn last line, if any
     try:
         lines = [line + "\n" for line in raw[:whole].decode("utf-8").split("\n")[:-1]]
-    except UnicodeDecodeError as err:
-        raise JournalError(f"{path}: {not_utf8(err)}") from None
+    except UnicodeDecodeError as err:   # named by its line, as the other damage is
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise JournalError(f"{path}:{line}: {not_utf8(err)}") from None
     if whole < len(raw):
         try:
             lines.append(raw[whole:].decode("utf-8"))
