@@ -9,7 +9,8 @@ from pathlib import Path
 
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.errors import NereusError
-from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, read_jsonl
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, is_simulation_summary,
+                             read_jsonl)
 
 #: (file name, title, y label, series key(s)) of the per-step plots.
 _SERIES = (
@@ -48,7 +49,7 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
 
     records = read_jsonl(run_dir / METRICS_FILE)
     if not records:
-        if (run_dir / "table.txt").is_file() and (run_dir / "run.json").is_file():
+        if _simulation_output(run_dir):
             raise NereusError(f"{run_dir}: the output of nereus-launch simulate, not a job's run directory "
                               "(simulate wrote its plots there with it)")
         raise NereusError(f"{run_dir / METRICS_FILE}: no metrics to plot (is this a run directory?)")
@@ -108,6 +109,14 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
     written += adaptation_plots(run_dir, records, out_dir, plt)
     written += evaluation_plot(run_dir, out_dir, plt)
     return written
+
+
+def _simulation_output(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds ``nereus-launch simulate``'s output (its ``summary.json``)."""
+    try:
+        return is_simulation_summary(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
+    except (OSError, ValueError, RecursionError):
+        return False
 
 
 def _device_memory_bytes(run_dir: Path) -> int | None:

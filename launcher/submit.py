@@ -28,7 +28,7 @@ from nereusd import protocol as P
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError, SlurmError
 from nereusd.config.resolve import resolve_job
-from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir, to_json
+from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir, is_simulation_summary, to_json
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.slurm import SlurmClient
@@ -253,8 +253,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             malformed = f"{run_dir / SUMMARY_FILE}: unreadable ({type(err).__name__})"
         if summary is not None and not isinstance(summary, dict):
             summary, malformed = None, f"{run_dir / SUMMARY_FILE}: expected a JSON object"
-        if isinstance(summary, dict) and "status" not in summary and isinstance(summary.get("summary"), list) \
-                and not (run_dir / ENDPOINT_FILE).is_file() and not (run_dir / RECORD_FILE).is_file():
+        if is_simulation_summary(summary) and not (run_dir / ENDPOINT_FILE).is_file() \
+                and not (run_dir / RECORD_FILE).is_file():
             raise NereusError(f"{run_dir}: the output of nereus-launch simulate, not a job's run directory "
                               f"(its results are in {run_dir / 'table.txt'})")
     ended = isinstance(summary, dict) and summary.get("status") not in (None, "running")

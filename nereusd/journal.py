@@ -343,6 +343,13 @@ def crash_summary(run_dir: str | Path, returncode: int | None, write: bool = Tru
     return summary
 
 
+def is_simulation_summary(record: Any) -> bool:
+    """Whether ``record``, a parsed ``summary.json``, is the one ``nereus-launch simulate --out``
+    writes (:func:`nereusd.sim.report.write`: the setting and a ``summary`` list of per-policy
+    rows) rather than a job's (which has a ``status``)."""
+    return isinstance(record, dict) and "status" not in record and isinstance(record.get("summary"), list)
+
+
 def write_summary(run_dir: str | Path, record: dict[str, Any]) -> None:
     """Write ``RUN_DIR/summary.json`` atomically; a storage fault is logged (the job is ending).
     On a full disk the space reserve (:data:`RESERVE_FILE`, written when the journal opens) is

@@ -243,9 +243,9 @@ class Simulation:
         the plans the other policies ran."""
         headroom = policy.memory_headroom
         if headroom not in self._oracles:
-            oracle = self._oracles[headroom] = _Oracle(self.problem, self._oracle.truth, headroom)
+            oracle = self._oracles[headroom] = _Oracle(self.problem, self._oracle.truth, headroom,
+                                                       memo=self._oracle.memo)
             oracle.known.update(self._oracle.known)
-            oracle._memo = self._oracle._memo   # the planner's plans: the same whatever the margin
         return self._oracles[headroom]
 
     def pool_at(self, time_s: float) -> tuple[int, ...]:
@@ -401,14 +401,17 @@ class _Oracle:
     by rising headroom whose true peak fits; for another (``ranks_by_truth``), the truth's
     fastest that fits among several such plans (:meth:`_candidates`)."""
 
-    def __init__(self, problem: PlanProblem, truth: GroundTruth, memory_headroom: float = 0.0) -> None:
+    def __init__(self, problem: PlanProblem, truth: GroundTruth, memory_headroom: float = 0.0,
+                 memo: dict[tuple, object] | None = None) -> None:
         self.problem, self.truth = problem, truth
         self.memory_headroom = memory_headroom
         """Share of each device's memory a plan leaves free under the truth where some plan can
         (``oracle@H``)."""
         self.margin_missed = False
         """Whether the last :meth:`plan` found no plan leaving :attr:`memory_headroom` free."""
-        self._memo: dict[tuple, Plan | None] = {}
+        self.memo: dict[tuple, object] = {} if memo is None else memo
+        """The planner's plans (:meth:`_solve`) and candidate sets (:meth:`_candidates`): the same
+        whatever the memory headroom, so the oracles of one simulation share them."""
         self.known: dict[str, Plan] = {}
         """Plans other policies ran on this simulation (:meth:`Simulation.learn_plans`): the
         oracle of a truth the planner cannot search ranks them too, so that it bounds what the
@@ -459,15 +462,15 @@ class _Oracle:
         """The planner's plan at ``bucket`` tokens (mean ``mean_fraction`` of it) under the
         truth's efficiencies (memoised)."""
         key = (bucket, pool, contended, headroom, mean_fraction)
-        if key not in self._memo:
+        if key not in self.memo:
             wl = replace(self.problem.workload, response_length=bucket, response_mean_fraction=mean_fraction)
             pb = replace(self.problem, workload=wl, pool=pool)
             try:
                 plan = Planner(pb, self.truth.cost_model(contended), PlannerOptions(headroom=headroom)).solve().plan
             except Infeasible:
                 plan = None
-            self._memo[key] = plan
-        return self._memo[key]
+            self.memo[key] = plan
+        return self.memo[key]
 
     def _candidates(self, bucket: int, pool: tuple[int, ...], contended: bool,
                     mean_fraction: float = 1.0) -> list[Plan]:
@@ -478,7 +481,7 @@ class _Oracle:
         without noise). Plans for longer responses are there because a truth whose generation
         waits on its longest responses may run them faster."""
         key = ("candidates", bucket, pool, contended, mean_fraction)
-        if key not in self._memo:
+        if key not in self.memo:
             plans: dict[str, Plan] = {}
             asks = [(bucket, h, 1.0) for h in HEADROOMS] + [(bucket * k, h, 1.0) for k in (2, 4, 8)
                                                              for h in HEADROOMS[:2]]
@@ -488,8 +491,8 @@ class _Oracle:
                 plan = self._solve(length, pool, contended, headroom, fraction)
                 if plan is not None:
                     plans.setdefault(plan.describe(), plan)
-            self._memo[key] = list(plans.values())
-        return self._memo[key]
+            self.memo[key] = list(plans.values())
+        return self.memo[key]
 
     def plan_for_run(self, lengths: LengthTrace, steps: int, pool: tuple[int, ...]) -> Plan | None:
         """The fastest plan for the run's longest length that no step of the run (its length
