@@ -74,6 +74,21 @@ def adam_update_s(parameters, optimizer_steps, hbm_bytes_per_s: float):
     return optimizer_steps * parameters * ADAM_BYTES_MOVED_PER_PARAM / hbm_bytes_per_s
 
 
+def decode_step_s(weight_bytes, kv_bytes, gemm_flops, attention_flops, hbm_bytes_per_s: float, peak_flops: float):
+    """Ideal seconds of one decode step on one device (scalars or arrays).
+
+    Its GEMMs and its attention (PagedAttention, a kernel of its own: Kwon et al. 2023) each take
+    their roofline time (Williams et al. 2009), the slower of their HBM traffic and their FLOPs
+    at peak, and the two add:
+
+        max(weight_bytes / hbm, gemm_flops / peak) + max(kv_bytes / hbm, attention_flops / peak)
+
+    Both HBM-bound, it is all the bytes over bandwidth.
+    """
+    return (np.maximum(weight_bytes / hbm_bytes_per_s, gemm_flops / peak_flops)
+            + np.maximum(kv_bytes / hbm_bytes_per_s, attention_flops / peak_flops))
+
+
 def continuous_batching(per_replica, concurrent, response_length, mean_fraction: float = 1.0):
     """Decode steps and mean running batch of one replica's continuous-batching decode.
 

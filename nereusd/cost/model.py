@@ -50,7 +50,7 @@ from typing import Mapping
 
 from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
                                       generation_class, latency_class)
-from nereusd.cost.formulas import (adam_update_s, continuous_batching, p2p_parts, p2p_s, pipeline_slots,
+from nereusd.cost.formulas import (adam_update_s, continuous_batching, decode_step_s, p2p_parts, p2p_s, pipeline_slots,
                                    ring_collective_parts)
 from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
@@ -473,12 +473,10 @@ class CostModel:
         kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
         steps, batch = (float(x) for x in continuous_batching(per_replica, concurrent, response, mean_fraction))
         mean_context = prompt + mean_fraction * response / 2.0
-        kv_bytes = batch * mean_context * 2 * layers * kv_heads_rank * d * e
-        weights_s = pp * weights_per_device * e / self.site.hbm_bytes_per_s
-        gemm_s = self._flops_s(2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * batch / tp)
-        kv_s = kv_bytes / self.site.hbm_bytes_per_s
-        attn_s = self._flops_s(4 * layers * q * mean_context * batch / tp)
-        acc.add(DECODE, (max(weights_s, gemm_s) + max(kv_s, attn_s)) * steps)
+        step_s = decode_step_s(pp * weights_per_device * e, batch * mean_context * 2 * layers * kv_heads_rank * d * e,
+                               2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * batch / tp,
+                               4 * layers * q * mean_context * batch / tp, self.site.hbm_bytes_per_s, self.peak_flops)
+        acc.add(DECODE, float(step_s) * steps)
         if self.site.layer_launch_s:
             passes = -(-per_replica // concurrent)
             acc.add(LAUNCH, self.site.layer_launch_s * spec.num_layers * (steps + passes))

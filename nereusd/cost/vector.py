@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from nereusd.cost.calibration import DECODE, LAUNCH, comm_class, generation_class, latency_class
-from nereusd.cost.formulas import continuous_batching, p2p_parts, pipeline_slots, ring_collective_parts
+from nereusd.cost.formulas import (continuous_batching, decode_step_s, p2p_parts, pipeline_slots,
+                                   ring_collective_parts)
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
@@ -137,12 +138,10 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, per_replica: np.ndarr
     steps, c = continuous_batching(per_replica.astype(np.float64), concurrent.astype(np.float64), response,
                                    mean_fraction)
     mean_context = prompt + mean_fraction * response / 2.0
-    kv_bytes = c * mean_context * 2 * layers * kv_heads_rank * d * e
-    weights_s = pp * weights * e / cm.site.hbm_bytes_per_s
-    gemm_s = 2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp / cm.peak_flops
-    kv_s = kv_bytes / cm.site.hbm_bytes_per_s
-    attn_s = 4 * layers * q * mean_context * c / tp / cm.peak_flops
-    acc.add(DECODE, (np.maximum(weights_s, gemm_s) + np.maximum(kv_s, attn_s)) * steps)
+    step_s = decode_step_s(pp * weights * e, c * mean_context * 2 * layers * kv_heads_rank * d * e,
+                           2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp,
+                           4 * layers * q * mean_context * c / tp, cm.site.hbm_bytes_per_s, cm.peak_flops)
+    acc.add(DECODE, step_s * steps)
     if cm.site.layer_launch_s:
         acc.add(generation_class(LAUNCH), cm.site.layer_launch_s * spec.num_layers * (steps + waves))
     nbytes = c * h * e / pp
