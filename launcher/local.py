@@ -396,6 +396,9 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                   "and their state; nothing re-runs if that state is where the journal is")
         else:
             agent = _start(agent_argv, logs / "agent.log")
+            if not quiet:
+                print("nereus: starting the workers and building their engines (vLLM's take tens of seconds on "
+                      "CPU); the progress bar starts once they are built", flush=True)
         while daemon.poll() is None:
             progress.update(run_dir)
             if kept and not any(Path(f"/proc/{pid}").exists() for pid in kept):

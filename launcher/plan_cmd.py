@@ -75,6 +75,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", help="calibration state JSON to use (default: priors)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
+    parse = p.parse_known_args
+
+    def refuse_job_files(args=None, namespace=None):
+        """A job YAML given as an argument is named in the error, before argparse's "required:
+        --model, --site, --gpus" (a user's first guess is ``plan JOB.yaml``)."""
+        tokens = list(sys.argv[1:] if args is None else args)
+        for i, token in enumerate(tokens):
+            value_of_option = i > 0 and tokens[i - 1].startswith("--") and "=" not in tokens[i - 1]
+            if token.endswith((".yaml", ".yml")) and not token.startswith("-") and not value_of_option:
+                p.error(f"{token}: plan reads no job file; give the job's --model, --site and --gpus (and "
+                        "--algorithm, --prompt-length, --response-length, --global-batch, --memory-gib as it sets "
+                        "them). A job's own launch plan is printed by 'local' and journalled at its start")
+        return parse(args, namespace)
+
+    p.parse_known_args = refuse_job_files
 
 
 def _zero_stages(text: str) -> tuple[int, ...]:

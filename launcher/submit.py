@@ -268,7 +268,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     live = out["nereusd"]
     if live:
         plan = ", ".join(f"{ms} tp{c['tp']} pp{c['pp']} dp{c['dp']}" for ms, c in live["plan"].items())
-        print(f"step {live['step']} of {live['steps']} ({live['state']}); plan: {plan or 'not formed yet'}")
+        done = ("no step done yet" if live["step"] is None   # start-up: workers, engines, step 0
+                else f"{live['step'] + 1} steps done (last: step {live['step']})")
+        print(f"{done} of {live['steps']} ({live['state']}); plan: {plan or 'not formed yet'}")
         for node, agent in sorted(live["pool"].items()):
             where = f" (allocation {agent['slurm_job_id']})" if agent.get("slurm_job_id") else ""
             print(f"  node {node}: devices {agent['devices']}{where}")

@@ -232,3 +232,23 @@ def test_more_devices_are_suggested_from_the_next_whole_node(capsys):
     assert main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "3"]) == 1
     assert "would fit with 4 devices" in capsys.readouterr().err
     assert main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "4"]) == 0
+
+
+def test_plan_given_a_job_file_says_it_reads_none(capsys, tmp_path):
+    """``plan JOB.yaml`` said only that --model, --site and --gpus are required; it now names the
+    file and what to give instead. A site YAML as --site's value is still a site."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "examples/counting_grpo.yaml"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "examples/counting_grpo.yaml: plan reads no job file; give the job's --model, --site and --gpus" in err
+    assert main(["plan", "--site", "site_configs/local.yaml", "--model", "counting-tiny", "--gpus", "4",
+                 "--algorithm", "grpo", "--prompt-length", "5", "--response-length", "32", "--global-batch", "16"]) == 0
+    assert "predicted step latency:" in capsys.readouterr().out
+
+
+def test_the_cli_prints_its_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("nereus-launch 0.")

@@ -53,6 +53,22 @@ def test_status_of_an_ended_job_reads_its_summary_without_waiting_for_nereusd(tm
     assert asked   # a running job is asked
 
 
+def test_status_of_a_running_job_says_how_many_steps_are_done(tmp_path, capsys, monkeypatch):
+    """nereusd's ``step`` is the last step done (``None`` during start-up); ``status`` printed
+    ``step None of 20`` for the first minute of a job."""
+    import launcher.submit as submit
+
+    live = {"job": "j", "state": "running", "step": None, "steps": 20, "plan": {}, "pool": {}, "last_decision": None}
+    monkeypatch.setattr(submit, "ask_nereusd", lambda run_dir, timeout_s=5.0: dict(live))
+    (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no step done yet of 20 (running); plan: not formed yet" in out and "None" not in out, out
+    live.update(step=4, plan={"actor/training": {"tp": 2, "pp": 1, "dp": 2}})
+    assert main(["status", str(tmp_path)]) == 0
+    assert "5 steps done (last: step 4) of 20 (running); plan: actor/training tp2 pp1 dp2" in capsys.readouterr().out
+
+
 def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
     """sbatch refusing the job (no Slurm configuration here) must not leave keys and a script
     behind that make the same command fail with 'exists and is not empty'."""
