@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 
 from nereusd.errors import NereusError
 
@@ -35,6 +36,22 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default in ((), []):
             return action.help or ""
         return super()._get_help_string(action)
+
+
+def output_directory(path: str | Path, option: str = "--out") -> Path:
+    """``path`` as an output directory, created if missing (``simulate --out``, ``report --out``).
+
+    Raises:
+        NereusError: naming ``option``, when it exists and is not a directory, or cannot be made.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise NereusError(f"{option} {path}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise NereusError(f"{option} {path}: cannot create it ({err.strerror})") from None
+    return out
 
 
 def _version() -> str:

@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"nereus-launch plan: --calibration {shortened(args.calibration)}: {err.strerror}", file=sys.stderr)
         return 2
     if missing:
-        print(f"nereus-launch plan: --calibration {args.calibration}: no such file", file=sys.stderr)
+        what = "not a regular file" if Path(args.calibration).exists() else "no such file"
+        print(f"nereus-launch plan: --calibration {args.calibration}: {what}", file=sys.stderr)
         return 2
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
     options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute,

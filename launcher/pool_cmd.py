@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -34,9 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--remove", type=int, metavar="N", help="devices to release at the next safe boundary")
     group.add_argument("--add", type=int, metavar="N", help="virtual devices to add (a new local agent)")
-    p.add_argument("--timeout-s", type=float, default=10.0,
-                   help="how long to wait for nereusd's answer (default: %(default)s)")
+    p.add_argument("--timeout-s", type=_timeout_s, default=10.0,
+                   help="how long to wait for nereusd's answer, 0 < s <= 3600 (default: %(default)s)")
     p.set_defaults(func=run)
+
+
+def _timeout_s(text: str) -> float:
+    """``--timeout-s``: seconds, finite, in (0, 3600] (checked before anything is sent)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 3600):
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
+    return value
 
 
 def _endpoint(run_dir: Path) -> dict:
@@ -47,17 +59,33 @@ def _endpoint(run_dir: Path) -> dict:
     """
     try:
         info = json.loads((run_dir / ENDPOINT_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:   # ValueError: JSON or UTF-8 damage
         raise NereusError(f"{run_dir}: no running nereusd ({err})") from None
+    info = endpoint_record(info, run_dir / ENDPOINT_FILE)
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         summary = {}
-    if summary.get("status") not in (None, "running"):
-        raise NereusError(f"{run_dir}: the job has ended (status {summary['status']}); its pool cannot change")
+    status = summary.get("status") if isinstance(summary, dict) else None
+    if status not in (None, "running"):
+        raise NereusError(f"{run_dir}: the job has ended (status {status}); its pool cannot change")
     pid = info.get("pid")
-    if pid is not None and not _alive(int(pid)):
+    if pid is not None and not _alive(pid):
         raise NereusError(f"{run_dir}: nereusd (pid {pid}) is not running")
+    return info
+
+
+def endpoint_record(info: object, path: Path) -> dict:
+    """``info`` read from a run's ``nereusd.json``, checked: a JSON object whose ``endpoint`` is a
+    string and whose ``pid``, when present, a positive integer.
+
+    Raises:
+        NereusError: naming ``path``, for anything else (a damaged or foreign file).
+    """
+    if not (isinstance(info, dict) and isinstance(info.get("endpoint"), str)
+            and (info.get("pid") is None or (type(info["pid"]) is int and info["pid"] > 0))):
+        raise NereusError(f"{path}: not a nereusd record (expected a JSON object with an endpoint string "
+                          "and a process id)")
     return info
 
 

@@ -7,6 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
+from launcher.cli import output_directory
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.errors import NereusError
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, is_simulation_summary,
@@ -232,7 +233,7 @@ def run_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise NereusError(f"{run_dir}: not a run directory (no such directory)")
-    out_dir = Path(args.out) if args.out else run_dir / "plots"
+    out_dir = output_directory(args.out if args.out else run_dir / "plots", "--out" if args.out else "plots directory")
     try:
         paths = write_plots(run_dir, out_dir)
     except (KeyError, TypeError, ValueError, AttributeError) as err:   # JSON, but not what nereusd writes

@@ -23,6 +23,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def job_file(run_dir: Path) -> Path:
 def _set_aside_summary(run_dir: Path, status: str) -> None:
     """Keep the stopped run's summary as ``summary.<status>.json`` (``summary.<status>.2.json``
     and on for later ones), out of the resumed job's way."""
+    status = re.sub(r"[^A-Za-z0-9_-]", "_", status)[:32] or "unknown"   # a file name, whatever the summary says
     if (run_dir / SUMMARY_FILE).exists():
         names = (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json" for n in itertools.count(1))
         os.replace(run_dir / SUMMARY_FILE, next(run_dir / name for name in names if not (run_dir / name).exists()))
@@ -93,9 +95,13 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
     if owner is not None:
         raise NereusError(f"{run_dir}: nereusd (pid {owner}) is still running this job; nothing to resume")
     try:
-        status = json.loads((run_dir / SUMMARY_FILE).read_text()).get("status")
-    except (OSError, json.JSONDecodeError):
-        status = "running"   # died before any summary
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):   # ValueError: JSON or UTF-8 damage
+        summary = None
+    # no readable summary: the job died before writing one (or it was damaged); resume as such
+    status = summary.get("status", "running") if isinstance(summary, dict) else "running"
+    if not isinstance(status, str):
+        status = "running"
     if status == "succeeded":
         raise NereusError(f"{run_dir}: the job succeeded; nothing to resume (start a new run)")
     if any(r.get("slurm_job_id") for r in read_jsonl(run_dir / EVENTS_FILE)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.cli import DefaultsHelpFormatter
+from launcher.cli import DefaultsHelpFormatter, output_directory
 from nereusd.errors import NereusError
 from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies
@@ -61,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-length", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per RL step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")
-    p.add_argument("--noise", type=float, default=TruthConfig.noise_sigma, help="per-step time noise sigma")
+    p.add_argument("--noise", type=float, default=TruthConfig.noise_sigma,
+                   help="per-step time noise: the log-normal sigma of each model-stage's time (0 to 2)")
     p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h,
                    help="network contention episodes per hour of simulated wall clock (the ground truth's)")
     p.add_argument("--generation", choices=GENERATION_ENGINES, default="native",
@@ -85,13 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise NereusError(f"--jobs: expected a positive number of worker processes, got {args.jobs}")
     if args.out:
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise NereusError(f"--out {args.out}: exists and is not a directory")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise NereusError(f"--out {args.out}: cannot create it ({err.strerror})") from None
+        output_directory(args.out)
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed,

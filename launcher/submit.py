@@ -31,6 +31,7 @@ from nereusd.config.resolve import resolve_job
 from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir, is_simulation_summary, to_json
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
 from nereusd.config.site import SiteConfig, load_site
+from nereusd.plan import MAX_DEVICES
 from nereusd.slurm import SlurmClient
 
 RECORD_FILE = "slurm.json"
@@ -111,7 +112,14 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     if site.slurm is None:
         raise ConfigError(f"{Path(site.source).name}: no slurm: section; site {site.name!r} cannot be submitted to")
     devices = job.devices or site.total_devices
+    if args.nodes is not None and not 1 <= args.nodes <= MAX_DEVICES // site.devices_per_node:
+        raise ConfigError(f"--nodes: expected 1..{MAX_DEVICES // site.devices_per_node:,} nodes of "
+                          f"{site.devices_per_node} devices (at most {MAX_DEVICES:,} devices), got {args.nodes}")
     nodes = args.nodes or max(1, math.ceil(devices / site.devices_per_node))
+    if args.account:
+        from nereusd.config.site_slurm import _WORD
+        if not _WORD.match(args.account):   # written into '#SBATCH --account=...' as the site's would be
+            raise ConfigError(f"--account: expected letters, digits and ._+- only, got {args.account!r}")
     sized = site.with_nodes(nodes)
     resolved = resolve_job(job, source=job_path.name, base_dir=job_path.parent, site_devices=sized.total_devices,
                            site_memory_bytes=sized.device_memory_bytes, site_name=sized.name,
@@ -163,11 +171,18 @@ def resolve_run_dir(job: str) -> Path:
 
 
 def ask_nereusd(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
-    """nereusd's live status over the control plane, or ``None`` when it does not answer."""
+    """nereusd's live status over the control plane, or ``None`` when it does not answer.
+
+    Raises:
+        NereusError: the run's ``nereusd.json`` is not a nereusd record (damaged or foreign).
+    """
+    from launcher.pool_cmd import endpoint_record
+
     try:
         info = json.loads((run_dir / ENDPOINT_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):   # ValueError: JSON or UTF-8 damage
         return None
+    info = endpoint_record(info, run_dir / ENDPOINT_FILE)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -79,6 +79,8 @@ class PoolTrace:
 
 def _read_column(path: Path, column: str) -> list[float]:
     """The numbers of ``column`` in the CSV ``path``, each finite and at least 1 (a length in tokens).
+    Empty cells, and rows too short to reach the column, are skipped: a W&B export has them for
+    the steps that did not log the column (``deepgrpo-tree`` shares its file with another run).
 
     Raises:
         ConfigError: naming the file (and the row): not UTF-8, no such column, an empty column,

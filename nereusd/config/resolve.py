@@ -143,6 +143,8 @@ def _resolve_candidate(
     if override is not None:
         merged.update({k: v for k, v in override.model_dump().items() if v is not None})
     devs = merged["devices"] if merged["devices"] is not None else list(range(devices))
+    if not devs:
+        raise ConfigError(f"{source}: {key}.devices: empty list (leave it out to use all the job's devices)")
     bad = [d for d in devs if not 0 <= d < devices]
     if bad:
         raise ConfigError(f"{source}: {key}.devices: {bad} outside the job's devices 0..{devices - 1}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ from typing import Any, Literal, Mapping
 
 from nereusd.errors import ConfigError, shortened
 from nereusd.config.site_slurm import ContainerSpec, SlurmSpec, check_env, check_slurm  # noqa: F401 (re-exported)
+
+YAML11_EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+"""A number in exponent form that PyYAML (YAML 1.1) leaves a string when it lacks a dot: ``5e-1``."""
 
 GIB = 1 << 30
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -327,13 +331,20 @@ def _fail(label: str, key: str, problem: str) -> ConfigError:
     return ConfigError(f"{label}: {key or '<top>'}: {problem}")
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut at ``limit`` characters with ``…`` (a foreign file given
+    as a site config is one long string: its contents do not belong in the error)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
 def _build(cls: type, data: Any, label: str, prefix: str, skip: tuple[str, ...] = ()) -> Any:
     if not isinstance(data, Mapping):
-        raise _fail(label, prefix, f"expected a mapping, got {data!r}")
+        raise _fail(label, prefix, f"expected a mapping, got {_shown(data)}")   # not a whole foreign file
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
     unknown = sorted(str(k) for k in data if k not in fields)
@@ -378,6 +389,8 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
             raise _fail(label, key, f"expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and YAML11_EXPONENT.fullmatch(value.strip()):
+            value = float(value)   # YAML 1.1 reads 5e-1 (no dot) as a string; a job file's loader takes it too
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _fail(label, key, f"expected a number, got {value!r}")
         if not math.isfinite(value):
@@ -390,7 +403,7 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
         return value
     if hint == Mapping[str, float]:
         if not isinstance(value, Mapping):
-            raise _fail(label, key, f"expected a mapping, got {value!r}")
+            raise _fail(label, key, f"expected a mapping, got {_shown(value)}")
         out = {}
         for k, v in value.items():
             if k not in DTYPES:

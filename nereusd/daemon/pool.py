@@ -137,6 +137,12 @@ class PoolController:
         (answered with the queue and the pool)."""
         if not self.live or not self.world:
             return {"error": "live adaptation is off or the world is not formed yet"}
+        pool = len(self.control.devices()) if self.control is not None else len(self.world)
+        if count < 1 or self.pending_remove + count >= pool:
+            # refused here, not at the boundary: there it would take the requests queued beside it along
+            return {"error": f"remove {count}: the pool holds {pool} devices"
+                             + (f", {self.pending_remove} already leaving" if self.pending_remove else "")
+                             + "; the job needs at least one"}
         self.pending_remove += count
         self.journal.event(Event.POOL_REQUEST, {"remove": count})
         return {"queued_remove": self.pending_remove, "pool": self.control.devices() if self.control else []}

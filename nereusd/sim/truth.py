@@ -47,6 +47,16 @@ from nereusd.planner.space import PlanProblem
 from nereusd.transition.memory import AdamStateSizes
 
 
+MAX_NOISE_SIGMA = 2.0
+"""Largest per-step time noise σ (log-normal): at 2 a step is 400 × its noiseless time at 3σ,
+and beyond it simulated time runs away (``simulate --noise 100``: 10¹⁵ s a step)."""
+MAX_CONTENTION_PER_H = 3600.0
+"""Most contention episodes per hour of simulated wall clock (one a second)."""
+MAX_EPISODE_DRAWS = 1_000_000
+"""Contention episodes one :meth:`GroundTruth.contended` call may draw before it refuses: the
+simulated clock has run away (astronomical step or restart times), and drawing them all would
+fill the machine's memory."""
+
 TRUTH_KINDS = ("efficiency", "measured")
 """The ground truths: the cost model with hidden efficiencies, or :mod:`nereusd.sim.measured`."""
 
@@ -107,6 +117,10 @@ class TruthConfig:
                      for name in ("efficiency_lo", "efficiency_hi", "contention_factor", "spread_mean", "spread_max",
                                   "storage_gbps")
                      if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0)]
+        for name, top, why in (("noise_sigma", MAX_NOISE_SIGMA, "a step then varies by e^(3σ) = 400× and more"),
+                               ("contention_per_h", MAX_CONTENTION_PER_H, "one episode a second")):
+            if math.isfinite(getattr(self, name)) and getattr(self, name) > top:
+                problems.append(f"{name} must be at most {top:g} ({why}), got {getattr(self, name)!r}")
         if self.efficiency_lo > self.efficiency_hi:
             problems.append(f"efficiency_lo {self.efficiency_lo} exceeds efficiency_hi {self.efficiency_hi}")
         if self.kind not in TRUTH_KINDS:
@@ -150,7 +164,13 @@ class GroundTruth:
     def contended(self, time_s: float) -> bool:
         """Whether a contention episode covers ``time_s``."""
         cfg = self.config
+        drawn = 0
         while self._episodes_until <= time_s and cfg.contention_per_h > 0:
+            drawn += 1
+            if drawn > MAX_EPISODE_DRAWS:
+                raise ConfigError(f"ground truth: more than {MAX_EPISODE_DRAWS:,} contention episodes to reach "
+                                  f"{time_s:.3g} s of simulated time: the clock has run away (step or restart "
+                                  f"times far beyond a real job's); check --noise, --restart-s and the model size")
             start = self._episodes_until + self._ep_rng.expovariate(cfg.contention_per_h / 3600.0)
             length = self._ep_rng.expovariate(1.0 / (cfg.contention_mean_h * 3600.0))
             self._episodes.append((start, start + length))

@@ -101,7 +101,8 @@ def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[Rec
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such dataset file")
+        raise ConfigError(f"{path}: " + ("not a regular file (a dataset is a JSON, JSONL or Parquet file)"
+                                         if path.exists() else "no such dataset file"))
     out = []
     for row, data in enumerate(_rows(path)):
         where = f"{path}: row {row}"
@@ -138,7 +139,7 @@ def split(n: int, eval_size: int, seed: int) -> tuple[list[int], list[int]]:
         ConfigError: when the held-out split would leave no training row.
     """
     if not 0 <= eval_size < n:
-        raise ConfigError(f"task.eval_size: {eval_size} must be >= 0 and below the dataset's {n} records")
+        raise ConfigError(f"task.options.eval_size: {eval_size} must be >= 0 and below the dataset's {n} records")
     held = set(np.random.default_rng([seed, 0x5EED]).permutation(n)[:eval_size].tolist())
     return [i for i in range(n) if i not in held], sorted(held)
 

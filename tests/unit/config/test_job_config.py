@@ -117,6 +117,8 @@ def test_missing_file_is_named(tmp_path):
      r"plan.model_stages.critic/training: not a model-stage of grpo"),
     ("plan:\n  model_stages:\n    actor/training: {devices: [0, 7]}\n",
      r"plan.model_stages.actor/training.devices: \[7\] outside the job's devices 0..3"),
+    ("plan:\n  model_stages:\n    actor/training: {tp: 2, pp: 1, devices: []}\n",   # was a ZeroDivisionError
+     r"plan.model_stages.actor/training.devices: empty list"),
     ("plan:\n  model_stages:\n    actor/generation: {pp: 2}\n",
      r"plan.model_stages.actor/generation.pp: generation folds PP into DP, pp must be 1, got 2"),
     ("train:\n  global_batch: 64\nplan:\n  default: {micro_batch: 12}\n",

@@ -57,6 +57,19 @@ def _write(tmp_path: Path, mutate) -> Path:
     return path
 
 
+def test_numbers_in_exponent_form_without_a_dot_read_as_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads ``5e-1`` as a string; a site file refused it ("expected a number,
+    got '5e-1'") where a job file's loader takes it (an adversarial helper, 2026-12-05)."""
+    path = tmp_path / "sci.yaml"
+    text = (SITE_CONFIG_DIR / "local.yaml").read_text()
+    path.write_text(text.replace("  memory_gib: 0.5 ", "  memory_gib: 5e-1 ").replace("  hbm_gbps: 8.0 ", "  hbm_gbps: 8E0 "))
+    site = load_site(path)
+    assert site.device.memory_gib == 0.5 and site.device.hbm_gbps == 8.0
+    path.write_text(text.replace("  memory_gib: 0.5 ", "  memory_gib: 5e-1x "))
+    with pytest.raises(ConfigError, match=r"device.memory_gib: expected a number, got '5e-1x'"):
+        load_site(path)
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -128,3 +141,12 @@ def test_with_nodes_is_a_copy():
     assert bigger.total_devices == 1024 and site.nodes == 16
     with pytest.raises(ConfigError, match="nodes: expected a positive integer, got 0"):
         site.with_nodes(0)
+
+
+def test_a_foreign_file_given_as_a_site_is_not_echoed_whole(tmp_path):
+    """``--site /etc/passwd`` printed the whole file in the error (an adversarial helper, 2026-12-05)."""
+    path = tmp_path / "foreign.yaml"
+    path.write_text("secret " * 500)
+    with pytest.raises(ConfigError, match=r"^foreign.yaml: <top>: expected a mapping, got 'secret secret") as err:
+        load_site(path)
+    assert len(str(err.value)) < 200

@@ -73,3 +73,21 @@ def test_joined_devices_rebuild_unless_a_transition_ran():
 def test_a_negative_removal_is_refused():
     with pytest.raises(ValueError, match="pending_remove must be >= 0"):
         plan_pool(world=[0, 1], registered=[0, 1], lost={}, plan_devices=[0], pending_remove=-1, due=[])
+
+
+def test_a_pool_request_for_the_whole_pool_is_refused_on_arrival(tmp_path):
+    """``pool --remove 1000`` on a 4-device job printed success and was refused only at the
+    boundary, together with any request queued beside it; nereusd now refuses it on arrival, and
+    requests that together would leave no device too."""
+    from nereusd.daemon.pool import PoolController
+    from nereusd.journal import Journal
+
+    pool = PoolController(Journal(tmp_path), tmp_path, "j", steps=10)
+    pool.live = True
+    pool.world_formed({}, [0, 1, 2, 3])
+    assert "the pool holds 4 devices" in pool.request_remove(1000)["error"]
+    assert pool.request_remove(2) == {"queued_remove": 2, "pool": []}   # no control plane here: no pool list
+    refused = pool.request_remove(2)
+    assert "2 already leaving" in refused["error"] and pool.pending_remove == 2
+    assert pool.request_remove(1)["queued_remove"] == 3
+    pool.journal.close()

@@ -131,6 +131,17 @@ def test_report_on_a_file_says_it_is_not_a_run_directory(tmp_path, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
+def test_report_out_that_is_a_file_or_cannot_be_made_is_one_line(tmp_path, capsys):
+    """Both were FileExistsError / FileNotFoundError tracebacks (an adversarial helper, 2026-12-05);
+    ``simulate --out`` said it in one line, and now both say it with one function."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "afile").write_text("x")
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "afile")]) == 2
+    assert "afile: exists and is not a directory" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "afile" / "sub")]) == 2
+    assert "cannot create it" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("record", ['{"reward_mean": 1.0}', '{"step": 0, "stage_latency_s": "x"}'])
 def test_report_on_a_journal_nereusd_did_not_write_is_one_clear_line(tmp_path, capsys, record):
     """JSON records of another shape (an edited journal) got tracebacks from the plotting

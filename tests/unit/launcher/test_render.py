@@ -103,3 +103,10 @@ def test_cli_render_prints_script(tmp_path, capsys):
     assert "#SBATCH --nodes=1" in capsys.readouterr().out
     assert main(["render", str(job), "--site", "local", "--time", "soon"]) == 2
     assert "--time: expected MM" in capsys.readouterr().err
+    # --nodes 0 rendered the default node count; an --account was written into #SBATCH unchecked
+    # (an adversarial helper, 2026-12-05)
+    for argv, says in ((["--nodes", "0"], "--nodes: expected 1..16,384 nodes"),
+                       (["--nodes", "1000000"], "--nodes: expected 1..16,384 nodes"),
+                       (["--account", "a;$(id)"], "--account: expected letters, digits and ._+- only")):
+        assert main(["render", str(job), "--site", "local", *argv]) == 2
+        assert says in capsys.readouterr().err

@@ -63,3 +63,24 @@ def test_crash_summary_is_written_only_without_a_final_one(tmp_path):
     assert "signal SIGKILL" in crash_summary(tmp_path, 137, write=False)["error"]   # a shell's code for it
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
     assert crash_summary(tmp_path, 1) is None
+
+
+@pytest.mark.parametrize("summary", [b"[1]", b'{"status": 5}', b"\xff\xfe not UTF-8"])
+def test_a_damaged_summary_resumes_as_a_job_that_wrote_none(tmp_path, summary):
+    """A list, a non-string status or bytes that are not UTF-8 in ``summary.json`` were
+    tracebacks (AttributeError, UnicodeDecodeError; an adversarial helper, 2026-12-05): resume
+    now goes on as for a job that died before its summary, here to the missing job file."""
+    journal = Journal(tmp_path)
+    journal.event(Event.NEREUSD_STARTED, {"job_file": str(tmp_path / "gone.yaml")})
+    journal.close()
+    (tmp_path / "summary.json").write_bytes(summary)
+    with pytest.raises(NereusError, match="no job file to resume with"):
+        run(_args(tmp_path))
+
+
+def test_a_summary_set_aside_stays_in_the_run_directory_whatever_its_status_says(tmp_path):
+    from launcher.resume_cmd import _set_aside_summary
+
+    (tmp_path / "summary.json").write_text("{}")
+    _set_aside_summary(tmp_path, "../../escaped")
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.______escaped.json"]

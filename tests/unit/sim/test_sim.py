@@ -277,6 +277,8 @@ def test_cli_json_and_plots(tmp_path, capsys):
     (["--pool-trace", "."], "not a shipped trace"),
     (["--noise", "-1"], "noise_sigma must be a finite number >= 0"),
     (["--noise", "nan"], "noise_sigma must be a finite number >= 0"),
+    (["--noise", "100"], "noise_sigma must be at most 2"),   # ran the machine out of memory (2026-12-05)
+    (["--contention-per-h", "1e9"], "contention_per_h must be at most 3600"),
     (["--contention-per-h", "-3", "--engine-rebuild-s", "-10"], "contention_per_h must be"),
     (["--jobs", "0"], "--jobs: expected a positive number"),
     (["--engine-rebuild-s", "30"], "add --generation vllm"),
@@ -437,3 +439,15 @@ def test_simulate_warns_on_stderr_when_the_length_trace_repeats(tmp_path, capsys
     out = capsys.readouterr()
     assert json.loads(out.out)["summary"]
     assert "the length trace has 5 steps, fewer than --steps 8" in out.err
+
+
+def test_a_simulated_clock_that_runs_away_is_an_error_not_a_full_memory():
+    """Contention episodes are drawn up to each step's simulated time; a clock at 10¹⁵ s (``simulate
+    --noise 100`` did that) drew them until the kernel killed the process at 24 GB."""
+    from nereusd.errors import ConfigError
+    from nereusd.sim.truth import GroundTruth
+
+    truth = GroundTruth(small_problem(), TruthConfig(contention_per_h=3600.0, contention_mean_h=1 / 3600))
+    assert truth.contended(3600.0) in (True, False)
+    with pytest.raises(ConfigError, match="the clock has run away"):
+        truth.contended(1e15)
