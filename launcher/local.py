@@ -246,6 +246,9 @@ def describe_event(ev: dict) -> str | None:
     if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
         plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
         return f"nereus: planner's launch plan: {plan}"
+    if kind == Event.RESTART_STARTED:
+        return (f"nereus: step {ev['step']}: restarting from {ev.get('checkpoint') or 'the initial weights'} on "
+                f"devices {ev.get('world')}: {ev.get('reason')}")
     if kind == Event.FALLBACK:
         return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
     if kind == Event.POOL_CHANGED and "step" in ev:

@@ -88,6 +88,9 @@ class Event(str, enum.Enum):
     """Pass@1 of the greedy policy on the held-out prompts."""
     TRANSITION = "transition"
     """A transition ran: its ops, predicted and measured time, per-op timings."""
+    RESTART_STARTED = "restart_started"
+    """A checkpoint/restart begins: why, the failed step, the checkpoint and the world it restarts
+    on. Its ``fallback`` record follows once it is done; a job that fails during it has this one."""
     FALLBACK = "fallback"
     """A checkpoint/restart (or none possible), why, and the steps lost."""
     DEVICE_LOST = "device_lost"

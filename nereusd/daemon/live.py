@@ -316,6 +316,9 @@ class LiveAdaptation:
             NereusError: when the old workers do not stop; Infeasible: nothing fits ``world``.
         """
         start = time.perf_counter()
+        self.journal.event(Event.RESTART_STARTED, {
+            "step": failed_step, "reason": why, "checkpoint": checkpoint[0] if checkpoint else None,
+            "world": sorted(world), "leaving": sorted(leaving)})   # journalled first: a fault during it fails the job
         result = self.controller.restart_plan(tuple(sorted(world)))
         old = list(self.world)
         abandoned = self.control.abandon_tasks()

@@ -63,6 +63,10 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path, backend):
     assert fallback[0]["resume_step"] == 2 and fallback[0]["lost_steps"] == 1
     assert fallback[0]["checkpoint"].endswith("step000002") and fallback[0]["lost_devices"] == [2]
     assert fallback[0]["dropped_metrics"] == [2]
+    # the restart's reason is journalled when it starts (a fault during it would fail the job)
+    started = [i for i, e in enumerate(events) if e["event"] == "restart_started"]
+    assert len(started) == 1 and started[0] < events.index(fallback[0]), started
+    assert events[started[0]]["world"] == [0, 1] and events[started[0]]["reason"] == fallback[0]["reason"]
     assert any(e["event"] == "worker_exited" and e["device"] == 2 and e["exitcode"] == -9 for e in events)
     # every step once; the re-run ones on the survivors only; device 2 never came back
     records = read_jsonl(run_dir / "metrics.jsonl")
