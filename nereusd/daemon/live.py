@@ -58,6 +58,10 @@ from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
 
 log = logging.getLogger(__name__)
 
+MAX_RESTART_ATTEMPTS = 3
+"""Checkpoint/restarts one failure may take when devices keep being lost while the restart runs
+(:meth:`LiveAdaptation.recover`); each restarts without the devices lost in the one before."""
+
 
 def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str,
                       keys_dir: Path | None = None) -> subprocess.Popen:
@@ -247,8 +251,12 @@ class LiveAdaptation:
         world generation) on :meth:`Controller.restart_plan`, training state comes from the latest
         checkpoint (or the initial weights before any), and the driver rewinds to that
         checkpoint's step and sample position; the steps since are lost (``fallback`` with
-        ``lost_steps``) and run again. Returns False (the failure stands) for any other error,
-        or when no plan fits the devices left (journal ``fallback`` with ``action: none``).
+        ``lost_steps``) and run again. A device lost while the restart runs (a new worker killed
+        while it starts or loads the checkpoint) is journalled ``device_lost`` with ``during:
+        restart``, and the restart begins again without it (at most :data:`MAX_RESTART_ATTEMPTS`
+        in all): the checkpoint still holds the state. Returns False (the failure stands) for
+        any other error, or when no plan fits the devices left (journal ``fallback`` with
+        ``action: none``).
         """
         oom = isinstance(err, WorkerError) and err.error_kind == "DeviceOutOfMemory"
         if not oom and not isinstance(err, (WorkerError, TransitionInterrupted)):
@@ -277,28 +285,57 @@ class LiveAdaptation:
             self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
                                             "survivors": survivors})
             return False
-        self._restart(survivors, sorted(lost), step, why, self.driver.last_checkpoint,
-                      leave_reason=f"lost: {why}" if lost else "")
-        return True
+        leaving = sorted(lost)
+        for attempt in range(1, MAX_RESTART_ATTEMPTS + 1):
+            try:
+                self._restart(survivors, leaving, step, why, self.driver.last_checkpoint,
+                              leave_reason=f"lost: {why}" if leaving else "")
+                return True
+            except (WorkerError, TransitionInterrupted) as again:
+                # a device lost while the restart starts its workers or loads the checkpoint:
+                # the checkpoint still holds the state, so restart once more without it
+                more = self.lost_devices(wait=True, world=survivors)
+                if not more or attempt == MAX_RESTART_ATTEMPTS:
+                    raise
+                causes = sorted({v["cause"] for v in more.values()})
+                survivors = [d for d in survivors if d not in more]
+                self.journal.event(Event.DEVICE_LOST, {
+                    "step": step, "devices": sorted(more), "cause": ", ".join(causes), "survivors": survivors,
+                    "during": "restart", "detail": {str(d): v for d, v in sorted(more.items())},
+                    "error": str(again)[:300]})
+                log.error("step %d: devices %s lost during the restart (%s); restarting on %s", step, sorted(more),
+                          ", ".join(causes), survivors)
+                why = f"{why}; then devices {sorted(more)} lost during the restart ({', '.join(causes)})"
+                leaving = sorted(set(leaving) | set(more))
+                try:
+                    if not survivors:
+                        raise Infeasible("no device is left")
+                    self.controller.restart_plan(tuple(sorted(survivors)))
+                except Infeasible as reason:
+                    self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
+                                                    "survivors": survivors})
+                    return False
+        return False   # not reached: the last attempt returns or raises
 
-    def lost_devices(self, wait: bool = True) -> dict[int, dict[str, Any]]:
-        """Devices of the world that the control plane knows to be lost (``{device: {cause, ...}}``,
-        :meth:`nereusd.daemon.control_plane.ControlPlane.lost_devices`).
+    def lost_devices(self, wait: bool = True, world: list[int] | None = None) -> dict[int, dict[str, Any]]:
+        """Devices of ``world`` (default: the job's world) that the control plane knows to be lost
+        (``{device: {cause, ...}}``, :meth:`nereusd.daemon.control_plane.ControlPlane.lost_devices`).
 
         With ``wait``, poll up to :attr:`LOSS_GRACE_S` for the news, and while an agent of the
         world has been silent for :attr:`SILENT_AGENT_S`, up to its heartbeat timeout (a killed
         agent's workers outlive it until their task ends; its loss is known by its dropped
         connection, :data:`~nereusd.daemon.registry.DISCONNECT_GRACE_S`, or by heartbeat).
         """
+        world = self.world if world is None else world
         start = self.clock()
         grace_end = start + (self.LOSS_GRACE_S if wait else 0.0)
         heartbeat_end = start + self.control.heartbeat_timeout_s + 2.0
         while True:
             self.control.poll(0.1 if wait else 0)
-            lost = self.control.lost_devices(self.world)
+            lost = self.control.lost_devices(world)
             now = self.clock()
             if lost or now >= grace_end and (now >= heartbeat_end or not
-                                             self.control.silent_agents(self.world, self.SILENT_AGENT_S)):
+                                             self.control.silent_agents(world, self.SILENT_AGENT_S)):
                 return lost
 
     def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,

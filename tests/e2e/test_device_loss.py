@@ -83,6 +83,42 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path, backend):
         assert train[0]["dp"] == 3 and train[-1]["dp"] == 2 and all(p.get("zero_stage") == 1 for p in train)
 
 
+def test_a_device_lost_during_the_restart_restarts_once_more_without_it(tmp_path):
+    """The restart after a loss starts new workers and loads the checkpoint; a worker killed
+    then failed the job (an adversarial helper, 2026-12-05). The checkpoint still holds the
+    state: nereusd restarts once more on the devices left, and the job finishes."""
+    run_dir = tmp_path / "run"
+
+    def new_worker(device, old):
+        try:
+            pid = worker_pid(run_dir, device)
+        except AssertionError:
+            return None
+        return pid if pid != old else None
+
+    with running(write_job(tmp_path, "job", JOB.replace("devices: 3", "devices: 4")), run_dir) as proc:
+        wait_for("two steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 120, run_dir)
+        first = worker_pid(run_dir, 1)
+        os.kill(worker_pid(run_dir, 2), signal.SIGKILL)
+        wait_for("the restart", lambda: any(e["event"] == "restart_started"
+                                            for e in read_jsonl(run_dir / "events.jsonl")), 60, run_dir)
+        os.kill(wait_for("device 1's new worker", lambda: new_worker(1, first), 60, run_dir), signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=180)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert [e["devices"] for e in lost] == [[2], [1]] and lost[1]["during"] == "restart", lost
+    fallback = [e for e in events if e["event"] == "fallback"]
+    assert len(fallback) == 1 and fallback[0]["lost_devices"] == [1, 2], fallback
+    assert "then devices [1] lost during the restart" in fallback[0]["reason"]
+    assert [e["world"] for e in events if e["event"] == "restart_started"] == [[0, 1, 3], [0, 3]]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    assert set(records[-1]["peak_memory_bytes"]) == {"0", "3"}
+    assert processes_mentioning(str(run_dir)) == []
+
+
 SPARE = JOB.replace("plan: {default: {tp: 1, pp: 1}}", "plan: {default: {tp: 1, pp: 1, devices: [0, 1]}}\n"
                     "adaptation: {payback_margin: 0.0}")
 
