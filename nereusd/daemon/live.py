@@ -265,28 +265,31 @@ class LiveAdaptation:
         lost = self.lost_devices(wait=not oom)
         if not lost and not oom:
             return False
-        survivors = [d for d in self.world if d not in lost]
-        if lost:
-            causes = sorted({v["cause"] for v in lost.values()})
-            self.journal.event(Event.DEVICE_LOST, {
-                "step": step, "devices": sorted(lost), "cause": ", ".join(causes), "survivors": survivors,
-                "detail": {str(d): v for d, v in sorted(lost.items())}, "error": str(err)[:300]})
-            log.error("step %d: devices %s lost (%s); restarting on %s", step, sorted(lost), ", ".join(causes),
-                      survivors)
-            why = f"devices {sorted(lost)} lost ({', '.join(causes)})"
-        else:
-            why = f"out of memory: {str(err)[:300]}"
+        survivors, leaving, error = list(self.world), [], err
+        why = f"out of memory: {str(err)[:300]}" if not lost else ""
+        if not lost:
             self.controller.failed(step)   # the re-run plans for the longest response until past it
-        try:
-            if not survivors:
-                raise Infeasible("no device is left")
-            self.controller.restart_plan(tuple(sorted(survivors)))
-        except Infeasible as reason:
-            self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
-                                            "survivors": survivors})
-            return False
-        leaving = sorted(lost)
         for attempt in range(1, MAX_RESTART_ATTEMPTS + 1):
+            if lost:   # at the failure, or (attempt > 1) while the restart ran
+                causes = ", ".join(sorted({v["cause"] for v in lost.values()}))
+                survivors = [d for d in survivors if d not in lost]
+                leaving = sorted(set(leaving) | set(lost))
+                during = {"during": "restart"} if attempt > 1 else {}
+                self.journal.event(Event.DEVICE_LOST, {
+                    "step": step, "devices": sorted(lost), "cause": causes, "survivors": survivors, **during,
+                    "detail": {str(d): v for d, v in sorted(lost.items())}, "error": str(error)[:300]})
+                log.error("step %d: devices %s lost%s (%s); restarting on %s", step, sorted(lost),
+                          " during the restart" if during else "", causes, survivors)
+                why = (f"{why}; then devices {sorted(lost)} lost during the restart ({causes})" if during
+                       else f"devices {sorted(lost)} lost ({causes})")
+            try:
+                if not survivors:
+                    raise Infeasible("no device is left")
+                self.controller.restart_plan(tuple(sorted(survivors)))
+            except Infeasible as reason:
+                self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
+                                                "survivors": survivors})
+                return False
             try:
                 self._restart(survivors, leaving, step, why, self.driver.last_checkpoint,
                               leave_reason=f"lost: {why}" if leaving else "")
@@ -294,27 +297,9 @@ class LiveAdaptation:
             except (WorkerError, TransitionInterrupted) as again:
                 # a device lost while the restart starts its workers or loads the checkpoint:
                 # the checkpoint still holds the state, so restart once more without it
-                more = self.lost_devices(wait=True, world=survivors)
-                if not more or attempt == MAX_RESTART_ATTEMPTS:
+                lost, error = self.lost_devices(wait=True, world=survivors), again
+                if not lost or attempt == MAX_RESTART_ATTEMPTS:
                     raise
-                causes = sorted({v["cause"] for v in more.values()})
-                survivors = [d for d in survivors if d not in more]
-                self.journal.event(Event.DEVICE_LOST, {
-                    "step": step, "devices": sorted(more), "cause": ", ".join(causes), "survivors": survivors,
-                    "during": "restart", "detail": {str(d): v for d, v in sorted(more.items())},
-                    "error": str(again)[:300]})
-                log.error("step %d: devices %s lost during the restart (%s); restarting on %s", step, sorted(more),
-                          ", ".join(causes), survivors)
-                why = f"{why}; then devices {sorted(more)} lost during the restart ({', '.join(causes)})"
-                leaving = sorted(set(leaving) | set(more))
-                try:
-                    if not survivors:
-                        raise Infeasible("no device is left")
-                    self.controller.restart_plan(tuple(sorted(survivors)))
-                except Infeasible as reason:
-                    self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
-                                                    "survivors": survivors})
-                    return False
         return False   # not reached: the last attempt returns or raises
 
     def lost_devices(self, wait: bool = True, world: list[int] | None = None) -> dict[int, dict[str, Any]]:
