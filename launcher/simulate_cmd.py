@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if short:   # stderr: --json's stdout stays one JSON object
         print(f"warning: prompts of {prompt} tokens plus the length trace's longest response "
               f"({sim.max_response_length}) exceed the {short[0]} model's max_position={short[1].max_position}: "
-              f"a job of this shape is refused at launch", file=sys.stderr)
+              f"a job of this shape is refused at launch; the simulation runs it anyway (a what-if)", file=sys.stderr)
     trace_steps = len(sim.lengths.response_lengths)
     if trace_steps < args.steps:
         print(f"warning: the length trace has {trace_steps} steps, fewer than --steps {args.steps}: "

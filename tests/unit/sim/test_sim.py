@@ -356,7 +356,7 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
             "--policies", "nereus", "--truth", "efficiency", "--site", "local"]
     assert main(base) == 0
     err = capsys.readouterr().err
-    assert "exceed the actor model's max_position=160" in err and "refused at launch" in err
+    assert "exceed the actor model's max_position=160" in err and "refused at launch; the simulation runs it anyway" in err
     assert main(base + ["--prompt-length", "16", "--length-trace", "generated-ramp:20:60"]) == 0
     assert "max_position" not in capsys.readouterr().err
 
