@@ -21,7 +21,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from launcher.cli import DefaultsHelpFormatter, output_directory
 from nereusd.errors import NereusError
