@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -36,18 +37,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--remove", type=int, metavar="N", help="devices to release at the next safe boundary")
     group.add_argument("--add", type=int, metavar="N", help="virtual devices to add (a new local agent)")
     p.add_argument("--timeout-s", type=_timeout_s, default=10.0,
-                   help="how long to wait for nereusd's answer, 0 < s <= 3600 (default: %(default)s)")
+                   help="how long to wait for nereusd's answer, 0.5 to 3600 s (default: %(default)s)")
     p.set_defaults(func=run)
 
 
 def _timeout_s(text: str) -> float:
-    """``--timeout-s``: seconds, finite, in (0, 3600] (checked before anything is sent)."""
+    """``--timeout-s``: seconds, finite, in [0.5, 3600] (checked before anything is sent: a shorter
+    wait gave up while nereusd still applied the request)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= 3600):
-        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
+    if not (math.isfinite(value) and 0.5 <= value <= 3600):
+        raise argparse.ArgumentTypeError(f"expected seconds in [0.5, 3600], got {text!r}")
     return value
 
 
@@ -75,6 +77,10 @@ def _endpoint(run_dir: Path) -> dict:
     return info
 
 
+ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}")
+"""The ``endpoint`` nereusd writes into ``nereusd.json``: ZeroMQ TCP, host and port."""
+
+
 def endpoint_record(info: object, path: Path) -> dict:
     """``info`` read from a run's ``nereusd.json``, checked: a JSON object whose ``endpoint`` is a
     string and whose ``pid``, when present, a positive integer.
@@ -83,9 +89,10 @@ def endpoint_record(info: object, path: Path) -> dict:
         NereusError: naming ``path``, for anything else (a damaged or foreign file).
     """
     if not (isinstance(info, dict) and isinstance(info.get("endpoint"), str)
+            and ENDPOINT.fullmatch(info["endpoint"])
             and (info.get("pid") is None or (type(info["pid"]) is int and info["pid"] > 0))):
-        raise NereusError(f"{path}: not a nereusd record (expected a JSON object with an endpoint string "
-                          "and a process id)")
+        raise NereusError(f"{path}: not a nereusd record (expected a JSON object with an endpoint such as "
+                          "tcp://HOST:PORT and a process id)")
     return info
 
 
@@ -124,7 +131,8 @@ def _ask(run_dir: Path, request: P._Message, timeout_s: float) -> dict:
         sock.connect(info["endpoint"])
         sock.send(P.encode(request))
         if not sock.poll(int(timeout_s * 1000)):
-            raise NereusError(f"nereusd at {info['endpoint']} did not answer within {timeout_s:.0f} s")
+            raise NereusError(f"nereusd at {info['endpoint']} did not answer within {timeout_s:g} s; the request may "
+                              f"still reach it: see {run_dir / 'events.jsonl'} or 'nereus-launch status {run_dir}'")
         reply = P.decode(sock.recv())
     finally:
         sock.close(0)

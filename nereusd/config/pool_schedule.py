@@ -233,6 +233,11 @@ def schedule_for(job) -> PoolSchedule:
         if e.add > per_node:
             raise ConfigError(f"pool.schedule[{i}].add: {e.add} devices, but a node of site {cfg.site!r} has "
                               f"{per_node}: one added agent holds one node's devices at most")
-    floor = job_min_devices(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
-                            asynchronous=cfg.rollout.max_staleness > 0)
-    return PoolSchedule(cfg.pool, job.devices, floor)
+    return PoolSchedule(cfg.pool, job.devices, min_devices_of(job))
+
+
+def min_devices_of(job) -> int:
+    """:func:`job_min_devices` of a resolved job (:class:`nereusd.config.resolve.ResolvedJob`)."""
+    cfg = job.config
+    return job_min_devices(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
+                           asynchronous=cfg.rollout.max_staleness > 0)

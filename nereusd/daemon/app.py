@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nereusd import checkpoints
+from nereusd.config.pool_schedule import min_devices_of
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.control.jobs import controller_for_job, job_fingerprint
@@ -99,6 +100,7 @@ class Daemon:
         self.pool = PoolController(self.journal, self.run_dir, self.job.config.name, self.job.config.steps,
                                    args.slurm_job_id)
         self.pool.live = self.job.config.adaptation.enabled
+        self.pool.min_devices = min_devices_of(self.job)
         self.control = ControlPlane(args.bind, heartbeat_timeout_s=args.heartbeat_timeout_s, on_event=self.journal.event,
                                     keys=keys, on_pool_change=self.pool.on_pool_change, status=self.pool.status,
                                     on_pool_request=self.pool.request_remove,

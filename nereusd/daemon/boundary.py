@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from nereusd.config.pool_schedule import PoolEvent, net_change
 from nereusd.control.admission import ADMIT, RESTART, Decision
@@ -35,7 +35,9 @@ class PoolActions:
             (``{device: {"cause", ...}}`` from the registry).
         lost_plan_devices: devices of the running plan that were lost: their state is gone, the
             recovery path (checkpoint/restart) takes over and nothing but ``add`` is planned.
-        refused_remove: a removal that would leave the job no device (refused), else 0.
+        refused_remove: a removal refused (it would leave fewer devices than the job needs, or a
+            pool no plan fits), else 0.
+        refused_reason: why, for the journal.
         sources: readable causes of the change for the journal.
     """
 
@@ -44,11 +46,13 @@ class PoolActions:
     lost_spares: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     lost_plan_devices: tuple[int, ...] = ()
     refused_remove: int = 0
+    refused_reason: str = ""
     sources: tuple[str, ...] = ()
 
 
 def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[int, Mapping[str, Any]],
-              plan_devices: Sequence[int], pending_remove: int, due: Sequence[PoolEvent]) -> PoolActions:
+              plan_devices: Sequence[int], pending_remove: int, due: Sequence[PoolEvent], min_devices: int = 1,
+              unfit: Callable[[tuple[int, ...]], str | None] | None = None) -> PoolActions:
     """The pool change at a boundary (module docstring, step 1).
 
     Args:
@@ -58,6 +62,10 @@ def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[
         plan_devices: devices the running plan uses.
         pending_remove: devices ``nereus-launch pool --remove`` asked to release.
         due: the pool schedule's events due now.
+        min_devices: the fewest devices the job runs on
+            (:func:`~nereusd.config.pool_schedule.job_min_devices`); a removal below it is refused.
+        unfit: why no plan fits a pool (``None`` when one does); a removal that leaves such a pool
+            is refused instead of failing the job at its restart.
 
     Raises:
         ValueError: a negative removal request (callers validate what users ask for).
@@ -72,15 +80,20 @@ def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[
         return PoolActions(add=add, lost_plan_devices=hit, sources=tuple(sources))
     remove = pending_remove + scheduled_remove
     leaving = set(lost)
-    refused = 0
+    refused, reason = 0, ""
     if remove:
         candidates = sorted(d for d in registered if d in world and d not in lost)
-        removed = candidates[-remove:] if remove < len(candidates) else []
-        if not removed:
-            refused = remove
+        removed = candidates[-remove:] if remove < len(candidates) else list(candidates)
+        kept = tuple(d for d in candidates if d not in removed)
+        if len(kept) < max(1, min_devices):
+            reason = f"the job needs at least {max(1, min_devices)} device(s); {len(candidates)} in the pool"
+        elif unfit is not None:
+            reason = unfit(kept) or ""
+        if reason:
+            refused, removed = remove, []
         leaving |= set(removed)
     return PoolActions(add=add, leaving=tuple(sorted(leaving)), lost_spares=dict(lost), refused_remove=refused,
-                       sources=tuple(sources))
+                       refused_reason=reason, sources=tuple(sources))
 
 
 class ActionKind(str, enum.Enum):

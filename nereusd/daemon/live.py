@@ -158,7 +158,7 @@ class LiveAdaptation:
         pool_actions = plan_pool(world=self.world, registered=self.control.devices(),
                                  lost=self.control.lost_devices(self.world),   # since the step's last task
                                  plan_devices=self.driver.plan.devices(), pending_remove=self.pool.pending_remove,
-                                 due=due)
+                                 due=due, min_devices=self.pool.min_devices, unfit=self._unfit)
         if pool_actions.add:
             self._add_devices(pool_actions.add)
         if pool_actions.lost_plan_devices:   # their state is gone: the recovery path (checkpoint/restart);
@@ -177,7 +177,7 @@ class LiveAdaptation:
             self.journal.event(Event.POOL_REQUEST_REFUSED, {
                 "remove": pool_actions.refused_remove, "sources": list(pool_actions.sources),
                 "pool": [d for d in self.control.devices() if d in self.world],
-                "reason": "the job needs at least one device"})
+                "reason": pool_actions.refused_reason})
         joined = [d for d in self.control.devices() if d not in self.world]
         if joined:
             self._grow_world(joined)
@@ -229,6 +229,15 @@ class LiveAdaptation:
         else:
             self._transition(self.driver.plan, step, action.why)
 
+    def _unfit(self, pool: tuple[int, ...]) -> str | None:
+        """Why no plan fits ``pool`` (the controller's restart plan), or ``None`` when one does:
+        a requested removal that leaves such a pool is refused, not run into a failed restart."""
+        try:
+            self.controller.restart_plan(tuple(sorted(pool)))
+        except Infeasible as reason:
+            return f"no plan fits the {len(pool)} device(s) left: {str(reason)[:300]}"
+        return None
+
     # ------------------------------------------------------------------ failures
     LOSS_GRACE_S = 5.0
     """How long :meth:`recover` waits for the control plane to learn of a lost device after a
@@ -255,8 +264,9 @@ class LiveAdaptation:
         while it starts or loads the checkpoint) is journalled ``device_lost`` with ``during:
         restart``, and the restart begins again without it (at most :data:`MAX_RESTART_ATTEMPTS`
         in all): the checkpoint still holds the state. Returns False (the failure stands) for
-        any other error, or when no plan fits the devices left (journal ``fallback`` with
-        ``action: none``).
+        any other error, when no plan fits the devices left, or when the last of those restarts
+        lost devices too (journal ``fallback`` with ``action: none``; after a loss its reason is
+        the job's failure message).
         """
         oom = isinstance(err, WorkerError) and err.error_kind == "DeviceOutOfMemory"
         if not oom and not isinstance(err, (WorkerError, TransitionInterrupted)):
@@ -269,7 +279,7 @@ class LiveAdaptation:
         why = f"out of memory: {str(err)[:300]}" if not lost else ""
         if not lost:
             self.controller.failed(step)   # the re-run plans for the longest response until past it
-        for attempt in range(1, MAX_RESTART_ATTEMPTS + 1):
+        for attempt in range(1, MAX_RESTART_ATTEMPTS + 2):
             if lost:   # at the failure, or (attempt > 1) while the restart ran
                 causes = ", ".join(sorted({v["cause"] for v in lost.values()}))
                 survivors = [d for d in survivors if d not in lost]
@@ -283,12 +293,16 @@ class LiveAdaptation:
                 why = (f"{why}; then devices {sorted(lost)} lost during the restart ({causes})" if during
                        else f"devices {sorted(lost)} lost ({causes})")
             try:
+                if attempt > MAX_RESTART_ATTEMPTS:
+                    raise Infeasible(f"gave up after {MAX_RESTART_ATTEMPTS} restarts, each losing devices")
                 if not survivors:
                     raise Infeasible("no device is left")
                 self.controller.restart_plan(tuple(sorted(survivors)))
             except Infeasible as reason:
                 self.journal.event(Event.FALLBACK, {"step": step, "action": "none", "reason": f"{why}: {reason}",
                                                 "survivors": survivors})
+                if leaving:   # the job's failure message (PoolController.explain_failure), not the first error
+                    self.pool.lost_reason = f"{why}: {reason}"
                 return False
             try:
                 self._restart(survivors, leaving, step, why, self.driver.last_checkpoint,
@@ -298,9 +312,9 @@ class LiveAdaptation:
                 # a device lost while the restart starts its workers or loads the checkpoint:
                 # the checkpoint still holds the state, so restart once more without it
                 lost, error = self.lost_devices(wait=True, world=survivors), again
-                if not lost or attempt == MAX_RESTART_ATTEMPTS:
+                if not lost:
                     raise
-        return False   # not reached: the last attempt returns or raises
+        return False   # not reached: the attempt after the last gives up above
 
     def lost_devices(self, wait: bool = True, world: list[int] | None = None) -> dict[int, dict[str, Any]]:
         """Devices of ``world`` (default: the job's world) that the control plane knows to be lost

@@ -44,6 +44,9 @@ class PoolController:
         """Devices of the current world generation, in rank order (empty until it forms)."""
         self.pending_remove = 0
         """Devices ``nereus-launch pool --remove`` asked to release at the next safe boundary."""
+        self.min_devices = 1
+        """The fewest devices the job runs on (:func:`~nereusd.config.pool_schedule.min_devices_of`):
+        a removal request below it is refused on arrival."""
         self.journal = journal
         self.run_dir = run_dir
         self.job_name = job_name
@@ -138,11 +141,12 @@ class PoolController:
         if not self.live or not self.world:
             return {"error": "live adaptation is off or the world is not formed yet"}
         pool = len(self.control.devices()) if self.control is not None else len(self.world)
-        if count < 1 or self.pending_remove + count >= pool:
+        need = max(1, self.min_devices)
+        if count < 1 or pool - self.pending_remove - count < need:
             # refused here, not at the boundary: there it would take the requests queued beside it along
             return {"error": f"remove {count}: the pool holds {pool} devices"
                              + (f", {self.pending_remove} already leaving" if self.pending_remove else "")
-                             + "; the job needs at least one"}
+                             + f"; the job needs at least {need}"}
         self.pending_remove += count
         self.journal.event(Event.POOL_REQUEST, {"remove": count})
         return {"queued_remove": self.pending_remove, "pool": self.control.devices() if self.control else []}

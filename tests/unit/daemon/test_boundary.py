@@ -90,4 +90,22 @@ def test_a_pool_request_for_the_whole_pool_is_refused_on_arrival(tmp_path):
     refused = pool.request_remove(2)
     assert "2 already leaving" in refused["error"] and pool.pending_remove == 2
     assert pool.request_remove(1)["queued_remove"] == 3
+    pool.pending_remove, pool.min_devices = 0, 2   # GRPO: actor and reference inference at once
+    assert "the job needs at least 2" in pool.request_remove(3)["error"]
+    assert pool.request_remove(2)["queued_remove"] == 2
     pool.journal.close()
+
+
+def test_a_removal_below_the_jobs_minimum_or_onto_a_pool_no_plan_fits_is_refused():
+    """``pool --remove 3`` of a 4-device GRPO job (which needs 2 devices) was accepted and the
+    job failed at its restart, 97 steps in (an adversarial helper, 2026-12-05): a removal is
+    refused below the job's minimum, and onto a pool the controller finds no plan for."""
+    args = dict(world=[0, 1, 2, 3], registered=[0, 1, 2, 3], lost={}, plan_devices=[0, 1, 2, 3], due=[])
+    low = plan_pool(**args, pending_remove=3, min_devices=2)
+    assert low.leaving == () and low.refused_remove == 3 and "at least 2 device(s)" in low.refused_reason
+    asked = []
+    unfit = plan_pool(**args, pending_remove=2, min_devices=2,
+                      unfit=lambda pool: asked.append(pool) or "no plan fits the 2 device(s) left")
+    assert asked == [(0, 1)] and unfit.leaving == () and unfit.refused_reason.startswith("no plan fits")
+    ok = plan_pool(**args, pending_remove=2, min_devices=2, unfit=lambda pool: None)
+    assert ok.leaving == (2, 3) and ok.refused_remove == 0

@@ -177,6 +177,52 @@ def test_out_of_memory_restarts_every_device_without_waiting(tmp_path):
 
 
 
+def test_devices_lost_during_each_restart_restart_it_again_then_give_up_with_the_reason(tmp_path):
+    """A device lost while the restart runs restarts it without that device; when the last
+    allowed restart loses one too, the loss is journalled and the job fails with that reason,
+    not the first task's error (an adversarial helper, 2026-12-05: device 4's loss had no
+    ``device_lost`` and the failure message was device 2's)."""
+    from nereusd.daemon.live import MAX_RESTART_ATTEMPTS
+
+    control = FakeControl({2: {"cause": "worker_exited", "exitcode": -9}})
+    live = _live(tmp_path, control, [0, 1, 2, 3, 4, 5])
+    kills = iter([1, 3, 4])
+
+    def restart(world, leaving, *args, **kw):   # each new world loses its next device while it starts
+        live.restarts.append((world, leaving))
+        control.lost[next(kills)] = {"cause": "worker_exited", "exitcode": -9}
+        raise WorkerError("worker process of the restart exited")
+
+    live._restart = restart
+    assert MAX_RESTART_ATTEMPTS == 3
+    assert not live.recover(WorkerError("generate failed on device 2: Host unreachable"))
+    assert live.restarts == [([0, 1, 3, 4, 5], [2]), ([0, 3, 4, 5], [1, 2]), ([0, 4, 5], [1, 2, 3])]
+    lost = _events(tmp_path, "device_lost")
+    assert [e["devices"] for e in lost] == [[2], [1], [3], [4]]
+    assert [e.get("during") for e in lost] == [None, "restart", "restart", "restart"]
+    fallback, = _events(tmp_path, "fallback")
+    assert fallback["action"] == "none" and fallback["survivors"] == [0, 5]
+    assert "then devices [4] lost during the restart" in fallback["reason"]
+    assert "gave up after 3 restarts" in fallback["reason"] and live.pool.lost_reason == fallback["reason"]
+
+    # a restart that fails without a loss raises as before; one that then succeeds returns True
+    control = FakeControl({2: {"cause": "worker_exited", "exitcode": -9}})
+    live = _live(tmp_path, control, [0, 1, 2, 3])
+    calls = []
+
+    def flaky(world, leaving, *args, **kw):
+        calls.append(world)
+        if len(calls) == 1:
+            control.lost[1] = {"cause": "worker_exited", "exitcode": -9}
+            raise WorkerError("worker process of device(s) [1] exited")
+
+    live._restart = flaky
+    assert live.recover(WorkerError("lost")) and calls == [[0, 1, 3], [0, 3]]
+    live._restart = lambda *args, **kw: (_ for _ in ()).throw(WorkerError("no loss behind this one"))
+    with pytest.raises(WorkerError, match="no loss behind this one"):
+        live.recover(WorkerError("lost"))
+
+
 def test_checkpoint_default_follows_adaptation():
     assert CheckpointConfig().interval(adaptive=True) == ADAPTIVE_CHECKPOINT_EVERY
     assert CheckpointConfig().interval(adaptive=False) == 0

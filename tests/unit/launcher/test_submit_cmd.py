@@ -145,3 +145,14 @@ def test_status_names_what_it_was_given_when_it_is_no_run_directory(tmp_path, ca
     assert "the output of nereus-launch simulate, not a job's run directory" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nonexistent")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ['{"endpoint": 5, "pid": "x"}', "[]", '{"endpoint": "garbage", "pid": 1}',
+                                    '{"endpoint": "tcp://127.0.0.1:1", "pid": true}'])
+def test_status_and_pool_on_a_damaged_nereusd_record_are_one_line(tmp_path, capsys, record):
+    """Each was a traceback (TypeError, ValueError, AttributeError, ZMQError; adversarial helpers,
+    2026-12-05): the record is checked before a socket is made."""
+    (tmp_path / "nereusd.json").write_text(record)
+    for argv in (["status", str(tmp_path)], ["pool", str(tmp_path), "--remove", "1"]):
+        assert main(argv) == 2
+        assert "nereusd.json: not a nereusd record" in capsys.readouterr().err
