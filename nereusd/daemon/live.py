@@ -339,6 +339,16 @@ class LiveAdaptation:
 
     def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,
                  checkpoint: tuple[str, int, int] | None, leave_reason: str = "") -> None:
+        """:meth:`_restart_workers`, with ``status`` saying a restart runs and why meanwhile (the
+        plan it shows is the one being left)."""
+        self.pool.restarting = why
+        try:
+            self._restart_workers(world, leaving, failed_step, why, checkpoint, leave_reason)
+        finally:
+            self.pool.restarting = None
+
+    def _restart_workers(self, world: list[int], leaving: list[int], failed_step: int, why: str,
+                         checkpoint: tuple[str, int, int] | None, leave_reason: str = "") -> None:
         """Stop every worker (those of ``leaving`` for good: they leave the pool), start ``world``
         again in a new world generation on :meth:`Controller.restart_plan`, load ``checkpoint``
         (initial weights when ``None``) and rewind the driver to its step and sample position.

@@ -44,6 +44,8 @@ class PoolController:
         """Devices of the current world generation, in rank order (empty until it forms)."""
         self.pending_remove = 0
         """Devices ``nereus-launch pool --remove`` asked to release at the next safe boundary."""
+        self.restarting: str | None = None
+        """Why a checkpoint/restart is running (``status`` says so), else ``None``."""
         self.min_devices = 1
         """The fewest devices the job runs on (:func:`~nereusd.config.pool_schedule.min_devices_of`):
         a removal request below it is refused on arrival."""
@@ -191,7 +193,9 @@ class PoolController:
         if self.control is not None:
             pool = {node: {"devices": a.global_devices, "slurm_job_id": a.slurm_job_id,
                            "workers_alive": sorted(a.workers_alive)} for node, a in self.control.agents.items()}
-        return {"job": self.job_name, "state": "stopping" if (self.stop_reason or self.preempt_reason) else "running",
+        state = ("stopping" if (self.stop_reason or self.preempt_reason)
+                 else f"restarting: {self.restarting}" if self.restarting else "running")
+        return {"job": self.job_name, "state": state,
                 "step": self.step, "steps": self.steps, "plan": self.plan, "plan_devices": sorted(self.plan_devices),
                 "pool": pool, "pool_devices": len(self.control.devices()) if self.control is not None else 0, "last_decision": self.last_decision, "last_metrics": self.last_metrics,
                 "slurm_job_id": self.slurm_job_id, "uptime_s": round(time.time() - self.started_s, 1)}

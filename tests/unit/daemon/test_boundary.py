@@ -93,6 +93,10 @@ def test_a_pool_request_for_the_whole_pool_is_refused_on_arrival(tmp_path):
     pool.pending_remove, pool.min_devices = 0, 2   # GRPO: actor and reference inference at once
     assert "the job needs at least 2" in pool.request_remove(3)["error"]
     assert pool.request_remove(2)["queued_remove"] == 2
+    # status says a restart runs (it showed the plan being left as if it ran; a helper, 2026-12-05)
+    assert pool.status()["state"] == "running"
+    pool.restarting = "devices [2] lost (worker_exited)"
+    assert pool.status()["state"] == "restarting: devices [2] lost (worker_exited)"
     pool.journal.close()
 
 
