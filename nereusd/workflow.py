@@ -16,6 +16,7 @@ the weight synchronisation, and the critical path is ``max(L_gen, L_inf + L_trai
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -110,6 +111,23 @@ class Workload:
         if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
             return micro_batch
         return max(1, min(share, -(-self.max_tokens_per_micro_batch // self.seq_length)))
+
+    def priced_pass(self, stage: Stage, micro_batch: int, share: int) -> tuple[int, int]:
+        """``(sequences per micro-batch, response tokens each)`` at which the cost model prices
+        the time of an inference or training pass (memory keeps :meth:`priced_micro_batch` at the
+        longest response: a row may hold the longest sequence).
+
+        By count, ``(micro_batch, response_length)``: the engine pads every row to the step's
+        longest sequence (:mod:`emu.engine.batch`). By token budget ``B``, rows are padding-free
+        and hold sequences of the mean response, ``m = ⌈response_mean_fraction ·
+        response_length⌉``: ``ceil(B / (prompt + m))`` of them, at most ``share``. Pricing them at
+        the longest, as memory does, charged a replica ``(prompt + longest) / (prompt + m)`` times
+        its tokens. Generation: ``(micro_batch, response_length)``.
+        """
+        if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
+            return micro_batch, self.response_length
+        mean = max(1, math.ceil(self.response_mean_fraction * self.response_length))
+        return max(1, min(share, -(-self.max_tokens_per_micro_batch // (self.prompt_length + mean)))), mean
 
     @property
     def packed(self) -> bool:

@@ -301,10 +301,10 @@ class OptionTable:
             m, wl = self.model_stage, self.problem.workload
             tp, pp, dp, b = int(self.tp[i]), int(self.pp[i]), int(self.dp[i]), int(self.micro_batch[i])
             rc = bool(self.recompute[i])
+            priced_b, priced_response = wl.priced_pass(m.stage, b, _share(self.problem, m, dp))
             ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
                 sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
-                response_length=wl.response_length, tp=tp, pp=pp, dp=dp,
-                micro_batch=wl.priced_micro_batch(m.stage, b, _share(self.problem, m, dp)),
+                response_length=priced_response, tp=tp, pp=pp, dp=dp, micro_batch=priced_b,
                 mini_batches=wl.mini_batches, recompute=rc, response_mean_fraction=wl.response_mean_fraction))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
                                             int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal,
@@ -395,11 +395,11 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                         fitted.add((recompute, zero))
             if block:
                 cols = list(zip(*block))
-                lat_parts.append(costvec.latencies(
+                priced = [wl.priced_pass(m.stage, b, _share(problem, m, dp)) for b, dp in zip(cols[3], cols[2])]
+                lat_parts.append(costvec.latencies(   # priced_pass: one response length for every row
                     cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
-                    response_length=wl.response_length, tp=tp, pp=pp, dp=np.array(cols[2]),
-                    micro_batch=np.array([wl.priced_micro_batch(m.stage, b, _share(problem, m, dp))
-                                          for b, dp in zip(cols[3], cols[2])]),
+                    response_length=priced[0][1], tp=tp, pp=pp, dp=np.array(cols[2]),
+                    micro_batch=np.array([b for b, _ in priced]),
                     recompute=np.array(cols[4]), mini_batches=wl.mini_batches,
                     response_mean_fraction=wl.response_mean_fraction))
                 rows += block
@@ -420,13 +420,16 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
     spec, wl = problem.spec(model_stage), problem.workload
     sequences = problem.workflow.sequences(model_stage, wl)
     b = micro_batch or wl.micro_batch
+    share = _share(problem, model_stage, dp)
     kw = dict(sequences=sequences, prompt_length=wl.prompt_length, response_length=wl.response_length,
-              tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, _share(problem, model_stage, dp)),
+              tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, share),
               recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
                        engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed, **kw)
+    priced_b, priced_response = wl.priced_pass(model_stage.stage, b, share)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches,
-                                 response_mean_fraction=wl.response_mean_fraction, **kw)
+                                 response_mean_fraction=wl.response_mean_fraction,
+                                 **{**kw, "micro_batch": priced_b, "response_length": priced_response})
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
                   cost.ideal_s_by_class, zero_stage=zero_stage)
 

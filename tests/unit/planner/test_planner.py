@@ -292,6 +292,38 @@ def test_a_layout_keeps_the_jobs_micro_batch_where_it_fits():
     assert all(c.micro_batch == 8 for m, c in plan.items() if m.stage.value != "generation")
 
 
+def test_packed_rows_are_timed_at_the_mean_response_and_booked_at_the_longest():
+    """A token budget packs rows padding-free, so a replica's pass costs its sequences at the
+    mean response (``Workload.priced_pass``): the time of packed rows of mean-length sequences,
+    the memory of rows that may hold the longest. It was timed at the longest, as memory is,
+    which charged a packed replica (prompt + longest) / (prompt + mean) times its tokens."""
+    import dataclasses
+
+    from nereusd.plan import ModelStage, Role, Stage
+    from nereusd.planner.space import cost_candidate, option_table
+
+    base = problem(1, response=768)   # prompt 256
+    wl = dataclasses.replace(base.workload, max_tokens_per_micro_batch=4096)
+    full = dataclasses.replace(base, workload=wl)
+    half = dataclasses.replace(base, workload=dataclasses.replace(wl, response_mean_fraction=0.5))
+    assert half.workload.priced_pass(Stage.TRAINING, 1, 64) == (7, 384)   # ceil(4096 / 640) rows of 256 + 384
+    assert half.workload.priced_pass(Stage.GENERATION, 16, 64) == (16, 768)
+    assert full.workload.priced_pass(Stage.TRAINING, 1, 64) == (4, 768)
+    by_count = dataclasses.replace(base, workload=dataclasses.replace(base.workload, response_mean_fraction=0.5))
+    assert by_count.workload.priced_pass(Stage.TRAINING, 2, 64) == (2, 768)   # padded to the longest
+    cm = CostModel(base.site)
+    train = ModelStage(Role.ACTOR, Stage.TRAINING)
+    packed_half = cost_candidate(half, train, 1, 1, 8, 1, False, cm)
+    packed_full = cost_candidate(full, train, 1, 1, 8, 1, False, cm)
+    as_rows = cost_candidate(dataclasses.replace(base, workload=dataclasses.replace(
+        base.workload, response_length=384)), train, 1, 1, 8, 7, False, cm)
+    assert packed_half.latency_s == as_rows.latency_s < packed_full.latency_s
+    assert packed_half.peak_bytes == packed_full.peak_bytes   # booked at the longest either way
+    table = option_table(half, train, cm, PlannerOptions(), 10**15)
+    i = next(k for k in range(len(table)) if (table.tp[k], table.pp[k], table.dp[k]) == (1, 1, 8))
+    assert table.latency_s[i] == pytest.approx(packed_half.latency_s)   # the planner's array path agrees
+
+
 def test_a_smaller_micro_batch_beats_a_wider_tp_where_the_jobs_does_not_fit():
     """``scripts/bench_adaptive.py`` (2026-12-05): at response length 68 the demo's training at
     ``micro_batch`` 16 fits four 0.5 GiB devices only at tp 4, which the planner took (predicted
