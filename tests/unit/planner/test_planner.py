@@ -15,8 +15,6 @@ from nereusd.config.site import load_site
 from tests.support.specs import SMALL_1B as SMALL
 from tests.support.planning import H200, problem
 
-H200 = load_site("h200-ib")
-
 
 
 
