@@ -191,7 +191,8 @@ class PoolController:
         """What ``nereus-launch status`` prints: plan, pool, step, last decision."""
         pool = {}
         if self.control is not None:
-            pool = {node: {"devices": a.global_devices, "slurm_job_id": a.slurm_job_id,
+            held = set(self.control.devices())   # an agent's released devices are no longer the pool's
+            pool = {node: {"devices": [d for d in a.global_devices if d in held], "slurm_job_id": a.slurm_job_id,
                            "workers_alive": sorted(a.workers_alive)} for node, a in self.control.agents.items()}
         state = ("stopping" if (self.stop_reason or self.preempt_reason)
                  else f"restarting: {self.restarting}" if self.restarting else "running")

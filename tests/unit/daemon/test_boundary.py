@@ -113,3 +113,17 @@ def test_a_removal_below_the_jobs_minimum_or_onto_a_pool_no_plan_fits_is_refused
     assert asked == [(0, 1)] and unfit.leaving == () and unfit.refused_reason.startswith("no plan fits")
     ok = plan_pool(**args, pending_remove=2, min_devices=2, unfit=lambda pool: None)
     assert ok.leaving == (2, 3) and ok.refused_remove == 0
+
+
+def test_status_lists_only_the_devices_still_in_the_pool(tmp_path):
+    """After ``pool --remove`` the node still listed the released device (a helper, 2026-12-05)."""
+    from tests.support.protocol_fuzz import make_target
+
+    target = make_target(tmp_path)
+    try:
+        assert target.pool.status()["pool"]["n0"]["devices"] == [0, 1]
+        target.control.release_devices([1], "removed from the local pool")
+        status = target.pool.status()
+        assert status["pool"]["n0"]["devices"] == [0] and status["pool_devices"] == 1
+    finally:
+        target.close()
