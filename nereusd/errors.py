@@ -36,10 +36,14 @@ def not_utf8(err: UnicodeDecodeError) -> str:
     return f"not UTF-8 text ({err.reason} at byte {err.start})"
 
 
-def shortened(text: str, limit: int = 80) -> str:
-    """``text`` for a message, quoted, its first ``limit`` characters and ``…`` when longer (a
-    name too long for the file system is thousands of characters)."""
-    return f"{text[:limit]!r}{'…' if len(text) > limit else ''}"
+def shortened(value: object, limit: int = 80) -> str:
+    """``value`` for a message: a string quoted, its first ``limit`` characters and ``…`` when
+    longer (a name too long for the file system is thousands of characters); anything else its
+    ``repr`` cut the same way (a foreign file read as YAML is one long value)."""
+    if isinstance(value, str):
+        return f"{value[:limit]!r}{'…' if len(value) > limit else ''}"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class DeviceOutOfMemory(NereusError):

@@ -110,7 +110,12 @@ class Workload:
         """
         if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
             return micro_batch
-        return max(1, min(share, -(-self.max_tokens_per_micro_batch // self.seq_length)))
+        return self._per_row(self.seq_length, share)
+
+    def _per_row(self, sequence_tokens: int, share: int) -> int:
+        """Sequences of ``sequence_tokens`` a budget row holds, rounded up (a row fills to
+        nearly the budget), at least one and at most ``share``."""
+        return max(1, min(share, -(-self.max_tokens_per_micro_batch // sequence_tokens)))
 
     def priced_pass(self, stage: Stage, micro_batch: int, share: int) -> tuple[int, int]:
         """``(sequences per micro-batch, response tokens each)`` at which the cost model prices
@@ -127,7 +132,7 @@ class Workload:
         if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
             return micro_batch, self.response_length
         mean = max(1, math.ceil(self.response_mean_fraction * self.response_length))
-        return max(1, min(share, -(-self.max_tokens_per_micro_batch // (self.prompt_length + mean)))), mean
+        return self._per_row(self.prompt_length + mean, share), mean
 
     @property
     def packed(self) -> bool:

@@ -331,20 +331,13 @@ def _fail(label: str, key: str, problem: str) -> ConfigError:
     return ConfigError(f"{label}: {key or '<top>'}: {problem}")
 
 
-def _shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` for a message, cut at ``limit`` characters with ``…`` (a foreign file given
-    as a site config is one long string: its contents do not belong in the error)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
 def _build(cls: type, data: Any, label: str, prefix: str, skip: tuple[str, ...] = ()) -> Any:
     if not isinstance(data, Mapping):
-        raise _fail(label, prefix, f"expected a mapping, got {_shown(data)}")   # not a whole foreign file
+        raise _fail(label, prefix, f"expected a mapping, got {shortened(data)}")   # not a whole foreign file
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
     unknown = sorted(str(k) for k in data if k not in fields)
@@ -403,7 +396,7 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
         return value
     if hint == Mapping[str, float]:
         if not isinstance(value, Mapping):
-            raise _fail(label, key, f"expected a mapping, got {_shown(value)}")
+            raise _fail(label, key, f"expected a mapping, got {shortened(value)}")
         out = {}
         for k, v in value.items():
             if k not in DTYPES:

@@ -50,6 +50,15 @@ class PoolActions:
     sources: tuple[str, ...] = ()
 
 
+def too_few_left(left: int, min_devices: int) -> str:
+    """Why a removal that leaves ``left`` devices is refused, or ``""``: the job runs on no fewer
+    than ``min_devices`` (:func:`~nereusd.config.pool_schedule.min_devices_of`, at least one).
+    Asked when ``nereus-launch pool --remove`` arrives (:meth:`PoolController.request_remove`)
+    and at the boundary (:func:`plan_pool`, the schedule's removals too)."""
+    need = max(1, min_devices)
+    return f"the job needs at least {need} device(s)" if left < need else ""
+
+
 def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[int, Mapping[str, Any]],
               plan_devices: Sequence[int], pending_remove: int, due: Sequence[PoolEvent], min_devices: int = 1,
               unfit: Callable[[tuple[int, ...]], str | None] | None = None) -> PoolActions:
@@ -85,8 +94,9 @@ def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[
         candidates = sorted(d for d in registered if d in world and d not in lost)
         removed = candidates[-remove:] if remove < len(candidates) else list(candidates)
         kept = tuple(d for d in candidates if d not in removed)
-        if len(kept) < max(1, min_devices):
-            reason = f"the job needs at least {max(1, min_devices)} device(s); {len(candidates)} in the pool"
+        reason = too_few_left(len(kept), min_devices)
+        if reason:
+            reason += f"; {len(candidates)} in the pool"
         elif unfit is not None:
             reason = unfit(kept) or ""
         if reason:

@@ -364,7 +364,7 @@ class LiveAdaptation:
         start = time.perf_counter()
         self.journal.event(Event.RESTART_STARTED, {
             "step": failed_step, "reason": why, "checkpoint": checkpoint[0] if checkpoint else None,
-            "world": sorted(world), "leaving": sorted(leaving)})   # journalled first: a fault during it fails the job
+            "world": sorted(world), "leaving": sorted(leaving)})   # first: a fault during it is on record
         result = self.controller.restart_plan(tuple(sorted(world)))
         old = list(self.world)
         abandoned = self.control.abandon_tasks()

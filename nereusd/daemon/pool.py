@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nereusd import checkpoints
+from nereusd.daemon.boundary import too_few_left
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.errors import NereusError
 from nereusd.journal import Event, Journal
@@ -143,12 +144,12 @@ class PoolController:
         if not self.live or not self.world:
             return {"error": "live adaptation is off or the world is not formed yet"}
         pool = len(self.control.devices()) if self.control is not None else len(self.world)
-        need = max(1, self.min_devices)
-        if count < 1 or pool - self.pending_remove - count < need:
+        short = too_few_left(pool - self.pending_remove - count, self.min_devices)
+        if count < 1 or short:
             # refused here, not at the boundary: there it would take the requests queued beside it along
             return {"error": f"remove {count}: the pool holds {pool} devices"
                              + (f", {self.pending_remove} already leaving" if self.pending_remove else "")
-                             + f"; the job needs at least {need}"}
+                             + f"; {short or 'expected a positive count'}"}
         self.pending_remove += count
         self.journal.event(Event.POOL_REQUEST, {"remove": count})
         return {"queued_remove": self.pending_remove, "pool": self.control.devices() if self.control else []}
