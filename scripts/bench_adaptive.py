@@ -26,6 +26,15 @@ out-of-memory failures. The last line compares (a) with the better of (b) and (c
 Target (issue 16): x ≥ 20 and no out-of-memory failure of (a).
 
     python scripts/bench_adaptive.py [--steps 30] [--pool-step 20] [--rounds 1] [--out runs/bench_adaptive]
+                                     [--curriculum 0:24,10:48,20:96]
+
+``--curriculum`` runs the same job under a response-length curriculum
+(``rollout.max_new_tokens_schedule``: ``STEP:CAP`` stages, the first at step 0, the last cap at
+most the demo's ``max_new_tokens``): the responses, which the warm start already writes longer
+than a short cap, grow with the cap stage by stage over the run instead of reaching
+``max_new_tokens`` by step 3. Every policy runs the same curriculum; ``frozen-final`` is still
+launched on the plan for ``max_new_tokens``, the others (unless ``--launch-length`` is given) on
+the plan for the first stage's cap, the job's default.
 
 With ``--rounds N`` every policy runs N times, each round starting at the next policy, and the
 table and last line use each policy's median run (the rounds' figures are printed above them).
@@ -65,7 +74,12 @@ def job_yaml(policy: str, args: argparse.Namespace) -> dict:
     job["models"]["actor"] = str((DEMO.parent / job["models"]["actor"]).resolve())
     job["checkpoint"] = {"every_steps": args.checkpoint_every, "final": False}
     launch = job["rollout"]["max_new_tokens"] if policy == "frozen-final" else args.launch_length
-    job["adaptation"] = {**POLICIES[policy], "launch_response_length": launch}
+    job["adaptation"] = dict(POLICIES[policy])
+    if launch is not None:
+        job["adaptation"]["launch_response_length"] = launch
+    if args.curriculum:
+        job["rollout"]["max_new_tokens_schedule"] = [{"at_step": at, "max_new_tokens": cap}
+                                                     for at, cap in args.curriculum]
     job["pool"] = {"schedule": [{"at_step": args.pool_step, "remove": 1}]}
     return job
 
@@ -141,14 +155,31 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def _curriculum(text: str) -> list[tuple[int, int]]:
+    """``"0:24,10:48"`` → ``[(0, 24), (10, 48)]`` (argparse type)."""
+    try:
+        stages = [part.split(":") for part in text.split(",")]
+        if any(len(stage) != 2 for stage in stages):
+            raise ValueError
+        return [(int(at), int(cap)) for at, cap in stages]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP:CAP stages separated by commas (e.g. 0:24,10:48), "
+                                         f"got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="RL steps of each job (default: %(default)s)")
     parser.add_argument("--pool-step", type=int, default=20,
                         help="a device leaves before this step; below --steps (default: %(default)s)")
-    parser.add_argument("--launch-length", type=int, default=40,
+    parser.add_argument("--launch-length", type=int, default=None,
                         help="response length (tokens) the launch plan is for, except frozen-final's, which is "
-                             "planned for rollout.max_new_tokens (default: %(default)s)")
+                             "planned for rollout.max_new_tokens (default: 40; with --curriculum, the first "
+                             "stage's cap)")
+    parser.add_argument("--curriculum", type=_curriculum, default=None, metavar="STEP:CAP,…",
+                        help="a response-length curriculum, e.g. 0:24,10:48,20:96: from step STEP the responses "
+                             "are capped at CAP tokens (rollout.max_new_tokens_schedule; default: none, every "
+                             "step capped at the demo's max_new_tokens)")
     parser.add_argument("--checkpoint-every", type=int, default=5,
                         help="checkpoint every N steps, what an out-of-memory restart resumes from; 0: none "
                              "(default: %(default)s)")
@@ -166,8 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
     if not 1 <= args.pool_step < args.steps:
         parser.error(f"--pool-step: expected 1..{args.steps - 1} (below --steps), got {args.pool_step}")
-    if args.launch_length < 1:
+    if args.launch_length is None and not args.curriculum:
+        args.launch_length = 40
+    if args.launch_length is not None and args.launch_length < 1:
         parser.error(f"--launch-length: expected at least 1 token, got {args.launch_length}")
+    if args.curriculum:
+        cap = yaml.safe_load(DEMO.read_text())["rollout"]["max_new_tokens"]
+        steps = [at for at, _ in args.curriculum]
+        caps = [c for _, c in args.curriculum]
+        if steps[0] != 0 or steps != sorted(set(steps)) or caps != sorted(caps) or caps[-1] > cap or caps[0] < 1:
+            parser.error(f"--curriculum: stages must start at step 0, at rising steps, with caps that never fall, "
+                         f"from 1 to the demo's max_new_tokens ({cap}); got {args.curriculum}")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every: expected 0 or more, got {args.checkpoint_every}")
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))

@@ -88,7 +88,14 @@ class RolloutConfig(_Strict):
     group_size: StrictInt = Field(8, ge=1)
     """Samples per prompt (GRPO's group; PPO and ReMax usually 1)."""
     max_new_tokens: StrictInt = Field(96, ge=1)
-    """Longest response in tokens."""
+    """Longest response in tokens: it sizes the vLLM engines (``max_model_len``) and the model's
+    context check; with :attr:`max_new_tokens_schedule`, the cap of its last stage at most."""
+    max_new_tokens_schedule: list["LengthStageConfig"] = Field(default_factory=list)
+    """A response-length curriculum: the cap of each step's responses, raised in stages (e.g.
+    DeepScaleR's 8K → 16K → 24K context lengthening, Luo et al. 2025). Entry ``k`` caps the
+    steps from its ``at_step`` up to the next entry's; the first starts at step 0; caps never
+    fall and never exceed :attr:`max_new_tokens`. Empty (default): every step is capped at
+    :attr:`max_new_tokens`. See :meth:`max_new_tokens_at`."""
     temperature: Number = Field(1.0, gt=0.0)
     """Sampling temperature."""
     max_staleness: StrictInt = Field(0, ge=0)
@@ -96,6 +103,25 @@ class RolloutConfig(_Strict):
     training (step ``k`` trains on responses generated with the weights of step ``k − s``;
     1 is one-step off-policy, as in AReaL/Laminar). 0 (default): synchronous steps. The safe
     boundary becomes the weight synchronisation (DESIGN.md)."""
+
+    def max_new_tokens_at(self, step: int) -> int:
+        """The cap of step ``step``'s responses (tokens): the :attr:`max_new_tokens_schedule`
+        stage that step is in, else :attr:`max_new_tokens`."""
+        cap = self.max_new_tokens
+        for stage in self.max_new_tokens_schedule:
+            if stage.at_step > step:
+                break
+            cap = stage.max_new_tokens
+        return cap
+
+
+class LengthStageConfig(_Strict):
+    """One stage of ``rollout.max_new_tokens_schedule``."""
+
+    at_step: StrictInt = Field(ge=0)
+    """The stage's first step."""
+    max_new_tokens: StrictInt = Field(ge=1)
+    """The cap of its steps' responses (tokens)."""
 
 
 class TrainConfig(_Strict):
@@ -211,7 +237,9 @@ class AdaptationConfig(_Strict):
     """Drift threshold δ_len of the response-length signal (relative)."""
     launch_response_length: StrictInt | None = Field(None, ge=1)
     """Response length (tokens) the launch plan is chosen for when the job gives no ``plan``
-    (default: ``rollout.max_new_tokens``, so the launch plan holds the longest response)."""
+    (default: step 0's cap, ``rollout.max_new_tokens`` or the first stage of
+    ``rollout.max_new_tokens_schedule``, so the launch plan holds the longest response step 0
+    can generate)."""
     forced: list["ForcedSwitchConfig"] = Field(default_factory=list)
     """Switches the operator forces at given steps (admission bypassed; e.g. to test that a run
     that switches trains like one that does not)."""
@@ -318,6 +346,7 @@ class PoolConfig(_Strict):
 
 
 AdaptationConfig.model_rebuild()
+RolloutConfig.model_rebuild()
 
 
 class EvaluationConfig(_Strict):
@@ -398,6 +427,32 @@ class JobConfig(_Strict):
             raise ValueError(f"rollout.max_staleness: {self.rollout.max_staleness} is not below steps={self.steps}: "
                              "step k trains on step k - max_staleness's rollout, so no step would train")
         return self
+
+    @model_validator(mode="after")
+    def _stages_rise_to_the_cap(self) -> "JobConfig":
+        stages = self.rollout.max_new_tokens_schedule
+        if not stages:
+            return self
+        if stages[0].at_step != 0:
+            raise ValueError(f"rollout.max_new_tokens_schedule[0].at_step: the first stage starts at step 0, "
+                             f"got {stages[0].at_step}")
+        for k, (a, b) in enumerate(zip(stages, stages[1:]), start=1):
+            if b.at_step <= a.at_step:
+                raise ValueError(f"rollout.max_new_tokens_schedule[{k}].at_step: {b.at_step} is not after the "
+                                 f"previous stage's {a.at_step}")
+            if b.max_new_tokens < a.max_new_tokens:
+                raise ValueError(f"rollout.max_new_tokens_schedule[{k}].max_new_tokens: {b.max_new_tokens} is below "
+                                 f"the previous stage's {a.max_new_tokens} (a curriculum only raises the cap)")
+        top = max(s.max_new_tokens for s in stages)
+        if top > self.rollout.max_new_tokens:
+            raise ValueError(f"rollout.max_new_tokens_schedule: a stage's max_new_tokens {top} exceeds "
+                             f"rollout.max_new_tokens {self.rollout.max_new_tokens}, which sizes the engines and the context")
+        return self
+
+    def launch_response_length(self) -> int:
+        """The response length (tokens) a launch plan is chosen for: ``adaptation.launch_response_length``,
+        else the longest response step 0 can generate (:meth:`RolloutConfig.max_new_tokens_at`)."""
+        return self.adaptation.launch_response_length or self.rollout.max_new_tokens_at(0)
 
     @field_validator("name")
     @classmethod

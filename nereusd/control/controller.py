@@ -50,7 +50,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from nereusd.backends import restarts_vllm_engines
 from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Decision, Target, admit, recheck_due
@@ -137,6 +137,10 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         policy: the adaptation policy (default: ``nereus`` with γ = 0.5).
         max_response_length: the longest response a step can generate (``max_new_tokens``):
             the cap of the lookahead and the length a restart plans for.
+        response_cap: the longest response step ``k`` can generate, ``response_cap(k)`` tokens
+            (a length curriculum, ``rollout.max_new_tokens_schedule``); default:
+            ``max_response_length`` at every step. The lookahead caps the coming step's forecast
+            at it (:meth:`lookahead`).
         pool: devices of the world (default: the plan's); a boundary on another pool replans.
         calibration: initial calibration (priors when omitted).
         transition_scale_limit: assess transitions between plans of more devices than this on
@@ -145,11 +149,18 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
     """
 
     def __init__(self, problem: PlanProblem, plan: Plan, policy: ControlPolicy | None = None, *,
-                 max_response_length: int, pool: tuple[int, ...] | None = None,
+                 max_response_length: int, response_cap: Callable[[int], int] | None = None,
+                 pool: tuple[int, ...] | None = None,
                  calibration: Calibration | None = None, transition_scale_limit: int | None = None) -> None:
         self.base_problem, self.plan = problem, plan
         self.policy = policy or ControlPolicy()
         self.max_response_length = int(max_response_length)
+        self.response_cap = response_cap
+        self._coming_step: int | None = None
+        """The step :meth:`lookahead` forecasts (the one after the last observed or boundary's
+        step); ``None`` before either: the forecast is capped at :attr:`max_response_length`."""
+        self._clipped = False
+        """The last observed step's longest response reached that step's cap (:meth:`lookahead`)."""
         self.pool: tuple[int, ...] = tuple(sorted(pool)) if pool is not None else plan.devices()
         """Devices of the world (default: the plan's); a boundary on another pool replans."""
         self.calibration = calibration or Calibration()
@@ -200,10 +211,27 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
             return 1.0
         return planned_mean_fraction(statistics.median(self._mean_fractions))
 
+    def cap_of(self, step: int | None) -> int:
+        """The longest response step ``step`` can generate (``None``: any step's,
+        :attr:`max_response_length`)."""
+        if step is None or self.response_cap is None:
+            return self.max_response_length
+        return min(self.max_response_length, max(1, int(self.response_cap(step))))
+
     def lookahead(self, length: int) -> int:
         """The coming step's longest response, forecast from ``length`` and the run's recent
-        steps (:class:`nereusd.control.lookahead.LengthLookahead`), capped at the longest possible."""
-        return self.lengths.coming(length, self.max_response_length)
+        steps (:class:`nereusd.control.lookahead.LengthLookahead`), capped at the longest the
+        coming step can generate (:meth:`cap_of`).
+
+        When the last step's longest response reached its own cap, it was cut there and says
+        only that the responses want at least that much: the forecast is then the coming step's
+        cap. Without a curriculum that is what the capped forecast gives anyway; with one, the
+        first step of a stage with a higher cap can fill it at once (the responses the old cap
+        cut continue), so the plan must hold it before that step, not after."""
+        cap = self.cap_of(self._coming_step)
+        if self._clipped:
+            return cap
+        return self.lengths.coming(length, cap)
 
     def memory_ratio(self) -> float:
         """Largest recent measured/predicted device peak (1 before any measurement)."""
@@ -223,7 +251,8 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
 
     # ---- measurements ----------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> dict:
-        """Calibrate from one step run under :attr:`plan`; returns predicted vs measured.
+        """Calibrate from one step run under :attr:`plan`; returns predicted vs measured, and the
+        length the coming step is planned for (``planned_length``, :meth:`lookahead`).
 
         The prediction is the one made at the previous boundary for this step (``None`` at the
         first step); ``measured_stage_path_s`` is the critical path of the measured model-stage
@@ -232,6 +261,8 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         """
         self.length = max(1, obs.response_length_max)
         self.lengths.observe(self.length)
+        self._clipped = self.length >= self.cap_of(obs.step)
+        self._coming_step = obs.step + 1
         if obs.response_length_mean is not None:
             self._mean_fractions.append(obs.mean_fraction)
         problem = self.problem(self.pool, self.length, obs.mean_fraction)
@@ -252,7 +283,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
                 "measured_stage_path_s": measured_path, "measured_step_latency_s": obs.step_latency_s,
                 "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured_peak,
                 "memory_ratio": self.memory_ratio(), "response_length_max": obs.response_length_max,
-                "response_length_mean": obs.response_length_mean}
+                "response_length_mean": obs.response_length_mean, "planned_length": self.lookahead(self.length)}
 
     # ---- decisions -------------------------------------------------------------------------
     def _keeping_engines(self, source: Plan, plan: Plan, problem: PlanProblem, headroom: float,
@@ -330,6 +361,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         """
         current_valid = source is None
         source = source if source is not None else self.plan
+        self._coming_step = step + 1
         length = self.lookahead(self.length)
         if step < self._replay_until:   # re-running the steps before an out-of-memory failure
             length = max(length, self._replay_length)

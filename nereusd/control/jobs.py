@@ -32,8 +32,11 @@ def controller_for_job(job: ResolvedJob, site: SiteConfig, plan: Plan, prompt_le
     transition assessed at full size (the DAG admission assesses is the one executed)."""
     pool = tuple(sorted(pool)) if pool is not None else plan.devices()
     problem = job_problem(job, site, pool, job.config.rollout.max_new_tokens, prompt_length)
+    rollout = job.config.rollout
     return Controller(problem, plan, ControlPolicy.from_config(job.config.adaptation),
-                      max_response_length=job.config.rollout.max_new_tokens, pool=pool, calibration=calibration)
+                      max_response_length=rollout.max_new_tokens,
+                      response_cap=rollout.max_new_tokens_at if rollout.max_new_tokens_schedule else None,
+                      pool=pool, calibration=calibration)
 
 
 def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]) -> Plan:

@@ -76,13 +76,13 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
                 calibration: Calibration | None = None) -> PlanResult:
     """The plan for the job's initial conditions when its YAML gives none (paper §4.2).
 
-    Chosen for ``adaptation.launch_response_length`` (default ``rollout.max_new_tokens``) on
+    Chosen for :meth:`~nereusd.config.job.JobConfig.launch_response_length` on
     devices ``0 … devices−1`` (:func:`launch_for`).
 
     Raises:
         Infeasible: when nothing fits, even with recomputation.
     """
-    length = job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens
+    length = job.config.launch_response_length()
     return launch_for(job_problem(job, site, tuple(range(job.devices)), length, prompt_length), calibration)
 
 

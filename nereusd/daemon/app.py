@@ -343,7 +343,7 @@ class Daemon:
                 self.journal.event(Event.LAUNCH_PLAN, {
                     "plan": chosen.plan.to_dict(), "source": "planner",
                     "predicted_step_latency_s": chosen.predicted_step_latency_s,
-                    "response_length": job.config.adaptation.launch_response_length or job.config.rollout.max_new_tokens})
+                    "response_length": job.config.launch_response_length()})
                 return chosen.plan
             except Infeasible as err:   # run the default plan: the workers say what does not fit
                 why = f"the job's default plan (the planner found none: {err})"

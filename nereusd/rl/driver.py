@@ -223,10 +223,14 @@ class RLDriver:
 
     # ------------------------------------------------------------------ one step
     def _generate(self, batch: RolloutBatch, greedy: bool, index: int) -> _Dispatch:
+        """Generate ``batch`` for step ``index``, capped at that step's ``max_new_tokens``
+        (:meth:`~nereusd.config.job.RolloutConfig.max_new_tokens_at`); ``index`` −1 (the held-out
+        evaluation) at ``rollout.max_new_tokens``, so that every evaluation of a run has one cap."""
         roll = self.cfg.rollout
         prompts = batch.prompts
+        cap = roll.max_new_tokens if index < 0 else roll.max_new_tokens_at(index)
         return self._submit_replicas("generate", ACTOR_GEN, len(prompts), lambda r, lo, hi: {
-            "prompts": prompts[lo:hi], "max_new_tokens": roll.max_new_tokens, "temperature": roll.temperature,
+            "prompts": prompts[lo:hi], "max_new_tokens": cap, "temperature": roll.temperature,
             "greedy": greedy, "stop_ids": list(self.tokenizer.stop_ids), "pad_id": self.tokenizer.pad_id,
             "seed": derived_seed(self.cfg.seed, index, r, int(greedy)),
             # one stream per sample of the step: the draws do not depend on the layout

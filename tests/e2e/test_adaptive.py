@@ -120,6 +120,42 @@ def test_growth_switches_before_oom_and_survives_pool_changes(tmp_path):
     assert processes_mentioning(str(run_dir)) == []
 
 
+CURRICULUM = """
+name: e2e-curriculum
+algorithm: grpo
+seed: 3
+steps: 5
+devices: 2
+models: {actor: "@WARMSTART@"}
+rollout:
+  prompts_per_step: 4
+  group_size: 2
+  max_new_tokens: 24
+  max_new_tokens_schedule: [{at_step: 0, max_new_tokens: 6}, {at_step: 3, max_new_tokens: 24}]
+train: {global_batch: 8, micro_batch: 4, kl_coef: 0.0}
+backends: {actor/generation: native}
+"""
+
+
+def test_a_length_curriculum_caps_each_stage_and_the_controller_plans_for_the_next(tmp_path):
+    """``rollout.max_new_tokens_schedule``: steps 0–2 generate at most 6 tokens (the warm start
+    writes longer: they are cut), steps 3–4 up to 24. The controller plans step 0 for its stage's
+    cap, and after step 2, cut at 6, plans step 3 for the new stage's whole cap (a cut response
+    says only that it wanted more), before that step, not after it."""
+    job = write_job(tmp_path, "job", CURRICULUM)
+    run_dir = tmp_path / "run"
+    finish(start(job, run_dir), run_dir)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    longest = [r["response_length_max"] for r in records]
+    assert [r["step"] for r in records] == list(range(5))
+    assert longest[:3] == [6, 6, 6] and all(x <= 24 for x in longest[3:]) and max(longest[3:]) > 6, longest
+    events = read_jsonl(run_dir / "events.jsonl")
+    launch = next(e for e in events if e["event"] == "launch_plan")
+    assert launch["source"] == "planner" and launch["response_length"] == 6   # step 0's cap
+    planned = {e["step"]: e["planned_length"] for e in events if e["event"] == "step_prediction"}
+    assert planned[0] == 6 and planned[1] == 6 and planned[2] == 24, planned
+
+
 EQUIV = """
 name: e2e-equiv
 algorithm: grpo

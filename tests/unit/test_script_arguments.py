@@ -27,6 +27,10 @@ BAD = [
     ("bench_microbatch", ["--trace", "nope"], "--trace"),
     ("bench_zero", ["--batch", "3"], "--batch"),
     ("bench_generation", ["--tp", "0"], "--tp"),
+    ("bench_adaptive", ["--curriculum", "0:24,48"], "--curriculum"),
+    ("bench_adaptive", ["--curriculum", "5:24"], "--curriculum"),
+    ("bench_adaptive", ["--curriculum", "0:48,10:24"], "--curriculum"),
+    ("bench_adaptive", ["--curriculum", "0:24,10:500"], "--curriculum"),
 ]
 
 

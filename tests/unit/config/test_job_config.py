@@ -287,3 +287,39 @@ def test_an_integer_past_pythons_digit_limit_is_a_one_line_error(tmp_path):
     path.write_text("seed: 1" + "0" * 5000 + "\n")
     with pytest.raises(ConfigError, match=r"job.yaml: not a valid configuration value: Exceeds the limit"):
         load_job(path)
+
+
+@pytest.mark.parametrize("stages, match", [
+    ("[{at_step: 1, max_new_tokens: 8}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].at_step: the first stage "
+                                          r"starts at step 0, got 1$"),
+    ("[{at_step: 0, max_new_tokens: 8}, {at_step: 0, max_new_tokens: 16}]",
+     r"^job.yaml: rollout.max_new_tokens_schedule\[1\].at_step: 0 is not after the previous stage's 0$"),
+    ("[{at_step: 0, max_new_tokens: 16}, {at_step: 5, max_new_tokens: 8}]",
+     r"^job.yaml: rollout.max_new_tokens_schedule\[1\].max_new_tokens: 8 is below the previous stage's 16"),
+    ("[{at_step: 0, max_new_tokens: 64}]", r"^job.yaml: rollout.max_new_tokens_schedule: a stage's max_new_tokens 64 "
+                                           r"exceeds rollout.max_new_tokens 32"),
+    ("[{at_step: 0, max_new_tokens: 0}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].max_new_tokens: Input "
+                                          r"should be greater than or equal to 1, got 0$"),
+    ("[{at_step: 0}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].max_new_tokens: required key is missing$"),
+])
+def test_a_length_curriculum_only_raises_the_cap_up_to_max_new_tokens(tmp_path, stages, match):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule: {stages}\n")
+    with pytest.raises(ConfigError, match=match):
+        load_job(path)
+
+
+def test_each_step_is_capped_by_its_stage_and_the_launch_plans_for_step_0(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule:\n"
+                    "    - {at_step: 0, max_new_tokens: 8}\n    - {at_step: 10, max_new_tokens: 16}\n"
+                    "    - {at_step: 20, max_new_tokens: 16}\n")
+    job = load_job(path)
+    assert [job.rollout.max_new_tokens_at(s) for s in (0, 9, 10, 19, 20, 1000)] == [8, 8, 16, 16, 16, 16]
+    assert job.launch_response_length() == 8
+    path.write_text("rollout:\n  max_new_tokens: 32\n")
+    plain = load_job(path)
+    assert plain.rollout.max_new_tokens_at(7) == 32 and plain.launch_response_length() == 32
+    path.write_text("rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule: [{at_step: 0, max_new_tokens: 8}]\n"
+                    "adaptation: {launch_response_length: 12}\n")
+    assert load_job(path).launch_response_length() == 12

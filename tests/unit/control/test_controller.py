@@ -13,7 +13,7 @@ from launcher.report import plan_segments
 from nereusd.control.controller import Controller, StepObservation
 from nereusd.control.jobs import controller_for_job, forced_plan
 from nereusd.control.problem import job_problem, launch_plan, solve
-from nereusd.config.job import StagePlanConfig, parse_job
+from nereusd.config.job import LengthStageConfig, StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
 from nereusd.config.resolve import load_and_resolve
@@ -81,6 +81,32 @@ def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
             assert key in record
         target = evaluate(adapter.problem(adapter.pool, admitted.planned_length), d.target.plan, adapter.cost_model)
         assert max(target.peak_bytes.values()) <= usable_bytes(capacity, adapter.headroom())
+
+
+def test_a_length_curriculum_caps_the_forecast_and_a_cut_step_is_planned_at_the_next_stage_cap(demo):
+    """With ``rollout.max_new_tokens_schedule`` (caps 24 from step 0, 64 from step 3, 96 from
+    step 6) the forecast of the coming step never exceeds its stage's cap; a step whose longest
+    response was cut at its cap plans the next one for that step's whole cap (the responses the
+    old cap cut continue), and the urgent path leaves a plan that cannot hold it *before* the
+    stage starts. A step under its cap forecasts from its length, as without a curriculum."""
+    job, site = demo
+    stages = [{"at_step": 0, "max_new_tokens": 24}, {"at_step": 3, "max_new_tokens": 64},
+              {"at_step": 6, "max_new_tokens": 96}]
+    rollout = job.config.rollout.model_copy(update={"max_new_tokens_schedule": [LengthStageConfig(**x) for x in stages]})
+    config = job.config.model_copy(update={"rollout": rollout})
+    job = dataclasses.replace(job, config=config)
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    assert adapter.response_cap is not None and adapter.cap_of(2) == 24 and adapter.cap_of(3) == 64
+    assert observe(adapter, 0, 12)["planned_length"] == 16          # under its cap: the lookahead
+    assert observe(adapter, 1, 24)["planned_length"] == 24          # cut at 24, and step 2 is capped at 24
+    assert observe(adapter, 2, 24)["planned_length"] == 64          # cut; step 3 may fill the new cap
+    outcome = adapter.boundary(2, adapter.pool)
+    assert outcome is not None and outcome.planned_length == 64
+    capacity = adapter.problem(adapter.pool, 1).site.device_memory_bytes
+    plan = outcome.decision.target.plan if outcome.decision.admitted else adapter.plan
+    ev = evaluate(adapter.problem(adapter.pool, 64), plan, adapter.cost_model)
+    assert max(ev.peak_bytes.values()) <= capacity   # step 3 runs on a plan that holds the stage's cap
+    assert observe(adapter, 3, 40)["planned_length"] == 52          # under the cap: from its own length
 
 
 @pytest.mark.parametrize("ratio, headroom", [(1.0, 0.10), (1.05, 0.10), (1.25, 0.20), (4.0, 0.60)])
