@@ -23,7 +23,7 @@ import sys
 import time
 
 from launcher.cli import DefaultsHelpFormatter, output_directory
-from nereusd.errors import NereusError
+from nereusd.errors import ConfigError, NereusError
 from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"shipped name ({', '.join(sorted(LENGTH_TRACES))}), generated-ramp[:start:end] (tokens, "
                    "geometric over --steps), or a CSV path (FILE.csv or FILE.csv:COLUMN, default column "
                    "response_length_mean, one row per step; a trace shorter than --steps repeats)")
+    p.add_argument("--max-new-tokens-schedule", default="", metavar="STEP:CAP,…",
+                   help="a response-length curriculum, as a job's rollout.max_new_tokens_schedule (e.g. "
+                   "0:8192,500:16384,800:24576, DeepScaleR's 8K/16K/24K): from step STEP each step's length is the "
+                   "trace's cut at CAP tokens, and the controller knows each step's cap (default: none)")
     p.add_argument("--pool-trace", default="constant",
                    help=f"shipped name ({', '.join(sorted(POOL_TRACES))}), constant, or a JSON path "
                    "({\"metadata\": {\"gap_seconds\": S}, \"data\": [instance counts, one per S seconds]}; "
@@ -81,6 +85,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _stages(text: str) -> tuple[tuple[int, int], ...]:
+    """``"0:8192,500:16384"`` → ``((0, 8192), (500, 16384))``; ``""`` → ``()`` (the curriculum's
+    rules are checked with the scenario, :func:`nereusd.config.job.curriculum_error`).
+
+    Raises:
+        ConfigError: for text of another form."""
+    if not text:
+        return ()
+    try:
+        stages = [part.split(":") for part in text.split(",")]
+        if any(len(stage) != 2 for stage in stages):
+            raise ValueError
+        return tuple((int(at), int(cap)) for at, cap in stages)
+    except ValueError:
+        raise ConfigError(f"--max-new-tokens-schedule: expected STEP:CAP stages separated by commas "
+                          f"(e.g. 0:8192,500:16384), got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise NereusError(f"--jobs: expected a positive number of worker processes, got {args.jobs}")
@@ -89,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed,
-                        generation=args.generation)
+                        generation=args.generation, max_new_tokens_schedule=_stages(args.max_new_tokens_schedule))
     truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h,
                         engine_rebuild_s=args.engine_rebuild_s, kind=args.truth)
     policies = parse_policies(args.policies)
@@ -101,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: prompts of {prompt} tokens plus the length trace's longest response "
               f"({sim.max_response_length}) exceed the {short[0]} model's max_position={short[1].max_position}: "
               f"a job of this shape is refused at launch; the simulation runs it anyway (a what-if)", file=sys.stderr)
-    trace_steps = len(sim.lengths.response_lengths)
+    trace_steps = meta["length_trace_steps"]
     if trace_steps < args.steps:
         print(f"warning: the length trace has {trace_steps} steps, fewer than --steps {args.steps}: "
               f"it repeats from its start after step {trace_steps - 1}", file=sys.stderr)

@@ -53,6 +53,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from nereusd.config.job import curriculum_error  # noqa: E402
 from nereusd.journal import read_jsonl  # noqa: E402
 DEMO = REPO / "examples" / "counting_grpo.yaml"
 POLICIES = {
@@ -202,12 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch_length is not None and args.launch_length < 1:
         parser.error(f"--launch-length: expected at least 1 token, got {args.launch_length}")
     if args.curriculum:
-        cap = yaml.safe_load(DEMO.read_text())["rollout"]["max_new_tokens"]
-        steps = [at for at, _ in args.curriculum]
-        caps = [c for _, c in args.curriculum]
-        if steps[0] != 0 or steps != sorted(set(steps)) or caps != sorted(caps) or caps[-1] > cap or caps[0] < 1:
-            parser.error(f"--curriculum: stages must start at step 0, at rising steps, with caps that never fall, "
-                         f"from 1 to the demo's max_new_tokens ({cap}); got {args.curriculum}")
+        problem = curriculum_error(args.curriculum, yaml.safe_load(DEMO.read_text())["rollout"]["max_new_tokens"],
+                                   "--curriculum", "the demo's max_new_tokens")
+        if problem:
+            parser.error(problem)
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every: expected 0 or more, got {args.checkpoint_every}")
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import reprlib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, Sequence
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, ValidationError,
                       field_validator, model_validator)
@@ -80,6 +80,44 @@ class TaskConfig(_Strict):
     """Task-specific options, passed to the task's constructor."""
 
 
+def stage_cap(stages: Sequence[tuple[int, int]], step: int, default: int) -> int:
+    """The response cap (tokens) of step ``step`` under a length curriculum: the cap of the last
+    of ``stages`` (``(at_step, max_new_tokens)``, in step order) that starts at or before it;
+    ``default`` before the first (or without stages)."""
+    cap = default
+    for at_step, max_new_tokens in stages:
+        if at_step > step:
+            break
+        cap = max_new_tokens
+    return cap
+
+
+def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | None, key: str,
+                     max_key: str) -> str | None:
+    """Why ``stages`` (``(at_step, max_new_tokens)`` pairs, written as ``key``) is not a length
+    curriculum, or ``None``: the first stage starts at step 0, each later one at a later step
+    with a cap that is not lower, every cap at least 1 and at most ``max_new_tokens``
+    (``max_key``; ``None``: no bound)."""
+    if not stages:
+        return None
+    if stages[0][0] != 0:
+        return f"{key}[0].at_step: the first stage starts at step 0, got {stages[0][0]}"
+    for k, ((at_a, cap_a), (at_b, cap_b)) in enumerate(zip(stages, stages[1:]), start=1):
+        if at_b <= at_a:
+            return f"{key}[{k}].at_step: {at_b} is not after the previous stage's {at_a}"
+        if cap_b < cap_a:
+            return (f"{key}[{k}].max_new_tokens: {cap_b} is below the previous stage's {cap_a} (a curriculum "
+                    "only raises the cap)")
+    low = min(cap for _, cap in stages)
+    if low < 1:
+        return f"{key}: a stage's max_new_tokens {low} is below 1"
+    top = max(cap for _, cap in stages)
+    if max_new_tokens is not None and top > max_new_tokens:
+        return f"{key}: a stage's max_new_tokens {top} exceeds {max_key} {max_new_tokens}, which sizes the engines " \
+               "and the context"
+    return None
+
+
 class RolloutConfig(_Strict):
     """Generation settings."""
 
@@ -106,13 +144,9 @@ class RolloutConfig(_Strict):
 
     def max_new_tokens_at(self, step: int) -> int:
         """The cap of step ``step``'s responses (tokens): the :attr:`max_new_tokens_schedule`
-        stage that step is in, else :attr:`max_new_tokens`."""
-        cap = self.max_new_tokens
-        for stage in self.max_new_tokens_schedule:
-            if stage.at_step > step:
-                break
-            cap = stage.max_new_tokens
-        return cap
+        stage that step is in, else :attr:`max_new_tokens` (:func:`stage_cap`)."""
+        return stage_cap([(s.at_step, s.max_new_tokens) for s in self.max_new_tokens_schedule], step,
+                         self.max_new_tokens)
 
 
 class LengthStageConfig(_Strict):
@@ -430,23 +464,11 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _stages_rise_to_the_cap(self) -> "JobConfig":
-        stages = self.rollout.max_new_tokens_schedule
-        if not stages:
-            return self
-        if stages[0].at_step != 0:
-            raise ValueError(f"rollout.max_new_tokens_schedule[0].at_step: the first stage starts at step 0, "
-                             f"got {stages[0].at_step}")
-        for k, (a, b) in enumerate(zip(stages, stages[1:]), start=1):
-            if b.at_step <= a.at_step:
-                raise ValueError(f"rollout.max_new_tokens_schedule[{k}].at_step: {b.at_step} is not after the "
-                                 f"previous stage's {a.at_step}")
-            if b.max_new_tokens < a.max_new_tokens:
-                raise ValueError(f"rollout.max_new_tokens_schedule[{k}].max_new_tokens: {b.max_new_tokens} is below "
-                                 f"the previous stage's {a.max_new_tokens} (a curriculum only raises the cap)")
-        top = max(s.max_new_tokens for s in stages)
-        if top > self.rollout.max_new_tokens:
-            raise ValueError(f"rollout.max_new_tokens_schedule: a stage's max_new_tokens {top} exceeds "
-                             f"rollout.max_new_tokens {self.rollout.max_new_tokens}, which sizes the engines and the context")
+        stages = [(s.at_step, s.max_new_tokens) for s in self.rollout.max_new_tokens_schedule]
+        problem = curriculum_error(stages, self.rollout.max_new_tokens, "rollout.max_new_tokens_schedule",
+                                   "rollout.max_new_tokens")
+        if problem:
+            raise ValueError(problem)
         return self
 
     def launch_response_length(self) -> int:

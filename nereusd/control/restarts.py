@@ -22,6 +22,11 @@ from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, PlanResult
 from nereusd.planner.space import evaluate
 
+OOM_EXCESS = 1.02
+"""An out-of-memory step's true peak exceeded the device's capacity by an amount nobody measured:
+:meth:`RestartPlanning.failed` counts it as this much over (a second failure, on a plan predicted
+lower, raises the ratio again)."""
+
 RESTART_LENGTH_FACTOR = math.sqrt(2.0)
 """Ratio between the response lengths :meth:`RestartPlanning._restart_for_growth` plans for."""
 
@@ -128,8 +133,22 @@ class RestartPlanning:
         the steps since the checkpoint re-run the same batches — plans are chosen for at least
         that length, so that a replan during the re-run does not return to a layout that
         failed (without this a job can fail, restart and fail again at the same step forever;
-        ``tests/unit/sim/test_sim.py`` replays such a run)."""
+        ``tests/unit/sim/test_sim.py`` replays such a run).
+
+        The failure is also a memory measurement: the running plan's true peak at ``length``
+        exceeded the capacity, where the model predicted ``p``. It enters the memory ratios
+        (:meth:`Controller.memory_ratio`) as ``OOM_EXCESS · capacity / p``, so the headroom
+        widens until no plan predicted as high as the failed one fits (:meth:`Controller.headroom`).
+        Planning for at least the failed length alone does not exclude a plan that was chosen
+        *for* that length: a job whose responses are cut at their cap plans for exactly the cap,
+        and on the simulator's A100 ramp under a length curriculum such a plan failed at step 568,
+        was restarted from, replanned for the same length and chosen again, 66 times
+        (2026-12-05)."""
         length = self.max_response_length if length is None else int(length)
+        problem = self.problem(self.pool, length)
+        predicted = max(evaluate(problem, self.plan, self.cost_model).peak_bytes.values(), default=0)
+        if predicted > 0:
+            self._memory.append(OOM_EXCESS * problem.site.device_memory_bytes / predicted)
         self._replay_length = max(self._replay_length if step < self._replay_until else 0, length)
         self._replay_until = max(self._replay_until, step + 1)
         self._relaunch = True   # the next restart plans for the longest response (frozen: and keeps it)

@@ -78,6 +78,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -225,8 +226,9 @@ class MeasuredTruth(GroundTruth):
 
     ranks_by_truth = True
 
-    def __init__(self, problem: PlanProblem, config: TruthConfig | None = None) -> None:
-        super().__init__(problem, config)
+    def __init__(self, problem: PlanProblem, config: TruthConfig | None = None,
+                 response_cap: Callable[[int], int] | None = None) -> None:
+        super().__init__(problem, config, response_cap)
         site = problem.site
         self.device = device_figures(site.device.model)
         self.peak = site.peak_flops() * self.device.gemm_fraction
@@ -460,8 +462,11 @@ def _slot_ends(lengths: np.ndarray, slots: int) -> np.ndarray:
     return np.sort(np.asarray(ends))
 
 
-def ground_truth(problem: PlanProblem, config: TruthConfig | None = None) -> GroundTruth:
+def ground_truth(problem: PlanProblem, config: TruthConfig | None = None,
+                 response_cap: Callable[[int], int] | None = None) -> GroundTruth:
     """The ground truth ``config.kind`` names: ``efficiency`` (:class:`GroundTruth`) or
-    ``measured`` (:class:`MeasuredTruth`)."""
+    ``measured`` (:class:`MeasuredTruth`); ``response_cap``: each step's response cap under a
+    length curriculum (no padded length exceeds it)."""
     config = config or TruthConfig()
-    return MeasuredTruth(problem, config) if config.kind == "measured" else GroundTruth(problem, config)
+    kind = MeasuredTruth if config.kind == "measured" else GroundTruth
+    return kind(problem, config, response_cap)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.control.controller import Controller, StepObservation
@@ -160,11 +160,16 @@ class Simulation:
         truth: ground-truth assumptions.
         max_response_length: the job's ``max_new_tokens`` (default: the longest length of the
             trace over the run, rounded up).
+        response_cap: each step's cap under a length curriculum, as
+            :class:`~nereusd.control.controller.Controller` takes it (the trace is already cut
+            at it: :func:`nereusd.sim.scenario.build`); ``None``: ``max_response_length``.
     """
 
     def __init__(self, problem: PlanProblem, lengths: LengthTrace, pool_trace: PoolTrace, steps: int,
-                 truth: TruthConfig | None = None, max_response_length: int | None = None) -> None:
+                 truth: TruthConfig | None = None, max_response_length: int | None = None,
+                 response_cap: Callable[[int], int] | None = None) -> None:
         self.problem = problem
+        self.response_cap = response_cap
         self.max_response_length = max_response_length or math.ceil(max(lengths.at(i) for i in range(steps)))
         self.lengths = lengths
         self.pool_trace = pool_trace
@@ -172,7 +177,7 @@ class Simulation:
         self.truth_config = truth or TruthConfig()
         self.total = len(problem.pool)
         self.dpn = problem.site.devices_per_node
-        self._oracle = _Oracle(problem, ground_truth(problem, self.truth_config))
+        self._oracle = _Oracle(problem, ground_truth(problem, self.truth_config, response_cap))
         self._oracles = {0.0: self._oracle}
         """The oracle of each ``oracle@H`` policy by ``H`` (:meth:`oracle_for`)."""
         self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
@@ -206,7 +211,9 @@ class Simulation:
         :attr:`launch` when the planner finds nothing."""
         plan = self._launch_adaptive.get(delta_length)
         if plan is None:
-            length = LengthLookahead(delta_length).coming(math.ceil(self.lengths.at(0)), self.max_response_length)
+            cap = self.max_response_length if self.response_cap is None else min(self.max_response_length,
+                                                                                 self.response_cap(0))
+            length = LengthLookahead(delta_length).coming(math.ceil(self.lengths.at(0)), cap)
             problem = replace(self.problem, workload=replace(self.problem.workload, response_length=length))
             ev = evaluate(problem, self.launch, CostModel(problem.site))
             plan = self.launch
@@ -253,7 +260,7 @@ class Simulation:
 
     def run(self, policy: Policy) -> PolicyResult:
         """Replay the whole run under ``policy``."""
-        truth = ground_truth(self.problem, self.truth_config)
+        truth = ground_truth(self.problem, self.truth_config, self.response_cap)
         links = TransitionEstimator(self.problem.specs, self.problem.site, truth.cost_model(False),
                                     self.problem.workflow.concurrent_sets(), max_devices=TRANSITION_SCALE_LIMIT)
         launch = (self.launch_final if policy.launch_at_longest else
@@ -261,7 +268,7 @@ class Simulation:
         oracle = self.oracle_for(policy) if policy.kind == ORACLE else None
         ctl = None if oracle is not None else Controller(
             self.problem, launch, policy.control, max_response_length=self.max_response_length,
-            pool=self.problem.pool, transition_scale_limit=TRANSITION_SCALE_LIMIT)
+            response_cap=self.response_cap, pool=self.problem.pool, transition_scale_limit=TRANSITION_SCALE_LIMIT)
         res = PolicyResult(policy, self.steps)
         plan = launch
         ids: dict[str, int] = {}

@@ -12,15 +12,17 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
+from nereusd.config.job import curriculum_error, stage_cap
 from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
 from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.space import GENERATION_ENGINES, PlanProblem, generation_engines
 from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import PolicyResult, Simulation
-from nereusd.traces import load_length_trace, load_pool_trace
+from nereusd.traces import LengthTrace, load_length_trace, load_pool_trace
 from nereusd.sim.truth import TruthConfig
 from nereusd.config.site import load_site
 from nereusd.workflow import Workload, build_workflow
@@ -49,6 +51,11 @@ class Scenario:
     ``max_model_len`` = prompt + the trace's longest response, and a transition that gives a
     device a new replica starts engines (the truth's ``engine_rebuild_s``), which the controller
     learns and prices as on a live job."""
+    max_new_tokens_schedule: tuple[tuple[int, int], ...] = ()
+    """A response-length curriculum, ``(at_step, max_new_tokens)`` stages as a job's
+    ``rollout.max_new_tokens_schedule``: each step's length is the trace's cut at its stage's cap
+    (the trace says how long the responses want to be; the cap cuts them), and the controller
+    is told each step's cap, as a live job's is. Empty: the trace as it is."""
 
 
 
@@ -78,6 +85,17 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     site = site.with_nodes(s.gpus // dpn)
     spec = resolve_model(s.model)
     lengths = load_length_trace(s.length_trace, steps=s.steps, seed=s.seed)
+    trace_steps = len(lengths.response_lengths)
+    response_cap = None
+    if s.max_new_tokens_schedule:
+        stages = tuple(s.max_new_tokens_schedule)
+        problem = curriculum_error(stages, None, "--max-new-tokens-schedule", "")
+        if problem:
+            raise ConfigError(problem)
+        response_cap = partial(stage_cap, stages, default=stages[0][1])
+        lengths = LengthTrace(f"{lengths.label}, cut by the curriculum "
+                              + ", ".join(f"{cap} from step {at}" for at, cap in stages),
+                              tuple(min(lengths.at(i), response_cap(i)) for i in range(s.steps)), lengths.generated)
     pool = load_pool_trace(s.pool_trace)
     wl = Workload(prompt_length=s.prompt_length, response_length=max(1, math.ceil(lengths.at(0))),
                   global_batch=s.global_batch, mini_batches=s.mini_batches, micro_batch=s.micro_batch)
@@ -85,9 +103,10 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     max_model_len = s.prompt_length + math.ceil(max(lengths.response_lengths))
     engines = generation_engines(workflow, s.generation, max_model_len)
     problem = PlanProblem(workflow, {r: spec for r in Role}, wl, site, tuple(range(s.gpus)), engines=engines)
-    sim = Simulation(problem, lengths, pool, s.steps, truth)
+    sim = Simulation(problem, lengths, pool, s.steps, truth, response_cap=response_cap)
     meta = {"model": s.model, "algorithm": s.algorithm, "site": site.name, "gpus": s.gpus, "steps": s.steps,
-            "length_trace": lengths.label, "length_generated": lengths.generated, "pool_trace": pool.label,
+            "length_trace": lengths.label, "length_generated": lengths.generated, "length_trace_steps": trace_steps,
+            "max_new_tokens_schedule": [list(x) for x in s.max_new_tokens_schedule], "pool_trace": pool.label,
             "global_batch": s.global_batch, "prompt_length": s.prompt_length, "seed": s.seed,
             "generation": s.generation, "truth": vars(truth), "launch_plan": sim.launch.describe()}
     return sim, meta

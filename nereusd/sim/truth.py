@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -145,9 +145,13 @@ class GroundTruth:
     """Whether the oracle must rank the planner's plans by :meth:`rank_key` (a truth the planner
     cannot search); this truth is the planner's own cost model, so its plans are its optimum."""
 
-    def __init__(self, problem: PlanProblem, config: TruthConfig | None = None) -> None:
+    def __init__(self, problem: PlanProblem, config: TruthConfig | None = None,
+                 response_cap: Callable[[int], int] | None = None) -> None:
         self.problem = problem
         self.config = config or TruthConfig()
+        self.response_cap = response_cap
+        """Each step's response cap under a length curriculum: the padded length of
+        :meth:`stage_peaks` never exceeds it (no response is longer); ``None``: no cap."""
         rng = random.Random(self.config.seed)
         # the per-call latency classes draw after the others, and a generation engine's classes
         # after those, so each seed keeps the draws it had before they existed
@@ -228,6 +232,8 @@ class GroundTruth:
         """True ``(peak, resident)`` bytes per device of each model-stage at ``step``."""
         wl = self.problem.workload
         padded = max(1, int(round(response_length * self.spread(step))))
+        if self.response_cap is not None:   # padding reaches the longest response, which the cap cut
+            padded = max(1, min(padded, self.response_cap(step)))
         out = {}
         for m, c in plan.items():
             est = stage_memory(self.problem.spec(m), m, sequences=self.problem.workflow.sequences(m, wl),

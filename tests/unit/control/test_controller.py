@@ -109,6 +109,23 @@ def test_a_length_curriculum_caps_the_forecast_and_a_cut_step_is_planned_at_the_
     assert observe(adapter, 3, 40)["planned_length"] == 52          # under the cap: from its own length
 
 
+def test_an_out_of_memory_step_is_a_memory_measurement_that_excludes_the_failed_plan(demo):
+    """A plan chosen *for* the length it failed at (a job cut at its cap plans for exactly the
+    cap) is not excluded by planning for at least that length: the failure enters the memory
+    ratios as ``1.02 · capacity / predicted``, and the widened headroom no longer fits it (on
+    the simulator's A100 ramp under a curriculum such a plan was chosen again 66 times)."""
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    observe(adapter, 0, 24)
+    capacity = adapter.problem(adapter.pool, 1).site.device_memory_bytes
+    predicted = max(evaluate(adapter.problem(adapter.pool, 24), adapter.plan, adapter.cost_model).peak_bytes.values())
+    assert predicted <= usable_bytes(capacity, adapter.headroom())   # it fits before the failure
+    adapter.failed(1, 24)
+    assert adapter.memory_ratio() == pytest.approx(1.02 * capacity / predicted)
+    assert predicted > usable_bytes(capacity, adapter.headroom())    # and not after it
+    assert adapter.restart_plan(adapter.pool).plan != job.plan
+
+
 @pytest.mark.parametrize("ratio, headroom", [(1.0, 0.10), (1.05, 0.10), (1.25, 0.20), (4.0, 0.60)])
 def test_measured_peaks_over_the_prediction_widen_the_headroom_once(demo, ratio, headroom):
     """The worst recent measured/predicted peak ``r`` widens the headroom to ``max(10 %, 1 − 1/r)``

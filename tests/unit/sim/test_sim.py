@@ -283,6 +283,9 @@ def test_cli_json_and_plots(tmp_path, capsys):
     (["--jobs", "0"], "--jobs: expected a positive number"),
     (["--engine-rebuild-s", "30"], "add --generation vllm"),
     (["--gpus", "1048576"], "at most 65,536"),
+    (["--max-new-tokens-schedule", "0:100,200"], "expected STEP:CAP stages"),
+    (["--max-new-tokens-schedule", "5:100"], "--max-new-tokens-schedule[0].at_step: the first stage starts at step 0"),
+    (["--max-new-tokens-schedule", "0:400,1:100"], "a curriculum only raises the cap"),
 ])
 def test_simulate_refuses_bad_input_with_one_line(argv, says, capsys):
     """Each once ended in a traceback or ran on nonsense (a new user's trial, 2026-12-03)."""
@@ -451,3 +454,23 @@ def test_a_simulated_clock_that_runs_away_is_an_error_not_a_full_memory():
     assert truth.contended(3600.0) in (True, False)
     with pytest.raises(ConfigError, match="the clock has run away"):
         truth.contended(1e15)
+
+
+def test_a_length_curriculum_cuts_the_trace_and_the_controller_plans_for_each_stage_cap():
+    """``--max-new-tokens-schedule``: the ramp (how long the responses want to be) is cut at each
+    step's stage cap; the controller is told the caps, as a live job's is: after a step cut at
+    its cap it plans the next stage's first step for the new cap, so no policy that adapts runs
+    out of memory at the stage boundary, and the frozen-final baseline holds the last cap."""
+    from nereusd.sim.scenario import Scenario, build
+
+    sim, meta = build(Scenario(model="counting-tiny", gpus=16, steps=40, global_batch=64,
+                               length_trace="generated-ramp:200:2000", max_new_tokens_schedule=((0, 300), (20, 1200))),
+                      QUIET)
+    lengths = [sim.lengths.at(i) for i in range(40)]
+    assert max(lengths[:20]) == 300 and lengths[19] == 300 and 300 < max(lengths[20:]) <= 1200
+    assert sim.max_response_length == 1200 and meta["length_trace_steps"] == 40
+    assert "cut by the curriculum 300 from step 0, 1200 from step 20" in meta["length_trace"]
+    res = sim.run(parse_policy("nereus"))
+    check_books(res)
+    assert res.oom_events == 0
+    assert sim.response_cap(19) == 300 and sim.response_cap(20) == 1200
