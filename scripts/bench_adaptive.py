@@ -157,7 +157,10 @@ def table(results: dict[str, dict]) -> str:
 
 
 def _curriculum(text: str) -> list[tuple[int, int]]:
-    """``"0:24,10:48"`` → ``[(0, 24), (10, 48)]`` (argparse type)."""
+    """``"0:24,10:48"`` → ``[(0, 24), (10, 48)]``; ``""`` → ``[]``, no curriculum, as ``simulate``
+    reads it (argparse type)."""
+    if not text.strip():
+        return []
     try:
         stages = [part.split(":") for part in text.split(",")]
         if any(len(stage) != 2 for stage in stages):
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--launch-length: expected at least 1 token, got {args.launch_length}")
     if args.curriculum:
         problem = curriculum_error(args.curriculum, yaml.safe_load(DEMO.read_text())["rollout"]["max_new_tokens"],
-                                   "--curriculum", "the demo's max_new_tokens")
+                                   "--curriculum", "the demo's max_new_tokens", args.steps)
         if problem:
             parser.error(problem)
     if args.checkpoint_every < 0:

@@ -93,15 +93,18 @@ def stage_cap(stages: Sequence[tuple[int, int]], step: int, default: int) -> int
 
 
 def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | None, key: str,
-                     max_key: str) -> str | None:
+                     max_key: str, steps: int | None = None) -> str | None:
     """Why ``stages`` (``(at_step, max_new_tokens)`` pairs, written as ``key``) is not a length
     curriculum, or ``None``: the first stage starts at step 0, each later one at a later step
-    with a cap that is not lower, every cap at least 1 and at most ``max_new_tokens``
-    (``max_key``; ``None``: no bound)."""
+    below ``steps`` (the job's; ``None``: no bound) with a cap that is not lower, every cap at
+    least 1 and at most ``max_new_tokens`` (``max_key``; ``None``: no bound)."""
     if not stages:
         return None
     if stages[0][0] != 0:
         return f"{key}[0].at_step: the first stage starts at step 0, got {stages[0][0]}"
+    if steps is not None and any(at >= steps for at, _ in stages):
+        k = next(i for i, (at, _) in enumerate(stages) if at >= steps)
+        return f"{key}[{k}].at_step: {stages[k][0]} is not below steps={steps}: no step would run in that stage"
     for k, ((at_a, cap_a), (at_b, cap_b)) in enumerate(zip(stages, stages[1:]), start=1):
         if at_b <= at_a:
             return f"{key}[{k}].at_step: {at_b} is not after the previous stage's {at_a}"
@@ -466,15 +469,16 @@ class JobConfig(_Strict):
     def _stages_rise_to_the_cap(self) -> "JobConfig":
         stages = [(s.at_step, s.max_new_tokens) for s in self.rollout.max_new_tokens_schedule]
         problem = curriculum_error(stages, self.rollout.max_new_tokens, "rollout.max_new_tokens_schedule",
-                                   "rollout.max_new_tokens")
+                                   "rollout.max_new_tokens", self.steps)
         if problem:
             raise ValueError(problem)
         return self
 
-    def launch_response_length(self) -> int:
-        """The response length (tokens) a launch plan is chosen for: ``adaptation.launch_response_length``,
-        else the longest response step 0 can generate (:meth:`RolloutConfig.max_new_tokens_at`)."""
-        return self.adaptation.launch_response_length or self.rollout.max_new_tokens_at(0)
+    def launch_response_length(self, step: int = 0) -> int:
+        """The response length (tokens) a launch plan for a job starting at ``step`` (0, or the
+        checkpoint a resume plans afresh from) is chosen for: ``adaptation.launch_response_length``,
+        else the longest response that step can generate (:meth:`RolloutConfig.max_new_tokens_at`)."""
+        return self.adaptation.launch_response_length or self.rollout.max_new_tokens_at(step)
 
     @field_validator("name")
     @classmethod

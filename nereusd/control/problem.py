@@ -73,16 +73,17 @@ def solve(problem: PlanProblem, cost_model: CostModel, current: Plan | None, hea
 
 
 def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
-                calibration: Calibration | None = None) -> PlanResult:
+                calibration: Calibration | None = None, step: int = 0) -> PlanResult:
     """The plan for the job's initial conditions when its YAML gives none (paper §4.2).
 
-    Chosen for :meth:`~nereusd.config.job.JobConfig.launch_response_length` on
+    Chosen for :meth:`~nereusd.config.job.JobConfig.launch_response_length` of ``step`` (the
+    step the job starts at: 0, or a resume's checkpoint) on
     devices ``0 … devices−1`` (:func:`launch_for`).
 
     Raises:
         Infeasible: when nothing fits, even with recomputation.
     """
-    length = job.config.launch_response_length()
+    length = job.config.launch_response_length(step)
     return launch_for(job_problem(job, site, tuple(range(job.devices)), length, prompt_length), calibration)
 
 

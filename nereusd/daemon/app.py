@@ -228,7 +228,8 @@ class Daemon:
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
         record = checkpoints.resume_record(self.run_dir) if self.args.resume else None
         resumed = self._resumed_controller(record, driver) if self.pool.live and record is not None else None
-        driver.plan = resumed.plan if resumed is not None else self._launch_plan(site, driver)
+        driver.plan = resumed.plan if resumed is not None else self._launch_plan(
+            site, driver, int(record.get("step", 0)) if record is not None else 0)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         kept = self._keep_workers(world, driver) if self.args.resume else None
         if self.args.resume:
@@ -333,17 +334,19 @@ class Daemon:
         self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(), "source": "resumed: the plan of the checkpoint"})
         return controller
 
-    def _launch_plan(self, site: SiteConfig, driver: RLDriver):
-        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan."""
+    def _launch_plan(self, site: SiteConfig, driver: RLDriver, step: int = 0):
+        """The job's plan, or — adaptive and none in the YAML — the planner's launch plan for a job
+        starting at ``step`` (a resume that plans afresh starts at its checkpoint's step, which a
+        length curriculum may cap higher than step 0)."""
         job = self.job
         why = "the job's plan"
         if self.pool.live and "plan" not in job.config.model_fields_set:
             try:
-                chosen = launch_plan(job, site, driver.prompt_length)
+                chosen = launch_plan(job, site, driver.prompt_length, step=step)
                 self.journal.event(Event.LAUNCH_PLAN, {
                     "plan": chosen.plan.to_dict(), "source": "planner",
                     "predicted_step_latency_s": chosen.predicted_step_latency_s,
-                    "response_length": job.config.launch_response_length()})
+                    "response_length": job.config.launch_response_length(step)})
                 return chosen.plan
             except Infeasible as err:   # run the default plan: the workers say what does not fit
                 why = f"the job's default plan (the planner found none: {err})"

@@ -89,7 +89,7 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     response_cap = None
     if s.max_new_tokens_schedule:
         stages = tuple(s.max_new_tokens_schedule)
-        problem = curriculum_error(stages, None, "--max-new-tokens-schedule", "")
+        problem = curriculum_error(stages, None, "--max-new-tokens-schedule", "", s.steps)
         if problem:
             raise ConfigError(problem)
         response_cap = partial(stage_cap, stages, default=stages[0][1])

@@ -301,6 +301,8 @@ def test_an_integer_past_pythons_digit_limit_is_a_one_line_error(tmp_path):
     ("[{at_step: 0, max_new_tokens: 0}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].max_new_tokens: Input "
                                           r"should be greater than or equal to 1, got 0$"),
     ("[{at_step: 0}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].max_new_tokens: required key is missing$"),
+    ("[{at_step: 0, max_new_tokens: 8}, {at_step: 20, max_new_tokens: 16}]",   # steps: 20 (the default)
+     r"^job.yaml: rollout.max_new_tokens_schedule\[1\].at_step: 20 is not below steps=20: no step would run in"),
 ])
 def test_a_length_curriculum_only_raises_the_cap_up_to_max_new_tokens(tmp_path, stages, match):
     path = tmp_path / "job.yaml"
@@ -311,12 +313,13 @@ def test_a_length_curriculum_only_raises_the_cap_up_to_max_new_tokens(tmp_path, 
 
 def test_each_step_is_capped_by_its_stage_and_the_launch_plans_for_step_0(tmp_path):
     path = tmp_path / "job.yaml"
-    path.write_text("rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule:\n"
+    path.write_text("steps: 30\nrollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule:\n"
                     "    - {at_step: 0, max_new_tokens: 8}\n    - {at_step: 10, max_new_tokens: 16}\n"
                     "    - {at_step: 20, max_new_tokens: 16}\n")
     job = load_job(path)
     assert [job.rollout.max_new_tokens_at(s) for s in (0, 9, 10, 19, 20, 1000)] == [8, 8, 16, 16, 16, 16]
     assert job.launch_response_length() == 8
+    assert job.launch_response_length(12) == 16   # a resume that plans afresh at step 12's stage
     path.write_text("rollout:\n  max_new_tokens: 32\n")
     plain = load_job(path)
     assert plain.rollout.max_new_tokens_at(7) == 32 and plain.launch_response_length() == 32

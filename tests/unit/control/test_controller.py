@@ -107,6 +107,12 @@ def test_a_length_curriculum_caps_the_forecast_and_a_cut_step_is_planned_at_the_
     ev = evaluate(adapter.problem(adapter.pool, 64), plan, adapter.cost_model)
     assert max(ev.peak_bytes.values()) <= capacity   # step 3 runs on a plan that holds the stage's cap
     assert observe(adapter, 3, 40)["planned_length"] == 52          # under the cap: from its own length
+    # a resume that plans afresh (its job file changed) starts at its checkpoint's stage, not step 0's
+    usable = usable_bytes(capacity)
+    at_0, at_6 = launch_plan(job, site, PROMPT).plan, launch_plan(job, site, PROMPT, step=6).plan
+    problem = job_problem(job, site, tuple(range(job.devices)), 96, PROMPT)
+    assert max(evaluate(problem, at_0, CostModel(problem.site)).peak_bytes.values()) > usable
+    assert max(evaluate(problem, at_6, CostModel(problem.site)).peak_bytes.values()) <= usable
 
 
 def test_an_out_of_memory_step_is_a_memory_measurement_that_excludes_the_failed_plan(demo):

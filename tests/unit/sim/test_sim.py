@@ -286,6 +286,7 @@ def test_cli_json_and_plots(tmp_path, capsys):
     (["--max-new-tokens-schedule", "0:100,200"], "expected STEP:CAP stages"),
     (["--max-new-tokens-schedule", "5:100"], "--max-new-tokens-schedule[0].at_step: the first stage starts at step 0"),
     (["--max-new-tokens-schedule", "0:400,1:100"], "a curriculum only raises the cap"),
+    (["--max-new-tokens-schedule", "0:400,2:800"], "[1].at_step: 2 is not below steps=2"),
 ])
 def test_simulate_refuses_bad_input_with_one_line(argv, says, capsys):
     """Each once ended in a traceback or ran on nonsense (a new user's trial, 2026-12-03)."""
