@@ -23,6 +23,7 @@ import sys
 import time
 
 from launcher.cli import DefaultsHelpFormatter, output_directory
+from nereusd.config.job import parse_stages
 from nereusd.errors import ConfigError, NereusError
 from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies
@@ -86,21 +87,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _stages(text: str) -> tuple[tuple[int, int], ...]:
-    """``"0:8192,500:16384"`` → ``((0, 8192), (500, 16384))``; ``""`` → ``()`` (the curriculum's
-    rules are checked with the scenario, :func:`nereusd.config.job.curriculum_error`).
+    """:func:`nereusd.config.job.parse_stages` of ``--max-new-tokens-schedule`` (the scenario
+    checks the stages).
 
     Raises:
         ConfigError: for text of another form."""
-    if not text:
-        return ()
     try:
-        stages = [part.split(":") for part in text.split(",")]
-        if any(len(stage) != 2 for stage in stages):
-            raise ValueError
-        return tuple((int(at), int(cap)) for at, cap in stages)
-    except ValueError:
-        raise ConfigError(f"--max-new-tokens-schedule: expected STEP:CAP stages separated by commas "
-                          f"(e.g. 0:8192,500:16384), got {text!r}") from None
+        return parse_stages(text)
+    except ValueError as err:
+        raise ConfigError(f"--max-new-tokens-schedule: {err}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from nereusd.config.job import curriculum_error  # noqa: E402
+from nereusd.config.job import curriculum_error, parse_stages  # noqa: E402
 from nereusd.journal import read_jsonl  # noqa: E402
 DEMO = REPO / "examples" / "counting_grpo.yaml"
 POLICIES = {
@@ -156,19 +156,13 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def _curriculum(text: str) -> list[tuple[int, int]]:
-    """``"0:24,10:48"`` → ``[(0, 24), (10, 48)]``; ``""`` → ``[]``, no curriculum, as ``simulate``
-    reads it (argparse type)."""
-    if not text.strip():
-        return []
+def _curriculum(text: str) -> tuple[tuple[int, int], ...]:
+    """:func:`nereusd.config.job.parse_stages` as an argparse type (blank: no curriculum, as
+    ``simulate`` reads it)."""
     try:
-        stages = [part.split(":") for part in text.split(",")]
-        if any(len(stage) != 2 for stage in stages):
-            raise ValueError
-        return [(int(at), int(cap)) for at, cap in stages]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP:CAP stages separated by commas (e.g. 0:24,10:48), "
-                                         f"got {text!r}") from None
+        return parse_stages(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

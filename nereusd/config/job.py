@@ -92,6 +92,23 @@ def stage_cap(stages: Sequence[tuple[int, int]], step: int, default: int) -> int
     return cap
 
 
+def parse_stages(text: str) -> tuple[tuple[int, int], ...]:
+    """A curriculum written on a command line: ``"0:8192,500:16384"`` → ``((0, 8192), (500,
+    16384))``; blank → ``()``, no curriculum (:func:`curriculum_error` checks the stages).
+
+    Raises:
+        ValueError: for text of another form, with a message to show after the option's name."""
+    if not text.strip():
+        return ()
+    try:
+        stages = [part.split(":") for part in text.split(",")]
+        if any(len(stage) != 2 for stage in stages):
+            raise ValueError
+        return tuple((int(at), int(cap)) for at, cap in stages)
+    except ValueError:
+        raise ValueError(f"expected STEP:CAP stages separated by commas (e.g. 0:8192,500:16384), got {text!r}") from None
+
+
 def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | None, key: str,
                      max_key: str, steps: int | None = None) -> str | None:
     """Why ``stages`` (``(at_step, max_new_tokens)`` pairs, written as ``key``) is not a length
@@ -102,9 +119,9 @@ def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | No
         return None
     if stages[0][0] != 0:
         return f"{key}[0].at_step: the first stage starts at step 0, got {stages[0][0]}"
-    if steps is not None and any(at >= steps for at, _ in stages):
-        k = next(i for i, (at, _) in enumerate(stages) if at >= steps)
-        return f"{key}[{k}].at_step: {stages[k][0]} is not below steps={steps}: no step would run in that stage"
+    late = next((k for k, (at, _) in enumerate(stages) if steps is not None and at >= steps), None)
+    if late is not None:
+        return f"{key}[{late}].at_step: {stages[late][0]} is not below steps={steps}: no step would run in that stage"
     for k, ((at_a, cap_a), (at_b, cap_b)) in enumerate(zip(stages, stages[1:]), start=1):
         if at_b <= at_a:
             return f"{key}[{k}].at_step: {at_b} is not after the previous stage's {at_a}"
