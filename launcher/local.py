@@ -294,8 +294,9 @@ class _Progress:
             self._started()
         for rec in records[self.seen:]:
             self.bar.set_postfix_str(
-                f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f} "
-                f"step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
+                f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f}"
+                + (f"/{rec['max_new_tokens']}" if rec.get("max_new_tokens") is not None else "")
+                + f" step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
                 f"switches {self.switches}", refresh=False)
             self.bar.update(1)
         self.seen = len(records)

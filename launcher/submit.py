@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_render)
 
     p = subparsers.add_parser(
-        "status", help="plan, pool, step and last decision of a job (all jobs without JOB)",
+        "status", help="plan, pool, step, the last step's reward and lengths, and last decision of a job "
+                       "(all jobs without JOB)",
         description="Ask a job's nereusd (over its CURVE-secured control plane) for its step, plan, pool and last "
                     "decision; when it is not running, print the run's summary. JOB is a Slurm job id submitted "
                     "from this account or a run directory (a local run's too). Without JOB, list the jobs "
@@ -289,6 +290,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         for node, agent in sorted(live["pool"].items()):
             where = f" (allocation {agent['slurm_job_id']})" if agent.get("slurm_job_id") else ""
             print(f"  node {node}: devices {agent['devices']}{where}")
+        step = live.get("last_metrics") or {}
+        if step.get("response_length_mean") is not None:
+            cap = f" (cap {step['max_new_tokens']})" if step.get("max_new_tokens") is not None else ""
+            print(f"last step: reward {step['reward_mean']:.2f}, response length {step['response_length_mean']:.1f} "
+                  f"mean, {step.get('response_length_max')} longest{cap}, {step['step_latency_s']:.1f} s")
         if live["last_decision"]:
             print(f"last decision: {live['last_decision']['reason']} -> {live['last_decision']['verdict']}")
     elif ended:

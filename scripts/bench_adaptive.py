@@ -197,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pool-step: expected 1..{args.steps - 1} (below --steps), got {args.pool_step}")
     if args.launch_length is None and not args.curriculum:
         args.launch_length = 40
-    if args.launch_length is not None and args.launch_length < 1:
-        parser.error(f"--launch-length: expected at least 1 token, got {args.launch_length}")
+    cap = yaml.safe_load(DEMO.read_text())["rollout"]["max_new_tokens"]
+    if args.launch_length is not None and not 1 <= args.launch_length <= cap:
+        parser.error(f"--launch-length: expected 1..{cap} tokens (the demo's max_new_tokens), got {args.launch_length}")
     if args.curriculum:
-        problem = curriculum_error(args.curriculum, yaml.safe_load(DEMO.read_text())["rollout"]["max_new_tokens"],
-                                   "--curriculum", "the demo's max_new_tokens", args.steps)
+        problem = curriculum_error(args.curriculum, cap, "--curriculum", "the demo's max_new_tokens", args.steps)
         if problem:
             parser.error(problem)
     if args.checkpoint_every < 0:

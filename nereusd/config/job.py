@@ -491,6 +491,14 @@ class JobConfig(_Strict):
             raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _launch_length_is_a_response_length(self) -> "JobConfig":
+        launch = self.adaptation.launch_response_length
+        if launch is not None and launch > self.rollout.max_new_tokens:
+            raise ValueError(f"adaptation.launch_response_length: {launch} exceeds rollout.max_new_tokens="
+                             f"{self.rollout.max_new_tokens}: no response is longer, so no plan needs to hold it")
+        return self
+
     def launch_response_length(self, step: int = 0) -> int:
         """The response length (tokens) a launch plan for a job starting at ``step`` (0, or the
         checkpoint a resume plans afresh from) is chosen for: ``adaptation.launch_response_length``,

@@ -162,7 +162,8 @@ class PoolController:
         """
         self.step = record.step
         self.last_metrics = {"reward_mean": record.reward_mean, "response_length_mean": record.response_length_mean,
-                             "step_latency_s": record.step_latency_s}
+                             "response_length_max": record.response_length_max,
+                             "max_new_tokens": record.max_new_tokens, "step_latency_s": record.step_latency_s}
         if self.control is not None:
             self.control.poll(0)  # handle queued events (signals, watcher) before deciding
         if self.preempt_reason:

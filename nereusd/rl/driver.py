@@ -332,6 +332,7 @@ class RLDriver:
             model_stage_s={ModelStage.parse(k): v for k, v in self._ms_s.items()},
             reward_mean=float(np.mean(batch.scores)), response_length_mean=float(np.mean(lengths)),
             response_length_max=int(max(lengths)), tokens_per_s=float(sum(lengths) / latency),
+            max_new_tokens=self.cfg.rollout.max_new_tokens_at(self.step_index),
             peak_memory_bytes=dict(self._peaks), plan=self.plan, sample_position=rollout.position,
             policy_version=rollout.policy_version, staleness=self.step_index - rollout.policy_version,
             train_metrics=train_metrics, weight_sync=dict(self._weight_sync),

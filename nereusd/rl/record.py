@@ -21,6 +21,8 @@ class StepRecord:
             the step's tasks of that model-stage).
         reward_mean: mean score of the step's responses.
         response_length_mean, response_length_max: generated tokens per response.
+        max_new_tokens: the cap of the step's responses (its stage's, under
+            ``rollout.max_new_tokens_schedule``; ``None`` in records made without one).
         tokens_per_s: generated tokens over the step's wall time.
         peak_memory_bytes: measured peak bytes per device (every model-stage resident on it).
         plan: the plan the step ran under.
@@ -52,6 +54,7 @@ class StepRecord:
     evaluation ran: ``evaluation.every_steps``)."""
     eval_s: float | None = None
     """Wall time of that evaluation (not part of ``step_latency_s``)."""
+    max_new_tokens: int | None = None
     weight_sync: Mapping[str, float] = field(default_factory=dict)
     """The generation engines' side of the weight synchronisation (vLLM): ``engine_load_s``
     (slowest device) and ``engine_bytes`` (all devices); empty without an engine."""
@@ -70,6 +73,8 @@ class StepRecord:
             **{f"train/{k}": v for k, v in self.train_metrics.items()},
             **{f"weight_sync/{k}": v for k, v in self.weight_sync.items()},
         }
+        if self.max_new_tokens is not None:
+            out["max_new_tokens"] = self.max_new_tokens
         if self.greedy_reward_mean is not None:
             out["greedy_reward_mean"] = self.greedy_reward_mean
         if self.eval_pass_at_1 is not None:

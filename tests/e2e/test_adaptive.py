@@ -148,6 +148,7 @@ def test_a_length_curriculum_caps_each_stage_and_the_controller_plans_for_the_ne
     records = read_jsonl(run_dir / "metrics.jsonl")
     longest = [r["response_length_max"] for r in records]
     assert [r["step"] for r in records] == list(range(5))
+    assert [r["max_new_tokens"] for r in records] == [6, 6, 6, 24, 24]   # each step's cap, on record
     assert longest[:3] == [6, 6, 6] and all(x <= 24 for x in longest[3:]) and max(longest[3:]) > 6, longest
     events = read_jsonl(run_dir / "events.jsonl")
     launch = next(e for e in events if e["event"] == "launch_plan")

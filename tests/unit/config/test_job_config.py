@@ -326,3 +326,6 @@ def test_each_step_is_capped_by_its_stage_and_the_launch_plans_for_step_0(tmp_pa
     path.write_text("rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule: [{at_step: 0, max_new_tokens: 8}]\n"
                     "adaptation: {launch_response_length: 12}\n")
     assert load_job(path).launch_response_length() == 12
+    path.write_text("rollout:\n  max_new_tokens: 32\nadaptation: {launch_response_length: 33}\n")
+    with pytest.raises(ConfigError, match=r"adaptation.launch_response_length: 33 exceeds rollout.max_new_tokens=32"):
+        load_job(path)

@@ -43,7 +43,8 @@ def test_rounds_rotate_the_first_policy_and_report_each_ones_median_run(monkeypa
     (["--policies", ","], "--policies: expected at least one of"),
     (["--steps", "0"], "--steps: expected at least 1"),
     (["--pool-step", "30"], "--pool-step: expected 1..29 (below --steps)"),
-    (["--launch-length", "0"], "--launch-length: expected at least 1 token"),
+    (["--launch-length", "0"], "--launch-length: expected 1..96 tokens (the demo's max_new_tokens), got 0"),
+    (["--launch-length", "97"], "--launch-length: expected 1..96 tokens"),   # the job would refuse it
     (["--checkpoint-every", "-1"], "--checkpoint-every: expected 0 or more"),
 ])
 def test_bad_arguments_are_refused_before_any_job_or_directory(tmp_path, capsys, args, says):

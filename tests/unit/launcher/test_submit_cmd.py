@@ -66,7 +66,14 @@ def test_status_of_a_running_job_says_how_many_steps_are_done(tmp_path, capsys, 
     assert "no step done yet of 20 (running); plan: not formed yet" in out and "None" not in out, out
     live.update(step=4, plan={"actor/training": {"tp": 2, "pp": 1, "dp": 2}})
     assert main(["status", str(tmp_path)]) == 0
-    assert "5 steps done (last: step 4) of 20 (running); plan: actor/training tp2 pp1 dp2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "5 steps done (last: step 4) of 20 (running); plan: actor/training tp2 pp1 dp2" in out
+    assert "last step" not in out, out   # nereusd has no step's metrics to give
+    live["last_metrics"] = {"reward_mean": 0.25, "response_length_mean": 11.5, "response_length_max": 24,
+                            "max_new_tokens": 24, "step_latency_s": 1.25}
+    assert main(["status", str(tmp_path)]) == 0
+    assert ("last step: reward 0.25, response length 11.5 mean, 24 longest (cap 24), 1.2 s"
+            in capsys.readouterr().out)
 
 
 def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
