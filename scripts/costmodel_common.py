@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nereusd.config.site import SiteConfig  # noqa: E402
-from nereusd.cost.calibration import Calibration  # noqa: E402
+from nereusd.cost.calibration import RIDGE, Calibration  # noqa: E402
 from nereusd.cost.model import CostModel, StageCost  # noqa: E402
 from nereusd.models import ModelSpec  # noqa: E402
 
@@ -53,12 +53,13 @@ def max_abs_error(predicted: Sequence[float], measured: Sequence[float]) -> floa
 
 
 def calibrate_with(site: SiteConfig, spec: ModelSpec, samples: Iterable[tuple[object, float]],
-                   predict: Callable[[CostModel, ModelSpec, object], StageCost], rounds: int = 1) -> Calibration:
+                   predict: Callable[[CostModel, ModelSpec, object], StageCost], rounds: int = 1,
+                   ridge: float = RIDGE) -> Calibration:
     """A fresh :class:`Calibration` fed ``(layout, measured_s)`` samples through
     :meth:`Calibration.observe_stage` with ``predict``'s ideal seconds, as nereusd feeds it
     measured stage times; ``rounds`` passes over the samples (a daemon sees the same layout step
-    after step)."""
-    cal = Calibration()
+    after step); ``ridge``: its least-squares fit's pull toward the anchors (nereusd's default)."""
+    cal = Calibration(ridge=ridge)
     samples = list(samples)
     for _ in range(rounds):
         for layout, measured_s in samples:

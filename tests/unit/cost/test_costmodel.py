@@ -140,6 +140,24 @@ def test_fit_recovers_efficiencies_of_exact_data():
     assert fit_efficiencies(fast, PRIORS, ridge=1e-9)["gemm"] == pytest.approx(1.5)
 
 
+def test_the_calibration_fits_with_its_own_ridge():
+    """``Calibration(ridge=…)`` is the pull its least-squares fit uses (``bench_costmodel.py``
+    reports a weak one beside the controller's): on exact data of two separable classes a weak
+    pull recovers both efficiencies, the default one stays nearer the anchors."""
+    true = {"gemm": 0.9, "all_reduce_intra": 0.2}
+    ideals = [{"gemm": 1.0, "all_reduce_intra": 0.5}, {"gemm": 2.0, "all_reduce_intra": 0.1},
+              {"gemm": 0.5, "all_reduce_intra": 1.0}]
+
+    def learned(cal: Calibration) -> dict[str, float]:
+        for ideal in ideals * 3:
+            cal.observe_stage(ideal, sum(s / true[c] for c, s in ideal.items()))
+        return {c: cal.efficiency(c) for c in true}
+
+    weak, default = learned(Calibration(ridge=1e-9)), learned(Calibration())
+    assert weak == pytest.approx(true, rel=1e-3)
+    assert abs(default["gemm"] - true["gemm"]) > 10 * abs(weak["gemm"] - true["gemm"]), (default, weak)
+
+
 def test_collective_latency_is_calibrated_apart_from_bandwidth():
     """A machine whose collectives pay much more per call than the site's α (gloo) but move
     bytes at about the site's bandwidth: per-call latency and bytes are separate classes, so a
