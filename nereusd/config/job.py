@@ -128,13 +128,13 @@ def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | No
         if cap_b < cap_a:
             return (f"{key}[{k}].max_new_tokens: {cap_b} is below the previous stage's {cap_a} (a curriculum "
                     "only raises the cap)")
-    low = min(cap for _, cap in stages)
-    if low < 1:
-        return f"{key}: a stage's max_new_tokens {low} is below 1"
-    top = max(cap for _, cap in stages)
-    if max_new_tokens is not None and top > max_new_tokens:
-        return f"{key}: a stage's max_new_tokens {top} exceeds {max_key} {max_new_tokens}, which sizes the engines " \
-               "and the context"
+    low = min(range(len(stages)), key=lambda k: stages[k][1])
+    if stages[low][1] < 1:
+        return f"{key}[{low}].max_new_tokens: {stages[low][1]} is below 1"
+    over = next((k for k, (_, cap) in enumerate(stages) if max_new_tokens is not None and cap > max_new_tokens), None)
+    if over is not None:
+        return f"{key}[{over}].max_new_tokens: {stages[over][1]} exceeds {max_key} {max_new_tokens}, which sizes " \
+               "the engines and the context"
     return None
 
 

@@ -296,8 +296,8 @@ def test_an_integer_past_pythons_digit_limit_is_a_one_line_error(tmp_path):
      r"^job.yaml: rollout.max_new_tokens_schedule\[1\].at_step: 0 is not after the previous stage's 0$"),
     ("[{at_step: 0, max_new_tokens: 16}, {at_step: 5, max_new_tokens: 8}]",
      r"^job.yaml: rollout.max_new_tokens_schedule\[1\].max_new_tokens: 8 is below the previous stage's 16"),
-    ("[{at_step: 0, max_new_tokens: 64}]", r"^job.yaml: rollout.max_new_tokens_schedule: a stage's max_new_tokens 64 "
-                                           r"exceeds rollout.max_new_tokens 32"),
+    ("[{at_step: 0, max_new_tokens: 8}, {at_step: 5, max_new_tokens: 40}, {at_step: 9, max_new_tokens: 64}]",
+     r"^job.yaml: rollout.max_new_tokens_schedule\[1\].max_new_tokens: 40 exceeds rollout.max_new_tokens 32"),
     ("[{at_step: 0, max_new_tokens: 0}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].max_new_tokens: Input "
                                           r"should be greater than or equal to 1, got 0$"),
     ("[{at_step: 0}]", r"^job.yaml: rollout.max_new_tokens_schedule\[0\].max_new_tokens: required key is missing$"),
