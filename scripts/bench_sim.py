@@ -1,13 +1,15 @@
 """Benchmark the adaptation policies in the cluster-scale simulator against fair baselines (issue 16).
 
-    .venv/bin/python scripts/bench_sim.py [--steps 1000] [--jobs 2] [--quick] [--gamma] [--truth measured]
+    .venv/bin/python scripts/bench_sim.py [--steps 1000] [--jobs 2] [--quick] [--gamma] [--truth measured] [--seeds N]
 
 The ground truth is :mod:`nereusd.sim.measured` (formulas of its own from published figures, not
 the controller's cost model); ``--truth efficiency`` runs the cost model with hidden efficiencies
 (:mod:`nereusd.sim.truth`) instead.
 
-Llama-3.1-8B PPO (global batch 1,024, prompts of 512 tokens), 1,000 steps, seed 0, in these
-scenarios (each a row of the summary):
+Llama-3.1-8B PPO (global batch 1,024, prompts of 512 tokens), 1,000 steps, seed 0 (``--seeds N``:
+seeds 0 … N−1 of the ground truth and of the generated ramp, each policy's runs pooled into one
+row, with the range of nereus's figure over the seeds beside it), in these scenarios (each a row
+of the summary):
 
 - the *generated* long-CoT ramp (500 → 8,000 tokens, labelled generated) with the ``us-east-2b``
   spot pool on the H200 site at 64, 256 and 1,024 GPUs;
@@ -55,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nereusd.cost.memory import HEADROOM  # noqa: E402
 from nereusd.sim.policies import parse_policies  # noqa: E402
+from nereusd.sim.replay import PolicyResult  # noqa: E402
 from nereusd.sim.report import format_table, summary  # noqa: E402
 from nereusd.sim.scenario import Scenario, build, run_policies  # noqa: E402
 from nereusd.sim.truth import TRUTH_KINDS, TruthConfig  # noqa: E402
@@ -96,21 +99,38 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-def run_case(case: Case, steps: int, policies: str, jobs: int, kind: str) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Run ``case`` and print its table; the summary rows by policy, and the same with the
-    captured share measured against the other oracle in ``policies`` (:data:`MARGIN_ORACLE`)."""
-    start, cpu = time.perf_counter(), time.process_time()
-    sim, meta = build(Scenario(steps=steps, **case.scenario), TruthConfig(**case.truth, kind=kind))
-    results = run_policies(sim, parse_policies(policies), jobs=jobs)
-    rows = summary(results)
-    gen = " [GENERATED]" if meta["length_generated"] else ""
-    truth = f", {kind} truth" + (f" {case.truth}" if case.truth else "")
-    print(f"\n== {case.label}: {meta['gpus']} x {meta['site']}, lengths {meta['length_trace']}{gen}, pool "
-          f"{meta['pool_trace']}, {steps} steps{truth} (wall {time.perf_counter() - start:.1f} s, main-process CPU "
-          f"{time.process_time() - cpu:.1f} s)")
-    print(format_table(rows), flush=True)
-    return {r["policy"]: r for r in rows}, {r["policy"]: r for r in summary([r for r in results
-                                                                           if r.policy.name != "oracle"])}
+def run_case(case: Case, steps: int, policies: str, jobs: int, kind: str,
+             seeds: int = 1) -> tuple[dict[str, dict], dict[str, dict], list[float]]:
+    """Run ``case`` under seeds ``0 … seeds−1`` (of the ground truth and of a generated ramp) and
+    print each run's table, then, with several seeds, the table of each policy's runs pooled
+    (:meth:`PolicyResult.pooled`). Returns the summary rows by policy, the same with the captured
+    share measured against the other oracle in ``policies`` (:data:`MARGIN_ORACLE`), and nereus's
+    ``vs_best_frozen_pct`` of each seed."""
+    runs: dict[str, list[PolicyResult]] = {}
+    per_seed: list[float] = []
+    for seed in range(seeds):
+        start, cpu = time.perf_counter(), time.process_time()
+        sim, meta = build(Scenario(steps=steps, seed=seed, **case.scenario), TruthConfig(**case.truth, kind=kind,
+                                                                                         seed=seed))
+        results = run_policies(sim, parse_policies(policies), jobs=jobs)
+        rows = summary(results)
+        gen = " [GENERATED]" if meta["length_generated"] else ""
+        truth = f", {kind} truth" + (f" {case.truth}" if case.truth else "")
+        print(f"\n== {case.label}: {meta['gpus']} x {meta['site']}, lengths {meta['length_trace']}{gen}, pool "
+              f"{meta['pool_trace']}, {steps} steps{truth}, seed {seed} (wall {time.perf_counter() - start:.1f} s, "
+              f"main-process CPU {time.process_time() - cpu:.1f} s)")
+        print(format_table(rows), flush=True)
+        per_seed += [r["vs_best_frozen_pct"] for r in rows if r["policy"] == "nereus"]
+        for r in results:
+            runs.setdefault(r.policy.name, []).append(r)
+    pooled = [PolicyResult.pooled(rs) for rs in runs.values()]
+    rows = summary(pooled)
+    if seeds > 1:
+        print(f"\n== {case.label}: seeds 0–{seeds - 1} pooled (each policy's mean step over the {seeds} runs)")
+        print(format_table(rows), flush=True)
+    return ({r["policy"]: r for r in rows}, {r["policy"]: r for r in summary([r for r in pooled
+                                                                            if r.policy.name != "oracle"])},
+            per_seed)
 
 
 def main() -> int:
@@ -119,6 +139,10 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2, help="worker processes per scenario (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="200 steps, a third of the 64-GPU scenarios")
     parser.add_argument("--gamma", action="store_true", help="also γ ∈ {0, 0.25, 0.5, 1} on the ramp at 64 GPUs")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="run every scenario under seeds 0..N-1 of the ground truth (its noise, stragglers, "
+                        "contention) and of the generated ramp, and report each policy's runs pooled "
+                        "(default: %(default)s, seed 0)")
     parser.add_argument("--truth", choices=TRUTH_KINDS, default="measured",
                         help="ground truth (nereusd/sim/measured.py, or efficiency: the cost model with hidden "
                         "efficiencies, nereusd/sim/truth.py)")
@@ -127,11 +151,13 @@ def main() -> int:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
     if args.jobs < 1:
         parser.error(f"--jobs: expected at least 1 worker process, got {args.jobs}")
+    if args.seeds < 1:
+        parser.error(f"--seeds: expected at least 1, got {args.seeds}")
     steps = 200 if args.quick else args.steps
     t0 = time.perf_counter()
     results = []
     for case in cases(args.quick):
-        rows, within_margin = run_case(case, steps, POLICIES, args.jobs, args.truth)
+        rows, within_margin, per_seed = run_case(case, steps, POLICIES, args.jobs, args.truth, args.seeds)
         n, g, m = rows["nereus"], rows["greedy"], within_margin["nereus"]
         results.append({"case": case, "vs_frozen": n["vs_best_frozen_pct"], "headroom": n["oracle_headroom_pct"],
                         "captured": n["captured_pct"],
@@ -139,21 +165,25 @@ def main() -> int:
                         "vs_greedy": 100.0 * (n["mean_step_s"] / g["mean_step_s"] - 1),
                         "share": n["transition_share_pct"], "switches": n["switches"],
                         "pool_share": n["pool_transition_share_pct"], "engine_share": n["engine_start_share_pct"],
-                        "frozen_share": min(rows[f]["transition_share_pct"] for f in ("frozen-start", "frozen-final"))})
+                        "frozen_share": min(rows[f]["transition_share_pct"] for f in ("frozen-start", "frozen-final")),
+                        "per_seed": per_seed})
     if args.gamma:
         print("\n== gamma sensitivity")
         run_case(Case("ramp, H200, 64", dict(gpus=64, length_trace="generated-ramp", pool_trace="us-east-2b")),
-                 steps, GAMMAS, args.jobs, args.truth)
+                 steps, GAMMAS, args.jobs, args.truth, args.seeds)
     print("\n== summary (nereus; % of mean step latency; captured: share of the oracle's headroom over the better "
           "frozen baseline)")
     width = max(len(r["case"].label) for r in results)
-    print(f"{'scenario'.ljust(width)}  vs best frozen  oracle headroom  captured  of {MARGIN_ORACLE}'s  vs greedy  "
-          "switches  transition share  at pool changes  frozen's (lower)")
+    spread = args.seeds > 1
+    print(f"{'scenario'.ljust(width)}  vs best frozen  " + ("seeds' range    " if spread else "")
+          + f"oracle headroom  captured  of {MARGIN_ORACLE}'s  vs greedy  switches  transition share  at pool "
+          "changes  frozen's (lower)")
     for r in results:
         captured = "" if r["captured"] is None else f"{r['captured']:.0f} %"
         margin = "" if r["captured_margin"] is None else f"{r['captured_margin']:.0f} %"
-        print(f"{r['case'].label.ljust(width)}  {r['vs_frozen']:+13.1f}  {r['headroom']:14.1f}  {captured:>8}  "
-              f"{margin:>{len(MARGIN_ORACLE) + 5}}  "
+        low_high = f"{min(r['per_seed']):+.1f} to {max(r['per_seed']):+.1f}" if spread else ""
+        print(f"{r['case'].label.ljust(width)}  {r['vs_frozen']:+13.1f}  " + (f"{low_high:>14}  " if spread else "")
+              + f"{r['headroom']:14.1f}  {captured:>8}  {margin:>{len(MARGIN_ORACLE) + 5}}  "
               f"{r['vs_greedy']:+9.1f}  {r['switches']:8d}  {r['share']:15.3f} %  {r['pool_share']:13.3f} %"
               f"  {r['frozen_share']:12.3f} %")
     print(f"bench wall time {time.perf_counter() - t0:.0f} s")

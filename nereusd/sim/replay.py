@@ -99,6 +99,24 @@ class PolicyResult:
     def _sum(self, name: str) -> float:
         return sum(getattr(r, name) for r in self.records)
 
+    @classmethod
+    def pooled(cls, runs: Sequence["PolicyResult"]) -> "PolicyResult":
+        """One policy's runs of one scenario under several seeds, as one run of all their steps:
+        its mean step is the mean over the runs (of equal ``steps``), its shares are of the summed
+        seconds (``scripts/bench_sim.py --seeds``; one seed's steps, transitions and restarts can
+        flatter or wrong a policy by several percent).
+
+        Raises:
+            ValueError: without runs, or runs of different policies.
+        """
+        if not runs or any(r.policy != runs[0].policy for r in runs):
+            raise ValueError(f"pooled: expected runs of one policy, got {[r.policy.name for r in runs]}")
+        plans = list(dict.fromkeys(p for r in runs for p in r.plans))
+        index = {p: k for k, p in enumerate(plans)}
+        records = [replace(x, plan_id=index[r.plans[x.plan_id]]) for r in runs for x in r.records]
+        return cls(runs[0].policy, sum(r.steps for r in runs), records, plans,
+                   [d for r in runs for d in r.decisions], {k: v for r in runs for k, v in r.layouts.items()})
+
     @property
     def total_s(self) -> float:
         return sum(r.step_s + r.lost_s + r.transition_s + r.restart_s + r.stall_s for r in self.records)

@@ -32,6 +32,7 @@ BAD = [
     ("bench_adaptive", ["--curriculum", "0:48,10:24"], "--curriculum"),
     ("bench_adaptive", ["--curriculum", "0:24,10:500"], "--curriculum"),
     ("bench_adaptive", ["--curriculum", "0:24,30:48"], "--curriculum"),   # not below --steps 30
+    ("bench_sim", ["--seeds", "0"], "--seeds"),
 ]
 
 

@@ -475,3 +475,31 @@ def test_a_length_curriculum_cuts_the_trace_and_the_controller_plans_for_each_st
     check_books(res)
     assert res.oom_events == 0
     assert sim.response_cap(19) == 300 and sim.response_cap(20) == 1200
+
+
+def test_runs_of_one_policy_under_several_seeds_pool_into_one():
+    """``PolicyResult.pooled`` (``bench_sim.py --seeds``): the pooled mean step is the mean of the
+    runs' mean steps, seconds and switches add up, and every record still names its own plan."""
+    from nereusd.sim.replay import PolicyResult
+    from nereusd.sim.report import summary
+
+    lengths = load_length_trace("generated-ramp:256:1024", 12)
+    runs = {name: [Simulation(small_problem(), lengths, CONSTANT, 12,
+                              dataclasses.replace(QUIET, seed=seed, noise_sigma=0.05)).run(parse_policy(name))
+                   for seed in (0, 1)] for name in ("frozen-final", "nereus", "oracle")}
+    pooled = {name: PolicyResult.pooled(rs) for name, rs in runs.items()}
+    for name, rs in runs.items():
+        p = pooled[name]
+        assert p.steps == 24 and len(p.records) == sum(len(r.records) for r in rs)
+        assert p.mean_step_s == pytest.approx(sum(r.mean_step_s for r in rs) / 2)
+        assert p.total_s == pytest.approx(sum(r.total_s for r in rs))
+        assert p.switches == sum(r.switches for r in rs)
+        assert [p.plans[x.plan_id] for x in p.records] == [r.plans[x.plan_id] for r in rs for x in r.records]
+    assert runs["nereus"][0].mean_step_s != runs["nereus"][1].mean_step_s   # the seed matters
+    rows = {r["policy"]: r for r in summary(list(pooled.values()))}
+    best = pooled["frozen-final"].mean_step_s
+    assert rows["nereus"]["vs_best_frozen_pct"] == pytest.approx(100 * (pooled["nereus"].mean_step_s / best - 1))
+    with pytest.raises(ValueError, match="runs of one policy"):
+        PolicyResult.pooled([runs["nereus"][0], runs["oracle"][0]])
+    with pytest.raises(ValueError, match="runs of one policy"):
+        PolicyResult.pooled([])
