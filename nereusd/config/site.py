@@ -88,6 +88,13 @@ class NetworkSpec:
     """Per-message latency inside a node, microseconds (α of the α-β model)."""
     inter_node_latency_us: float = 10.0
     """Per-message latency across nodes, microseconds."""
+    intra_node_latency_growth: float = 1.0
+    """What each doubling of a group inside a node adds to a small all-reduce's latency, as a
+    share of the 2-rank latency (:func:`nereusd.cost.formulas.ring_collective_parts`): 1 is
+    Rabenseifner's ``2⌈log2 n⌉·α``; measure it with nccl-tests' ``all_reduce_perf -b 8 -e 8`` on
+    2, 4 and 8 GPUs of a node, ``(t8 − t2) / (2·t2)``."""
+    inter_node_latency_growth: float = 1.0
+    """The same across nodes (``all_reduce_perf`` over 2, 4, 8 … nodes, one GPU each)."""
     communicator_setup_s: float = 0.5
     """Seconds to create one new communicator (NCCL/RCCL/gloo group), used by transitions."""
 
@@ -433,7 +440,8 @@ _MAXIMUM = {
     SiteConfig: {"nodes": 1e6, "devices_per_node": 1e4},
     DeviceSpec: {"memory_gib": 1e6, "hbm_gbps": 1e7, "layer_launch_us": 1e7, "host_cores": 1e5},
     NetworkSpec: {"intra_node_gbps": 1e7, "inter_node_gbps": 1e7, "intra_node_latency_us": 1e7,
-                  "inter_node_latency_us": 1e7, "communicator_setup_s": 1e4},
+                  "inter_node_latency_us": 1e7, "communicator_setup_s": 1e4, "intra_node_latency_growth": 10.0,
+                  "inter_node_latency_growth": 10.0},
     LivenessSpec: {"worker_stall_s": 1e7, "resume_grace_s": 1e7, "straggler_factor": 1e6, "straggler_min_s": 1e7,
                    "task_max_s": 1e7},
 }
@@ -446,7 +454,8 @@ _MINIMUM = {
 }
 """Lower bounds far below any real value (a KiB device, a MB/s link) for the keys the cost model
 divides by: ``hbm_gbps: 1e-300`` priced a step at 1e296 s and ``simulate`` grew to 17 GB."""
-_NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s"),
+_NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s",
+                              "intra_node_latency_growth", "inter_node_latency_growth"),
                  DeviceSpec: ("layer_launch_us", "host_cores")}
 
 

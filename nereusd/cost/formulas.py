@@ -18,7 +18,8 @@ gradient, master copy, ``m`` and ``v``, each read and written."""
 _RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 
 
-def ring_collective_s(collective: str, nbytes, ranks, bandwidth_bytes_per_s: float, latency_s: float):
+def ring_collective_s(collective: str, nbytes, ranks, bandwidth_bytes_per_s: float, latency_s: float,
+                      latency_growth: float = 1.0):
     """Seconds of a ``collective`` of ``nbytes`` per rank over ``ranks`` ranks: the ring's
     bandwidth term and the logarithmic latency term of :func:`ring_collective_parts`.
 
@@ -28,11 +29,13 @@ def ring_collective_s(collective: str, nbytes, ranks, bandwidth_bytes_per_s: flo
     Raises:
         KeyError: for another collective.
     """
-    bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, ranks, bandwidth_bytes_per_s, latency_s)
+    bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, ranks, bandwidth_bytes_per_s, latency_s,
+                                                    latency_growth)
     return bandwidth_s + per_call_s
 
 
-def ring_collective_parts(collective: str, nbytes, ranks, bandwidth_bytes_per_s: float, latency_s: float):
+def ring_collective_parts(collective: str, nbytes, ranks, bandwidth_bytes_per_s: float, latency_s: float,
+                          latency_growth: float = 1.0):
     """The two terms ``(bytes over bandwidth, per-call latency)`` of a collective, which the cost
     model calibrates as separate classes (the α–β model; on gloo the per-call term is ~5 ms
     whatever the size).
@@ -45,10 +48,20 @@ def ring_collective_parts(collective: str, nbytes, ranks, bandwidth_bytes_per_s:
     MPICH", IJHPCA 2005, §4; NCCL's trees and NVLink SHARP likewise grow with ``log n`` or not
     at all). The ring's own ``2(n−1)·α`` made a TP-8 decode step's 64 small all-reduces cost 14 α
     each, so a controller calibrated at TP 4 judged TP 2 better than a log-latency truth does
-    (:mod:`nereusd.sim.measured`). Equal to the ring's at two ranks. Scalars or numpy arrays."""
+    (:mod:`nereusd.sim.measured`). Equal to the ring's at two ranks. Scalars or numpy arrays.
+
+    ``latency_growth`` ``g`` (the site's ``*_latency_growth``, measured: nccl-tests'
+    ``all_reduce_perf`` at a few bytes over 2, 4 and 8 ranks) is what each doubling of the group
+    adds to the 2-rank latency, as a share of it: per call ``factor·α·(1 + g·(⌈log2 n⌉ − 1))``.
+    ``g = 1`` is Rabenseifner's ``factor·⌈log2 n⌉·α``; a library whose small collectives run in
+    one tree or one NVLink SHARP pass grows less. Calibration scales ``α`` from the group sizes a
+    job runs; ``g`` is what carries it to the sizes it has not run: with ``g = 1`` a controller
+    calibrated on TP-4 engines priced a TP-8 decode step's 64 all-reduces 1.1 s dearer than TP 4,
+    and kept generating at TP 4 where TP 8 ran 13 % faster (``scripts/bench_sim.py --seeds``,
+    2026-12-06)."""
     factor = _RING_FACTOR[collective]
     steps = np.ceil(np.log2(np.maximum(ranks, 1)))
-    per_call = factor * steps * latency_s
+    per_call = factor * np.where(steps > 0, 1.0 + latency_growth * (steps - 1.0), 0.0) * latency_s
     return factor * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s, (
         float(per_call) if np.ndim(per_call) == 0 else per_call)
 

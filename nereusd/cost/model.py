@@ -143,6 +143,12 @@ class CostModel:
             return "inter", net.inter_node_gbps * 1e9, net.inter_node_latency_us * 1e-6
         return "intra", net.intra_node_gbps * 1e9, net.intra_node_latency_us * 1e-6
 
+    def latency_growth(self, link: str) -> float:
+        """The site's measured growth of a small collective's latency with the group on ``link``
+        (``"intra"`` or ``"inter"``; :func:`~nereusd.cost.formulas.ring_collective_parts`)."""
+        net = self.site.network
+        return net.inter_node_latency_growth if link == "inter" else net.intra_node_latency_growth
+
     def spans_nodes(self, devices: int) -> bool:
         """Whether a packed group of ``devices`` consecutive devices crosses a node boundary."""
         return devices > self.site.devices_per_node
@@ -154,7 +160,7 @@ class CostModel:
         if n <= 1 or count <= 0:
             return
         link, bw, alpha = self.link(spans)
-        bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, n, bw, alpha)
+        bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, n, bw, alpha, self.latency_growth(link))
         acc.add(comm_class(collective, link), bandwidth_s * count)
         acc.add(latency_class(link), per_call_s * count)
 

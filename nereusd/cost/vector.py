@@ -96,7 +96,8 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
         spans = tp * pp * dp > dpn
         for flag, link in ((False, "intra"), (True, "inter")):
             _, bw, alpha = cm.link(flag)
-            bandwidth_s, per_call_s = ring_collective_parts("all_reduce", shard * e, dp, bw, alpha)
+            bandwidth_s, per_call_s = ring_collective_parts("all_reduce", shard * e, dp, bw, alpha,
+                                                            cm.latency_growth(link))
             acc.add(comm_class("all_reduce", link), np.where((spans == flag) & (dp > 1), bandwidth_s * minis, 0.0))
             acc.add(latency_class(link), np.where((spans == flag) & (dp > 1), per_call_s * minis, 0.0))
         for c, v in cm._optimizer_step(spec, tp, pp, 1, minis).ideal.items():   # dp 1: no DP all-reduce
@@ -147,7 +148,7 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, per_replica: np.ndarr
     nbytes = c * h * e / pp
     if tp > 1:
         link, bw, alpha = cm.link(cm.spans_nodes(tp))
-        bandwidth_s, per_call_s = ring_collective_parts("all_reduce", nbytes, tp, bw, alpha)
+        bandwidth_s, per_call_s = ring_collective_parts("all_reduce", nbytes, tp, bw, alpha, cm.latency_growth(link))
         acc.add(generation_class(comm_class("all_reduce", link)), bandwidth_s * (2 * spec.num_layers) * steps)
         acc.add(generation_class(latency_class(link)), per_call_s * (2 * spec.num_layers) * steps)
     if pp > 1:

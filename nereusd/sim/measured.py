@@ -253,7 +253,7 @@ class MeasuredTruth(GroundTruth):
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         f, bw = self._link(spans, contended)
-        return f.latency_s * (1 + math.log2(ranks)) / 2 + 2 * (ranks - 1) / ranks * nbytes / _bus(f, bw, nbytes)
+        return _all_reduce_latency_s(f, ranks) + 2 * (ranks - 1) / ranks * nbytes / _bus(f, bw, nbytes)
 
     def p2p_s(self, nbytes: float, spans: bool, contended: bool = False) -> float:
         """Seconds of one point-to-point message of ``nbytes``."""
@@ -460,6 +460,27 @@ def _slot_ends(lengths: np.ndarray, slots: int) -> np.ndarray:
     for x in lengths[slots:]:
         heapq.heapreplace(ends, ends[0] + float(x))
     return np.sort(np.asarray(ends))
+
+
+def _all_reduce_latency_s(f: LinkFigures, ranks: int) -> float:
+    """The latency term of an all-reduce over ``ranks`` ranks (:class:`LinkFigures`)."""
+    return f.latency_s * (1 + math.log2(ranks)) / 2
+
+
+PROBE_BYTES = 8.0
+"""The message of the latency probe (nccl-tests' ``all_reduce_perf -b 8 -e 8``)."""
+
+
+def probed_latency_growth(link: str, bandwidth_bytes_per_s: float) -> float:
+    """What an operator timing this truth's all-reduces of :data:`PROBE_BYTES` at 2 and 8 ranks on
+    ``link`` (``"intra"``, ``"inter"``; the site's ``bandwidth_bytes_per_s`` there) would write as
+    the site's ``*_latency_growth``, ``(t8 − t2)/(2·t2)`` (:class:`~nereusd.config.site.NetworkSpec`):
+    the measurement nccl-tests makes on a cluster, made here on the simulated one
+    (:func:`nereusd.sim.scenario.build`); :meth:`MeasuredTruth.all_reduce_s`'s formula."""
+    f = LINK_FIGURES[link]
+    t2, t8 = (_all_reduce_latency_s(f, n) + 2 * (n - 1) / n * PROBE_BYTES / _bus(f, bandwidth_bytes_per_s, PROBE_BYTES)
+              for n in (2, 8))
+    return (t8 - t2) / (2 * t2)
 
 
 def ground_truth(problem: PlanProblem, config: TruthConfig | None = None,

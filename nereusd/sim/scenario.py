@@ -7,6 +7,7 @@ processes (``jobs > 1``, fork start method) with identical results.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -20,6 +21,7 @@ from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
 from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.space import GENERATION_ENGINES, PlanProblem, generation_engines
+from nereusd.sim.measured import probed_latency_growth
 from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import PolicyResult, Simulation
 from nereusd.traces import LengthTrace, load_length_trace, load_pool_trace
@@ -83,6 +85,10 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
         raise ConfigError(f"--engine-rebuild-s {truth.engine_rebuild_s:g}: prices vLLM engine start-ups, but "
                           "generation is native here (add --generation vllm)")
     site = site.with_nodes(s.gpus // dpn)
+    if truth.kind == "measured":   # the operator's nccl-tests run on the simulated cluster
+        site = dataclasses.replace(site, network=dataclasses.replace(
+            site.network, intra_node_latency_growth=probed_latency_growth("intra", site.intra_node_gbps * 1e9),
+            inter_node_latency_growth=probed_latency_growth("inter", site.inter_node_gbps * 1e9)))
     spec = resolve_model(s.model)
     lengths = load_length_trace(s.length_trace, steps=s.steps, seed=s.seed)
     trace_steps = len(lengths.response_lengths)

@@ -27,6 +27,22 @@ def test_ring_collectives():
     assert p2p_parts(2e9, 1e9, 0.5) == (2.0, 0.5)
 
 
+def test_a_measured_latency_growth_carries_the_2_rank_latency_to_larger_groups():
+    """``latency_growth`` g: per call ``factor·α·(1 + g·(⌈log2 n⌉ − 1))``; g = 1 is Rabenseifner's
+    (the default), g = 0.5 a library whose 8-rank latency is twice its 2-rank one, as
+    ``(t8 − t2)/(2·t2)`` reads it back."""
+    bw, alpha = 1e9, 1e-5
+    for n in (1, 2, 3, 4, 8, 64):
+        assert ring_collective_parts("all_reduce", 1.0, n, bw, alpha, 1.0) == ring_collective_parts(
+            "all_reduce", 1.0, n, bw, alpha)
+    t = {n: ring_collective_parts("all_reduce", 1.0, n, bw, alpha, 0.5)[1] for n in (1, 2, 4, 8)}
+    assert t == pytest.approx({1: 0.0, 2: 2e-5, 4: 3e-5, 8: 4e-5})
+    assert (t[8] - t[2]) / (2 * t[2]) == pytest.approx(0.5)
+    assert ring_collective_parts("all_gather", 1.0, 8, bw, alpha, 0.0)[1] == pytest.approx(1e-5)   # flat: one pass
+    per_call = ring_collective_parts("all_reduce", 1.0, np.array([1, 2, 8]), bw, alpha, 0.5)[1]
+    assert per_call == pytest.approx([0.0, 2e-5, 4e-5])
+
+
 def test_terms_take_arrays_and_scalars_alike():
     ranks = np.array([1, 2, 4, 8])
     vec = ring_collective_s("all_reduce", 4096.0, ranks, 2e9, 1e-6)

@@ -149,3 +149,28 @@ def test_the_oracle_ranks_under_the_steps_contention():
     chosen = oracle.plan(1, length, pool, t)
     assert truth.rank_key(chosen, length, 1, True) == min(truth.rank_key(p, length, 1, True) for p in fitting)
     assert chosen != min(fitting, key=lambda p: truth.rank_key(p, length, 1, False))
+
+
+def test_the_simulated_site_carries_the_latency_growth_an_operator_would_measure():
+    """``build`` under the measured truth sets the site's ``*_latency_growth`` to what
+    nccl-tests would read on the simulated cluster, ``(t8 − t2)/(2·t2)`` of its small all-reduces
+    (the controller's model carries a calibrated α to group sizes the job has not run with it);
+    the ``efficiency`` truth, which is the cost model, keeps the site file's."""
+    from nereusd.sim.measured import probed_latency_growth
+    from nereusd.sim.scenario import Scenario, build
+
+    p = problem()
+    truth = ground_truth(p, MEASURED)
+    growth = {}
+    for link, spans, gbps in (("intra", False, p.site.intra_node_gbps), ("inter", True, p.site.inter_node_gbps)):
+        t2, t8 = (truth.all_reduce_s(8.0, n, spans=spans) for n in (2, 8))
+        growth[link] = probed_latency_growth(link, gbps * 1e9)
+        assert growth[link] == pytest.approx((t8 - t2) / (2 * t2), rel=1e-9)
+        assert 0.4 < growth[link] < 0.55   # NCCL's tree: an 8-rank call takes about twice a 2-rank one
+    scenario = Scenario(gpus=16, steps=4, length_trace="generated-ramp")
+    measured, _ = build(scenario, dataclasses.replace(MEASURED))
+    net = measured.problem.site.network
+    assert (net.intra_node_latency_growth, net.inter_node_latency_growth) == pytest.approx(
+        (growth["intra"], growth["inter"]))
+    modelled, _ = build(scenario, TruthConfig(kind="efficiency"))
+    assert modelled.problem.site.network.intra_node_latency_growth == load_site("h200-ib").network.intra_node_latency_growth
