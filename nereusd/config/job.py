@@ -128,8 +128,8 @@ def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | No
         if cap_b < cap_a:
             return (f"{key}[{k}].max_new_tokens: {cap_b} is below the previous stage's {cap_a} (a curriculum "
                     "only raises the cap)")
-    low = min(range(len(stages)), key=lambda k: stages[k][1])
-    if stages[low][1] < 1:
+    low = next((k for k, (_, cap) in enumerate(stages) if cap < 1), None)   # caps rise: the first, if any
+    if low is not None:
         return f"{key}[{low}].max_new_tokens: {stages[low][1]} is below 1"
     over = next((k for k, (_, cap) in enumerate(stages) if max_new_tokens is not None and cap > max_new_tokens), None)
     if over is not None:

@@ -253,7 +253,7 @@ class MeasuredTruth(GroundTruth):
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         f, bw = self._link(spans, contended)
-        return _all_reduce_latency_s(f, ranks) + 2 * (ranks - 1) / ranks * nbytes / _bus(f, bw, nbytes)
+        return _all_reduce_s(f, bw, nbytes, ranks)
 
     def p2p_s(self, nbytes: float, spans: bool, contended: bool = False) -> float:
         """Seconds of one point-to-point message of ``nbytes``."""
@@ -462,9 +462,11 @@ def _slot_ends(lengths: np.ndarray, slots: int) -> np.ndarray:
     return np.sort(np.asarray(ends))
 
 
-def _all_reduce_latency_s(f: LinkFigures, ranks: int) -> float:
-    """The latency term of an all-reduce over ``ranks`` ranks (:class:`LinkFigures`)."""
-    return f.latency_s * (1 + math.log2(ranks)) / 2
+def _all_reduce_s(f: LinkFigures, bandwidth_bytes_per_s: float, nbytes: float, ranks: int) -> float:
+    """Seconds of one all-reduce of ``nbytes`` over ``ranks`` ≥ 2 ranks (the :class:`LinkFigures`
+    formula, :meth:`MeasuredTruth.all_reduce_s`)."""
+    return (f.latency_s * (1 + math.log2(ranks)) / 2
+            + 2 * (ranks - 1) / ranks * nbytes / _bus(f, bandwidth_bytes_per_s, nbytes))
 
 
 PROBE_BYTES = 8.0
@@ -477,9 +479,7 @@ def probed_latency_growth(link: str, bandwidth_bytes_per_s: float) -> float:
     the site's ``*_latency_growth``, ``(t8 − t2)/(2·t2)`` (:class:`~nereusd.config.site.NetworkSpec`):
     the measurement nccl-tests makes on a cluster, made here on the simulated one
     (:func:`nereusd.sim.scenario.build`); :meth:`MeasuredTruth.all_reduce_s`'s formula."""
-    f = LINK_FIGURES[link]
-    t2, t8 = (_all_reduce_latency_s(f, n) + 2 * (n - 1) / n * PROBE_BYTES / _bus(f, bandwidth_bytes_per_s, PROBE_BYTES)
-              for n in (2, 8))
+    t2, t8 = (_all_reduce_s(LINK_FIGURES[link], bandwidth_bytes_per_s, PROBE_BYTES, n) for n in (2, 8))
     return (t8 - t2) / (2 * t2)
 
 
