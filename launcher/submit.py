@@ -305,10 +305,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cap_text(caps: list[float]) -> str:
+    """`` (cap 24)``, or `` (cap 8 → 24)`` where a length curriculum raised the cap."""
+    first, last = (int(c) for c in caps)
+    return f" (cap {last})" if first == last else f" (cap {first} → {last})"
+
+
 def _finished_lines(s: dict) -> str:
     """What ``status`` prints for a job that has ended, from its ``summary.json``: the outcome,
     and where the summary has them (each figure a finite number, else its line is left out),
-    reward, response length, held-out pass@1, switches and the final plan (``summarise_metrics``
+    reward, response length and its cap, held-out pass@1, switches and the final plan (``summarise_metrics``
     in ``nereusd/daemon/app.py`` writes them)."""
     def num(*keys: str) -> list[float] | None:
         values = [s.get(k) for k in keys]
@@ -320,10 +326,12 @@ def _finished_lines(s: dict) -> str:
              + (f" in {wall[0]:.0f} s" if wall else "") + (f": {s['error']}" if s.get("error") else "")]
     reward, best, length = (num("reward_first_10pct", "reward_last_10pct"), num("reward_best", "reward_best_step"),
                             num("response_length_first_10pct", "response_length_last_10pct"))
+    caps = num("max_new_tokens_first", "max_new_tokens_last")
     if reward:
         lines.append(f"reward {reward[0]:.2f} → {reward[1]:.2f}"
                      + (f" (best {best[0]:.2f} at step {best[1]:.0f})" if best else "")
-                     + (f"; response length {length[0]:.1f} → {length[1]:.1f} tokens" if length else ""))
+                     + (f"; response length {length[0]:.1f} → {length[1]:.1f} tokens" if length else "")
+                     + (_cap_text(caps) if length and caps else ""))
     passed = num("eval_pass_at_1_first", "eval_pass_at_1_last")
     if passed:
         lines.append(f"held-out pass@1 {passed[0]:.2f} → {passed[1]:.2f}")

@@ -429,7 +429,9 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
 def summarise_metrics(run_dir: Path, summary: dict) -> None:
     """Add the run's figures from ``metrics.jsonl`` to ``summary``: steps, reward and response
     length of the first and last 10 % of steps, the best step's mean reward and its step, mean
-    step latency, the final plan; and from ``events.jsonl``, when the job evaluates, the
+    step latency, the final plan, the first and last step's response cap (``max_new_tokens_first``
+    / ``_last``: a length curriculum raises it; absent from metrics written before the cap was
+    recorded); and from ``events.jsonl``, when the job evaluates, the
     held-out pass@1 of the first and the last evaluation (``eval_pass_at_1_first`` /
     ``_last``, ``eval_prompts``).
 
@@ -455,6 +457,9 @@ def summarise_metrics(run_dir: Path, summary: dict) -> None:
     )
     summary["response_length_growth"] = summary["response_length_last_10pct"] / max(
         summary["response_length_first_10pct"], 1e-9)
+    caps = [r.get("max_new_tokens") for r in (records[0], records[-1])]
+    if all(isinstance(c, int) for c in caps):
+        summary.update(max_new_tokens_first=caps[0], max_new_tokens_last=caps[1])
     best = max(records, key=lambda r: r["reward_mean"])   # first and last alone hide a collapse
     summary.update(reward_best=best["reward_mean"], reward_best_step=best["step"])
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []

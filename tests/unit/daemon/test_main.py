@@ -114,6 +114,19 @@ def test_the_summary_names_the_best_step_a_collapse_would_hide(tmp_path):
     app.summarise_metrics(tmp_path, summary)
     assert (summary["reward_best"], summary["reward_best_step"]) == (15.9, 2)
     assert summary["reward_first_10pct"] == 3.0 and summary["reward_last_10pct"] == 4.3
+    assert "max_new_tokens_first" not in summary   # metrics written before the cap was recorded
+
+
+def test_the_summary_carries_the_first_and_last_response_cap(tmp_path):
+    """``status`` on a finished curriculum run showed the lengths but not the cap they grew
+    under (a live job's ``status`` shows it); the summary now carries the first and last step's."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, cap in enumerate([8, 8, 16, 24]):
+            f.write(json.dumps({"step": step, "reward_mean": 0.1, "response_length_mean": 5.0 + step,
+                                "step_latency_s": 1.0, "plan": {}, "max_new_tokens": cap}) + "\n")
+    summary: dict = {}
+    app.summarise_metrics(tmp_path, summary)
+    assert (summary["max_new_tokens_first"], summary["max_new_tokens_last"]) == (8, 24)
 
 
 def test_the_summary_carries_the_held_out_pass_at_1_before_and_after(tmp_path):

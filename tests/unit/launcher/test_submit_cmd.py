@@ -48,6 +48,12 @@ def test_status_of_an_ended_job_reads_its_summary_without_waiting_for_nereusd(tm
                  "held-out pass@1 0.34 → 0.39", "layout switches: 3 (of which 1 checkpoint/restart(s))",
                  "final plan: actor/training tp1 pp2 dp2"):
         assert line in out, out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for caps, text in (((8, 24), "94.9 tokens (cap 8 → 24)"), ((24, 24), "94.9 tokens (cap 24)")):
+        summary.update(max_new_tokens_first=caps[0], max_new_tokens_last=caps[1])
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        main(["status", str(tmp_path)])
+        assert text in capsys.readouterr().out
     (tmp_path / "summary.json").write_text(json.dumps({"status": "running"}))
     main(["status", str(tmp_path)])
     assert asked   # a running job is asked
