@@ -290,6 +290,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for node, agent in sorted(live["pool"].items()):
             where = f" (allocation {agent['slurm_job_id']})" if agent.get("slurm_job_id") else ""
             print(f"  node {node}: devices {agent['devices']}{where}")
+        if live.get("joining"):
+            j = live["joining"]
+            print(f"  joining in the background: devices {j['devices']} ({j['phase']}, {j['elapsed_s']:.0f} s so far)")
         step = live.get("last_metrics") or {}
         if step.get("response_length_mean") is not None:
             cap = f" (cap {step['max_new_tokens']})" if step.get("max_new_tokens") is not None else ""

@@ -185,18 +185,38 @@ def vllm_replica_key(cand: Candidate, device: int, default_micro_batch: int) -> 
     return cand.tp, tuple(cand.device_at(r, 0, t) for t in range(cand.tp)), cand.micro_batch or default_micro_batch
 
 
+def vllm_replicas_on(plan: Plan, devices: Iterable[int], vllm_stages: Iterable[ModelStage],
+                     default_micro_batch: int) -> list[tuple[ModelStage, tuple]]:
+    """The vLLM replicas of ``plan`` that lie wholly on ``devices``, as ``(model_stage, key)``
+    (:func:`vllm_replica_key`), in canonical model-stage and replica order: what a background
+    join can start before its devices join the world."""
+    on = set(devices)
+    out = []
+    for ms in sorted((m for m in vllm_stages if m in plan), key=ModelStage.sort_key):
+        cand = plan[ms]
+        for r in range(cand.dp):
+            replica = cand.replica_devices(r)
+            if replica and set(replica) <= on:
+                out.append((ms, vllm_replica_key(cand, replica[0], default_micro_batch)))
+    return out
+
+
 def restarts_vllm_engines(source: Plan, target: Plan, vllm_stages: Iterable[ModelStage],
-                          default_micro_batch: int) -> bool:
+                          default_micro_batch: int,
+                          warm: Mapping[ModelStage, Mapping[int, tuple]] | None = None) -> bool:
     """Whether going from ``source`` to ``target`` starts any vLLM engine: a device of a vLLM
     model-stage of ``target`` whose replica key (:func:`vllm_replica_key`) differs from the one it
-    had in ``source``, or that had none."""
+    had in ``source``, or, where it had none, from the key of its warm engine (``warm``:
+    ``{model_stage: {device: key}}``, engines a background join started before the device joined,
+    :meth:`emu.worker.vllm_stages.VllmStages.prestart_engines`), or that had neither."""
+    warm = warm or {}
     for ms in vllm_stages:
         if ms not in target:
             continue
         before = source[ms] if ms in source else None
         held = set(before.devices) if before is not None else set()
         for d in target[ms].devices:
-            old = vllm_replica_key(before, d, default_micro_batch) if d in held else None
+            old = vllm_replica_key(before, d, default_micro_batch) if d in held else warm.get(ms, {}).get(d)
             if old != vllm_replica_key(target[ms], d, default_micro_batch):
                 return True
     return False

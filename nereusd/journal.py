@@ -64,7 +64,13 @@ class Event(str, enum.Enum):
     DEVICES_RELEASED = "devices_released"
     """Nereusd stopped the workers of devices that leave the pool."""
     WORKERS_STARTED = "workers_started"
-    """Workers of devices that joined started in a private world."""
+    """Workers of devices that joined started in a private world (``background``: while steps ran,
+    with ``elapsed_s`` from the devices' arrival and the vLLM engines started early, ``warm``)."""
+    JOIN_STARTED = "join_started"
+    """Devices that arrived begin to join in the background (``pool.join: background``)."""
+    JOIN_FAILED = "join_failed"
+    """A background join failed (a joining worker exited or a task failed): its devices' workers
+    stopped; those that failed leave the pool, the others join again."""
     WORKERS_KEPT = "workers_kept"
     """``--resume``: whether the job continues on the workers the lost nereusd's agents kept
     (their EMUs in memory), and why not (:mod:`nereusd.daemon.kept`)."""

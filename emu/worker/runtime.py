@@ -112,6 +112,7 @@ class WorkerRuntime(TransitionTasks, VllmStages):
             "reform_world": self.reform_world,
             "memory_report": self.memory_report,
             "describe": self.describe,
+            "prestart_engines": self.prestart_engines,
         }
         assert set(self._handlers) == set(P.TASK_KINDS), "every task kind of the protocol has a handler"
 

@@ -15,6 +15,13 @@ rank of the replica's vLLM engine.
   engine gets them: the replica's canonical full tensors (:meth:`StageEngine.full_state`, a TP
   all-gather) through :meth:`VllmEngine.load_weights`. That is the generation side of the
   weight-sync step, timed and counted in ``sync_weights``' result.
+- A device that joins the job in the background (``pool.join: background``,
+  :mod:`nereusd.daemon.joins`) starts, before it joins the world, the engines of the replicas
+  the controller expects to place on it (:meth:`prestart_engines`, collective over the joining
+  devices' private world): they are *warm*, held apart from the plan's engines. The first
+  :meth:`_sync_engines` after the join adopts a warm engine where the replica's key and engine
+  configuration are what it would start (every TP rank of the replica agreeing), instead of
+  starting one, and closes the warm engines it did not adopt.
 - ``generate`` books the engine's KV cache and weight copy on the virtual device while it runs
   (a GPU engine sleeps between rollouts, :mod:`emu.engine.vllm_engine`), and returns what the
   native engine returns.
@@ -36,6 +43,7 @@ from nereusd import protocol as P
 from nereusd.backends import vllm_replica_key
 from nereusd.errors import NereusError
 from nereusd.cost.memory import kv_cache_bytes, vllm_block_tokens, vllm_kv_cache_tokens
+from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Stage
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,9 @@ class VllmStages:
 
     def _init_vllm(self) -> None:
         self.vllm, self._vllm_key, self._emu_version = {}, {}, {}
+        self._warm: dict[ModelStage, tuple[tuple, VllmEngine]] = {}
+        """Engines started before this device joined the world (:meth:`prestart_engines`):
+        ``{model_stage: (replica key, engine)}``, until :meth:`_sync_engines` adopts or closes them."""
 
     def _on_vllm(self, ms: ModelStage) -> bool:
         args = self._build_args
@@ -70,22 +81,92 @@ class VllmStages:
         return vllm_replica_key(cand, self.device_index, self._build_args.train.micro_batch)
 
     def _engine_config(self, ms: ModelStage, engine, addr: str, port: int) -> EngineConfig:
-        args = self._build_args
-        spec = engine.spec
-        tp = engine.groups.tp.size
         param = next(iter(engine.params.values()))
-        dtype = str(param.dtype).removeprefix("torch.")
+        return self._vllm_config(engine.spec, engine.groups.tp.size, engine.groups.tp_rank, param.dtype,
+                                 engine.micro_batch, addr, port)
+
+    def _vllm_config(self, spec, tp: int, tp_rank: int, dtype: torch.dtype, max_num_seqs: int, addr: str,
+                     port: int) -> EngineConfig:
+        """The engine configuration of TP rank ``tp_rank`` of a ``tp``-way replica whose EMU holds
+        ``dtype`` parameters and decodes ``max_num_seqs`` sequences at once."""
+        args = self._build_args
         max_len = args.max_model_len   # fits spec.max_position: checked before launch
-        seqs = max(1, engine.micro_batch)
+        seqs = max(1, max_num_seqs)
         on_cpu = self.torch_device.type == "cpu"
         block = vllm_block_tokens("cpu" if on_cpu else "cuda")
         tokens = vllm_kv_cache_tokens(seqs, max_len, block)
+        element = torch.empty((), dtype=dtype).element_size()
         return EngineConfig(
-            spec=spec, tp=tp, tp_rank=engine.groups.tp_rank, master_addr=addr, master_port=port,
-            max_model_len=max_len, kv_cache_bytes=kv_cache_bytes(spec, tokens, tp, 1, param.element_size()),
-            block_tokens=block, max_num_seqs=seqs, dtype=dtype,
+            spec=spec, tp=tp, tp_rank=tp_rank, master_addr=addr, master_port=port,
+            max_model_len=max_len, kv_cache_bytes=kv_cache_bytes(spec, tokens, tp, 1, element),
+            block_tokens=block, max_num_seqs=seqs, dtype=str(dtype).removeprefix("torch."),
             device="cpu" if on_cpu else f"cuda:{self.torch_device.index or 0}",
             seed=args.seed, threads=max(1, torch.get_num_threads()))
+
+    def prestart_engines(self, args: P.PrestartEnginesArgs) -> dict[str, Any]:
+        """Start the engines of ``args.replicas`` that hold this device, before it joins the
+        world (module docstring). Every joining device calls it (their private world, rank =
+        position in ``args.world``): a replica's TP group is created by all of them, in order.
+
+        Returns:
+            ``{"engine_start_s": s, "warm": [model_stage, …]}``: this rank's longest start-up.
+        """
+        out, warm = 0.0, []
+        for rep in args.replicas:
+            ranks = [args.world.index(d) for d in rep.devices]
+            group = dist.new_group(ranks) if rep.tp > 1 else None   # collective over the private world
+            if self.device_index not in rep.devices:
+                continue
+            ms = ModelStage.parse(rep.model_stage)
+            info = self._build_args.roles[ms.role.value]
+            tp_rank = rep.devices.index(self.device_index)
+            addr, port = "127.0.0.1", 0
+            if group is not None:
+                box: list[Any] = [None]
+                if tp_rank == 0:
+                    host = _host()
+                    box[0] = (host, free_port(host))
+                dist.broadcast_object_list(box, group=group, group_src=sorted(ranks).index(ranks[0]))
+                addr, port = box[0]
+            cfg = self._vllm_config(ModelSpec.from_dict(info.spec), rep.tp, tp_rank, torch.get_default_dtype(),
+                                    rep.max_num_seqs, addr, port)
+            self._close_warm(ms)
+            engine = VllmEngine(cfg, workdir=self.run_dir)
+            self._warm[ms] = ((rep.tp, tuple(rep.devices), rep.max_num_seqs), engine)
+            out = max(out, engine.startup_s)
+            warm.append(str(ms))
+        return {"engine_start_s": out, "warm": warm}
+
+    def _adopt_warm(self, ms: ModelStage, key: tuple, engine) -> Optional[VllmEngine]:
+        """The warm engine of ``ms`` if this replica can take it (its key is ``key`` and its
+        configuration what :meth:`_engine_config` gives, up to the rendezvous) on every TP rank
+        of the replica (collective over its TP group), else ``None`` (and the warm one closed)."""
+        entry = self._warm.get(ms)
+        if entry is None or entry[0] != key:
+            self._close_warm(ms)
+            return None
+        # a warm engine of this key means every rank of the replica (the key's devices) was
+        # prestarted for it, in one task: they all reach this collective
+        del self._warm[ms]
+        vllm = entry[1]
+        ok = vllm.alive and vllm.cfg == self._engine_config(ms, engine, vllm.cfg.master_addr, vllm.cfg.master_port)
+        groups: StageGroups = engine.groups
+        if groups.tp.size > 1:
+            flag = torch.tensor([1 if ok else 0], device=self.torch_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=groups.tp.group)
+            ok = bool(flag.item())
+        if not ok:
+            vllm.close()
+            return None
+        log.info("%s: adopted the vLLM engine started before this device joined", ms)
+        return entry[1]
+
+    def _close_warm(self, ms: ModelStage | None = None) -> None:
+        """Close the warm engine of ``ms`` (``None``: every warm engine)."""
+        for m in [ms] if ms is not None else list(self._warm):
+            entry = self._warm.pop(m, None)
+            if entry is not None:
+                entry[1].close()
 
     def _rendezvous(self, engine) -> tuple[str, int]:
         """TP rank 0 picks the engine world's address; every TP rank of the replica gets it."""
@@ -116,12 +197,18 @@ class VllmStages:
             if self._replica_rebuilds(self.engines[ms], ms not in self.vllm):
                 out["engine_start_s"] = max(out["engine_start_s"], self._start_engine(ms, key))
             out["engine_load_s"] += self._refresh_engine(ms).get("load_s", 0.0)
+        self._close_warm()   # started for a replica the job did not place here
         return out
 
     def _start_engine(self, ms: ModelStage, key: tuple) -> float:
         """(Re)start this rank's engine of ``ms`` (every TP rank of the replica calls it) → start-up s."""
         self._close_engine(ms)
         engine = self.engines[ms]
+        if self._warm:
+            warm = self._adopt_warm(ms, key, engine)
+            if warm is not None:
+                self.vllm[ms], self._vllm_key[ms] = warm, key
+                return 0.0
         addr, port = self._rendezvous(engine)
         self.vllm[ms] = VllmEngine(self._engine_config(ms, engine, addr, port), workdir=self.run_dir)
         self._vllm_key[ms] = key
@@ -178,6 +265,7 @@ class VllmStages:
     def _close_engines(self) -> None:
         for ms in list(self.vllm):
             self._close_engine(ms)
+        self._close_warm()
 
     def _vllm_generate(self, ms: ModelStage, args: P.GenerateArgs) -> Optional[list[list[int]]]:
         """Responses of this replica on its vLLM engine; ``None`` when ``ms`` is not on vLLM here."""

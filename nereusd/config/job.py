@@ -393,6 +393,12 @@ class PoolConfig(_Strict):
     """Single events at given steps or times."""
     trace: PoolTraceConfig | None = None
     """A spot-availability trace scaled to the job's devices."""
+    join: Literal["background", "immediate"] = "background"
+    """How devices that arrive (``schedule``/``trace`` adds, ``nereus-launch pool --add``, a
+    ``grow`` allocation) join: ``background`` starts their workers, and the vLLM engines of the
+    replicas the controller expects to place on them, while steps go on, and they join the world
+    at the first boundary after that is done; ``immediate`` starts them at the boundary they
+    arrive at, and the job waits (DESIGN.md "Pool changes")."""
     max_devices: StrictInt | None = Field(None, ge=1)
     """Most devices the pool may hold at once (every agent's, ``grow``/``pool --add`` ones
     included); a registration beyond it is refused. Default: 4 × the larger of ``devices`` and

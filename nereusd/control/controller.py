@@ -301,7 +301,8 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         if len(running) != 1:
             return None
         result, _ = solve(problem, self.cost_model, self.plan, headroom, urgent, generation_micro_batch=running.pop())
-        if result is None or result.plan == plan or restarts_vllm_engines(source, result.plan, problem.engines, micro):
+        if result is None or result.plan == plan or restarts_vllm_engines(source, result.plan, problem.engines, micro,
+                                                                          self.warm_engines):
             return None
         return result.plan
 
@@ -461,8 +462,10 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         return Outcome(decision, length, tuple(lines))
 
     def switched(self, plan: Plan, pool: tuple[int, ...]) -> None:
-        """The transition to ``plan`` ran (or the job restarted into it) on ``pool``."""
+        """The transition to ``plan`` ran (or the job restarted into it) on ``pool``; warm engines
+        it did not adopt are gone (:attr:`warm_engines`)."""
         self.plan, self.pool = plan, tuple(pool)
+        self.warm_engines = {}
         self._restart_done(plan)
 
     def pool_changed(self, pool: tuple[int, ...]) -> None:

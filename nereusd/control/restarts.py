@@ -86,6 +86,29 @@ class RestartPlanning:
         self._restart_target = (result.plan, oom, length > coming)
         return result
 
+    def anticipated_plan(self, pool: tuple[int, ...]) -> Plan | None:
+        """The plan the controller expects to run once ``pool`` is the pool (a background join's
+        devices joined, :mod:`nereusd.daemon.joins`), ``None`` when nothing fits; no side effect
+        (the boundary decides). The ``frozen`` policy's launch plan DP-rescaled to it; else the
+        planner's plan for the coming steps with the running vLLM engines' wave size
+        (``max_num_seqs``) kept where they share one — the plan :meth:`_keeping_engines` offers
+        the boundary, which starts no engine on the devices that stay when the joining ones have
+        theirs (on the simulator's noisy H200 ramp the unpinned plan went from waves of 171 to
+        128 at every growth and restarted every engine anyway, 2026-12-06) — or, when nothing
+        fits that wave, the planner's plan."""
+        problem = self.problem(pool, self.lookahead(self.length))
+        if self.policy.kind is PolicyKind.FROZEN:
+            return dp_rescale(self.base_plan, problem)
+        micro = problem.workload.micro_batch
+        running = {self.plan[ms].micro_batch or micro for ms in problem.engines if ms in self.plan}
+        result = None
+        if len(running) == 1:
+            result, _ = solve(problem, self.cost_model, self.plan, self.headroom(), True,
+                              generation_micro_batch=running.pop())
+        if result is None:
+            result, _ = solve(problem, self.cost_model, self.plan, self.headroom(), True)
+        return result.plan if result is not None else None
+
     def _restart_for_growth(self, pool: tuple[int, ...], coming: int) -> PlanResult | None:
         """The restart plan when the running plan was outgrown (:attr:`_outgrown`): of the
         planner's plans for the coming length and for lengths √2, 2, 2√2 … times it, up to

@@ -42,6 +42,10 @@ class TransitionCostLearning:
         ones, weight 0.5; 0 before one): the price of reaching a plan whose transition does not
         fit memory (:func:`nereusd.control.admission.admit`)."""
         self._restarts_seen = 0
+        self.warm_engines: dict[ModelStage, dict[int, tuple]] = {}
+        """vLLM engines a background join started on devices before they joined
+        (``{model_stage: {device: replica key}}``, set by the shell; cleared at the next switch):
+        a target that places those replicas there starts no engine for them."""
 
     # ---- learning ----------------------------------------------------------------------------
     def transition_measured(self, predicted_s: float, measured_s: float, terms_s: float | None = None) -> None:
@@ -135,9 +139,9 @@ class TransitionCostLearning:
     def engine_start_term_s(self, source: Plan, plan: Plan, engines: Iterable[ModelStage], micro_batch: int) -> float:
         """The vLLM start-up ``L̂_tran`` of ``source → plan`` holds: the learned start-up when the
         transition starts engines (:func:`nereusd.backends.restarts_vllm_engines`, the workers'
-        own rule; they start in parallel), else 0."""
+        own rule, warm engines of a background join counted; they start in parallel), else 0."""
         return self.engine_start_s if self.engine_start_s and restarts_vllm_engines(
-            source, plan, engines, micro_batch) else 0.0
+            source, plan, engines, micro_batch, self.warm_engines) else 0.0
 
     # ---- state of a resumed nereusd ----------------------------------------------------------
     def _transition_costs_state(self) -> dict[str, Any]:

@@ -358,6 +358,7 @@ class Daemon:
         self.pool.after_step(record, self.driver.save_checkpoint)
         if self.live is not None:
             self.live.at_boundary(record)
+            self.pool.joining = self.live.joins.status()
             self.pool.plan = self.driver.plan.to_dict()
             self.pool.last_decision = self.live.last_decision or self.pool.last_decision
 

@@ -349,6 +349,11 @@ class ControlPlane(AgentRegistry, TaskDispatch):
             self.poll(0.05)
         return True
 
+    def abandon_task(self, task_id: int) -> None:
+        """Forget pending task ``task_id`` (its workers are being stopped); late results are dropped."""
+        if self._pending.pop(task_id, None) is not None:
+            self._abandoned.add(task_id)
+
     def abandon_tasks(self) -> list[int]:
         """Forget every pending task (their workers are being stopped for a restart); late
         results of them are dropped instead of refused. Returns the task ids."""
@@ -358,9 +363,9 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         return ids
 
     def spawn_workers(self, *, generation: int, world: list[int], store_host: str, store_port: int,
-                      memory_capacity_bytes: int, run_dir: str, timeout_s: float = 120.0) -> None:
-        """Ask each agent to start the workers of ``world`` (rank = position in ``world``) and wait
-        until all are ready.
+                      memory_capacity_bytes: int, run_dir: str, timeout_s: float = 120.0, wait: bool = True) -> None:
+        """Ask each agent to start the workers of ``world`` (rank = position in ``world``) and,
+        with ``wait``, wait until all are ready (else ``ready_workers`` tells when they are).
 
         Raises:
             WorkerError: if a worker exits or does not report ready within ``timeout_s``.
@@ -382,7 +387,7 @@ class ControlPlane(AgentRegistry, TaskDispatch):
                 workers=workers, run_dir=run_dir, worker_stall_s=self.worker_stall_s,
             ))
         deadline = time.monotonic() + timeout_s
-        while not set(world) <= self.ready_workers:
+        while wait and not set(world) <= self.ready_workers:
             self._raise_if_lost(set(world))
             if time.monotonic() > deadline:
                 missing = sorted(set(world) - self.ready_workers)

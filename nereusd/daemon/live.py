@@ -17,7 +17,10 @@ and executes them:
    --remove`` requests: devices that *leave* are drained first (the plan moves off them
    while their state is still alive, as after a preemption notice), then their workers are
    stopped and the survivors re-form the world (new generation); devices that *join* get new
-   workers (started in a private world, then every worker re-forms the world with them);
+   workers (started in a private world, then every worker re-forms the world with them): in the
+   background by default (:mod:`nereusd.daemon.joins`: workers and early vLLM engines start while
+   steps go on, and the devices join at the first boundary after), or at once with
+   ``pool.join: immediate``;
 3. ask the controller (:meth:`~nereusd.control.controller.Controller.boundary`) and journal ``trigger``,
    ``replan`` and ``admission`` (ΔL, L_tran, H_x, γ, alternatives);
 4. run an admitted transition — the DAG admission assessed, as it is
@@ -45,6 +48,7 @@ from nereusd import protocol as P
 from nereusd.control.controller import Controller, StepObservation
 from nereusd.control.jobs import forced_plan
 from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
+from nereusd.daemon.joins import BackgroundJoins
 from nereusd.daemon.pool import PoolController
 from nereusd.errors import NereusError, WorkerError
 from nereusd.config.resolve import ResolvedJob
@@ -109,6 +113,10 @@ class LiveAdaptation:
         self._schedule = schedule_for(job)
         self._first_step_start: float | None = None   # monotonic clock; time base of pool.schedule[].at_s
         self._forced = {f.at_step: f for f in job.config.adaptation.forced}
+        self.joins = BackgroundJoins(control=control, store=store, controller=controller,
+                                     build_args=lambda: self.driver.build_args(Plan({})), journal=journal,
+                                     run_dir=self.run_dir, device_memory_bytes=job.device_memory_bytes)
+        """Devices joining in the background (``pool.join: background``; :mod:`nereusd.daemon.joins`)."""
 
     @property
     def world(self) -> list[int]:
@@ -178,9 +186,15 @@ class LiveAdaptation:
                 "remove": pool_actions.refused_remove, "sources": list(pool_actions.sources),
                 "pool": [d for d in self.control.devices() if d in self.world],
                 "reason": pool_actions.refused_reason})
-        joined = [d for d in self.control.devices() if d not in self.world]
-        if joined:
-            self._grow_world(joined)
+        arrived = [d for d in self.control.devices() if d not in self.world and d not in self.joins.joining]
+        if self.job.config.pool.join == "background":
+            joined = self.joins.advance(arrived, list(self.world), step)
+            if joined:
+                self._reform(sorted(self.world) + joined, joined)
+        else:
+            joined = arrived
+            if joined:
+                self._grow_world(joined)
         pool = tuple(d for d in sorted(self.world) if d not in leaving)
         if leaving or joined:
             self.journal.event(Event.POOL_CHANGED, {
@@ -367,6 +381,7 @@ class LiveAdaptation:
             "world": sorted(world), "leaving": sorted(leaving)})   # first: a fault during it is on record
         result = self.controller.restart_plan(tuple(sorted(world)))
         old = list(self.world)
+        self.joins.cancel("checkpoint/restart: the join starts again")
         abandoned = self.control.abandon_tasks()
         if leaving:
             self.control.release_devices(leaving, leave_reason or "removed from the local pool")

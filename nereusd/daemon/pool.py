@@ -47,6 +47,8 @@ class PoolController:
         """Devices ``nereus-launch pool --remove`` asked to release at the next safe boundary."""
         self.restarting: str | None = None
         """Why a checkpoint/restart is running (``status`` says so), else ``None``."""
+        self.joining: dict[str, Any] | None = None
+        """The background join in progress (:meth:`nereusd.daemon.joins.BackgroundJoins.status`), else ``None``."""
         self.min_devices = 1
         """The fewest devices the job runs on (:func:`~nereusd.config.pool_schedule.min_devices_of`):
         a removal request below it is refused on arrival."""
@@ -201,4 +203,5 @@ class PoolController:
         return {"job": self.job_name, "state": state,
                 "step": self.step, "steps": self.steps, "plan": self.plan, "plan_devices": sorted(self.plan_devices),
                 "pool": pool, "pool_devices": len(self.control.devices()) if self.control is not None else 0, "last_decision": self.last_decision, "last_metrics": self.last_metrics,
+                "joining": self.joining,
                 "slurm_job_id": self.slurm_job_id, "uptime_s": round(time.time() - self.started_s, 1)}

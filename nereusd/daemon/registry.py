@@ -63,6 +63,10 @@ live one at once, so a transient drop does not get that far."""
 class AgentRegistry:
     """Registrations, heartbeats and losses of the control plane's agents (module docstring)."""
 
+    _shutting_down = False
+    """Set by ``ControlPlane.shutdown_agents``: agents told to exit that drop their connection
+    are gone, not lost."""
+
     def _register(self, identity: bytes, msg: P.RegisterAgent) -> None:
         if msg.node_id in self.agents:
             raise ProtocolError(f"node {msg.node_id!r} is already registered")
@@ -167,7 +171,10 @@ class AgentRegistry:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for node_id, agent in list(self.agents.items()):
-            if agent.disconnected_s is not None and now - agent.disconnected_s > DISCONNECT_GRACE_S:
+            if agent.disconnected_s is not None and self._shutting_down:   # told to exit: gone, not lost
+                del self.agents[node_id]   # (a join's workers still starting can keep another agent a while)
+                log.info("agent %s exited at the job's end", node_id)
+            elif agent.disconnected_s is not None and now - agent.disconnected_s > DISCONNECT_GRACE_S:
                 self.remove_node(node_id, "disconnected",
                                  f"agent on node {node_id} dropped its connection and sent nothing for "
                                  f"{now - agent.disconnected_s:.1f} s")

@@ -217,6 +217,27 @@ class ReformWorldArgs(_Args):
     store_port: int | None = Field(None, ge=1, le=65535)
 
 
+class EngineReplica(_Args):
+    """One generation replica whose vLLM engine a joining device starts early: what
+    :func:`nereusd.backends.vllm_replica_key` names (``tp``, its TP devices in order,
+    ``max_num_seqs``)."""
+
+    model_stage: str
+    tp: int = Field(ge=1)
+    devices: list[int] = Field(min_length=1)
+    max_num_seqs: int = Field(ge=1)
+
+
+class PrestartEnginesArgs(_Args):
+    """Start the engines of ``replicas`` on the devices of a background join, before they join
+    the world (``emu.worker.vllm_stages.VllmStages.prestart_engines``); ``world``: the joining
+    devices in the rank order of their private world."""
+
+    kind: Literal["prestart_engines"] = "prestart_engines"
+    replicas: list[EngineReplica]
+    world: list[int] = Field(min_length=1)
+
+
 class DescribeArgs(_Args):
     """Report what this worker holds: the plan its EMUs form and, per training model-stage it
     holds, the RL steps its state holds (``LogicalState.version``; −1 between steps)."""
@@ -233,12 +254,12 @@ class MemoryReportArgs(_Args):
 TaskArgs = Annotated[
     Union[BuildArgs, GenerateArgs, LogprobsArgs, ValuesArgs, ScoresArgs, TrainArgs, SyncWeightsArgs,
           SaveCheckpointArgs, LoadCheckpointArgs, TransitionPrepareArgs, TransitionRunArgs, TransitionFinishArgs,
-          ReformWorldArgs, MemoryReportArgs, DescribeArgs],
+          ReformWorldArgs, MemoryReportArgs, DescribeArgs, PrestartEnginesArgs],
     Field(discriminator="kind"),
 ]
 TASK_KINDS = ("build", "generate", "logprobs", "values", "scores", "train", "sync_weights", "save_checkpoint",
               "load_checkpoint", "transition_prepare", "transition_run", "transition_finish", "reform_world",
-              "memory_report", "describe")
+              "memory_report", "describe", "prestart_engines")
 _TASK_ARGS: TypeAdapter = TypeAdapter(TaskArgs)
 
 

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from nereusd.backends import restarts_vllm_engines, vllm_replicas_on
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.control.controller import Controller, StepObservation
 from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
@@ -185,7 +186,11 @@ class Simulation:
 
     def __init__(self, problem: PlanProblem, lengths: LengthTrace, pool_trace: PoolTrace, steps: int,
                  truth: TruthConfig | None = None, max_response_length: int | None = None,
-                 response_cap: Callable[[int], int] | None = None) -> None:
+                 response_cap: Callable[[int], int] | None = None, join: str = "background") -> None:
+        if join not in ("background", "immediate"):
+            raise ValueError(f"join must be 'background' or 'immediate', got {join!r}")
+        self.join = join
+        """How devices that come back join (a job's ``pool.join``; :meth:`_join_step`)."""
         self.problem = problem
         self.response_cap = response_cap
         self.max_response_length = max_response_length or math.ceil(max(lengths.at(i) for i in range(steps)))
@@ -292,6 +297,7 @@ class Simulation:
         ids: dict[str, int] = {}
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
+        join: _Join | None = None
         while i < self.steps:
             if len(res.records) > 20 * self.steps + 1000:
                 raise SimulationError(f"{policy.name} makes no progress: {len(res.records)} records "
@@ -337,6 +343,10 @@ class Simulation:
                 rec.stall_s += nxt - t
                 t = nxt
                 new_pool = self.pool_at(t)
+            if ctl is not None and not rec.stall_s:   # devices that came back join in the background
+                new_pool, join = self._join_step(new_pool, pool, join, t, ctl)   # (live: nereusd.daemon.joins)
+            else:   # after an outage every worker starts anew, on every device there
+                join = None
             outage = rec.stall_s > 0   # the pool fell below any plan: every replica is gone
             rec.pool_changed = tuple(new_pool) != tuple(pool)
             source = None if outage else surviving_units(plan, len(new_pool))
@@ -353,8 +363,9 @@ class Simulation:
             d = outcome.decision if outcome is not None else None
             if d is not None:
                 res.decisions.append(d.to_dict() | {"time_s": t})
+            warm = ctl.warm_engines   # a background join's (switched() clears them)
             if d is not None and d.verdict == ADMIT:
-                started_s = truth.engine_rebuild_s(source, d.target.plan)
+                started_s = truth.engine_rebuild_s(source, d.target.plan, warm)
                 rec.transition_s = links.estimate(source, d.target.plan).l_tran_s + started_s
                 rec.engine_start_s = started_s
                 rec.switched = True
@@ -368,8 +379,47 @@ class Simulation:
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
                 plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
+            ctl.warm_engines = {}   # the workers close the warm engines the boundary's rebuild did not adopt
             t += rec.transition_s + rec.restart_s
         return res
+
+    def _join_step(self, available: tuple[int, ...], pool: tuple[int, ...], join: "_Join | None", time_s: float,
+                   ctl: Controller) -> tuple[tuple[int, ...], "_Join | None"]:
+        """The pool the controller sees at a boundary at ``time_s`` when ``available`` devices
+        are there and it ran on ``pool``, and the background join after it (live:
+        :mod:`nereusd.daemon.joins`). Devices that come back start the vLLM engines of the
+        replicas the controller expects to place wholly on them (:meth:`Controller.anticipated_plan`,
+        :func:`~nereusd.backends.vllm_replicas_on`) while the job runs on, and join at the first
+        boundary ``engine_rebuild_s`` (the truth's start-up) after they came, with those engines
+        warm (:attr:`Controller.warm_engines`). Without such replicas, or a start-up to wait for,
+        where the growth starts engines anyway (a replica that stays changes its wave size; the
+        workers' start-up, which the background also hides live, is not simulated), or with
+        ``join="immediate"``, they join at once, as before. Devices lost meanwhile leave
+        the join; devices that come during a join wait for the next (live: the same). The
+        oracle, whose switches are free, takes devices at once."""
+        start_s = self.truth_config.engine_rebuild_s
+        if self.join != "background" or not start_s or len(available) < len(pool):
+            return available, None   # immediate, nothing to wait for, or a loss (a join's devices went too)
+        if join is not None:
+            joining = tuple(d for d in join.devices if d in available)
+            if not joining:
+                return available[:len(pool)], None
+            if time_s < join.ready_s:
+                return pool, replace(join, devices=joining)
+            ctl.warm_engines = {ms: {d: k for d, k in keys.items() if d in joining} for ms, keys in join.warm.items()}
+            return tuple(sorted(set(pool) | set(joining))), None
+        new = tuple(d for d in available if d not in pool)
+        if not new:
+            return available, None
+        plan = ctl.anticipated_plan(available)
+        micro = self.problem.workload.micro_batch
+        replicas = vllm_replicas_on(plan, new, self.problem.engines, micro) if plan else []
+        warm: dict = {}
+        for ms, key in replicas:
+            warm.setdefault(ms, {}).update({d: key for d in key[1]})
+        if not replicas or restarts_vllm_engines(ctl.plan, plan, self.problem.engines, micro, warm):
+            return available, None   # nothing to start early, or the growth starts engines anyway
+        return pool, _Join(new, time_s + start_s, warm)
 
     def _restart(self, ctl: Controller | None, oracle: "_Oracle | None", rec: StepRecord, truth: GroundTruth,
                  plan: Plan, length: float, pool: tuple[int, ...], time_s: float) -> Plan:
@@ -391,6 +441,17 @@ class Simulation:
             ctl.restart_measured(restart_s)
             ctl.switched(target, pool)
         return target
+
+
+@dataclass(frozen=True)
+class _Join:
+    """A background join in the simulator (:meth:`Simulation._join_step`)."""
+
+    devices: tuple[int, ...]
+    ready_s: float
+    """When their engines are up: they join at the first boundary from then."""
+    warm: dict
+    """``{model_stage: {device: replica key}}`` of those engines."""
 
 
 def surviving_units(plan: Plan, n: int) -> Plan | None:

@@ -58,6 +58,10 @@ class Scenario:
     ``rollout.max_new_tokens_schedule``: each step's length is the trace's cut at its stage's cap
     (the trace says how long the responses want to be; the cap cuts them), and the controller
     is told each step's cap, as a live job's is. Empty: the trace as it is."""
+    join: str = "background"
+    """How devices that come back join, as a job's ``pool.join``: ``background`` (the vLLM engines
+    the controller expects on them start while the job runs on; :meth:`Simulation._join_step`) or
+    ``immediate``."""
 
 
 
@@ -109,12 +113,14 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     max_model_len = s.prompt_length + math.ceil(max(lengths.response_lengths))
     engines = generation_engines(workflow, s.generation, max_model_len)
     problem = PlanProblem(workflow, {r: spec for r in Role}, wl, site, tuple(range(s.gpus)), engines=engines)
-    sim = Simulation(problem, lengths, pool, s.steps, truth, response_cap=response_cap)
+    if s.join not in ("background", "immediate"):
+        raise ConfigError(f"--join {s.join!r}: expected background or immediate")
+    sim = Simulation(problem, lengths, pool, s.steps, truth, response_cap=response_cap, join=s.join)
     meta = {"model": s.model, "algorithm": s.algorithm, "site": site.name, "gpus": s.gpus, "steps": s.steps,
             "length_trace": lengths.label, "length_generated": lengths.generated, "length_trace_steps": trace_steps,
             "max_new_tokens_schedule": [list(x) for x in s.max_new_tokens_schedule], "pool_trace": pool.label,
             "global_batch": s.global_batch, "prompt_length": s.prompt_length, "seed": s.seed,
-            "generation": s.generation, "truth": vars(truth), "launch_plan": sim.launch.describe()}
+            "generation": s.generation, "join": s.join, "truth": vars(truth), "launch_plan": sim.launch.describe()}
     return sim, meta
 
 

@@ -284,16 +284,17 @@ class GroundTruth:
         return groups
 
     # ---- transitions -------------------------------------------------------------------------
-    def engine_rebuild_s(self, source: Plan, target: Plan) -> float:
+    def engine_rebuild_s(self, source: Plan, target: Plan, warm: Mapping[ModelStage, Mapping[int, tuple]] | None = None) -> float:
         """Seconds the generation engines' restarts add to a transition from ``source`` to
         ``target``: ``engine_rebuild_s`` once (engines start in parallel) when any device of a
         vLLM model-stage (:attr:`PlanProblem.engines`) starts an engine by the workers' own rule
         (:func:`nereusd.backends.restarts_vllm_engines`: its replica's ``tp``, TP devices or
-        ``max_num_seqs`` change, or it had none), else 0. A pool shrink whose surviving replicas
-        keep their devices restarts nothing, as on a live job."""
+        ``max_num_seqs`` change, or it had none and no ``warm`` engine of that replica, which a
+        background join started before the device joined), else 0. A pool shrink whose surviving
+        replicas keep their devices restarts nothing, as on a live job."""
         if not self.config.engine_rebuild_s:
             return 0.0
-        starts = restarts_vllm_engines(source, target, self.problem.engines, self.problem.workload.micro_batch)
+        starts = restarts_vllm_engines(source, target, self.problem.engines, self.problem.workload.micro_batch, warm)
         return self.config.engine_rebuild_s if starts else 0.0
 
     # ---- restarts ----------------------------------------------------------------------------

@@ -45,6 +45,7 @@ plan:
   model_stages:
     actor/training: {tp: 1, pp: 1}
 pool:
+  join: immediate   # device 4 joins at the boundary it arrives at (the background join: test_vllm_generation)
   schedule:
     - {at_step: 5, remove: 1}
     - {at_step: 6, add: 1}

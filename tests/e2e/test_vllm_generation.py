@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 
 from nereusd.journal import read_jsonl
-from tests.support.e2e import assert_trains_alike, finish, processes_mentioning, start, write_job
+from tests.support.e2e import assert_trains_alike, finish, processes_mentioning, running, start, wait_for, write_job
 from tests.support.vllm import requires_vllm
 
 import pytest
@@ -43,6 +44,7 @@ FORCED = """
     - {at_step: 2, model_stages: {actor/generation: {tp: 1, dp: 1, devices: [1]}}}
     - {at_step: 4, model_stages: {actor/generation: {tp: 2, dp: 1, devices: [1, 2]}}}"""
 POOL = """pool:
+  join: immediate
   schedule:
     - {at_step: 3, add: 1}"""
 
@@ -93,3 +95,66 @@ def test_generation_on_vllm_switches_joins_and_trains_alike(tmp_path):
     transitions = [e for e in events if e["event"] == "transition"]
     assert len(transitions) >= 2
     assert processes_mentioning(str(tmp_path / "switched")) == []
+
+
+BACKGROUND = """
+name: e2e-vllm-join
+algorithm: grpo
+seed: 5
+steps: 5000                # stopped once the devices joined and a few steps ran on them
+devices: 2
+checkpoint: {every_steps: 0}
+models: {actor: "@WARMSTART@"}
+backends: {actor/generation: vllm}
+rollout: {prompts_per_step: 2, group_size: 4, max_new_tokens: 16}
+train: {global_batch: 8, micro_batch: 4, kl_coef: 0.05}
+plan:                      # the concurrent inferences apart, so that the DP rescale to 4 doubles generation
+  default: {tp: 1, pp: 1}
+  model_stages:
+    actor/inference: {tp: 1, pp: 1, dp: 1, devices: [0]}
+    reference/inference: {tp: 1, pp: 1, dp: 1, devices: [1]}
+adaptation: {policy: frozen}
+pool:
+  schedule:
+    - {at_step: 1, add: 2}
+"""
+
+
+def test_devices_join_in_the_background_with_their_vllm_engines_started_early(tmp_path):
+    """Two devices arrive after step 0 of a frozen job on two (``pool.join: background``, the
+    default): their workers start, and the vLLM engines of the generation replicas the
+    controller expects on them (its launch plan DP-rescaled to four devices: ``tp1·dp4``, four
+    sequences a wave) start, while steps go on; the devices join at a later boundary, the DP
+    rescale places those replicas there and their workers adopt the engines: the growth starts
+    no engine at all."""
+    job = write_job(tmp_path, "join", BACKGROUND)
+    run_dir = tmp_path / "join"
+    with running(job, run_dir) as proc:   # the join took ~60 s here, beside ~0.15 s steps
+        def joined_and_ran() -> bool:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+            done = [e["step"] for e in events if e["event"] == "workers_started"]
+            return bool(done) and len(read_jsonl(run_dir / "metrics.jsonl")) > done[0] + 4
+
+        wait_for("the devices to join and run steps", joined_and_ran, 300, run_dir, interval_s=0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    events = read_jsonl(run_dir / "events.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    [began] = [e for e in events if e["event"] == "join_started"]
+    [joined] = [e for e in events if e["event"] == "workers_started"]
+    assert began["devices"] == joined["devices"] == [2, 3] and joined["background"]
+    assert joined["step"] > began["step"] == 0, "steps ran while the devices joined"
+    assert joined["warm"] == {"actor/generation": [2, 3]} and joined["engine_start_s"] > 0
+    after = [r for r in records if r["step"] > joined["step"]]
+    layout = after[0]["plan"]["actor/generation"]
+    assert layout["dp"] == 4 and {2, 3} <= set(layout["devices"]) and layout["micro_batch"] == 4
+    # every replica keeps its engine (devices 0, 1: same key) or adopts one (2, 3): none starts
+    [grow] = [e for e in events if e["event"] == "transition" and e["step"] == joined["step"]]
+    assert grow["engine_start_s"] == 0.0, grow
+    for device in (2, 3):
+        log = (run_dir / "logs" / f"worker-{device}.log").read_text()
+        assert len(re.findall(r"vLLM engine tp 0/1 on cpu started", log)) == 1, log[-3000:]
+        assert "adopted the vLLM engine started before this device joined" in log
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert processes_mentioning(str(run_dir)) == []

@@ -94,3 +94,26 @@ def test_a_vllm_engine_restarts_exactly_when_its_replica_changes():
     for name, (target, restarts) in changes.items():
         assert restarts_vllm_engines(four, target, [gen], 8) is restarts, name
     assert not restarts_vllm_engines(four, changes["tp"][0], [], 8)   # generation on the native engine
+
+
+def test_a_warm_engine_of_a_background_join_starts_nothing_where_the_target_places_its_replica():
+    """A background join starts, before its devices join, the engines of the replicas the
+    controller expects wholly on them (``vllm_replicas_on``); a target that places exactly those
+    replicas there starts no engine, one that places another replica there does."""
+    from nereusd.backends import restarts_vllm_engines, vllm_replicas_on
+    from nereusd.plan import Candidate, ModelStage, Plan
+
+    gen = ModelStage.parse("actor/generation")
+    two = Plan({gen: Candidate(2, 1, 1, (0, 1), micro_batch=16)})
+    grown = Plan({gen: Candidate(2, 1, 3, (0, 1, 2, 3, 4, 5), micro_batch=16)})
+    replicas = vllm_replicas_on(grown, (2, 3, 4, 5), [gen], 8)
+    assert replicas == [(gen, (2, (2, 3), 16)), (gen, (2, (4, 5), 16))]
+    assert vllm_replicas_on(grown, (3, 4, 5), [gen], 8) == [(gen, (2, (4, 5), 16))]   # (2, 3) is not wholly there
+    assert vllm_replicas_on(grown, (2, 3), [], 8) == []   # generation on the native engine
+    warm = {gen: {d: key for _, key in replicas for d in key[1]}}
+    assert restarts_vllm_engines(two, grown, [gen], 8)
+    assert not restarts_vllm_engines(two, grown, [gen], 8, warm)
+    other_wave = Plan({gen: Candidate(2, 1, 3, (0, 1, 2, 3, 4, 5), micro_batch=12)})
+    assert restarts_vllm_engines(two, other_wave, [gen], 8, warm)
+    swapped = Plan({gen: Candidate(2, 1, 3, (0, 1, 3, 2, 4, 5), micro_batch=16)})   # TP order differs
+    assert restarts_vllm_engines(two, swapped, [gen], 8, warm)

@@ -169,6 +169,7 @@ train: {global_batch: 12, micro_batch: 2, kl_coef: 0.0}
 plan: {default: {tp: 1, pp: 1}}
 pool:     # the command line replaces the trace and its time base; min_devices stays
   trace: {name: us-west-2a, seconds_per_trace_hour: 600, min_devices: 2}
+  join: immediate   # device 3 joins at the boundary the trace brings it (5 steps leave no time for a background join)
 """
 
 

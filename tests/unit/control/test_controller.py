@@ -732,3 +732,44 @@ def test_a_plan_the_job_cannot_move_to_gives_way_to_the_best_plan_it_can_reach()
     assert decision.admitted and decision.urgent
     assert (decision.target.plan[TRAIN].pp, decision.target.plan[TRAIN].dp) == (4, 8), decision.target.plan.describe()
     assert [a["verdict"] for a in decision.alternatives] == ["costlier"]   # the rescale, slower
+
+
+def test_a_background_join_anticipates_the_plan_and_its_warm_engines_price_no_start_up(demo):
+    """Device 3 joins in the background (``nereusd.daemon.joins``): the controller names the
+    plan it expects on the grown pool without deciding anything (its plan and restart marks stay
+    as they were), the join starts the engines of the replicas that plan places wholly on device
+    3, and at the boundary where the device joins, a target that places those replicas there is
+    priced no engine start-up; the warm engines are gone after the next switch."""
+    from nereusd.backends import Backend, vllm_replicas_on
+
+    job, site = demo
+    gen = ModelStage.parse("actor/generation")
+    job = dataclasses.replace(job, backends={**job.backends, gen: Backend.VLLM})
+    running = Plan({gen: Candidate(1, 1, 3, (0, 1, 2), micro_batch=8),
+                    ModelStage.parse("actor/inference"): Candidate(1, 1, 1, (0,), micro_batch=16),
+                    ModelStage.parse("reference/inference"): Candidate(1, 1, 1, (1,), micro_batch=16),
+                    ModelStage.parse("actor/training"): Candidate(1, 1, 3, (0, 1, 2), micro_batch=4)})
+    adapter = controller_for_job(job, site, running, PROMPT, pool=(0, 1, 2))
+    for step in range(4):
+        observe(adapter, step, 96)
+        adapter.boundary(step, adapter.pool)
+    adapter.engine_started(16.0)
+    before = json.dumps(adapter.state(), sort_keys=True)
+    expected = adapter.anticipated_plan((0, 1, 2, 3))
+    assert json.dumps(adapter.state(), sort_keys=True) == before and adapter.plan == running
+    warm_replicas = vllm_replicas_on(expected, (3,), [gen], job.config.train.micro_batch)
+    assert warm_replicas and all(key[1] == (3,) for _, key in warm_replicas)
+    warm = {gen: {3: key for _, key in warm_replicas}}
+
+    def join_boundary(warm_engines):
+        a = controller_for_job(job, site, running, PROMPT, pool=(0, 1, 2))
+        a.restore(json.loads(before))
+        a.warm_engines = warm_engines
+        observe(a, 4, 96)
+        return a.engine_start_term_s(running, expected, [gen], job.config.train.micro_batch), a
+
+    cold, _ = join_boundary({})
+    hot, a = join_boundary(warm)
+    assert cold == pytest.approx(16.0) and hot == 0.0
+    a.switched(expected, (0, 1, 2, 3))
+    assert a.warm_engines == {}

@@ -96,3 +96,48 @@ def test_simulate_says_generation_runs_on_vllm(capsys):
     assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
                  "--generation", "vllm", "--engine-rebuild-s", "30", "--policies", "nereus"]) == 0
     assert "; generation on vLLM (engine start-up 30 s)" in capsys.readouterr().out.splitlines()[0]
+
+
+
+def test_devices_that_come_back_join_once_their_engines_are_warm():
+    """Generation on vLLM (start-up 30 s), a frozen job on half of 32 GPUs whose other half
+    comes back at t = 100 s. Joining in the background (the default, as ``pool.join`` live), the
+    returning devices start the engines of the replicas the controller expects on them (its
+    launch plan DP-rescaled to 32) while the job runs on the half pool, and join at the first
+    boundary from t = 130 s; with those engines warm the growth starts none. Joining at once,
+    they join at t = 100 s and the growth starts engines. Devices lost meanwhile end the join."""
+    from nereusd.control.controller import Controller
+    from nereusd.planner.rescale import dp_rescale
+
+    sim, _ = build(Scenario(model="llama-3.1-8b", gpus=32, steps=10, length_trace="generated-ramp:500:2000",
+                            generation="vllm", global_batch=512), TruthConfig(engine_rebuild_s=START_S))
+    policy = parse_policy("frozen")
+    truth = ground_truth(sim.problem, sim.truth_config)
+    half, full = tuple(range(16)), tuple(range(32))
+    running = dp_rescale(sim.launch, sim.problem)   # the launch plan on 32
+    ctl = Controller(sim.problem, sim.launch, policy.control, max_response_length=sim.max_response_length,
+                     pool=full)
+    small = dp_rescale(sim.launch, dataclasses.replace(sim.problem, pool=half))
+    assert small is not None and running is not None
+    ctl.switched(small, half)
+    g = next(iter(sim.problem.engines))
+    assert small[g].micro_batch == running[g].micro_batch   # the DP rescale keeps every replica's wave
+
+    seen, join = sim._join_step(full, half, None, 100.0, ctl)
+    assert seen == half and join is not None and join.ready_s == 100.0 + START_S
+    assert set(join.warm[g]) == set(range(16, 32)) and not ctl.warm_engines
+    seen, join = sim._join_step(full, half, join, 129.0, ctl)
+    assert seen == half and join is not None
+    seen, after = sim._join_step(full, half, join, 131.0, ctl)
+    assert seen == full and after is None and ctl.warm_engines == join.warm
+    target = ctl.anticipated_plan(full)
+    assert truth.engine_rebuild_s(small, target, ctl.warm_engines) == 0.0
+    assert truth.engine_rebuild_s(small, target) == START_S
+    # a loss during the join ends it; at once: no wait
+    ctl.warm_engines = {}
+    _, join = sim._join_step(full, half, None, 200.0, ctl)
+    assert sim._join_step(half[:4], half, join, 210.0, ctl) == (half[:4], None)
+    sim.join = "immediate"
+    assert sim._join_step(full, half, None, 300.0, ctl) == (full, None)
+    with pytest.raises(ValueError, match="join must be"):
+        Simulation(sim.problem, sim.lengths, sim.pool_trace, 10, sim.truth_config, join="later")
