@@ -103,7 +103,8 @@ def _unauthenticated_status(run_dir):
         sock.close(0)
 
 
-ZERO_JOB = JOB.replace("steps: 150", "steps: 100").replace("devices: 3", "devices: 2").replace("max_devices: 4", "max_devices: 3") + """\
+ZERO_JOB = JOB.replace("steps: 150", "steps: 100").replace("devices: 3", "devices: 2").replace(
+    "max_devices: 4", "max_devices: 3, join: immediate") + """\
 backends: {actor/training: deepspeed}
 plan: {default: {tp: 1, pp: 1}}
 adaptation: {policy: frozen}
