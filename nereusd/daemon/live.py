@@ -174,6 +174,7 @@ class LiveAdaptation:
                               f"after step {step}")
         self.pool.pending_remove = 0
         leaving = list(pool_actions.leaving)
+        released: list[int] = []
         if pool_actions.lost_spares:
             gone = pool_actions.lost_spares
             self.world = [d for d in self.world if d not in gone]   # never in a world again
@@ -181,6 +182,11 @@ class LiveAdaptation:
                 "step": step, "devices": sorted(gone), "cause": ", ".join(sorted({v["cause"] for v in gone.values()})),
                 "survivors": list(self.world), "spare": True,
                 "detail": {str(d): v for d, v in sorted(gone.items())}})
+            # the world still has their dead ranks: re-form it without them before anything runs
+            # on it (devices that join in the background no longer re-form it first)
+            self._release(sorted(gone), step, "lost (a spare)")
+            leaving = [d for d in leaving if d not in gone]
+            released = sorted(gone)
         if pool_actions.refused_remove:
             self.journal.event(Event.POOL_REQUEST_REFUSED, {
                 "remove": pool_actions.refused_remove, "sources": list(pool_actions.sources),
@@ -196,9 +202,10 @@ class LiveAdaptation:
             if joined:
                 self._grow_world(joined)
         pool = tuple(d for d in sorted(self.world) if d not in leaving)
-        if leaving or joined:
+        if leaving or joined or released:
             self.journal.event(Event.POOL_CHANGED, {
-                "step": step, "joined": joined, "leaving": leaving, "pool_devices": list(pool), "verdict": "replan",
+                "step": step, "joined": joined, "leaving": sorted(leaving + released), "pool_devices": list(pool),
+                "verdict": "replan",
                 "sources": list(pool_actions.sources) + (["an agent registered (nereus-launch pool --add)"]
                                                          if joined and not pool_actions.add else [])})
         forced = None
@@ -211,7 +218,7 @@ class LiveAdaptation:
                                leaving=leaving, joined=joined)
         for action in actions:
             self._execute(action, step)
-        if leaving or joined:
+        if leaving or joined or released:
             self.controller.switched(self.driver.plan, tuple(sorted(self.world)))
 
     def _journal_decision(self, step: int, outcome) -> None:
@@ -485,11 +492,11 @@ class LiveAdaptation:
         self.journal.event(Event.WORKERS_STARTED, {"devices": joined, "generation": private})
         self._reform(sorted(self.world) + joined, joined)
 
-    def _release(self, leaving: list[int], step: int) -> None:
+    def _release(self, leaving: list[int], step: int, reason: str = "removed from the local pool") -> None:
         """Stop the workers of ``leaving`` (the plan no longer uses them), re-form the world and
         rebuild the engines on it."""
         assert not set(leaving) & set(self.driver.plan.devices()), "devices that leave still hold the plan"
-        self.control.release_devices(leaving, "removed from the local pool")
+        self.control.release_devices(leaving, reason)
         if not self.control.wait_exited(leaving):
             raise NereusError(f"the workers of devices {leaving} did not stop")
         survivors = [d for d in self.world if d not in leaving]
