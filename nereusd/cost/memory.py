@@ -342,7 +342,9 @@ def stage_memory(
     # the engine's booking (micro_batch_activation_bytes)
     if model_stage.stage is Stage.GENERATION:
         if engine_seq:
-            tokens = vllm_kv_cache_tokens(b, max(seq, engine_seq), vllm_block_tokens(device_kind))
+            # the engine's budget is its max_num_seqs, also where its share is smaller (an engine kept
+            # through a pool growth: PlannerOptions.generation_micro_batch)
+            tokens = vllm_kv_cache_tokens(max(1, micro_batch), max(seq, engine_seq), vllm_block_tokens(device_kind))
             comp["kv_cache"] = kv_cache_bytes(spec, tokens, tp, pp, e)
             comp["engine_weights"] = params * e
             comp["logits"] = logits_bytes(spec, b, tp, backward=False)   # vLLM computes the sampled positions' only

@@ -106,9 +106,10 @@ class PlannerOptions:
             (``nereus-launch plan --zero``); empty: the problem's (:attr:`PlanProblem.zero_stages`),
             else ZeRO-0. ZeRO-1/2 are offered at ``tp = pp = 1`` only, the DeepSpeed backend's scope.
         generation_micro_batch: when set, the only wave size (concurrent sequences) generation
-            may take where a replica's share is at least that large: the running vLLM engines'
-            ``max_num_seqs``, so that a plan can keep them (the controller's engine-keeping
-            alternative). 0: every wave size.
+            may take: the running vLLM engines' ``max_num_seqs``, so that a plan can keep them
+            (the controller's engine-keeping alternative), also where a replica's share is
+            smaller (an engine serves fewer sequences than its ``max_num_seqs``: the decode is
+            the share's, the KV cache booked is the engine's). 0: every wave size.
         shapes: ``(model_stage, tp, pp)`` triples: those model-stages may take only that TP and PP
             (DP, micro-batch and placement stay free). The controller pins the shape a running
             model-stage cannot leave by a transition that fits memory
@@ -228,7 +229,7 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
     smaller PP bubble alone, and the simulator's measured truth, whose kernels lose efficiency on
     small batches, ran such plans 3–8 % slower in three of four cases (a review, 2026-12-05)."""
     if generation:
-        if 0 < options.generation_micro_batch <= per_replica:
+        if options.generation_micro_batch > 0:   # a running engine serves a share below its max_num_seqs
             return (options.generation_micro_batch,)
         out, b = [per_replica], 1 << max(0, (per_replica - 1).bit_length() - 1)
         while b >= 1:

@@ -254,6 +254,37 @@ def test_micro_batches_below_the_jobs_are_searched():
     assert micro_batch_choices(16, 16, PlannerOptions(micro_batches=(16,)), True) == (16,)
 
 
+def test_a_pinned_generation_wave_holds_where_a_replica_gets_fewer_sequences():
+    """The engine-keeping alternative pins generation to the running engines' ``max_num_seqs``;
+    a pool that grows back gives each replica fewer sequences than that, and the engine still
+    serves them (a wave of the share): the wave stays pinned, and the decode is priced as the
+    share's while the KV cache is booked for the whole ``max_num_seqs``. Before, a share below
+    the pin fell back to every wave size, so the planner's plan restarted every engine at every
+    return of the simulator's noisy H200 ramp (2026-12-06)."""
+    import dataclasses
+
+    from nereusd.cost.model import CostModel
+    from nereusd.plan import ModelStage, Plan, Role, Stage
+    from nereusd.planner.space import PlanProblem, micro_batch_choices
+    from nereusd.workflow import Workload, build_workflow
+
+    assert micro_batch_choices(128, 128, PlannerOptions(generation_micro_batch=171), False, generation=True) == (171,)
+    assert micro_batch_choices(256, 128, PlannerOptions(generation_micro_batch=171), False, generation=True) == (171,)
+    site = H200.with_nodes(1)
+    gen = ModelStage(Role.ACTOR, Stage.GENERATION)
+    problem = PlanProblem(build_workflow("grpo"), {r: preset("llama-3.1-8b") for r in Role},
+                          Workload(prompt_length=512, response_length=1024, global_batch=256), site,
+                          tuple(range(8)), engines={gen: 1536})
+    base = Planner(problem, CostModel(site), PlannerOptions(generation_micro_batch=64)).solve().plan
+    assert base[gen].micro_batch == 64 and base[gen].dp * 64 <= 256
+    wide = Plan({**base.candidates, gen: dataclasses.replace(base[gen], micro_batch=256 // base[gen].dp + 32)})
+    a, b = (evaluate(problem, p, CostModel(site)) for p in (base, wide))
+    share = 256 // base[gen].dp
+    if share == 64:   # one wave either way: priced alike
+        assert b.options[gen].latency_s == pytest.approx(a.options[gen].latency_s)
+    assert b.options[gen].peak_bytes > a.options[gen].peak_bytes   # the KV cache of share + 32
+
+
 def test_a_layout_keeps_the_jobs_micro_batch_where_it_fits():
     """Each layout takes the largest micro-batch that fits memory: the cost model prices a GEMM
     by its FLOPs whatever the batch, so a smaller one where the job's fits would win on a
