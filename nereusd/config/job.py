@@ -398,7 +398,7 @@ class PoolConfig(_Strict):
     ``grow`` allocation) join: ``background`` starts their workers, and the vLLM engines of the
     replicas the controller expects to place on them, while steps go on, and they join the world
     at the first boundary after that is done; ``immediate`` starts them at the boundary they
-    arrive at, and the job waits (DESIGN.md "Pool changes")."""
+    arrive at, and the job waits (DESIGN.md "Engine backends and generation on vLLM")."""
     max_devices: StrictInt | None = Field(None, ge=1)
     """Most devices the pool may hold at once (every agent's, ``grow``/``pool --add`` ones
     included); a registration beyond it is refused. Default: 4 × the larger of ``devices`` and

@@ -1,5 +1,5 @@
 """Background joins: devices that arrive join the job while its steps go on (``pool.join:
-background``, the default; DESIGN.md "Pool changes").
+background``, the default; DESIGN.md "Engine backends and generation on vLLM").
 
 A device that arrives (a ``pool.schedule``/``pool.trace`` add, ``nereus-launch pool --add``, a
 ``grow`` allocation's agent) needs a worker process, the job's models recorded in it, and, where
