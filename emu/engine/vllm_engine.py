@@ -171,7 +171,8 @@ def _title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
-def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None) -> None:  # the engine process
+def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None,
+           parent_pid: int | None = None) -> None:  # the engine process
     try:
         import ctypes
         import signal
@@ -181,6 +182,10 @@ def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None) ->
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        # the worker died before the line above ran (a joining worker killed in its first
+        # seconds): nothing would kill this process later; it held ~570 MB until the job ended
+        os._exit(1)
     if stamp is not None:
         ProcessBeat.start_stamping(stamp)
     os.environ.update(cfg.process_env())
@@ -299,7 +304,8 @@ class VllmEngine:
         self.beat = ProcessBeat(ctx, f"vLLM engine tp{cfg.tp_rank}/{cfg.tp}")
         """The engine's liveness clock: while the worker waits on it, a silent engine withholds the
         worker's beat (:mod:`emu.liveness`)."""
-        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir, str(workdir), self.beat.stamp),
+        self._proc = ctx.Process(target=_serve, args=(child, cfg, self._dir, str(workdir), self.beat.stamp,
+                                                      os.getpid()),
                                  daemon=True, name=f"vllm-engine-tp{cfg.tp_rank}")
         self._proc.start()
         child.close()

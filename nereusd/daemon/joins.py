@@ -87,6 +87,8 @@ class BackgroundJoins:
         self.device_memory_bytes = device_memory_bytes
         self.clock = clock
         self.join: Join | None = None
+        self.arrived_after_step: int | None = None
+        """The step after which the devices of the last join that ended ready arrived."""
 
     @property
     def joining(self) -> list[int]:
@@ -147,7 +149,7 @@ class BackgroundJoins:
                     for ms, key in replicas])
                 j.task_id, j.phase = self.control.submit({d: args for d in j.devices}), "engines"
             else:   # ready
-                self.join = None
+                self.join, self.arrived_after_step = None, j.step
                 if j.engine_start_s:
                     self.controller.engine_started(j.engine_start_s)
                 self.controller.warm_engines = j.warm

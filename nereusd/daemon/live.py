@@ -193,7 +193,8 @@ class LiveAdaptation:
                 "pool": [d for d in self.control.devices() if d in self.world],
                 "reason": pool_actions.refused_reason})
         arrived = [d for d in self.control.devices() if d not in self.world and d not in self.joins.joining]
-        if self.job.config.pool.join == "background":
+        background = self.job.config.pool.join == "background"
+        if background:
             joined = self.joins.advance(arrived, list(self.world), step)
             if joined:
                 self._reform(sorted(self.world) + joined, joined)
@@ -206,8 +207,10 @@ class LiveAdaptation:
             self.journal.event(Event.POOL_CHANGED, {
                 "step": step, "joined": joined, "leaving": sorted(leaving + released), "pool_devices": list(pool),
                 "verdict": "replan",
-                "sources": list(pool_actions.sources) + (["an agent registered (nereus-launch pool --add)"]
-                                                         if joined and not pool_actions.add else [])})
+                "sources": list(pool_actions.sources) + (
+                    [] if not joined or pool_actions.add and not background else
+                    [f"devices that arrived after step {self.joins.arrived_after_step} joined in the background"]
+                    if background else ["an agent registered (nereus-launch pool --add)"])})
         forced = None
         if upcoming in self._forced:
             forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
@@ -296,7 +299,10 @@ class LiveAdaptation:
         lost = self.lost_devices(wait=not oom)
         if not lost and not oom:
             return False
-        survivors, leaving, error = list(self.world), [], err
+        # devices joining in the background are healthy and registered: the restart starts
+        # workers on them too (a join is cancelled by the restart), so that they can carry the job
+        joining = [d for d in self.joins.joining if d not in lost]
+        survivors, leaving, error = list(self.world) + joining, [], err
         why = f"out of memory: {str(err)[:300]}" if not lost else ""
         if not lost:
             self.controller.failed(step)   # the re-run plans for the longest response until past it

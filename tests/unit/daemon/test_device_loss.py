@@ -107,6 +107,7 @@ def _live(tmp_path: Path, control: FakeControl, world: list[int], restart_ok: bo
         return SimpleNamespace(plan=None)
 
     live.controller = SimpleNamespace(restart_plan=restart_plan, failed=lambda step, length=None: None)
+    live.joins = SimpleNamespace(joining=[])
     live.restarts = []
     live._restart = lambda *args, **kw: live.restarts.append((args, kw))
     live.LOSS_GRACE_S = 0.3
@@ -246,3 +247,17 @@ def test_pool_controller_lets_live_adaptation_recover_a_lost_plan_device(tmp_pat
     assert "no plan that fits the remaining devices" in failure     # only if recovery failed
     controller.recovered({}, [0, 1])
     assert controller.explain_failure(WorkerError("x")) is None and controller.plan_devices == {0, 1}
+
+
+def test_a_loss_during_a_background_join_restarts_on_the_joining_devices_too(tmp_path):
+    """Device 0 of a two-device world dies while devices 4 and 5 join in the background: the job
+    restarts on the survivor and the joining devices (the restart cancels the join and starts
+    workers on all three). Before, it restarted on the world's survivor alone, which held no plan,
+    and the job stopped (a helper's kill -9, 2026-12-06)."""
+    lost = {0: {"cause": "worker_exited", "node_id": "local0", "exitcode": -9}}
+    live = _live(tmp_path, FakeControl(lost), [0, 1])
+    live.joins = SimpleNamespace(joining=[4, 5])
+    assert live.recover(WorkerError("worker process of device(s) [0] exited"))
+    (args, _), = live.restarts
+    assert args[0] == [1, 4, 5] and args[1] == [0]
+    assert _events(tmp_path, "device_lost")[0]["survivors"] == [1, 4, 5]
