@@ -23,7 +23,7 @@ import sys
 import time
 
 from launcher.cli import DefaultsHelpFormatter, output_directory
-from nereusd.config.job import parse_stages
+from nereusd.config.curriculum import parse_stages
 from nereusd.errors import ConfigError, NereusError
 from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies

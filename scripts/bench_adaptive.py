@@ -53,7 +53,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from nereusd.config.job import curriculum_error, parse_stages  # noqa: E402
+from nereusd.config.curriculum import curriculum_error, parse_stages  # noqa: E402
 from nereusd.journal import read_jsonl  # noqa: E402
 DEMO = REPO / "examples" / "counting_grpo.yaml"
 POLICIES = {

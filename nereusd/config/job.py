@@ -12,39 +12,20 @@ from __future__ import annotations
 import re
 import reprlib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, ValidationError,
-                      field_validator, model_validator)
+from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
 
+from nereusd.config.curriculum import LengthStageConfig, curriculum_error, stage_cap
+from nereusd.config.pool import PoolConfig
+from nereusd.config.schema import Number, Strict
 from nereusd.config.yamlfile import read_yaml
 from nereusd.errors import ConfigError
 from nereusd.plan import MAX_DEVICES
 from nereusd.workflow import Algorithm
 
-_FLOAT_LITERAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+|[+-]?\.?inf(inity)?", re.IGNORECASE)
 
-
-def _yaml_float(value: Any) -> Any:
-    """PyYAML follows YAML 1.1, which reads ``1e-5`` (an exponent without a dot) and ``inf`` as
-    strings: take such a string as the number it spells. Any other string, and a boolean, stays
-    what it is, for the strict check to refuse."""
-    if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-        text = value.strip().lower().replace(".inf", "inf")
-        return float(text)
-    return value
-
-
-Number = Annotated[StrictFloat, BeforeValidator(_yaml_float)]
-"""A float field of the job: an int or a float as written (``true`` and ``"0.5"`` are refused, as
-the site loader refuses them), or an exponent literal YAML 1.1 leaves as a string (``1e-5``)."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False, allow_inf_nan=False)
-
-
-class ModelsConfig(_Strict):
+class ModelsConfig(Strict):
     """Where each role's weights come from.
 
     A value is a Hugging Face model directory (``config.json`` + ``*.safetensors``), relative to
@@ -64,14 +45,14 @@ class ModelsConfig(_Strict):
     """Reward model directory (a trunk with a value head); needed when ``reward.kind: model``."""
 
 
-class RewardConfig(_Strict):
+class RewardConfig(Strict):
     """How responses are scored."""
 
     kind: Literal["verifier", "model"] = "verifier"
     """``verifier``: a rule-based checker of the task; ``model``: the reward model's score."""
 
 
-class TaskConfig(_Strict):
+class TaskConfig(Strict):
     """The prompt set and its verifier."""
 
     name: str = "counting"
@@ -80,65 +61,7 @@ class TaskConfig(_Strict):
     """Task-specific options, passed to the task's constructor."""
 
 
-def stage_cap(stages: Sequence[tuple[int, int]], step: int, default: int) -> int:
-    """The response cap (tokens) of step ``step`` under a length curriculum: the cap of the last
-    of ``stages`` (``(at_step, max_new_tokens)``, in step order) that starts at or before it;
-    ``default`` before the first (or without stages)."""
-    cap = default
-    for at_step, max_new_tokens in stages:
-        if at_step > step:
-            break
-        cap = max_new_tokens
-    return cap
-
-
-def parse_stages(text: str) -> tuple[tuple[int, int], ...]:
-    """A curriculum written on a command line: ``"0:8192,500:16384"`` → ``((0, 8192), (500,
-    16384))``; blank → ``()``, no curriculum (:func:`curriculum_error` checks the stages).
-
-    Raises:
-        ValueError: for text of another form, with a message to show after the option's name."""
-    if not text.strip():
-        return ()
-    try:
-        stages = [part.split(":") for part in text.split(",")]
-        if any(len(stage) != 2 for stage in stages):
-            raise ValueError
-        return tuple((int(at), int(cap)) for at, cap in stages)
-    except ValueError:
-        raise ValueError(f"expected STEP:CAP stages separated by commas (e.g. 0:8192,500:16384), got {text!r}") from None
-
-
-def curriculum_error(stages: Sequence[tuple[int, int]], max_new_tokens: int | None, key: str,
-                     max_key: str, steps: int | None = None) -> str | None:
-    """Why ``stages`` (``(at_step, max_new_tokens)`` pairs, written as ``key``) is not a length
-    curriculum, or ``None``: the first stage starts at step 0, each later one at a later step
-    below ``steps`` (the job's; ``None``: no bound) with a cap that is not lower, every cap at
-    least 1 and at most ``max_new_tokens`` (``max_key``; ``None``: no bound)."""
-    if not stages:
-        return None
-    if stages[0][0] != 0:
-        return f"{key}[0].at_step: the first stage starts at step 0, got {stages[0][0]}"
-    late = next((k for k, (at, _) in enumerate(stages) if steps is not None and at >= steps), None)
-    if late is not None:
-        return f"{key}[{late}].at_step: {stages[late][0]} is not below steps={steps}: no step would run in that stage"
-    for k, ((at_a, cap_a), (at_b, cap_b)) in enumerate(zip(stages, stages[1:]), start=1):
-        if at_b <= at_a:
-            return f"{key}[{k}].at_step: {at_b} is not after the previous stage's {at_a}"
-        if cap_b < cap_a:
-            return (f"{key}[{k}].max_new_tokens: {cap_b} is below the previous stage's {cap_a} (a curriculum "
-                    "only raises the cap)")
-    low = next((k for k, (_, cap) in enumerate(stages) if cap < 1), None)   # caps rise: the first, if any
-    if low is not None:
-        return f"{key}[{low}].max_new_tokens: {stages[low][1]} is below 1"
-    over = next((k for k, (_, cap) in enumerate(stages) if max_new_tokens is not None and cap > max_new_tokens), None)
-    if over is not None:
-        return f"{key}[{over}].max_new_tokens: {stages[over][1]} exceeds {max_key} {max_new_tokens}, which sizes " \
-               "the engines and the context"
-    return None
-
-
-class RolloutConfig(_Strict):
+class RolloutConfig(Strict):
     """Generation settings."""
 
     prompts_per_step: StrictInt = Field(8, ge=1)
@@ -148,7 +71,7 @@ class RolloutConfig(_Strict):
     max_new_tokens: StrictInt = Field(96, ge=1)
     """Longest response in tokens: it sizes the vLLM engines (``max_model_len``) and the model's
     context check; with :attr:`max_new_tokens_schedule`, the cap of its last stage at most."""
-    max_new_tokens_schedule: list["LengthStageConfig"] = Field(default_factory=list)
+    max_new_tokens_schedule: list[LengthStageConfig] = Field(default_factory=list)
     """A response-length curriculum: the cap of each step's responses, raised in stages (e.g.
     DeepScaleR's 8K → 16K → 24K context lengthening, Luo et al. 2025). Entry ``k`` caps the
     steps from its ``at_step`` up to the next entry's; the first starts at step 0; caps never
@@ -169,16 +92,7 @@ class RolloutConfig(_Strict):
                          self.max_new_tokens)
 
 
-class LengthStageConfig(_Strict):
-    """One stage of ``rollout.max_new_tokens_schedule``."""
-
-    at_step: StrictInt = Field(ge=0)
-    """The stage's first step."""
-    max_new_tokens: StrictInt = Field(ge=1)
-    """The cap of its steps' responses (tokens)."""
-
-
-class TrainConfig(_Strict):
+class TrainConfig(Strict):
     """Optimisation settings shared by the trainable roles."""
 
     global_batch: StrictInt = Field(64, ge=1)
@@ -211,7 +125,7 @@ class TrainConfig(_Strict):
     weight_decay: Number = Field(0.0, ge=0.0)
 
 
-class StagePlanConfig(_Strict):
+class StagePlanConfig(Strict):
     """``tp, pp, dp`` and devices of one model-stage; omitted fields come from ``plan.default``."""
 
     tp: StrictInt | None = Field(None, ge=1)
@@ -226,7 +140,7 @@ class StagePlanConfig(_Strict):
     planner's choice after. Non-training model-stages ignore it in ``plan.default``."""
 
 
-class PlanConfig(_Strict):
+class PlanConfig(Strict):
     """The launch plan.
 
     ``default`` applies to every model-stage of the algorithm; ``model_stages`` overrides it per
@@ -251,7 +165,7 @@ real models are long (generation-bound) next to a checkpoint write, so the ratio
 """
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     every_steps: StrictInt | None = Field(None, ge=0)
     """Save a DCP checkpoint every N steps (0: only the final one). Unset: 0 without live
     adaptation, :data:`ADAPTIVE_CHECKPOINT_EVERY` with it (see :meth:`interval`)."""
@@ -270,7 +184,7 @@ class CheckpointConfig(_Strict):
         return ADAPTIVE_CHECKPOINT_EVERY if adaptive else 0
 
 
-class AdaptationConfig(_Strict):
+class AdaptationConfig(Strict):
     """Live adaptation (paper §4: monitor → planner → admission; §6: transitions at safe boundaries)."""
 
     enabled: bool = True
@@ -307,7 +221,7 @@ class AdaptationConfig(_Strict):
         return None
 
 
-class ForcedSwitchConfig(_Strict):
+class ForcedSwitchConfig(Strict):
     """A layout forced at the safe boundary before step ``at_step`` (0-based)."""
 
     at_step: StrictInt = Field(ge=1)
@@ -316,100 +230,11 @@ class ForcedSwitchConfig(_Strict):
     ``recompute``, ``zero_stage``); devices default to those the model-stage has now."""
 
 
-class PoolEventConfig(_Strict):
-    """Devices leaving or joining a local job at a safe boundary: the one before step ``at_step``
-    (0-based), or the first one at or after ``at_s`` seconds since the job's first step started.
-    Give exactly one of ``at_step`` and ``at_s``."""
-
-    at_step: StrictInt | None = Field(None, ge=1)
-    """Apply at the safe boundary before this step."""
-    at_s: Number | None = Field(None, ge=0.0)
-    """Apply at the first safe boundary at or after this many seconds since the first step
-    started (a device cannot leave mid-step in local mode: it leaves at that boundary)."""
-    remove: StrictInt = Field(0, ge=0)
-    """Devices whose workers are stopped (the highest-numbered ones of the pool)."""
-    add: StrictInt = Field(0, ge=0)
-    """Virtual devices added by a new local agent; their workers join the world."""
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> "PoolEventConfig":
-        if (self.at_step is None) == (self.at_s is None):
-            raise ValueError(f"give exactly one of at_step (a step) or at_s (seconds since the first step "
-                             f"started) (at_step={self.at_step}, at_s={self.at_s})")
-        if (self.add > 0) == (self.remove > 0):
-            raise ValueError(f"give exactly one of remove or add with a positive count "
-                             f"(remove={self.remove}, add={self.add})")
-        return self
-
-
-class PoolTraceConfig(_Strict):
-    """A spot-availability trace replayed on a local job's pool (see ``nereusd.config.pool_schedule``).
-
-    The trace's full availability is the job's ``devices``; at trace hour ``h`` the pool holds
-    ``clamp(round(devices · available(h) / full), min_devices, devices)`` devices, and each change
-    of that count is a remove/add event at the matching safe boundary. Trace hour 0 is the trace's
-    first sample with every instance available (as in ``nereus-launch simulate``). Give exactly one
-    time base: ``seconds_per_trace_hour`` (wall clock) or ``steps_per_trace_hour`` (RL steps).
-    """
-
-    name: str
-    """A shipped trace (``us-east-2b``, ``us-west-2a``: 16-node AWS spot availability, one sample
-    per 300 s; ``nereusd/data/traces/SOURCES.md``) or the path of a trace file of that format."""
-    seconds_per_trace_hour: Number | None = Field(None, gt=0.0)
-    """Wall-clock seconds of the job per trace hour (e.g. 60: a 10-hour trace in 10 minutes)."""
-    steps_per_trace_hour: Number | None = Field(None, gt=0.0)
-    """RL steps per trace hour (e.g. 12: one step per 5-minute trace sample)."""
-    start_hour: Number = Field(0.0, ge=0.0)
-    """Trace hour at which the job's first step starts."""
-    min_devices: StrictInt | None = Field(None, ge=1)
-    """The scaled pool never drops below this many devices (nor rises above the job's devices).
-    Default: the fewest the job can run on — its largest set of model-stages that run
-    concurrently on disjoint devices (GRPO: actor and reference inference, 2)."""
-
-    @field_validator("name")
-    @classmethod
-    def _known_trace(cls, value: str) -> str:
-        from nereusd.traces import load_pool_trace   # light: stdlib and nereusd.errors only
-
-        try:
-            load_pool_trace(value)
-        except ConfigError as err:
-            raise ValueError(str(err)) from None
-        return value
-
-    @model_validator(mode="after")
-    def _one_time_base(self) -> "PoolTraceConfig":
-        if (self.seconds_per_trace_hour is None) == (self.steps_per_trace_hour is None):
-            raise ValueError("give exactly one time base: seconds_per_trace_hour (wall clock) or "
-                             "steps_per_trace_hour (RL steps)")
-        return self
-
-
-class PoolConfig(_Strict):
-    """Pool changes of a local job (``nereus-launch local``); on a cluster the scheduler decides.
-    Both may be given; their changes add up."""
-
-    schedule: list[PoolEventConfig] = Field(default_factory=list)
-    """Single events at given steps or times."""
-    trace: PoolTraceConfig | None = None
-    """A spot-availability trace scaled to the job's devices."""
-    join: Literal["background", "immediate"] = "background"
-    """How devices that arrive (``schedule``/``trace`` adds, ``nereus-launch pool --add``, a
-    ``grow`` allocation) join: ``background`` starts their workers, and the vLLM engines of the
-    replicas the controller expects to place on them, while steps go on, and they join the world
-    at the first boundary after that is done; ``immediate`` starts them at the boundary they
-    arrive at, and the job waits (DESIGN.md "Engine backends and generation on vLLM")."""
-    max_devices: StrictInt | None = Field(None, ge=1)
-    """Most devices the pool may hold at once (every agent's, ``grow``/``pool --add`` ones
-    included); a registration beyond it is refused. Default: 4 × the larger of ``devices`` and
-    the launch allocation's devices (:meth:`ResolvedJob.pool_limit`)."""
-
-
 AdaptationConfig.model_rebuild()
 RolloutConfig.model_rebuild()
 
 
-class EvaluationConfig(_Strict):
+class EvaluationConfig(Strict):
     """Evaluation on the task's held-out prompts (``math``: ``task.options.eval_size`` records)."""
 
     every_steps: StrictInt = Field(0, ge=0)
@@ -418,7 +243,7 @@ class EvaluationConfig(_Strict):
     """Evaluate on at most this many held-out prompts (default: all)."""
 
 
-class WandbConfig(_Strict):
+class WandbConfig(Strict):
     """A Weights & Biases run per job (``pip install wandb``); every number of each
     ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.loggers`)."""
 
@@ -432,7 +257,7 @@ class WandbConfig(_Strict):
     tags: list[str] = Field(default_factory=list)
 
 
-class MlflowConfig(_Strict):
+class MlflowConfig(Strict):
     """An MLflow run per job (``pip install mlflow-skinny`` or ``mlflow``); every number of each
     ``metrics.jsonl`` line is logged at its step (:mod:`nereusd.loggers`)."""
 
@@ -444,14 +269,14 @@ class MlflowConfig(_Strict):
     """Default: the job's ``name``."""
 
 
-class LoggersConfig(_Strict):
+class LoggersConfig(Strict):
     """Optional experiment trackers beside ``metrics.jsonl``, TensorBoard and Prometheus."""
 
     wandb: WandbConfig | None = None
     mlflow: MlflowConfig | None = None
 
 
-class JobConfig(_Strict):
+class JobConfig(Strict):
     """A whole job YAML."""
 
     name: str = "nereus-job"

@@ -35,7 +35,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from nereusd.config.job import PoolConfig, PoolEventConfig, PoolTraceConfig
+from nereusd.config.pool import PoolConfig, PoolEventConfig, PoolTraceConfig
 from nereusd.errors import ConfigError
 from nereusd.traces import PoolTrace, load_pool_trace
 

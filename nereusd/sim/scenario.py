@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
-from nereusd.config.job import curriculum_error, stage_cap
+from nereusd.config.curriculum import curriculum_error, stage_cap
 from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
 from nereusd.plan import MAX_DEVICES, Role

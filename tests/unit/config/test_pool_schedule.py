@@ -16,7 +16,8 @@ import pytest
 
 from launcher.cli import build_parser
 from launcher.local import describe_event, pool_trace_override
-from nereusd.config.job import PoolConfig, parse_job
+from nereusd.config.job import parse_job
+from nereusd.config.pool import PoolConfig
 from nereusd.errors import ConfigError, NereusError
 from nereusd.journal import read_jsonl
 from nereusd.config.pool_schedule import PoolSchedule, ScaledTrace, net_change

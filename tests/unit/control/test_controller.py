@@ -13,7 +13,8 @@ from launcher.report import plan_segments
 from nereusd.control.controller import Controller, StepObservation
 from nereusd.control.jobs import controller_for_job, forced_plan
 from nereusd.control.problem import job_problem, launch_plan, solve
-from nereusd.config.job import LengthStageConfig, StagePlanConfig, parse_job
+from nereusd.config.curriculum import LengthStageConfig
+from nereusd.config.job import StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
 from nereusd.config.resolve import load_and_resolve
