@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 
+from nereusd.backends import restarts_vllm_engines, vllm_replicas_on
 from nereusd.control.policy import PolicyKind
 from nereusd.control.problem import solve
 from nereusd.cost.memory import usable_bytes
-from nereusd.plan import Plan
+from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, PlanResult
 from nereusd.planner.space import evaluate
@@ -108,6 +109,27 @@ class RestartPlanning:
         if result is None:
             result, _ = solve(problem, self.cost_model, self.plan, self.headroom(), True)
         return result.plan if result is not None else None
+
+    def early_engines(self, pool: tuple[int, ...], joining) -> dict[ModelStage, dict[int, tuple]]:
+        """The vLLM engines a background join starts on ``joining`` before those devices join
+        (:mod:`nereusd.daemon.joins`; the simulator's ``Simulation._join_step``):
+        ``{model_stage: {device: replica key}}`` for the replicas of :meth:`anticipated_plan` on
+        ``pool`` that lie wholly on ``joining`` (:func:`~nereusd.backends.vllm_replicas_on`).
+        Empty where there are none, or where the move to that plan starts engines anyway (a
+        replica that stays changes its key: then an early start saves nothing)."""
+        problem = self.problem(pool, 1)
+        if not problem.engines:
+            return {}
+        plan = self.anticipated_plan(pool)
+        if plan is None:
+            return {}
+        micro = problem.workload.micro_batch
+        warm: dict[ModelStage, dict[int, tuple]] = {}
+        for ms, key in vllm_replicas_on(plan, joining, problem.engines, micro):
+            warm.setdefault(ms, {}).update({d: key for d in key[1]})
+        if not warm or restarts_vllm_engines(self.plan, plan, problem.engines, micro, warm):
+            return {}
+        return warm
 
     def _restart_for_growth(self, pool: tuple[int, ...], coming: int) -> PlanResult | None:
         """The restart plan when the running plan was outgrown (:attr:`_outgrown`): of the

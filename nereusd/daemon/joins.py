@@ -12,10 +12,10 @@ phase before has finished (:meth:`BackgroundJoins.advance`):
 1. *starting*: the workers start in a private world of the joining devices;
 2. *building*: they record the job's models (a build with an empty plan, as a foreground join);
 3. *engines*: where generation runs on vLLM, they start the engines of the replicas that the
-   controller expects to place wholly on them (:meth:`Controller.anticipated_plan` of the grown
-   pool, :func:`nereusd.backends.vllm_replicas_on`; the ``prestart_engines`` task) — when that
-   saves the growth every start-up: where a replica that stays on its devices changes its key
-   (another wave size), the transition starts engines anyway and this phase is skipped;
+   controller expects to place wholly on them (:meth:`Controller.early_engines`: on the plan it
+   anticipates for the grown pool; the ``prestart_engines`` task) — when that saves the growth
+   every start-up: where a replica that stays on its devices changes its key (another wave
+   size), the transition starts engines anyway and this phase is skipped;
 4. *ready*: the shell re-forms the world with them and replans, as for any devices that joined;
    the controller knows the warm engines (:attr:`Controller.warm_engines`), so a target that
    places those replicas there prices no engine start-up, and the workers adopt the engines
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nereusd import protocol as P
-from nereusd.backends import restarts_vllm_engines, vllm_replicas_on
 from nereusd.errors import WorkerError
 from nereusd.journal import Event, Journal
 from nereusd.plan import ModelStage
@@ -138,12 +137,13 @@ class BackgroundJoins:
                                            default=0.0)
                     j.phase = "ready"
                     continue
-                replicas = self._replicas(j.devices, world)
-                if not replicas:
+                pool = tuple(sorted(set(world) | set(j.devices)))
+                j.warm = self.controller.early_engines(pool, j.devices)
+                if not j.warm:
                     j.phase = "ready"
                     continue
-                for ms, key in replicas:
-                    j.warm.setdefault(ms, {}).update({d: key for d in key[1]})
+                replicas = sorted({(ms, key) for ms, keys in j.warm.items() for key in keys.values()},
+                                  key=lambda r: (ModelStage.sort_key(r[0]), r[1]))
                 args = P.PrestartEnginesArgs(world=j.devices, replicas=[
                     P.EngineReplica(model_stage=str(ms), tp=key[0], devices=list(key[1]), max_num_seqs=key[2])
                     for ms, key in replicas])
@@ -161,23 +161,6 @@ class BackgroundJoins:
                 log.info("devices %s joined in the background (%.1f s after they arrived)", j.devices,
                          self.clock() - j.arrived_s)
                 return j.devices
-
-    def _replicas(self, devices: list[int], world: list[int]) -> list[tuple[ModelStage, tuple]]:
-        """The vLLM replicas the controller expects to place wholly on ``devices`` once they
-        joined ``world``."""
-        pool = tuple(sorted(set(world) | set(devices)))
-        problem = self.controller.problem(pool, 1)
-        if not problem.engines:
-            return []
-        plan = self.controller.anticipated_plan(pool)
-        if plan is None:
-            return []
-        micro = problem.workload.micro_batch
-        replicas = vllm_replicas_on(plan, devices, problem.engines, micro)
-        warm = {ms: {d: key for m, key in replicas if m == ms for d in key[1]} for ms, _ in replicas}
-        if restarts_vllm_engines(self.controller.plan, plan, problem.engines, micro, warm):
-            return []   # the transition starts engines anyway (a replica that stays changes its key)
-        return replicas
 
     def _fail(self, j: Join, step: int, why: str) -> None:
         """End ``j`` (module docstring): the devices whose workers exited leave the pool, the

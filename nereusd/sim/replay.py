@@ -33,7 +33,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from nereusd.backends import restarts_vllm_engines, vllm_replicas_on
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.control.controller import Controller, StepObservation
 from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
@@ -388,8 +387,8 @@ class Simulation:
         """The pool the controller sees at a boundary at ``time_s`` when ``available`` devices
         are there and it ran on ``pool``, and the background join after it (live:
         :mod:`nereusd.daemon.joins`). Devices that come back start the vLLM engines of the
-        replicas the controller expects to place wholly on them (:meth:`Controller.anticipated_plan`,
-        :func:`~nereusd.backends.vllm_replicas_on`) while the job runs on, and join at the first
+        replicas the controller expects to place wholly on them (:meth:`Controller.early_engines`)
+        while the job runs on, and join at the first
         boundary ``engine_rebuild_s`` (the truth's start-up) after they came, with those engines
         warm (:attr:`Controller.warm_engines`). Without such replicas, or a start-up to wait for,
         where the growth starts engines anyway (a replica that stays changes its wave size; the
@@ -411,13 +410,8 @@ class Simulation:
         new = tuple(d for d in available if d not in pool)
         if not new:
             return available, None
-        plan = ctl.anticipated_plan(available)
-        micro = self.problem.workload.micro_batch
-        replicas = vllm_replicas_on(plan, new, self.problem.engines, micro) if plan else []
-        warm: dict = {}
-        for ms, key in replicas:
-            warm.setdefault(ms, {}).update({d: key for d in key[1]})
-        if not replicas or restarts_vllm_engines(ctl.plan, plan, self.problem.engines, micro, warm):
+        warm = ctl.early_engines(available, new)
+        if not warm:
             return available, None   # nothing to start early, or the growth starts engines anyway
         return pool, _Join(new, time_s + start_s, warm)
 

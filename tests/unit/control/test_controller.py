@@ -761,6 +761,12 @@ def test_a_background_join_anticipates_the_plan_and_its_warm_engines_price_no_st
     warm_replicas = vllm_replicas_on(expected, (3,), [gen], job.config.train.micro_batch)
     assert warm_replicas and all(key[1] == (3,) for _, key in warm_replicas)
     warm = {gen: {3: key for _, key in warm_replicas}}
+    assert adapter.early_engines((0, 1, 2, 3), (3,)) == warm
+    # a growth whose plan changes the wave of the replicas that stay starts engines anyway: none early
+    other_wave = Plan({**expected.candidates, gen: dataclasses.replace(expected[gen], micro_batch=4)})
+    adapter.anticipated_plan = lambda pool: other_wave
+    assert adapter.early_engines((0, 1, 2, 3), (3,)) == {}
+    del adapter.anticipated_plan
 
     def join_boundary(warm_engines):
         a = controller_for_job(job, site, running, PROMPT, pool=(0, 1, 2))

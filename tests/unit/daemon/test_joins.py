@@ -10,7 +10,7 @@ from nereusd import protocol as P
 from nereusd.daemon.joins import BackgroundJoins
 from nereusd.errors import WorkerError
 from nereusd.journal import Journal, read_jsonl
-from nereusd.plan import Candidate, ModelStage, Plan
+from nereusd.plan import ModelStage
 
 GEN = ModelStage.parse("actor/generation")
 
@@ -60,14 +60,13 @@ class StandInControl:
         self.abandoned.append(task_id)
 
 
-def joins(tmp_path, control, wave: int = 2):
-    """A ``BackgroundJoins`` whose controller runs generation ``tp1·dp2`` on devices 0–1, two
-    sequences a wave, and expects ``tp1·dp4`` on 0–3 with waves of ``wave``."""
-    expected = Plan({GEN: Candidate(1, 1, 4, (0, 1, 2, 3), micro_batch=wave)})
-    controller = SimpleNamespace(
-        problem=lambda pool, length: SimpleNamespace(engines={GEN: 64}, workload=SimpleNamespace(micro_batch=4)),
-        anticipated_plan=lambda pool: expected, warm_engines={}, started=[],
-        plan=Plan({GEN: Candidate(1, 1, 2, (0, 1), micro_batch=2)}))
+def joins(tmp_path, control, early: bool = True):
+    """A ``BackgroundJoins`` whose controller expects generation ``tp1·dp4`` on devices 0–3, two
+    sequences a wave, and (``early``) the engines on 2 and 3 to start early
+    (:meth:`Controller.early_engines`, whose rule ``tests/unit/control/test_controller.py`` checks)."""
+    warm = {GEN: {2: (1, (2,), 2), 3: (1, (3,), 2)}} if early else {}
+    controller = SimpleNamespace(early_engines=lambda pool, devices: warm if sorted(devices) == [2, 3] else {},
+                                 warm_engines={}, started=[])
     controller.engine_started = controller.started.append
     store = SimpleNamespace(host="127.0.0.1", port=1, generation=0)
     store.next_generation = lambda: 7
@@ -133,12 +132,12 @@ def test_a_restart_cancels_a_join_whose_devices_join_again(tmp_path):
     assert control.released == [([2, 3], True)] and control.abandoned == [1]
 
 
-def test_no_engine_starts_early_where_the_growth_starts_engines_anyway(tmp_path):
-    """The expected plan changes the wave size of the replicas that stay (2 → 1 sequences): the
-    transition starts their engines whatever the joining devices hold, so the join skips its
-    engine phase and hands the devices over after the build."""
+def test_no_engine_starts_early_where_the_controller_expects_none(tmp_path):
+    """The controller expects no engine to start early (generation on the native engine, no
+    replica wholly on the joining devices, or a growth that starts engines anyway): the join
+    skips its engine phase and hands the devices over after the build."""
     control = StandInControl()
-    bj, controller = joins(tmp_path, control, wave=1)
+    bj, controller = joins(tmp_path, control, early=False)
     bj.advance([2, 3], [0, 1], 0)
     control.ready_workers |= {2, 3}
     bj.advance([], [0, 1], 1)
