@@ -56,6 +56,17 @@ def _host() -> str:
         return "127.0.0.1"
 
 
+def _engine_address(group, group_src: int, tp_rank: int) -> tuple[str, int]:
+    """The engine world's rendezvous: TP rank 0 (``group_src`` in ``group``) picks a host and a
+    free port, and every rank of ``group`` gets them (collective over ``group``)."""
+    box: list[Any] = [None]
+    if tp_rank == 0:
+        host = _host()
+        box[0] = (host, free_port(host))
+    dist.broadcast_object_list(box, group=group, group_src=group_src)
+    return box[0]
+
+
 class VllmStages:
     """Handlers' helpers for ``vllm`` generation model-stages (state lives on WorkerRuntime)."""
 
@@ -120,14 +131,8 @@ class VllmStages:
             ms = ModelStage.parse(rep.model_stage)
             info = self._build_args.roles[ms.role.value]
             tp_rank = rep.devices.index(self.device_index)
-            addr, port = "127.0.0.1", 0
-            if group is not None:
-                box: list[Any] = [None]
-                if tp_rank == 0:
-                    host = _host()
-                    box[0] = (host, free_port(host))
-                dist.broadcast_object_list(box, group=group, group_src=sorted(ranks).index(ranks[0]))
-                addr, port = box[0]
+            addr, port = (_engine_address(group, sorted(ranks).index(ranks[0]), tp_rank) if group is not None
+                          else ("127.0.0.1", 0))
             cfg = self._vllm_config(ModelSpec.from_dict(info.spec), rep.tp, tp_rank, torch.get_default_dtype(),
                                     rep.max_num_seqs, addr, port)
             self._close_warm(ms)
@@ -173,12 +178,7 @@ class VllmStages:
         groups: StageGroups = engine.groups
         if groups.tp.size == 1:
             return "127.0.0.1", 0
-        box: list[Any] = [None]
-        if groups.tp_rank == 0:
-            host = _host()
-            box[0] = (host, free_port(host))
-        dist.broadcast_object_list(box, group=groups.tp.group, group_src=StageGroups.group_rank(groups.tp_ranks, 0))
-        return box[0]
+        return _engine_address(groups.tp.group, StageGroups.group_rank(groups.tp_ranks, 0), groups.tp_rank)
 
     def _sync_engines(self) -> dict[str, float]:
         """Start, keep or stop engines for the current plan; reload stale weights (module docstring).
