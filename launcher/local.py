@@ -316,8 +316,12 @@ class _Progress:
             self.bar.close()
 
 
-class _Terminated(Exception):
-    """SIGTERM or SIGHUP reached the launcher (``kill``, ``timeout``, a closed terminal)."""
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP reached the launcher (``kill``, ``timeout``, a closed terminal). A
+    ``BaseException``, as ``KeyboardInterrupt`` is: code the signal interrupts that catches
+    ``Exception`` must not swallow it. tqdm's constructor does, around the start of its monitor
+    thread: a SIGTERM that came while the progress bar started was lost and the job ran on to
+    ``succeeded`` (a CI failure of ``test_ctrl_c_tears_everything_down[SIGTERM]``)."""
 
 
 def _raise_terminated(signum: int, _frame: object) -> None:

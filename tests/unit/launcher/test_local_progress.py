@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
-from launcher.local import _Progress
+import pytest
+import tqdm.std
+
+from launcher.local import _Progress, _raise_terminated, _Terminated
 
 
 def test_the_progress_bar_shows_each_steps_response_cap(tmp_path):
@@ -22,3 +27,27 @@ def test_the_progress_bar_shows_each_steps_response_cap(tmp_path):
     bar.update(tmp_path)
     assert "len 5.5/24 step 1.0s" in bar.bar.postfix, bar.bar.postfix
     bar.close()
+
+
+def test_a_sigterm_while_the_progress_bar_starts_is_not_swallowed(tmp_path, monkeypatch):
+    """tqdm's constructor catches ``Exception`` around the start of its monitor thread. A SIGTERM
+    that came just then was swallowed when the launcher's signal exception was an ``Exception``,
+    and the job ran to ``succeeded`` (a CI failure of the SIGTERM e2e test); it must reach
+    :func:`launcher.local.supervise`'s handler."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(
+        {"step": 0, "reward_mean": 0.5, "response_length_mean": 5.5, "step_latency_s": 1.0, "plan": {}}) + "\n")
+    (tmp_path / "events.jsonl").write_text("")
+
+    def monitor_start(*_args):
+        os.kill(os.getpid(), signal.SIGTERM)   # delivered to this (the main) thread at once
+        raise AssertionError("the signal's exception should have come first")
+
+    monkeypatch.setattr(tqdm.std, "TMonitor", monitor_start)
+    monkeypatch.setattr(tqdm.std.tqdm, "monitor", None)
+    monkeypatch.setattr(tqdm.std.tqdm, "monitor_interval", 10)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with pytest.raises(_Terminated, match="SIGTERM"):
+            _Progress(total=4, quiet=True).update(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
