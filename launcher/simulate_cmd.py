@@ -49,14 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"shipped name ({', '.join(sorted(LENGTH_TRACES))}), generated-ramp[:start:end] (tokens, "
                    "geometric over --steps), or a CSV path (FILE.csv or FILE.csv:COLUMN, default column "
                    "response_length_mean, one row per step; a trace shorter than --steps repeats)")
-    p.add_argument("--max-new-tokens-schedule", default="", metavar="STEP:CAP,…",
+    p.add_argument("--max-new-tokens-schedule", default=None, metavar="STEP:CAP,…",
                    help="a response-length curriculum, as a job's rollout.max_new_tokens_schedule (e.g. "
                    "0:8192,500:16384,800:24576, DeepScaleR's 8K/16K/24K): from step STEP each step's length is the "
-                   "trace's cut at CAP tokens, and the controller knows each step's cap (default: none)")
+                   "trace's cut at CAP tokens, and the controller knows each step's cap (default: none, no curriculum)")
     p.add_argument("--join", choices=("background", "immediate"), default="background",
                    help="how devices that come back join, as a job's pool.join: background (the vLLM engines the "
                    "controller expects on them start while the job runs on; they join once those are up) or "
-                   "immediate (they join at once and the transition starts their engines) (default: background)")
+                   "immediate (they join at once and the transition starts their engines)")
     p.add_argument("--pool-trace", default="constant",
                    help=f"shipped name ({', '.join(sorted(POOL_TRACES))}), constant, or a JSON path "
                    "({\"metadata\": {\"gap_seconds\": S}, \"data\": [instance counts, one per S seconds]}; "
@@ -91,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _stages(text: str) -> tuple[tuple[int, int], ...]:
-    """:func:`nereusd.config.job.parse_stages` of ``--max-new-tokens-schedule`` (the scenario
+    """:func:`nereusd.config.curriculum.parse_stages` of ``--max-new-tokens-schedule`` (the scenario
     checks the stages).
 
     Raises:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed,
-                        generation=args.generation, max_new_tokens_schedule=_stages(args.max_new_tokens_schedule),
+                        generation=args.generation, max_new_tokens_schedule=_stages(args.max_new_tokens_schedule or ""),
                         join=args.join)
     truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h,
                         engine_rebuild_s=args.engine_rebuild_s, kind=args.truth)
