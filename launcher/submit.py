@@ -292,7 +292,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  node {node}: devices {agent['devices']}{where}")
         if live.get("joining"):
             j = live["joining"]
-            print(f"  joining in the background: devices {j['devices']} ({j['phase']}, {j['elapsed_s']:.0f} s so far)")
+            waiting = f"; devices {j['waiting']} wait for the next join" if j.get("waiting") else ""
+            print(f"  joining in the background: devices {j['devices']} ({j['phase']}, {j['elapsed_s']:.0f} s so far)"
+                  + waiting)
         step = live.get("last_metrics") or {}
         if step.get("response_length_mean") is not None:
             cap = f" (cap {step['max_new_tokens']})" if step.get("max_new_tokens") is not None else ""

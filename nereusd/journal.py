@@ -71,6 +71,10 @@ class Event(str, enum.Enum):
     JOIN_FAILED = "join_failed"
     """A background join failed (a joining worker exited or a task failed): its devices' workers
     stopped; those that failed leave the pool, the others join again."""
+    JOIN_CANCELLED = "join_cancelled"
+    """A background join stopped before its devices joined, for ``reason``: a checkpoint/restart
+    of the job (the devices join again, or carry the restart), a removal that took joining
+    devices (``left_pool``; the others join again), or the end of the job."""
     WORKERS_KEPT = "workers_kept"
     """``--resume``: whether the job continues on the workers the lost nereusd's agents kept
     (their EMUs in memory), and why not (:mod:`nereusd.daemon.kept`)."""

@@ -358,7 +358,7 @@ class Daemon:
         self.pool.after_step(record, self.driver.save_checkpoint)
         if self.live is not None:
             self.live.at_boundary(record)
-            self.pool.joining = self.live.joins.status()
+            self.pool.joining = self.live.joins.status(self.live.waiting())
             self.pool.plan = self.driver.plan.to_dict()
             self.pool.last_decision = self.live.last_decision or self.pool.last_decision
 
@@ -375,6 +375,8 @@ class Daemon:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if self.watcher is not None:
             self.watcher.stop()
+        if self.live is not None:
+            self.live.joins.abandon(f"the job ended ({summary['status']})")
         self.control.shutdown_agents(summary["status"])
         summary["wall_time_s"] = round(time.time() - started, 3)
         summary["backends"] = {str(ms): b.value for ms, b in self.job.backends.items()}

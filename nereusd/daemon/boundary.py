@@ -3,9 +3,10 @@ the controller's decision (DESIGN.md "One RL step", steps 3–5). No sockets, no
 clock: :class:`nereusd.daemon.live.LiveAdaptation` gathers the inputs and executes the result.
 
 1. :func:`plan_pool` — from the world, the registry's view of lost devices, removal requests
-   and the pool schedule's due events: which devices leave (lost spares, then removals, the
-   highest-numbered first, never the last device), how many are added, and whether devices of
-   the running plan were lost (then nothing is planned: the recovery path restarts the job);
+   and the pool schedule's due events: which devices leave (lost spares, then removals: devices
+   not in the world yet first — they hold nothing of the job —, then the world's
+   highest-numbered, never the last device), how many are added, and whether devices of the
+   running plan were lost (then nothing is planned: the recovery path restarts the job);
 2. the shell adds devices and grows the world, then asks the controller (pure as well);
 3. :func:`plan_actions` — from the decision, the devices that leave and those that joined: the
    transition to run (the DAG admission assessed, as it is), then a checkpoint/restart, the
@@ -30,7 +31,12 @@ class PoolActions:
 
     Attributes:
         add: devices to add (a new local agent).
-        leaving: devices whose workers stop: lost spares and chosen removals, sorted.
+        leaving: devices of the world whose workers stop: lost spares and chosen removals, sorted.
+        leaving_outside: removals of registered devices not in the world yet (waiting for a
+            background join, or in one: its join is cancelled), sorted. They hold nothing of
+            the job, so a removal takes them first: ``nereus-launch pool --remove`` during a
+            join once counted them on arrival and then refused itself at the boundary, where
+            only the world's devices were candidates.
         lost_spares: devices lost since the step's last task that hold nothing of the plan
             (``{device: {"cause", ...}}`` from the registry).
         lost_plan_devices: devices of the running plan that were lost: their state is gone, the
@@ -43,6 +49,7 @@ class PoolActions:
 
     add: int = 0
     leaving: tuple[int, ...] = ()
+    leaving_outside: tuple[int, ...] = ()
     lost_spares: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     lost_plan_devices: tuple[int, ...] = ()
     refused_remove: int = 0
@@ -90,10 +97,12 @@ def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[
     remove = pending_remove + scheduled_remove
     leaving = set(lost)
     refused, reason = 0, ""
+    outside: list[int] = []
     if remove:
-        candidates = sorted(d for d in registered if d in world and d not in lost)
+        inside = [d for d in registered if d in world and d not in lost]
+        candidates = inside + [d for d in registered if d not in world and d not in lost]   # taken from the end
         removed = candidates[-remove:] if remove < len(candidates) else list(candidates)
-        kept = tuple(d for d in candidates if d not in removed)
+        kept = tuple(sorted(d for d in candidates if d not in removed))
         reason = too_few_left(len(kept), min_devices)
         if reason:
             reason += f"; {len(candidates)} in the pool"
@@ -101,9 +110,10 @@ def plan_pool(*, world: Sequence[int], registered: Sequence[int], lost: Mapping[
             reason = unfit(kept) or ""
         if reason:
             refused, removed = remove, []
-        leaving |= set(removed)
-    return PoolActions(add=add, leaving=tuple(sorted(leaving)), lost_spares=dict(lost), refused_remove=refused,
-                       refused_reason=reason, sources=tuple(sources))
+        leaving |= {d for d in removed if d in world}
+        outside = sorted(d for d in removed if d not in world)
+    return PoolActions(add=add, leaving=tuple(sorted(leaving)), leaving_outside=tuple(outside), lost_spares=dict(lost),
+                       refused_remove=refused, refused_reason=reason, sources=tuple(sources))
 
 
 class ActionKind(str, enum.Enum):

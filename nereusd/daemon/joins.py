@@ -24,7 +24,10 @@ phase before has finished (:meth:`BackgroundJoins.advance`):
 Devices that arrive while a join runs wait for the next one. A joining worker that exits, or a
 phase's task that fails, ends the join (``join_failed``): the workers of the devices that failed
 stop and those devices leave the pool; the others stop and join again from the start. A
-checkpoint/restart of the job cancels a running join the same way (:meth:`BackgroundJoins.cancel`).
+checkpoint/restart of the job, or a removal that takes joining devices (they hold nothing of the
+job, so a removal takes them before the world's: :func:`nereusd.daemon.boundary.plan_pool`),
+cancels a running join the same way (:meth:`BackgroundJoins.cancel`, ``join_cancelled``); the
+end of the job abandons it (:meth:`BackgroundJoins.abandon`).
 """
 
 from __future__ import annotations
@@ -178,21 +181,41 @@ class BackgroundJoins:
                                                "left_pool": failed, "join_again": again, "error": why[:300]})
         log.warning("a background join of devices %s failed in phase %s: %s", j.devices, j.phase, why)
 
-    def cancel(self, reason: str) -> list[int]:
-        """Stop the workers of a running join (a checkpoint/restart of the job: their private
-        world's tasks are abandoned); the devices stay in the pool and join again. Returns them."""
+    def cancel(self, reason: str, step: int | None = None, leave: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Stop the workers of a running join (a checkpoint/restart of the job, or a removal of
+        joining devices: their private world's tasks are abandoned) and journal
+        ``join_cancelled``. The devices of ``leave`` leave the pool; the others stay in it and
+        join again. Returns the devices that stay."""
         j, self.join = self.join, None
         if j is None:
             return []
         if j.task_id is not None:
             self.control.abandon_task(j.task_id)
-        self.control.release_devices(j.devices, reason, keep_in_pool=True)
+        gone = [d for d in j.devices if d in leave]
+        again = [d for d in j.devices if d not in gone]
+        if gone:
+            self.control.release_devices(gone, reason)
+        if again:
+            self.control.release_devices(again, reason, keep_in_pool=True)
         self.control.wait_exited(j.devices)
-        return list(j.devices)
+        self.journal.event(Event.JOIN_CANCELLED, {"step": step, "devices": j.devices, "phase": j.phase,
+                                                  "reason": reason, "left_pool": gone, "join_again": again})
+        log.info("the background join of devices %s was cancelled in phase %s: %s", j.devices, j.phase, reason)
+        return again
 
-    def status(self) -> dict[str, Any] | None:
-        """The join in progress for ``nereus-launch status`` (``None``: none)."""
+    def abandon(self, reason: str) -> None:
+        """The job ends with a join running: journal ``join_cancelled`` (the job's shutdown stops
+        every worker)."""
+        j, self.join = self.join, None
+        if j is not None:
+            self.journal.event(Event.JOIN_CANCELLED, {"step": None, "devices": j.devices, "phase": j.phase,
+                                                      "reason": reason, "left_pool": [], "join_again": []})
+
+    def status(self, waiting: list[int] | None = None) -> dict[str, Any] | None:
+        """The join in progress for ``nereus-launch status`` (``None``: none); ``waiting``: devices
+        that arrived while it runs (they join next)."""
         j = self.join
         if j is None:
             return None
-        return {"devices": j.devices, "phase": j.phase, "elapsed_s": round(self.clock() - j.arrived_s, 1)}
+        return {"devices": j.devices, "phase": j.phase, "elapsed_s": round(self.clock() - j.arrived_s, 1),
+                "waiting": sorted(waiting or [])}

@@ -187,12 +187,20 @@ class LiveAdaptation:
             self._release(sorted(gone), step, "lost (a spare)")
             leaving = [d for d in leaving if d not in gone]
             released = sorted(gone)
+        outside = list(pool_actions.leaving_outside)   # waiting for a join or in one: nothing to move
+        if outside:
+            joining = [d for d in outside if d in self.joins.joining]
+            if joining:
+                self.joins.cancel(f"devices {joining} removed from the pool while joining", step, leave=joining)
+            waiting = [d for d in outside if d not in joining]
+            if waiting:
+                self.control.release_devices(waiting, "removed from the pool before they joined")
         if pool_actions.refused_remove:
             self.journal.event(Event.POOL_REQUEST_REFUSED, {
                 "remove": pool_actions.refused_remove, "sources": list(pool_actions.sources),
                 "pool": [d for d in self.control.devices() if d in self.world],
                 "reason": pool_actions.refused_reason})
-        arrived = [d for d in self.control.devices() if d not in self.world and d not in self.joins.joining]
+        arrived = self.waiting()
         background = self.job.config.pool.join == "background"
         if background:
             joined = self.joins.advance(arrived, list(self.world), step)
@@ -203,10 +211,11 @@ class LiveAdaptation:
             if joined:
                 self._grow_world(joined)
         pool = tuple(d for d in sorted(self.world) if d not in leaving)
-        if leaving or joined or released:
+        if leaving or joined or released or outside:
             self.journal.event(Event.POOL_CHANGED, {
-                "step": step, "joined": joined, "leaving": sorted(leaving + released), "pool_devices": list(pool),
-                "verdict": "replan",
+                "step": step, "joined": joined, "leaving": sorted(leaving + released + outside),
+                "pool_devices": list(pool),
+                "verdict": "replan" if leaving or joined or released else "none (they had not joined)",
                 "sources": list(pool_actions.sources) + (
                     [] if not joined or pool_actions.add and not background else
                     [f"devices that arrived after step {self.joins.arrived_after_step} joined in the background"]
@@ -223,6 +232,10 @@ class LiveAdaptation:
             self._execute(action, step)
         if leaving or joined or released:
             self.controller.switched(self.driver.plan, tuple(sorted(self.world)))
+
+    def waiting(self) -> list[int]:
+        """Devices registered in the pool, in no world and no join yet (they join next)."""
+        return [d for d in self.control.devices() if d not in self.world and d not in self.joins.joining]
 
     def _journal_decision(self, step: int, outcome) -> None:
         """Journal ``trigger``, ``replan`` and ``admission`` for the controller's outcome."""
@@ -394,7 +407,7 @@ class LiveAdaptation:
             "world": sorted(world), "leaving": sorted(leaving)})   # first: a fault during it is on record
         result = self.controller.restart_plan(tuple(sorted(world)))
         old = list(self.world)
-        self.joins.cancel("checkpoint/restart: the join starts again")
+        self.joins.cancel("checkpoint/restart: the join starts again", failed_step)
         abandoned = self.control.abandon_tasks()
         if leaving:
             self.control.release_devices(leaving, leave_reason or "removed from the local pool")

@@ -36,6 +36,21 @@ def test_removals_take_the_highest_numbered_devices_and_never_the_last():
     assert refused.leaving == () and refused.refused_remove == 1
 
 
+def test_removals_take_devices_that_have_not_joined_first():
+    """Devices registered but not in the world yet (waiting for a background join, or in one)
+    hold nothing of the job: a removal takes them before the world's. ``pool --remove`` during a
+    join was counted against them on arrival and then refused at the boundary."""
+    joining = dict(world=[0, 1], registered=[0, 1, 2, 3], lost={}, plan_devices=[0, 1], due=[], min_devices=2)
+    one = plan_pool(pending_remove=1, **joining)
+    assert one.leaving_outside == (3,) and one.leaving == () and one.refused_remove == 0
+    two = plan_pool(pending_remove=2, **joining)
+    assert two.leaving_outside == (2, 3) and two.leaving == ()
+    three = plan_pool(pending_remove=3, **joining)   # would leave one device: refused whole
+    assert three.refused_remove == 3 and three.leaving == three.leaving_outside == ()
+    spare = plan_pool(pending_remove=3, **(joining | {"min_devices": 1}))
+    assert spare.leaving_outside == (2, 3) and spare.leaving == (1,)
+
+
 def test_a_lost_spare_leaves_and_a_lost_plan_device_plans_nothing_but_the_joins():
     lost = {3: {"cause": "worker_exited"}}
     spare = plan_pool(world=[0, 1, 2, 3], registered=[0, 1, 2, 3], lost=lost, plan_devices=[0, 1],

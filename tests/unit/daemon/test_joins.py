@@ -128,8 +128,26 @@ def test_a_restart_cancels_a_join_whose_devices_join_again(tmp_path):
     bj.advance([2, 3], [0, 1], 0)
     control.ready_workers |= {2, 3}
     bj.advance([], [0, 1], 1)
-    assert bj.cancel("checkpoint/restart") == [2, 3] and bj.joining == [] and bj.status() is None
+    assert bj.cancel("checkpoint/restart", 1) == [2, 3] and bj.joining == [] and bj.status() is None
     assert control.released == [([2, 3], True)] and control.abandoned == [1]
+    [cancelled] = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "join_cancelled"]
+    assert cancelled["join_again"] == [2, 3] and cancelled["left_pool"] == [] and cancelled["phase"] == "building"
+
+
+def test_a_removal_of_joining_devices_cancels_the_join_and_the_others_join_again(tmp_path):
+    """``nereus-launch pool --remove`` takes joining devices first (``plan_pool``); those leave
+    the pool, the rest of the join starts again. A join the job's end abandons is on record."""
+    control = StandInControl()
+    bj, _ = joins(tmp_path, control)
+    bj.advance([2, 3], [0, 1], 0)
+    assert bj.cancel("devices [3] removed from the pool while joining", 0, leave=[3]) == [2]
+    assert control.released == [([3], False), ([2], True)]
+    bj.advance([2], [0, 1], 1)
+    bj.abandon("the job ended (succeeded)")
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "join_cancelled"]
+    assert [(e["devices"], e["left_pool"], e["reason"]) for e in events] == [
+        ([2, 3], [3], "devices [3] removed from the pool while joining"), ([2], [], "the job ended (succeeded)")]
+    assert bj.joining == []
 
 
 def test_no_engine_starts_early_where_the_controller_expects_none(tmp_path):

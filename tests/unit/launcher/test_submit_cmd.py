@@ -82,7 +82,11 @@ def test_status_of_a_running_job_says_how_many_steps_are_done(tmp_path, capsys, 
             in capsys.readouterr().out)
     live["joining"] = {"devices": [4, 5], "phase": "engines", "elapsed_s": 12.4}   # nereusd.daemon.joins
     assert main(["status", str(tmp_path)]) == 0
-    assert "joining in the background: devices [4, 5] (engines, 12 s so far)" in capsys.readouterr().out
+    assert "joining in the background: devices [4, 5] (engines, 12 s so far)\n" in capsys.readouterr().out
+    live["joining"]["waiting"] = [6]   # arrived while the join ran
+    assert main(["status", str(tmp_path)]) == 0
+    assert ("joining in the background: devices [4, 5] (engines, 12 s so far); devices [6] wait for the next join"
+            in capsys.readouterr().out)
 
 
 def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
