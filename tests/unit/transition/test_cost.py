@@ -21,7 +21,8 @@ from nereusd.transition import (
     op_duration_s,
     plan_transition,
 )
-from nereusd.transition.cost import best_list_schedule, critical_path_order, list_schedule, makespan_lower_bound
+from nereusd.transition.cost import (best_list_schedule, bottleneck_order, critical_path_order, list_schedule,
+                                     makespan_lower_bound)
 from tests.support.specs import TINY_MODELS as MODELS
 
 SIZES = AdamStateSizes()  # 14 bytes moved per element in training
@@ -149,6 +150,20 @@ def test_forward_backward_justification_finds_a_shorter_schedule():
     assert max(start[x] + duration[x] for x in order) == 7
 
 
+def test_bottleneck_order_runs_the_busiest_links_jobs_first():
+    # Job 0 (2 ticks, port 0) precedes job 1 (3 ticks, ports 1 and 2); job 2 (3 ticks, the same
+    # two ports) is free. The critical path ranks job 0's chain (5) above job 2 (3), so critical-
+    # path and index order both run job 1 first and job 2 after it: 8 ticks, and justification
+    # keeps that. Ports 1 and 2 carry 6 ticks of work: bottleneck order starts job 2 at once, 6.
+    duration = {0: 2, 1: 3, 2: 3}
+    ports = {0: [0], 1: [1, 2], 2: [2, 1]}
+    preds = {1: [0]}
+    assert _makespan(critical_path_order([0, 1, 2], duration, preds), duration, ports, preds) == 8
+    assert bottleneck_order([0, 1, 2], duration, ports, preds) == [2, 0, 1]
+    order, start, _ = best_list_schedule([0, 1, 2], duration, ports, preds)
+    assert max(start[x] + duration[x] for x in order) == 6 == makespan_lower_bound([0, 1, 2], duration, ports, preds)
+
+
 @given(st.integers(0, 2**32 - 1))
 @settings(max_examples=150, deadline=None)
 def test_best_list_schedule_is_a_valid_schedule_between_the_bound_and_a_plain_list_schedule(seed):
@@ -169,3 +184,4 @@ def test_best_list_schedule_is_a_valid_schedule_between_the_bound_and_a_plain_li
     assert makespan_lower_bound(list(range(n)), duration, ports, preds) <= optimum <= end
     assert end <= _makespan(critical_path_order(list(range(n)), duration, preds), duration, ports, preds)
     assert end <= _makespan(list(range(n)), duration, ports, preds)
+    assert end <= _makespan(bottleneck_order(list(range(n)), duration, ports, preds), duration, ports, preds)
