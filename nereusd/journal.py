@@ -50,6 +50,9 @@ class Event(str, enum.Enum):
     """An agent registered its devices (their global numbers)."""
     AGENT_LOST = "agent_lost"
     """An agent left the pool: heartbeats stopped, or Slurm took its node."""
+    AGENT_RETIRED = "agent_retired"
+    """An agent whose devices had all left the pool (removed, lost as spares, failed while
+    joining) was told to exit (``ControlPlane.retire_idle_agents``)."""
     CONNECTION_REFUSED = "connection_refused"
     """A peer failed the CURVE handshake."""
     MESSAGE_REFUSED = "message_refused"

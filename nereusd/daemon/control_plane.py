@@ -125,6 +125,9 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         self._status = status or (lambda: {})
         self.on_pool_request = on_pool_request
         self.released_devices: set[int] = set()
+        self.retired_agents: dict[bytes, str] = {}
+        """Agents told to exit because every device of theirs left the pool (:meth:`retire_idle_agents`),
+        by identity: what they send until they go is dropped, neither handled nor refused."""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.world_formed = False
         self.refused_messages = 0
@@ -260,6 +263,8 @@ class ControlPlane(AgentRegistry, TaskDispatch):
                 raise ProtocolError("this nereusd does not change its pool on request")
             self._send(identity, P.StatusReply(status=self.on_pool_request(msg.remove)))
             return
+        if identity in self.retired_agents:
+            return   # a heartbeat or exit report sent before it read its Shutdown
         agent = self._seen(identity, fd)
         if agent is None:
             raise ProtocolError(f"{msg.type!r} from an unregistered peer")
@@ -393,6 +398,28 @@ class ControlPlane(AgentRegistry, TaskDispatch):
                 missing = sorted(set(world) - self.ready_workers)
                 raise WorkerError(f"workers of devices {missing} did not start within {timeout_s:.0f} s")
             self.poll(0.1)
+
+    def retire_idle_agents(self) -> list[str]:
+        """Tell each agent whose devices have all left the pool (removed, lost as spares, failed
+        while joining), and whose workers have exited, to exit; journal ``agent_retired``.
+        Returns their node ids. An agent that added devices (``pool --add``, a ``grow``
+        allocation) otherwise ran idle until the job ended, holding its Slurm allocation."""
+        out = []
+        for node_id, agent in list(self.agents.items()):
+            if (not agent.global_devices or agent.workers_alive
+                    or any(self._device_to_agent.get(d) == node_id for d in agent.global_devices)):
+                continue
+            del self.agents[node_id]
+            self._by_identity.pop(agent.identity, None)
+            if self._agent_at_fd.get(agent.fd) == node_id:
+                del self._agent_at_fd[agent.fd]
+            self.retired_agents[agent.identity] = node_id
+            self._send(agent.identity, P.Shutdown(reason="every device of this agent left the pool"))
+            self._on_event(Event.AGENT_RETIRED, {"node_id": node_id, "devices": agent.global_devices,
+                                                 "slurm_job_id": agent.slurm_job_id})
+            log.info("agent %s retired: its devices %s left the pool", node_id, agent.global_devices)
+            out.append(node_id)
+        return out
 
     # ------------------------------------------------------------------ teardown
     def shutdown_agents(self, reason: str, wait_s: float = 10.0) -> None:

@@ -158,6 +158,7 @@ class LiveAdaptation:
             return
         self.driver.drain_rollouts()   # asynchronous: generations already ran, keep their versions
         self.control.poll(0)
+        self.control.retire_idle_agents()   # those whose devices all left at an earlier boundary
         elapsed_s = time.monotonic() - self._first_step_start
         due = self._schedule.due(upcoming, elapsed_s)
         if due:

@@ -76,18 +76,24 @@ def test_pool_command_removes_and_adds_devices_of_a_running_job(tmp_path):
         assert "leave at the next safe boundary" in pool(run_dir, "--remove", "1")
         wait_for("device 3 joined", lambda: any(e["event"] == "world_formed" and 3 in e["devices"]
                                                 for e in read_jsonl(run_dir / "events.jsonl")), 180, run_dir)
+        # device 3, the added agent's last, leaves too: the agent is told to exit, not left idle
+        assert "leave at the next safe boundary" in pool(run_dir, "--remove", "1")
+        wait_for("the added agent retired", lambda: any(e["event"] == "agent_retired"
+                                                        for e in read_jsonl(run_dir / "events.jsonl")), 180, run_dir)
         finish(proc, run_dir, timeout_s=240)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 250, summary
     events = read_jsonl(run_dir / "events.jsonl")
-    assert [e["remove"] for e in events if e["event"] == "pool_request"] == [1, 1]
-    assert not any(e["event"] == "pool_request_refused" for e in events)
+    assert [e["remove"] for e in events if e["event"] == "pool_request"] == [1, 1, 1]
+    assert not any(e["event"] in ("pool_request_refused", "agent_lost", "message_refused") for e in events)
     changes = [e for e in events if e["event"] == "pool_changed" and "step" in e and "leaving" in e]
-    assert sorted(d for c in changes for d in c["leaving"]) == [2, 4], changes
+    assert sorted(d for c in changes for d in c["leaving"]) == [2, 3, 4], changes
     assert changes[0]["leaving"] == [2] and any("nereus-launch pool --remove 1" in s for s in changes[0]["sources"])
     assert any(e["event"] == "worker_exited" and e["device"] == 2 for e in events)
     formed = [e["devices"] for e in events if e["event"] == "world_formed"]
-    assert formed[-1] == [0, 1, 3]
+    assert [0, 1, 3] in formed and formed[-1] == [0, 1]
+    [retired] = [e for e in events if e["event"] == "agent_retired"]
+    assert retired["devices"] == [3, 4] and retired["node_id"] != "local0"
     # the run has ended: the pool can no longer change
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "pool", str(run_dir), "--add", "1"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -247,3 +247,45 @@ def test_workers_waiting_on_peers_count_as_arrived_and_any_task_has_a_bound():
         thread.join(5)
         sock.close()
         control.close()
+
+
+def test_an_agent_whose_devices_all_left_the_pool_is_told_to_exit_and_not_lost(monkeypatch):
+    """Devices 2 and 3 of agent ``added`` leave the pool (a removal): once its workers are gone it
+    is told to exit (``agent_retired``), and its connection dropping then is no loss. ``base``
+    keeps device 0 and stays; an agent with a worker still alive waits."""
+    import time
+
+    from nereusd.daemon import registry
+
+    monkeypatch.setattr(registry, "DISCONNECT_GRACE_S", 0.2)
+    events, lost = [], []
+    control = ControlPlane(heartbeat_timeout_s=60.0, on_event=lambda name, fields: events.append((name, fields)),
+                           on_pool_change=lost.append)
+    base, added = fake_agent(control, "base", 2), fake_agent(control, "added", 2)
+    try:
+        control.release_devices([1, 2, 3], "removed from the pool")
+        for sock in (base, added):
+            assert isinstance(P.decode(sock.recv()), P.StopWorkers)
+        added.send(P.encode(P.Heartbeat(node_id="added", workers_alive=[3])))   # its worker 3 still runs
+        control.poll(0.2)
+        assert isinstance(P.decode(added.recv()), P.Heartbeat)
+        assert control.retire_idle_agents() == []
+        added.send(P.encode(P.Heartbeat(node_id="added", workers_alive=[])))
+        control.poll(0.2)
+        added.recv()
+        assert control.retire_idle_agents() == ["added"] and sorted(control.agents) == ["base"]
+        bye = P.decode(added.recv())
+        assert isinstance(bye, P.Shutdown) and "left the pool" in bye.reason
+        assert [f for name, f in events if name == "agent_retired"] == [
+            {"node_id": "added", "devices": [2, 3], "slurm_job_id": None}]
+        added.send(P.encode(P.Heartbeat(node_id="added", workers_alive=[])))   # sent before it read Shutdown
+        added.close(linger=0)
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:
+            base.send(P.encode(P.Heartbeat(node_id="base")))
+            control.poll(0.1)
+        assert lost == [] and control.refused_messages == 0 and control.lost_devices([2, 3]) == {}
+        assert control.devices() == [0] and control.retire_idle_agents() == []
+    finally:
+        base.close()
+        control.close()
