@@ -91,6 +91,9 @@ class BackgroundJoins:
         self.join: Join | None = None
         self.arrived_after_step: int | None = None
         """The step after which the devices of the last join that ended ready arrived."""
+        self._arrived: dict[int, tuple[int, float]] = {}
+        """``{device: (step, clock)}``: when each device not yet joined was first seen arrived (a
+        device that waits for a running join is reported from its arrival, not the next join's start)."""
 
     @property
     def joining(self) -> list[int]:
@@ -104,11 +107,17 @@ class BackgroundJoins:
         controller's :attr:`~Controller.warm_engines` set for them.
 
         Never raises for a joining worker's failure: the join ends (module docstring)."""
+        now = self.clock()
+        present = set(arrived) | set(self.joining)   # forget devices that left the pool before joining
+        self._arrived = {d: v for d, v in self._arrived.items() if d in present}
+        for d in arrived:
+            self._arrived.setdefault(d, (step, now))
         j = self.join
         if j is None:
             if not arrived:
                 return []
-            j = self.join = Join(list(arrived), self.store.next_generation(), self.clock(), step)
+            first_step, first_s = min(self._arrived[d] for d in arrived)
+            j = self.join = Join(list(arrived), self.store.next_generation(), first_s, first_step)
             self.control.spawn_workers(generation=j.generation, world=j.devices, store_host=self.store.host,
                                        store_port=self.store.port, memory_capacity_bytes=self.device_memory_bytes,
                                        run_dir=str(self.run_dir.resolve()), wait=False)
@@ -153,6 +162,8 @@ class BackgroundJoins:
                 j.task_id, j.phase = self.control.submit({d: args for d in j.devices}), "engines"
             else:   # ready
                 self.join, self.arrived_after_step = None, j.step
+                for d in j.devices:
+                    self._arrived.pop(d, None)
                 if j.engine_start_s:
                     self.controller.engine_started(j.engine_start_s)
                 self.controller.warm_engines = j.warm
