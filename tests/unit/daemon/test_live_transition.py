@@ -56,6 +56,7 @@ class WorkerStand:
     def lost_devices(self, devices): return {}
     def done(self, task_id): return True
     def raise_if_lost(self, task_id): pass
+    def retire_idle_agents(self): return []   # no agents here
 
     def submit(self, args, shared=None):   # recorded as the workers get them (the agent sets shared fields)
         args = {d: P.with_shared(P.Task(task_id=0, args=a), shared).args for d, a in args.items()}
