@@ -164,16 +164,21 @@ class LiveAdaptation:
         if due:
             self.journal.event(Event.POOL_SCHEDULE_DUE, {"step": step, "elapsed_s": round(elapsed_s, 3),
                                                      "events": [e.to_dict() for e in due]})
+        pending = self.pool.pending_remove   # requests that arrive from here on wait for the next boundary
         pool_actions = plan_pool(world=self.world, registered=self.control.devices(),
                                  lost=self.control.lost_devices(self.world),   # since the step's last task
-                                 plan_devices=self.driver.plan.devices(), pending_remove=self.pool.pending_remove,
+                                 plan_devices=self.driver.plan.devices(), pending_remove=pending,
                                  due=due, min_devices=self.pool.min_devices, unfit=self._unfit)
         if pool_actions.add:
-            self._add_devices(pool_actions.add)
-        if pool_actions.lost_plan_devices:   # their state is gone: the recovery path (checkpoint/restart);
-            raise WorkerError(                # a queued removal waits for the next boundaryf"devices {list(pool_actions.lost_plan_devices)} of the running plan were lost "
+            self._add_devices(pool_actions.add)   # polls the control plane: a removal request may arrive
+        if pool_actions.lost_plan_devices:
+            # their state is gone: the recovery path (checkpoint/restart); a queued removal waits
+            # for the next boundary
+            raise WorkerError(f"devices {list(pool_actions.lost_plan_devices)} of the running plan were lost "
                               f"after step {step}")
-        self.pool.pending_remove = 0
+        # only what this boundary read: once, this set the count to 0 after _add_devices had
+        # polled, and a request accepted meanwhile was dropped without a word (a helper's run)
+        self.pool.pending_remove -= pending
         leaving = list(pool_actions.leaving)
         released: list[int] = []
         if pool_actions.lost_spares:

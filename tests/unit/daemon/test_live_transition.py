@@ -106,3 +106,27 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
     # the weight-sync DAGs handed over with transition_finish were planned with 8 devices per node
     finish = [args for kind, per_device in control.tasks if kind == "transition_finish" for args in per_device.values()]
     assert finish and finish[0].syncs == driver.sync_args(decision.target.plan)
+
+
+def test_a_removal_requested_while_the_boundary_adds_devices_waits_for_the_next_one(tmp_path):
+    """A schedule's add makes the boundary wait for the new agent (``_add_devices`` polls the
+    control plane); a ``pool --remove`` accepted meanwhile was wiped with the request the boundary
+    had read, and never happened (a helper's run). It stays queued for the next boundary."""
+    (tmp_path / "job.yaml").write_text(JOB + "pool: {max_devices: 17, schedule: [{at_step: 1, add: 1}]}\n")
+    job = load_and_resolve(tmp_path / "job.yaml")
+    site = load_site(job.config.site)
+    control, journal = WorkerStand(job.devices), Journal(tmp_path / "run")
+    driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
+    controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(range(job.devices)))
+    pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
+    pool.world_formed(driver.plan.to_dict(), list(range(job.devices)))
+    pool.live = True
+    live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
+                          pool)
+    added = []
+    live._add_devices = lambda count: added.append(count) or pool.request_remove(1)   # arrives while it waits
+    live.at_boundary(StepRecord(step=0, step_latency_s=1.0, stage_latency_s={}, model_stage_s={}, reward_mean=0.0,
+                                response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
+                                peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
+                                staleness=0))
+    assert added == [1] and pool.pending_remove == 1
