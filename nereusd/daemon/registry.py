@@ -194,17 +194,19 @@ class AgentRegistry:
         self._by_identity.pop(agent.identity, None)
         if self._agent_at_fd.get(agent.fd) == node_id:
             del self._agent_at_fd[agent.fd]
-        log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, agent.global_devices)
-        self._on_event(Event.AGENT_LOST, {"node_id": node_id, "devices": agent.global_devices, "cause": cause,
-                                      "detail": detail})
+        # the devices it still held: those that left the pool before (a removal) are no loss
+        held = [d for d in agent.global_devices if self._device_to_agent.get(d) == node_id]
+        log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, held)
+        self._on_event(Event.AGENT_LOST, {"node_id": node_id, "devices": held, "cause": cause, "detail": detail})
         self.lost_agents.append(node_id)
         for dev in agent.global_devices:
-            self.device_losses[dev] = {"node_id": node_id, "cause": cause, "detail": detail}
+            if dev in held:
+                self.device_losses[dev] = {"node_id": node_id, "cause": cause, "detail": detail}
             self.exited_workers.setdefault(dev, None)
             self.ready_workers.discard(dev)
             self._device_to_agent.pop(dev, None)
         self._send(agent.identity, P.Shutdown(reason=f"removed from the pool: {detail}"))
-        self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(agent.global_devices), detail))
+        self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(held), detail))
         return True
 
     def lost_devices(self, devices: list[int]) -> dict[int, dict[str, Any]]:

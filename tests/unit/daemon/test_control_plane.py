@@ -92,6 +92,31 @@ def test_an_agent_whose_connection_drops_is_lost_within_the_grace_not_the_heartb
         control.close()
 
 
+def test_a_lost_agent_loses_only_the_devices_it_still_held(monkeypatch):
+    """Device 1 of agent ``n0`` left the pool (a removal) before the agent was killed: the loss
+    names device 0 alone (it named both, and device 1 as lost)."""
+    import time
+
+    from nereusd.daemon import registry
+
+    monkeypatch.setattr(registry, "DISCONNECT_GRACE_S", 0.2)
+    lost, events = [], []
+    control = ControlPlane(heartbeat_timeout_s=60.0, on_pool_change=lost.append,
+                           on_event=lambda name, fields: events.append((name, fields)))
+    agent = fake_agent(control, "n0", 2)
+    try:
+        control.release_devices([1], "removed from the pool")
+        agent.close(linger=0)
+        start = time.monotonic()
+        while "n0" in control.agents and time.monotonic() - start < 10:
+            control.poll(0.1)
+        assert [c.devices for c in lost] == [(0,)]
+        assert [f["devices"] for name, f in events if name == "agent_lost"] == [[0]]
+        assert sorted(control.device_losses) == [0]
+    finally:
+        control.close()
+
+
 def test_registrations_beyond_the_jobs_pool_limit_are_refused():
     """``pool.max_devices``: an agent that would take the pool past it gets an error reply and
     no devices; the pool and the agents already there are unchanged (issue 17: 10,000 added
