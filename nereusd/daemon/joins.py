@@ -116,17 +116,26 @@ class BackgroundJoins:
         if j is None:
             if not arrived:
                 return []
-            first_step, first_s = min(self._arrived[d] for d in arrived)
-            j = self.join = Join(list(arrived), self.store.next_generation(), first_s, first_step)
-            self.control.spawn_workers(generation=j.generation, world=j.devices, store_host=self.store.host,
-                                       store_port=self.store.port, memory_capacity_bytes=self.device_memory_bytes,
-                                       run_dir=str(self.run_dir.resolve()), wait=False)
-            self.journal.event(Event.JOIN_STARTED, {"step": step, "devices": j.devices, "generation": j.generation})
+            j = self._start(arrived, step)
+            arrived = []
         try:
-            return self._advance(j, world, step)
+            ready = self._advance(j, world, step)
         except WorkerError as err:
             self._fail(j, step, str(err))
             return []
+        if ready and arrived:   # devices that waited for this join start theirs now, not a boundary later
+            self._start(arrived, step)
+        return ready
+
+    def _start(self, devices: list[int], step: int) -> Join:
+        """Start the join of ``devices``: their workers, in a private world."""
+        first_step, first_s = min(self._arrived[d] for d in devices)
+        j = self.join = Join(list(devices), self.store.next_generation(), first_s, first_step)
+        self.control.spawn_workers(generation=j.generation, world=j.devices, store_host=self.store.host,
+                                   store_port=self.store.port, memory_capacity_bytes=self.device_memory_bytes,
+                                   run_dir=str(self.run_dir.resolve()), wait=False)
+        self.journal.event(Event.JOIN_STARTED, {"step": step, "devices": j.devices, "generation": j.generation})
+        return j
 
     def _advance(self, j: Join, world: list[int], step: int) -> list[int]:
         while True:

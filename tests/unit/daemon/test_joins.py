@@ -90,19 +90,20 @@ def test_a_join_moves_one_phase_at_a_time_and_hands_over_warm_engines(tmp_path):
     assert [(r.model_stage, r.tp, r.devices, r.max_num_seqs) for r in args[2].replicas] == [
         ("actor/generation", 1, [2], 2), ("actor/generation", 1, [3], 2)]
     assert bj.status()["phase"] == "engines"
+    # device 4 arrives while the join runs: it waits, and its own join starts as this one ends
+    assert bj.advance([4], [0, 1], 3) == [] and bj.joining == [2, 3]
     control.finished.add(2)
-    assert bj.advance([4], [0, 1], 4) == [2, 3] and bj.joining == []   # device 4 waits for the next join
+    assert bj.advance([4], [0, 1], 4) == [2, 3] and bj.joining == [4] and control.spawned[-1] == [4]
     assert controller.warm_engines == {GEN: {2: (1, (2,), 2), 3: (1, (3,), 2)}} and controller.started == [7.0]
     [event] = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "workers_started"]
     assert event["background"] and event["warm"] == {"actor/generation": [2, 3]} and event["arrived_after_step"] == 0
-    # device 4, which arrived after step 4 while that join ran, joins next: reported from its arrival
-    assert bj.advance([4], [0, 1, 2, 3], 5) == [] and bj.joining == [4] and bj.join.step == 4
+    assert bj.join.step == 3   # reported from its arrival, not from the start of its join
     control.ready_workers.add(4)
     bj.advance([], [0, 1, 2, 3], 6)
     control.finished.add(3)
     assert bj.advance([], [0, 1, 2, 3], 7) == [4]
     last = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "workers_started"][-1]
-    assert last["devices"] == [4] and last["arrived_after_step"] == 4 and last["warm"] == {}
+    assert last["devices"] == [4] and last["arrived_after_step"] == 3 and last["warm"] == {}
 
 
 def test_a_failed_join_lets_the_failed_devices_go_and_the_others_join_again(tmp_path):
