@@ -24,6 +24,11 @@ repeated), rewards and lengths equal and losses within 1e-3 relative; a job that
 counts its trials as **lost data**. **Leftover processes** are those still naming the run
 directory after its job ended. Generation runs on the native engine here (restarts take seconds,
 not a vLLM engine start each); the control plane, agents, workers and recovery are the real ones.
+Added devices join at once (``pool.join: immediate``): the trials time their faults against the
+join, and a background join (the default) of a few seconds outlasted the fast subset's 18-step
+jobs, which then ended with the fault not injected (``agent_kill`` and ``transition_kill``, and the
+fast subset's exit status 1, on 2026-12-06). Background joins under faults: the unit tests of
+:mod:`nereusd.daemon.joins` and ``tests/e2e/test_pool_cmd.py``, ``test_vllm_generation.py``.
 
     python scripts/chaos.py                     # 25 trials of each of the 6 types (150)
     python scripts/chaos.py --trials 1          # the fast subset (.ci/run)
@@ -70,6 +75,7 @@ rollout: {{prompts_per_step: 3, group_size: 4, max_new_tokens: 8}}
 train: {{global_batch: 12, micro_batch: 2, kl_coef: 0.0}}
 plan: {{default: {{tp: 1, pp: 1}}}}
 checkpoint: {{every_steps: 2}}
+pool: {{join: immediate}}
 """
 
 
