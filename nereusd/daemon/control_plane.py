@@ -399,28 +399,6 @@ class ControlPlane(AgentRegistry, TaskDispatch):
                 raise WorkerError(f"workers of devices {missing} did not start within {timeout_s:.0f} s")
             self.poll(0.1)
 
-    def retire_idle_agents(self) -> list[str]:
-        """Tell each agent whose devices have all left the pool (removed, lost as spares, failed
-        while joining), and whose workers have exited, to exit; journal ``agent_retired``.
-        Returns their node ids. An agent that added devices (``pool --add``, a ``grow``
-        allocation) otherwise ran idle until the job ended, holding its Slurm allocation."""
-        out = []
-        for node_id, agent in list(self.agents.items()):
-            if (not agent.global_devices or agent.workers_alive
-                    or any(self._device_to_agent.get(d) == node_id for d in agent.global_devices)):
-                continue
-            del self.agents[node_id]
-            self._by_identity.pop(agent.identity, None)
-            if self._agent_at_fd.get(agent.fd) == node_id:
-                del self._agent_at_fd[agent.fd]
-            self.retired_agents[agent.identity] = node_id
-            self._send(agent.identity, P.Shutdown(reason="every device of this agent left the pool"))
-            self._on_event(Event.AGENT_RETIRED, {"node_id": node_id, "devices": agent.global_devices,
-                                                 "slurm_job_id": agent.slurm_job_id})
-            log.info("agent %s retired: its devices %s left the pool", node_id, agent.global_devices)
-            out.append(node_id)
-        return out
-
     # ------------------------------------------------------------------ teardown
     def shutdown_agents(self, reason: str, wait_s: float = 10.0) -> None:
         """Tell every agent to stop its workers and exit; wait up to ``wait_s`` for them to go."""

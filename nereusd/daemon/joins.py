@@ -218,9 +218,7 @@ class BackgroundJoins:
         if again:
             self.control.release_devices(again, reason, keep_in_pool=True)
         self.control.wait_exited(j.devices)
-        self.journal.event(Event.JOIN_CANCELLED, {"step": step, "devices": j.devices, "phase": j.phase,
-                                                  "reason": reason, "left_pool": gone, "join_again": again})
-        log.info("the background join of devices %s was cancelled in phase %s: %s", j.devices, j.phase, reason)
+        self._cancelled(j, step, reason, gone, again)
         return again
 
     def abandon(self, reason: str) -> None:
@@ -228,8 +226,12 @@ class BackgroundJoins:
         every worker)."""
         j, self.join = self.join, None
         if j is not None:
-            self.journal.event(Event.JOIN_CANCELLED, {"step": None, "devices": j.devices, "phase": j.phase,
-                                                      "reason": reason, "left_pool": [], "join_again": []})
+            self._cancelled(j, None, reason, [], [])
+
+    def _cancelled(self, j: Join, step: int | None, reason: str, gone: list[int], again: list[int]) -> None:
+        self.journal.event(Event.JOIN_CANCELLED, {"step": step, "devices": j.devices, "phase": j.phase,
+                                                  "reason": reason, "left_pool": gone, "join_again": again})
+        log.info("the background join of devices %s was cancelled in phase %s: %s", j.devices, j.phase, reason)
 
     def status(self, waiting: list[int] | None = None) -> dict[str, Any] | None:
         """The join in progress for ``nereus-launch status`` (``None``: none); ``waiting``: devices

@@ -3,9 +3,10 @@
 :class:`AgentRegistry` is the part of :class:`~nereusd.daemon.control_plane.ControlPlane` that
 admits registrations (fresh agents, and agents that kept their workers for a resumed nereusd),
 tracks every agent's heartbeat and connection, and answers which devices are lost and why (an
-agent removed by heartbeat, disconnection or Slurm, a worker that exited or stalled). Like
+agent removed by heartbeat, disconnection or Slurm, a worker that exited or stalled), and tells
+agents whose devices have all left the pool to exit (:meth:`AgentRegistry.retire_idle_agents`). Like
 :class:`~nereusd.daemon.task_dispatch.TaskDispatch` it holds no state of its own: it works on the
-control plane's tables (``agents``, ``_by_identity``, ``_device_to_agent``, ``_agent_at_fd``,
+control plane's tables (``agents``, ``retired_agents``, ``_by_identity``, ``_device_to_agent``, ``_agent_at_fd``,
 ``ready_workers``, ``exited_workers``, ``stalled_workers``, ``device_losses``) and sends with its
 ``_send``.
 """
@@ -188,12 +189,9 @@ class AgentRegistry:
         Its workers count as exited, so a task waiting on them fails instead of hanging.
         Returns False when no agent of that node is registered.
         """
-        agent = self.agents.pop(node_id, None)
+        agent = self._unlink(node_id)
         if agent is None:
             return False
-        self._by_identity.pop(agent.identity, None)
-        if self._agent_at_fd.get(agent.fd) == node_id:
-            del self._agent_at_fd[agent.fd]
         # the devices it still held: those that left the pool before (a removal) are no loss
         held = [d for d in agent.global_devices if self._device_to_agent.get(d) == node_id]
         log.error("%s: node %s leaves the pool (devices %s)", detail, node_id, held)
@@ -208,6 +206,34 @@ class AgentRegistry:
         self._send(agent.identity, P.Shutdown(reason=f"removed from the pool: {detail}"))
         self._on_pool_change(PoolChange(PoolChangeKind.LOST, cause, node_id, tuple(held), detail))
         return True
+
+    def retire_idle_agents(self) -> list[str]:
+        """Tell each agent whose devices have all left the pool (removed, lost as spares, failed
+        while joining), and whose workers have exited, to exit; journal ``agent_retired``.
+        Returns their node ids. An agent that added devices (``pool --add``, a ``grow``
+        allocation) otherwise ran idle until the job ended, holding its Slurm allocation."""
+        out = []
+        for node_id, agent in list(self.agents.items()):
+            if (not agent.global_devices or agent.workers_alive
+                    or any(self._device_to_agent.get(d) == node_id for d in agent.global_devices)):
+                continue
+            self._unlink(node_id)
+            self.retired_agents[agent.identity] = node_id
+            self._send(agent.identity, P.Shutdown(reason="every device of this agent left the pool"))
+            self._on_event(Event.AGENT_RETIRED, {"node_id": node_id, "devices": agent.global_devices,
+                                                 "slurm_job_id": agent.slurm_job_id})
+            log.info("agent %s retired: its devices %s left the pool", node_id, agent.global_devices)
+            out.append(node_id)
+        return out
+
+    def _unlink(self, node_id: str) -> AgentRecord | None:
+        """Forget agent ``node_id`` (its record, identity and socket); returns it, ``None`` if unknown."""
+        agent = self.agents.pop(node_id, None)
+        if agent is not None:
+            self._by_identity.pop(agent.identity, None)
+            if self._agent_at_fd.get(agent.fd) == node_id:
+                del self._agent_at_fd[agent.fd]
+        return agent
 
     def lost_devices(self, devices: list[int]) -> dict[int, dict[str, Any]]:
         """Which of ``devices`` are lost, from the registry (never from error messages): a device
