@@ -110,6 +110,9 @@ class LiveAdaptation:
         self.last_decision: dict[str, Any] | None = None
         """The latest admission record (``nereus-launch status`` shows it)."""
         self._added = 0
+        self._agent_procs: dict[str, subprocess.Popen] = {}
+        """The agents this job started (``pool.schedule`` adds), by node id: reaped once they exit
+        (:meth:`_reap_agents`), so a retired one does not linger as a zombie."""
         self._schedule = schedule_for(job)
         self._first_step_start: float | None = None   # monotonic clock; time base of pool.schedule[].at_s
         self._forced = {f.at_step: f for f in job.config.adaptation.forced}
@@ -159,6 +162,7 @@ class LiveAdaptation:
         self.driver.drain_rollouts()   # asynchronous: generations already ran, keep their versions
         self.control.poll(0)
         self.control.retire_idle_agents()   # those whose devices all left at an earlier boundary
+        self._reap_agents()
         elapsed_s = time.monotonic() - self._first_step_start
         due = self._schedule.due(upcoming, elapsed_s)
         if due:
@@ -533,10 +537,24 @@ class LiveAdaptation:
         self._added += 1
         before = set(self.control.devices())
         node = f"local-add{self._added}"
-        start_local_agent(self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node,
-                          keys_dir=self.keys_dir)
+        proc = self._agent_procs[node] = start_local_agent(self.control.endpoint, self.run_dir, count,
+                                                           self.job.device_memory_bytes, node, keys_dir=self.keys_dir)
         deadline = time.monotonic() + 120
         while len(set(self.control.devices()) - before) < count:
+            log_path = self.run_dir / "logs" / f"agent-{node}.log"
+            if proc.poll() is not None:
+                raise NereusError(f"agent {node} with {count} devices exited with status {proc.returncode} "
+                                  f"before it registered; its log: {log_path}")
             if time.monotonic() > deadline:
-                raise NereusError(f"agent {node} with {count} devices did not register within 120 s")
+                raise NereusError(f"agent {node} with {count} devices did not register within 120 s; "
+                                  f"its log: {log_path}")
             self.control.poll(0.1)
+
+    def _reap_agents(self) -> None:
+        """Collect the exit status of the agents this job started that have exited (retired
+        ones: :meth:`~nereusd.daemon.control_plane.ControlPlane.retire_idle_agents`), so none
+        stays a zombie until the job ends."""
+        for node, proc in list(self._agent_procs.items()):
+            if proc.poll() is not None:
+                del self._agent_procs[node]
+                log.info("agent %s exited with status %s", node, proc.returncode)

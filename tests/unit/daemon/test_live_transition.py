@@ -130,3 +130,35 @@ def test_a_removal_requested_while_the_boundary_adds_devices_waits_for_the_next_
                                 peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
                                 staleness=0))
     assert added == [1] and pool.pending_remove == 1
+
+
+def test_an_added_agent_that_exits_before_registering_fails_at_once_and_exited_agents_are_reaped(tmp_path, monkeypatch):
+    """An agent of a schedule's add that dies on start-up (a bad flag, a broken install) fails the
+    add at once with its exit status and log, instead of after the 120 s registration wait; an
+    added agent that has exited (retired) is reaped at the next boundary, not left a zombie."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from nereusd.daemon import live as live_module
+    from nereusd.errors import NereusError
+
+    (tmp_path / "job.yaml").write_text(JOB)
+    job = load_and_resolve(tmp_path / "job.yaml")
+    site = load_site(job.config.site)
+    control, journal = WorkerStand(job.devices), Journal(tmp_path / "run")
+    driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
+    controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(range(job.devices)))
+    pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
+    live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
+                          pool)
+    control.endpoint = "tcp://127.0.0.1:1"
+    monkeypatch.setattr(live_module, "start_local_agent",
+                        lambda *a, **kw: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]))
+    with pytest.raises(NereusError, match=r"agent local-add1 with 2 devices exited with status 3 before it "
+                                          r"registered; its log: .*agent-local-add1\.log"):
+        live._add_devices(2)
+    # an exited agent is reaped (its status collected) and forgotten
+    live._reap_agents()
+    assert live._agent_procs == {}
