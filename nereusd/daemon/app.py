@@ -252,6 +252,7 @@ class Daemon:
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,
                                        self.pool, keys_dir=Path(self.args.keys_dir) if self.args.keys_dir else None)
             driver.on_failure = self._on_failure
+            self.pool.joining = lambda: self.live.joins.status(self.live.waiting())
             driver.checkpoint_fields = lambda: {"controller": self.live.controller.state(), "job_sha256": self.job_sha256}
         driver.on_step = self._on_step
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
@@ -358,7 +359,6 @@ class Daemon:
         self.pool.after_step(record, self.driver.save_checkpoint)
         if self.live is not None:
             self.live.at_boundary(record)
-            self.pool.joining = self.live.joins.status(self.live.waiting())
             self.pool.plan = self.driver.plan.to_dict()
             self.pool.last_decision = self.live.last_decision or self.pool.last_decision
 

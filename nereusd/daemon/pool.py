@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nereusd import checkpoints
 from nereusd.daemon.boundary import too_few_left
@@ -47,8 +47,10 @@ class PoolController:
         """Devices ``nereus-launch pool --remove`` asked to release at the next safe boundary."""
         self.restarting: str | None = None
         """Why a checkpoint/restart is running (``status`` says so), else ``None``."""
-        self.joining: dict[str, Any] | None = None
-        """The background join in progress (:meth:`nereusd.daemon.joins.BackgroundJoins.status`), else ``None``."""
+        self.joining: Callable[[], dict[str, Any] | None] = lambda: None
+        """Reads the background join in progress (:meth:`nereusd.daemon.joins.BackgroundJoins.status`;
+        ``None``: none) when ``status`` is asked, so its time so far and its end by a restart show
+        at once, not at the next boundary."""
         self.min_devices = 1
         """The fewest devices the job runs on (:func:`~nereusd.config.pool_schedule.min_devices_of`):
         a removal request below it is refused on arrival."""
@@ -203,5 +205,5 @@ class PoolController:
         return {"job": self.job_name, "state": state,
                 "step": self.step, "steps": self.steps, "plan": self.plan, "plan_devices": sorted(self.plan_devices),
                 "pool": pool, "pool_devices": len(self.control.devices()) if self.control is not None else 0, "last_decision": self.last_decision, "last_metrics": self.last_metrics,
-                "joining": self.joining,
+                "joining": self.joining(),
                 "slurm_job_id": self.slurm_job_id, "uptime_s": round(time.time() - self.started_s, 1)}

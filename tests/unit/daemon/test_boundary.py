@@ -112,6 +112,16 @@ def test_a_pool_request_for_the_whole_pool_is_refused_on_arrival(tmp_path):
     assert pool.status()["state"] == "running"
     pool.restarting = "devices [2] lost (worker_exited)"
     assert pool.status()["state"] == "restarting: devices [2] lost (worker_exited)"
+    # the join line is read when status is asked: a restart's cancelled join, or its time so far,
+    # shows at once (it was the value set at the last boundary)
+    assert pool.status()["joining"] is None
+    join = {"devices": [4], "phase": "engines", "elapsed_s": 3.0, "waiting": []}
+    pool.joining = lambda: join
+    assert pool.status()["joining"]["elapsed_s"] == 3.0
+    join["elapsed_s"] = 9.0
+    assert pool.status()["joining"]["elapsed_s"] == 9.0
+    pool.joining = lambda: None   # cancelled by the restart
+    assert pool.status()["joining"] is None
     pool.journal.close()
 
 
