@@ -21,7 +21,8 @@ and then asks :meth:`Controller.boundary` what to do:
    (:meth:`Controller.transition_measured`);
 2. *triggers* — :class:`nereusd.control.monitor.Monitor`: the pool changed or the current plan's
    predicted peak for the coming step exceeds the usable memory (urgent); the response length
-   or the achieved efficiency drifted by more than ``δ`` (opportunistic); optionally every
+   or the achieved efficiency (the median of the last :data:`EFFICIENCY_WINDOW` steps' predicted
+   over measured ratios) drifted by more than ``δ`` (opportunistic); optionally every
    ``period`` steps; a layout the operator forces;
 3. *replan* — :class:`nereusd.planner.search.Planner` (on the urgent path
    :func:`nereusd.control.admission.urgent_replan`: then with recomputation),
@@ -76,6 +77,14 @@ MAX_HEADROOM = 0.6
 MEAN_FRACTION_WINDOW = 8
 """Steps whose mean-over-longest response fraction :meth:`Controller.mean_fraction` takes the
 median of (the memory ratio's window, :data:`MEMORY_WINDOW`)."""
+EFFICIENCY_WINDOW = 5
+"""Steps whose predicted-over-measured ratio the efficiency signal takes the median of. One
+step's ratio is noise: stragglers, contention, a slow first step after a switch. On the
+simulator's MI250X ramp (``nereus-launch simulate … --site site_configs/frontier-mi250x.yaml``,
+seed 0, 2026-12-06) the one-step signal crossed its 20 % every few steps, alternating between
+~0.85 and ~1.15: 39 of 73 replans were those crossings, which also reset the other signals'
+references and a rejected target's recheck. With the median of 5: 1 of 36, and Nereus's mean step
+78.88 → 78.60 s; the other four 64-GPU ramps unchanged (docs/RESULTS_LOG.md)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         self._memory: deque[float] = deque(maxlen=self.policy.memory_window)
         self._init_transition_costs()
         self.efficiency = 1.0
+        self._efficiencies: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
         self.length = 1
         self.lengths = LengthLookahead(self.policy.delta_length)
         """The steps' longest responses: what :meth:`lookahead` forecasts from."""
@@ -270,7 +280,8 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         stage_s = {m: s for m, s in obs.model_stage_s.items() if m in ev.options}
         measured_path = problem.workflow.critical_path_s(stage_s) if len(stage_s) == len(ev.options) else None
         if measured_path:
-            self.efficiency = ev.step_latency_s / measured_path
+            self._efficiencies.append(ev.step_latency_s / measured_path)
+            self.efficiency = statistics.median(self._efficiencies)
         for ms, opt in ev.options.items():
             if stage_s.get(ms, 0.0) > 0.0:
                 self.calibration.observe_stage(opt.cost_by_class, stage_s[ms])

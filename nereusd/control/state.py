@@ -32,7 +32,8 @@ class ControllerState:
         and the ``frozen`` policy's base plan."""
         return {"version": self.STATE_VERSION, "plan": self.plan.to_dict(), "length": self.length,
                 "calibration": self.calibration.to_json(), "memory_ratios": list(self._memory),
-                "efficiency": self.efficiency, "monitor": self.monitor.to_json(),
+                "efficiency": self.efficiency, "efficiencies": list(self._efficiencies),
+                "monitor": self.monitor.to_json(),
                 "replay": [self._replay_until, self._replay_length], "relaunch": self._relaunch,
                 "restarted": self._restarted, "predicted_step_s": self.predicted_step_s,
                 "base_plan": self.base_plan.to_dict(), "lengths": self.lengths.to_json(),
@@ -71,6 +72,9 @@ class ControllerState:
             costs = self._parse_transition_costs(state)
             lengths = LengthLookahead(self.policy.delta_length)
             lengths.restore(state["lengths"])
+            ratios = [float(x) for x in state.get("efficiencies", [fields[1]])]   # absent before 2026-12-06
+            if not all(math.isfinite(x) and x > 0 for x in ratios):
+                raise ValueError(f"efficiencies {ratios!r}: expected finite ratios > 0")
             fractions = [float(x) for x in state.get("mean_fractions", [])]   # absent before 2026-12-04
             if not all(0.0 < x <= 1.0 for x in fractions):
                 raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")
@@ -95,6 +99,8 @@ class ControllerState:
         self.base_plan = base_plan
         self._replay_until, self._replay_length = replay_until, replay_length
         self.length, self.efficiency, self._relaunch, self._restarted = fields
+        self._efficiencies.clear()
+        self._efficiencies.extend(ratios)
         self.predicted_step_s = predicted
         self.lengths = lengths
         self._mean_fractions.clear()
