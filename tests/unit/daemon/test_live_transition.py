@@ -70,13 +70,20 @@ class WorkerStand:
         return self.collect(self.submit(args, shared), timeout_s)
 
 
-def test_the_executed_dag_is_the_assessed_one(tmp_path):
-    (tmp_path / "job.yaml").write_text(JOB)
+def shell(tmp_path, job_text: str = JOB):
+    """The job of ``job_text``, resolved, with the real controller and driver on a
+    :class:`WorkerStand`: ``(job, site, control, journal, driver, controller)``."""
+    (tmp_path / "job.yaml").write_text(job_text)
     job = load_and_resolve(tmp_path / "job.yaml")
     site = load_site(job.config.site)
     control, journal = WorkerStand(job.devices), Journal(tmp_path / "run")
     driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
     controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(range(job.devices)))
+    return job, site, control, journal, driver, controller
+
+
+def test_the_executed_dag_is_the_assessed_one(tmp_path):
+    job, site, control, journal, driver, controller = shell(tmp_path)
     outcomes = []
     boundary = controller.boundary
     controller.boundary = lambda *a, **kw: outcomes.append(boundary(*a, **kw)) or outcomes[-1]
@@ -112,12 +119,8 @@ def test_a_removal_requested_while_the_boundary_adds_devices_waits_for_the_next_
     """A schedule's add makes the boundary wait for the new agent (``_add_devices`` polls the
     control plane); a ``pool --remove`` accepted meanwhile was wiped with the request the boundary
     had read, and never happened (a helper's run). It stays queued for the next boundary."""
-    (tmp_path / "job.yaml").write_text(JOB + "pool: {max_devices: 17, schedule: [{at_step: 1, add: 1}]}\n")
-    job = load_and_resolve(tmp_path / "job.yaml")
-    site = load_site(job.config.site)
-    control, journal = WorkerStand(job.devices), Journal(tmp_path / "run")
-    driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
-    controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(range(job.devices)))
+    job, site, control, journal, driver, controller = shell(
+        tmp_path, JOB + "pool: {max_devices: 17, schedule: [{at_step: 1, add: 1}]}\n")
     pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
     pool.world_formed(driver.plan.to_dict(), list(range(job.devices)))
     pool.live = True
@@ -144,12 +147,7 @@ def test_an_added_agent_that_exits_before_registering_fails_at_once_and_exited_a
     from nereusd.daemon import live as live_module
     from nereusd.errors import NereusError
 
-    (tmp_path / "job.yaml").write_text(JOB)
-    job = load_and_resolve(tmp_path / "job.yaml")
-    site = load_site(job.config.site)
-    control, journal = WorkerStand(job.devices), Journal(tmp_path / "run")
-    driver = RLDriver(job, control, journal, devices_per_node=site.devices_per_node)
-    controller = controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(range(job.devices)))
+    job, site, control, journal, driver, controller = shell(tmp_path)
     pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
     live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
                           pool)
