@@ -27,6 +27,10 @@ from nereusd.daemon.live import start_local_agent
 from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
 
 
+REGISTER_WAIT_S = 60.0
+"""How long ``--add`` waits for its agent to register with nereusd (it starts in a few seconds)."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pool", help="remove or add devices of a running local job",
                               description="Change the device pool of a running local job (nereus-launch local; "
@@ -35,7 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", help="the job's run directory")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--remove", type=int, metavar="N", help="devices to release at the next safe boundary")
-    group.add_argument("--add", type=int, metavar="N", help="virtual devices to add (a new local agent)")
+    group.add_argument("--add", type=int, metavar="N",
+                       help="virtual devices to add: starts a new local agent and waits (up to 60 s) until it "
+                            "registered with nereusd; an agent that exits or does not register is reported")
     p.add_argument("--timeout-s", type=_timeout_s, default=10.0,
                    help="how long to wait for nereusd's answer, 0.5 to 3600 s (default: %(default)s)")
     p.set_defaults(func=run)
@@ -169,10 +175,25 @@ def run(args: argparse.Namespace) -> int:
             raise NereusError(f"--add: the pool holds {have} devices and the job allows {pool_limit} "
                               f"(pool.max_devices in the job file): at most {max(0, pool_limit - have)} more")
     memory = int(info.get("device_memory_bytes") or 2**30)
-    node = f"local-cli{int(time.time())}"
-    proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node,
-                             keys_dir=run_dir.resolve() / KEYS_DIR if info.get("curve") else None)
-    print(f"nereus: agent {node} (pid {proc.pid}) with {args.add} device(s) joins; they are used from the next "
-          "safe boundary")
+    node = f"local-cli{os.getpid()}"   # unique among running CLIs (two in one second shared a time-based id)
+    log_path = run_dir / "logs" / f"agent-{node}.log"
+    try:
+        proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node,
+                                 keys_dir=run_dir.resolve() / KEYS_DIR if info.get("curve") else None)
+    except OSError as err:
+        raise NereusError(f"--add: cannot start the agent: {err.strerror or err} ({err.filename or log_path})") from None
+    deadline = time.monotonic() + REGISTER_WAIT_S
+    while node not in _ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool", {}):
+        if proc.poll() is not None:
+            raise NereusError(f"--add: agent {node} exited with status {proc.returncode} before it registered "
+                              f"with nereusd; its log: {log_path}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise NereusError(f"--add: agent {node} did not register within {REGISTER_WAIT_S:.0f} s and was "
+                              f"stopped; its log: {log_path}")
+        time.sleep(0.5)
+    print(f"nereus: agent {node} (pid {proc.pid}) with {args.add} device(s) registered and joins; they are used "
+          "from the next safe boundary")
     return 0
 

@@ -113,7 +113,9 @@ class Event(str, enum.Enum):
     POOL_REQUEST = "pool_request"
     """Nereus-launch pool asked for devices to leave."""
     POOL_REQUEST_REFUSED = "pool_request_refused"
-    """A removal that would leave the job no device."""
+    """A pool change the job cannot take, with the reason; the job goes on: a removal that
+    would leave it fewer devices than it needs, or an add over ``pool.max_devices`` or whose
+    agent did not start or register."""
     POOL_SCHEDULE_DUE = "pool_schedule_due"
     """The job's pool schedule or trace has events due at this boundary."""
     SLURM_EVENT = "slurm_event"

@@ -72,9 +72,12 @@ class ControllerState:
             costs = self._parse_transition_costs(state)
             lengths = LengthLookahead(self.policy.delta_length)
             lengths.restore(state["lengths"])
-            ratios = [float(x) for x in state.get("efficiencies", [fields[1]])]   # absent before 2026-12-06
-            if not all(math.isfinite(x) and x > 0 for x in ratios):
-                raise ValueError(f"efficiencies {ratios!r}: expected finite ratios > 0")
+            ratios = state.get("efficiencies", [fields[1]])   # absent before 2026-12-06
+            if not (isinstance(ratios, list) and len(ratios) <= self._efficiencies.maxlen
+                    and all(type(x) in (int, float) and 1e-6 <= x <= 1e6 for x in ratios)):   # NaN fails too
+                raise ValueError(f"efficiencies {ratios!r}: expected a list of at most {self._efficiencies.maxlen} "
+                                 "predicted/measured ratios in [1e-6, 1e6]")
+            ratios = [float(x) for x in ratios]
             fractions = [float(x) for x in state.get("mean_fractions", [])]   # absent before 2026-12-04
             if not all(0.0 < x <= 1.0 for x in fractions):
                 raise ValueError(f"mean_fractions outside (0, 1]: {fractions}")

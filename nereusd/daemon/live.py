@@ -62,6 +62,8 @@ from nereusd.transition.runner import TransitionInterrupted, TransitionRunner
 
 log = logging.getLogger(__name__)
 
+AGENT_REGISTER_S = 120.0
+"""How long an agent a schedule's add starts may take to register (:meth:`LiveAdaptation._add_devices`)."""
 MAX_RESTART_ATTEMPTS = 3
 """Checkpoint/restarts one failure may take when devices keep being lost while the restart runs
 (:meth:`LiveAdaptation.recover`); each restarts without the devices lost in the one before."""
@@ -174,7 +176,8 @@ class LiveAdaptation:
                                  plan_devices=self.driver.plan.devices(), pending_remove=pending,
                                  due=due, min_devices=self.pool.min_devices, unfit=self._unfit)
         if pool_actions.add:
-            self._add_devices(pool_actions.add)   # polls the control plane: a removal request may arrive
+            # polls the control plane: a removal request may arrive
+            self._add_devices(pool_actions.add, step, pool_actions.sources)
         if pool_actions.lost_plan_devices:
             # their state is gone: the recovery path (checkpoint/restart); a queued removal waits
             # for the next boundary
@@ -532,22 +535,44 @@ class LiveAdaptation:
         self._reform(survivors, [])
         self._transition(self.driver.plan, step, "rebuild after re-forming the world")
 
-    def _add_devices(self, count: int) -> None:
-        """Start a local agent with ``count`` virtual devices and wait until it registered."""
+    def _add_devices(self, count: int, step: int, sources: tuple[str, ...] = ()) -> None:
+        """Start a local agent with ``count`` virtual devices and wait until it registered.
+
+        An add the job cannot take is journalled (``pool_request_refused``, with the reason) and
+        the job goes on on the devices it has, as a refused removal does: one over
+        ``pool.max_devices`` is refused before any agent starts (the control plane would refuse
+        the agent's registration); an agent that cannot start, exits before it registers (its
+        exit status and log are in the reason) or does not register within
+        :data:`AGENT_REGISTER_S` is stopped. Before, any of these failed the whole job, whose
+        devices were fine, and an agent refused for the pool limit looked like a crash."""
+        have = set(self.control.devices())
+        limit = self.control.max_pool_devices
+
+        def refuse(reason: str) -> None:
+            self.journal.event(Event.POOL_REQUEST_REFUSED, {"step": step, "add": count, "sources": list(sources),
+                                                           "pool": sorted(have), "reason": reason})
+            log.warning("the pool cannot add %d device(s): %s", count, reason)
+
+        if limit is not None and len(have) + count > limit:
+            return refuse(f"the pool holds {len(have)} devices and the job allows {limit} (pool.max_devices)")
         self._added += 1
-        before = set(self.control.devices())
         node = f"local-add{self._added}"
-        proc = self._agent_procs[node] = start_local_agent(self.control.endpoint, self.run_dir, count,
-                                                           self.job.device_memory_bytes, node, keys_dir=self.keys_dir)
-        deadline = time.monotonic() + 120
-        while len(set(self.control.devices()) - before) < count:
-            log_path = self.run_dir / "logs" / f"agent-{node}.log"
+        log_path = self.run_dir / "logs" / f"agent-{node}.log"
+        try:
+            proc = self._agent_procs[node] = start_local_agent(
+                self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node, keys_dir=self.keys_dir)
+        except OSError as err:
+            return refuse(f"agent {node} could not start: {err.strerror or err} ({err.filename or log_path})")
+        deadline = time.monotonic() + AGENT_REGISTER_S
+        while len(set(self.control.devices()) - have) < count:
             if proc.poll() is not None:
-                raise NereusError(f"agent {node} with {count} devices exited with status {proc.returncode} "
-                                  f"before it registered; its log: {log_path}")
+                return refuse(f"agent {node} with {count} devices exited with status {proc.returncode} "
+                              f"before it registered; its log: {log_path}")
             if time.monotonic() > deadline:
-                raise NereusError(f"agent {node} with {count} devices did not register within 120 s; "
-                                  f"its log: {log_path}")
+                proc.kill()   # its own session, no workers yet
+                proc.wait()
+                return refuse(f"agent {node} with {count} devices did not register within "
+                              f"{AGENT_REGISTER_S:.0f} s and was stopped; its log: {log_path}")
             self.control.poll(0.1)
 
     def _reap_agents(self) -> None:

@@ -812,6 +812,7 @@ def test_one_slow_step_does_not_replan_and_a_lasting_change_does(demo):
     resumed = controller_for_job(job, site, job.plan, PROMPT)
     resumed.restore(state)
     assert list(resumed._efficiencies) == state["efficiencies"] and len(state["efficiencies"]) == 5
-    for bad in ([1.0, "x"], [1.0, -1.0], [float("nan")], 3):
+    for bad in ([1.0, "x"], [1.0, -1.0], [float("nan")], 3, "999", {"7": 1}, ["7.5"], [True, True], [1e308] * 5,
+                [1e-300], None, [[1.0]], [1.0] * 6):
         with pytest.raises(ConfigError, match="controller state: malformed"):
             resumed.restore({**state, "efficiencies": bad})

@@ -48,6 +48,7 @@ class WorkerStand:
 
     def __init__(self, devices: int) -> None:
         self.registered = list(range(devices))
+        self.max_pool_devices = None
         self.exited_workers: dict[int, int] = {}
         self.tasks: list[tuple[str, dict]] = []
 
@@ -127,7 +128,7 @@ def test_a_removal_requested_while_the_boundary_adds_devices_waits_for_the_next_
     live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
                           pool)
     added = []
-    live._add_devices = lambda count: added.append(count) or pool.request_remove(1)   # arrives while it waits
+    live._add_devices = lambda count, step, sources=(): added.append(count) or pool.request_remove(1)   # meanwhile
     live.at_boundary(StepRecord(step=0, step_latency_s=1.0, stage_latency_s={}, model_stage_s={}, reward_mean=0.0,
                                 response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
                                 peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
@@ -135,28 +136,44 @@ def test_a_removal_requested_while_the_boundary_adds_devices_waits_for_the_next_
     assert added == [1] and pool.pending_remove == 1
 
 
-def test_an_added_agent_that_exits_before_registering_fails_at_once_and_exited_agents_are_reaped(tmp_path, monkeypatch):
-    """An agent of a schedule's add that dies on start-up (a bad flag, a broken install) fails the
-    add at once with its exit status and log, instead of after the 120 s registration wait; an
-    added agent that has exited (retired) is reaped at the next boundary, not left a zombie."""
+def test_an_add_the_job_cannot_take_is_refused_and_the_job_goes_on(tmp_path, monkeypatch):
+    """A schedule's add whose agent dies on start-up (a bad install, a killed process) is refused
+    at once with its exit status and log, instead of after the 120 s registration wait; one over
+    ``pool.max_devices`` is refused before any agent starts; one whose log cannot be opened is
+    refused too. Each is journalled (``pool_request_refused``) and the job goes on: it failed the
+    whole job, whose devices were fine (an adversarial helper, 2026-12-06). An added agent that
+    has exited (retired) is reaped at the next boundary, not left a zombie."""
     import subprocess
     import sys
 
-    import pytest
-
     from nereusd.daemon import live as live_module
-    from nereusd.errors import NereusError
+    from nereusd.journal import read_jsonl
 
     job, site, control, journal, driver, controller = shell(tmp_path)
     pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
     live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
                           pool)
     control.endpoint = "tcp://127.0.0.1:1"
-    monkeypatch.setattr(live_module, "start_local_agent",
-                        lambda *a, **kw: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]))
-    with pytest.raises(NereusError, match=r"agent local-add1 with 2 devices exited with status 3 before it "
-                                          r"registered; its log: .*agent-local-add1\.log"):
-        live._add_devices(2)
+    started = []
+
+    def dies(*args, **kwargs):
+        started.append(args)
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+
+    monkeypatch.setattr(live_module, "start_local_agent", dies)
+    live._add_devices(2, 5, ("pool.schedule at step 6",))
+    control.max_pool_devices = 17   # 16 registered
+    live._add_devices(2, 6)
+    monkeypatch.setattr(live_module, "start_local_agent", lambda *a, **kw: open(tmp_path))   # IsADirectoryError
+    live._add_devices(1, 7)
+    journal.close()
+    refused = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "pool_request_refused"]
+    assert [(e["step"], e["add"]) for e in refused] == [(5, 2), (6, 2), (7, 1)]
+    assert "agent local-add1 with 2 devices exited with status 3 before it registered; its log: " in refused[0]["reason"]
+    assert refused[0]["reason"].endswith("agent-local-add1.log") and refused[0]["sources"] == ["pool.schedule at step 6"]
+    assert refused[1]["reason"] == "the pool holds 16 devices and the job allows 17 (pool.max_devices)"
+    assert len(started) == 1   # no agent for the add over the limit
+    assert "agent local-add2 could not start: Is a directory" in refused[2]["reason"]
     # an exited agent is reaped (its status collected) and forgotten
     live._reap_agents()
     assert live._agent_procs == {}
