@@ -78,6 +78,9 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         self.max_pool_devices = max_pool_devices
         """A registration that would make the pool hold more devices is refused (the job's
         ``pool.max_devices``; ``None``: no limit)."""
+        self.interrupted: Callable[[], None] = lambda: None
+        """Called at the start of every :meth:`poll` (nereusd's loop waits there): raises to stop
+        the daemon (nereusd: :meth:`nereusd.daemon.app.Terminated.raise_pending`)."""
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -156,6 +159,7 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         every worker round trip took a multiple of 50 ms (the demo's transitions spent 0.05 s in
         ``transition_prepare``, 0.05–0.25 s in ``transition_finish``, measured from ``phases_s``).
         """
+        self.interrupted()
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def _on_signal(signum: int, _frame: object) -> None:
-    raise Terminated(signal.Signals(signum).name)
+    raise Terminated.signalled(signal.Signals(signum).name)
 
 
 def _seconds(text: str) -> float:
