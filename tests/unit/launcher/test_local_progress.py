@@ -9,6 +9,7 @@ import signal
 import pytest
 import tqdm.std
 
+from launcher import local
 from launcher.local import _Progress, _raise_terminated, _Terminated
 
 
@@ -51,3 +52,22 @@ def test_a_sigterm_while_the_progress_bar_starts_is_not_swallowed(tmp_path, monk
             _Progress(total=4, quiet=True).update(tmp_path)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        local._signalled.clear()
+
+
+def test_a_sigterm_whose_exception_was_dropped_still_stops_the_supervising_loop():
+    """An exception raised while a C extension's destructor runs is printed as "Exception
+    ignored" and dropped (nereusd lost a SIGTERM so inside pyzmq, 2026-12-06): the launcher's
+    loop also checks the signal its handler recorded."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except _Terminated:
+            pass   # dropped, as a destructor would
+        with pytest.raises(_Terminated, match="SIGTERM"):
+            local._raise_if_signalled()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        local._signalled.clear()
+    local._raise_if_signalled()   # nothing pending
