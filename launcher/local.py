@@ -25,6 +25,7 @@ import yaml
 
 from nereusd.config.job import load_yaml_mapping, parse_job
 from nereusd.errors import ConfigError, NereusError
+from nereusd.stop import SignalStop
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, LaunchLock, clear_run_dir,
@@ -324,22 +325,10 @@ class _Terminated(BaseException):
     ``succeeded`` (a CI failure of ``test_ctrl_c_tears_everything_down[SIGTERM]``)."""
 
 
-_signalled: list[str] = []
-"""The signal :func:`_raise_terminated` last raised for, until :func:`supervise` takes the stop:
-an exception raised while a C extension's destructor runs is printed as "Exception ignored" and
-dropped (nereusd lost a SIGTERM so inside pyzmq, 2026-12-06), so the supervising loop checks
-this too (:func:`_raise_if_signalled`)."""
-
-
-def _raise_terminated(signum: int, _frame: object) -> None:
-    _signalled[:] = [signal.Signals(signum).name]
-    raise _Terminated(_signalled[0])
-
-
-def _raise_if_signalled() -> None:
-    """Raise the stop a signal asked for whose exception was lost (:data:`_signalled`)."""
-    if _signalled:
-        raise _Terminated(_signalled[0])
+_STOP = SignalStop(_Terminated)
+"""The launcher's SIGTERM/SIGHUP handler; :func:`supervise`'s loop raises a stop whose exception
+was lost."""
+_raise_terminated = _STOP.handler
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -422,7 +411,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                 print("nereus: starting the workers and building their engines (vLLM's take tens of seconds on "
                       "CPU); the progress bar starts once they are built", flush=True)
         while daemon.poll() is None:
-            _raise_if_signalled()
+            _STOP.raise_pending()
             progress.update(run_dir)
             if kept and not any(Path(f"/proc/{pid}").exists() for pid in kept):
                 if not _registered_since_start(run_dir):
@@ -435,7 +424,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         progress.update(run_dir)
         crashed = crash_summary(run_dir, daemon.returncode, write=False) is not None and grace_s > 0
     except (KeyboardInterrupt, _Terminated) as err:
-        _signalled.clear()
+        _STOP.taken()
         interrupted = True
         why = str(err) if isinstance(err, _Terminated) else "interrupted"
         print(f"\nnereus: {why}; stopping nereusd, the agent and the workers", file=sys.stderr)

@@ -50,38 +50,19 @@ from nereusd.planner.space import evaluate
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
 from nereusd.slurm import AllocationWatcher, SlurmClient
+from nereusd.stop import SignalStop
 
 log = logging.getLogger(__name__)
 
 class Terminated(BaseException):
     """SIGTERM or SIGINT reached nereusd (raised by the entry point's signal handler). A
     ``BaseException``, like ``KeyboardInterrupt``: the guards that keep a bad message or a
-    handler's bug from stopping the daemon (``except Exception``) must not swallow a stop.
+    handler's bug from stopping the daemon (``except Exception``) must not swallow a stop."""
 
-    A signal that arrives while a C extension's destructor runs (pyzmq's ``Frame.__dealloc__``)
-    has its exception printed as "Exception ignored" and dropped: nereusd ran on until the
-    launcher's SIGKILL, and the job ended ``crashed`` instead of ``interrupted`` (the suite,
-    2026-12-06). So the handler also records the signal (:meth:`signalled`), the control plane's
-    poll raises a recorded stop that was lost (:meth:`raise_pending`), and the handler of the
-    stop clears it (:meth:`handled`)."""
 
-    _pending: list[str] = []
-
-    @classmethod
-    def signalled(cls, name: str) -> "Terminated":
-        """Record the signal ``name`` and return the exception to raise."""
-        cls._pending[:] = [name]
-        return cls(name)
-
-    @classmethod
-    def raise_pending(cls) -> None:
-        """Raise the stop a signal asked for that no handler has taken yet."""
-        if cls._pending:
-            raise cls(cls._pending[0])
-
-    @classmethod
-    def handled(cls) -> None:
-        cls._pending.clear()
+STOP = SignalStop(Terminated)
+"""nereusd's SIGTERM/SIGINT handler (the entry point installs :meth:`SignalStop.handler`); the
+control plane's poll raises a stop whose exception was lost."""
 
 
 def loopback(bind: str) -> bool:
@@ -135,7 +116,7 @@ class Daemon:
                                     task_max_s=self.site.liveness.task_max_s,
                                     max_pool_devices=self.job.pool_limit(launch_devices))
         self.pool.control = self.control
-        self.control.interrupted = Terminated.raise_pending   # a stop whose signal's exception was lost
+        self.control.interrupted = STOP.raise_pending   # a stop whose signal's exception was lost
         self.control.accept_kept_workers = bool(args.resume)
         self.watcher: AllocationWatcher | None = None
         if args.slurm_job_id:
@@ -208,7 +189,7 @@ class Daemon:
             self.journal.event(Event.JOB_FAILED, {"error": str(err), "error_kind": type(err).__name__})
             log.error("job failed: %s", err)
         except Terminated as err:
-            Terminated.handled()
+            STOP.taken()
             summary.update(status="interrupted", error=f"nereusd received {err}")
             self.journal.event(Event.JOB_INTERRUPTED, {"signal": str(err)})
             code = 130

@@ -80,7 +80,7 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         ``pool.max_devices``; ``None``: no limit)."""
         self.interrupted: Callable[[], None] = lambda: None
         """Called at the start of every :meth:`poll` (nereusd's loop waits there): raises to stop
-        the daemon (nereusd: :meth:`nereusd.daemon.app.Terminated.raise_pending`)."""
+        the daemon (nereusd: :meth:`nereusd.stop.SignalStop.raise_pending`)."""
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

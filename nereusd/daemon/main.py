@@ -20,14 +20,13 @@ import math
 import signal
 import sys
 
-from nereusd.daemon.app import Daemon, Terminated
+from nereusd.daemon.app import STOP, Daemon
 from nereusd.errors import NereusError
 
 log = logging.getLogger(__name__)
 
 
-def _on_signal(signum: int, _frame: object) -> None:
-    raise Terminated.signalled(signal.Signals(signum).name)
+_on_signal = STOP.handler
 
 
 def _seconds(text: str) -> float:

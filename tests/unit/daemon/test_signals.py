@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from nereusd.daemon.app import Terminated
+from nereusd.daemon.app import STOP, Terminated
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.daemon.main import _on_signal
 
@@ -18,7 +18,7 @@ def test_a_signal_whose_exception_a_destructor_swallowed_stops_the_next_poll():
     2026-12-06). The handler records the signal; the control plane's next poll raises it; once
     the daemon has taken the stop, polls (its shutdown waits on them) run again."""
     control = ControlPlane("tcp://127.0.0.1:0")
-    control.interrupted = Terminated.raise_pending
+    control.interrupted = STOP.raise_pending
     previous = signal.signal(signal.SIGTERM, _on_signal)
     try:
         try:
@@ -27,9 +27,9 @@ def test_a_signal_whose_exception_a_destructor_swallowed_stops_the_next_poll():
             pass   # as a C destructor would: the exception is dropped
         with pytest.raises(Terminated, match="SIGTERM"):
             control.poll(0)
-        Terminated.handled()
+        STOP.taken()
         control.poll(0)   # the shutdown's polls
     finally:
         signal.signal(signal.SIGTERM, previous)
-        Terminated.handled()
+        STOP.taken()
         control.close()

@@ -52,7 +52,7 @@ def test_a_sigterm_while_the_progress_bar_starts_is_not_swallowed(tmp_path, monk
             _Progress(total=4, quiet=True).update(tmp_path)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        local._signalled.clear()
+        local._STOP.taken()
 
 
 def test_a_sigterm_whose_exception_was_dropped_still_stops_the_supervising_loop():
@@ -66,8 +66,8 @@ def test_a_sigterm_whose_exception_was_dropped_still_stops_the_supervising_loop(
         except _Terminated:
             pass   # dropped, as a destructor would
         with pytest.raises(_Terminated, match="SIGTERM"):
-            local._raise_if_signalled()
+            local._STOP.raise_pending()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        local._signalled.clear()
-    local._raise_if_signalled()   # nothing pending
+        local._STOP.taken()
+    local._STOP.raise_pending()   # nothing pending
