@@ -14,6 +14,10 @@ device, are those of :mod:`nereusd.transition.ops`:
   When that would stage more than the DAG's ``staging_bytes`` on some member (holdings of a
   real model: gigabytes), the receivers allocate their new holding first and the pieces it
   needs move straight into it, in rounds of pairwise exchanges, one chunk at a time.
+  A receiver the op stages in host memory (:attr:`Op.host_staged`) first copies its ``T``
+  holding there and frees it, then allocates the new one, copies its own parts back into it and
+  sends its peers their pieces from it (a ``T_sub`` holding contains its ``T`` holding); the
+  host copy is dropped at the end, or put back on the device if the Split fails.
 * **Extend** — rank-aligned broadcast on one communicator per ``(source, target)`` pair: the
   source's flat buffer is sent once, as one contiguous buffer, straight into the target's new
   holding (plus the 5 integers of :class:`emu.state.unit.LogicalState`).
@@ -274,8 +278,14 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     sizes = {y: elements(pos_of[y]) for y in mine}
     gathers = split_all_gathers([(y, pos_of[y]) for y in mine], receivers, elements)
     staged = split_staging_elements(op, elements)   # what the memory model counts, capped by it
-    if max(4 * staged.get(y, 0) for y in mine) > staging_bytes:   # the same choice on every member
-        _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
+    # the same choice on every member: a host-staged receiver needs the chunked exchange
+    if op.host_staged or max(4 * staged.get(y, 0) for y in mine) > staging_bytes:
+        if me in op.staged_elements:
+            own = _stage_out(store, own)   # the device copy is freed: no reference to it is left here
+            with _restored_on_error(store, own):
+                _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
+        else:
+            _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
         return
     staging = f"staging {op.id}"
     try:
@@ -368,24 +378,55 @@ def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: Ho
     ``k − 1`` holdings' worth in ``k − 1`` rounds."""
     ms = op.model_stage
     sub_of = dict(zip(op.target_devices, op.target_positions))
+    staged = me in op.staged_elements   # ``own`` is the host copy (:func:`_stage_out`), not in the store
     pieces = split_pieces(op, members, own.spec, own.value_head)
     new = store.allocate(own, op.target_layout, sub_of[me], own.logical) if me in sub_of else None
     with _released_on_error(store, new):
         # every member calls one collective first: a member may have nothing to send or receive
         # in round 1, and NCCL needs all ranks in a group's first batched point-to-point call
-        dist.all_reduce(torch.zeros(1, device=own.buffer.device), group=group)
+        dist.all_reduce(torch.zeros(1, device=store.device), group=group)
         for src, dst, piece in pieces:
             if src == dst == me:
                 new.fill_from(own, piece)
+        sends_from = new if staged else own   # a staged member's own parts are in its new holding now
         k, at, n_slots = len(members), members.index(me), len(own.slots)
         for r in range(1, k):
             to, frm = members[(at + r) % k], members[(at - r) % k]
             out = [c for s, d, p in pieces if s == me and d == to for c in _chunks(p, n_slots, staging_bytes // 2)]
             inc = [c for s, d, p in pieces if s == frm and d == me for c in _chunks(p, n_slots, staging_bytes // 2)]
-            _exchange(op.id, out, to, inc, frm, own, new, group, comms, store)
+            _exchange(op.id, out, to, inc, frm, sends_from, new, group, comms, store)
     if new is not None:
-        store.pop(ms, own.layout, own.position)
+        if not staged:
+            store.pop(ms, own.layout, own.position)
         store.put(new)
+
+
+def _stage_out(store: HoldingStore, own: EmuShard) -> EmuShard:
+    """Copy the holding ``own`` to host memory (pinned when it is on a GPU), unregister it and
+    release its booking; returns the host copy. The device buffer is freed once the caller drops
+    ``own`` (engines were detached from their holdings before the transition)."""
+    pinned = own.buffer.device.type == "cuda"
+    host = torch.empty(own.numel, dtype=torch.float32, pin_memory=pinned)
+    host.copy_(own.buffer)
+    copy = EmuShard(own.model_stage, own.spec, own.value_head, own.layout, own.position, own.slots,
+                    buffer=host, logical=own.logical)
+    store.pop(own.model_stage, own.layout, own.position)
+    return copy
+
+
+@contextlib.contextmanager
+def _restored_on_error(store: HoldingStore, host: EmuShard) -> Iterator[None]:
+    """Put the host copy ``host`` of a staged holding back on the device if the block raises (a
+    peer lost mid-Split), so that the device keeps the state it had before the op; its memory is
+    free again, the new holding's booking having been released (:func:`_released_on_error`)."""
+    try:
+        yield
+    except BaseException:
+        if not store.has(host.model_stage, host.layout, host.position):
+            back = store.allocate(host, host.layout, host.position, host.logical)
+            back.buffer.copy_(host.buffer)
+            store.put(back)
+        raise
 
 
 @contextlib.contextmanager

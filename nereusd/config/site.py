@@ -74,6 +74,15 @@ class DeviceSpec:
     are then each device's fair share with every device busy. A device whose neighbours idle
     runs faster, up to a whole core (:meth:`SiteConfig.lone_speedup`). 0 (default, and every
     GPU): each device has its own compute."""
+    host_link_gbps: float = 0.0
+    """Achieved copy bandwidth between one device and host memory, GB/s per direction (pinned
+    ``cudaMemcpy``/``hipMemcpy``; PCIe or the CPU–GPU fabric). With :attr:`host_staging_gib` it lets
+    a transition stage a holding in host memory (:func:`nereusd.transition.memory.stage_in_host`)
+    and prices that copy. 0 (default): no host staging."""
+    host_staging_gib: float = 0.0
+    """Host memory, GiB, that one device's worker may borrow during a transition to stage its
+    holdings (a share of the node's RAM, leaving the rest to the job's processes). 0 (default):
+    no host staging."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,7 +447,8 @@ _POSITIVE = {
 }
 _MAXIMUM = {
     SiteConfig: {"nodes": 1e6, "devices_per_node": 1e4},
-    DeviceSpec: {"memory_gib": 1e6, "hbm_gbps": 1e7, "layer_launch_us": 1e7, "host_cores": 1e5},
+    DeviceSpec: {"memory_gib": 1e6, "hbm_gbps": 1e7, "layer_launch_us": 1e7, "host_cores": 1e5,
+                 "host_link_gbps": 1e7, "host_staging_gib": 1e6},
     NetworkSpec: {"intra_node_gbps": 1e7, "inter_node_gbps": 1e7, "intra_node_latency_us": 1e7,
                   "inter_node_latency_us": 1e7, "communicator_setup_s": 1e4, "intra_node_latency_growth": 10.0,
                   "inter_node_latency_growth": 10.0},
@@ -449,14 +459,14 @@ _MAXIMUM = {
 a wrong unit or a typo, which would otherwise overflow the byte counts or price every step at
 centuries."""
 _MINIMUM = {
-    DeviceSpec: {"memory_gib": 1e-6, "hbm_gbps": 1e-3},
+    DeviceSpec: {"memory_gib": 1e-6, "hbm_gbps": 1e-3, "host_link_gbps": 1e-3},
     NetworkSpec: {"intra_node_gbps": 1e-3, "inter_node_gbps": 1e-3},
 }
 """Lower bounds far below any real value (a KiB device, a MB/s link) for the keys the cost model
 divides by: ``hbm_gbps: 1e-300`` priced a step at 1e296 s and ``simulate`` grew to 17 GB."""
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s",
                               "intra_node_latency_growth", "inter_node_latency_growth"),
-                 DeviceSpec: ("layer_launch_us", "host_cores")}
+                 DeviceSpec: ("layer_launch_us", "host_cores", "host_link_gbps", "host_staging_gib")}
 
 
 def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:

@@ -16,7 +16,7 @@ the DAG as JSON (:meth:`TransitionDag.to_json`) and run its ops. Pieces:
 Typical use::
 
     dag = plan_transition(S, S_star, models, devices_per_node=8, state=state, budget=budget)
-    report = check_feasibility(dag, state, budget)          # admission: feasibility
+    dag, report = stage_in_host(dag, state, budget)         # admission: feasibility
     cost = estimate_l_tran(dag, state.sizes, SiteLinkCosts.from_site(site))  # profitability
 """
 
@@ -55,6 +55,7 @@ from nereusd.transition.memory import (
     StateModel,
     StateSizes,
     check_feasibility,
+    stage_in_host,
     tight_devices,
 )
 from nereusd.transition.ops import (
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "AdamStateSizes", "CostModelLinks", "Delta", "Edge", "EdgeReason", "Emu", "FeasibilityReport",
     "LinkCosts", "MemoryBudget", "MemoryViolation", "Op", "OpKind", "Route", "SiteLinkCosts",
-    "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas",
+    "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas", "stage_in_host",
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
     "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
@@ -194,7 +195,7 @@ def assess_transition(
     dag = plan_transition(current, target, models, devices_per_node=site.devices_per_node,
                           state=state, budget=budget)
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
-    report = check_feasibility(dag, state, budget)
+    dag, report = stage_in_host(dag, state, budget)   # a Split over memory frees its holding first
     cost = estimate_l_tran(dag, state.sizes, links)   # re-partitioned: parameters only (ParamsMoved)
     zero_s, zero_bytes = zero_state_cost(current, target, dag, state, links)
     if zero_s or zero_bytes:

@@ -12,6 +12,9 @@ communicators it creates (DESIGN.md "Cost model", transition cost):
 * communicators: a Split creates one per gather group (connected devices of its routes), an
   Extend one per rank pair; a device creates its communicators one after another, devices in
   parallel, so the set-up time is the largest per-device sum;
+* a Split receiver that stages its ``T`` holding in host memory (:attr:`Op.host_staged`) copies
+  it out before the exchange and back into its new holding after it, each
+  :meth:`LinkCosts.host_transfer_s` of the holding's moved bytes, added to its receive time;
 * Destroy and Create cost nothing here (teardown is local; a Create's content comes from outside
   the transition).
 
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from nereusd.cost.formulas import local_copy_s, p2p_s
+from nereusd.errors import PlanError
 from nereusd.transition.memory import StateSizes
 from nereusd.transition.ops import Op, OpKind, TransitionDag
 
@@ -57,6 +61,22 @@ class LinkCosts(Protocol):
     def communicator_setup_s(self, devices: Sequence[int]) -> float:
         """Seconds to create one communicator over ``devices``."""
         ...
+
+    def host_transfer_s(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between one device and host memory, one direction."""
+        ...
+
+
+def host_copy_s(nbytes: float, host_link_gbps: float) -> float:
+    """``nbytes / host_link_gbps``: one device's copy to or from host memory (the site's achieved
+    ``host_link_gbps``, GB/s).
+
+    Raises:
+        PlanError: if the site has no host link (``host_link_gbps`` 0), so nothing may stage.
+    """
+    if host_link_gbps <= 0:
+        raise PlanError("the site gives no host_link_gbps: a transition cannot stage holdings in host memory")
+    return nbytes / (host_link_gbps * 1e9)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +99,8 @@ class SiteLinkCosts:
     inter_node_latency_s: float = 1e-5
     setup_s: float = 0.5
     """Seconds to create one communicator."""
+    host_link_gbps: float = 0.0
+    """GB/s per direction between a device and host memory (0: no host staging)."""
 
     @classmethod
     def from_site(cls, site) -> "SiteLinkCosts":
@@ -92,6 +114,7 @@ class SiteLinkCosts:
             intra_node_latency_s=net.intra_node_latency_us * 1e-6,
             inter_node_latency_s=net.inter_node_latency_us * 1e-6,
             setup_s=net.communicator_setup_s,
+            host_link_gbps=site.device.host_link_gbps,
         )
 
     def node_of(self, device: int) -> int:
@@ -107,6 +130,9 @@ class SiteLinkCosts:
     def communicator_setup_s(self, devices: Sequence[int]) -> float:
         return self.setup_s if len(set(devices)) > 1 else 0.0
 
+    def host_transfer_s(self, nbytes: float) -> float:
+        return host_copy_s(nbytes, self.host_link_gbps)
+
 
 class CostModelLinks:
     """:class:`LinkCosts` from the calibrated :class:`nereusd.cost.model.CostModel`.
@@ -114,7 +140,8 @@ class CostModelLinks:
     A message costs ``CostModel.transfer_s(nbytes, link, collective)`` — peak link bandwidth and
     latency of the site, divided by the efficiency learned for that collective on that link
     (paper §4.2) — with ``link`` intra-node when both devices are on one node; a local copy
-    costs ``2 · nbytes / hbm``; a communicator ``CostModel.communicator_setup_s()``.
+    costs ``2 · nbytes / hbm``; a communicator ``CostModel.communicator_setup_s()``; a copy to or
+    from host memory the site's ``host_link_gbps`` (not calibrated: no step measures it).
     """
 
     def __init__(self, cost_model) -> None:
@@ -129,6 +156,9 @@ class CostModelLinks:
 
     def communicator_setup_s(self, devices: Sequence[int]) -> float:
         return self.cost_model.communicator_setup_s(1) if len(set(devices)) > 1 else 0.0
+
+    def host_transfer_s(self, nbytes: float) -> float:
+        return host_copy_s(nbytes, self.site.device.host_link_gbps)
 
 
 @dataclass(frozen=True)
@@ -192,6 +222,8 @@ def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, s
         if s != d:
             send[s] += t
             moved += int(nbytes)
+    for x, elements in op.host_staged:   # out before the exchange, back into the new holding after
+        recv[x] += 2 * links.host_transfer_s(elements * per_element)
     setup: dict[int, float] = defaultdict(float)
     for group in _communicators(op):
         t = links.communicator_setup_s(group)

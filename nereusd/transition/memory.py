@@ -21,6 +21,14 @@ Accounting, per op and device (bytes):
 * ``free`` — holdings released when the op ends (Split receivers: the ``T`` shard; Merge: the
   ``T_sub`` shard; Destroy: what it frees).
 
+A Split receiver that stages its ``T`` holding in host memory (:attr:`Op.host_staged`) frees it
+before it allocates the ``T_sub`` one: its ``alloc`` is the difference and its ``free`` 0. A
+Split allocating the new holding beside the old is what kept an 8B model's actor training from
+``tp2·pp4·dp4`` to ``tp2·pp2·dp8`` on 64 GB MI250X GCDs (+28.2 GB with 37.6 GB in use, limit
+61.8 GB); :func:`stage_in_host` stages the receivers of a Split that does not fit, within the
+budget's :attr:`MemoryBudget.host_staging_bytes`, and :mod:`nereusd.transition.cost` prices the
+copies over the host link.
+
 The check walks one topological order (:func:`nereusd.transition.dag.topological_order`
 unless another is given): in use before an op + ``alloc`` + ``transient`` must stay within
 ``(1 − headroom) · capacity`` on every device it touches. This proves that an execution order
@@ -30,12 +38,14 @@ fit (the worker's memory accounting, ``emu/state/devmem.py``) follows it without
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from nereusd.errors import PlanError
+from nereusd.config.site import GIB
 from nereusd.cost.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dtype_bytes
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
@@ -150,6 +160,9 @@ class MemoryBudget:
     """The most one op stages on one device at a time: :func:`nereusd.transition.plan_transition`
     writes it into the DAG (:attr:`~nereusd.transition.ops.TransitionDag.staging_bytes`), and the
     executor moves larger exchanges in chunks of at most this size."""
+    host_staging_bytes: int = 0
+    """Host memory each device may borrow to stage its holdings during a transition
+    (:func:`stage_in_host`; the site's ``host_staging_gib``); 0: no staging."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
@@ -158,17 +171,20 @@ class MemoryBudget:
             raise PlanError(f"headroom must be in [0, 1), got {self.headroom!r}")
         if isinstance(self.collective_buffer_bytes, bool) or not isinstance(self.collective_buffer_bytes, int):
             raise PlanError(f"collective_buffer_bytes must be an integer, got {self.collective_buffer_bytes!r}")
-        if self.collective_buffer_bytes < 0 or self.workspace_bytes < 0 or any(
+        if self.collective_buffer_bytes < 0 or self.workspace_bytes < 0 or self.host_staging_bytes < 0 or any(
                 v < 0 for v in self.reserved_bytes.values()):
-            raise PlanError("collective_buffer_bytes, workspace_bytes and reserved_bytes must be >= 0")
+            raise PlanError("collective_buffer_bytes, workspace_bytes, host_staging_bytes and reserved_bytes "
+                            "must be >= 0")
 
     @classmethod
     def from_site(cls, site, *, collective_buffer_bytes: int = STAGING_BYTES) -> "MemoryBudget":
-        """From a ``nereusd.config.site.SiteConfig``: its device capacity, the memory model's headroom
-        and the framework workspace of its device kind."""
+        """From a ``nereusd.config.site.SiteConfig``: its device capacity, the memory model's headroom,
+        the framework workspace of its device kind, and its host staging (``host_staging_gib``,
+        none without a ``host_link_gbps`` to price it)."""
+        staging = int(site.device.host_staging_gib * GIB) if site.device.host_link_gbps > 0 else 0
         return cls(capacity_bytes=site.device_memory_bytes, headroom=HEADROOM,
                    workspace_bytes=WORKSPACE_BYTES[site.device_kind],
-                   collective_buffer_bytes=collective_buffer_bytes)
+                   collective_buffer_bytes=collective_buffer_bytes, host_staging_bytes=staging)
 
     def baseline_bytes(self, devices: Iterable[int]) -> dict[int, int]:
         """Workspace plus reserved bytes of each of ``devices``."""
@@ -274,8 +290,13 @@ class StateModel:
             for x, (lay, p) in dst.items():
                 out[x][0] += self.holding_bytes(m, lay, p)
         if op.kind is OpKind.SPLIT:
+            staged = op.staged_elements
             for x in dst:
-                out[x][2] += self.holding_bytes(m, *src[x])
+                old = self.holding_bytes(m, *src[x])
+                if x in staged:   # freed before the new holding is allocated
+                    out[x][0] -= old
+                else:
+                    out[x][2] += old
         elif op.kind in (OpKind.DESTROY, OpKind.MERGE):
             for x, (lay, p) in src.items():
                 out[x][2] += self.holding_bytes(m, lay, p)
@@ -420,6 +441,53 @@ def check_feasibility(
     if violation is not None:
         log.debug("transition DAG over memory: %s", violation.describe())   # the admission record says it
     return FeasibilityReport(violation, dict(peak), {x: v for x, v in in_use.items()}, order)
+
+
+def stage_in_host(dag: TransitionDag, state: StateModel, budget: MemoryBudget,
+                  report: FeasibilityReport | None = None) -> tuple[TransitionDag, FeasibilityReport]:
+    """Stage in host memory the receivers of each Split that does not fit, until the DAG fits or
+    staging cannot help.
+
+    While the first violation of :func:`check_feasibility` (``report``, computed if not given) is
+    a Split's, that Split's receivers stage their ``T`` holdings (:attr:`Op.host_staged`): each
+    receiver whose staged bytes, over all the DAG's Splits, stay within
+    ``budget.host_staging_bytes`` (counted as if all were live at once). Every receiver stages,
+    not only the one over: they copy in parallel, so the op takes as long either way. A Split is
+    staged once; a violation elsewhere (an Extend, a Merge, the re-partition, the current plan)
+    or on a device that could not stage ends the loop.
+
+    Returns:
+        The DAG (unchanged when nothing was staged) and its feasibility report.
+    """
+    report = report if report is not None else check_feasibility(dag, state, budget)
+    if budget.host_staging_bytes <= 0:
+        return dag, report
+    host: dict[int, int] = defaultdict(int)
+    for op in dag.ops:
+        for x, elements in op.host_staged:
+            host[x] += int(elements * state.sizes.resident_bytes_per_element(op.model_stage))
+    tried: set[str] = set()
+    ids = {op.id for op in dag.ops}
+    while report.violation is not None and report.violation.op_id in ids - tried:
+        op = dag.op(report.violation.op_id)
+        if op.kind is not OpKind.SPLIT:
+            break
+        tried.add(op.id)
+        staged = op.staged_elements
+        position = dict(zip(op.source_devices, op.source_positions))
+        per_element = state.sizes.resident_bytes_per_element(op.model_stage)
+        for x in op.target_devices:
+            elements = state.elements(op.model_stage, op.source_layout, position[x])
+            if x in staged or host[x] + elements * per_element > budget.host_staging_bytes:
+                continue
+            staged[x] = elements
+            host[x] += int(elements * per_element)
+        if report.violation.device not in staged:
+            break
+        new = dataclasses.replace(op, host_staged=tuple(staged.items()))
+        dag = dataclasses.replace(dag, ops=tuple(new if o.id == op.id else o for o in dag.ops))
+        report = check_feasibility(dag, state, budget, order=report.order)
+    return dag, report
 
 
 def _check_order(dag: TransitionDag, order: Sequence[str]) -> None:

@@ -14,6 +14,9 @@ model-stage at one ``(layout, position)`` on one device):
     ``T_sub``. Each receiver's ``T`` holding becomes its ``T_sub`` holding by a position-wise
     all-gather inside its gather group (the devices of the EMU with the same ``T_sub``
     position); the other devices only send and keep their ``T`` holding.
+    ``host_staged`` lists receivers that copy their ``T`` holding to host memory and free it
+    *before* allocating the ``T_sub`` one, so that the device never holds both: a Split that
+    would not fit memory otherwise (:func:`nereusd.transition.memory.stage_in_host`).
 ``destroy``
     ``source_*``: the holdings freed (layout, devices, positions); no target.
     ``discard`` is set only when the model-stage leaves the plan (its state is dropped on
@@ -150,6 +153,8 @@ class Op:
             ``destroy``).
         routes: what moves, ``(src, dst, shard)``; empty for ``destroy`` and ``create``.
         discard: ``destroy`` of a model-stage that leaves the plan.
+        host_staged: ``split`` only: ``(device, parameter elements of its T holding)`` of the
+            receivers that stage that holding in host memory (module docstring), sorted.
     """
 
     id: str
@@ -163,8 +168,18 @@ class Op:
     target_positions: tuple[Position, ...]
     routes: tuple[Route, ...] = ()
     discard: bool = False
+    host_staged: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "host_staged", tuple(sorted((int(x), int(n)) for x, n in self.host_staged)))
+        if self.host_staged:
+            staged = [x for x, _ in self.host_staged]
+            if self.kind is not OpKind.SPLIT:
+                raise PlanError(f"op {self.id}: only a Split stages holdings in host memory")
+            if len(set(staged)) != len(staged) or not set(staged) <= set(int(d) for d in self.target_devices):
+                raise PlanError(f"op {self.id}: host-staged devices {staged} must be distinct receivers")
+            if any(n <= 0 for _, n in self.host_staged):
+                raise PlanError(f"op {self.id}: a host-staged holding must have elements > 0")
         object.__setattr__(self, "source_devices", tuple(int(d) for d in self.source_devices))
         object.__setattr__(self, "target_devices", tuple(int(d) for d in self.target_devices))
         for name in ("source_positions", "target_positions"):
@@ -176,6 +191,11 @@ class Op:
         if len(self.target_devices) != len(self.target_positions):
             raise PlanError(f"op {self.id}: {len(self.target_devices)} target devices but "
                             f"{len(self.target_positions)} positions")
+
+    @property
+    def staged_elements(self) -> dict[int, int]:
+        """``{device: parameter elements}`` of the holdings this op stages in host memory."""
+        return dict(self.host_staged)
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -212,6 +232,7 @@ class Op:
             "target_positions": [list(p) for p in self.target_positions],
             "routes": [r.to_list() for r in self.routes],
             "discard": self.discard,
+            **({"host_staged": [list(h) for h in self.host_staged]} if self.host_staged else {}),
         }
 
     @classmethod
@@ -223,10 +244,11 @@ class Op:
         """
         allowed = {"id", "kind", "model_stage", "source_layout", "source_devices", "source_positions",
                    "target_layout", "target_devices", "target_positions", "routes", "discard"}
+        optional = {"host_staged"}   # absent: nothing staged (and in DAGs written before it existed)
         ident = data.get("id", "?") if isinstance(data, Mapping) else "?"
         if not isinstance(data, Mapping):
             raise PlanError(f"op: expected an object, got {data!r}")
-        unknown = sorted(set(data) - allowed)
+        unknown = sorted(set(data) - allowed - optional)
         if unknown:
             raise PlanError(f"op {ident}: unknown field {unknown[0]!r}")
         missing = sorted(allowed - set(data))
@@ -253,6 +275,7 @@ class Op:
                 target_positions=tuple(tuple(p) for p in data["target_positions"]),
                 routes=tuple(Route.from_list(r) for r in data["routes"]),
                 discard=bool(data["discard"]),
+                host_staged=tuple((x, n) for x, n in data.get("host_staged", ())),
             )
         except (TypeError, ValueError, IndexError) as err:
             raise PlanError(f"op {ident}: malformed field: {err}") from None

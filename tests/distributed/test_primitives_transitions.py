@@ -10,6 +10,10 @@ fails the case with ``DeviceOutOfMemory``. Every other case bounds staging at 4 
 the holdings (tens of KiB), as 64 MiB is far below a real model's: Splits and Merges then move
 their pieces in chunks, and the memory model counts no more than that. Afterwards every target holding must equal the
 canonical slices exactly (``torch.equal``) with its logical state, and nothing else may be held.
+
+A second spawn runs cases whose tightest budget fits only with host staging
+(:func:`nereusd.transition.stage_in_host`): their Split receivers free their holding into host
+memory before allocating the new one, under the same exact capacity.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from emu.state.primitives import HoldingStore
 from emu.state.unit import slots_for
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.shards import value_head_for
-from nereusd.transition import AdamStateSizes, MemoryBudget, StateModel, check_feasibility, plan_transition
+from nereusd.transition import (AdamStateSizes, MemoryBudget, StateModel, check_feasibility, plan_transition,
+                                stage_in_host)
 from tests.support.specs import TINY as SPEC, TINY_MODELS as MODELS
 from tests.support.holdings import check_holdings, fill, logical_for, specs_for
 
@@ -63,6 +68,27 @@ def random_case(seed: int):
     return current, target, None, None
 
 
+def staged_case(seed: int):
+    """Like :func:`random_case`, but the tightest budget (of the same few, chunked staging) at which
+    the DAG does not fit unstaged and fits once :func:`stage_in_host` staged its Splits; ``None``
+    budget when no factor is such."""
+    rnd = random.Random(seed)
+    chosen = rnd.sample(STAGES, rnd.randint(1, 2))
+    current = Plan({m: random_candidate(rnd, m) for m in chosen})
+    target = Plan({m: random_candidate(rnd, m) for m in chosen})
+    state = StateModel(MODELS, SIZES)
+    need = max([*state.plan_bytes(current).values(), *state.plan_bytes(target).values()])
+    for factor in (1.0, 1.1, 1.25, 1.5):
+        budget = MemoryBudget(capacity_bytes=int(need * factor / 0.9) + 1, collective_buffer_bytes=4096,
+                              host_staging_bytes=1 << 30)
+        dag = plan_transition(current, target, MODELS, devices_per_node=4, state=state, budget=budget)
+        report = check_feasibility(dag, state, budget)
+        if report.feasible:
+            break
+        staged, report = stage_in_host(dag, state, budget, report)
+        if report.feasible:
+            return current, target, budget, staged
+    return current, target, None, None
 
 
 
@@ -73,10 +99,13 @@ def random_case(seed: int):
 
 
 
-def body(rank: int, world: int, cases: list[int]) -> dict:
-    report = {"cases": 0, "infeasible": 0, "ops": 0, "kinds": set(), "peak_over_limit": 0, "elapsed_s": 0.0, "tight": 0}
+
+
+def body(rank: int, world: int, cases: list[int], staged: bool = False) -> dict:
+    report = {"cases": 0, "infeasible": 0, "ops": 0, "kinds": set(), "peak_over_limit": 0, "elapsed_s": 0.0, "tight": 0,
+              "staged": 0}
     for seed in cases:
-        current, target, budget, dag = random_case(seed)
+        current, target, budget, dag = (staged_case if staged else random_case)(seed)
         if budget is None:
             report["infeasible"] += 1
             continue
@@ -103,6 +132,7 @@ def body(rank: int, world: int, cases: list[int]) -> dict:
         report["cases"] += 1
         report["ops"] += len(dag.ops)
         report["kinds"] |= {op.kind.value for op in dag.ops}
+        report["staged"] += sum(len(op.host_staged) for op in dag.ops)
         report.setdefault("timings", []).append([t.to_dict() for t in timings])
     return report
 
@@ -117,3 +147,13 @@ def test_random_transitions_are_bit_exact_and_fit_memory():
     assert {"split", "merge", "extend", "destroy"} <= r0["kinds"], r0["kinds"]
     merged = merge_timings(t for r in reports for t in r.get("timings", [[]])[0:1])
     assert all(v["duration_s"] >= 0 for v in merged.values())
+
+
+def test_host_staged_splits_fit_where_unstaged_ones_do_not():
+    """Cases that fit only with host staging run bit-exact within the exact capacity: a receiver that
+    allocated its new holding before freeing the old one would book past it and fail the case."""
+    seeds = [seed for seed in range(60) if staged_case(seed)[2] is not None][:10]
+    assert len(seeds) == 10
+    reports = run_distributed(body, POOL, seeds, True, timeout_s=240)
+    r0 = reports[0]
+    assert r0["cases"] == 10 and r0["staged"] >= 10, r0

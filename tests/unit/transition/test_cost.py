@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nereusd.cost.model import CostModel
+from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.config.site import load_site
@@ -185,3 +186,19 @@ def test_best_list_schedule_is_a_valid_schedule_between_the_bound_and_a_plain_li
     assert end <= _makespan(critical_path_order(list(range(n)), duration, preds), duration, ports, preds)
     assert end <= _makespan(list(range(n)), duration, ports, preds)
     assert end <= _makespan(bottleneck_order(list(range(n)), duration, ports, preds), duration, ports, preds)
+
+
+def test_a_host_staged_split_pays_the_copy_out_and_back():
+    """Receiver 0 copies its tp2 half (14·19,744 bytes moved per element) to host memory and back
+    into the new holding, after the exchange, at the link's host bandwidth."""
+    import dataclasses
+    dag = dag_for(Candidate(2, 1, 1, (0, 1)), Candidate(1, 1, 1, (0,)))
+    split = dataclasses.replace(dag.ops[0], host_staged=((0, 19_744),))
+    received = P - 19_744
+    links = dataclasses.replace(LINKS, host_link_gbps=20.0)
+    seconds, moved = op_duration_s(split, SIZES, links)
+    assert moved == 14 * received
+    assert seconds == pytest.approx(0.5 + 5e-6 + 14 * received / 100e9 + 2 * 14 * 19_744 / 20e9)
+    with pytest.raises(PlanError, match="host_link_gbps"):
+        op_duration_s(split, SIZES, LINKS)
+    assert SiteLinkCosts.from_site(load_site("a100-ib")).host_transfer_s(25e9) == pytest.approx(1.0)

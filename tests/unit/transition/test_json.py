@@ -28,6 +28,13 @@ def dag() -> TransitionDag:
     return plan_transition(cur, tgt, MODELS, devices_per_node=4)
 
 
+def _split(data: dict) -> dict:
+    """The first Split op of a DAG's JSON form (receiver 0 among its target devices)."""
+    op = next(o for o in data["ops"] if o["kind"] == "split")
+    assert 0 in op["target_devices"]
+    return op
+
+
 def test_round_trip_is_exact(dag):
     assert {op.kind for op in dag.ops} == set(OpKind)
     text = dag.to_json()
@@ -35,6 +42,15 @@ def test_round_trip_is_exact(dag):
     assert back == dag and back.to_json() == text
     validate(back)
     assert [Op.from_dict(o.to_dict()) for o in dag.ops] == list(dag.ops)
+
+
+def test_a_host_staged_split_round_trips(dag):
+    import dataclasses
+    split = next(op for op in dag.ops if op.kind is OpKind.SPLIT)
+    assert split.kind is OpKind.SPLIT and split.host_staged == () and "host_staged" not in split.to_dict()
+    staged = dataclasses.replace(split, host_staged=((split.target_devices[0], 123),))
+    assert staged.to_dict()["host_staged"] == [[split.target_devices[0], 123]]
+    assert Op.from_dict(json.loads(json.dumps(staged.to_dict()))) == staged
 
 
 def test_json_is_plain_and_versioned(dag):
@@ -60,6 +76,12 @@ def test_json_is_plain_and_versioned(dag):
     (lambda d: d.pop("edges"), "missing field 'edges'"),
     (lambda d: d.update(staging_bytes=-1), "staging_bytes must be an integer >= 0"),
     (lambda d: d.update(staging_bytes="64M"), "staging_bytes must be an integer >= 0"),
+    (lambda d: _split(d).update(host_staged=[[99, 10]]), "host-staged devices \\[99\\] must be distinct receivers"),
+    (lambda d: _split(d).update(host_staged=[[0, 10], [0, 10]]), "must be distinct receivers"),
+    (lambda d: _split(d).update(host_staged=[[0, 0]]), "elements > 0"),
+    (lambda d: _split(d).update(host_staged=[[0]]), "malformed field"),
+    (lambda d: next(o for o in d["ops"] if o["kind"] == "extend").update(host_staged=[[0, 10]]),
+     "only a Split stages"),
 ])
 def test_malformed_json_is_refused(dag, mutate, message):
     data = json.loads(dag.to_json())

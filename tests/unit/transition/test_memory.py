@@ -14,6 +14,7 @@ from nereusd.transition import (
     StateModel,
     check_feasibility,
     plan_transition,
+    stage_in_host,
 )
 from tests.support.specs import TINY_MODELS as MODELS
 
@@ -107,6 +108,10 @@ def test_budget_checks_and_site_defaults():
     b = MemoryBudget.from_site(site)
     assert b.capacity_bytes == 512 * 2**20 and b.headroom == 0.1 and b.workspace_bytes == 16 << 20
     assert b.limit_bytes == int(0.9 * 512 * 2**20)
+    assert b.host_staging_bytes == 0   # virtual CPU devices: host memory is the device's
+    assert MemoryBudget.from_site(load_site("frontier-mi250x")).host_staging_bytes == 32 << 30
+    with pytest.raises(PlanError, match="host_staging_bytes"):
+        MemoryBudget(capacity_bytes=1, host_staging_bytes=-1)
 
 
 def test_two_splits_on_a_tight_device_run_one_after_the_other():
@@ -163,3 +168,40 @@ def test_collective_buffer_bytes_must_be_an_integer():
     for bad in (True, 1.5, "64M", None):
         with pytest.raises(PlanError, match="collective_buffer_bytes must be an integer"):
             MemoryBudget(capacity_bytes=10**6, collective_buffer_bytes=bad)
+
+
+def test_a_split_over_memory_stages_its_receivers_holding_in_host_memory():
+    """tp2 → tp1 on device 0: unstaged the Split holds the tp2 half (14·P_TP2) beside the whole new
+    holding (14·P); staged it frees the half first, so 14·P fits. Host memory too small for the
+    half leaves the DAG as it was."""
+    cur, tgt = Plan({AT: Candidate(2, 1, 1, (0, 1))}), Plan({AT: Candidate(1, 1, 1, (0,))})
+    budget = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0,
+                          host_staging_bytes=14 * P_TP2)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    report = check_feasibility(dag, STATE, budget)
+    v = report.violation
+    assert (v.op_id, v.device, v.needed_bytes, v.in_use_bytes) == ("actor/training:split0", 0, 14 * P, 14 * P_TP2)
+
+    staged, report = stage_in_host(dag, STATE, budget, report)
+    split = staged.op("actor/training:split0")
+    assert split.host_staged == ((0, P_TP2),) and report.feasible
+    assert STATE.op_bytes(split, 0)[0] == (14 * (P - P_TP2), 0, 0)   # alloc is the growth; nothing freed at the end
+    assert report.peak_bytes[0] == 14 * P and report.final_bytes == {0: 14 * P, 1: 0}
+    assert [op.host_staged for op in dag.ops] == [(), ()]   # the input DAG is not modified
+
+    small = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0,
+                         host_staging_bytes=14 * P_TP2 - 1)
+    same, report = stage_in_host(dag, STATE, small)
+    assert same is dag and not report.feasible
+    without = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0)
+    assert stage_in_host(dag, STATE, without)[0] is dag
+
+
+def test_staging_does_not_help_a_violation_outside_a_split():
+    cur = Plan({AT: Candidate(1, 1, 1, (0,)), CT: Candidate(1, 1, 1, (1,))})
+    tgt = Plan({AT: Candidate(1, 1, 1, (1,)), CT: Candidate(1, 1, 1, (1,))})
+    budget = MemoryBudget(capacity_bytes=14 * CRITIC + 14 * P, headroom=0.0, collective_buffer_bytes=1_000,
+                          host_staging_bytes=1 << 30)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    same, report = stage_in_host(dag, STATE, budget)
+    assert same is dag and report.violation.op_id == "actor/training:extend0"

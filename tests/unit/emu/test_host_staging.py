@@ -1,0 +1,48 @@
+"""A holding staged in host memory for a Split (``emu.state.primitives``): out of the device's
+books while staged, and back on the device, equal, if the Split fails. The staged Split itself
+runs on 8 gloo ranks in ``tests/distributed/test_primitives_transitions.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emu.state.devmem import DeviceMemory
+from emu.state.primitives import HoldingStore, _restored_on_error, _stage_out, holding_entry
+from emu.state.unit import slots_for
+from nereusd.plan import Layout, ModelStage, Role, Stage
+from tests.support.holdings import fill, logical_for
+from tests.support.specs import TINY as SPEC
+
+AT = ModelStage(Role.ACTOR, Stage.TRAINING)
+LAYOUT, POSITION = Layout(2, 1), (0, 1)
+
+
+def _store() -> tuple[HoldingStore, torch.Tensor]:
+    store = HoldingStore(DeviceMemory(0, 1 << 30))
+    h = store.allocate((AT, SPEC, False, slots_for(AT)), LAYOUT, POSITION, logical_for(3, AT))
+    fill(h, 3)
+    store.put(h)
+    return store, h.buffer.clone()
+
+
+def test_a_staged_holding_leaves_the_device_books_and_comes_back_if_the_split_fails():
+    store, before = _store()
+    booked = store.memory.in_use_bytes
+    host = _stage_out(store, store.get(AT, LAYOUT, POSITION))
+    assert not store.has(AT, LAYOUT, POSITION) and store.memory.in_use_bytes == 0
+    assert torch.equal(host.buffer, before) and host.logical == logical_for(3, AT)
+    with pytest.raises(RuntimeError, match="peer lost"):
+        with _restored_on_error(store, host):
+            raise RuntimeError("peer lost")
+    back = store.get(AT, LAYOUT, POSITION)
+    assert torch.equal(back.buffer, before) and back.logical == logical_for(3, AT)
+    assert store.memory.entries() == {(str(AT), holding_entry(LAYOUT, POSITION)): booked}
+
+
+def test_a_split_that_succeeds_keeps_what_it_registered():
+    store, _ = _store()
+    host = _stage_out(store, store.get(AT, LAYOUT, POSITION))
+    with _restored_on_error(store, host):
+        pass   # the Split registered its new holding; the staged one is not put back
+    assert not store.has(AT, LAYOUT, POSITION) and store.memory.in_use_bytes == 0
