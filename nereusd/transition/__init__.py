@@ -58,6 +58,7 @@ from nereusd.transition.memory import (
     stage_in_host,
     tight_devices,
 )
+from nereusd.transition.via import chain, crossed, via_plan
 from nereusd.transition.ops import (
     Edge,
     EdgeReason,
@@ -76,6 +77,7 @@ __all__ = [
     "AdamStateSizes", "CostModelLinks", "Delta", "Edge", "EdgeReason", "Emu", "FeasibilityReport",
     "LinkCosts", "MemoryBudget", "MemoryViolation", "Op", "OpKind", "Route", "SiteLinkCosts",
     "StateModel", "StateSizes", "TransitionCost", "TransitionDag", "check_feasibility", "deltas", "stage_in_host",
+    "fitting_dag", "via_plan", "chain", "crossed",
     "emu_collection", "emu_collections", "estimate_l_tran", "op_duration_s", "plan_transition",
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
     "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
@@ -100,6 +102,7 @@ def plan_transition(
     state: StateModel | None = None,
     budget: MemoryBudget | None = None,
     check: bool = True,
+    lean: bool = False,
 ) -> TransitionDag:
     """Plan the transition ``S → S*`` (paper §6.1).
 
@@ -114,6 +117,7 @@ def plan_transition(
             ``collective_buffer_bytes`` becomes the DAG's ``staging_bytes`` (default
             :data:`~nereusd.transition.ops.STAGING_BYTES`).
         check: run :func:`~nereusd.transition.dag.validate` on the result.
+        lean: Extend only from retained holders (:func:`~nereusd.transition.local.local_dag`).
 
     Returns:
         The acyclic global DAG; ``len(dag) == 0`` when nothing changes.
@@ -130,7 +134,7 @@ def plan_transition(
         if role not in models:
             raise PlanError(f"{delta.model_stage}: no model spec for role {role}")
         local.append(local_dag(delta, models[role], value_head=value_head_for(role),
-                               node_of=lambda x: x // devices_per_node))
+                               node_of=lambda x: x // devices_per_node, lean=lean))
     tight = None
     if state is not None and budget is not None:
         devices = tight_devices((op for ops, _ in local for op in ops), current, state, budget)
@@ -192,15 +196,56 @@ def assess_transition(
     sizes = sizes or AdamStateSizes.for_dtype(site.compute_dtype)
     budget = budget or MemoryBudget.from_site(site)
     state = StateModel(models, sizes, repartitioned_by(current, target))
-    dag = plan_transition(current, target, models, devices_per_node=site.devices_per_node,
-                          state=state, budget=budget)
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
-    dag, report = stage_in_host(dag, state, budget)   # a Split over memory frees its holding first
+    dag, report = fitting_dag(current, target, models, site.devices_per_node, state, budget)
     cost = estimate_l_tran(dag, state.sizes, links)   # re-partitioned: parameters only (ParamsMoved)
     zero_s, zero_bytes = zero_state_cost(current, target, dag, state, links)
     if zero_s or zero_bytes:
         cost = dataclasses.replace(cost, l_tran_s=cost.l_tran_s + zero_s, bytes_moved=cost.bytes_moved + zero_bytes)
     return TransitionAssessment(dag, report, cost)
+
+
+def fitting_dag(current: Plan, target: Plan, models: Mapping[Role, ModelSpec], devices_per_node: int,
+                state: StateModel, budget: MemoryBudget) -> tuple[TransitionDag, FeasibilityReport]:
+    """The first of these DAGs for ``current → target`` that fits ``budget``
+    (:func:`~nereusd.transition.memory.check_feasibility`), each with the Splits that do not fit
+    staged in host memory (:func:`~nereusd.transition.memory.stage_in_host`):
+
+    1. :func:`plan_transition`'s;
+    2. its lean variant (Extends only from retained holders), when a transition op did not fit;
+    3. for crossed model-stages, the path through :func:`~nereusd.transition.via.via_plan`
+       (slice first, then gather: no ``T_sub`` holding larger than the target's), plain, then lean.
+
+    Returns the first DAG and its report when none fits. Later DAGs are planned only when the
+    earlier ones do not fit (the common case plans one).
+
+    Raises:
+        PlanError: as :func:`plan_transition`.
+    """
+    def staged(dag: TransitionDag) -> tuple[TransitionDag, FeasibilityReport]:
+        return stage_in_host(dag, state, budget)
+
+    first = staged(plan_transition(current, target, models, devices_per_node=devices_per_node,
+                                   state=state, budget=budget))
+    if first[1].feasible or first[1].violation.op_id is None:   # None: the current plan itself does not fit
+        return first
+    lean = staged(plan_transition(current, target, models, devices_per_node=devices_per_node,
+                                  state=state, budget=budget, lean=True))
+    if lean[1].feasible:
+        return lean
+    mid = via_plan(current, target, models)
+    if mid is None:
+        return first
+    to_mid = plan_transition(current, mid, models, devices_per_node=devices_per_node, state=state, budget=budget)
+    for thin in (False, True):
+        from_mid = plan_transition(mid, target, models, devices_per_node=devices_per_node, state=state,
+                                   budget=budget, lean=thin)
+        via = chain(to_mid, from_mid)
+        validate(via)
+        via = staged(via)
+        if via[1].feasible:
+            return via
+    return first
 
 
 def rebuilt_model_stages(current: Plan, target: Plan, moved: set[ModelStage]) -> set[ModelStage]:

@@ -150,7 +150,7 @@ class _SenderPicker:
 
 
 def local_dag(
-    delta: Delta, spec: ModelSpec, *, value_head: bool, node_of: Callable[[int], int]
+    delta: Delta, spec: ModelSpec, *, value_head: bool, node_of: Callable[[int], int], lean: bool = False
 ) -> tuple[list[Op], list[Edge]]:
     """The local DAG of ``delta`` (see the module docstring for the construction).
 
@@ -159,6 +159,12 @@ def local_dag(
         spec: the model-stage's model shapes.
         value_head: whether it carries a value head (critic, reward).
         node_of: node index of a global device index (intra-node senders are preferred).
+        lean: Extend only from retained devices where a ``T_sub`` position has one. By default
+            the sends are spread over every holder, retained or not, so that they run in
+            parallel; a holder that is not retained then receives its ``T_sub`` holding in the
+            Split only to send it, and where it is also an Extend's target it holds both at once.
+            The lean DAG is slower and needs less memory
+            (:func:`nereusd.transition.assess_transition` tries it when the first does not fit).
 
     Returns:
         ``(ops, edges)``: ops in Split, Destroy, Extend, Destroy, Merge order; state edges.
@@ -214,6 +220,8 @@ def local_dag(
             holders[sigma[x]].append(x)
     sends: Counter[int] = Counter()
     src_of: dict[int, int] = {}
+    if lean:
+        holders = defaultdict(list, {pos: [x for x in devs if x in retained] or devs for pos, devs in holders.items()})
     pickers = {pos: _SenderPicker(devs, retained, node_of, sends) for pos, devs in holders.items()}
     for dst in missing:
         src = pickers[sigma_t[dst]].pick(node_of(dst))
