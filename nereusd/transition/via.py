@@ -25,7 +25,7 @@ from typing import Mapping
 
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
-from nereusd.plan import Candidate, Layout, Plan, Role
+from nereusd.plan import Layout, Plan, Role
 from nereusd.shards import check_layout, value_head_for
 from nereusd.transition.local import t_sub
 from nereusd.transition.ops import Edge, EdgeReason, TransitionDag
