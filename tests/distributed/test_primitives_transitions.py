@@ -51,15 +51,22 @@ def random_candidate(rnd: random.Random, ms: ModelStage) -> Candidate:
     return Candidate(tp, pp, dp, tuple(rnd.sample(range(POOL), tp * pp * dp)))
 
 
-def random_case(seed: int):
-    """Plans, and the tightest budget of a few (from "the larger plan just fits" up) that the
-    planner finds feasible, with its DAG; ``None`` budget when none is."""
+def random_plans(seed: int):
+    """Current and target plans of 1–2 model-stages drawn from ``seed``, the state model, and the
+    most bytes either plan puts on one device."""
     rnd = random.Random(seed)
     chosen = rnd.sample(STAGES, rnd.randint(1, 2))
     current = Plan({m: random_candidate(rnd, m) for m in chosen})
     target = Plan({m: random_candidate(rnd, m) for m in chosen})
     state = StateModel(MODELS, SIZES)
     need = max([*state.plan_bytes(current).values(), *state.plan_bytes(target).values()])
+    return current, target, state, need
+
+
+def random_case(seed: int):
+    """Plans, and the tightest budget of a few (from "the larger plan just fits" up) that the
+    planner finds feasible, with its DAG; ``None`` budget when none is."""
+    current, target, state, need = random_plans(seed)
     staging = 4096 if seed % 2 == 0 else 1 << 30
     for factor in (1.0, 1.25, 1.5, 2.0, 3.0, 5.0):
         budget = MemoryBudget(capacity_bytes=int(need * factor / 0.9) + 1, collective_buffer_bytes=staging)
@@ -73,12 +80,7 @@ def staged_case(seed: int):
     """Like :func:`random_case`, but the tightest budget (of a few, chunked staging) at which
     :func:`plan_transition`'s DAG does not fit and :func:`fitting_dag`'s does; ``None`` budget when
     no factor is such."""
-    rnd = random.Random(seed)
-    chosen = rnd.sample(STAGES, rnd.randint(1, 2))
-    current = Plan({m: random_candidate(rnd, m) for m in chosen})
-    target = Plan({m: random_candidate(rnd, m) for m in chosen})
-    state = StateModel(MODELS, SIZES)
-    need = max([*state.plan_bytes(current).values(), *state.plan_bytes(target).values()])
+    current, target, state, need = random_plans(seed)
     for factor in (1.0, 1.1, 1.25, 1.5):
         budget = MemoryBudget(capacity_bytes=int(need * factor / 0.9) + 1, collective_buffer_bytes=4096,
                               host_staging_bytes=1 << 30)
