@@ -241,7 +241,7 @@ class Daemon:
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         kept = self._keep_workers(world, driver) if self.args.resume else None
         if self.args.resume:
-            self._journal_resume(record, kept)
+            self._journal_resume(record, kept, restored=resumed is not None)
         if kept is None:
             self.control.spawn_workers(generation=self.store.generation, world=world, store_host=self.store.host,
                                        store_port=self.store.port, memory_capacity_bytes=job.device_memory_bytes,
@@ -292,21 +292,21 @@ class Daemon:
                     kept.elapsed_s)
         return kept
 
-    def _journal_resume(self, record: dict | None, kept: KeptState | None) -> None:
+    def _journal_resume(self, record: dict | None, kept: KeptState | None, *, restored: bool) -> None:
         """``--resume``: journal where the job continues. From the latest committed checkpoint
         (``record``, :func:`nereusd.checkpoints.resume_record`) the metrics of the steps from it
         on leave ``metrics.jsonl`` (they run again, so each step is there once); on kept
-        workers nothing is re-run."""
+        workers nothing is re-run. ``controller_state`` says whether the checkpoint's controller
+        state was restored (``restored``; a refused one is named in the ``launch_plan`` event)."""
         if kept is not None:
             self.journal.event(Event.NEREUSD_RESUMED, {"mode": "kept_workers", "step": kept.step,
-                                                       "dropped_metrics": 0,
-                                                       "controller_state": bool(record and record.get("controller"))})
+                                                       "dropped_metrics": 0, "controller_state": restored})
             return
         step = int(record["step"]) if record is not None else 0
         dropped = drop_metrics_from(self.run_dir / METRICS_FILE, step)
         self.journal.event(Event.NEREUSD_RESUMED, {"mode": "checkpoint", "checkpoint": record["dir"] if record else None,
                                                    "step": step, "dropped_metrics": dropped,
-                                                   "controller_state": bool(record and record.get("controller"))})
+                                                   "controller_state": restored})
         log.warning("resuming at step %d from %s", step, record["dir"] if record else "the initial weights")
 
     def _resumed_controller(self, record: dict, driver: RLDriver):

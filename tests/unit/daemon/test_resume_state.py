@@ -84,3 +84,15 @@ def test_a_state_that_restore_once_took_and_then_crashed_on_is_refused_whole(tmp
         assert "not used" in launch["source"], (changes, launch["source"])
     controller, _ = _resumed(tmp_path / "good", job, _record(saved, job))
     assert controller is not None
+
+
+def test_nereusd_resumed_says_whether_the_state_was_restored(tmp_path):
+    """``controller_state`` was true whenever the checkpoint carried a state, even one refused."""
+    journal = Journal(tmp_path / "run")
+    daemon = SimpleNamespace(journal=journal, run_dir=tmp_path / "run")
+    record = {"dir": "/x", "step": 4, "controller": {"version": 1}}
+    Daemon._journal_resume(daemon, record, None, restored=False)
+    Daemon._journal_resume(daemon, record, None, restored=True)
+    journal.close()
+    resumed = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "nereusd_resumed"]
+    assert [e["controller_state"] for e in resumed] == [False, True]
