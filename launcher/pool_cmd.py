@@ -23,7 +23,7 @@ import zmq
 from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.journal import ENDPOINT_FILE
-from nereusd.daemon.live import start_local_agent
+from nereusd.daemon.live import start_local_agent, wait_registered
 from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
 
 
@@ -182,17 +182,10 @@ def run(args: argparse.Namespace) -> int:
                                  keys_dir=run_dir.resolve() / KEYS_DIR if info.get("curve") else None)
     except OSError as err:
         raise NereusError(f"--add: cannot start the agent: {err.strerror or err} ({err.filename or log_path})") from None
-    deadline = time.monotonic() + REGISTER_WAIT_S
-    while node not in _ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool", {}):
-        if proc.poll() is not None:
-            raise NereusError(f"--add: agent {node} exited with status {proc.returncode} before it registered "
-                              f"with nereusd; its log: {log_path}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise NereusError(f"--add: agent {node} did not register within {REGISTER_WAIT_S:.0f} s and was "
-                              f"stopped; its log: {log_path}")
-        time.sleep(0.5)
+    why = wait_registered(proc, lambda: node in _ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool", {}),
+                          lambda s: time.sleep(5 * s), REGISTER_WAIT_S, f"agent {node}", log_path)
+    if why is not None:
+        raise NereusError(f"--add: {why}")
     print(f"nereus: agent {node} (pid {proc.pid}) with {args.add} device(s) registered and joins; they are used "
           "from the next safe boundary")
     return 0

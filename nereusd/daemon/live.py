@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nereusd import protocol as P
 from nereusd.control.controller import Controller, StepObservation
@@ -84,6 +84,28 @@ def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: 
     with open(log_path, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=dict(os.environ))
+
+
+def wait_registered(proc: subprocess.Popen, registered: Callable[[], bool], wait: Callable[[float], object],
+                    timeout_s: float, what: str, log_path: Path) -> str | None:
+    """Wait until ``registered()`` holds for the agent ``proc`` that :func:`start_local_agent`
+    started, calling ``wait(seconds)`` between checks (polling the control plane, or sleeping).
+
+    Returns:
+        ``None`` once it registered; else why not — it exited first (its status), or it did not
+        register within ``timeout_s`` (then it is killed: its own session, no workers yet) — with
+        its log's path. ``what`` names it in the reason (``"agent local-add1 with 2 devices"``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not registered():
+        if proc.poll() is not None:
+            return f"{what} exited with status {proc.returncode} before it registered; its log: {log_path}"
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return f"{what} did not register within {timeout_s:.0f} s and was stopped; its log: {log_path}"
+        wait(0.1)
+    return None
 
 
 
@@ -563,17 +585,10 @@ class LiveAdaptation:
                 self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node, keys_dir=self.keys_dir)
         except OSError as err:
             return refuse(f"agent {node} could not start: {err.strerror or err} ({err.filename or log_path})")
-        deadline = time.monotonic() + AGENT_REGISTER_S
-        while len(set(self.control.devices()) - have) < count:
-            if proc.poll() is not None:
-                return refuse(f"agent {node} with {count} devices exited with status {proc.returncode} "
-                              f"before it registered; its log: {log_path}")
-            if time.monotonic() > deadline:
-                proc.kill()   # its own session, no workers yet
-                proc.wait()
-                return refuse(f"agent {node} with {count} devices did not register within "
-                              f"{AGENT_REGISTER_S:.0f} s and was stopped; its log: {log_path}")
-            self.control.poll(0.1)
+        why = wait_registered(proc, lambda: len(set(self.control.devices()) - have) >= count, self.control.poll,
+                              AGENT_REGISTER_S, f"agent {node} with {count} devices", log_path)
+        if why is not None:
+            return refuse(why)
 
     def _reap_agents(self) -> None:
         """Collect the exit status of the agents this job started that have exited (retired

@@ -39,8 +39,8 @@ def stand(monkeypatch, tmp_path):
 def test_an_agent_that_exits_before_it_registers_is_reported(stand):
     """It printed "joins" and exited 0 while the agent had died (an adversarial helper, 2026-12-06)."""
     args, _, agent = stand
-    with pytest.raises(NereusError, match=r"agent local-cli\d+ exited with status 3 before it registered with "
-                                          r"nereusd; its log: .*agent-local-cli\d+\.log"):
+    with pytest.raises(NereusError, match=r"--add: agent local-cli\d+ exited with status 3 before it registered; "
+                                          r"its log: .*agent-local-cli\d+\.log"):
         pool_cmd.run(args)
     assert agent["nodes"] == [f"local-cli{os.getpid()}"]   # two CLIs in one second shared a time-based id
 
