@@ -23,7 +23,8 @@ device, are those of :mod:`nereusd.transition.ops`:
   holding (plus the 5 integers of :class:`emu.state.unit.LogicalState`).
 * **Merge** — local slicing of the resident ``T_sub`` holding into the ``T*`` holding; only
   pieces a device lacks (k/v projections replicated by ``T*``) travel, point-to-point on a pair
-  communicator, in chunks of at most ``staging_bytes``.
+  communicator, in chunks of at most ``staging_bytes``. A device the op stages in host memory
+  frees its ``T_sub`` holding first and slices (and sends) from the host copy.
 * **Destroy** — drop a holding and release its booked memory; no collective.
 * **Create** — a zeroed holding for a model-stage that joins the plan.
 
@@ -454,8 +455,8 @@ def _exchange(op_id: str, out: list[Shard], to: int, inc: list[Shard], frm: int,
         store.memory.allocate(ms, staging, 4 * n_slots * sum(c.numel for c in (send, recv) if c is not None))
         try:
             p2p, buf = [], None
-            if send is not None:
-                data = _piece(holding, send).contiguous()
+            if send is not None:   # a staged holding's piece is copied to the device (booked above)
+                data = _piece(holding, send).to(store.device).contiguous()
                 p2p.append(dist.P2POp(dist.isend, data, comms.rank_of(to), group))
             if recv is not None:
                 buf = torch.empty(n_slots, *shard_shape(recv), dtype=torch.float32, device=into.buffer.device)
@@ -525,10 +526,23 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     :func:`_exchange` in one direction); then free the ``T_sub`` holding."""
     if me not in op.source_devices:
         return
-    ms, S, Tt = op.model_stage, op.source_layout, op.target_layout
+    ms, S = op.model_stage, op.source_layout
     src_pos = dict(zip(op.source_devices, op.source_positions))
     own = store.get(ms, S, src_pos[me])
-    new = store.allocate(own, Tt, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
+    if me in op.staged_elements:   # slice and send from a host copy; the device one is freed first
+        own = _stage_out(store, own)
+        with _restored_on_error(store, own):
+            _merge_into_new(op, me, own, store, comms, staging_bytes)
+    else:
+        _merge_into_new(op, me, own, store, comms, staging_bytes)
+        store.pop(ms, S, src_pos[me])
+
+
+def _merge_into_new(op: Op, me: int, own: EmuShard, store: HoldingStore, comms: Communicators,
+                    staging_bytes: int) -> None:
+    """Allocate and fill this device's ``T*`` holding of a Merge from ``own`` (on the device, or its
+    host copy) and the routes' pieces, then register it."""
+    new = store.allocate(own, op.target_layout, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
     with _released_on_error(store, new):
         for r in op.routes:  # route order is the same on every device: both ends meet on each route
             if r.src == r.dst == me:
@@ -538,7 +552,6 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
                 sent, received = (chunks, []) if me == r.src else ([], chunks)
                 _exchange(op.id, sent, r.dst, received, r.src, own, new, comms.get(op.id, (r.src, r.dst)), comms,
                           store)
-    store.pop(ms, S, src_pos[me])
     store.put(new)
 
 

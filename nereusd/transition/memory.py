@@ -21,8 +21,9 @@ Accounting, per op and device (bytes):
 * ``free`` — holdings released when the op ends (Split receivers: the ``T`` shard; Merge: the
   ``T_sub`` shard; Destroy: what it frees).
 
-A Split receiver that stages its ``T`` holding in host memory (:attr:`Op.host_staged`) frees it
-before it allocates the ``T_sub`` one: its ``alloc`` is the difference and its ``free`` 0. A
+A Split receiver or a Merge device that stages the holding it replaces in host memory
+(:attr:`Op.host_staged`) frees it before it allocates the new one: its ``alloc`` is the
+difference (negative for a Merge, whose new holding is a slice of the old) and its ``free`` 0. A
 Split allocating the new holding beside the old is what kept an 8B model's actor training from
 ``tp2·pp4·dp4`` to ``tp2·pp2·dp8`` on 64 GB MI250X GCDs (+28.2 GB with 37.6 GB in use, limit
 61.8 GB); :func:`stage_in_host` stages the receivers of a Split that does not fit, within the
@@ -298,8 +299,12 @@ class StateModel:
                 else:
                     out[x][2] += old
         elif op.kind in (OpKind.DESTROY, OpKind.MERGE):
+            staged = op.staged_elements
             for x, (lay, p) in src.items():
-                out[x][2] += self.holding_bytes(m, lay, p)
+                if x in staged:   # freed before the new holding is allocated: the op needs less
+                    out[x][0] -= self.holding_bytes(m, lay, p)
+                else:
+                    out[x][2] += self.holding_bytes(m, lay, p)
         moved: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         per_element = self.sizes.moved_bytes_per_element(m)
         for r in op.routes:
@@ -449,11 +454,11 @@ def stage_in_host(dag: TransitionDag, state: StateModel, budget: MemoryBudget,
     staging cannot help.
 
     While the first violation of :func:`check_feasibility` (``report``, computed if not given) is
-    a Split's, that Split's receivers stage their ``T`` holdings (:attr:`Op.host_staged`): each
+    a Split's or a Merge's, its receivers stage the holdings they replace (:attr:`Op.host_staged`): each
     receiver whose staged bytes, over all the DAG's Splits, stay within
     ``budget.host_staging_bytes`` (counted as if all were live at once). Every receiver stages,
-    not only the one over: they copy in parallel, so the op takes as long either way. A Split is
-    staged once; a violation elsewhere (an Extend, a Merge, the re-partition, the current plan)
+    not only the one over: they copy in parallel, so the op takes as long either way. An op is
+    staged once; a violation elsewhere (an Extend, the re-partition, the current plan)
     or on a device that could not stage ends the loop.
 
     Returns:
@@ -470,7 +475,7 @@ def stage_in_host(dag: TransitionDag, state: StateModel, budget: MemoryBudget,
     ids = {op.id for op in dag.ops}
     while report.violation is not None and report.violation.op_id in ids - tried:
         op = dag.op(report.violation.op_id)
-        if op.kind is not OpKind.SPLIT:
+        if op.kind not in (OpKind.SPLIT, OpKind.MERGE):
             break
         tried.add(op.id)
         staged = op.staged_elements

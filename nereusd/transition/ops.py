@@ -29,7 +29,9 @@ model-stage at one ``(layout, position)`` on one device):
     ``target_*``: the same devices, same order, with their positions in ``T*``. Each device
     keeps its slice of what it holds; routes with ``src == dst`` are such local slices, routes
     with ``src != dst`` are the few pieces a replicated parameter still needs (k/v projections
-    when ``T*`` replicates them, ``tp* > num_kv_heads``).
+    when ``T*`` replicates them, ``tp* > num_kv_heads``). ``host_staged`` devices copy their
+    ``T_sub`` holding to host memory and free it before allocating the ``T*`` one, and slice (and
+    send) from the host copy.
 ``create``
     ``target_*``: a new model-stage's EMUs at ``T*``. Their content comes from outside the
     transition (initial weights or the next weight synchronisation); nothing is copied here.
@@ -153,8 +155,9 @@ class Op:
             ``destroy``).
         routes: what moves, ``(src, dst, shard)``; empty for ``destroy`` and ``create``.
         discard: ``destroy`` of a model-stage that leaves the plan.
-        host_staged: ``split`` only: ``(device, parameter elements of its T holding)`` of the
-            receivers that stage that holding in host memory (module docstring), sorted.
+        host_staged: ``split`` and ``merge``: ``(device, parameter elements of the holding it
+            frees)`` of the receivers that stage that holding in host memory (module docstring),
+            sorted.
     """
 
     id: str
@@ -174,8 +177,8 @@ class Op:
         object.__setattr__(self, "host_staged", tuple(sorted((int(x), int(n)) for x, n in self.host_staged)))
         if self.host_staged:
             staged = [x for x, _ in self.host_staged]
-            if self.kind is not OpKind.SPLIT:
-                raise PlanError(f"op {self.id}: only a Split stages holdings in host memory")
+            if self.kind not in (OpKind.SPLIT, OpKind.MERGE):
+                raise PlanError(f"op {self.id}: only a Split or a Merge stages holdings in host memory")
             if len(set(staged)) != len(staged) or not set(staged) <= set(int(d) for d in self.target_devices):
                 raise PlanError(f"op {self.id}: host-staged devices {staged} must be distinct receivers")
             if any(n <= 0 for _, n in self.host_staged):

@@ -81,7 +81,7 @@ def test_json_is_plain_and_versioned(dag):
     (lambda d: _split(d).update(host_staged=[[0, 0]]), "elements > 0"),
     (lambda d: _split(d).update(host_staged=[[0]]), "malformed field"),
     (lambda d: next(o for o in d["ops"] if o["kind"] == "extend").update(host_staged=[[0, 10]]),
-     "only a Split stages"),
+     "only a Split or a Merge stages"),
 ])
 def test_malformed_json_is_refused(dag, mutate, message):
     data = json.loads(dag.to_json())

@@ -205,3 +205,18 @@ def test_staging_does_not_help_a_violation_outside_a_split():
     dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     same, report = stage_in_host(dag, STATE, budget)
     assert same is dag and report.violation.op_id == "actor/training:extend0"
+
+
+def test_a_merge_over_memory_stages_its_holding_and_slices_from_the_host_copy():
+    """tp1 → tp2 on devices 0, 1 (one unit): each device slices its half (14·P_TP2) out of the
+    whole model (14·P); unstaged it holds both, staged it frees the whole first."""
+    cur, tgt = Plan({AT: Candidate(1, 1, 2, (0, 1))}), Plan({AT: Candidate(2, 1, 1, (0, 1))})
+    budget = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0,
+                          host_staging_bytes=14 * P)
+    dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
+    merge = next(op for op in dag.ops if op.kind.value == "merge")
+    assert check_feasibility(dag, STATE, budget).violation.op_id == merge.id
+    staged, report = stage_in_host(dag, STATE, budget)
+    assert report.feasible and staged.op(merge.id).host_staged == ((0, P), (1, P))
+    assert STATE.op_bytes(staged.op(merge.id), 0)[0] == (14 * (P_TP2 - P), 0, 0)   # the slice, less the whole
+    assert report.final_bytes == {0: 14 * P_TP2, 1: 14 * P_TP2}
