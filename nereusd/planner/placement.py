@@ -7,10 +7,7 @@ Rules (paper §4.2 "Plan search"; DESIGN.md "Planner"):
 - a replica (``tp·pp`` devices) goes inside one node when it fits, else each TP group does;
   only when the pool is too fragmented for that does a TP group cross nodes;
 - devices a model-stage already holds in the current plan are preferred, replica by replica,
-  so that transitions stay cheap (its state is already there); inside a replica on one node,
-  each such device gets a position whose ``T_sub`` part it already holds where one is free
-  (:func:`align_positions`), so that the transition's Split leaves it its own part rather than
-  gathering another device's and copying its own in by an Extend;
+  so that transitions stay cheap (its state is already there);
 - among nodes that fit, the fullest one is taken (best fit), which packs power-of-two
   replicas without fragmentation.
 
@@ -20,10 +17,8 @@ pipeline stage, then tensor rank.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
-import math
 from typing import Mapping, Sequence
 
 from nereusd.errors import PlanError
@@ -193,53 +188,8 @@ def place(
             tp, pp, dp = layouts[m][:3]
             prefer = set(current[m].devices) if current is not None and m in current else set()
             placed[m] = _place_one(free, tp, pp, dp, prefer, devices_per_node)
-    out = {}
-    for m, devs in placed.items():
-        cand = Candidate(tp=layouts[m][0], pp=layouts[m][1], dp=layouts[m][2], devices=tuple(devs),
-                         micro_batch=layouts[m][3], recompute=layouts[m][4], zero_stage=layouts[m][5])
-        if current is not None and m in current:
-            cand = align_positions(cand, current[m], devices_per_node)
-        out[m] = cand
-    return Plan(out)
-
-
-def align_positions(cand: Candidate, current: Candidate, devices_per_node: int) -> Candidate:
-    """``cand`` with each replica's devices reordered so that as many as possible keep their
-    ``T_sub`` position (``T_sub = (gcd(tp, tp*), gcd(pp, pp*))``, :mod:`nereusd.transition.local`).
-
-    A device at ``(p, t)`` of ``current`` holds ``T_sub`` position ``(p // kp, t // kt)``
-    (``kp = pp / pp_sub``, ``kt = tp / tp_sub``); a position ``(p*, t*)`` of ``cand`` needs
-    ``(p* // kp*, t* // kt*)``. Per replica, the positions of each ``T_sub`` position go first to
-    devices that hold it, in the replica's order, then the rest in order; as every device holds
-    one ``T_sub`` position, this keeps the most. The transition then retains those devices' state
-    (no Extend into them). A replica spread over nodes keeps its order: its TP groups must stay
-    inside nodes. With unchanged layouts, devices that stay keep their exact positions.
-    """
-    sub_tp, sub_pp = math.gcd(current.tp, cand.tp), math.gcd(current.pp, cand.pp)
-    kp, kt = current.pp // sub_pp, current.tp // sub_tp
-    kp_s, kt_s = cand.pp // sub_pp, cand.tp // sub_tp
-    devices: list[int] = []
-    held = set(current.devices)
-    for r in range(cand.dp):
-        replica = cand.replica_devices(r)
-        if len({x // devices_per_node for x in replica}) > 1:
-            devices += replica
-            continue
-        free: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for p in range(cand.pp):
-            for t in range(cand.tp):
-                free.setdefault((p // kp_s, t // kt_s), []).append((p, t))
-        at: dict[tuple[int, int], int] = {}
-        rest = []
-        for x in replica:
-            if x in held:
-                _, p, t = current.coords_of(x)
-                slots = free.get((p // kp, t // kt))
-                if slots:
-                    at[slots.pop(0)] = x
-                    continue
-            rest.append(x)
-        for pos, x in zip(sorted(pos for slots in free.values() for pos in slots), rest):
-            at[pos] = x
-        devices += [at[(p, t)] for p in range(cand.pp) for t in range(cand.tp)]
-    return dataclasses.replace(cand, devices=tuple(devices))
+    return Plan({
+        m: Candidate(tp=layouts[m][0], pp=layouts[m][1], dp=layouts[m][2], devices=tuple(devs),
+                     micro_batch=layouts[m][3], recompute=layouts[m][4], zero_stage=layouts[m][5])
+        for m, devs in placed.items()
+    })
