@@ -122,38 +122,6 @@ def test_placement_prefers_current_devices():
         assert set(again.plan[m].devices) == set(first.plan[m].devices)
 
 
-def test_placement_aligns_positions_with_the_t_sub_parts_devices_hold():
-    """Actor training ``pp8·dp1`` on node 0 to ``pp4·dp4`` on nodes 0–1 (``T_sub = pp4``): a device
-    that held pp8 stage ``s`` holds pp4 stage ``s // 2`` and gets that position where its replica
-    has it free (replica ``{0..3}`` holds stages 3 and 2, two devices each: two keep theirs), so
-    the transition's Split retains it and fewer Extends copy state in; unchanged layouts keep
-    exact positions, and a replica spread over nodes keeps its order."""
-    import dataclasses as dc
-
-    from nereusd.plan import Candidate, ModelStage, Plan
-    from nereusd.planner.placement import align_positions, place
-    from nereusd.plan import Role
-    from nereusd.transition import plan_transition
-
-    m = ModelStage.parse("actor/training")
-    cur = Plan({m: Candidate(1, 8, 1, (7, 6, 5, 4, 3, 2, 1, 0))})   # device 7 - s holds pp8 stage s
-    aligned = place({m: (1, 4, 4, 0, False, 0)}, [[m]], list(range(16)), 8, current=cur)
-    kept = [x for x in range(8) if aligned[m].coords_of(x)[1] == (7 - x) // 2]
-    assert len(kept) == 8 // 2, aligned[m].devices
-    plain = Plan({m: dc.replace(aligned[m], devices=tuple(sorted(aligned[m].devices[i:i + 4])[j]
-                                                         for i in range(0, 16, 4) for j in range(4)))})
-
-    def extends(plan: Plan) -> int:
-        dag = plan_transition(cur, plan, {Role.ACTOR: SMALL}, devices_per_node=8)
-        return sum(len(op.target_devices) for op in dag.ops if op.kind.value == "extend")
-
-    assert extends(aligned) < extends(plain)
-    same = Candidate(2, 2, 2, (3, 1, 2, 0, 4, 5, 6, 7))
-    assert align_positions(Candidate(2, 2, 2, tuple(range(8))), same, 8) == same
-    spread = Candidate(2, 2, 1, (6, 7, 8, 9))
-    assert align_positions(spread, Candidate(1, 4, 1, (9, 8, 7, 6)), 8) == spread
-
-
 def test_only_a_tp_group_that_could_fit_a_node_warns_when_it_crosses_nodes(caplog):
     """``simulate`` printed the warning for every TP-16 group on 8-device nodes, which crosses
     nodes by design (and is priced so); a TP-4 group split by a fragmented pool still warns."""
