@@ -282,9 +282,12 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     # the same choice on every member: a host-staged receiver needs the chunked exchange
     if op.host_staged or max(4 * staged.get(y, 0) for y in mine) > staging_bytes:
         if me in op.staged_elements:
-            own = _stage_out(store, own)   # the device copy is freed: no reference to it is left here
-            with _restored_on_error(store, own):
-                _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
+            own = _stage_out(store, own, op, me)   # the device copy is freed: no reference to it is left here
+            try:
+                with _restored_on_error(store, own):
+                    _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
+            finally:
+                _drop_host(own)
         else:
             _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
         return
@@ -402,10 +405,18 @@ def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: Ho
         store.put(new)
 
 
-def _stage_out(store: HoldingStore, own: EmuShard) -> EmuShard:
+def _stage_out(store: HoldingStore, own: EmuShard, op: Op, me: int) -> EmuShard:
     """Copy the holding ``own`` to host memory (pinned when it is on a GPU), unregister it and
     release its booking; returns the host copy. The device buffer is freed once the caller drops
-    ``own`` (engines were detached from their holdings before the transition)."""
+    ``own`` (engines were detached from their holdings before the transition).
+
+    Raises:
+        NereusError: if ``op`` names another size for it than it has (a corrupt DAG), before
+            anything is copied.
+    """
+    if op.staged_elements[me] != own.numel_per_slot:
+        raise NereusError(f"op {op.id}: device {me} stages {op.staged_elements[me]} parameter elements, but "
+                          f"{own.describe()} has {own.numel_per_slot}")
     pinned = own.buffer.device.type == "cuda"
     host = torch.empty(own.numel, dtype=torch.float32, pin_memory=pinned)
     host.copy_(own.buffer)
@@ -413,6 +424,15 @@ def _stage_out(store: HoldingStore, own: EmuShard) -> EmuShard:
                     buffer=host, logical=own.logical)
     store.pop(own.model_stage, own.layout, own.position)
     return copy
+
+
+def _drop_host(host: EmuShard) -> None:
+    """Free the host copy of a staged holding now, and give pinned pages back to the system
+    (PyTorch's caching host allocator keeps freed pinned blocks otherwise)."""
+    pinned = host.buffer.is_pinned() if host.buffer.numel() else False
+    host.buffer = host.buffer.new_empty(0)
+    if pinned and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
 
 
 @contextlib.contextmanager
@@ -439,6 +459,9 @@ def _released_on_error(store: HoldingStore, new: Optional[EmuShard]) -> Iterator
     except BaseException:
         if new is not None:
             store.memory.free(str(new.model_stage), holding_entry(new.layout, new.position))
+            # the traceback keeps the frames that hold ``new``: free its buffer now, so that a
+            # staged holding restored next (:func:`_restored_on_error`) finds the memory free
+            new.buffer = new.buffer.new_empty(0)
         raise
 
 
@@ -530,9 +553,12 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     src_pos = dict(zip(op.source_devices, op.source_positions))
     own = store.get(ms, S, src_pos[me])
     if me in op.staged_elements:   # slice and send from a host copy; the device one is freed first
-        own = _stage_out(store, own)
-        with _restored_on_error(store, own):
-            _merge_into_new(op, me, own, store, comms, staging_bytes)
+        own = _stage_out(store, own, op, me)
+        try:
+            with _restored_on_error(store, own):
+                _merge_into_new(op, me, own, store, comms, staging_bytes)
+        finally:
+            _drop_host(own)
     else:
         _merge_into_new(op, me, own, store, comms, staging_bytes)
         store.pop(ms, S, src_pos[me])

@@ -491,6 +491,10 @@ def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
             raise _fail(label, _join(prefix, "peak_tflops"), f"no entry for the compute dtype {dtype!r} "
                         f"({_join(prefix, 'compute_dtype')}){fallback}: the cost model prices every FLOP at "
                         "that peak")
+    for key in ("host_link_gbps", "host_staging_gib"):
+        if cls is DeviceSpec and kwargs.get(key) and kwargs.get("kind") == "cpu":
+            raise _fail(label, _join(prefix, key), "host staging is for accelerators; a virtual CPU device's "
+                        "memory is host memory already (leave it out)")
     if cls is DeviceSpec and kwargs.get("host_cores") and kwargs.get("kind") != "cpu":
         raise _fail(label, _join(prefix, "host_cores"), f"describes virtual CPU devices sharing cores; "
                     f"device.kind is {kwargs.get('kind')!r} (each GPU has its own compute: leave it out)")

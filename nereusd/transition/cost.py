@@ -12,9 +12,10 @@ communicators it creates (DESIGN.md "Cost model", transition cost):
 * communicators: a Split creates one per gather group (connected devices of its routes), an
   Extend one per rank pair; a device creates its communicators one after another, devices in
   parallel, so the set-up time is the largest per-device sum;
-* a Split receiver that stages its ``T`` holding in host memory (:attr:`Op.host_staged`) copies
-  it out before the exchange and back into its new holding after it, each
-  :meth:`LinkCosts.host_transfer_s` of the holding's moved bytes, added to its receive time;
+* a device that stages its holding in host memory (:attr:`Op.host_staged`) copies it out before
+  the exchange and, into its new holding, back what it keeps: a Split receiver its whole old
+  holding, a Merge device its slice (instead of the local copy); each
+  :meth:`LinkCosts.host_transfer_s` of the moved bytes, added to its receive time;
 * Destroy and Create cost nothing here (teardown is local; a Create's content comes from outside
   the transition).
 
@@ -216,14 +217,19 @@ def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, s
     recv: dict[int, float] = defaultdict(float)
     moved = 0
     collective = _COLLECTIVE.get(op.kind, "p2p")
+    staged = op.staged_elements
     for (s, d), nbytes in message.items():
+        if s == d and d in staged:   # a staged Merge slices from its host copy: priced below
+            continue
         t = links.transfer_s(nbytes, s, d, collective)
         recv[d] += t
         if s != d:
             send[s] += t
             moved += int(nbytes)
-    for x, elements in op.host_staged:   # out before the exchange, back into the new holding after
-        recv[x] += 2 * links.host_transfer_s(elements * per_element)
+    for x, elements in op.host_staged:
+        # out before the exchange; back: a Split's own part (its whole old holding), a Merge's slice
+        back = message.get((x, x), 0.0) if op.kind is OpKind.MERGE else elements * per_element
+        recv[x] += links.host_transfer_s(elements * per_element) + links.host_transfer_s(back)
     setup: dict[int, float] = defaultdict(float)
     for group in _communicators(op):
         t = links.communicator_setup_s(group)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
@@ -170,8 +171,10 @@ class MemoryBudget:
             raise PlanError(f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}")
         if not 0 <= self.headroom < 1:
             raise PlanError(f"headroom must be in [0, 1), got {self.headroom!r}")
-        if isinstance(self.collective_buffer_bytes, bool) or not isinstance(self.collective_buffer_bytes, int):
-            raise PlanError(f"collective_buffer_bytes must be an integer, got {self.collective_buffer_bytes!r}")
+        for name in ("collective_buffer_bytes", "host_staging_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlanError(f"{name} must be an integer, got {value!r}")
         if self.collective_buffer_bytes < 0 or self.workspace_bytes < 0 or self.host_staging_bytes < 0 or any(
                 v < 0 for v in self.reserved_bytes.values()):
             raise PlanError("collective_buffer_bytes, workspace_bytes, host_staging_bytes and reserved_bytes "
@@ -470,7 +473,7 @@ def stage_in_host(dag: TransitionDag, state: StateModel, budget: MemoryBudget,
     host: dict[int, int] = defaultdict(int)
     for op in dag.ops:
         for x, elements in op.host_staged:
-            host[x] += int(elements * state.sizes.resident_bytes_per_element(op.model_stage))
+            host[x] += pinned_bytes(elements * state.sizes.resident_bytes_per_element(op.model_stage))
     tried: set[str] = set()
     ids = {op.id for op in dag.ops}
     while report.violation is not None and report.violation.op_id in ids - tried:
@@ -483,16 +486,24 @@ def stage_in_host(dag: TransitionDag, state: StateModel, budget: MemoryBudget,
         per_element = state.sizes.resident_bytes_per_element(op.model_stage)
         for x in op.target_devices:
             elements = state.elements(op.model_stage, op.source_layout, position[x])
-            if x in staged or host[x] + elements * per_element > budget.host_staging_bytes:
+            if x in staged or host[x] + pinned_bytes(elements * per_element) > budget.host_staging_bytes:
                 continue
             staged[x] = elements
-            host[x] += int(elements * per_element)
+            host[x] += pinned_bytes(elements * per_element)
         if report.violation.device not in staged:
             break
         new = dataclasses.replace(op, host_staged=tuple(staged.items()))
         dag = dataclasses.replace(dag, ops=tuple(new if o.id == op.id else o for o in dag.ops))
         report = check_feasibility(dag, state, budget, order=report.order)
     return dag, report
+
+
+def pinned_bytes(nbytes: float) -> int:
+    """Host memory a worker pins for a staged holding of ``nbytes``: the next power of two, as
+    PyTorch's caching host allocator rounds a pinned request (``CachingHostAllocator.h``,
+    ``roundSize``); what :func:`stage_in_host` counts against ``host_staging_bytes``."""
+    n = max(1, math.ceil(nbytes))
+    return 1 << (n - 1).bit_length()
 
 
 def _check_order(dag: TransitionDag, order: Sequence[str]) -> None:

@@ -54,6 +54,10 @@ from nereusd.shards import Position, Shard
 SCHEMA_VERSION = 1
 """Version of the JSON form of :class:`TransitionDag`; a reader refuses any other."""
 
+MAX_ELEMENTS = 10**15
+"""More parameter elements than any holding has (a 1,000× larger model than the largest today):
+a count above it in a DAG is a corrupt one."""
+
 STAGING_BYTES = 64 << 20
 """Default :attr:`TransitionDag.staging_bytes`: the most one op stages on one device at a time
 (``nereusd.transition.memory.MemoryBudget.collective_buffer_bytes``)."""
@@ -174,15 +178,20 @@ class Op:
     host_staged: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "host_staged", tuple(sorted((int(x), int(n)) for x, n in self.host_staged)))
+        for entry in self.host_staged:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+                raise PlanError(f"op {self.id}: host_staged entries must be [device, elements] integer pairs, "
+                                f"got {entry!r}")
+        object.__setattr__(self, "host_staged", tuple(sorted((x, n) for x, n in self.host_staged)))
         if self.host_staged:
             staged = [x for x, _ in self.host_staged]
             if self.kind not in (OpKind.SPLIT, OpKind.MERGE):
                 raise PlanError(f"op {self.id}: only a Split or a Merge stages holdings in host memory")
             if len(set(staged)) != len(staged) or not set(staged) <= set(int(d) for d in self.target_devices):
                 raise PlanError(f"op {self.id}: host-staged devices {staged} must be distinct receivers")
-            if any(n <= 0 for _, n in self.host_staged):
-                raise PlanError(f"op {self.id}: a host-staged holding must have elements > 0")
+            if any(not 0 < n <= MAX_ELEMENTS for _, n in self.host_staged):
+                raise PlanError(f"op {self.id}: a host-staged holding must have 1 to {MAX_ELEMENTS:.0e} elements")
         object.__setattr__(self, "source_devices", tuple(int(d) for d in self.source_devices))
         object.__setattr__(self, "target_devices", tuple(int(d) for d in self.target_devices))
         for name in ("source_positions", "target_positions"):
@@ -280,7 +289,7 @@ class Op:
                 discard=bool(data["discard"]),
                 host_staged=tuple((x, n) for x, n in data.get("host_staged", ())),
             )
-        except (TypeError, ValueError, IndexError) as err:
+        except (TypeError, ValueError, IndexError, OverflowError) as err:
             raise PlanError(f"op {ident}: malformed field: {err}") from None
 
 

@@ -94,6 +94,11 @@ def test_numbers_in_exponent_form_without_a_dot_read_as_numbers(tmp_path):
         (lambda d: d["device"].__setitem__("host_cores", 2.5), r"device.host_cores: expected an integer, got 2.5"),
         (lambda d: d["device"].__setitem__("host_cores", 4),
          r"^h200-ib.yaml: device.host_cores: describes virtual CPU devices sharing cores; device.kind is 'cuda'"),
+        (lambda d: d["device"].__setitem__("host_link_gbps", -1), r"device.host_link_gbps: expected a number >= 0"),
+        (lambda d: d["device"].__setitem__("host_staging_gib", "32G"), r"device.host_staging_gib: expected a number"),
+        (lambda d: d["device"].__setitem__("host_link_gbps", 1e-9), r"device.host_link_gbps: 1e-09 is implausibly small"),
+        (lambda d: d["device"].update(kind="cpu", host_link_gbps=0, host_staging_gib=4),
+         r"^h200-ib.yaml: device.host_staging_gib: host staging is for accelerators"),
         # a compute dtype without a peak (nor fp32's) was accepted, and the job failed once started
         (lambda d: d["device"].__setitem__("peak_tflops", {"fp16": 900.0}),
          r"^h200-ib.yaml: device.peak_tflops: no entry for the compute dtype 'bf16' \(device.compute_dtype\) nor for "

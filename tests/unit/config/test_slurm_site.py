@@ -31,6 +31,9 @@ def _load(tmp_path, slurm=None, env=None, kind=None):
         doc["env"] = env
     if kind:
         doc["device"]["kind"] = kind
+        if kind == "cpu":   # host staging is for accelerators
+            doc["device"].pop("host_link_gbps", None)
+            doc["device"].pop("host_staging_gib", None)
     path = tmp_path / "a100-ib.yaml"
     path.write_text(yaml.safe_dump(doc))
     return load_site(str(path))

@@ -4,11 +4,15 @@ runs on 8 gloo ranks in ``tests/distributed/test_primitives_transitions.py``."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from emu.state.devmem import DeviceMemory
-from emu.state.primitives import HoldingStore, _restored_on_error, _stage_out, holding_entry
+from emu.state.primitives import (HoldingStore, _drop_host, _released_on_error, _restored_on_error, _stage_out,
+                                  holding_entry)
+from nereusd.errors import NereusError
 from emu.state.unit import slots_for
 from nereusd.plan import Layout, ModelStage, Role, Stage
 from tests.support.holdings import fill, logical_for
@@ -29,7 +33,8 @@ def _store() -> tuple[HoldingStore, torch.Tensor]:
 def test_a_staged_holding_leaves_the_device_books_and_comes_back_if_the_split_fails():
     store, before = _store()
     booked = store.memory.in_use_bytes
-    host = _stage_out(store, store.get(AT, LAYOUT, POSITION))
+    held = store.get(AT, LAYOUT, POSITION)
+    host = _stage_out(store, held, _op(held.numel_per_slot), 0)
     assert not store.has(AT, LAYOUT, POSITION) and store.memory.in_use_bytes == 0
     assert torch.equal(host.buffer, before) and host.logical == logical_for(3, AT)
     with pytest.raises(RuntimeError, match="peer lost"):
@@ -42,7 +47,34 @@ def test_a_staged_holding_leaves_the_device_books_and_comes_back_if_the_split_fa
 
 def test_a_split_that_succeeds_keeps_what_it_registered():
     store, _ = _store()
-    host = _stage_out(store, store.get(AT, LAYOUT, POSITION))
+    held = store.get(AT, LAYOUT, POSITION)
+    host = _stage_out(store, held, _op(held.numel_per_slot), 0)
     with _restored_on_error(store, host):
         pass   # the Split registered its new holding; the staged one is not put back
     assert not store.has(AT, LAYOUT, POSITION) and store.memory.in_use_bytes == 0
+    _drop_host(host)
+    assert host.buffer.numel() == 0
+
+
+def test_a_dag_that_names_another_size_is_refused_before_anything_moves():
+    store, before = _store()
+    held = store.get(AT, LAYOUT, POSITION)
+    with pytest.raises(NereusError, match="stages 1 parameter elements"):
+        _stage_out(store, held, _op(1), 0)
+    assert torch.equal(store.get(AT, LAYOUT, POSITION).buffer, before)
+
+
+def test_a_failed_op_frees_its_new_holding_at_once():
+    """The traceback keeps the frames that hold the new holding; its buffer is dropped so that the
+    staged holding put back next finds the device memory free (an adversarial review, 2026-12-06)."""
+    store, _ = _store()
+    new = store.allocate(store.get(AT, LAYOUT, POSITION), Layout(1, 1), (0, 0), logical_for(3, AT))
+    with pytest.raises(RuntimeError):
+        with _released_on_error(store, new):
+            raise RuntimeError("peer lost")
+    assert new.buffer.numel() == 0 and (str(AT), holding_entry(Layout(1, 1), (0, 0))) not in store.memory.entries()
+
+
+def _op(elements: int) -> SimpleNamespace:
+    """What ``_stage_out`` reads of an op: its id and the elements it stages on device 0."""
+    return SimpleNamespace(id="actor/training:split0", staged_elements={0: elements})

@@ -202,3 +202,18 @@ def test_a_host_staged_split_pays_the_copy_out_and_back():
     with pytest.raises(PlanError, match="host_link_gbps"):
         op_duration_s(split, SIZES, LINKS)
     assert SiteLinkCosts.from_site(load_site("a100-ib")).host_transfer_s(25e9) == pytest.approx(1.0)
+
+
+def test_a_host_staged_merge_pays_the_whole_out_and_its_slice_back():
+    """tp1 → tp2 on devices 0, 1: device 0 copies the whole model out (14·P) and its tp2 half
+    back (14·19,744) from the host copy instead of slicing it in device memory; its remote
+    pieces are priced as before."""
+    import dataclasses
+    dag = dag_for(Candidate(1, 1, 2, (0, 1)), Candidate(2, 1, 1, (0, 1)))
+    merge = next(op for op in dag.ops if op.kind.value == "merge")
+    links = dataclasses.replace(LINKS, host_link_gbps=20.0)
+    plain, _ = op_duration_s(merge, SIZES, links)
+    staged, _ = op_duration_s(dataclasses.replace(merge, host_staged=((0, P), (1, P))), SIZES, links)
+    local = sum(r.shard.numel for r in merge.routes if r.src == r.dst == 0)
+    assert local == 19_744
+    assert staged - plain == pytest.approx((14 * P + 14 * local) / 20e9 - 2 * 14 * local / 1000e9)

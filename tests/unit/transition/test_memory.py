@@ -16,6 +16,7 @@ from nereusd.transition import (
     plan_transition,
     stage_in_host,
 )
+from nereusd.transition.memory import pinned_bytes
 from tests.support.specs import TINY_MODELS as MODELS
 
 STATE = StateModel(MODELS, AdamStateSizes())  # bf16 + fp32 master + Adam: 14 bytes/element in training
@@ -176,7 +177,8 @@ def test_a_split_over_memory_stages_its_receivers_holding_in_host_memory():
     half leaves the DAG as it was."""
     cur, tgt = Plan({AT: Candidate(2, 1, 1, (0, 1))}), Plan({AT: Candidate(1, 1, 1, (0,))})
     budget = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0,
-                          host_staging_bytes=14 * P_TP2)
+                          host_staging_bytes=pinned_bytes(14 * P_TP2))   # the pinned allocator's power of two
+    assert pinned_bytes(14 * P_TP2) == 1 << 19 and pinned_bytes(1 << 19) == 1 << 19
     dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     report = check_feasibility(dag, STATE, budget)
     v = report.violation
@@ -190,7 +192,7 @@ def test_a_split_over_memory_stages_its_receivers_holding_in_host_memory():
     assert [op.host_staged for op in dag.ops] == [(), ()]   # the input DAG is not modified
 
     small = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0,
-                         host_staging_bytes=14 * P_TP2 - 1)
+                         host_staging_bytes=pinned_bytes(14 * P_TP2) - 1)
     same, report = stage_in_host(dag, STATE, small)
     assert same is dag and not report.feasible
     without = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0)
@@ -212,7 +214,7 @@ def test_a_merge_over_memory_stages_its_holding_and_slices_from_the_host_copy():
     whole model (14·P); unstaged it holds both, staged it frees the whole first."""
     cur, tgt = Plan({AT: Candidate(1, 1, 2, (0, 1))}), Plan({AT: Candidate(2, 1, 1, (0, 1))})
     budget = MemoryBudget(capacity_bytes=14 * P, headroom=0.0, collective_buffer_bytes=0,
-                          host_staging_bytes=14 * P)
+                          host_staging_bytes=pinned_bytes(14 * P))
     dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     merge = next(op for op in dag.ops if op.kind.value == "merge")
     assert check_feasibility(dag, STATE, budget).violation.op_id == merge.id
