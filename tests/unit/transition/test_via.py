@@ -78,24 +78,3 @@ def test_fitting_dag_takes_the_slice_first_path_when_the_direct_one_does_not_fit
     roomy = MemoryBudget(capacity_bytes=1 << 30)
     plain, report = fitting_dag(CUR, TGT, MODELS, 4, STATE, roomy)
     assert report.feasible and not any(":via-" in op.id for op in plain.ops)   # the first DAG when it fits
-
-
-def test_the_lean_dag_moves_one_pair_per_extend_and_frees_each_forwarded_part_after_its_own_send():
-    """pp4 → pp2·dp2 with every device's stage moving (devices 0 and 2 swap, 1 and 3 swap): by
-    default one Extend moves both pairs of a sub-unit, so a device receives its part while it
-    still holds the one it forwards; the lean DAG has one Extend per pair and one Destroy per
-    forwarder, after that forwarder's own send, which release-before-acquire edges can order
-    before its receive on a tight device (a case of the A100 ramp fit only so)."""
-    m = AT
-    cur, tgt = Plan({m: Candidate(1, 4, 1, (0, 1, 2, 3))}), Plan({m: Candidate(1, 2, 2, (2, 0, 3, 1))})
-    grouped = plan_transition(cur, tgt, MODELS, devices_per_node=4)
-    lean = plan_transition(cur, tgt, MODELS, devices_per_node=4, lean=True)
-    assert max(len(op.target_devices) for op in grouped.ops if op.kind is OpKind.EXTEND) == 2
-    extends = [op for op in lean.ops if op.kind is OpKind.EXTEND]
-    assert len(extends) == 4 and all(len(op.target_devices) == 1 for op in extends)
-    for op in lean.ops:
-        if op.kind is OpKind.DESTROY and op.source_layout == Layout(1, 2):
-            (x,) = op.source_devices
-            assert {lean.op(p).source_devices[0] for p in lean.predecessors(op.id)
-                    if lean.op(p).kind is OpKind.EXTEND} == {x}
-    validate(lean)
