@@ -266,10 +266,9 @@ def local_dag(
                       source_positions=[cur_pos[x] for x in idle])
 
     # 3. Extend: one op per target T_sub sub-unit with missing devices.
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for dst in missing:   # lean: one op per pair, so that a forwarder's send, the Destroy of what it
-        # forwarded and its own receive can be ordered on a tight device (release-before-acquire)
-        groups[(tgt_unit[dst], tgt_sub[dst]) + ((dst,) if lean else ())].append(dst)
+    groups: dict[tuple[int, Position], list[int]] = defaultdict(list)
+    for dst in missing:
+        groups[(tgt_unit[dst], tgt_sub[dst])].append(dst)
     readers: dict[int, list[str]] = defaultdict(list)
     extends: list[str] = []
     for key in sorted(groups):
@@ -286,10 +285,10 @@ def local_dag(
             readers[s].append(op_id)
 
     # 4. Destroy sending-only holdings after every Extend that reads them, per current sub-unit.
-    senders: dict[tuple, list[int]] = defaultdict(list)
+    senders: dict[tuple[int, Position], list[int]] = defaultdict(list)
     for x in cur.devices:
-        if sends[x] and x not in retained:   # lean: per device, after its own sends only
-            senders[(cur_unit[x], _sub(cur_pos[x], kp, kt)) + ((x,) if lean else ())].append(x)
+        if sends[x] and x not in retained:
+            senders[(cur_unit[x], _sub(cur_pos[x], kp, kt))].append(x)
     for key in sorted(senders):
         devs = senders[key]
         b.add(OpKind.DESTROY, after=[r for x in devs for r in readers[x]], source_layout=S,
