@@ -103,7 +103,7 @@ def wait_registered(proc: subprocess.Popen, registered: Callable[[], bool], wait
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            return f"{what} did not register within {timeout_s:.0f} s and was stopped; its log: {log_path}"
+            return f"{what} did not register within {timeout_s:g} s and was stopped; its log: {log_path}"
         wait(0.1)
     return None
 
