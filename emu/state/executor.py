@@ -3,7 +3,7 @@
 Every worker of the world runs the same :class:`TransitionExecutor` on the same DAG:
 
 1. :meth:`TransitionExecutor.prepare` creates the transition's communicators — a set of its
-   own per op (:class:`emu.state.primitives.Communicators`), collective over the whole world, in DAG
+   own per op (:class:`emu.state.communicators.Communicators`), collective over the whole world, in DAG
    order — and returns the set-up time, which is part of the transition.
 2. :meth:`TransitionExecutor.run` runs this device's part of a set of ops. Ops are taken level
    by level (level = longest chain of DAG edges before the op), and the ops of one level on

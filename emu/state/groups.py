@@ -1,6 +1,6 @@
 """Process groups kept for reuse between transitions (:class:`GroupPool`), and their destruction.
 
-Used by :class:`emu.state.primitives.Communicators`, whose groups the transition executor and the
+Used by :class:`emu.state.communicators.Communicators`, whose groups the transition executor and the
 weight synchronisation take from a worker's pool.
 """
 

@@ -41,25 +41,24 @@ no booking behind for the new holding it was filling.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from emu.liveness import peer_wait
-from emu.state.devmem import DeviceMemory
-from emu.state.groups import GroupPool, destroy_group
+from emu.state.communicators import Communicators, create_communicators  # noqa: F401 (re-exported)
+from emu.state.store import (HoldingStore, drop_host, holding_entry,  # noqa: F401 (re-exported)
+                             released_on_error, restored_on_error, stage_out)
 from emu.state.unit import EmuShard, LogicalState, narrow_piece, nbytes_of, shard_shape
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
-from nereusd.plan import Layout, ModelStage
+from nereusd.plan import ModelStage
 from nereusd.shards import Position, Shard, shards_of
-from nereusd.transition.comms import communicator_plan, gather_groups, op_communicators  # noqa: F401 (re-exported)
+from nereusd.transition.comms import gather_groups, op_communicators  # noqa: F401 (re-exported)
 from nereusd.transition.memory import split_all_gathers, split_staging_elements
-from nereusd.transition.ops import STAGING_BYTES, Op, OpKind, TransitionDag
+from nereusd.transition.ops import STAGING_BYTES, Op, OpKind
 
 log = logging.getLogger(__name__)
 
@@ -67,155 +66,6 @@ log = logging.getLogger(__name__)
 #: alias) or, on the older torch a GPU cluster's vLLM pins, ``all_gather_into_tensor``: same
 #: signature ``(output, input, group=None, async_op=False)``.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-HoldingKey = tuple[ModelStage, Layout, Position]
-
-
-def holding_entry(layout: Layout, position: Position) -> str:
-    """The :class:`DeviceMemory` entry name of a holding."""
-    return f"emu {layout.tp}x{layout.pp} {position[0]},{position[1]}"
-
-
-class HoldingStore:
-    """This device's holdings, with their memory booked on ``memory``.
-
-    Raises (from :meth:`get`): NereusError if a holding is not here.
-    """
-
-    def __init__(self, memory: DeviceMemory, device: torch.device | str = "cpu") -> None:
-        self.memory, self.device = memory, torch.device(device)
-        self.items: dict[HoldingKey, EmuShard] = {}
-        self._spare: dict[HoldingKey, torch.Tensor] = {}
-
-    def preallocate(self, model_stage: ModelStage, layout: Layout, position: Position, numel: int) -> None:
-        """Allocate and touch the buffer a later :meth:`allocate` of this key will use.
-
-        docs/platform.md: receiving into untouched pages was 3× slower than into touched ones; a new
-        worker can touch its receive buffers while communicators come up. Booked at :meth:`allocate`.
-        """
-        buf = torch.empty(numel, dtype=torch.float32, device=self.device)
-        buf.zero_()
-        self._spare[(model_stage, layout, tuple(position))] = buf
-
-    def get(self, model_stage: ModelStage, layout: Layout, position: Position) -> EmuShard:
-        key = (model_stage, layout, tuple(position))
-        if key not in self.items:
-            raise NereusError(f"device {self.memory.device} holds no {model_stage} at tp{layout.tp}·pp{layout.pp} "
-                              f"{tuple(position)} (holds {[h.describe() for h in self.items.values()]})")
-        return self.items[key]
-
-    def has(self, model_stage: ModelStage, layout: Layout, position: Position) -> bool:
-        return (model_stage, layout, tuple(position)) in self.items
-
-    def allocate(self, like: EmuShard | tuple[ModelStage, ModelSpec, bool, tuple[str, ...]], layout: Layout,
-                 position: Position, logical: LogicalState) -> EmuShard:
-        """Book and allocate an (untouched) holding; not yet registered (see :meth:`put`)."""
-        if isinstance(like, EmuShard):
-            ms, spec, vh, slots = like.model_stage, like.spec, like.value_head, like.slots
-        else:
-            ms, spec, vh, slots = like
-        self.memory.allocate(str(ms), holding_entry(layout, position), nbytes_of(spec, vh, layout, position,
-                                                                                 len(slots)))
-        buffer = self._spare.pop((ms, layout, tuple(position)), None)
-        return EmuShard(ms, spec, vh, layout, position, slots, buffer=buffer, device=self.device, logical=logical)
-
-    def put(self, shard: EmuShard, *, book: bool = False) -> None:
-        """Register ``shard`` (booking its bytes first when ``book``).
-
-        Raises:
-            NereusError: if a holding with the same key is already here.
-        """
-        if shard.key in self.items:
-            raise NereusError(f"device {self.memory.device}: {shard.describe()} is already held")
-        if book:
-            self.memory.allocate(str(shard.model_stage), holding_entry(shard.layout, shard.position), shard.nbytes)
-        self.items[shard.key] = shard
-
-    def pop(self, model_stage: ModelStage, layout: Layout, position: Position) -> EmuShard:
-        """Unregister a holding and release its booking (the caller drops the tensor)."""
-        shard = self.get(model_stage, layout, position)
-        del self.items[shard.key]
-        self.memory.free(str(model_stage), holding_entry(layout, position))
-        return shard
-
-    def of(self, model_stage: ModelStage) -> list[EmuShard]:
-        return [h for k, h in self.items.items() if k[0] == model_stage]
-
-
-class Communicators:
-    """Process groups created for one transition, one per ``(op id, world ranks)``.
-
-    Ops of one DAG level run concurrently on a worker, one thread each
-    (:class:`emu.state.executor.TransitionExecutor`), and each issues its collectives in its own
-    order. On a process group a collective is paired with the collective issued at the same
-    position on every other member, so two ops sharing a group — e.g. two model-stages whose
-    ops span the same ranks — would pair one op's all-gather or send on one rank with the other
-    op's on another (gloo: size mismatch, or pieces delivered to the wrong op). A group per op
-    rules this out: within one op a thread issues its collectives in the same order on every
-    member (module docstring), and distinct ops never meet on a group. An op that uses one rank
-    set twice (an Extend with pairs ``(a, b)`` and ``(b, a)``) gets one group for both.
-
-    :meth:`create` is collective over the whole world (``torch.distributed.new_group``):
-    every rank must call it with the same ``(op id, rank set)`` pairs in the same order
-    (:func:`create_communicators` walks the DAG's ops in their stored order, which is the same
-    on every rank). Non-members get no group. ``setup_s`` accumulates the wall time spent
-    creating groups (counted in the transition).
-    """
-
-    def __init__(self, rank_of: Callable[[int], int] = lambda d: d, backend: Optional[str] = None,
-                 pool: Optional[GroupPool] = None) -> None:
-        self.rank_of = rank_of
-        self.backend = backend
-        self.pool = pool
-        self.groups: dict[tuple[str, tuple[int, ...]], Optional[dist.ProcessGroup]] = {}
-        self.setup_s = 0.0
-
-    def _key(self, op_id: str, devices: Iterable[int]) -> tuple[str, tuple[int, ...]]:
-        return op_id, tuple(sorted(self.rank_of(d) for d in set(devices)))
-
-    def create(self, op_id: str, devices: Iterable[int]) -> None:
-        """Create op ``op_id``'s group over global ``devices`` (collective; no-op if it exists or
-        has fewer than 2 members)."""
-        key = self._key(op_id, devices)
-        if len(key[1]) < 2 or key in self.groups:
-            return
-        start = time.perf_counter()
-        self.groups[key] = (self.pool.acquire(key[1], self.backend) if self.pool is not None
-                            else dist.new_group(list(key[1]), backend=self.backend))
-        self.setup_s += time.perf_counter() - start
-
-    def get(self, op_id: str, devices: Iterable[int]) -> dist.ProcessGroup:
-        """Op ``op_id``'s group over global ``devices``.
-
-        Raises:
-            NereusError: if :meth:`create` did not create it.
-        """
-        key = self._key(op_id, devices)
-        group = self.groups.get(key)
-        if group is None:
-            raise NereusError(f"no communicator of op {op_id} for devices {sorted(set(devices))} "
-                              f"(ranks {key[1]})")
-        return group
-
-    def destroy(self) -> None:
-        """Destroy every group this rank is a member of (best effort on a broken world), or with a
-        :class:`~emu.state.groups.GroupPool`, hand every group back to it (every rank: the pools stay alike)."""
-        for (_, ranks), group in self.groups.items():
-            if self.pool is not None:
-                self.pool.release(ranks, self.backend, group)
-            else:
-                destroy_group(group)
-        self.groups.clear()
-
-
-def create_communicators(dag: TransitionDag, comms: Communicators,
-                          plan: Iterable[tuple[str, Iterable[int]]] | None = None) -> None:
-    """Create every communicator of ``dag``, one set per op (collective: every world rank calls
-    it, and creates the groups in the order of ``dag.ops``). ``plan``: the whole DAG's
-    :func:`~nereusd.transition.comms.communicator_plan`, when ``dag`` is only this device's slice."""
-    for op_id, devices in (plan if plan is not None else communicator_plan(dag)):
-        comms.create(op_id, devices)
-
 
 # --------------------------------------------------------------------------- primitives
 
@@ -282,12 +132,12 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     # the same choice on every member: a host-staged receiver needs the chunked exchange
     if op.host_staged or max(4 * staged.get(y, 0) for y in mine) > staging_bytes:
         if me in op.staged_elements:
-            own = _stage_out(store, own, op, me)   # the device copy is freed: no reference to it is left here
+            own = stage_out(store, own, op, me)   # the device copy is freed: no reference to it is left here
             try:
-                with _restored_on_error(store, own):
+                with restored_on_error(store, own):
                     _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
             finally:
-                _drop_host(own)
+                drop_host(own)
         else:
             _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
         return
@@ -332,7 +182,7 @@ def _split_whole(op: Op, me: int, mine: list[int], own: EmuShard, store: Holding
         _wait_all(p2p)
     if me in receivers:
         new = store.allocate(own, S, sub_of[me], own.logical)
-        with _released_on_error(store, new):
+        with released_on_error(store, new):
             _assemble(new, [own, *peers])
         del peers
         store.pop(ms, T, pos_of[me])
@@ -382,10 +232,10 @@ def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: Ho
     ``k − 1`` holdings' worth in ``k − 1`` rounds."""
     ms = op.model_stage
     sub_of = dict(zip(op.target_devices, op.target_positions))
-    staged = me in op.staged_elements   # ``own`` is the host copy (:func:`_stage_out`), not in the store
+    staged = me in op.staged_elements   # ``own`` is the host copy (:func:`stage_out`), not in the store
     pieces = split_pieces(op, members, own.spec, own.value_head)
     new = store.allocate(own, op.target_layout, sub_of[me], own.logical) if me in sub_of else None
-    with _released_on_error(store, new):
+    with released_on_error(store, new):
         # every member calls one collective first: a member may have nothing to send or receive
         # in round 1, and NCCL needs all ranks in a group's first batched point-to-point call
         dist.all_reduce(torch.zeros(1, device=store.device), group=group)
@@ -403,66 +253,6 @@ def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: Ho
         if not staged:
             store.pop(ms, own.layout, own.position)
         store.put(new)
-
-
-def _stage_out(store: HoldingStore, own: EmuShard, op: Op, me: int) -> EmuShard:
-    """Copy the holding ``own`` to host memory (pinned when it is on a GPU), unregister it and
-    release its booking; returns the host copy. The device buffer is freed once the caller drops
-    ``own`` (engines were detached from their holdings before the transition).
-
-    Raises:
-        NereusError: if ``op`` names another size for it than it has (a corrupt DAG), before
-            anything is copied.
-    """
-    if op.staged_elements[me] != own.numel_per_slot:
-        raise NereusError(f"op {op.id}: device {me} stages {op.staged_elements[me]} parameter elements, but "
-                          f"{own.describe()} has {own.numel_per_slot}")
-    pinned = own.buffer.device.type == "cuda"
-    host = torch.empty(own.numel, dtype=torch.float32, pin_memory=pinned)
-    host.copy_(own.buffer)
-    copy = EmuShard(own.model_stage, own.spec, own.value_head, own.layout, own.position, own.slots,
-                    buffer=host, logical=own.logical)
-    store.pop(own.model_stage, own.layout, own.position)
-    return copy
-
-
-def _drop_host(host: EmuShard) -> None:
-    """Free the host copy of a staged holding now, and give pinned pages back to the system
-    (PyTorch's caching host allocator keeps freed pinned blocks otherwise)."""
-    pinned = host.buffer.is_pinned() if host.buffer.numel() else False
-    host.buffer = host.buffer.new_empty(0)
-    if pinned and hasattr(torch._C, "_host_emptyCache"):
-        torch._C._host_emptyCache()
-
-
-@contextlib.contextmanager
-def _restored_on_error(store: HoldingStore, host: EmuShard) -> Iterator[None]:
-    """Put the host copy ``host`` of a staged holding back on the device if the block raises (a
-    peer lost mid-Split), so that the device keeps the state it had before the op; its memory is
-    free again, the new holding's booking having been released (:func:`_released_on_error`)."""
-    try:
-        yield
-    except BaseException:
-        if not store.has(host.model_stage, host.layout, host.position):
-            back = store.allocate(host, host.layout, host.position, host.logical)
-            back.buffer.copy_(host.buffer)
-            store.put(back)
-        raise
-
-
-@contextlib.contextmanager
-def _released_on_error(store: HoldingStore, new: Optional[EmuShard]) -> Iterator[None]:
-    """Release the booking of ``new`` (allocated, not yet registered) if the block raises — a
-    peer lost mid-exchange — so that the device's accounting keeps only what it holds."""
-    try:
-        yield
-    except BaseException:
-        if new is not None:
-            store.memory.free(str(new.model_stage), holding_entry(new.layout, new.position))
-            # the traceback keeps the frames that hold ``new``: free its buffer now, so that a
-            # staged holding restored next (:func:`_restored_on_error`) finds the memory free
-            new.buffer = new.buffer.new_empty(0)
-        raise
 
 
 def _exchange(op_id: str, out: list[Shard], to: int, inc: list[Shard], frm: int, holding: EmuShard,
@@ -553,12 +343,12 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     src_pos = dict(zip(op.source_devices, op.source_positions))
     own = store.get(ms, S, src_pos[me])
     if me in op.staged_elements:   # slice and send from a host copy; the device one is freed first
-        own = _stage_out(store, own, op, me)
+        own = stage_out(store, own, op, me)
         try:
-            with _restored_on_error(store, own):
+            with restored_on_error(store, own):
                 _merge_into_new(op, me, own, store, comms, staging_bytes)
         finally:
-            _drop_host(own)
+            drop_host(own)
     else:
         _merge_into_new(op, me, own, store, comms, staging_bytes)
         store.pop(ms, S, src_pos[me])
@@ -569,7 +359,7 @@ def _merge_into_new(op: Op, me: int, own: EmuShard, store: HoldingStore, comms: 
     """Allocate and fill this device's ``T*`` holding of a Merge from ``own`` (on the device, or its
     host copy) and the routes' pieces, then register it."""
     new = store.allocate(own, op.target_layout, dict(zip(op.target_devices, op.target_positions))[me], own.logical)
-    with _released_on_error(store, new):
+    with released_on_error(store, new):
         for r in op.routes:  # route order is the same on every device: both ends meet on each route
             if r.src == r.dst == me:
                 new.fill_from(own, r.shard)

@@ -485,7 +485,7 @@ class LiveAdaptation:
         executed as it is; ``None`` only for a change that moves no state (the same plan, after
         the world re-formed: every engine is rebuilt). Every changed model-stage moves in the
         same DAG, its ready primitives concurrently (:class:`TransitionRunner`); each op has
-        communicators of its own (:class:`emu.state.primitives.Communicators`), so ops of two
+        communicators of its own (:class:`emu.state.communicators.Communicators`), so ops of two
         model-stages on the same ranks never share a process group. ``predicted_s`` is the
         admitted ``L̂_tran`` in seconds (``None``: not predicted); the measured wall time is
         journalled and fed back to the controller.

@@ -6,7 +6,7 @@ at the same DAG level with a communicator over the same two ranks (a Split's all
 an Extend's broadcasts, or two all-gathers of different sizes), so the executor runs them
 concurrently, one thread each. With communicators keyed by their ranks only, both ops issued
 collectives on one process group in an order that differed between the ranks (gloo size
-mismatch, or pieces paired with the wrong op); keyed per op (:class:`emu.state.primitives.Communicators`)
+mismatch, or pieces paired with the wrong op); keyed per op (:class:`emu.state.communicators.Communicators`)
 they cannot meet. Two gloo ranks run the cycle a few times through :class:`TransitionExecutor`;
 after every transition each holding must equal the canonical slices exactly (``torch.equal``)
 with its logical state, and nothing else may be held.
