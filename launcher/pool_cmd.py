@@ -23,7 +23,7 @@ import zmq
 from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.journal import ENDPOINT_FILE
-from nereusd.daemon.live import start_local_agent, wait_registered
+from nereusd.daemon.live import agent_log_path, start_local_agent, wait_registered
 from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
 
 
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                               f"(pool.max_devices in the job file): at most {max(0, pool_limit - have)} more")
     memory = int(info.get("device_memory_bytes") or 2**30)
     node = f"local-cli{os.getpid()}"   # unique among running CLIs (two in one second shared a time-based id)
-    log_path = run_dir / "logs" / f"agent-{node}.log"
+    log_path = agent_log_path(run_dir, node)
     try:
         proc = start_local_agent(info["endpoint"], run_dir, args.add, memory, node,
                                  keys_dir=run_dir.resolve() / KEYS_DIR if info.get("curve") else None)

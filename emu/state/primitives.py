@@ -49,8 +49,7 @@ import torch.distributed as dist
 
 from emu.liveness import peer_wait
 from emu.state.communicators import Communicators, create_communicators  # noqa: F401 (re-exported)
-from emu.state.store import (HoldingStore, drop_host, holding_entry,  # noqa: F401 (re-exported)
-                             released_on_error, restored_on_error, stage_out)
+from emu.state.store import HoldingStore, holding_entry, released_on_error, staged_in_host  # noqa: F401 (re-exported)
 from emu.state.unit import EmuShard, LogicalState, narrow_piece, nbytes_of, shard_shape
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -132,12 +131,8 @@ def split(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     # the same choice on every member: a host-staged receiver needs the chunked exchange
     if op.host_staged or max(4 * staged.get(y, 0) for y in mine) > staging_bytes:
         if me in op.staged_elements:
-            own = stage_out(store, own, op, me)   # the device copy is freed: no reference to it is left here
-            try:
-                with restored_on_error(store, own):
-                    _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
-            finally:
-                drop_host(own)
+            with staged_in_host(store, own, op, me) as host:
+                _split_chunked(op, me, mine, host, store, group, comms, staging_bytes)
         else:
             _split_chunked(op, me, mine, own, store, group, comms, staging_bytes)
         return
@@ -232,7 +227,7 @@ def _split_chunked(op: Op, me: int, members: list[int], own: EmuShard, store: Ho
     ``k − 1`` holdings' worth in ``k − 1`` rounds."""
     ms = op.model_stage
     sub_of = dict(zip(op.target_devices, op.target_positions))
-    staged = me in op.staged_elements   # ``own`` is the host copy (:func:`stage_out`), not in the store
+    staged = me in op.staged_elements   # ``own`` is the host copy (:func:`staged_in_host`), not in the store
     pieces = split_pieces(op, members, own.spec, own.value_head)
     new = store.allocate(own, op.target_layout, sub_of[me], own.logical) if me in sub_of else None
     with released_on_error(store, new):
@@ -343,12 +338,8 @@ def merge(op: Op, me: int, store: HoldingStore, comms: Communicators, staging_by
     src_pos = dict(zip(op.source_devices, op.source_positions))
     own = store.get(ms, S, src_pos[me])
     if me in op.staged_elements:   # slice and send from a host copy; the device one is freed first
-        own = stage_out(store, own, op, me)
-        try:
-            with restored_on_error(store, own):
-                _merge_into_new(op, me, own, store, comms, staging_bytes)
-        finally:
-            drop_host(own)
+        with staged_in_host(store, own, op, me) as host:
+            _merge_into_new(op, me, host, store, comms, staging_bytes)
     else:
         _merge_into_new(op, me, own, store, comms, staging_bytes)
         store.pop(ms, S, src_pos[me])

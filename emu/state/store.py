@@ -3,7 +3,8 @@ happens to one when an op replaces it: its booking released if the op fails befo
 is whole (:func:`released_on_error`), or — a holding the op stages in host memory
 (:attr:`nereusd.transition.ops.Op.host_staged`, :mod:`nereusd.transition.memory`) — copied to
 host memory and freed on the device first (:func:`stage_out`), put back if the op fails
-(:func:`restored_on_error`), dropped once it succeeded (:func:`drop_host`). The primitives that
+(:func:`restored_on_error`), dropped once it succeeded (:func:`drop_host`); :func:`staged_in_host`
+is the three together. The primitives that
 use them are in :mod:`emu.state.primitives`.
 """
 
@@ -97,9 +98,9 @@ class HoldingStore:
 
 
 def stage_out(store: HoldingStore, own: EmuShard, op: Op, me: int) -> EmuShard:
-    """Copy the holding ``own`` to host memory (pinned when it is on a GPU), unregister it and
-    release its booking; returns the host copy. The device buffer is freed once the caller drops
-    ``own`` (engines were detached from their holdings before the transition).
+    """Copy the holding ``own`` to host memory (pinned when it is on a GPU), unregister it, release
+    its booking and free its device buffer (``own`` is left empty; engines were detached from
+    their holdings before the transition); returns the host copy.
 
     Raises:
         NereusError: if ``op`` names another size for it than it has (a corrupt DAG), before
@@ -114,7 +115,21 @@ def stage_out(store: HoldingStore, own: EmuShard, op: Op, me: int) -> EmuShard:
     copy = EmuShard(own.model_stage, own.spec, own.value_head, own.layout, own.position, own.slots,
                     buffer=host, logical=own.logical)
     store.pop(own.model_stage, own.layout, own.position)
+    own.buffer = own.buffer.new_empty(0)   # whoever still refers to ``own`` holds no device memory
     return copy
+
+
+@contextlib.contextmanager
+def staged_in_host(store: HoldingStore, own: EmuShard, op: Op, me: int) -> Iterator[EmuShard]:
+    """The life of a holding that ``op`` stages in host memory: :func:`stage_out` on entry, yielding
+    the host copy for the op to read; :func:`restored_on_error` if the op fails; :func:`drop_host`
+    on exit either way."""
+    host = stage_out(store, own, op, me)
+    try:
+        with restored_on_error(store, host):
+            yield host
+    finally:
+        drop_host(host)
 
 
 def drop_host(host: EmuShard) -> None:

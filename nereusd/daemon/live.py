@@ -69,12 +69,17 @@ MAX_RESTART_ATTEMPTS = 3
 (:meth:`LiveAdaptation.recover`); each restarts without the devices lost in the one before."""
 
 
+def agent_log_path(run_dir: Path, node_id: str) -> Path:
+    """Where :func:`start_local_agent` writes the log of agent ``node_id``."""
+    return Path(run_dir) / "logs" / f"agent-{node_id}.log"
+
+
 def start_local_agent(endpoint: str, run_dir: Path, devices: int, memory_bytes: int, node_id: str,
                       keys_dir: Path | None = None) -> subprocess.Popen:
     """Start a ``nereus-agent`` with ``devices`` virtual CPU devices that joins the job at ``endpoint``
     (its own session; it exits when nereusd tells it to or goes silent), with the job's CURVE
     client key from ``keys_dir`` when the job has keys. Log: ``logs/agent-<node_id>.log``."""
-    log_path = Path(run_dir) / "logs" / f"agent-{node_id}.log"
+    log_path = agent_log_path(run_dir, node_id)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "emu.agent", "--connect", endpoint, "--node-id", node_id,
             "--run-dir", str(Path(run_dir).resolve()), "--cpu-devices", str(devices),
@@ -579,7 +584,7 @@ class LiveAdaptation:
             return refuse(f"the pool holds {len(have)} devices and the job allows {limit} (pool.max_devices)")
         self._added += 1
         node = f"local-add{self._added}"
-        log_path = self.run_dir / "logs" / f"agent-{node}.log"
+        log_path = agent_log_path(self.run_dir, node)
         try:
             proc = self._agent_procs[node] = start_local_agent(
                 self.control.endpoint, self.run_dir, count, self.job.device_memory_bytes, node, keys_dir=self.keys_dir)

@@ -15,8 +15,7 @@ the DAG as JSON (:meth:`TransitionDag.to_json`) and run its ops. Pieces:
 
 Typical use::
 
-    dag = plan_transition(S, S_star, models, devices_per_node=8, state=state, budget=budget)
-    dag, report = stage_in_host(dag, state, budget)         # admission: feasibility
+    dag, report = fitting_dag(S, S_star, models, 8, state, budget)   # plan; admission: feasibility
     cost = estimate_l_tran(dag, state.sizes, SiteLinkCosts.from_site(site))  # profitability
 """
 
@@ -208,8 +207,8 @@ def assess_transition(
 def fitting_dag(current: Plan, target: Plan, models: Mapping[Role, ModelSpec], devices_per_node: int,
                 state: StateModel, budget: MemoryBudget) -> tuple[TransitionDag, FeasibilityReport]:
     """The first of these DAGs for ``current → target`` that fits ``budget``
-    (:func:`~nereusd.transition.memory.check_feasibility`), each with the Splits that do not fit
-    staged in host memory (:func:`~nereusd.transition.memory.stage_in_host`):
+    (:func:`~nereusd.transition.memory.check_feasibility`), each with the Splits and Merges that do
+    not fit staged in host memory (:func:`~nereusd.transition.memory.stage_in_host`):
 
     1. :func:`plan_transition`'s;
     2. its lean variant (Extends only from retained holders), when a transition op did not fit;

@@ -26,8 +26,8 @@ A Split receiver or a Merge device that stages the holding it replaces in host m
 difference (negative for a Merge, whose new holding is a slice of the old) and its ``free`` 0. A
 Split allocating the new holding beside the old is what kept an 8B model's actor training from
 ``tp2·pp4·dp4`` to ``tp2·pp2·dp8`` on 64 GB MI250X GCDs (+28.2 GB with 37.6 GB in use, limit
-61.8 GB); :func:`stage_in_host` stages the receivers of a Split that does not fit, within the
-budget's :attr:`MemoryBudget.host_staging_bytes`, and :mod:`nereusd.transition.cost` prices the
+61.8 GB); :func:`stage_in_host` stages the receivers of a Split or Merge that does not fit, within
+the budget's :attr:`MemoryBudget.host_staging_bytes`, and :mod:`nereusd.transition.cost` prices the
 copies over the host link.
 
 The check walks one topological order (:func:`nereusd.transition.dag.topological_order`
@@ -293,21 +293,15 @@ class StateModel:
         if op.kind in (OpKind.SPLIT, OpKind.EXTEND, OpKind.MERGE, OpKind.CREATE):
             for x, (lay, p) in dst.items():
                 out[x][0] += self.holding_bytes(m, lay, p)
-        if op.kind is OpKind.SPLIT:
-            staged = op.staged_elements
-            for x in dst:
-                old = self.holding_bytes(m, *src[x])
-                if x in staged:   # freed before the new holding is allocated
-                    out[x][0] -= old
-                else:
-                    out[x][2] += old
-        elif op.kind in (OpKind.DESTROY, OpKind.MERGE):
-            staged = op.staged_elements
-            for x, (lay, p) in src.items():
-                if x in staged:   # freed before the new holding is allocated: the op needs less
-                    out[x][0] -= self.holding_bytes(m, lay, p)
-                else:
-                    out[x][2] += self.holding_bytes(m, lay, p)
+        # the holdings the op frees: a Split's on its receivers, a Merge's or Destroy's on every source
+        replaced = ({x: src[x] for x in dst} if op.kind is OpKind.SPLIT
+                    else src if op.kind in (OpKind.DESTROY, OpKind.MERGE) else {})
+        staged = op.staged_elements
+        for x, (lay, p) in replaced.items():
+            if x in staged:   # freed before the new holding is allocated
+                out[x][0] -= self.holding_bytes(m, lay, p)
+            else:
+                out[x][2] += self.holding_bytes(m, lay, p)
         moved: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         per_element = self.sizes.moved_bytes_per_element(m)
         for r in op.routes:
@@ -453,12 +447,12 @@ def check_feasibility(
 
 def stage_in_host(dag: TransitionDag, state: StateModel, budget: MemoryBudget,
                   report: FeasibilityReport | None = None) -> tuple[TransitionDag, FeasibilityReport]:
-    """Stage in host memory the receivers of each Split that does not fit, until the DAG fits or
-    staging cannot help.
+    """Stage in host memory the receivers of each Split or Merge that does not fit, until the DAG
+    fits or staging cannot help.
 
     While the first violation of :func:`check_feasibility` (``report``, computed if not given) is
     a Split's or a Merge's, its receivers stage the holdings they replace (:attr:`Op.host_staged`): each
-    receiver whose staged bytes, over all the DAG's Splits, stay within
+    receiver whose staged bytes (:func:`pinned_bytes`), over all the DAG's ops, stay within
     ``budget.host_staging_bytes`` (counted as if all were live at once). Every receiver stages,
     not only the one over: they copy in parallel, so the op takes as long either way. An op is
     staged once; a violation elsewhere (an Extend, the re-partition, the current plan)
