@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("nereus-launch: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader left (`status --json | head`): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())   # the interpreter's final flush would raise again
+        return 141   # 128 + SIGPIPE, what a shell reports for a writer the pipe closed on
 
 
 if __name__ == "__main__":

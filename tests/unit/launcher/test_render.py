@@ -110,3 +110,23 @@ def test_cli_render_prints_script(tmp_path, capsys):
                        (["--account", "a;$(id)"], "--account: expected letters, digits and ._+- only")):
         assert main(["render", str(job), "--site", "local", *argv]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``nereus-launch … | head`` closes the pipe before the output ends: the command stops
+    quietly with 141 (128 + SIGPIPE) instead of printing a BrokenPipeError traceback."""
+    import sys
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: t\nsteps: 1\ndevices: 2\nmodels: {actor_config: {vocab_size: 16, hidden_size: 64, "
+                   "intermediate_size: 128, num_layers: 2, num_heads: 4, num_kv_heads: 2, max_position: 96}}\n"
+                   "rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 8}\n"
+                   "train: {global_batch: 4, micro_batch: 2}\n")
+    read, write = os.pipe()
+    os.close(read)   # the reader is gone before a byte is written
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "render", str(job), "--site", "local"],
+                          stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[3])
+    os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr
