@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from nereusd.errors import NereusError
@@ -39,11 +41,52 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+MAX_SEQUENCES = 1 << 20
+"""Largest ``--global-batch`` and ``--micro-batch`` (sequences), and ``--prompt-length`` /
+``--response-length`` (tokens), ``plan`` and ``simulate`` take: RL jobs run a few thousand
+sequences a step and contexts up to ~10^6 tokens; at 10^6 sequences a simulated step's
+continuous-batching truth already takes seconds (a 10^7 typo ran for minutes with no output, and
+10^30 ended in numpy's traceback)."""
+
+
+def bounded_int(low: int, high: int):
+    """An argparse ``type`` for an integer in ``[low, high]`` whose error says the range (argparse
+    prefixes the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low:,} to {high:,}, got {text}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def bounded_float(low: float, high: float, *, low_open: bool = False):
+    """An argparse ``type`` for a finite number in ``[low, high]`` (``(low, high]`` with
+    ``low_open``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        inside = (low < value if low_open else low <= value) and value <= high
+        if not (math.isfinite(value) and inside):
+            raise argparse.ArgumentTypeError(
+                f"expected a number in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
 def output_directory(path: str | Path, option: str = "--out") -> Path:
     """``path`` as an output directory, created if missing (``simulate --out``, ``report --out``).
 
     Raises:
-        NereusError: naming ``option``, when it exists and is not a directory, or cannot be made.
+        NereusError: naming ``option``, when it exists and is not a directory, or cannot be made or
+            written in.
     """
     out = Path(path)
     if out.exists() and not out.is_dir():
@@ -52,6 +95,11 @@ def output_directory(path: str | Path, option: str = "--out") -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise NereusError(f"{option} {path}: cannot create it ({err.strerror})") from None
+    try:   # checked before the work whose results go there (a /proc --out lost a whole simulation)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise NereusError(f"{option} {path}: cannot write files in it ({err.strerror})") from None
     return out
 
 

@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from launcher.cli import DefaultsHelpFormatter
+from launcher.cli import MAX_SEQUENCES, DefaultsHelpFormatter, bounded_int
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, shortened
@@ -54,12 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="asynchronous execution (generation overlaps training)")
     p.add_argument("--site", required=True, help="site config path or name (site_configs/NAME.yaml)")
     p.add_argument("--gpus", type=int, required=True, help="devices in the pool")
-    p.add_argument("--prompt-length", type=int, default=512, help="longest prompt in tokens (default: %(default)s)")
-    p.add_argument("--response-length", type=int, default=1024,
+    p.add_argument("--prompt-length", type=bounded_int(1, MAX_SEQUENCES), default=512, help="longest prompt in tokens (default: %(default)s)")
+    p.add_argument("--response-length", type=bounded_int(1, MAX_SEQUENCES), default=1024,
                    help="longest response in tokens the plan must hold (default: %(default)s)")
-    p.add_argument("--global-batch", type=int, default=256, help="sequences per RL step")
-    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per RL step")
-    p.add_argument("--micro-batch", type=int, default=1, help="per-replica micro-batch (sequences)")
+    p.add_argument("--global-batch", type=bounded_int(1, MAX_SEQUENCES), default=256, help="sequences per RL step")
+    p.add_argument("--mini-batches", type=bounded_int(1, MAX_SEQUENCES), default=1, help="optimizer steps per RL step")
+    p.add_argument("--micro-batch", type=bounded_int(1, MAX_SEQUENCES), default=1, help="per-replica micro-batch (sequences)")
     p.add_argument("--any-divisor", action="store_true", help="TP/PP may be any divisor, not only 2^k")
     p.add_argument("--recompute", action="store_true", help="allow activation recomputation")
     p.add_argument("--zero", nargs="?", const=(1, 2), default=(), metavar="STAGES", type=_zero_stages,
@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     if args.critic_model:
         specs[Role.CRITIC] = resolve_model(args.critic_model)
     workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous, reward_model=not rule_reward)
+    if args.global_batch % args.mini_batches:
+        raise ConfigError(f"--mini-batches {args.mini_batches} does not divide --global-batch {args.global_batch}")
     workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
                         global_batch=args.global_batch, mini_batches=args.mini_batches,
                         micro_batch=args.micro_batch)

@@ -22,7 +22,7 @@ import json
 import sys
 import time
 
-from launcher.cli import DefaultsHelpFormatter, output_directory
+from launcher.cli import MAX_SEQUENCES, DefaultsHelpFormatter, bounded_float, bounded_int, output_directory
 from nereusd.config.curriculum import parse_stages
 from nereusd.errors import ConfigError, NereusError
 from nereusd.models import PRESETS, shortest_context
@@ -30,7 +30,7 @@ from nereusd.sim.policies import parse_policies
 from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.planner.space import GENERATION_ENGINES
 from nereusd.sim.scenario import Scenario, build, run_policies
-from nereusd.sim.truth import TRUTH_KINDS, TruthConfig
+from nereusd.sim.truth import MAX_CONTENTION_PER_H, MAX_NOISE_SIGMA, TRUTH_KINDS, TruthConfig
 from nereusd.traces import LENGTH_TRACES, POOL_TRACES
 
 
@@ -66,18 +66,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "relaunched larger after an OOM), frozen-final (launched for the longest responses), nereus, "
                    "nereus@<gamma>, greedy, periodic-<k>, oracle (the best plan every step, switches free), "
                    "oracle@<h> (the oracle leaving a share h of memory free, e.g. oracle@0.1: the planner's headroom)")
-    p.add_argument("--prompt-length", type=int, default=512, help="prompt tokens per sequence")
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per RL step")
+    p.add_argument("--prompt-length", type=bounded_int(1, MAX_SEQUENCES), default=512, help="prompt tokens per sequence")
+    p.add_argument("--global-batch", type=bounded_int(1, MAX_SEQUENCES), default=1024, help="sequences per RL step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")
-    p.add_argument("--noise", type=float, default=TruthConfig.noise_sigma,
+    p.add_argument("--noise", type=bounded_float(0.0, MAX_NOISE_SIGMA), default=TruthConfig.noise_sigma,
                    help="per-step time noise: the log-normal sigma of each model-stage's time (0 to 2)")
-    p.add_argument("--contention-per-h", type=float, default=TruthConfig.contention_per_h,
+    p.add_argument("--contention-per-h", type=bounded_float(0.0, MAX_CONTENTION_PER_H),
+                   default=TruthConfig.contention_per_h,
                    help="network contention episodes per hour of simulated wall clock (the ground truth's)")
     p.add_argument("--generation", choices=GENERATION_ENGINES, default="native",
                    help="generation engine: native (the EMU's decoder) or vllm (each replica's vLLM engine holds a "
                    "weight copy and a KV cache preallocated for its wave; a transition that gives a device a new "
                    "replica starts engines, priced by --engine-rebuild-s)")
-    p.add_argument("--engine-rebuild-s", type=float, default=TruthConfig.engine_rebuild_s,
+    p.add_argument("--engine-rebuild-s", type=bounded_float(0.0, 86400.0), default=TruthConfig.engine_rebuild_s,
                    help="seconds a vLLM engine start-up adds to a transition or launch that starts engines (engines "
                    "start in parallel; needs --generation vllm)")
     p.add_argument("--truth", choices=TRUTH_KINDS, default="measured",
@@ -130,11 +131,15 @@ def run(args: argparse.Namespace) -> int:
     results = run_policies(sim, policies, jobs=args.jobs)
     meta["wall_s"] = round(time.perf_counter() - start, 2)
     rows = summary(results)
-    files = write(args.out, results, meta, sim.lengths, sim.pool_trace) if args.out else []
+    if not args.json:   # the table first: a file that cannot be written below loses nothing shown
+        print(_title(meta))
+        print(format_table(rows), flush=True)
+    try:
+        files = write(args.out, results, meta, sim.lengths, sim.pool_trace) if args.out else []
+    except OSError as err:
+        raise NereusError(f"--out {args.out}: cannot write {err.filename or 'a file'} ({err.strerror})") from None
     if args.json:
         print(json.dumps({**meta, "summary": rows, "files": [str(f) for f in files]}, default=str))
         return 0
-    print(_title(meta))
-    print(format_table(rows))
     print(f"simulated in {meta['wall_s']:.1f} s" + (f"; wrote {len(files)} files to {args.out}" if files else ""))
     return 0

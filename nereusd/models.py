@@ -21,6 +21,9 @@ from nereusd.errors import ConfigError, not_utf8, shortened
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """The decoders the engine implements (``model_type`` → HF ``architectures`` entry)."""
 ROPE_TYPES = ("default", "llama3")
+MAX_MODEL_DIMENSION = 1 << 24
+"""Largest size, count or context a model config may give (16,777,216: above any published model's
+vocabulary, width, depth or context; a 10^400 hidden size overflowed the memory model's floats)."""
 """RoPE variants the engine implements (Llama-3's frequency-dependent scaling, ``llama3``)."""
 
 
@@ -71,8 +74,9 @@ class ModelSpec:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "max_position"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name}: expected a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_MODEL_DIMENSION:
+                raise ConfigError(f"model.{name}: expected an integer from 1 to {MAX_MODEL_DIMENSION:,}, "
+                                  f"got {str(value)[:40]}")
         if not isinstance(self.explicit_head_dim, int) or self.explicit_head_dim < 0:
             raise ConfigError(f"model.explicit_head_dim: expected an integer >= 0, got {self.explicit_head_dim!r}")
         if not self.explicit_head_dim and self.hidden_size % self.num_heads:

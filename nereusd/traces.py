@@ -30,6 +30,10 @@ LENGTH_TRACES = {
 }
 #: Short names of the shipped spot availability traces.
 POOL_TRACES = {"us-east-2b": "us-east-2b_v100_1.json", "us-west-2a": "us-west-2a_v100_1.json"}
+MAX_GAP_S = 366 * 86400.0
+"""Longest ``metadata.gap_seconds`` of a pool trace: a year between samples."""
+MAX_INSTANCES = 1_000_000
+"""Most instances one sample of a pool trace may count (the counts are scaled to the cluster)."""
 GENERATED_RAMP = "generated-ramp"
 NOISE_SOURCE = "verl-amd-7b-grpo"
 
@@ -90,8 +94,14 @@ def _read_column(path: Path, column: str) -> list[float]:
     try:
         with path.open(newline="", encoding="utf-8-sig") as fh:   # a spreadsheet's BOM is not a column name
             reader = csv.DictReader(fh)
-            if column not in (reader.fieldnames or []):
+            if reader.fieldnames is None:
+                raise ConfigError(f"{path.name}: the file is empty (expected a header row naming the columns, "
+                                  f"{column!r} among them)")
+            if column not in reader.fieldnames:
                 raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames})")
+            if reader.fieldnames.count(column) > 1:   # DictReader keeps the last silently
+                raise ConfigError(f"{path.name}: the header names column {column!r} "
+                                  f"{reader.fieldnames.count(column)} times")
             for row in reader:
                 text = row[column]
                 if text in ("", None):
@@ -179,17 +189,20 @@ def load_pool_trace(name: str | None) -> PoolTrace:
     except (KeyError, TypeError, ValueError, RecursionError) as err:   # UnicodeDecodeError is a ValueError
         raise ConfigError(f"{path.name}: expected {{'metadata': {{'gap_seconds': ..}}, 'data': [..]}}: "
                           f"{type(err).__name__}: {str(err)[:120]}") from None
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (math.isfinite(gap) and gap >= 1.0):
-        raise ConfigError(f"{path.name}: metadata.gap_seconds must be a number of seconds, at least 1, "
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (1.0 <= gap <= MAX_GAP_S):
+        raise ConfigError(f"{path.name}: metadata.gap_seconds must be a number of seconds from 1 to {MAX_GAP_S:g}, "
                           f"got {str(gap)[:40]!r}")
     if (not isinstance(raw, list) or not raw or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                                    or not math.isfinite(x) or x != int(x) or x < 0 for x in raw)):
-        raise ConfigError(f"{path.name}: data must be a non-empty list of instance counts (whole numbers >= 0)")
+                                                    or not 0 <= x <= MAX_INSTANCES or x != int(x) for x in raw)):
+        raise ConfigError(f"{path.name}: data must be a non-empty list of instance counts (whole numbers from 0 "
+                          f"to {MAX_INSTANCES:,})")
     gap, counts = float(gap), [int(x) for x in raw]
     full = max(counts)
     if full <= 0:
         raise ConfigError(f"{path.name}: no instance is ever available")
     first = counts.index(full)
     counts = counts[first:] + counts[:first]
-    label = next((k for k, v in POOL_TRACES.items() if v == path.name), path.stem)
-    return PoolTrace(f"{label} (16-node spot trace scaled to the cluster)", gap, tuple(c / full for c in counts))
+    shipped = next((k for k, v in POOL_TRACES.items() if v == path.name and path.resolve().parent == SPOT_DIR), None)
+    label = (f"{shipped} (16-node spot trace scaled to the cluster)" if shipped else
+             f"{path.name} ({full} instances at most, scaled to the cluster)")
+    return PoolTrace(label, gap, tuple(c / full for c in counts))

@@ -428,4 +428,4 @@ def load_job(path: str | Path) -> JobConfig:
         ConfigError: the file is missing or malformed; the message names the file and key.
     """
     path = Path(path)
-    return parse_job(load_yaml_mapping(path), source=path.name)
+    return parse_job(load_yaml_mapping(path), source=str(path))

@@ -348,7 +348,7 @@ def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:
     job = load_job(path)
     site = (site_loader or load_site)(job.site)
     return resolve_job(
-        job, source=path.name, base_dir=path.resolve().parent,
+        job, source=str(path), base_dir=path.resolve().parent,
         site_devices=site.nodes * site.devices_per_node,
         site_memory_bytes=site.device_memory_bytes, site_name=site.name, device_kind=site.device_kind,
     )

@@ -323,7 +323,10 @@ def load_site(path_or_name: str | os.PathLike) -> SiteConfig:
     from nereusd.config.yamlfile import read_yaml
 
     path = resolve_site_path(path_or_name)
-    return site_from_dict(read_yaml(path), source=str(path))
+    data = read_yaml(path)
+    if data is None:   # nothing but comments: "<top>: expected a mapping, got None" said less
+        raise ConfigError(f"{path}: the file is empty (a site config is a mapping: name, nodes, device, network, …)")
+    return site_from_dict(data, source=str(path))
 
 
 def site_from_dict(data: Any, source: str = "<site>") -> SiteConfig:
@@ -402,9 +405,13 @@ def _value(hint: Any, value: Any, label: str, key: str) -> Any:
             value = float(value)   # YAML 1.1 reads 5e-1 (no dot) as a string; a job file's loader takes it too
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _fail(label, key, f"expected a number, got {value!r}")
-        if not math.isfinite(value):
-            raise _fail(label, key, f"expected a finite number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)   # an integer past a float's range raises OverflowError
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise _fail(label, key, f"expected a finite number, got {str(value)[:40]}")
+        return number
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
@@ -495,6 +502,11 @@ def _check_ranges(cls: type, kwargs: dict, label: str, prefix: str) -> None:
         if cls is DeviceSpec and kwargs.get(key) and kwargs.get("kind") == "cpu":
             raise _fail(label, _join(prefix, key), "host staging is for accelerators; a virtual CPU device's "
                         "memory is host memory already (leave it out)")
+    if cls is DeviceSpec and bool(kwargs.get("host_link_gbps")) != bool(kwargs.get("host_staging_gib")):
+        given, missing = (("host_link_gbps", "host_staging_gib") if kwargs.get("host_link_gbps")
+                          else ("host_staging_gib", "host_link_gbps"))
+        raise _fail(label, _join(prefix, missing), f"required with {_join(prefix, given)}: host staging needs "
+                    "both the link's speed and the host memory a device may borrow (leave both out to turn it off)")
     if cls is DeviceSpec and kwargs.get("host_cores") and kwargs.get("kind") != "cpu":
         raise _fail(label, _join(prefix, "host_cores"), f"describes virtual CPU devices sharing cores; "
                     f"device.kind is {kwargs.get('kind')!r} (each GPU has its own compute: leave it out)")

@@ -204,8 +204,18 @@ class Simulation:
         """The oracle of each ``oracle@H`` policy by ``H`` (:meth:`oracle_for`)."""
         self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
         if self.launch is None:
+            try:   # the planner says which model-stage and phase does not fit, and what would
+                planned = launch_for(problem).plan
+                over = self._oracle.truth.oom(planned, lengths.at(0), 0)
+                why = (f": the controller's planner holds {planned.describe()}, " + (
+                    f"over memory in the ground truth ({over})" if over else
+                    "but the oracle, which every run is measured against, searches no activation recomputation"
+                    if any(c.recompute for c in planned.candidates.values()) else
+                    "which the oracle's search did not find"))
+            except Infeasible as err:
+                why = f": {err}"
             raise SimulationError(f"no plan fits {self.total} devices at a response length of {lengths.at(0):.0f} "
-                                  f"tokens and prompts of {problem.workload.prompt_length}")
+                                  f"tokens and prompts of {problem.workload.prompt_length}{why}")
         self.min_devices = self._min_devices()
         self._launch_final: Plan | None = None
         self._launch_adaptive: dict[float, Plan] = {}
@@ -255,7 +265,9 @@ class Simulation:
         if self._launch_final is None:
             self._launch_final = self._oracle.plan_for_run(self.lengths, self.steps, self.problem.pool)
             if self._launch_final is None:
-                raise SimulationError(f"no plan on {self.total} devices holds every step of the run")
+                raise SimulationError(f"no plan on {self.total} devices holds every step of the run (the longest "
+                                      f"response is {self.max_response_length} tokens, with prompts of "
+                                      f"{self.problem.workload.prompt_length})")
         return self._launch_final
 
     def _min_devices(self) -> int:
@@ -281,7 +293,18 @@ class Simulation:
         return tuple(range(self.pool_trace.devices_at(time_s, self.total, self.dpn)))
 
     def run(self, policy: Policy) -> PolicyResult:
-        """Replay the whole run under ``policy``."""
+        """Replay the whole run under ``policy``.
+
+        Raises:
+            SimulationError: the policy's run cannot go on (no plan fits a restart, no progress);
+                the message starts with the policy's name.
+        """
+        try:
+            return self._replay(policy)
+        except SimulationError as err:
+            raise SimulationError(f"{policy.name}: {err}") from None
+
+    def _replay(self, policy: Policy) -> PolicyResult:
         truth = ground_truth(self.problem, self.truth_config, self.response_cap)
         links = TransitionEstimator(self.problem.specs, self.problem.site, truth.cost_model(False),
                                     self.problem.workflow.concurrent_sets(), max_devices=TRANSITION_SCALE_LIMIT)
@@ -421,14 +444,15 @@ class Simulation:
         best plan for the step)."""
         if ctl is None:
             target = oracle.plan(rec.step, length, pool, time_s)
+            if target is None:
+                raise SimulationError(f"step {rec.step}: no plan fits {len(pool)} devices at a response length of "
+                                      f"{length:.0f} tokens and prompts of {self.problem.workload.prompt_length}")
         else:
             try:
                 target = ctl.restart_plan(pool).plan
-            except Infeasible:
-                target = None
-        if target is None:
-            raise SimulationError(f"no plan fits {len(pool)} devices at a response length of {length:.0f} tokens "
-                                  f"and prompts of {self.problem.workload.prompt_length}")
+            except Infeasible as err:   # it names the length it planned for (the longest so far after
+                raise SimulationError(    # an out-of-memory step) and the model-stage that does not fit
+                    f"step {rec.step}: a checkpoint/restart on {len(pool)} devices found no plan: {err}") from None
         restart_s = truth.restart_s(target)
         rec.restart_s += restart_s
         if ctl is not None:

@@ -88,6 +88,12 @@ def format_table(rows: Sequence[dict]) -> str:
                   + ("" if rows[0].get("oracle") else "; captured % also needs the oracle") + ")")
     elif rows:
         table += "\n(captured % needs the oracle in --policies)"
+    beat = [r["policy"] for r in rows if r["captured_pct"] is not None and r["captured_pct"] > 100.0
+            and not r["policy"].startswith(ORACLE)]
+    if beat:   # the oracle's switches are free, its restarts are not, and it does not plan against losses
+        table += (f"\n({', '.join(beat)} ran faster than the oracle: it picks each step's fastest plan with free "
+                  "switches, but pays the restarts a pool loss forces like any policy and does not choose plans "
+                  "against them; where the pool changes often, that makes it no bound)")
     for r in rows:
         if r.get("margin_missed_steps"):
             table += (f"\n({r['policy']}: no plan left that share of memory free at {r['margin_missed_steps']} "

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import re
+
 import pytest
 
 from nereusd.config.job import load_job
@@ -56,8 +58,10 @@ def tiny_job(extra: str = "") -> str:
     ("devices: 1000000000\n", r"^job.yaml: devices: Input should be less than or equal to 65536"),   # was OOM-killed
 ])
 def test_schema_errors_name_file_and_key(tmp_path, text, match):
-    with pytest.raises(ConfigError, match=match):
-        load_job(write(tmp_path, text))
+    path = write(tmp_path, text)
+    # the file as the user gave it, whole (every run directory holds a job.yaml)
+    with pytest.raises(ConfigError, match=match.replace("^job.yaml", "^" + re.escape(str(path)))):
+        load_job(path)
 
 
 def test_exponent_literals_yaml_reads_as_strings_are_numbers(tmp_path):
@@ -75,11 +79,11 @@ def test_exponent_literals_yaml_reads_as_strings_are_numbers(tmp_path):
     (b"train: {kl_coef: .nan}\n", r"job.yaml: train.kl_coef: Input should be a finite number"),
     (b"steps: 10\nrollout: {max_staleness: 10}\n", r"^job.yaml: rollout.max_staleness: 10 is not below steps=10"),
 ])
-def test_job_file_gaps_are_refused_naming_the_file(tmp_path, content, match):
-    path = tmp_path / "job.yaml"
-    path.write_bytes(content)
+def test_job_file_gaps_are_refused_naming_the_file(tmp_path, content, match, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # errors name the file as given: here "job.yaml"
+    Path("job.yaml").write_bytes(content)
     with pytest.raises(ConfigError, match=match):
-        load_job(path)
+        load_job("job.yaml")
 
 
 def test_a_huge_job_file_is_refused_at_once_and_errors_are_capped(tmp_path):
@@ -93,7 +97,7 @@ def test_a_huge_job_file_is_refused_at_once_and_errors_are_capped(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_job(path)
     lines = str(err.value).splitlines()
-    assert len(lines) == 21 and lines[-1] == "job.yaml: … and 80 more problems"
+    assert len(lines) == 21 and lines[-1] == f"{path}: … and 80 more problems"
     path.write_text("steps: " + "x" * 5000 + "\n")   # a huge value is cut in the message
     with pytest.raises(ConfigError, match=r"steps: .*xxx… \(5002 characters\)$"):
         load_job(path)
@@ -304,11 +308,11 @@ def test_an_integer_past_pythons_digit_limit_is_a_one_line_error(tmp_path):
     ("[{at_step: 0, max_new_tokens: 8}, {at_step: 20, max_new_tokens: 16}]",   # steps: 20 (the default)
      r"^job.yaml: rollout.max_new_tokens_schedule\[1\].at_step: 20 is not below steps=20: no step would run in"),
 ])
-def test_a_length_curriculum_only_raises_the_cap_up_to_max_new_tokens(tmp_path, stages, match):
-    path = tmp_path / "job.yaml"
-    path.write_text(f"rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule: {stages}\n")
+def test_a_length_curriculum_only_raises_the_cap_up_to_max_new_tokens(tmp_path, stages, match, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # errors name the file as given: here "job.yaml"
+    Path("job.yaml").write_text(f"rollout:\n  max_new_tokens: 32\n  max_new_tokens_schedule: {stages}\n")
     with pytest.raises(ConfigError, match=match):
-        load_job(path)
+        load_job("job.yaml")
 
 
 def test_each_step_is_capped_by_its_stage_and_the_launch_plans_for_step_0(tmp_path):

@@ -99,6 +99,11 @@ def test_numbers_in_exponent_form_without_a_dot_read_as_numbers(tmp_path):
         (lambda d: d["device"].__setitem__("host_link_gbps", 1e-9), r"device.host_link_gbps: 1e-09 is implausibly small"),
         (lambda d: d["device"].update(kind="cpu", host_link_gbps=0, host_staging_gib=4),
          r"^h200-ib.yaml: device.host_staging_gib: host staging is for accelerators"),
+        # one without the other turned staging off without a word (2026-12-06)
+        (lambda d: d["device"].pop("host_staging_gib"),
+         r"^h200-ib.yaml: device.host_staging_gib: required with device.host_link_gbps"),
+        (lambda d: d["device"].pop("host_link_gbps"),
+         r"^h200-ib.yaml: device.host_link_gbps: required with device.host_staging_gib"),
         # a compute dtype without a peak (nor fp32's) was accepted, and the job failed once started
         (lambda d: d["device"].__setitem__("peak_tflops", {"fp16": 900.0}),
          r"^h200-ib.yaml: device.peak_tflops: no entry for the compute dtype 'bf16' \(device.compute_dtype\) nor for "
@@ -158,3 +163,11 @@ def test_a_foreign_file_given_as_a_site_is_not_echoed_whole(tmp_path):
     with pytest.raises(ConfigError, match=r"^foreign.yaml: <top>: expected a mapping, got 'secret secret") as err:
         load_site(path)
     assert len(str(err.value)) < 200
+
+
+def test_an_empty_site_file_says_so(tmp_path):
+    """A site file of comments only read "<top>: expected a mapping, got None" (2026-12-06)."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("# to fill in\n")
+    with pytest.raises(ConfigError, match=r"mine.yaml: the file is empty"):
+        load_site(str(path))

@@ -165,7 +165,11 @@ def test_greedy_generation_with_the_kv_cache_matches_transformers(name, tmp_path
 
 def test_zero_key_value_heads_are_refused_not_read_as_missing():
     """``num_key_value_heads: 0`` was read as absent (= attention heads) and planned silently."""
-    with pytest.raises(ConfigError, match=r"cfg.json: model.num_kv_heads: expected a positive integer, got 0"):
+    with pytest.raises(ConfigError, match=r"cfg.json: model.num_kv_heads: expected an integer from 1 to 16,777,216, "
+                                          r"got 0"):
         ModelSpec.from_hf_config(_config("llama", num_key_value_heads=0), source="cfg.json")
+    # a 400-digit hidden size overflowed the memory model's floats (a bad-input search, 2026-12-06)
+    with pytest.raises(ConfigError, match=r"cfg.json: model.hidden_size: expected an integer from 1 to 16,777,216"):
+        ModelSpec.from_hf_config(_config("llama", hidden_size=10**400), source="cfg.json")
     assert ModelSpec.from_hf_config({k: v for k, v in _config("llama").items() if k != "num_key_value_heads"},
                                     source="cfg.json").num_kv_heads == 2

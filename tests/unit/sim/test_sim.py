@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -275,11 +276,16 @@ def test_cli_json_and_plots(tmp_path, capsys):
     (["--length-trace", "generated-ramp:-5:0"], "at least 1 token"),
     (["--length-trace", "."], "not a shipped trace"),
     (["--pool-trace", "."], "not a shipped trace"),
-    (["--noise", "-1"], "noise_sigma must be a finite number >= 0"),
-    (["--noise", "nan"], "noise_sigma must be a finite number >= 0"),
-    (["--noise", "100"], "noise_sigma must be at most 2"),   # ran the machine out of memory (2026-12-05)
-    (["--contention-per-h", "1e9"], "contention_per_h must be at most 3600"),
-    (["--contention-per-h", "-3", "--engine-rebuild-s", "-10"], "contention_per_h must be"),
+    # the flag's own name and range (the ground truth's field names were quoted before)
+    (["--noise", "-1"], "argument --noise: expected a number in [0, 2], got -1"),
+    (["--noise", "nan"], "argument --noise: expected a number in [0, 2], got nan"),
+    (["--noise", "100"], "argument --noise: expected a number in [0, 2]"),   # ran the machine out of memory (2026-12-05)
+    (["--contention-per-h", "1e9"], "argument --contention-per-h: expected a number in [0, 3600]"),
+    (["--engine-rebuild-s", "-10"], "argument --engine-rebuild-s: expected a number in [0, 86400]"),
+    # 10^7 sequences ran for minutes with no output; 1e30 ended in numpy's traceback (2026-12-06)
+    (["--global-batch", "10000000"], "argument --global-batch: expected an integer from 1 to 1,048,576"),
+    (["--global-batch", "1e30"], "argument --global-batch: expected an integer, got '1e30'"),
+    (["--prompt-length", "0"], "argument --prompt-length: expected an integer from 1"),
     (["--jobs", "0"], "--jobs: expected a positive number"),
     (["--engine-rebuild-s", "30"], "add --generation vllm"),
     (["--gpus", "1048576"], "at most 65,536"),
@@ -292,8 +298,12 @@ def test_simulate_refuses_bad_input_with_one_line(argv, says, capsys):
     """Each once ended in a traceback or ran on nonsense (a new user's trial, 2026-12-03)."""
     from launcher.cli import main
 
-    assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
-                 *argv]) == 2
+    try:
+        rc = main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
+                   *argv])
+    except SystemExit as stop:   # argparse's own refusals
+        rc = stop.code
+    assert rc == 2
     assert says in capsys.readouterr().err
 
 
@@ -304,6 +314,36 @@ def test_simulate_out_must_be_a_directory(tmp_path, capsys):
     assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
                  "--out", str(tmp_path / "file")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_simulate_refuses_an_out_it_cannot_write_before_it_runs(tmp_path, capsys):
+    """``--out /proc`` exists and is a directory, but no file can be made there: refused at once.
+    A run whose files cannot be written still prints its table first (it ran to the end and
+    lost everything with a traceback, 2026-12-06)."""
+    from launcher.cli import main
+
+    base = ["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "2", "--global-batch", "64",
+            "--policies", "frozen"]
+    assert main(base + ["--out", "/proc"]) == 2
+    assert "--out /proc: cannot write files in it" in capsys.readouterr().err
+    (tmp_path / "run.json").mkdir()   # a name the run writes is taken by a directory
+    assert main(base + ["--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "frozen-start" in captured.out and f"cannot write {tmp_path / 'run.json'} (Is a directory)" in captured.err
+
+
+def test_a_restart_no_plan_holds_names_the_policy_step_and_length(capsys):
+    """A ramp to 10^6 tokens: frozen-start's restart after its first out-of-memory step plans
+    for the run's longest response, which nothing holds. The message said the current step's
+    length (5,981 tokens, which fits) and no policy (a bad-input search, 2026-12-06)."""
+    from launcher.cli import main
+
+    assert main(["simulate", "--gpus", "16", "--steps", "10", "--policies", "frozen",
+                 "--length-trace", "generated-ramp:100:1e6"]) == 2
+    err = capsys.readouterr().err
+    assert "frozen-start: step " in err and "no plan holds responses of 1010172 tokens" in err
+    assert "cannot fit on 16 devices" in err   # the planner's: which model-stage and phase
 
 
 def test_adaptive_policies_launch_on_the_frozen_plan_unless_their_memory_model_refuses_it():
@@ -370,11 +410,17 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
     ("length", "response_length_mean\n12\nnan\n", "'nan' is not a number of tokens of at least 1"),
     ("length", "response_length_mean\n12\n-50\n", "'-50' is not a number of tokens of at least 1"),
     ("length", "response_length_mean\n12\n1e-300\n", "'1e-300' is not a number of tokens of at least 1"),
-    ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a number of seconds, at least 1"),
+    # an empty file read "no column … (columns: None)"; a repeated header took the last column (2026-12-06)
+    ("length", "", "the file is empty (expected a header row"),
+    ("length", "response_length_mean,response_length_mean\n12,500\n", "names column 'response_length_mean' 2 times"),
+    ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a number of seconds from 1 to"),
     ("pool", '{"metadata": {"gap_seconds": "nan"}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
     ("pool", '{"metadata": {"gap_seconds": 5e-324}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
     ("pool", '{"metadata": {"gap_seconds": true}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": []}', "data must be a non-empty list"),
+    # integers past a float's range raised OverflowError in the finiteness check (2026-12-06)
+    ("pool", '{"metadata": {"gap_seconds": 1' + "0" * 400 + '}, "data": [1, 2]}', "gap_seconds must be a number"),
+    ("pool", '{"metadata": {"gap_seconds": 60}, "data": [1' + "0" * 400 + ', 1]}', "data must be a non-empty list"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": [3, -1]}', "data must be a non-empty list of instance counts"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": "1680"}', "data must be a non-empty list of instance counts"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": [true, 8.7]}', "data must be a non-empty list of instance counts"),
@@ -426,7 +472,12 @@ def test_the_table_says_what_its_comparison_columns_need_and_when_they_mean_litt
     noisy = format_table([row("frozen-start", 10.0, 0.2, 0.0), row("oracle", 9.98, 0.2, 100.0)])
     assert "oracle headroom over the better frozen baseline: 0.2 %" in noisy and "means little" in noisy
     clear = format_table([row("frozen-start", 10.0, 2 * NOISY_HEADROOM_PCT, 0.0), row("oracle", 9.8, 2.0, 100.0)])
-    assert "means little" not in clear and "needs a frozen" not in clear
+    assert "means little" not in clear and "needs a frozen" not in clear and "faster than the oracle" not in clear
+    # on a pool that flaps every step the oracle pays restarts it did not plan against: a policy
+    # beat it and read "captured 164 %" without a word (a bad-input search, 2026-12-06)
+    beaten = format_table([row("frozen-start", 10.0, 2.0, 0.0), row("nereus", 9.6, 2.0, 164.0),
+                           row("oracle", 9.8, 2.0, 100.0)])
+    assert "(nereus ran faster than the oracle" in beaten and "no bound" in beaten
 
 
 def test_simulate_warns_on_stderr_when_the_length_trace_repeats(tmp_path, capsys):
