@@ -129,6 +129,8 @@ slower than frozen against 0.1 % faster): a job calibrates on the layouts it run
 planner picks what the fit misprices lowest, which the strong pull limits (docs/RESULTS_LOG.md).
 The benchmark prints both."""
 MIN_FIT_SAMPLES = 2
+MAX_WINDOW = 100_000
+"""Largest sample window a saved calibration state may ask for (nereusd's default is 32)."""
 
 
 def weighted_median(values: Iterable[float], weights: Iterable[float]) -> float:
@@ -310,11 +312,12 @@ class Calibration:
             return x
 
         try:
+            window = data["window"]
+            if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
+                raise ValueError(f"window {str(window)[:40]} is not an integer from 1 to {MAX_WINDOW:,}")
             cal = cls(priors={str(k): number(v, MIN_EFFICIENCY, max_efficiency(str(k)), f"prior of {k}")
                               for k, v in data["priors"].items()},
-                      window=int(data["window"]), prior_weight=number(data["prior_weight"], 0.0, 1e6, "prior_weight"))
-            if cal.window < 1:
-                raise ValueError(f"window {cal.window} < 1")
+                      window=window, prior_weight=number(data["prior_weight"], 0.0, 1e6, "prior_weight"))
             for op_class, values in data["samples"].items():
                 cal._samples[str(op_class)] = deque(
                     (number(v, MIN_EFFICIENCY, max_efficiency(str(op_class)), f"sample of {op_class}") for v in values),
@@ -322,7 +325,7 @@ class Calibration:
             for ideal, measured in data.get("stages", []) if version > 1 else []:
                 cal._stages.append(({str(c): number(v, 0.0, 1e9, f"stage ideal_s of {c}") for c, v in ideal.items()},
                                     number(measured, 1e-12, 1e9, "stage measured_s")))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:   # 10**400 overflows float()
             raise ConfigError(f"{source}: malformed calibration state: {err!r}") from None
         return cal
 

@@ -15,7 +15,10 @@ is the time at hardware peak (site config) and ``efficiency`` comes from
   ``b·s·h`` activations; all-reduce ``2(n−1)/n · bytes / bw + 2⌈log2 n⌉·α`` (ring bandwidth,
   Rabenseifner latency: Thakur et al. 2005, :func:`~nereusd.cost.formulas.ring_collective_parts`),
   its two terms calibrated as separate classes (the collective's, and ``latency_<link>`` for
-  the per-call α, which dominates small messages: gloo's ~5 ms per call here);
+  the per-call α, which dominates small messages: gloo's ~5 ms per call here); plus the
+  vocab-parallel embedding's forward all-reduce, and with a language-model head the head
+  input's gradient all-reduce and the log-probabilities' per-position reductions
+  (:data:`VOCAB_LOSS_ALL_REDUCES_TRAIN`, Shoeybi et al. 2019, §3);
 - a fixed dispatch time per layer and pass (site ``layer_launch_us``, class ``launch``) that does
   not shrink with the batch: one pass per micro-batch forward, three with backward, four with
   recomputation; one per decode step, and one for each wave's prefill;
@@ -96,6 +99,15 @@ class _Acc:
         for k, v in self.ideal.items():
             out.add(classes(k), v)
         return out
+
+
+VOCAB_LOSS_ALL_REDUCES_TRAIN = 4
+"""Per-position all-reduces of a training micro-batch's vocab-parallel log-probabilities
+(:func:`emu.engine.parallel.vocab_parallel_logprobs_entropy`): the maximum, the sum of
+exponentials, the target logit and the entropy's sum (Megatron's vocab-parallel cross entropy,
+Shoeybi et al. 2019, §3, plus the entropy the policy loss reads)."""
+VOCAB_LOSS_ALL_REDUCES_INFER = 3
+"""The same for an inference pass, which reads log-probabilities without the entropy."""
 
 
 def layer_parameters(spec: ModelSpec) -> int:
@@ -395,7 +407,16 @@ class CostModel:
         if launch and self.site.layer_launch_s:
             per_mb.add(LAUNCH, self.site.layer_launch_s * layers * mult / 2)
         tp_collectives = (6 if recompute else 4) if training else 2
-        self._ring(per_mb, "all_reduce", tokens * h * e, tp, self.spans_nodes(tp), count=tp_collectives * layers)
+        spans = self.spans_nodes(tp)
+        self._ring(per_mb, "all_reduce", tokens * h * e, tp, spans, count=tp_collectives * layers)
+        if tp > 1 and not prefill:   # the engine's vocab-parallel layers (emu/engine/model.py, parallel.py)
+            if pp == 1:   # the embedding's forward all-reduce (first stage; priced here when it is the last too)
+                self._ring(per_mb, "all_reduce", tokens * h * e, tp, spans)
+            if lm_head:
+                if training:   # the head's input gradient (Megatron's f before a column-parallel head)
+                    self._ring(per_mb, "all_reduce", tokens * h * e, tp, spans)
+                losses = VOCAB_LOSS_ALL_REDUCES_TRAIN if training else VOCAB_LOSS_ALL_REDUCES_INFER
+                self._ring(per_mb, "all_reduce", tokens * e, tp, spans, count=losses)
         if pp > 1:   # per micro-batch and direction a middle stage receives and sends, an end stage does one
             middle = 2 if pp > 2 else 1
             # with backward, NCCL/RCCL run each 1F1B step's send and receive as one group call

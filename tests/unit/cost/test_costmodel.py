@@ -222,6 +222,10 @@ def test_online_calibration_tells_classes_apart(tmp_path, monkeypatch):
     ({"stages": [[{"gemm": 1.0}, float("inf")]]}, "stage measured_s inf"),
     ({"priors": {"gemm": 0.0}}, "prior of gemm 0.0"),
     ({"samples": {"gemm": [-1.0]}}, "sample of gemm -1.0"),
+    # OverflowError tracebacks (a bad-input search, 2026-12-06): deque(maxlen=10**30), float(10**400)
+    ({"window": 10**30}, "window 1000000000000000000000000000000 is not an integer from 1 to 100,000"),
+    ({"window": 32.0}, "window 32.0 is not an integer"),
+    ({"prior_weight": 10**400}, "OverflowError"),
 ])
 def test_a_corrupt_calibration_state_is_refused(bad, message):
     """NaN, infinite, zero or negative values (JSON allows NaN and Infinity) would pin classes to
@@ -430,6 +434,36 @@ def test_a_middle_pipeline_stage_pays_twice_the_p2p_calls_of_an_end_stage_on_glo
     # forward only: nothing to pair a middle stage's receive and send with, on any backend
     assert gpu._micro_batch(spec, True, 64, 1, 4, 4, False, False).ideal["latency_intra"] == pytest.approx(
         2 * per_call, rel=1e-12)
+
+
+def test_a_tp_micro_batch_pays_the_vocab_parallel_layers_calls():
+    """Beside the layers' 2 (forward) or 4 (with backward) all-reduces, the engine's
+    vocab-parallel embedding all-reduces forward and a language-model head adds its input's
+    gradient all-reduce (training) and the log-probabilities' reductions: 4 in training (with
+    the entropy), 3 in inference (``emu/engine/parallel.vocab_parallel_logprobs_entropy``). A
+    value head (critic) has neither; a later pipeline stage has no embedding; a prefill (vLLM)
+    none of them. 4 layers at ``tp = 4``: 22 calls a training micro-batch, as gloo makes."""
+    from nereusd.cost.formulas import ring_collective_parts
+
+    cm = CostModel(load_site("local"))
+    spec = preset("counting-tiny")
+    layers = spec.num_layers
+    per_call = ring_collective_parts("all_reduce", 1.0, 4, 1e9, cm.link(False)[2], cm.latency_growth("intra"))[1]
+
+    def calls(lm_head, pp, training, prefill=False):
+        mb = cm._micro_batch(spec, lm_head, 64, 4, pp, 2, training, False, prefill=prefill)
+        return mb.ideal["latency_intra"] / per_call
+
+    assert calls(True, 1, True) == pytest.approx(4 * layers + 1 + 1 + 4)   # 22
+    assert calls(True, 1, False) == pytest.approx(2 * layers + 1 + 3)
+    assert calls(False, 1, True) == pytest.approx(4 * layers + 1)
+    assert calls(False, 1, False) == pytest.approx(2 * layers + 1)
+    p2p = cm._micro_batch(spec, True, 64, 1, 2, 2, True, False).ideal["latency_intra"]   # tp 1: the p2p calls only
+    per_call_2 = ring_collective_parts("all_reduce", 1.0, 2, 1e9, cm.link(False)[2], cm.latency_growth("intra"))[1]
+    assert cm._micro_batch(spec, True, 64, 2, 2, 2, True, False).ideal["latency_intra"] == pytest.approx(
+        p2p + (4 * (layers // 2) + 1 + 4) * per_call_2)   # pp 2: no embedding on the last stage
+    assert calls(True, 1, False, prefill=True) == pytest.approx(2 * layers)
+    assert "latency_intra" not in cm._micro_batch(spec, True, 64, 1, 1, 2, True, False).ideal
 
 
 def test_per_call_classes_may_learn_more_than_the_hardware_peak_classes():
