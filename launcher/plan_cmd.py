@@ -147,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         warnings.append(f"--prompt-length {args.prompt_length} plus --response-length {args.response_length} exceeds "
                         f"the {short[0]} model's max_position={short[1].max_position}: a job of this shape "
                         f"is refused at launch")
+    if args.micro_batch > args.global_batch // args.mini_batches:
+        warnings.append(f"--micro-batch {args.micro_batch} exceeds the {args.global_batch // args.mini_batches} "
+                        f"sequences of an optimizer step (--global-batch / --mini-batches): each replica runs "
+                        f"its whole share as one micro-batch")
     for line in warnings if not args.json else []:
         print(f"warning: {line}", file=sys.stderr)
     engines = generation_engines(workflow, args.generation, args.prompt_length + args.response_length)

@@ -51,6 +51,10 @@ def test_plan_warns_when_a_sequence_is_longer_than_the_models_context(capsys):
     assert len(out["warnings"]) == 1 and "max_position=160" in out["warnings"][0]
     assert main(args + ["--prompt-length", "16", "--response-length", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["warnings"] == []
+    # a micro-batch past the step's sequences was clamped without a word (2026-12-06)
+    assert main(args + ["--prompt-length", "16", "--response-length", "32", "--micro-batch", "999", "--json"]) == 0
+    [warning] = json.loads(capsys.readouterr().out)["warnings"]
+    assert warning.startswith("--micro-batch 999 exceeds the 16 sequences of an optimizer step")
 
 
 def test_plan_zero_lets_training_use_zero_at_tp_pp_1(capsys):
