@@ -60,24 +60,19 @@ def bounded_int(low: int, high: int):
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected an integer from {low:,} to {high:,}, got {text}")
         return value
-    parse.__name__ = "integer"
     return parse
 
 
-def bounded_float(low: float, high: float, *, low_open: bool = False):
-    """An argparse ``type`` for a finite number in ``[low, high]`` (``(low, high]`` with
-    ``low_open``)."""
+def bounded_float(low: float, high: float):
+    """An argparse ``type`` for a finite number in ``[low, high]`` (NaN and infinities refused)."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        inside = (low < value if low_open else low <= value) and value <= high
-        if not (math.isfinite(value) and inside):
-            raise argparse.ArgumentTypeError(
-                f"expected a number in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"expected a number in [{low:g}, {high:g}], got {text}")
         return value
-    parse.__name__ = "number"
     return parse
 
 
