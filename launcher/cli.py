@@ -41,14 +41,6 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-MAX_SEQUENCES = 1 << 20
-"""Largest ``--global-batch`` and ``--micro-batch`` (sequences), and ``--prompt-length`` /
-``--response-length`` (tokens), ``plan`` and ``simulate`` take: RL jobs run a few thousand
-sequences a step and contexts up to ~10^6 tokens; at 10^6 sequences a simulated step's
-continuous-batching truth already takes seconds (a 10^7 typo ran for minutes with no output, and
-10^30 ended in numpy's traceback)."""
-
-
 def bounded_int(low: int, high: int):
     """An argparse ``type`` for an integer in ``[low, high]`` whose error says the range (argparse
     prefixes the flag)."""

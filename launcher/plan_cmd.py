@@ -22,9 +22,10 @@ import math
 import sys
 from pathlib import Path
 
-from launcher.cli import MAX_SEQUENCES, DefaultsHelpFormatter, bounded_int
+from launcher.cli import DefaultsHelpFormatter, bounded_int
 from nereusd.cost.calibration import Calibration
 from nereusd.cost.model import CostModel
+from nereusd.config.job import MAX_SEQUENCES, MAX_TOKENS
 from nereusd.errors import ConfigError, shortened
 from nereusd.models import PRESETS, resolve_model, shortest_context
 from nereusd.plan import MAX_DEVICES, Role
@@ -54,8 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="asynchronous execution (generation overlaps training)")
     p.add_argument("--site", required=True, help="site config path or name (site_configs/NAME.yaml)")
     p.add_argument("--gpus", type=int, required=True, help="devices in the pool")
-    p.add_argument("--prompt-length", type=bounded_int(1, MAX_SEQUENCES), default=512, help="longest prompt in tokens (default: %(default)s)")
-    p.add_argument("--response-length", type=bounded_int(1, MAX_SEQUENCES), default=1024,
+    p.add_argument("--prompt-length", type=bounded_int(1, MAX_TOKENS), default=512, help="longest prompt in tokens (default: %(default)s)")
+    p.add_argument("--response-length", type=bounded_int(1, MAX_TOKENS), default=1024,
                    help="longest response in tokens the plan must hold (default: %(default)s)")
     p.add_argument("--global-batch", type=bounded_int(1, MAX_SEQUENCES), default=256, help="sequences per RL step")
     p.add_argument("--mini-batches", type=bounded_int(1, MAX_SEQUENCES), default=1, help="optimizer steps per RL step")

@@ -22,8 +22,9 @@ import json
 import sys
 import time
 
-from launcher.cli import MAX_SEQUENCES, DefaultsHelpFormatter, bounded_float, bounded_int, output_directory
+from launcher.cli import DefaultsHelpFormatter, bounded_float, bounded_int, output_directory
 from nereusd.config.curriculum import parse_stages
+from nereusd.config.job import MAX_SEQUENCES, MAX_TOKENS
 from nereusd.errors import ConfigError, NereusError
 from nereusd.models import PRESETS, shortest_context
 from nereusd.sim.policies import parse_policies
@@ -66,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "relaunched larger after an OOM), frozen-final (launched for the longest responses), nereus, "
                    "nereus@<gamma>, greedy, periodic-<k>, oracle (the best plan every step, switches free), "
                    "oracle@<h> (the oracle leaving a share h of memory free, e.g. oracle@0.1: the planner's headroom)")
-    p.add_argument("--prompt-length", type=bounded_int(1, MAX_SEQUENCES), default=512, help="prompt tokens per sequence")
+    p.add_argument("--prompt-length", type=bounded_int(1, MAX_TOKENS), default=512, help="prompt tokens per sequence")
     p.add_argument("--global-batch", type=bounded_int(1, MAX_SEQUENCES), default=1024, help="sequences per RL step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ground truth and of a generated ramp")
     p.add_argument("--noise", type=bounded_float(0.0, MAX_NOISE_SIGMA), default=TruthConfig.noise_sigma,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereusd.errors import ConfigError, not_utf8
+from nereusd.models import MAX_MODEL_DIMENSION
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
 LENGTH_DIR = DATA / "length"
@@ -137,8 +138,9 @@ def load_length_trace(name: str, steps: int | None = None, seed: int = 0) -> Len
             start, end = (float(parts[1]), float(parts[2])) if len(parts) == 3 else (500.0, 8000.0)
         except ValueError:
             raise ConfigError(f"length trace {name!r}: START and END must be numbers of tokens") from None
-        if not (math.isfinite(start) and math.isfinite(end) and start >= 1 and end >= 1):
-            raise ConfigError(f"length trace {name!r}: START and END must be at least 1 token")
+        if not (1 <= start <= MAX_MODEL_DIMENSION and 1 <= end <= MAX_MODEL_DIMENSION):   # NaN fails too
+            raise ConfigError(f"length trace {name!r}: START and END must be numbers of tokens from 1 to "
+                              f"{MAX_MODEL_DIMENSION:,}")
         return generated_ramp(steps or 1000, start, end, seed=seed)
     if name in LENGTH_TRACES:
         file, column = LENGTH_TRACES[name]

@@ -21,7 +21,17 @@ from nereusd.config.pool import PoolConfig
 from nereusd.config.schema import Number, Strict
 from nereusd.config.yamlfile import read_yaml
 from nereusd.errors import ConfigError
+from nereusd.models import MAX_MODEL_DIMENSION
 from nereusd.plan import MAX_DEVICES
+
+MAX_SEQUENCES = 1 << 20
+"""Most sequences (a batch, a group, the prompts of a step) or passes a job file, ``plan`` or
+``simulate`` may ask for: RL jobs run a few thousand sequences a step; at 10^6 a simulated step's
+continuous-batching truth already takes seconds (a 10^7 typo ran for minutes with no output, and
+10^30 ended in numpy's traceback; a 400-digit batch passed the job schema)."""
+MAX_TOKENS = MAX_MODEL_DIMENSION
+"""Most tokens a prompt, a response or a micro-batch's token budget may hold: the largest context
+a model config may give."""
 from nereusd.workflow import Algorithm
 
 
@@ -64,11 +74,11 @@ class TaskConfig(Strict):
 class RolloutConfig(Strict):
     """Generation settings."""
 
-    prompts_per_step: StrictInt = Field(8, ge=1)
+    prompts_per_step: StrictInt = Field(8, ge=1, le=MAX_SEQUENCES)
     """Distinct prompts per RL step."""
-    group_size: StrictInt = Field(8, ge=1)
+    group_size: StrictInt = Field(8, ge=1, le=MAX_SEQUENCES)
     """Samples per prompt (GRPO's group; PPO and ReMax usually 1)."""
-    max_new_tokens: StrictInt = Field(96, ge=1)
+    max_new_tokens: StrictInt = Field(96, ge=1, le=MAX_TOKENS)
     """Longest response in tokens: it sizes the vLLM engines (``max_model_len``) and the model's
     context check; with :attr:`max_new_tokens_schedule`, the cap of its last stage at most."""
     max_new_tokens_schedule: list[LengthStageConfig] = Field(default_factory=list)
@@ -95,20 +105,20 @@ class RolloutConfig(Strict):
 class TrainConfig(Strict):
     """Optimisation settings shared by the trainable roles."""
 
-    global_batch: StrictInt = Field(64, ge=1)
+    global_batch: StrictInt = Field(64, ge=1, le=MAX_SEQUENCES)
     """Sequences per optimizer step; ``dp × micro_batch × grad_accum`` must equal it."""
-    micro_batch: StrictInt = Field(8, ge=1)
+    micro_batch: StrictInt = Field(8, ge=1, le=MAX_SEQUENCES)
     """Sequences per micro-batch on one replica, at most: a training replica takes the largest
     divisor of its share of ``global_batch`` up to it (:func:`nereusd.plan.training_micro_batch`:
     12 on a share of 16 trains at 8), and for a layout this does not fit in memory, the planner
     takes the largest power of two below it that does (a plan's ``micro_batch``). A
     ``micro_batch`` written in ``plan:`` is taken as it is and must divide the share."""
-    max_tokens_per_micro_batch: StrictInt | None = Field(None, ge=1)
+    max_tokens_per_micro_batch: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
     """Form training and inference micro-batches by this token budget instead of by count:
     sequences are packed padding-free into rows of at most this many tokens (verl's dynamic
     batch size). Must hold the longest sequence (prompt plus ``rollout.max_new_tokens``).
     Generation is unaffected. ``None`` (default): ``micro_batch`` sequences, padded."""
-    epochs: StrictInt = Field(1, ge=1)
+    epochs: StrictInt = Field(1, ge=1, le=MAX_SEQUENCES)
     """Passes over each step's rollout (PPO epochs)."""
     actor_lr: Number = Field(3e-4, gt=0.0)
     critic_lr: Number = Field(1e-3, gt=0.0)
@@ -128,11 +138,11 @@ class TrainConfig(Strict):
 class StagePlanConfig(Strict):
     """``tp, pp, dp`` and devices of one model-stage; omitted fields come from ``plan.default``."""
 
-    tp: StrictInt | None = Field(None, ge=1)
-    pp: StrictInt | None = Field(None, ge=1)
-    dp: StrictInt | None = Field(None, ge=1)
+    tp: StrictInt | None = Field(None, ge=1, le=MAX_DEVICES)
+    pp: StrictInt | None = Field(None, ge=1, le=MAX_DEVICES)
+    dp: StrictInt | None = Field(None, ge=1, le=MAX_DEVICES)
     devices: list[StrictInt] | None = None
-    micro_batch: StrictInt | None = Field(None, ge=1)
+    micro_batch: StrictInt | None = Field(None, ge=1, le=MAX_SEQUENCES)
     recompute: bool | None = None
     zero_stage: StrictInt | None = Field(None, ge=0, le=2)
     """ZeRO stage of a training model-stage (1, 2: ``backends: {<ms>: deepspeed}``); pinned like

@@ -56,6 +56,11 @@ def tiny_job(extra: str = "") -> str:
     ("seed: -1\n", r"^job.yaml: seed: Input should be greater than or equal to 0"),
     ("seed: 10000000000000000000000000000000000000000\n", r"^job.yaml: seed: Input should be less than 4294967296"),
     ("devices: 1000000000\n", r"^job.yaml: devices: Input should be less than or equal to 65536"),   # was OOM-killed
+    # 400-digit batches passed the schema and reached later checks, which printed every digit (2026-12-06)
+    ("train:\n  global_batch: 1" + "0" * 400 + "\n", r"^job.yaml: train.global_batch: Input should be less than or "
+                                                   r"equal to 1048576"),
+    ("rollout:\n  max_new_tokens: 20000000\n", r"^job.yaml: rollout.max_new_tokens: Input should be less than or "
+                                                 r"equal to 16777216"),
 ])
 def test_schema_errors_name_file_and_key(tmp_path, text, match):
     path = write(tmp_path, text)

@@ -273,7 +273,10 @@ def test_cli_json_and_plots(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["--length-trace", "generated-ramp:a:b"], "START and END must be numbers"),
     (["--length-trace", "generated-ramp:1"], "expected generated-ramp or generated-ramp:START:END"),
-    (["--length-trace", "generated-ramp:-5:0"], "at least 1 token"),
+    (["--length-trace", "generated-ramp:-5:0"], "START and END must be numbers of tokens from 1 to 16,777,216"),
+    # 1e400 (inf) was called "less than 1 token"; 1e15 ran until a restart found no plan (2026-12-06)
+    (["--length-trace", "generated-ramp:100:1e400"], "START and END must be numbers of tokens from 1 to"),
+    (["--length-trace", "generated-ramp:100:1e15"], "START and END must be numbers of tokens from 1 to"),
     (["--length-trace", "."], "not a shipped trace"),
     (["--pool-trace", "."], "not a shipped trace"),
     # the flag's own name and range (the ground truth's field names were quoted before)
