@@ -107,23 +107,18 @@ def _zero_stages(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     site = load_site(args.site)
     if not 1 <= args.gpus <= MAX_DEVICES:
-        print(f"nereus-launch plan: --gpus must be between 1 and {MAX_DEVICES:,}, got {args.gpus}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--gpus must be between 1 and {MAX_DEVICES:,}, got {args.gpus}")
     site = site.with_nodes(max(1, math.ceil(args.gpus / site.devices_per_node)))
     if args.memory_gib is not None:
         if not (math.isfinite(args.memory_gib) and 0 < args.memory_gib <= 1e6):
-            print(f"nereus-launch plan: --memory-gib must be a number of GiB in (0, 1e6], got {args.memory_gib}",
-                  file=sys.stderr)
-            return 2
+            raise ConfigError(f"--memory-gib must be a number of GiB in (0, 1e6], got {args.memory_gib}")
         site = dataclasses.replace(site, device=dataclasses.replace(site.device, memory_gib=args.memory_gib))
     for flag, value in (("--model", args.model), ("--reward-model", args.reward_model),
                         ("--critic-model", args.critic_model)):
         if value and Path(value).suffix.lower() in (".yaml", ".yml"):
-            print(f"nereus-launch plan: {flag} {value}: a YAML file; {flag} takes a preset name, a HF model "
-                  "directory or a config.json. 'plan' does not read job files: a job's launch plan is printed "
-                  "by 'nereus-launch local' and journalled as the launch_plan event of RUN_DIR/events.jsonl",
-                  file=sys.stderr)
-            return 2
+            raise ConfigError(f"{flag} {value}: a YAML file; {flag} takes a preset name, a HF model directory or "
+                              "a config.json. 'plan' does not read job files: a job's launch plan is printed by "
+                              "'nereus-launch local' and journalled as the launch_plan event of RUN_DIR/events.jsonl")
     actor = resolve_model(args.model)
     specs = {r: actor for r in Role}
     rule_reward = (args.reward_model or "").lower() == "none"
@@ -159,12 +154,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         missing = bool(args.calibration) and not Path(args.calibration).is_file()
     except OSError as err:   # a name too long for the file system
-        print(f"nereus-launch plan: --calibration {shortened(args.calibration)}: {err.strerror}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--calibration {shortened(args.calibration)}: {err.strerror}") from None
     if missing:
         what = "not a regular file" if Path(args.calibration).exists() else "no such file"
-        print(f"nereus-launch plan: --calibration {args.calibration}: {what}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--calibration {args.calibration}: {what}")
     calibration = Calibration.load(args.calibration) if args.calibration else Calibration()
     options = PlannerOptions(any_divisor=args.any_divisor, allow_recompute=args.recompute,
                              zero_stages=(0, *args.zero) if args.zero else ())

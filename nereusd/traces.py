@@ -185,12 +185,20 @@ def load_pool_trace(name: str | None) -> PoolTrace:
     path = Path(name) if Path(name).exists() else SPOT_DIR / POOL_TRACES.get(name, name)
     if not path.is_file():
         raise ConfigError(f"pool trace {name!r}: not a shipped trace ({sorted(POOL_TRACES)}, constant) nor a file")
+    shape = "expected {'metadata': {'gap_seconds': S}, 'data': [instance counts]}"
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig"))
-        gap, raw = data["metadata"]["gap_seconds"], data["data"]
-    except (KeyError, TypeError, ValueError, RecursionError) as err:   # UnicodeDecodeError is a ValueError
-        raise ConfigError(f"{path.name}: expected {{'metadata': {{'gap_seconds': ..}}, 'data': [..]}}: "
-                          f"{type(err).__name__}: {str(err)[:120]}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path.name}: {not_utf8(err)}; is it a JSON file?") from None
+    except (ValueError, RecursionError) as err:
+        raise ConfigError(f"{path.name}: not valid JSON ({str(err)[:120]}); {shape}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("metadata"), dict):
+        raise ConfigError(f"{path.name}: {shape}, got a {type(data).__name__}"
+                          + ("" if not isinstance(data, dict) else " without a 'metadata' object"))
+    if "gap_seconds" not in data["metadata"] or "data" not in data:
+        missing = "metadata.gap_seconds" if "gap_seconds" not in data["metadata"] else "data"
+        raise ConfigError(f"{path.name}: no {missing}; {shape}")
+    gap, raw = data["metadata"]["gap_seconds"], data["data"]
     if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (1.0 <= gap <= MAX_GAP_S):
         raise ConfigError(f"{path.name}: metadata.gap_seconds must be a number of seconds from 1 to {MAX_GAP_S:g}, "
                           f"got {str(gap)[:40]!r}")

@@ -429,6 +429,10 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": [true, 8.7]}', "data must be a non-empty list of instance counts"),
     ("pool", '{"metadata": {"gap_seconds": 60}, "data": ' + "[" * 100000 + "]" * 100000 + "}",
      "expected {'metadata'"),
+    # these quoted Python's exception text: "TypeError: list indices must be integers …" (2026-12-06)
+    ("pool", '[1, 2]', "expected {'metadata': {'gap_seconds': S}, 'data': [instance counts]}, got a list"),
+    ("pool", '{"metadata": {}, "data": [1]}', "no metadata.gap_seconds"),
+    ("pool", '{bad', "not valid JSON"),
 ])
 def test_a_malformed_trace_file_is_refused_naming_it(tmp_path, kind, content, says, capsys):
     """Trace files were read unchecked: a value ``abc`` or ``nan`` in a length trace, and a pool
