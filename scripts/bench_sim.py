@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nereusd.cost.memory import HEADROOM  # noqa: E402
 from nereusd.sim.policies import parse_policies  # noqa: E402
-from nereusd.sim.replay import PolicyResult  # noqa: E402
+from nereusd.sim.results import PolicyResult  # noqa: E402
 from nereusd.sim.report import format_table, summary  # noqa: E402
 from nereusd.sim.scenario import Scenario, build, run_policies  # noqa: E402
 from nereusd.sim.truth import TRUTH_KINDS, TruthConfig  # noqa: E402

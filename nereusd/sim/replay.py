@@ -30,21 +30,23 @@ transitions and failures, excluding waiting for GPUs); ``switches`` counts admit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from nereusd.control.admission import ADMIT, RESTART
 from nereusd.control.controller import Controller, StepObservation
-from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
+from nereusd.control.lookahead import LengthLookahead
 from nereusd.control.problem import launch_for
 from nereusd.errors import NereusError
 from nereusd.plan import Candidate, Plan
-from nereusd.planner.search import Infeasible, Planner
+from nereusd.planner.search import Infeasible
 from nereusd.cost.memory import usable_bytes
 from nereusd.cost.model import CostModel
-from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
+from nereusd.planner.space import PlanProblem, evaluate
 from nereusd.sim.policies import ADAPTIVE, ORACLE, Policy
 from nereusd.sim.measured import ground_truth
+from nereusd.sim.oracle import Oracle
+from nereusd.sim.results import PolicyResult, StepRecord
 from nereusd.sim.truth import GroundTruth, TruthConfig
 from nereusd.traces import LengthTrace, PoolTrace
 from nereusd.transition.estimate import TransitionEstimator
@@ -57,114 +59,6 @@ OOM_LOST_FRACTION = 0.5
 
 class SimulationError(NereusError):
     """The simulated job cannot run at all (nothing fits the whole cluster)."""
-
-
-@dataclass
-class StepRecord:
-    """One executed (or failed) step: seconds of each kind spent at it."""
-
-    step: int
-    start_s: float
-    length: float
-    pool: int
-    plan_id: int
-    step_s: float = 0.0
-    lost_s: float = 0.0
-    transition_s: float = 0.0
-    restart_s: float = 0.0
-    stall_s: float = 0.0
-    oom: bool = False
-    switched: bool = False
-    rerun: bool = False
-    pool_changed: bool = False
-    """The pool changed at the boundary after this step."""
-    engine_start_s: float = 0.0
-    """Of ``transition_s``, the vLLM engines' start-up (the truth's ``engine_rebuild_s``; 0 without it)."""
-    margin_missed: bool = False
-    """(``oracle@H``) no plan left ``H`` of memory free at this step: it ran the best that fits."""
-
-
-@dataclass
-class PolicyResult:
-    """Everything one policy did over the run."""
-
-    policy: Policy
-    steps: int
-    records: list[StepRecord] = field(default_factory=list)
-    plans: list[str] = field(default_factory=list)
-    decisions: list[dict] = field(default_factory=list)
-    layouts: dict[str, Plan] = field(default_factory=dict)
-    """Every plan the policy ran, by :meth:`Plan.describe` (what :attr:`plans` names)."""
-
-    def _sum(self, name: str) -> float:
-        return sum(getattr(r, name) for r in self.records)
-
-    @classmethod
-    def pooled(cls, runs: Sequence["PolicyResult"]) -> "PolicyResult":
-        """One policy's runs of one scenario under several seeds, as one run of all their steps:
-        its mean step is the mean over the runs (of equal ``steps``), its shares are of the summed
-        seconds (``scripts/bench_sim.py --seeds``; one seed's steps, transitions and restarts can
-        flatter or wrong a policy by several percent).
-
-        Raises:
-            ValueError: without runs, or runs of different policies.
-        """
-        if not runs or any(r.policy != runs[0].policy for r in runs):
-            raise ValueError(f"pooled: expected runs of one policy, got {[r.policy.name for r in runs]}")
-        plans = list(dict.fromkeys(p for r in runs for p in r.plans))
-        index = {p: k for k, p in enumerate(plans)}
-        records = [replace(x, plan_id=index[r.plans[x.plan_id]]) for r in runs for x in r.records]
-        return cls(runs[0].policy, sum(r.steps for r in runs), records, plans,
-                   [d for r in runs for d in r.decisions], {k: v for r in runs for k, v in r.layouts.items()})
-
-    @property
-    def total_s(self) -> float:
-        return sum(r.step_s + r.lost_s + r.transition_s + r.restart_s + r.stall_s for r in self.records)
-
-    @property
-    def transition_s(self) -> float:
-        return self._sum("transition_s")
-
-    @property
-    def engine_start_s(self) -> float:
-        """Of :attr:`transition_s`, the vLLM engines' start-ups: the rest is the paper's transition
-        cost (communicator set-up and state movement: the paper's evaluation, "Metrics")."""
-        return self._sum("engine_start_s")
-
-    @property
-    def pool_transition_s(self) -> float:
-        """Transition seconds spent at boundaries where the pool changed (the switch a pool
-        change forces, or that it enables), as opposed to those adaptation chose on its own."""
-        return sum(r.transition_s for r in self.records if r.pool_changed)
-
-    @property
-    def stall_s(self) -> float:
-        return self._sum("stall_s")
-
-    @property
-    def margin_missed_steps(self) -> int:
-        """Steps at which an ``oracle@H`` could not leave ``H`` of memory free (0 for the others)."""
-        return sum(r.margin_missed for r in self.records)
-
-    @property
-    def restart_s(self) -> float:
-        return self._sum("restart_s")
-
-    @property
-    def mean_step_s(self) -> float:
-        return (self.total_s - self.stall_s) / self.steps
-
-    @property
-    def switches(self) -> int:
-        return sum(r.switched for r in self.records)
-
-    @property
-    def oom_events(self) -> int:
-        return sum(r.oom for r in self.records)
-
-    @property
-    def restarts(self) -> int:
-        return sum(r.restart_s > 0 for r in self.records)
 
 
 class Simulation:
@@ -199,7 +93,7 @@ class Simulation:
         self.truth_config = truth or TruthConfig()
         self.total = len(problem.pool)
         self.dpn = problem.site.devices_per_node
-        self._oracle = _Oracle(problem, ground_truth(problem, self.truth_config, response_cap))
+        self._oracle = Oracle(problem, ground_truth(problem, self.truth_config, response_cap))
         self._oracles = {0.0: self._oracle}
         """The oracle of each ``oracle@H`` policy by ``H`` (:meth:`oracle_for`)."""
         self.launch = self._oracle.plan(0, lengths.at(0), problem.pool, 0.0)
@@ -221,7 +115,7 @@ class Simulation:
         self._launch_adaptive: dict[float, Plan] = {}
 
     def learn_plans(self, results: Sequence[PolicyResult]) -> None:
-        """Give the oracle the plans ``results`` ran (:attr:`_Oracle.known`): run the other
+        """Give the oracle the plans ``results`` ran (:attr:`Oracle.known`): run the other
         policies first, then the oracle (:func:`nereusd.sim.scenario.run_policies` does)."""
         for res in results:
             for oracle in self._oracles.values():
@@ -279,12 +173,12 @@ class Simulation:
                 return nodes * self.dpn
         return self.dpn
 
-    def oracle_for(self, policy: Policy) -> "_Oracle":
+    def oracle_for(self, policy: Policy) -> "Oracle":
         """The oracle of ``policy`` (``oracle`` or ``oracle@H``: its memory headroom), sharing
         the plans the other policies ran."""
         headroom = policy.memory_headroom
         if headroom not in self._oracles:
-            oracle = self._oracles[headroom] = _Oracle(self.problem, self._oracle.truth, headroom,
+            oracle = self._oracles[headroom] = Oracle(self.problem, self._oracle.truth, headroom,
                                                        memo=self._oracle.memo)
             oracle.known.update(self._oracle.known)
         return self._oracles[headroom]
@@ -438,7 +332,7 @@ class Simulation:
             return available, None   # nothing to start early, or the growth starts engines anyway
         return pool, _Join(new, time_s + start_s, warm)
 
-    def _restart(self, ctl: Controller | None, oracle: "_Oracle | None", rec: StepRecord, truth: GroundTruth,
+    def _restart(self, ctl: Controller | None, oracle: "Oracle | None", rec: StepRecord, truth: GroundTruth,
                  plan: Plan, length: float, pool: tuple[int, ...], time_s: float) -> Plan:
         """Checkpoint/restart into the controller's restart plan for ``pool`` (an oracle: its
         best plan for the step)."""
@@ -486,132 +380,3 @@ def surviving_units(plan: Plan, n: int) -> Plan | None:
             out[m] = Candidate(c.tp, c.pp, len(keep), tuple(d for r in keep for d in c.replica_devices(r)),
                                micro_batch=c.micro_batch, recompute=c.recompute)
     return Plan(out)
-
-
-def length_bucket(length: float, per_octave: int) -> int:
-    """``length`` rounded up to the grid ``2^(k/per_octave)`` tokens (an integer ≥ 1)."""
-    if length <= 1:
-        return 1
-    return int(math.ceil(2 ** (math.ceil(per_octave * math.log2(length) - 1e-9) / per_octave)))
-
-
-HEADROOMS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4)
-"""Headrooms at which the oracle asks the planner for a plan (until one fits the true peak)."""
-
-
-class _Oracle:
-    """Best plan per step under the ground truth. The planner's plans are memoised per (length
-    bucket, pool, contention, headroom). For a truth that is the planner's model, the first plan
-    by rising headroom whose true peak fits; for another (``ranks_by_truth``), the truth's
-    fastest that fits among several such plans (:meth:`_candidates`)."""
-
-    def __init__(self, problem: PlanProblem, truth: GroundTruth, memory_headroom: float = 0.0,
-                 memo: dict[tuple, object] | None = None) -> None:
-        self.problem, self.truth = problem, truth
-        self.memory_headroom = memory_headroom
-        """Share of each device's memory a plan leaves free under the truth where some plan can
-        (``oracle@H``)."""
-        self.margin_missed = False
-        """Whether the last :meth:`plan` found no plan leaving :attr:`memory_headroom` free."""
-        self.memo: dict[tuple, object] = {} if memo is None else memo
-        """The planner's plans (:meth:`_solve`) and candidate sets (:meth:`_candidates`): the same
-        whatever the memory headroom, so the oracles of one simulation share them."""
-        self.known: dict[str, Plan] = {}
-        """Plans other policies ran on this simulation (:meth:`Simulation.learn_plans`): the
-        oracle of a truth the planner cannot search ranks them too, so that it bounds what the
-        policies found and not only what its own planner calls propose."""
-
-    def plan(self, step: int, length: float, pool: tuple[int, ...], time_s: float,
-             incumbent: Plan | None = None) -> Plan | None:
-        """The best plan at ``step``; ``incumbent``: the oracle's current plan, kept among the
-        candidates of a truth the planner cannot search while it lies in ``pool``. With a
-        :attr:`memory_headroom`, the best that leaves it free, else (no plan does) the best that
-        fits at all."""
-        for headroom in dict.fromkeys((self.memory_headroom, 0.0)):
-            plan = self._best(step, length, pool, time_s, incumbent, headroom)
-            if plan is not None:
-                self.margin_missed = headroom < self.memory_headroom
-                return plan
-        self.margin_missed = self.memory_headroom > 0
-        return None
-
-    def _best(self, step: int, length: float, pool: tuple[int, ...], time_s: float, incumbent: Plan | None,
-              memory_headroom: float) -> Plan | None:
-        """:meth:`plan` at one memory headroom."""
-        contended = self.truth.contended(time_s)
-        bucket = length_bucket(length, 16)
-        if self.truth.ranks_by_truth:   # the truth is not the planner's model: rank its plans
-            candidates = {p.describe(): p for p in self._candidates(bucket, pool, contended,
-                                                                      self._fraction(length, step))}
-            here = set(pool)
-            for plan in (*self.known.values(), *(() if incumbent is None else (incumbent,))):
-                if set(plan.devices()) <= here:
-                    candidates.setdefault(plan.describe(), plan)
-            candidates = list(candidates.values())
-            fitting = [p for p in candidates if not self.truth.oom(p, length, step, memory_headroom)]
-            return min(fitting, key=lambda p: self.truth.rank_key(p, length, step, contended)) if fitting else None
-        for headroom in HEADROOMS:
-            plan = self._solve(bucket, pool, contended, headroom)
-            if plan is not None and not self.truth.oom(plan, length, step, memory_headroom):
-                return plan
-        return None
-
-    def _fraction(self, length: float, step: int) -> float:
-        """The truth's mean over longest response at ``step`` on the planning grid (what the
-        controller plans for, :meth:`~nereusd.control.controller.Controller.mean_fraction`)."""
-        return planned_mean_fraction(self.truth.response_length_mean(length, step) / max(1.0, length))
-
-    def _solve(self, bucket: int, pool: tuple[int, ...], contended: bool, headroom: float,
-               mean_fraction: float = 1.0) -> Plan | None:
-        """The planner's plan at ``bucket`` tokens (mean ``mean_fraction`` of it) under the
-        truth's efficiencies (memoised)."""
-        key = (bucket, pool, contended, headroom, mean_fraction)
-        if key not in self.memo:
-            wl = replace(self.problem.workload, response_length=bucket, response_mean_fraction=mean_fraction)
-            pb = replace(self.problem, workload=wl, pool=pool)
-            try:
-                plan = Planner(pb, self.truth.cost_model(contended), PlannerOptions(headroom=headroom)).solve().plan
-            except Infeasible:
-                plan = None
-            self.memo[key] = plan
-        return self.memo[key]
-
-    def _candidates(self, bucket: int, pool: tuple[int, ...], contended: bool,
-                    mean_fraction: float = 1.0) -> list[Plan]:
-        """The distinct plans the planner (under the truth's efficiencies) proposes for
-        ``bucket`` tokens at every one of :data:`HEADROOMS`, equal lengths and with the step's
-        ``mean_fraction``, and for 2 ×, 4 × and 8 × longer responses at the first two
-        (memoised): the oracle takes the one the truth runs fastest at the step (its lengths,
-        without noise). Plans for longer responses are there because a truth whose generation
-        waits on its longest responses may run them faster."""
-        key = ("candidates", bucket, pool, contended, mean_fraction)
-        if key not in self.memo:
-            plans: dict[str, Plan] = {}
-            asks = [(bucket, h, 1.0) for h in HEADROOMS] + [(bucket * k, h, 1.0) for k in (2, 4, 8)
-                                                             for h in HEADROOMS[:2]]
-            if mean_fraction < 1.0:
-                asks += [(bucket, h, mean_fraction) for h in HEADROOMS]
-            for length, headroom, fraction in asks:
-                plan = self._solve(length, pool, contended, headroom, fraction)
-                if plan is not None:
-                    plans.setdefault(plan.describe(), plan)
-            self.memo[key] = list(plans.values())
-        return self.memo[key]
-
-    def plan_for_run(self, lengths: LengthTrace, steps: int, pool: tuple[int, ...]) -> Plan | None:
-        """The fastest plan for the run's longest length that no step of the run (its length
-        and padding) drives out of memory, uncontended; ``None`` when none does."""
-        run = [(i, lengths.at(i)) for i in range(steps)]
-        longest = max(length for _, length in run)
-        tall = [(i, length) for i, length in run if length >= 0.5 * longest]
-        fitting = []
-        step = max(run, key=lambda r: r[1])[0]
-        fractions = (1.0,) if not self.truth.ranks_by_truth else tuple(sorted({1.0, self._fraction(longest, step)}))
-        for headroom in HEADROOMS + (0.5,):
-            for fraction in fractions:
-                plan = self._solve(length_bucket(longest, 16), pool, False, headroom, fraction)
-                if plan is not None and not any(self.truth.oom(plan, length, i) for i, length in tall):
-                    if not self.truth.ranks_by_truth:
-                        return plan
-                    fitting.append(plan)
-        return min(fitting, key=lambda p: self.truth.rank_key(p, longest, 0)) if fitting else None

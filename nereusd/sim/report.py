@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from nereusd.sim.policies import FROZEN, ORACLE
-from nereusd.sim.replay import PolicyResult
+from nereusd.sim.results import PolicyResult
 from nereusd.traces import LengthTrace, PoolTrace
 
 

@@ -23,7 +23,8 @@ from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.space import GENERATION_ENGINES, PlanProblem, generation_engines
 from nereusd.sim.measured import probed_latency_growth
 from nereusd.sim.policies import ORACLE, Policy
-from nereusd.sim.replay import PolicyResult, Simulation
+from nereusd.sim.replay import Simulation
+from nereusd.sim.results import PolicyResult
 from nereusd.traces import LengthTrace, load_length_trace, load_pool_trace
 from nereusd.sim.truth import TruthConfig
 from nereusd.config.site import load_site

@@ -127,7 +127,7 @@ def test_the_oracle_takes_the_truths_fastest_of_the_planners_plans():
 
 
 def oracle_bucket(length):
-    from nereusd.sim.replay import length_bucket
+    from nereusd.sim.oracle import length_bucket
     return length_bucket(length, 16)
 
 

@@ -538,7 +538,7 @@ def test_a_length_curriculum_cuts_the_trace_and_the_controller_plans_for_each_st
 def test_runs_of_one_policy_under_several_seeds_pool_into_one():
     """``PolicyResult.pooled`` (``bench_sim.py --seeds``): the pooled mean step is the mean of the
     runs' mean steps, seconds and switches add up, and every record still names its own plan."""
-    from nereusd.sim.replay import PolicyResult
+    from nereusd.sim.results import PolicyResult
     from nereusd.sim.report import summary
 
     lengths = load_length_trace("generated-ramp:256:1024", 12)
