@@ -23,7 +23,7 @@ import zmq
 from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.journal import ENDPOINT_FILE
-from nereusd.daemon.live import agent_log_path, start_local_agent, wait_registered
+from nereusd.daemon.local_agents import agent_log_path, start_local_agent, wait_registered
 from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
 
 

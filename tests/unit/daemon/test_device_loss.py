@@ -183,7 +183,7 @@ def test_devices_lost_during_each_restart_restart_it_again_then_give_up_with_the
     allowed restart loses one too, the loss is journalled and the job fails with that reason,
     not the first task's error (an adversarial helper, 2026-12-05: device 4's loss had no
     ``device_lost`` and the failure message was device 2's)."""
-    from nereusd.daemon.live import MAX_RESTART_ATTEMPTS
+    from nereusd.daemon.recovery import MAX_RESTART_ATTEMPTS
 
     control = FakeControl({2: {"cause": "worker_exited", "exitcode": -9}})
     live = _live(tmp_path, control, [0, 1, 2, 3, 4, 5])
