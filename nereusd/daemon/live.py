@@ -321,15 +321,22 @@ class LiveAdaptation(FailureRecovery):
         self.journal.event(Event.WORLD_FORMED, {"generation": generation, "devices": world, "new_devices": new,
                                             "elapsed_s": time.perf_counter() - start})
 
-    def _grow_world(self, joined: list[int]) -> None:
-        """Start workers for ``joined`` devices (a private world first, so that they can take the
-        same tasks as the others), then re-form the world with them."""
-        private = self.store.next_generation()
-        self.control.spawn_workers(generation=private, world=joined, store_host=self.store.host,
+    def _start_workers(self, devices: list[int]) -> int:
+        """Start workers on ``devices`` in a new world generation of their own and set them up
+        (``build`` with no model-stage yet); returns that generation. The caller re-forms the
+        world with them (:meth:`_reform`)."""
+        generation = self.store.next_generation()
+        self.control.spawn_workers(generation=generation, world=devices, store_host=self.store.host,
                                    store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
                                    run_dir=str(self.run_dir.resolve()))
         args = self.driver.build_args(Plan({}))
-        self.control.run({d: args for d in joined}, 300)
+        self.control.run({d: args for d in devices}, 300)
+        return generation
+
+    def _grow_world(self, joined: list[int]) -> None:
+        """Start workers for ``joined`` devices (a private world first, so that they can take the
+        same tasks as the others), then re-form the world with them."""
+        private = self._start_workers(joined)
         self.journal.event(Event.WORKERS_STARTED, {"devices": joined, "generation": private})
         self._reform(sorted(self.world) + joined, joined)
 

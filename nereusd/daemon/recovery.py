@@ -16,7 +16,6 @@ from typing import Any
 
 from nereusd.errors import NereusError, WorkerError
 from nereusd.journal import Event, METRICS_FILE, drop_metrics_from
-from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.transition.runner import TransitionInterrupted
 
@@ -168,12 +167,7 @@ class FailureRecovery:
         self.control.release_devices(world, "checkpoint/restart", keep_in_pool=True)
         if not self.control.wait_exited(old):
             raise NereusError(f"the workers of {old} did not stop for the restart")
-        generation = self.store.next_generation()
-        self.control.spawn_workers(generation=generation, world=world, store_host=self.store.host,
-                                   store_port=self.store.port, memory_capacity_bytes=self.job.device_memory_bytes,
-                                   run_dir=str(self.run_dir.resolve()))
-        args = self.driver.build_args(Plan({}))
-        self.control.run({d: args for d in world}, 300)
+        self._start_workers(world)
         self._reform(list(world), [])     # ranks follow the world's order, not device numbers
         self.driver.plan = result.plan
         self.driver.build(self.world)
