@@ -71,9 +71,11 @@ class PoolTrace:
 
     def devices_at(self, time_s: float, total_devices: int, devices_per_node: int) -> int:
         """Devices available at ``time_s`` on a cluster of ``total_devices``: the fraction,
-        rounded to whole nodes (spot capacity comes and goes by instance)."""
+        rounded to the nearest whole node (spot capacity comes and goes by instance), a half
+        upward: ``floor(f · nodes + 1/2)``, not Python's ``round``, which takes a half to the even
+        neighbour (2.5 nodes → 2 but 3.5 → 4, and half the instances of a 1-node cluster → 0)."""
         nodes = total_devices // devices_per_node
-        return int(round(self.fraction_at(time_s) * nodes)) * devices_per_node
+        return math.floor(self.fraction_at(time_s) * nodes + 0.5) * devices_per_node
 
     def next_change_s(self, time_s: float) -> float:
         """Start of the next sample after ``time_s`` (``inf`` for a constant pool)."""

@@ -42,7 +42,7 @@ class PoolTraceConfig(Strict):
     """A spot-availability trace replayed on a local job's pool (see ``nereusd.config.pool_schedule``).
 
     The trace's full availability is the job's ``devices``; at trace hour ``h`` the pool holds
-    ``clamp(round(devices · available(h) / full), min_devices, devices)`` devices, and each change
+    ``clamp(floor(devices · available(h) / full + 1/2), min_devices, devices)`` devices, and each change
     of that count is a remove/add event at the matching safe boundary. Trace hour 0 is the trace's
     first sample with every instance available (as in ``nereus-launch simulate``). Give exactly one
     time base: ``seconds_per_trace_hour`` (wall clock) or ``steps_per_trace_hour`` (RL steps).

@@ -18,10 +18,11 @@ full availability and starts the trace at its first sample with every instance a
 hour 0, as in ``nereus-launch simulate``); past its end the trace repeats. With ``D`` = the job's
 devices (= full availability), the local pool at trace hour ``h`` holds::
 
-    n(h) = min(D, max(min_devices, round(D · a(h) / a_max)))
+    n(h) = min(D, max(min_devices, floor(D · a(h) / a_max + 1/2)))
 
 devices (``a(h)``: instances available in the sample that holds hour ``h``; ``a_max``: the
-trace's full availability; Python's ``round``, like the simulator). Trace hour ``h`` corresponds
+trace's full availability; the nearest count, a half upward, as in the simulator:
+:meth:`nereusd.traces.PoolTrace.devices_at`). Trace hour ``h`` corresponds
 to the boundary before step ``s`` at ``h = start_hour + s / steps_per_trace_hour``, or to
 ``elapsed_s`` seconds at ``h = start_hour + elapsed_s / seconds_per_trace_hour``. Every change of
 ``n`` between two boundaries becomes one event at the later boundary: ``remove`` (the

@@ -78,8 +78,8 @@ def test_trace_is_scaled_to_the_local_pool(name, devices, min_devices):
     counts = raw_counts(name)
     trace = ScaledTrace(pool(trace={"name": name, "steps_per_trace_hour": 12, "min_devices": min_devices}).trace,
                         devices)
-    for i in range(0, len(counts), 7):  # n = clamp(round(D · a / a_max), min_devices, D) per 5-minute sample
-        assert trace.devices_at(i / 12) == min(devices, max(min_devices, round(devices * counts[i] / 16))), i
+    for i in range(0, len(counts), 7):  # n = clamp(floor(D · a / a_max + 1/2), min_devices, D) per 5-minute sample
+        assert trace.devices_at(i / 12) == min(devices, max(min_devices, (2 * devices * counts[i] + 16) // 32)), i
     assert trace.devices_at(len(counts) / 12 + 0.25) == trace.devices_at(0.25)   # repeats past its end
     if devices == 16:   # full size: the trace itself, floored at one device
         assert [trace.devices_at(i / 12) for i in range(100)] == [max(1, c) for c in counts[:100]]

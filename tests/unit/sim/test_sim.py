@@ -217,6 +217,14 @@ def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
         load_pool_trace("eu-nowhere-1")
 
 
+def test_pool_trace_rounds_a_half_node_upward():
+    # 5/16 and 7/16 of 8 nodes are 2.5 and 3.5 nodes: the nearest count, a half upward (round()
+    # would give 2 and 4, its even neighbours), and half of a 1-node cluster is that node
+    trace = PoolTrace("hand-made halves", 10.0, (5 / 16, 7 / 16, 0.5, 0.49))
+    assert [trace.devices_at(t, 64, 8) for t in (0.0, 10.0)] == [24, 32]
+    assert trace.devices_at(20.0, 8, 8) == 8 and trace.devices_at(30.0, 8, 8) == 0
+
+
 def test_policy_names():
     assert [p.name for p in parse_policies("frozen,frozen-final,nereus,greedy,periodic-3,oracle,nereus@0.25")] == \
         ["frozen-start", "frozen-final", "nereus", "greedy", "periodic-3", "oracle", "nereus@0.25"]
