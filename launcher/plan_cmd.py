@@ -132,19 +132,23 @@ def run(args: argparse.Namespace) -> int:
     if args.critic_model:
         specs[Role.CRITIC] = resolve_model(args.critic_model)
     workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous, reward_model=not rule_reward)
-    if args.global_batch % args.mini_batches:
-        raise ConfigError(f"--mini-batches {args.mini_batches} does not divide --global-batch {args.global_batch}")
-    workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
-                        global_batch=args.global_batch, mini_batches=args.mini_batches,
-                        micro_batch=args.micro_batch)
+    try:
+        workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
+                            global_batch=args.global_batch, mini_batches=args.mini_batches,
+                            micro_batch=args.micro_batch)
+    except ConfigError as err:   # Workload's own checks, in the flags' names
+        message = str(err)
+        for field in ("prompt_length", "response_length", "global_batch", "mini_batches", "micro_batch"):
+            message = message.replace(f"workload.{field}", "--" + field.replace("_", "-"))
+        raise ConfigError(message.replace("global_batch=", "--global-batch ")) from None
     warnings = []
     short = shortest_context({r.value: s for r, s in specs.items()}, args.prompt_length + args.response_length)
     if short:
         warnings.append(f"--prompt-length {args.prompt_length} plus --response-length {args.response_length} exceeds "
                         f"the {short[0]} model's max_position={short[1].max_position}: a job of this shape "
                         f"is refused at launch")
-    if args.micro_batch > args.global_batch // args.mini_batches:
-        warnings.append(f"--micro-batch {args.micro_batch} exceeds the {args.global_batch // args.mini_batches} "
+    if args.micro_batch > workload.mini_batch_size:
+        warnings.append(f"--micro-batch {args.micro_batch} exceeds the {workload.mini_batch_size} "
                         f"sequences of an optimizer step (--global-batch / --mini-batches): each replica runs "
                         f"its whole share as one micro-batch")
     for line in warnings if not args.json else []:

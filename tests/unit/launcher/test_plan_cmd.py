@@ -38,6 +38,15 @@ def test_plan_infeasible(capsys):
     assert "would fit with 32 devices" in err
 
 
+def test_plan_names_the_flag_workloads_checks_refuse(capsys):
+    """The workload's own checks (positive sizes, mini-batches dividing the global batch) speak
+    in the flags' names."""
+    args = ["plan", "--model", "counting-tiny", "--algorithm", "grpo", "--site", "local", "--gpus", "4",
+            "--prompt-length", "16", "--response-length", "32"]
+    assert main(args + ["--global-batch", "100", "--mini-batches", "3"]) == 2
+    assert "error: --mini-batches: 3 does not divide --global-batch 100" in capsys.readouterr().err
+
+
 def test_plan_warns_when_a_sequence_is_longer_than_the_models_context(capsys):
     """counting-tiny holds 160 positions; 100 + 100 tokens do not fit (the plan is still shown), 16 + 32 do."""
     args = ["plan", "--model", "counting-tiny", "--algorithm", "grpo", "--site", "local", "--gpus", "4",
