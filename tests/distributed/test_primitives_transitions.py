@@ -94,16 +94,6 @@ def staged_case(seed: int):
     return current, target, None, None
 
 
-
-
-
-
-
-
-
-
-
-
 def body(rank: int, world: int, cases: list[int], staged: bool = False) -> dict:
     report = {"cases": 0, "infeasible": 0, "ops": 0, "kinds": set(), "peak_over_limit": 0, "elapsed_s": 0.0, "tight": 0,
               "staged": 0}
