@@ -29,7 +29,7 @@ from nereusd.stop import SignalStop
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, LaunchLock, clear_run_dir,
-                             crash_summary, read_jsonl)
+                             crash_summary, read_jsonl, write_summary)
 from nereusd.plan import Candidate
 from launcher.procs import stop_run_processes
 from nereusd.daemon.security import init_keys
@@ -380,6 +380,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     crashed = owned = False   # owned: this launcher's nereusd held the run directory
     progress = _Progress(job.config.steps, quiet)
     interrupted = False
+    agent_error = None   # why the agent exited before it registered
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         keys = str(init_keys(run_dir.resolve()))   # CURVE as on Slurm: status and pool need the run dir's keys
@@ -406,10 +407,12 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             print(f"nereus: the crashed run's agent (pid {', '.join(map(str, kept))}) re-registers with its workers "
                   "and their state; nothing re-runs if that state is where the journal is")
         else:
+            agent_log_from = _size(logs / "agent.log")
             agent = _start(agent_argv, logs / "agent.log")
             if not quiet:
-                print("nereus: starting the workers and building their engines (vLLM's take tens of seconds on "
-                      "CPU); the progress bar starts once they are built", flush=True)
+                print("nereus: starting the workers and building their engines" + ("" if gpus else
+                      " (vLLM's take tens of seconds on CPU)") + "; the progress bar starts once they are built",
+                      flush=True)
         while daemon.poll() is None:
             _STOP.raise_pending()
             progress.update(run_dir)
@@ -419,6 +422,11 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                     agent = _start(agent_argv, logs / "agent.log")
                 kept = []   # gone: nothing more to watch (one that had registered is nereusd's to miss)
             if agent is not None and agent.poll() is not None and daemon.poll() is None:
+                if not _registered_since_start(run_dir):   # nereusd would wait out its registration timeout
+                    agent_error = (f"the agent exited with status {agent.returncode} before it registered: "
+                                   f"{_last_line(logs / 'agent.log', agent_log_from)} (its log: {logs / 'agent.log'})"
+                                   + ("; without --gpus the job runs on virtual CPU devices" if gpus else ""))
+                    break
                 time.sleep(1.0)  # nereusd notices the lost agent by heartbeat and stops the job
             time.sleep(0.25)
         progress.update(run_dir)
@@ -452,7 +460,27 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             signal.signal(signal.SIGINT, sigint)
+    if agent_error is not None and not interrupted:
+        record = _read_summary(run_dir)
+        write_summary(run_dir, {**record, "status": "failed", "error": agent_error, "error_kind": "AgentFailed"})
+        print(f"nereus: failed: {agent_error}", file=sys.stderr)
+        return 1
     return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
+
+
+def _read_summary(run_dir: Path) -> dict:
+    """``summary.json`` of ``run_dir`` (``{}`` when missing or unreadable)."""
+    try:
+        record = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _last_line(path: Path, start: int = 0) -> str:
+    """The last non-empty line of ``path`` from byte ``start`` on (a traceback's: its exception)."""
+    lines = [line for line in _tail(path, 50, start).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(empty log)"
 
 
 def _registered_since_start(run_dir: Path) -> bool:

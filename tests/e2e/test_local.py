@@ -19,12 +19,13 @@ METRIC_KEYS = {"step", "step_latency_s", "stage_latency_s", "reward_mean", "resp
                "response_length_max", "tokens_per_s", "peak_memory_bytes", "plan"}
 
 
-def launch(tmp_path: Path, job: str, timeout_s: float = 300.0) -> tuple[subprocess.CompletedProcess, Path]:
+def launch(tmp_path: Path, job: str, timeout_s: float = 300.0, extra: tuple[str, ...] = ()
+           ) -> tuple[subprocess.CompletedProcess, Path]:
     job_path = tmp_path / "job.yaml"
     job_path.write_text(job.replace("@WARMSTART@", str(WARMSTART)))
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
-                           "--quiet"], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+                           "--quiet", *extra], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     return proc, run_dir
 
 
@@ -138,6 +139,30 @@ def test_bad_job_fails_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "job.yaml: steps: Input should be greater than or equal to 1" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_an_agent_that_dies_before_registering_fails_the_job_at_once(tmp_path):
+    """``--gpus`` on a machine without a GPU: the agent exits at start-up. The launcher said nothing
+    for nereusd's 120 s registration wait, then "only 0 of 4 devices registered"; it now stops the
+    job at once with the agent's own error (2026-12-06, a new user's trial)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the agent starts")
+    proc, run_dir = launch(tmp_path, """
+name: e2e-no-gpu
+algorithm: grpo
+steps: 2
+devices: 2
+models: {actor: "@WARMSTART@"}
+rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
+train: {global_batch: 16, micro_batch: 4}
+""", timeout_s=90, extra=("--gpus",))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "failed: the agent exited with status 1 before it registered: RuntimeError: no NVIDIA or AMD GPU" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_kind"] == "AgentFailed"
+    assert processes_mentioning(str(run_dir)) == []
 
 
 @pytest.mark.parametrize("signame", ["SIGINT twice", "SIGTERM"])
