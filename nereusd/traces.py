@@ -22,13 +22,23 @@ DATA = Path(__file__).resolve().parent / "data" / "traces"
 LENGTH_DIR = DATA / "length"
 SPOT_DIR = DATA / "spot" / "availability" / "16-node" / "aws-08-27-2023"
 
-#: Short names of the shipped length traces: (file, column).
+#: Short names of the shipped length traces: (file, column). A length trace gives each step's
+#: *longest* response (the simulator's convention: what memory and padding follow, and what a live
+#: job feeds the controller), so the verl logs give their ``response_length_max`` column (at the
+#: run's response cap, 1,024 and 512 tokens, in 316 of 1,119 and 433 of 435 steps). The Deep-GRPO
+#: export logs the mean only: its traces are step means taken as the longest, 1.9–4× shorter than
+#: the verl runs' longest (their median max/mean).
 LENGTH_TRACES = {
-    "verl-amd-7b-grpo": ("verl-amd_deepseek-llm-7b-chat_gsm8k_grpo_resp1024.csv", "response_length_mean"),
-    "verl-0.5b-ppo": ("verl-data_qwen2.5-0.5b-instruct_gsm8k_ppo_resp512.csv", "response_length_mean"),
+    "verl-amd-7b-grpo": ("verl-amd_deepseek-llm-7b-chat_gsm8k_grpo_resp1024.csv", "response_length_max"),
+    "verl-0.5b-ppo": ("verl-data_qwen2.5-0.5b-instruct_gsm8k_ppo_resp512.csv", "response_length_max"),
     "deepgrpo-baseline": ("deepgrpo_qwen2.5-0.5b-instruct_gsm8k_grpo_wandb.csv", "response_length_mean"),
     "deepgrpo-tree": ("deepgrpo_qwen2.5-0.5b-instruct_gsm8k_grpo_wandb.csv", "response_length_mean_deepgrpo_run"),
 }
+DEFAULT_COLUMN = "response_length_max"
+"""The column of a user's CSV trace without ``:COLUMN`` (verl's name for the step's longest response)."""
+NOISE_COLUMN = "response_length_mean"
+"""The column of :data:`NOISE_SOURCE` whose step-to-step changes :func:`generated_ramp` resamples:
+the mean's (the longest sits at the response cap in many steps and barely moves)."""
 #: Short names of the shipped spot availability traces.
 POOL_TRACES = {"us-east-2b": "us-east-2b_v100_1.json", "us-west-2a": "us-west-2a_v100_1.json"}
 MAX_GAP_S = 366 * 86400.0
@@ -41,7 +51,7 @@ NOISE_SOURCE = "verl-amd-7b-grpo"
 
 @dataclass(frozen=True)
 class LengthTrace:
-    """Mean response length (tokens) per RL step; ``generated`` marks a synthetic trace."""
+    """The longest response (tokens) of each RL step; ``generated`` marks a synthetic trace."""
 
     label: str
     response_lengths: tuple[float, ...]
@@ -101,7 +111,8 @@ def _read_column(path: Path, column: str) -> list[float]:
                 raise ConfigError(f"{path.name}: the file is empty (expected a header row naming the columns, "
                                   f"{column!r} among them)")
             if column not in reader.fieldnames:
-                raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames})")
+                raise ConfigError(f"{path.name}: no column {column!r} (columns: {reader.fieldnames}); name one with "
+                                  f"FILE.csv:COLUMN (a length trace gives each step's longest response)")
             if reader.fieldnames.count(column) > 1:   # DictReader keeps the last silently
                 raise ConfigError(f"{path.name}: the header names column {column!r} "
                                   f"{reader.fieldnames.count(column)} times")
@@ -152,7 +163,7 @@ def load_length_trace(name: str, steps: int | None = None, seed: int = 0) -> Len
     if not path.is_file():
         raise ConfigError(f"length trace {name!r}: not a shipped trace ({sorted(LENGTH_TRACES)}, "
                           f"{GENERATED_RAMP}) nor a file")
-    return LengthTrace(path.stem, tuple(_read_column(path, column or "response_length_mean")))
+    return LengthTrace(path.stem, tuple(_read_column(path, column or DEFAULT_COLUMN)))
 
 
 def generated_ramp(steps: int, start: float = 500.0, end: float = 8000.0, seed: int = 0,
@@ -162,7 +173,7 @@ def generated_ramp(steps: int, start: float = 500.0, end: float = 8000.0, seed: 
     step-to-step noise resampled (seeded) from the relative changes ``x_t/x_{t−1}`` of the real
     trace ``noise_from``. Labelled ``generated``.
     """
-    real = _read_column(LENGTH_DIR / LENGTH_TRACES[noise_from][0], LENGTH_TRACES[noise_from][1])
+    real = _read_column(LENGTH_DIR / LENGTH_TRACES[noise_from][0], NOISE_COLUMN)
     ratios = [b / a for a, b in zip(real, real[1:]) if a > 0]
     mean_log = sum(math.log(r) for r in ratios) / len(ratios)
     rng = random.Random(seed)

@@ -202,6 +202,10 @@ def test_an_oracle_keeping_memory_headroom_never_runs_past_it():
 def test_traces_resolve_to_shipped_copies_and_generated_is_labelled():
     real = load_length_trace("verl-amd-7b-grpo")
     assert len(real.response_lengths) == 1119 and not real.generated
+    # each step's longest response (the verl logs' max column: 319-1,024 tokens, the cap 1,024
+    # in 316 steps), not the mean (134-192 tokens at the ends) the table once took for it
+    assert min(real.response_lengths) == 319 and max(real.response_lengths) == 1024
+    assert sum(x == 1024 for x in real.response_lengths) == 316
     tree = load_length_trace("deepgrpo-tree")
     assert len(tree.response_lengths) == 2958
     ramp = load_length_trace("generated-ramp", steps=100)
@@ -417,13 +421,16 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
 
 
 @pytest.mark.parametrize("kind, content, says", [
-    ("length", "response_length_mean\n12\nabc\n", "line 3: response_length_mean 'abc' is not a number of tokens"),
-    ("length", "response_length_mean\n12\nnan\n", "'nan' is not a number of tokens of at least 1"),
-    ("length", "response_length_mean\n12\n-50\n", "'-50' is not a number of tokens of at least 1"),
-    ("length", "response_length_mean\n12\n1e-300\n", "'1e-300' is not a number of tokens of at least 1"),
+    ("length", "response_length_max\n12\nabc\n", "line 3: response_length_max 'abc' is not a number of tokens"),
+    ("length", "response_length_max\n12\nnan\n", "'nan' is not a number of tokens of at least 1"),
+    ("length", "response_length_max\n12\n-50\n", "'-50' is not a number of tokens of at least 1"),
+    ("length", "response_length_max\n12\n1e-300\n", "'1e-300' is not a number of tokens of at least 1"),
+    # the default column is the step's longest response; a file of means says which to name
+    ("length", "step,response_length_mean\n0,12\n", "no column 'response_length_max' (columns: ['step', "
+                                                     "'response_length_mean']); name one with FILE.csv:COLUMN"),
     # an empty file read "no column … (columns: None)"; a repeated header took the last column (2026-12-06)
     ("length", "", "the file is empty (expected a header row"),
-    ("length", "response_length_mean,response_length_mean\n12,500\n", "names column 'response_length_mean' 2 times"),
+    ("length", "response_length_max,response_length_max\n12,500\n", "names column 'response_length_max' 2 times"),
     ("pool", '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}', "gap_seconds must be a number of seconds from 1 to"),
     ("pool", '{"metadata": {"gap_seconds": "nan"}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
     ("pool", '{"metadata": {"gap_seconds": 5e-324}, "data": [1, 2]}', "gap_seconds must be a number of seconds"),
@@ -462,7 +469,7 @@ def test_a_trace_file_written_with_a_byte_order_mark_reads(tmp_path):
     from nereusd.traces import load_length_trace, load_pool_trace
 
     csv_path = tmp_path / "lengths.csv"
-    csv_path.write_bytes("response_length_mean,step\r\n100,0\r\n120,1\r\n".encode("utf-8-sig"))
+    csv_path.write_bytes("response_length_max,step\r\n100,0\r\n120,1\r\n".encode("utf-8-sig"))
     assert load_length_trace(str(csv_path)).response_lengths == (100.0, 120.0)
     pool_path = tmp_path / "pool.json"
     pool_path.write_bytes('{"metadata": {"gap_seconds": 300}, "data": [16, 8.0]}'.encode("utf-8-sig"))
@@ -503,7 +510,7 @@ def test_simulate_warns_on_stderr_when_the_length_trace_repeats(tmp_path, capsys
     from launcher.cli import main
 
     trace = tmp_path / "short.csv"
-    trace.write_text("step,response_length_mean\n" + "".join(f"{i},{40 + 10 * i}\n" for i in range(5)))
+    trace.write_text("step,response_length_max\n" + "".join(f"{i},{40 + 10 * i}\n" for i in range(5)))
     assert main(["simulate", "--model", "counting-tiny", "--gpus", "16", "--steps", "8", "--global-batch", "64",
                  "--length-trace", str(trace), "--policies", "frozen,nereus", "--json"]) == 0
     out = capsys.readouterr()
