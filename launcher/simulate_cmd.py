@@ -129,7 +129,16 @@ def run(args: argparse.Namespace) -> int:
     if trace_steps < args.steps:
         print(f"warning: the length trace has {trace_steps} steps, fewer than --steps {args.steps}: "
               f"it repeats from its start after step {trace_steps - 1}", file=sys.stderr)
-    results = run_policies(sim, policies, jobs=args.jobs)
+    from tqdm import tqdm
+
+    # progress on stderr (a terminal only: tqdm's disable=None), one tick a policy
+    with tqdm(total=len(policies), unit="policy", desc=f"simulating {args.steps} steps", disable=None,
+              dynamic_ncols=True, file=sys.stderr) as bar:
+        def done(result) -> None:
+            bar.set_postfix_str(f"{result.policy.name} done", refresh=False)
+            bar.update(1)
+
+        results = run_policies(sim, policies, jobs=args.jobs, on_done=done)
     meta["wall_s"] = round(time.perf_counter() - start, 2)
     rows = summary(results)
     if not args.json:   # the table first: a file that cannot be written below loses nothing shown

@@ -11,10 +11,10 @@ import dataclasses
 import math
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 from nereusd.config.curriculum import curriculum_error, stage_cap
 from nereusd.errors import ConfigError
@@ -133,26 +133,37 @@ def _run_one(policy: Policy) -> PolicyResult:
     return _SIM.run(policy)
 
 
-def run_policies(sim: Simulation, policies: Sequence[Policy], jobs: int = 1) -> list[PolicyResult]:
+def run_policies(sim: Simulation, policies: Sequence[Policy], jobs: int = 1,
+                 on_done: Callable[[PolicyResult], None] | None = None) -> list[PolicyResult]:
     """Run every policy on ``sim`` (results in the order of ``policies``); ``jobs > 1`` uses that
     many forked worker processes. The oracle runs after the others and also ranks the plans they
-    ran (:meth:`Simulation.learn_plans`)."""
+    ran (:meth:`Simulation.learn_plans`). ``on_done`` is called with each result as it completes
+    (progress for a caller; in completion order)."""
     others = [p for p in policies if p.kind != ORACLE]
     oracles = [p for p in policies if p.kind == ORACLE]
-    done = dict(zip((id(p) for p in others), _run(sim, others, jobs)))
+    done = dict(zip((id(p) for p in others), _run(sim, others, jobs, on_done)))
     sim.learn_plans(list(done.values()))
-    done.update(zip((id(p) for p in oracles), _run(sim, oracles, jobs)))
+    done.update(zip((id(p) for p in oracles), _run(sim, oracles, jobs, on_done)))
     return [done[id(p)] for p in policies]
 
 
-def _run(sim: Simulation, policies: Sequence[Policy], jobs: int) -> list[PolicyResult]:
+def _run(sim: Simulation, policies: Sequence[Policy], jobs: int,
+         on_done: Callable[[PolicyResult], None] | None = None) -> list[PolicyResult]:
     global _SIM
+    report = on_done or (lambda result: None)
     jobs = max(1, min(jobs, len(policies), os.cpu_count() or 1))
     if jobs == 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [sim.run(p) for p in policies]
+        results = []
+        for p in policies:
+            results.append(sim.run(p))
+            report(results[-1])
+        return results
     _SIM = sim
     try:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_run_one, policies))
+            futures = [pool.submit(_run_one, p) for p in policies]
+            for future in as_completed(futures):
+                report(future.result())
+            return [f.result() for f in futures]
     finally:
         _SIM = None

@@ -576,3 +576,18 @@ def test_runs_of_one_policy_under_several_seeds_pool_into_one():
         PolicyResult.pooled([runs["nereus"][0], runs["oracle"][0]])
     with pytest.raises(ValueError, match="runs of one policy"):
         PolicyResult.pooled([])
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_run_policies_reports_each_policy_as_it_completes(jobs):
+    """``simulate``'s progress: ``on_done`` gets every policy's result once (the oracle's last: it
+    ranks the others' plans), and the results still come back in the order asked."""
+    from nereusd.sim.scenario import Scenario, build, run_policies
+
+    sim, _ = build(Scenario(model="counting-tiny", gpus=4, site="local", steps=6, global_batch=16,
+                            length_trace="generated-ramp:20:60"), QUIET)
+    policies = parse_policies("oracle,frozen,nereus")
+    seen = []
+    results = run_policies(sim, policies, jobs=jobs, on_done=lambda r: seen.append(r.policy.name))
+    assert [r.policy.name for r in results] == ["oracle", "frozen-start", "nereus"]
+    assert sorted(seen[:2]) == ["frozen-start", "nereus"] and seen[2] == "oracle"
