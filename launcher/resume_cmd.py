@@ -36,9 +36,9 @@ from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, read_jsonl, run_dir_owner
 
 
-
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("resume", help="continue a job that did not finish (local or Slurm), from its latest checkpoint",
+    p = subparsers.add_parser("resume", help="continue a job that did not finish (local or Slurm): on the workers' "
+                              "state in memory when the dead run's agent kept it, else from its latest checkpoint",
                               description=__doc__.split("\n\n")[0].replace("``", "'"))
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--gpus", action="store_true", help="use this machine's GPUs (as the job's 'local --gpus')")
