@@ -248,7 +248,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             rows.append({"job_id": entry.stem, "state": info.state if info else "GONE",
                          "run_dir": json.loads(entry.read_text())["run_dir"]})
         print(json.dumps(rows, indent=1) if args.json else
-              "\n".join(f"{r['job_id']:>8} {r['state']:<12} {r['run_dir']}" for r in rows) or "no jobs")
+              "\n".join(f"{r['job_id']:>8} {r['state']:<12} {r['run_dir']}" for r in rows)
+              or "no Slurm jobs submitted from here (a local run: nereus-launch status RUN_DIR)")
         return 0
     run_dir = resolve_run_dir(args.job)
     if (run_dir / RECORD_FILE).is_file():
