@@ -234,12 +234,32 @@ def run_dir_owner(run_dir: str | Path) -> str | None:
     return None
 
 
+RUN_DIR_ENTRIES = frozenset({
+    METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, RESERVE_FILE, ENDPOINT_FILE, LOCK_FILE, "logs", "keys", "checkpoints",
+    "tensorboard", "wandb", "plots", "job.yaml", "loggers.json", "slurm.json", "nereus.sbatch"})
+"""What a job, its launcher and ``report`` put in a run directory (and ``summary.<status>[.N].json``,
+the summaries of stopped attempts kept beside a resumed run's): all ``--overwrite`` deletes."""
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """Entries of the directory ``path`` that no Nereus run puts there (:data:`RUN_DIR_ENTRIES`,
+    their atomic writes' ``.tmp`` files, kept attempts' summaries)."""
+    def ours(name: str) -> bool:
+        stem = name.removesuffix(".tmp")
+        return (name in RUN_DIR_ENTRIES or stem in RUN_DIR_ENTRIES or f"{stem}.json" in RUN_DIR_ENTRIES
+                or (name.startswith("summary.") and name.endswith(".json")))
+    return sorted(e.name for e in path.iterdir() if not ours(e.name))
+
+
 def clear_run_dir(path: Path, overwrite: bool) -> None:
     """Make ``path`` an empty run directory (with ``logs/``) for a new job.
 
     Raises:
-        NereusError: when it exists and is not empty and ``overwrite`` is false, or when a running
-            job owns it (:class:`RunDirLock`): ``--overwrite`` never deletes a live job's files.
+        NereusError: when it exists and is not empty and ``overwrite`` is false; when a running
+            job owns it (:class:`RunDirLock`): ``--overwrite`` never deletes a live job's files;
+            or when it holds anything a run does not write (:func:`foreign_entries`):
+            ``--overwrite`` deletes a run directory, not a directory that was given by mistake
+            (``--run-dir .`` with ``--overwrite`` once deleted a checkout).
     """
     if path.exists() and not path.is_dir():
         raise NereusError(f"run directory {path} is a file; choose another --run-dir")
@@ -250,6 +270,11 @@ def clear_run_dir(path: Path, overwrite: bool) -> None:
         if owner is not None:
             raise NereusError(f"run directory {path} belongs to a running job (nereusd pid {owner}); --overwrite "
                               "does not delete a live job's files: stop it, or choose another --run-dir")
+        foreign = foreign_entries(path)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise NereusError(f"run directory {path} holds what no run writes ({shown}): --overwrite deletes a "
+                              "run directory only; choose another --run-dir, or empty it yourself")
         shutil.rmtree(path)
     (path / "logs").mkdir(parents=True, exist_ok=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -182,6 +183,38 @@ def test_a_live_jobs_run_directory_is_locked_and_overwrite_refuses_it(tmp_path):
     assert run_dir_owner(run) is None
     clear_run_dir(run, overwrite=True)
     assert list(run.iterdir()) == [run / "logs"]
+
+
+def test_overwrite_clears_a_run_directory_only(tmp_path, monkeypatch):
+    """``--overwrite`` deleted any non-empty directory given as ``--run-dir``: a checkout, ``.``, or
+    ``/`` (an adversarial trial, 2026-12-06). It now deletes only what runs write; anything else
+    is named and nothing is deleted."""
+    from nereusd.errors import NereusError
+    from nereusd.journal import clear_run_dir
+
+    checkout = tmp_path / "checkout"
+    (checkout / "src").mkdir(parents=True)
+    (checkout / "src" / "code.py").write_text("x = 1\n")
+    (checkout / "README.md").write_text("mine\n")
+    (checkout / "logs").mkdir()
+    with pytest.raises(NereusError, match=r"holds what no run writes \(README.md, src\): --overwrite deletes a "
+                                          r"run directory only"):
+        clear_run_dir(checkout, overwrite=True)
+    assert (checkout / "src" / "code.py").read_text() == "x = 1\n" and (checkout / "README.md").exists()
+    monkeypatch.chdir(checkout)
+    with pytest.raises(NereusError, match="holds what no run writes"):
+        clear_run_dir(Path("."), overwrite=True)
+    with pytest.raises(NereusError, match="holds what no run writes"):
+        clear_run_dir(Path("/"), overwrite=True)
+    # a finished run's directory, a resumed one's kept summaries and a torn atomic write: cleared
+    run = tmp_path / "run"
+    for name in ("logs", "keys", "checkpoints/step000002", "tensorboard", "plots"):
+        (run / name).mkdir(parents=True)
+    for name in ("events.jsonl", "metrics.jsonl", "summary.json", "summary.stopped.json", "summary.stopped.2.json",
+                 "summary.json.tmp", "job.yaml", "nereusd.json", "nereusd.lock", "loggers.tmp"):
+        (run / name).write_text("{}\n")
+    clear_run_dir(run, overwrite=True)
+    assert [p.name for p in run.iterdir()] == ["logs"]
 
 
 def test_a_full_disk_is_a_storage_error_and_leaves_no_torn_line(tmp_path, caplog):
