@@ -103,7 +103,7 @@ def test_a_refused_submission_leaves_no_run_directory(tmp_path, monkeypatch, cap
         assert "configuration source" in capsys.readouterr().err
         assert not run_dir.exists()
     run_dir.mkdir()
-    (run_dir / "old.txt").write_text("x")
+    (run_dir / "events.jsonl").write_text("{}\n")   # an earlier run's
     assert main(args + ["--overwrite"]) == 2
     assert run_dir.is_dir() and not any(run_dir.iterdir())
 
