@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("job", help="job YAML, e.g. examples/counting_grpo.yaml")
     parser.add_argument("--run-dir", help="run directory (default: runs/<job name>-<timestamp>)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory (one that holds only what a run writes)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing run directory (one that holds only what a run writes)")
     parser.add_argument("--gpus", action="store_true", help="use this machine's GPUs instead of virtual CPU devices")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     trace = parser.add_argument_group(

@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Nothing is left behind when sbatch refuses the job.")
     _job_args(p)
     p.add_argument("--run-dir", help="run directory on a shared file system (default: runs/<name>-<timestamp>)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory (one that holds only what a run writes)")
+    p.add_argument("--overwrite", action="store_true",
+                        help="replace an existing run directory (one that holds only what a run writes)")
     p.set_defaults(func=cmd_submit)
 
     p = subparsers.add_parser(
