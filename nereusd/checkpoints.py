@@ -126,13 +126,19 @@ def resume_record(run_dir: str | Path) -> dict | None:
     disk (its ``dir``, ``step``, ``sample_position`` and, in a live job, ``controller``: what the
     controller had learned, :meth:`~nereusd.control.controller.Controller.state`), or ``None``.
 
+    Its ``dir`` is this run directory's own: every checkpoint is ``RUN_DIR/checkpoints/<name>``,
+    and the event records the absolute path of the directory the run had then. A run directory
+    moved since resumed from step 0 (its old path gone), and a copy resumed from the original's
+    checkpoints (an adversarial trial, 2026-12-06).
+
     Raises:
         JournalError: a damaged ``events.jsonl``.
     """
     from nereusd.journal import EVENTS_FILE, Event, read_jsonl
 
+    root = Path(run_dir) / "checkpoints"
     for record in reversed(read_jsonl(Path(run_dir) / EVENTS_FILE)):
-        if record.get("event") == Event.CHECKPOINT.value and Path(record["dir"]).is_dir():
-            return record
+        if record.get("event") == Event.CHECKPOINT.value and (root / Path(record["dir"]).name).is_dir():
+            return {**record, "dir": str((root / Path(record["dir"]).name).resolve())}
     return None
 

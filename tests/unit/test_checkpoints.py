@@ -56,3 +56,28 @@ def test_latest_ignores_unfinished_saves(tmp_path):
     os.utime(done, (time.time() - 60, time.time() - 60))
     assert checkpoints.latest(tmp_path) == done
     assert checkpoints.size_bytes(done) == 1
+
+
+def test_resume_takes_the_run_directorys_own_checkpoints_after_a_move_or_a_copy(tmp_path):
+    """A checkpoint event records the absolute path the run directory had. A moved run directory
+    resumed from step 0 (that path gone) and a copy from the original's checkpoints; the record
+    now names ``RUN_DIR/checkpoints/<name>`` of the directory resumed (an adversarial trial)."""
+    import json
+
+    from nereusd.checkpoints import resume_record
+    from nereusd.journal import EVENTS_FILE
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    events = "".join(json.dumps({"event": "checkpoint", "dir": str(original / "checkpoints" / f"step{s:06d}"),
+                                 "step": s, "sample_position": 8 * s}) + "\n" for s in (2, 4, 6))
+    for run in (original, copy):
+        (run / "checkpoints" / "step000002").mkdir(parents=True)
+        (run / "checkpoints" / "step000004").mkdir()
+        (run / EVENTS_FILE).write_text(events)
+    (original / "checkpoints" / "step000006").mkdir()
+    assert resume_record(original)["dir"] == str((original / "checkpoints" / "step000006").resolve())
+    record = resume_record(copy)   # the copy's own newest, not the original's step 6
+    assert record["step"] == 4 and record["dir"] == str((copy / "checkpoints" / "step000004").resolve())
+    moved = tmp_path / "moved"
+    original.rename(moved)
+    assert resume_record(moved)["dir"] == str((moved / "checkpoints" / "step000006").resolve())
