@@ -121,6 +121,27 @@ def size_bytes(directory: str | Path) -> int:
     return total
 
 
+def resume_records(run_dir: str | Path) -> list[dict]:
+    """Every ``checkpoint`` event in ``events.jsonl`` whose checkpoint is still on disk, newest
+    first, each with its ``dir`` in this run directory (:func:`resume_record`): what a resume
+    falls back to when the newest cannot be read.
+
+    Raises:
+        JournalError: a damaged ``events.jsonl``.
+    """
+    from nereusd.journal import EVENTS_FILE, Event, read_jsonl
+
+    root, out, seen = Path(run_dir) / "checkpoints", [], set()
+    for record in reversed(read_jsonl(Path(run_dir) / EVENTS_FILE)):
+        if record.get("event") != Event.CHECKPOINT.value:
+            continue
+        local = root / Path(record["dir"]).name
+        if local.is_dir() and local.name not in seen:   # ``final`` again after re-run steps: its newest record
+            seen.add(local.name)
+            out.append({**record, "dir": str(local.resolve())})
+    return out
+
+
 def resume_record(run_dir: str | Path) -> dict | None:
     """The ``checkpoint`` event in ``events.jsonl`` of the newest committed checkpoint still on
     disk (its ``dir``, ``step``, ``sample_position`` and, in a live job, ``controller``: what the
@@ -134,11 +155,6 @@ def resume_record(run_dir: str | Path) -> dict | None:
     Raises:
         JournalError: a damaged ``events.jsonl``.
     """
-    from nereusd.journal import EVENTS_FILE, Event, read_jsonl
-
-    root = Path(run_dir) / "checkpoints"
-    for record in reversed(read_jsonl(Path(run_dir) / EVENTS_FILE)):
-        if record.get("event") == Event.CHECKPOINT.value and (root / Path(record["dir"]).name).is_dir():
-            return {**record, "dir": str((root / Path(record["dir"]).name).resolve())}
-    return None
+    records = resume_records(run_dir)
+    return records[0] if records else None
 

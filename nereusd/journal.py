@@ -89,6 +89,8 @@ class Event(str, enum.Enum):
     """The workers built every model-stage's engines."""
     CHECKPOINT = "checkpoint"
     """A DCP checkpoint of the trained roles was saved."""
+    CHECKPOINT_UNREADABLE = "checkpoint_unreadable"
+    """A resume could not read a checkpoint (damaged or truncated) and falls back to an older one."""
     STEP_PREDICTION = "step_prediction"
     """The controller's prediction of the step against what it measured."""
     TRIGGER = "trigger"

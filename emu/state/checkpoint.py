@@ -59,17 +59,26 @@ def parse_key(key: str) -> Optional[tuple[str, str, str, int, int, int]]:
 def _storage_faults(what: str, directory: str | Path):
     """Re-raise DCP's failures as :class:`StorageError`. torch's ``CheckpointException`` derives
     from ``BaseException``, so without this a full disk at checkpoint time escaped the worker's
-    task handler and killed the worker, which nereusd then read as a lost device."""
+    task handler and killed the worker, which nereusd then read as a lost device.
+
+    A load reads what a save wrote and verified: whatever it raises (a truncated file's
+    ``EOFError``, a damaged ``.metadata``'s ``ValueError`` or unpickling error) says the
+    checkpoint is damaged, not that the disk is full."""
+    loading = what == "load"
     try:
         yield
-    except (CheckpointException, OSError) as err:
+    except NereusError:
+        raise
+    except (CheckpointException, OSError, Exception) as err:
+        if not loading and not isinstance(err, (CheckpointException, OSError)):
+            raise
         cause = err
         if isinstance(err, CheckpointException):   # one failure per rank: say the first
             failures = list(getattr(err, "failures", {}).values())
             cause = failures[0] if failures else err
             cause = cause[0] if isinstance(cause, tuple) else cause   # (exception, its traceback)
-        raise StorageError(f"checkpoint {what} in {directory} failed: {type(cause).__name__}: {cause}"
-                           f"{_free_space(directory)}") from None
+        note = " (its files are damaged or incomplete)" if loading else _free_space(directory)
+        raise StorageError(f"checkpoint {what} in {directory} failed: {type(cause).__name__}: {cause}{note}") from None
 
 
 def _free_space(directory: str | Path) -> str:
@@ -153,7 +162,8 @@ def load_holdings(targets: Iterable[EmuShard], directory: str | Path) -> None:
             the checkpoint.
     """
     targets = list(targets)
-    meta = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    with _storage_faults("load", directory):
+        meta = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     saved: dict[tuple[str, str, str], list[Shard]] = {}
     for key in meta:
         parsed = parse_key(key)

@@ -234,7 +234,8 @@ class Daemon:
         job = self.job
         site = self.site
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
-        record = checkpoints.resume_record(self.run_dir) if self.args.resume else None
+        records = checkpoints.resume_records(self.run_dir) if self.args.resume else []
+        record = records[0] if records else None
         resumed = self._resumed_controller(record, driver) if self.pool.live and record is not None else None
         driver.plan = resumed.plan if resumed is not None else self._launch_plan(
             site, driver, int(record.get("step", 0)) if record is not None else 0)
@@ -264,7 +265,8 @@ class Daemon:
             driver.checkpoint_fields = lambda: {"controller": self.live.controller.state(), "job_sha256": self.job_sha256}
         driver.on_step = self._on_step
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
-        return driver.run(resume=resume, built=kept is not None)
+        fallbacks = [(str(r["dir"]), int(r["step"]), int(r["sample_position"])) for r in records[1:]]
+        return driver.run(resume=resume, built=kept is not None, fallbacks=fallbacks if resume else ())
 
     def _keep_workers(self, world: list[int], driver: RLDriver) -> KeptState | None:
         """``--resume`` with the workers the lost nereusd's agents kept: continue on their EMUs
@@ -412,7 +414,8 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
     """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
     resumed job's summary: ``switches`` (transitions and checkpoint restarts), ``restarts``
     (checkpoint restarts, and resumes from a checkpoint), ``lost_steps`` (steps they re-run,
-    and the steps a resume from a checkpoint re-runs), ``resumes`` (``nereusd_resumed``, the
+    and the steps a resume from a checkpoint re-runs, from an older one where the newest could not
+    be read), ``resumes`` (``nereusd_resumed``, the
     latest nereusd's included) and ``started_s`` (when the first started; 0.0 if unknown)."""
     out: dict[str, Any] = {"switches": 0, "restarts": 0, "lost_steps": 0, "resumes": 0, "started_s": 0.0}
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
@@ -427,6 +430,8 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
                 dropped = e.get("dropped_metrics") or 0
                 out["restarts"] += 1
                 out["lost_steps"] += len(dropped) if isinstance(dropped, list) else int(dropped)
+        elif kind == Event.CHECKPOINT_UNREADABLE.value:   # the resume fell back further: more steps re-run
+            out["lost_steps"] += len(e.get("dropped_metrics") or [])
         elif starts and i < starts[-1]:
             if kind == Event.TRANSITION.value:
                 out["switches"] += 1

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from nereusd import checkpoints
 from nereusd.errors import StorageError, WorkerError
 from nereusd import protocol as P
 from nereusd.config.resolve import ResolvedJob
-from nereusd.journal import Event, Journal
+from nereusd.journal import METRICS_FILE, Event, Journal, drop_metrics_from
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.rl import advantages as adv
 from nereusd.rl.record import StepRecord
@@ -531,17 +531,39 @@ class RLDriver:
                                           "elapsed_s": time.perf_counter() - start,
                                           **({"pruned": [p.name for p in pruned]} if pruned else {}), **extra})
 
-    def restore(self, checkpoint: tuple[str, int, int] | None) -> None:
+    def restore(self, checkpoint: tuple[str, int, int] | None,
+                fallbacks: Sequence[tuple[str, int, int]] = ()) -> None:
         """Load ``checkpoint`` (``(directory, step, sample position)``; ``None``: keep the initial
         weights, step 0) into the training model-stages of the current plan, on any layout,
         continue at its step and sample position, and synchronise the other model-stages'
-        weights. Used after a checkpoint/restart and by ``nereusd --resume``."""
+        weights. Used after a checkpoint/restart and by ``nereusd --resume``.
+
+        ``fallbacks``: older checkpoints, newest first, tried in turn when a worker reports that
+        a checkpoint cannot be read (:class:`~nereusd.errors.StorageError`: a truncated or
+        damaged file); each such one is journalled (``checkpoint_unreadable``) and the metrics
+        from the older one's step on leave ``metrics.jsonl``, since those steps run again.
+
+        Raises:
+            WorkerError: the last checkpoint tried could not be read either, or a worker died.
+        """
         step, position = 0, 0
         if checkpoint is not None:
-            directory, step, position = checkpoint
             members = self._training_devices()
-            self.control.run({d: P.LoadCheckpointArgs(dir=directory) for d in members}, 300)
-            self.last_checkpoint = checkpoint
+            tries = [checkpoint, *fallbacks]
+            for i, (directory, step, position) in enumerate(tries):
+                try:
+                    self.control.run({d: P.LoadCheckpointArgs(dir=directory) for d in members}, 300)
+                    break
+                except WorkerError as err:
+                    if err.error_kind != "StorageError" or i + 1 == len(tries):
+                        raise
+                    older = tries[i + 1]
+                    log.error("checkpoint %s cannot be read (%s); falling back to %s", directory, err, older[0])
+                    dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, older[1])
+                    self.journal.event(Event.CHECKPOINT_UNREADABLE, {"dir": directory, "error": str(err),
+                                                                     "fallback": older[0], "step": older[1],
+                                                                     "dropped_metrics": dropped})
+            self.last_checkpoint = (directory, step, position)
         self.rewind(step, position)
         self._sync_weights()
 
@@ -557,14 +579,15 @@ class RLDriver:
         """The periodic checkpoint directory of the boundary before step ``step_index``."""
         return self.journal.run_dir / "checkpoints" / f"step{self.step_index:06d}"
 
-    def run(self, resume: tuple[str, int, int] | None = None, built: bool = False) -> list[StepRecord]:
+    def run(self, resume: tuple[str, int, int] | None = None, built: bool = False,
+            fallbacks: Sequence[tuple[str, int, int]] = ()) -> list[StepRecord]:
         """Build, run every step, checkpoint; returns the step records (re-run steps once).
-        With ``resume`` (a checkpoint, as :meth:`restore` takes) the run continues from it;
-        ``built``: the engines exist already (kept workers, :meth:`adopt`)."""
+        With ``resume`` (a checkpoint, as :meth:`restore` takes, and the older ``fallbacks``) the
+        run continues from it; ``built``: the engines exist already (kept workers, :meth:`adopt`)."""
         if not built:
             self.build()
         if resume is not None:
-            self.restore(resume)
+            self.restore(resume, fallbacks)
         records: list[StepRecord] = []
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
         # kept workers resume at a boundary whose checkpoint the lost nereusd may not have

@@ -8,8 +8,9 @@ in one job:
    nereusd that takes them back with their EMUs in memory (the job continues at the next step,
    nothing re-runs, no worker restarts, and the interrupted checkpoint is written first); the
    other refuses and touches nothing (it once stopped the winner's workers on its way out).
-2. nereusd is killed again; ``resume --restart`` stops the leftovers and restarts from the latest
-   checkpoint, which the first resumed nereusd wrote. The steps after it run again on the same
+2. nereusd is killed again, and the checkpoint the first resumed nereusd wrote is damaged (a
+   truncated file); ``resume --restart`` stops the leftovers, cannot read that checkpoint and
+   falls back to the one before it. The steps after it run again on the same
    prompts and seeds: their rewards and lengths equal what the kept workers produced, losses within
    reduction tolerance. So the kept path continued exactly where a checkpoint says the job was.
 
@@ -101,7 +102,11 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
         first = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
         assert sorted(first) == list(range(len(first))) and len(first) >= written + 1
 
-        proc = _resume(run_dir, "--restart")   # 2: from the checkpoint the kept run wrote
+        # the checkpoint the kept run wrote, damaged: the restart falls back to the one before it
+        # (a truncated file stopped every resume as a storage fault, 2026-12-06)
+        damaged = sorted((run_dir / "checkpoints" / f"step{written:06d}" / "actor").glob("*.distcp"))[0]
+        os.truncate(damaged, 1000)
+        proc = _resume(run_dir, "--restart")   # 2: from the checkpoint before the one the kept run wrote
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out
     finally:
@@ -110,13 +115,17 @@ def test_kill_9_of_nereusd_then_resume_keeps_the_workers_or_restarts_from_the_ch
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["steps"] == 8, summary
     # the job's figures over its three nereusds: one resume from the checkpoint, its steps re-run
-    assert (summary["resumes"], summary["restarts"], summary["lost_steps"]) == (2, 1, len(first) - written), summary
+    fallback = written - 2
+    assert (summary["resumes"], summary["restarts"], summary["lost_steps"]) == (2, 1, len(first) - fallback), summary
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(8))
     events = read_jsonl(run_dir / "events.jsonl")
     restart = [e for e in events if e["event"] == "nereusd_resumed"][1]
     assert restart["mode"] == "checkpoint" and restart["step"] == written, restart
-    for r in records[restart["step"]:len(first)]:   # run twice: on kept workers, then from the checkpoint
+    [unreadable] = [e for e in events if e["event"] == "checkpoint_unreadable"]
+    assert unreadable["step"] == fallback and unreadable["fallback"].endswith(f"step{fallback:06d}"), unreadable
+    assert "damaged or incomplete" in unreadable["error"] and unreadable["dropped_metrics"] == [fallback, fallback + 1]
+    for r in records[fallback:len(first)]:   # run twice: on kept workers, then from the checkpoint
         b = first[r["step"]]
         assert r["sample_position"] == b["sample_position"] and r["reward_mean"] == b["reward_mean"], r["step"]
         assert r["train/actor/loss"] == pytest.approx(b["train/actor/loss"], rel=1e-4, abs=1e-6)
