@@ -496,6 +496,15 @@ def _registered_since_start(run_dir: Path) -> bool:
 
 
 def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> int:
+    if interrupted and crash_summary(run_dir, returncode, write=False) is not None:
+        # the user's Ctrl-C reached nereusd before its handlers (while it imported): no crash
+        steps = len(read_jsonl(run_dir / METRICS_FILE)) if (run_dir / METRICS_FILE).exists() else 0
+        write_summary(run_dir, {**_read_summary(run_dir), "status": "interrupted", "error_kind": "Interrupted",
+                                "error": "interrupted before nereusd could write its summary",
+                                "steps_completed": steps})
+        print(f"nereus: interrupted after {steps} step(s); `nereus-launch resume {run_dir}` continues it",
+              file=sys.stderr)
+        return 130
     crashed = crash_summary(run_dir, returncode)
     if crashed is not None:
         print(f"nereus: crashed: {crashed['error']} after {crashed['steps_completed']} step(s); the latest "

@@ -213,3 +213,37 @@ train: {{global_batch: 4, micro_batch: 2}}
     assert processes_mentioning(str(run_dir)) == []
 
 
+
+
+def test_ctrl_c_while_nereusd_starts_is_an_interruption_not_a_crash(tmp_path):
+    """Ctrl-C as nereusd starts (its SIGTERM from the launcher lands while it imports, before its
+    handlers): the summary said ``crashed`` and told the user the agent and workers waited for a
+    resume (an adversarial trial). It is ``interrupted``, exit 130, and nothing is left running."""
+    import signal
+    import time
+
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(f"""
+name: e2e-early-interrupt
+algorithm: grpo
+steps: 2
+devices: 2
+models: {{actor: "{WARMSTART}"}}
+rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
+train: {{global_batch: 4, micro_batch: 2}}
+""")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not (run_dir / "logs" / "nereusd.log").exists():   # the launcher has started nereusd
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary
+    assert "crashed" not in err
+    assert processes_mentioning(str(run_dir)) == []
