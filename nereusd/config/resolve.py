@@ -14,6 +14,7 @@ from pathlib import Path
 from nereusd.backends import (ZERO_STAGES, Backend, check_engine_support, check_zero_stage, default_zero_stage,
                               resolve_backends)
 from nereusd.config.job import JobConfig, StagePlanConfig, load_job
+from nereusd.cost.memory import WORKSPACE_BYTES
 from nereusd.loggers import check_loggers
 from nereusd.errors import ConfigError, PlanError, shortened
 from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
@@ -245,6 +246,12 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
     if devices > site_devices:
         raise ConfigError(f"{source}: devices: {devices} requested but site {site_name!r} has {site_devices}")
     memory = int(job.memory_gib * 2**30) if job.memory_gib else site_memory_bytes
+    workspace = WORKSPACE_BYTES.get(device_kind, 0)
+    if memory <= workspace:   # the worker books it before any weight: it failed building, naming neither
+        key = "memory_gib" if job.memory_gib else f"(site {site_name!r} device.memory_gib)"
+        raise ConfigError(f"{source}: {key}: {memory:,} bytes per device do not exceed the {workspace >> 20} MiB "
+                          f"workspace every {device_kind} device books (nereusd/cost/memory.py WORKSPACE_BYTES): "
+                          "no model fits")
     reward_model = job.reward.kind == "model"
     roles = _resolve_roles(job, base_dir, source, reward_model)
     checked = set()

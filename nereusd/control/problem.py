@@ -98,9 +98,12 @@ def launch_for(problem: PlanProblem, calibration: Calibration | None = None) -> 
     cost_model = CostModel(problem.site, calibration or Calibration())
     result, lines = solve(problem, cost_model, None, HEADROOM, True)
     if result is None:
+        why = None
         try:   # the planner's own account of what fails, and what would fit
             Planner(problem, cost_model, PlannerOptions(headroom=HEADROOM, allow_recompute=True), suggest=True).solve()
         except Infeasible as err:
             lines.append(str(err))
-        raise Infeasible(f"no launch plan fits {len(problem.pool)} devices: " + "; ".join(lines))
+            why = err
+        raise Infeasible(f"no launch plan fits {len(problem.pool)} devices: " + "; ".join(lines),
+                         *((why.model_stage, why.need_bytes, why.usable_bytes) if why is not None else ()))
     return result

@@ -359,7 +359,10 @@ class Daemon:
                     "predicted_step_latency_s": chosen.predicted_step_latency_s,
                     "response_length": job.config.launch_response_length(step)})
                 return chosen.plan
-            except Infeasible as err:   # run the default plan: the workers say what does not fit
+            except Infeasible as err:
+                if err.need_bytes > job.device_memory_bytes:   # over the whole device, headroom aside: no plan runs
+                    raise ConfigError(f"no plan fits this job: {err}") from None
+                # only the planner's headroom is short: run the default plan, the workers say what does not fit
                 why = f"the job's default plan (the planner found none: {err})"
         self.journal.event(Event.LAUNCH_PLAN, {"plan": driver.plan.to_dict(), "source": why})
         return driver.plan

@@ -23,7 +23,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def resolve(path: Path, devices: int = 4):
     return resolve_job(load_job(path), source=path.name, base_dir=path.parent, site_devices=devices,
-                       site_memory_bytes=2**30, site_name="local")
+                       site_memory_bytes=2**30, site_name="local", device_kind="cpu")
 
 
 def tiny_job(extra: str = "") -> str:
@@ -136,6 +136,9 @@ def test_missing_file_is_named(tmp_path):
     ("train:\n  global_batch: 64\nplan:\n  model_stages:\n    actor/training: {dp: 3, devices: [0, 1, 2]}\n",
      r"plan.model_stages.actor/training: train.global_batch=64 is not a multiple of dp=3"),
     ("devices: 8\n", r"job.yaml: devices: 8 requested but site 'local' has 4"),
+    # below what a worker books before any weight: it failed building, in use over capacity
+    ("memory_gib: 0.0001\n", r"job.yaml: memory_gib: 107,374 bytes per device do not exceed the 16 MiB workspace "
+                             r"every cpu device books"),
     ("rollout:\n  group_size: 1\ntrain: {global_batch: 8}\n", r"rollout.group_size: GRPO needs groups of at least 2"),
     ("rollout:\n  max_new_tokens: 200\n", r"job.yaml: rollout.max_new_tokens: 200 plus the longest prompt \(\d+ "
                                           r"tokens\) exceeds the \w+ model's max_position=160"),

@@ -55,6 +55,20 @@ def test_launch_plan_holds_the_longest_response(demo):
     assert job.config.train.global_batch % (train.dp * mb) == 0   # the global batch stays exact
 
 
+def test_a_launch_that_fits_no_device_says_what_is_short(demo):
+    """A launch plan that fits nowhere carries the smallest peak and its model-stage: nereusd
+    refuses a job whose smallest peak exceeds the whole device (no default plan can run), and
+    runs the default plan when only the headroom is short."""
+    from nereusd.planner.search import Infeasible
+
+    job, site = demo
+    small = dataclasses.replace(job, device_memory_bytes=18 << 20)
+    with pytest.raises(Infeasible, match="no launch plan fits 4 devices") as err:
+        launch_plan(small, site, PROMPT)
+    assert err.value.model_stage is not None and err.value.need_bytes > small.device_memory_bytes
+    assert err.value.usable_bytes < small.device_memory_bytes
+
+
 def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
     """As responses grow, no plan the controller runs is left to run a step it cannot hold: a
     predicted out-of-memory is an urgent switch, journalled with its payback figures. (A switch
