@@ -209,8 +209,12 @@ class LaunchLock:
 
     def __init__(self, run_dir: str | Path) -> None:
         parent = Path(run_dir).resolve().parent
-        parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(parent, os.O_RDONLY)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(parent, os.O_RDONLY)
+        except OSError as err:   # a file in the way, /proc, no permission
+            raise NereusError(f"run directory {run_dir}: cannot create its parent {parent}: "
+                              f"{err.strerror or err}") from None
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def release(self) -> None:
@@ -278,7 +282,10 @@ def clear_run_dir(path: Path, overwrite: bool) -> None:
             raise NereusError(f"run directory {path} holds what no run writes ({shown}): --overwrite deletes a "
                               "run directory only; choose another --run-dir, or empty it yourself")
         shutil.rmtree(path)
-    (path / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        (path / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise NereusError(f"run directory {path}: cannot create it: {err.strerror or err}") from None
 
 
 class Journal:

@@ -32,6 +32,8 @@ continuous-batching truth already takes seconds (a 10^7 typo ran for minutes wit
 MAX_TOKENS = MAX_MODEL_DIMENSION
 """Most tokens a prompt, a response or a micro-batch's token budget may hold: the largest context
 a model config may give."""
+MAX_STEPS = 10**8
+"""Most RL steps a job may ask for: published runs take thousands (``steps: 1e30`` was taken)."""
 from nereusd.workflow import Algorithm
 
 
@@ -293,7 +295,7 @@ class JobConfig(Strict):
     algorithm: Algorithm = Algorithm.GRPO
     seed: StrictInt = Field(0, ge=0, lt=2**32)
     """Seed of every random draw of the job (numpy's and torch's range: 0 to 2^32 − 1)."""
-    steps: StrictInt = Field(20, ge=1)
+    steps: StrictInt = Field(20, ge=1, le=MAX_STEPS)
     site: str = "local"
     """Site config: a name under ``site_configs/`` or a path."""
     devices: StrictInt | None = Field(None, ge=1, le=MAX_DEVICES)

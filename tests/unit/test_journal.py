@@ -259,6 +259,12 @@ def test_a_run_directory_or_lock_in_the_way_is_a_clear_error(tmp_path):
     (run / LOCK_FILE).mkdir(parents=True)
     with pytest.raises(NereusError, match="cannot check whether a job owns this run directory"):
         clear_run_dir(run, overwrite=True)
+    # under a file: a traceback (FileExistsError) before (an adversarial trial)
+    from nereusd.journal import LaunchLock
+    with pytest.raises(NereusError, match=r"run directory .*file/sub: cannot create its parent .*file: File exists"):
+        LaunchLock(tmp_path / "file" / "sub" / "run")
+    with pytest.raises(NereusError, match=r"run directory .*file/sub: cannot create it"):
+        clear_run_dir(tmp_path / "file" / "sub", overwrite=False)
 
 
 def test_a_journal_that_is_not_a_regular_file_is_refused(tmp_path):

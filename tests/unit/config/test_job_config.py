@@ -48,6 +48,7 @@ def tiny_job(extra: str = "") -> str:
     ("rollout:\n  temperature: yes\n", r"^job.yaml: rollout.temperature: Input should be a valid number, got True$"),
     ("train:\n  actor_lr: '0.5'\n", r"^job.yaml: train.actor_lr: Input should be a valid number, got '0.5'$"),
     ("memory_gib: 1.0e+308\n", r"^job.yaml: memory_gib: Input should be less than or equal to 1000000"),
+    ("steps: 1000000000000000000000000000000\n", r"^job.yaml: steps: Input should be less than or equal to 100000000"),
     ("name: a/b\n", r"^job.yaml: name: expected a short name: letters, digits, .*\(no slashes or spaces\), got 'a/b'$"),
     # it names run directories and Slurm jobs (a bad-input search, 2026-12-05)
     ("name: '..'\n", r"^job.yaml: name: expected a short name"),
