@@ -333,9 +333,9 @@ def site_from_dict(data: Any, source: str = "<site>") -> SiteConfig:
     """Validate a parsed YAML document into a :class:`SiteConfig`.
 
     Raises:
-        ConfigError: as :func:`load_site`, naming ``Path(source).name``.
+        ConfigError: as :func:`load_site`, naming ``source``, the file's path.
     """
-    label = Path(source).name or source
+    label = source
     site = _build(SiteConfig, data, label, "", skip=("source",))
     if site.slurm is not None:
         check_slurm(site.slurm, device_kind=site.device.kind, devices_per_node=site.devices_per_node, label=label)
