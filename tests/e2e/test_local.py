@@ -165,6 +165,29 @@ train: {global_batch: 16, micro_batch: 4}
     assert processes_mentioning(str(run_dir)) == []
 
 
+def _interruptible(tmp_path: Path, steps: int) -> tuple[subprocess.Popen, Path]:
+    """``local`` of a tiny job of ``steps`` steps, started so that SIGINT reaches it as a
+    terminal's Ctrl-C does: a test run in the background of a shell without job control inherits
+    SIGINT ignored (POSIX), and so would the launcher, which then ran all its steps."""
+    import signal
+
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(f"""
+name: e2e-interrupt
+algorithm: grpo
+steps: {steps}
+devices: 2
+models: {{actor: "{WARMSTART}"}}
+rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
+train: {{global_batch: 4, micro_batch: 2}}
+""")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return proc, run_dir
+
+
 @pytest.mark.parametrize("signame", ["SIGINT twice", "SIGTERM"])
 def test_ctrl_c_tears_everything_down(tmp_path, signame):
     # SIGINT: Ctrl-C, pressed twice (the first starts the teardown; a second once cut it short and
@@ -173,23 +196,7 @@ def test_ctrl_c_tears_everything_down(tmp_path, signame):
     import signal
     import time
 
-    job_path = tmp_path / "job.yaml"
-    job_path.write_text(f"""
-name: e2e-interrupt
-algorithm: grpo
-steps: 500
-devices: 2
-models: {{actor: "{WARMSTART}"}}
-rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
-train: {{global_batch: 4, micro_batch: 2}}
-""")
-    run_dir = tmp_path / "run"
-    # SIGINT as a terminal delivers it: a test run started in the background of a shell without
-    # job control inherits SIGINT ignored (POSIX), and so would the launcher, which then ran all
-    # 500 steps
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc, run_dir = _interruptible(tmp_path, 500)
     deadline = time.monotonic() + 180
     while not read_jsonl(run_dir / "metrics.jsonl"):
         assert proc.poll() is None, proc.communicate()
@@ -222,20 +229,7 @@ def test_ctrl_c_while_nereusd_starts_is_an_interruption_not_a_crash(tmp_path):
     import signal
     import time
 
-    job_path = tmp_path / "job.yaml"
-    job_path.write_text(f"""
-name: e2e-early-interrupt
-algorithm: grpo
-steps: 2
-devices: 2
-models: {{actor: "{WARMSTART}"}}
-rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
-train: {{global_batch: 4, micro_batch: 2}}
-""")
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job_path), "--run-dir", str(run_dir),
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc, run_dir = _interruptible(tmp_path, 2)
     deadline = time.monotonic() + 60
     while not (run_dir / "logs" / "nereusd.log").exists():   # the launcher has started nereusd
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
