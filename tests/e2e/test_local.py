@@ -115,23 +115,40 @@ train: {global_batch: 8, micro_batch: 2}
     assert "greedy_reward_mean" in records[0]
 
 
-def test_out_of_memory_stops_with_a_clear_message(tmp_path):
-    proc, run_dir = launch(tmp_path, """
+OOM_JOB = """
 name: e2e-oom
 algorithm: grpo
 steps: 2
 devices: 2
-memory_gib: 0.002
+memory_gib: 0.017
 models: {actor: "@WARMSTART@"}
 rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
 train: {global_batch: 16, micro_batch: 4}
-""", timeout_s=120)
+"""
+"""17.4 MiB a device: above the 16 MiB workspace a worker books, below what the model needs."""
+
+
+def test_out_of_memory_stops_with_a_clear_message(tmp_path):
+    proc, run_dir = launch(tmp_path, OOM_JOB + "plan: {default: {tp: 1, pp: 1}}\n", timeout_s=120)
     assert proc.returncode == 1
     assert "out of memory on device" in proc.stderr
-    assert "capacity 2147483 bytes" in proc.stderr
+    assert "capacity 18253611 bytes" in proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error_kind"] == "DeviceOutOfMemory"
     assert processes_mentioning(str(run_dir)) == []  # nothing hangs after an error
+
+
+def test_a_job_no_plan_fits_is_refused_before_its_workers_start(tmp_path):
+    """Without a plan in the job the planner chooses one; where even the smallest peak exceeds the
+    whole device, no plan can run: nereusd says so and starts no worker (it ran the default plan,
+    which failed building; an adversarial trial, 2026-12-06)."""
+    proc, run_dir = launch(tmp_path, OOM_JOB, timeout_s=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "failed: no plan fits this job: no launch plan fits 2 devices" in proc.stderr
+    assert "smallest peak over every layout" in proc.stderr
+    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert "workers_started" not in events and "build" not in events
+    assert processes_mentioning(str(run_dir)) == []
 
 
 def test_bad_job_fails_before_anything_starts(tmp_path):
