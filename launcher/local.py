@@ -357,6 +357,9 @@ def run_local(args: argparse.Namespace) -> int:
         job = load_and_resolve(job_path)
     print(f"nereus: job {job.config.name!r} ({job.config.algorithm.value}, {job.config.steps} steps) on "
           f"{job.devices} {'GPU' if args.gpus else 'virtual CPU'} devices; run directory {run_dir}")
+    mismatch = site_mismatch(load_site(job.config.site), args.gpus)
+    if mismatch:
+        print(f"nereus: warning: {mismatch}", file=sys.stderr)
     if job.config.adaptation.enabled and "plan" not in job.config.model_fields_set:
         print("nereus: launch plan: chosen by the planner for the initial conditions (no plan in the job)")
     else:
@@ -364,6 +367,17 @@ def run_local(args: argparse.Namespace) -> int:
     for line in pool_lines:
         print(line)
     return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet, launching=launching)
+
+
+def site_mismatch(site, gpus: bool) -> str | None:
+    """Why the job's site does not describe the devices ``local`` runs (``None`` when it does): a
+    GPU site without ``--gpus`` gives virtual CPU devices that GPU's memory and figures, and the
+    planner plans for them."""
+    if gpus or site.device_kind == "cpu":
+        return None
+    return (f"site {site.name!r} describes {site.device_kind} devices of {site.device.memory_gib:g} GiB; without "
+            f"--gpus this job runs on virtual CPU devices given that memory, and plans with that site's "
+            f"figures (site: local describes this machine)")
 
 
 def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, quiet: bool,

@@ -71,3 +71,15 @@ def test_a_sigterm_whose_exception_was_dropped_still_stops_the_supervising_loop(
         signal.signal(signal.SIGTERM, previous)
         local._STOP.taken()
     local._STOP.raise_pending()   # nothing pending
+
+
+def test_a_gpu_site_run_locally_on_cpu_devices_is_warned_about():
+    """``site: h200-ib`` with ``local`` (no ``--gpus``) gave virtual CPU devices 141 GiB each
+    without a word (an adversarial trial, 2026-12-06)."""
+    from nereusd.config.site import load_site
+
+    h200 = load_site("h200-ib")
+    warning = local.site_mismatch(h200, gpus=False)
+    assert warning.startswith("site 'h200-ib' describes cuda devices of") and "without --gpus" in warning
+    assert local.site_mismatch(h200, gpus=True) is None
+    assert local.site_mismatch(load_site("local"), gpus=False) is None
