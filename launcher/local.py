@@ -530,7 +530,10 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
     status = summary.get("status")
     if status == "succeeded":
         print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s"
-              + (f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_wall_time_s']:.0f} s)"
+              + (f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_run_time_s']:.0f} s running, "
+                 f"{summary['job_wall_time_s']:.0f} s since the first started)"
+                 if summary.get("resumes") and summary.get("job_wall_time_s") and "job_run_time_s" in summary
+                 else f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_wall_time_s']:.0f} s)"
                  if summary.get("resumes") and summary.get("job_wall_time_s") else "") + "; "
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}"
               + (f" (best {summary['reward_best']:.2f} at step {summary['reward_best_step']})"

@@ -400,7 +400,8 @@ class Daemon:
             for key in ("switches", "restarts", "lost_steps"):
                 summary[key] = summary.get(key, 0) + earlier[key]
             summary.update(resumes=earlier["resumes"],
-                           job_wall_time_s=round(time.time() - earlier["started_s"], 3) if earlier["started_s"] else None)
+                           job_wall_time_s=round(time.time() - earlier["started_s"], 3) if earlier["started_s"] else None,
+                           job_run_time_s=round(earlier["earlier_run_s"] + summary["wall_time_s"], 3))
         try:
             summarise_metrics(self.run_dir, summary)
         except Exception as err:  # noqa: BLE001 - the summary is still written, with why its figures are missing
@@ -419,12 +420,18 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
     (checkpoint restarts, and resumes from a checkpoint), ``lost_steps`` (steps they re-run,
     and the steps a resume from a checkpoint re-runs, from an older one where the newest could not
     be read), ``resumes`` (``nereusd_resumed``, the
-    latest nereusd's included) and ``started_s`` (when the first started; 0.0 if unknown)."""
-    out: dict[str, Any] = {"switches": 0, "restarts": 0, "lost_steps": 0, "resumes": 0, "started_s": 0.0}
+    latest nereusd's included), ``started_s`` (when the first started; 0.0 if unknown) and
+    ``earlier_run_s`` (the seconds the nereusds before the latest ran, each from its start to its
+    last event: without the time between a crash and its resume)."""
+    out: dict[str, Any] = {"switches": 0, "restarts": 0, "lost_steps": 0, "resumes": 0, "started_s": 0.0,
+                           "earlier_run_s": 0.0}
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
     starts = [i for i, e in enumerate(events) if e.get("event") == Event.NEREUSD_STARTED.value]
     if starts:
         out["started_s"] = float(events[starts[0]].get("time_s") or 0.0)
+    for first, nxt in zip(starts, starts[1:]):   # each earlier nereusd: its start to its last event
+        times = [float(e.get("time_s") or 0.0) for e in events[first:nxt]]
+        out["earlier_run_s"] += max(0.0, max(times) - times[0]) if times and times[0] else 0.0
     for i, e in enumerate(events):
         kind = e.get("event")
         if kind == Event.NEREUSD_RESUMED.value:

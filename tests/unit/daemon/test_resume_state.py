@@ -96,3 +96,21 @@ def test_nereusd_resumed_says_whether_the_state_was_restored(tmp_path):
     journal.close()
     resumed = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "nereusd_resumed"]
     assert [e["controller_state"] for e in resumed] == [False, True]
+
+
+def test_a_resumed_jobs_run_time_leaves_out_the_time_between_a_crash_and_its_resume(tmp_path):
+    """``job_wall_time_s`` is since the first nereusd started (1,333 s for ~15 s of work after a
+    resume the next day, an adversarial trial); ``earlier_run_s`` adds up each earlier nereusd's
+    own time, its start to its last event, as ``job_run_time_s`` does with the latest's."""
+    import json
+
+    from nereusd.daemon.app import earlier_attempts
+
+    events = [{"event": "nereusd_started", "time_s": 100.0}, {"event": "checkpoint", "time_s": 110.0},
+              {"event": "transition", "time_s": 112.0},   # killed here: no nereusd_stopped
+              {"event": "nereusd_started", "time_s": 1400.0}, {"event": "nereusd_resumed", "mode": "checkpoint",
+                                                               "dropped_metrics": [4], "time_s": 1401.0}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    out = earlier_attempts(tmp_path)
+    assert out["started_s"] == 100.0 and out["earlier_run_s"] == 12.0
+    assert (out["resumes"], out["restarts"], out["lost_steps"], out["switches"]) == (1, 1, 1, 1)
