@@ -40,6 +40,11 @@ class _Message(BaseModel):
     """The protocol version; strict, so that ``true`` or ``1.0`` on the wire is not version 1."""
 
 
+MAX_DEVICE_MEMORY_BYTES = 1 << 50
+"""Most memory one device may report (1 PiB; the largest GPUs hold 192 GB): an agent claiming
+10^30 bytes was accepted and refused only at its join (an adversarial trial, 2026-12-06)."""
+
+
 class DeviceInfo(BaseModel):
     """One accelerator (or virtual CPU device) seen by an agent."""
 
@@ -47,7 +52,7 @@ class DeviceInfo(BaseModel):
     local_index: int = Field(ge=0)
     kind: Literal["cpu", "cuda", "rocm"]
     name: str
-    memory_bytes: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0, le=MAX_DEVICE_MEMORY_BYTES)
 
 
 class RegisterAgent(_Message):
