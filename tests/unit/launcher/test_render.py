@@ -130,3 +130,24 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     os.close(write)
     assert proc.returncode == 141, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_render_warns_when_the_jobs_memory_overrides_another_sites(tmp_path, capsys):
+    """A job written for the local site with ``memory_gib`` rendered for a GPU site: its memory
+    caps every GPU (the README's example did this without a word; a new user's trial). Below
+    the GPU's 1.5 GiB workspace it is refused."""
+    from launcher.cli import main
+
+    job = tmp_path / "job.yaml"
+    base = ("name: t\nsteps: 1\ndevices: 2\nsite: local\nmodels: {actor_config: {vocab_size: 16, hidden_size: 64, "
+            "intermediate_size: 128, num_layers: 2, num_heads: 4, num_kv_heads: 2, max_position: 96}}\n"
+            "rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 8}\ntrain: {global_batch: 4, micro_batch: 2}\n")
+    job.write_text(base + "memory_gib: 4\n")
+    assert main(["render", str(job), "--site", "h200-ib"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: job.yaml: memory_gib 4 GiB (written for site 'local') overrides site 'h200-ib''s 140 GiB" in err
+    job.write_text(base + "memory_gib: 0.05\n")
+    assert main(["render", str(job), "--site", "h200-ib"]) == 2
+    assert "do not exceed the 1536 MiB workspace every cuda device books" in capsys.readouterr().err
+    job.write_text(base)
+    assert main(["render", str(job), "--site", "h200-ib"]) == 0 and "warning" not in capsys.readouterr().err
