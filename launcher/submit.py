@@ -113,7 +113,7 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     site = load_site(args.site or job.site)
     if job.memory_gib and site.name != load_site(job.site).name:
         print(f"nereus: warning: {job_path.name}: memory_gib {job.memory_gib:g} GiB (written for site {job.site!r}) "
-              f"overrides site {site.name!r}'s {site.device.memory_gib:g} GiB per device", file=sys.stderr)
+              f"overrides site {site.name}'s {site.device.memory_gib:g} GiB per device", file=sys.stderr)
     if site.slurm is None:
         raise ConfigError(f"{Path(site.source).name}: no slurm: section; site {site.name!r} cannot be submitted to")
     devices = job.devices or site.total_devices

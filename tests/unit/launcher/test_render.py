@@ -145,7 +145,7 @@ def test_render_warns_when_the_jobs_memory_overrides_another_sites(tmp_path, cap
     job.write_text(base + "memory_gib: 4\n")
     assert main(["render", str(job), "--site", "h200-ib"]) == 0
     err = capsys.readouterr().err
-    assert "warning: job.yaml: memory_gib 4 GiB (written for site 'local') overrides site 'h200-ib''s 140 GiB" in err
+    assert "warning: job.yaml: memory_gib 4 GiB (written for site 'local') overrides site h200-ib's 140 GiB" in err
     job.write_text(base + "memory_gib: 0.05\n")
     assert main(["render", str(job), "--site", "h200-ib"]) == 2
     assert "do not exceed the 1536 MiB workspace every cuda device books" in capsys.readouterr().err
