@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -240,21 +241,30 @@ def run_dir_owner(run_dir: str | Path) -> str | None:
     return None
 
 
-RUN_DIR_ENTRIES = frozenset({
-    METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, RESERVE_FILE, ENDPOINT_FILE, LOCK_FILE, "logs", "keys", "checkpoints",
-    "tensorboard", "wandb", "plots", "job.yaml", "loggers.json", "slurm.json", "nereus.sbatch"})
-"""What a job, its launcher and ``report`` put in a run directory (and ``summary.<status>[.N].json``,
-the summaries of stopped attempts kept beside a resumed run's): all ``--overwrite`` deletes."""
+RUN_DIR_DIRS = frozenset({"logs", "keys", "checkpoints", "tensorboard", "wandb", "plots"})
+RUN_DIR_FILES = frozenset({
+    METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, RESERVE_FILE, ENDPOINT_FILE, LOCK_FILE, "job.yaml", "loggers.json",
+    "slurm.json", "nereus.sbatch",
+    SUMMARY_FILE + ".tmp", ENDPOINT_FILE + ".tmp", "loggers.tmp", "slurm.json.tmp"})   # atomic writes' leftovers
+"""What a job, its launcher and ``report`` put in a run directory (the directories and the files),
+with the summaries of stopped attempts a resume keeps (:data:`KEPT_SUMMARY`): all that
+``--overwrite`` deletes."""
+KEPT_SUMMARY = re.compile(r"summary\.(running|succeeded|failed|stopped|crashed|interrupted|preempted|unknown)"
+                          r"(\.\d+)?\.json")
+"""``summary.<status>[.N].json`` (``launcher.resume_cmd``)."""
 
 
 def foreign_entries(path: Path) -> list[str]:
-    """Entries of the directory ``path`` that no Nereus run puts there (:data:`RUN_DIR_ENTRIES`,
-    their atomic writes' ``.tmp`` files, kept attempts' summaries)."""
-    def ours(name: str) -> bool:
-        stem = name.removesuffix(".tmp")
-        return (name in RUN_DIR_ENTRIES or stem in RUN_DIR_ENTRIES or f"{stem}.json" in RUN_DIR_ENTRIES
-                or (name.startswith("summary.") and name.endswith(".json")))
-    return sorted(e.name for e in path.iterdir() if not ours(e.name))
+    """Entries of the directory ``path`` that no Nereus run puts there: a name not among
+    :data:`RUN_DIR_DIRS`, :data:`RUN_DIR_FILES` or :data:`KEPT_SUMMARY`, or one of them of the
+    other kind (a user's folder ``summary.json/`` is not ours). Names are exact: a folder
+    ``nereusd/`` or ``slurm/`` beside a run's files is somebody's code."""
+    def ours(entry: Path) -> bool:
+        directory = entry.is_dir() and not entry.is_symlink()
+        if entry.name in RUN_DIR_DIRS:
+            return directory or entry.is_symlink()
+        return not directory and (entry.name in RUN_DIR_FILES or KEPT_SUMMARY.fullmatch(entry.name) is not None)
+    return sorted(e.name for e in path.iterdir() if not ours(e))
 
 
 def clear_run_dir(path: Path, overwrite: bool) -> None:
@@ -281,7 +291,8 @@ def clear_run_dir(path: Path, overwrite: bool) -> None:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise NereusError(f"run directory {path} holds what no run writes ({shown}): --overwrite deletes a "
                               "run directory only; choose another --run-dir, or empty it yourself")
-        shutil.rmtree(path)
+        for entry in path.iterdir():   # the directory itself stays: '.', a symlink to it, its mode
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     try:
         (path / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as err:

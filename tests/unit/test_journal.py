@@ -215,6 +215,29 @@ def test_overwrite_clears_a_run_directory_only(tmp_path, monkeypatch):
         (run / name).write_text("{}\n")
     clear_run_dir(run, overwrite=True)
     assert [p.name for p in run.iterdir()] == ["logs"]
+    # names are exact and of their kind (a verification trial): a user's package 'nereusd/' or
+    # 'slurm/', a file 'summary' or 'summary.evil.json', a folder 'summary.json/' are not ours
+    for name, is_dir in (("nereusd", True), ("slurm", True), ("summary", False), ("summary.evil.json", False),
+                         ("summary.json", True)):
+        other = tmp_path / f"other-{name}"
+        (other / "logs").mkdir(parents=True)
+        (other / "events.jsonl").write_text("{}\n")
+        (other / name).mkdir() if is_dir else (other / name).write_text("mine\n")
+        with pytest.raises(NereusError, match=rf"holds what no run writes \({name}\)"):
+            clear_run_dir(other, overwrite=True)
+        assert (other / name).exists()
+    # a symlink to a run directory, and '.' inside one: emptied in place (rmtree of a link or of '.' failed)
+    real = tmp_path / "real"
+    (real / "checkpoints" / "step000002").mkdir(parents=True)
+    (real / "summary.stopped.2.json").write_text("{}\n")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    clear_run_dir(link, overwrite=True)
+    assert link.is_symlink() and [p.name for p in real.iterdir()] == ["logs"]
+    (real / "events.jsonl").write_text("{}\n")
+    monkeypatch.chdir(real)
+    clear_run_dir(Path("."), overwrite=True)
+    assert [p.name for p in real.iterdir()] == ["logs"]
 
 
 def test_a_full_disk_is_a_storage_error_and_leaves_no_torn_line(tmp_path, caplog):
