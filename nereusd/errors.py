@@ -86,6 +86,11 @@ class StorageError(NereusError):
     storage, not of a device. The message names the path and the cause."""
 
 
+class CheckpointUnreadable(NereusError):
+    """No checkpoint a restore tried could be read (each damaged or incomplete): the message names
+    them and the last one's error. Not a storage fault: no space or write is at stake."""
+
+
 class SlurmError(NereusError):
     """A Slurm command failed; the message carries argv, exit code and stderr.
 

@@ -36,7 +36,7 @@ import numpy as np
 from nereusd.workflow import Algorithm
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd import checkpoints
-from nereusd.errors import StorageError, WorkerError
+from nereusd.errors import CheckpointUnreadable, StorageError, WorkerError
 from nereusd import protocol as P
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import METRICS_FILE, Event, Journal, drop_metrics_from
@@ -544,7 +544,8 @@ class RLDriver:
         from the older one's step on leave ``metrics.jsonl``, since those steps run again.
 
         Raises:
-            WorkerError: the last checkpoint tried could not be read either, or a worker died.
+            CheckpointUnreadable: no checkpoint tried could be read.
+            WorkerError: a worker died or failed otherwise.
         """
         step, position = 0, 0
         if checkpoint is not None:
@@ -555,8 +556,12 @@ class RLDriver:
                     self.control.run({d: P.LoadCheckpointArgs(dir=directory) for d in members}, 300)
                     break
                 except WorkerError as err:
-                    if err.error_kind != "StorageError" or i + 1 == len(tries):
+                    if err.error_kind != "StorageError":
                         raise
+                    if i + 1 == len(tries):   # said as a storage fault, it pointed at the disk's free space
+                        raise CheckpointUnreadable(
+                            f"no checkpoint could be read (tried {', '.join(Path(t[0]).name for t in tries)}); "
+                            f"the last: {err}") from None
                     older = tries[i + 1]
                     log.error("checkpoint %s cannot be read (%s); falling back to %s", directory, err, older[0])
                     dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, older[1])

@@ -177,3 +177,37 @@ def test_an_add_the_job_cannot_take_is_refused_and_the_job_goes_on(tmp_path, mon
     # an exited agent is reaped (its status collected) and forgotten
     live._reap_agents()
     assert live._agent_procs == {}
+
+
+def test_a_restore_falls_back_past_unreadable_checkpoints_and_says_when_none_reads(tmp_path):
+    """``RLDriver.restore`` with fallbacks: a load the workers report as a ``StorageError``
+    (damaged files) moves on to the next older checkpoint, journalled ``checkpoint_unreadable``
+    with the metrics dropped from its step; when none reads, ``CheckpointUnreadable`` names them
+    (a storage fault had pointed at the disk's free space)."""
+    import pytest
+
+    from nereusd.errors import CheckpointUnreadable, WorkerError
+    from nereusd.journal import METRICS_FILE, read_jsonl
+
+    job, site, control, journal, driver, controller = shell(tmp_path)
+    for step in range(6):
+        journal.metric({"step": step})
+    unreadable = {str(tmp_path / "c6"), str(tmp_path / "c4")}
+    run = control.run
+
+    def loads(args, timeout_s=None, shared=None):
+        directory = getattr(next(iter(args.values())), "dir", None)
+        if directory in unreadable:
+            raise WorkerError(f"checkpoint load in {directory} failed: EOFError", error_kind="StorageError")
+        return run(args, timeout_s, shared)
+
+    control.run = loads
+    driver._sync_weights = lambda: None
+    driver.restore((str(tmp_path / "c6"), 6, 60), [(str(tmp_path / "c4"), 4, 40), (str(tmp_path / "c2"), 2, 20)])
+    assert driver.step_index == 2 and driver.last_checkpoint == (str(tmp_path / "c2"), 2, 20)
+    falls = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_unreadable"]
+    assert [(e["step"], e["dropped_metrics"]) for e in falls] == [(4, [4, 5]), (2, [2, 3])]
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / METRICS_FILE)] == [0, 1]
+    unreadable.add(str(tmp_path / "c2"))
+    with pytest.raises(CheckpointUnreadable, match=r"no checkpoint could be read \(tried c6, c4, c2\); the last: "):
+        driver.restore((str(tmp_path / "c6"), 6, 60), [(str(tmp_path / "c4"), 4, 40), (str(tmp_path / "c2"), 2, 20)])
