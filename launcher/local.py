@@ -516,7 +516,8 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
         write_summary(run_dir, {**_read_summary(run_dir), "status": "interrupted", "error_kind": "Interrupted",
                                 "error": "interrupted before nereusd could write its summary",
                                 "steps_completed": steps})
-        print(f"nereus: interrupted after {steps} step(s); `nereus-launch resume {run_dir}` continues it",
+        print(f"nereus: interrupted after {steps} step(s); `nereus-launch resume {run_dir}` continues it"
+              if (run_dir / EVENTS_FILE).exists() else "nereus: interrupted before the job started; nothing to resume",
               file=sys.stderr)
         return 130
     crashed = crash_summary(run_dir, returncode)

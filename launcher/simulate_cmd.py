@@ -32,7 +32,7 @@ from nereusd.sim.report import _title, format_table, summary, write
 from nereusd.planner.space import GENERATION_ENGINES
 from nereusd.sim.scenario import Scenario, build, run_policies
 from nereusd.sim.truth import MAX_CONTENTION_PER_H, MAX_NOISE_SIGMA, TRUTH_KINDS, TruthConfig
-from nereusd.traces import LENGTH_TRACES, POOL_TRACES
+from nereusd.traces import DEFAULT_COLUMN, LENGTH_TRACES, POOL_TRACES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--length-trace", default="generated-ramp",
                    help=f"shipped name ({', '.join(sorted(LENGTH_TRACES))}), generated-ramp[:start:end] (tokens, "
                    "geometric over --steps), or a CSV path (FILE.csv or FILE.csv:COLUMN, default column "
-                   "response_length_mean, one row per step; a trace shorter than --steps repeats)")
+                   f"{DEFAULT_COLUMN}: each step's longest response, one row per step; a trace shorter than "
+                   "--steps repeats)")
     p.add_argument("--max-new-tokens-schedule", default=None, metavar="STEP:CAP,…",
                    help="a response-length curriculum, as a job's rollout.max_new_tokens_schedule (e.g. "
                    "0:8192,500:16384,800:24576, DeepScaleR's 8K/16K/24K): from step STEP each step's length is the "

@@ -158,7 +158,7 @@ def load_length_trace(name: str, steps: int | None = None, seed: int = 0) -> Len
     if name in LENGTH_TRACES:
         file, column = LENGTH_TRACES[name]
         return LengthTrace(name, tuple(_read_column(LENGTH_DIR / file, column)))
-    base, _, column = name.partition(":") if not Path(name).exists() else (name, "", "")
+    base, _, column = name.rpartition(":") if ":" in name and not Path(name).exists() else (name, "", "")
     path = Path(base) if Path(base).exists() else LENGTH_DIR / base
     if not path.is_file():
         raise ConfigError(f"length trace {name!r}: not a shipped trace ({sorted(LENGTH_TRACES)}, "

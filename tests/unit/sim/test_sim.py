@@ -471,6 +471,11 @@ def test_a_trace_file_written_with_a_byte_order_mark_reads(tmp_path):
     csv_path = tmp_path / "lengths.csv"
     csv_path.write_bytes("response_length_max,step\r\n100,0\r\n120,1\r\n".encode("utf-8-sig"))
     assert load_length_trace(str(csv_path)).response_lengths == (100.0, 120.0)
+    # a colon in a directory's name: the column follows the last one (a verification trial)
+    colon = tmp_path / "a:b"
+    colon.mkdir()
+    (colon / "m.csv").write_text("step,response_length_mean\n0,7\n")
+    assert load_length_trace(f"{colon / 'm.csv'}:response_length_mean").response_lengths == (7.0,)
     pool_path = tmp_path / "pool.json"
     pool_path.write_bytes('{"metadata": {"gap_seconds": 300}, "data": [16, 8.0]}'.encode("utf-8-sig"))
     assert load_pool_trace(str(pool_path)).fractions == (1.0, 0.5)
