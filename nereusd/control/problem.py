@@ -102,7 +102,8 @@ def launch_for(problem: PlanProblem, calibration: Calibration | None = None) -> 
         try:   # the planner's own account of what fails, and what would fit
             Planner(problem, cost_model, PlannerOptions(headroom=HEADROOM, allow_recompute=True), suggest=True).solve()
         except Infeasible as err:
-            lines.append(str(err))
+            # the urgent path's lines ("job settings: …", "with recomputation: …") say it again
+            lines = [line for line in lines if line.split(": ", 1)[-1] not in str(err)] + [str(err)]
             why = err
         raise Infeasible(f"no launch plan fits {len(problem.pool)} devices: " + "; ".join(lines),
                          *((why.model_stage, why.need_bytes, why.usable_bytes) if why is not None else ()))

@@ -67,6 +67,7 @@ def test_a_launch_that_fits_no_device_says_what_is_short(demo):
         launch_plan(small, site, PROMPT)
     assert err.value.model_stage is not None and err.value.need_bytes > small.device_memory_bytes
     assert err.value.usable_bytes < small.device_memory_bytes
+    assert str(err.value).count("smallest peak over every layout") == 1   # said once, not three times
 
 
 def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
