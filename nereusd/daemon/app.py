@@ -296,7 +296,7 @@ class Daemon:
 
     def _journal_resume(self, record: dict | None, kept: KeptState | None, *, restored: bool) -> None:
         """``--resume``: journal where the job continues. From the latest committed checkpoint
-        (``record``, :func:`nereusd.checkpoints.resume_record`) the metrics of the steps from it
+        (``record``, the newest of :func:`nereusd.checkpoints.resume_records`) the metrics of the steps from it
         on leave ``metrics.jsonl`` (they run again, so each step is there once); on kept
         workers nothing is re-run. ``controller_state`` says whether the checkpoint's controller
         state was restored (``restored``; a refused one is named in the ``launch_plan`` event)."""
