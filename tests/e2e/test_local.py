@@ -50,17 +50,19 @@ def check_run(proc, run_dir: Path, steps: int, devices: int) -> list[dict]:
     return records
 
 
-def test_grpo_colocated_tp2(tmp_path):
-    proc, run_dir = launch(tmp_path, """
-name: e2e-grpo
+GRPO_2 = """
 algorithm: grpo
 steps: 2
 devices: 2
 models: {actor: "@WARMSTART@"}
 rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
 train: {global_batch: 16, micro_batch: 4}
-plan: {default: {tp: 2, pp: 1}}
-""")
+"""
+"""Two GRPO steps of the warm-start model on 2 devices: the jobs below add a name and what they test."""
+
+
+def test_grpo_colocated_tp2(tmp_path):
+    proc, run_dir = launch(tmp_path, "name: e2e-grpo" + GRPO_2 + "plan: {default: {tp: 2, pp: 1}}\n")
     records = check_run(proc, run_dir, steps=2, devices=2)
     assert records[0]["plan"]["actor/training"]["tp"] == 2
 
@@ -115,16 +117,7 @@ train: {global_batch: 8, micro_batch: 2}
     assert "greedy_reward_mean" in records[0]
 
 
-OOM_JOB = """
-name: e2e-oom
-algorithm: grpo
-steps: 2
-devices: 2
-memory_gib: 0.017
-models: {actor: "@WARMSTART@"}
-rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
-train: {global_batch: 16, micro_batch: 4}
-"""
+OOM_JOB = "name: e2e-oom" + GRPO_2 + "memory_gib: 0.017\n"
 """17.4 MiB a device: above the 16 MiB workspace a worker books, below what the model needs."""
 
 
@@ -166,15 +159,7 @@ def test_an_agent_that_dies_before_registering_fails_the_job_at_once(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the agent starts")
-    proc, run_dir = launch(tmp_path, """
-name: e2e-no-gpu
-algorithm: grpo
-steps: 2
-devices: 2
-models: {actor: "@WARMSTART@"}
-rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 24}
-train: {global_batch: 16, micro_batch: 4}
-""", timeout_s=90, extra=("--gpus",))
+    proc, run_dir = launch(tmp_path, "name: e2e-no-gpu" + GRPO_2, timeout_s=90, extra=("--gpus",))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "failed: the agent exited with status 1 before it registered: RuntimeError: no NVIDIA or AMD GPU" in proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
