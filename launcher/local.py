@@ -483,6 +483,15 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
 
 
+def _job_time(summary: dict) -> str:
+    """`` (the job, over N nereusds: …)`` for a resumed job's summary; ``""`` for one nereusd's."""
+    if not (summary.get("resumes") and summary.get("job_wall_time_s")):
+        return ""
+    running = (f"{summary['job_run_time_s']:.0f} s running, " if "job_run_time_s" in summary else "")
+    return (f" (the job, over {summary['resumes'] + 1} nereusds: {running}"
+            f"{summary['job_wall_time_s']:.0f} s since the first started)")
+
+
 def _read_summary(run_dir: Path) -> dict:
     """``summary.json`` of ``run_dir`` (``{}`` when missing or unreadable)."""
     try:
@@ -531,11 +540,7 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
     status = summary.get("status")
     if status == "succeeded":
         print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s"
-              + (f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_run_time_s']:.0f} s running, "
-                 f"{summary['job_wall_time_s']:.0f} s since the first started)"
-                 if summary.get("resumes") and summary.get("job_wall_time_s") and "job_run_time_s" in summary
-                 else f" (the job, over {summary['resumes'] + 1} nereusds: {summary['job_wall_time_s']:.0f} s)"
-                 if summary.get("resumes") and summary.get("job_wall_time_s") else "") + "; "
+              + _job_time(summary) + "; "
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}"
               + (f" (best {summary['reward_best']:.2f} at step {summary['reward_best_step']})"
                  if "reward_best" in summary else "") + ", "
