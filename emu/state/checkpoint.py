@@ -69,8 +69,8 @@ def _storage_faults(what: str, directory: str | Path):
         yield
     except NereusError:
         raise
-    except (CheckpointException, OSError, Exception) as err:
-        if not loading and not isinstance(err, (CheckpointException, OSError)):
+    except (CheckpointException, Exception) as err:   # CheckpointException is a BaseException
+        if not (loading or isinstance(err, (CheckpointException, OSError))):
             raise
         cause = err
         if isinstance(err, CheckpointException):   # one failure per rank: say the first
