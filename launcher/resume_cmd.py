@@ -33,7 +33,8 @@ from nereusd.config.resolve import load_and_resolve
 from nereusd.control.jobs import job_fingerprint
 from nereusd.daemon.kept import started_job_sha256
 from nereusd.errors import NereusError
-from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, read_jsonl, run_dir_owner
+from nereusd.journal import (EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, check_resume_steps, read_jsonl,
+                             run_dir_owner)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -115,6 +116,7 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
         return 0
     path = job_file(run_dir)
     job = load_and_resolve(path)
+    check_resume_steps(run_dir, job.config.steps)
     recorded = started_job_sha256(run_dir)
     changed = recorded is not None and recorded != job_fingerprint(job)
     if changed:

@@ -28,7 +28,8 @@ from nereusd import protocol as P
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError, SlurmError
 from nereusd.config.resolve import resolve_job
-from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, clear_run_dir, is_simulation_summary, to_json
+from nereusd.journal import (ENDPOINT_FILE, SUMMARY_FILE, check_resume_steps, clear_run_dir, is_simulation_summary,
+                             to_json)
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.plan import MAX_DEVICES
@@ -386,6 +387,7 @@ def submit_resume(run_dir: Path) -> str:
         raise NereusError(f"{run_dir}: Slurm job {record['job_id']} is still {old.state}; cancel it or let it end")
     ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=record["nodes"], account="", time="")
     site, req = _prepare(ns, str(run_dir), "resume")
+    check_resume_steps(run_dir, load_job(Path(record["job"])).steps)
     script = render(load_template(), site, req)
     (run_dir / "nereus.sbatch").write_text(script)
     job_id = client.sbatch(script)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from nereusd.errors import NereusError, StorageError, not_utf8
+from nereusd.errors import ConfigError, NereusError, StorageError, not_utf8
 
 log = logging.getLogger(__name__)
 
@@ -513,6 +513,43 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def metrics_steps(path: str | Path) -> list[int]:
+    """The ``step`` of each record of the metrics journal at ``path``, in file order (``[]``
+    when there is none).
+
+    Raises:
+        JournalError: as :func:`read_jsonl`, or a record without an integer ``step``.
+    """
+    path = Path(path)
+    return _record_steps(path, read_jsonl(path)) if path.exists() else []
+
+
+def _record_steps(path: Path, records: list[dict]) -> list[int]:
+    steps = []
+    for number, r in enumerate(records, 1):
+        value = r.get("step")
+        if type(value) is not int:
+            raise JournalError(f"{path}: record {number} has no integer step ({value!r})")
+        steps.append(value)
+    return steps
+
+
+def check_resume_steps(run_dir: str | Path, steps: int) -> None:
+    """Refuse to resume the run in ``run_dir`` with a job of ``steps`` RL steps when it has
+    already completed more (a job file edited down): a resume would drop the later steps'
+    metrics and report success on a run longer than its job.
+
+    Raises:
+        ConfigError: names the steps completed and the job's ``steps``.
+        JournalError: as :func:`metrics_steps`.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    done = max(metrics_steps(path), default=-1) + 1
+    if done > steps:
+        raise ConfigError(f"{run_dir}: the run has completed {done} steps ({path}), more than the job's "
+                          f"steps: {steps}; raise steps in the job file to continue it, or start a new run")
+
+
 def drop_metrics_from(path: str | Path, step: int) -> list[int]:
     """Remove the records of steps ``>= step`` from the metrics journal at ``path`` (they run again
     after a rewind, so every step appears once); returns their steps. Rewritten in place when
@@ -526,12 +563,7 @@ def drop_metrics_from(path: str | Path, step: int) -> list[int]:
     if not path.exists():
         return []
     records = read_jsonl(path)
-    steps = []
-    for number, r in enumerate(records, 1):
-        value = r.get("step")
-        if type(value) is not int:
-            raise JournalError(f"{path}: record {number} has no integer step ({value!r})")
-        steps.append(value)
+    steps = _record_steps(path, records)
     keep = [r for r, s in zip(records, steps) if s < step]
     dropped = [s for s in steps if s >= step]
     if dropped or len(records) != sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()):

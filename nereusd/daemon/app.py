@@ -43,7 +43,8 @@ from nereusd.daemon.security import load_keys
 from nereusd.cost.memory import usable_bytes
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
-from nereusd.journal import ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal, RunDirLock, drop_metrics_from, read_jsonl
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal, RunDirLock, check_resume_steps,
+                             drop_metrics_from, read_jsonl)
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.planner.space import evaluate
@@ -234,6 +235,8 @@ class Daemon:
         job = self.job
         site = self.site
         self.driver = driver = RLDriver(job, self.control, self.journal, devices_per_node=site.devices_per_node)
+        if self.args.resume:   # before anything is dropped: a job file edited below the steps run is refused
+            check_resume_steps(self.run_dir, job.config.steps)
         records = checkpoints.resume_records(self.run_dir) if self.args.resume else []
         record = records[0] if records else None
         resumed = self._resumed_controller(record, driver) if self.pool.live and record is not None else None

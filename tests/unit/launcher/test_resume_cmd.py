@@ -84,3 +84,32 @@ def test_a_summary_set_aside_stays_in_the_run_directory_whatever_its_status_says
     (tmp_path / "summary.json").write_text("{}")
     _set_aside_summary(tmp_path, "../../escaped")
     assert [p.name for p in tmp_path.iterdir()] == ["summary.______escaped.json"]
+
+
+def test_a_job_file_edited_below_the_steps_run_is_refused_before_anything_moves(tmp_path):
+    """A job file edited to fewer ``steps`` than the run completed dropped the later steps'
+    metrics and reported "succeeded" (an adversarial helper, 2026-12-06): refused now, before
+    the summary is set aside or a metric dropped; as many steps as ran is still a resume."""
+    from pathlib import Path
+
+    from nereusd.errors import ConfigError
+    from nereusd.journal import check_resume_steps
+
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    text = (examples / "counting_remax.yaml").read_text().replace("steps: 20", "steps: 3")
+    text = text.replace("models/", str(examples / "models") + "/")
+    (tmp_path / "job.yaml").write_text(text)
+    journal = Journal(tmp_path)
+    journal.event(Event.NEREUSD_STARTED, {"job_file": str(tmp_path / "job.yaml")})
+    for step in range(5):
+        journal.metric({"step": step})
+    journal.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "crashed"}))
+    with pytest.raises(ConfigError, match=r"completed 5 steps .* more than the job's steps: 3"):
+        run(_args(tmp_path))
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "crashed"}
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+    check_resume_steps(tmp_path, 5)   # all five ran: resuming finishes the run
+    with pytest.raises(ConfigError, match="completed 5 steps"):
+        check_resume_steps(tmp_path, 4)
+    check_resume_steps(tmp_path / "no-metrics-here", 1)
