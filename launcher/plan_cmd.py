@@ -60,7 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="longest response in tokens the plan must hold (default: %(default)s)")
     p.add_argument("--global-batch", type=bounded_int(1, MAX_SEQUENCES), default=256, help="sequences per RL step")
     p.add_argument("--mini-batches", type=bounded_int(1, MAX_SEQUENCES), default=1, help="optimizer steps per RL step")
-    p.add_argument("--micro-batch", type=bounded_int(1, MAX_SEQUENCES), default=1, help="per-replica micro-batch (sequences)")
+    p.add_argument("--micro-batch", type=bounded_int(1, MAX_SEQUENCES), default=1,
+                   help="per-replica training micro-batch, at most (sequences; as train.micro_batch): lowered to "
+                        "a divisor of each replica's share that fits; generation waves are searched on their own")
     p.add_argument("--any-divisor", action="store_true", help="TP/PP may be any divisor, not only 2^k")
     p.add_argument("--recompute", action="store_true", help="allow activation recomputation")
     p.add_argument("--zero", nargs="?", const=(1, 2), default=(), metavar="STAGES", type=_zero_stages,

@@ -45,7 +45,8 @@ DeviceKind = Literal["cpu", "cuda", "rocm"]
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 
 #: Directories searched, in order, for a bare site name ``NAME`` → ``NAME.yaml``.
-#: ``$NEREUS_SITE_CONFIGS`` (if set) comes first, then the repository's ``site_configs/``.
+#: The directories of ``$NEREUS_SITE_CONFIGS`` (if set; separated by ``os.pathsep``) come first,
+#: then the repository's ``site_configs/``.
 SITE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "site_configs"
 
 
@@ -285,8 +286,8 @@ def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
     """Find the YAML for a path or a bare site name.
 
     A value containing a path separator or ending in ``.yaml``/``.yml`` is a path. A bare name
-    ``NAME`` is looked up as ``NAME.yaml`` in ``$NEREUS_SITE_CONFIGS`` (if set), then in the
-    repository's ``site_configs/``.
+    ``NAME`` is looked up as ``NAME.yaml`` in the directories of ``$NEREUS_SITE_CONFIGS`` (if set,
+    in order), then in the repository's ``site_configs/``.
 
     Raises:
         ConfigError: if nothing is found; the message lists where it looked.
@@ -299,9 +300,7 @@ def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
             if not path.is_file():
                 raise ConfigError(f"{text}: no such site config file")
             return path
-        dirs = []
-        if os.environ.get("NEREUS_SITE_CONFIGS"):
-            dirs.append(Path(os.environ["NEREUS_SITE_CONFIGS"]))
+        dirs = [Path(d) for d in os.environ.get("NEREUS_SITE_CONFIGS", "").split(os.pathsep) if d]
         dirs.append(SITE_CONFIG_DIR)
         for d in dirs:
             candidate = d / f"{text}.yaml"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
 import pytest
 import yaml
 
@@ -171,3 +172,19 @@ def test_an_empty_site_file_says_so(tmp_path):
     path.write_text("# to fill in\n")
     with pytest.raises(ConfigError, match=r"mine.yaml: the file is empty"):
         load_site(str(path))
+
+
+def test_env_var_holds_several_directories_in_order(tmp_path, monkeypatch):
+    """``$NEREUS_SITE_CONFIGS`` is a ``:``-separated search path (the README's "a directory of";
+    a docs audit, 2026-12-06, found ``/a:/b`` taken as one directory named so)."""
+    doc = yaml.safe_load((SITE_CONFIG_DIR / "local.yaml").read_text())
+    first, second = tmp_path / "a", tmp_path / "b"
+    second.mkdir()
+    first.mkdir()
+    doc["nodes"] = 2
+    (second / "mysite.yaml").write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv("NEREUS_SITE_CONFIGS", f"{first}{os.pathsep}{second}")
+    assert load_site("mysite").nodes == 2
+    doc["nodes"] = 5
+    (first / "mysite.yaml").write_text(yaml.safe_dump(doc))
+    assert load_site("mysite").nodes == 5
