@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 
+from nereusd.cost.calibration import MAX_EFFICIENCY
 from nereusd.errors import ConfigError, shortened
 from nereusd.config.site_slurm import ContainerSpec, SlurmSpec, check_env, check_slurm  # noqa: F401 (re-exported)
 
@@ -105,6 +106,15 @@ class NetworkSpec:
     2, 4 and 8 GPUs of a node, ``(t8 − t2) / (2·t2)``."""
     inter_node_latency_growth: float = 1.0
     """The same across nodes (``all_reduce_perf`` over 2, 4, 8 … nodes, one GPU each)."""
+    intra_node_all_reduce_efficiency: float = 0.0
+    """A large all-reduce's measured bus bandwidth inside a node over ``intra_node_gbps``
+    (nccl-tests' ``all_reduce_perf -b 1G -e 1G`` on a node's GPUs: its ``busbw`` over the link
+    figure), or 0: not measured. Given, the cost model prices the training engines' all-reduces
+    there at this efficiency instead of learning it from whole model-stage times, which cannot
+    tell a collective from the compute beside it while a job runs one layout
+    (:meth:`nereusd.cost.calibration.Calibration.pin`)."""
+    inter_node_all_reduce_efficiency: float = 0.0
+    """The same across nodes (``all_reduce_perf`` over nodes, one GPU each), or 0."""
     communicator_setup_s: float = 0.5
     """Seconds to create one new communicator (NCCL/RCCL/gloo group), used by transitions."""
 
@@ -457,7 +467,8 @@ _MAXIMUM = {
                  "host_link_gbps": 1e7, "host_staging_gib": 1e6},
     NetworkSpec: {"intra_node_gbps": 1e7, "inter_node_gbps": 1e7, "intra_node_latency_us": 1e7,
                   "inter_node_latency_us": 1e7, "communicator_setup_s": 1e4, "intra_node_latency_growth": 10.0,
-                  "inter_node_latency_growth": 10.0},
+                  "inter_node_latency_growth": 10.0, "intra_node_all_reduce_efficiency": MAX_EFFICIENCY,
+                  "inter_node_all_reduce_efficiency": MAX_EFFICIENCY},
     LivenessSpec: {"worker_stall_s": 1e7, "resume_grace_s": 1e7, "straggler_factor": 1e6, "straggler_min_s": 1e7,
                    "task_max_s": 1e7},
 }
@@ -471,7 +482,8 @@ _MINIMUM = {
 """Lower bounds far below any real value (a KiB device, a MB/s link) for the keys the cost model
 divides by: ``hbm_gbps: 1e-300`` priced a step at 1e296 s and ``simulate`` grew to 17 GB."""
 _NON_NEGATIVE = {NetworkSpec: ("intra_node_latency_us", "inter_node_latency_us", "communicator_setup_s",
-                              "intra_node_latency_growth", "inter_node_latency_growth"),
+                              "intra_node_latency_growth", "inter_node_latency_growth",
+                              "intra_node_all_reduce_efficiency", "inter_node_all_reduce_efficiency"),
                  DeviceSpec: ("layer_launch_us", "host_cores", "host_link_gbps", "host_staging_gib")}
 
 

@@ -16,6 +16,9 @@ operation class, the *ideal* seconds at peak (efficiency 1); a measured time giv
   collectives or the optimizer — where one shared ratio per sample cannot. A ridge term keeps
   every class near its robust anchor, so a class the samples cannot pin down stays there.
 
+A class measured on its own (:meth:`Calibration.pin`: a site's nccl-tests all-reduce figure) is
+not learned: whole-stage samples are explained by the other classes around its pinned time.
+
 The state is plain JSON (:meth:`Calibration.to_json` / :meth:`Calibration.save` with an atomic
 rename) so that it survives a daemon restart and can be reused for a new model whose
 operation classes match.
@@ -53,6 +56,17 @@ def comm_class(collective: str, link: str) -> str:
     return f"{collective}_{link}"
 
 
+def grad_sync_class(link: str) -> str:
+    """Operation class of the DP gradient all-reduce on a link type, e.g. ``grad_sync_inter``:
+    an engine's gradient synchronisation (one flat all-reduce after the last micro-batch in the
+    native engine; bucketed, in fp32 and overlapped with the backward in Megatron-core's and
+    DeepSpeed's) is priced as a ring all-reduce of the gradient shard but learned apart from the
+    layers' all-reduces (:func:`comm_class`), which a site's nccl-tests figure describes
+    (:meth:`Calibration.pin`)."""
+    assert link in LINK_TYPES, link
+    return f"grad_sync_{link}"
+
+
 def latency_class(link: str) -> str:
     """Operation class of collectives' per-call latency (the α of the α–β model) on a link type,
     e.g. ``latency_intra``: calibrated apart from their bytes over bandwidth (:func:`comm_class`),
@@ -67,6 +81,8 @@ PRIORS: dict[str, float] = {
     GEMM: 0.45, ATTENTION: 0.30, DECODE: 0.50, OPTIMIZER: 0.50, LAUNCH: 1.0,
     **{comm_class(c, "intra"): 0.50 for c in COLLECTIVES},
     **{comm_class(c, "inter"): 0.40 for c in COLLECTIVES},
+    grad_sync_class("intra"): 0.50, grad_sync_class("inter"): 0.40,   # as the all-reduces'
+
     latency_class("intra"): 0.50, latency_class("inter"): 0.40,   # as the collectives': unchanged sums
 }
 GENERATION_PREFIX = "generation_"
@@ -146,7 +162,7 @@ def weighted_median(values: Iterable[float], weights: Iterable[float]) -> float:
 
 
 def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], anchor: Mapping[str, float],
-                     ridge: float = RIDGE) -> dict[str, float]:
+                     ridge: float = RIDGE, pinned: Mapping[str, float] | None = None) -> dict[str, float]:
     """Per-class efficiencies that best explain whole-stage measured times.
 
     Each sample is ``(ideal_s_by_class, measured_s)``; the model ``measured ≈ Σ_c ideal_c · x_c``
@@ -157,7 +173,7 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
     (a penalty scaled by the class's share let such classes swing to the efficiency bounds, and
     the simulator's ramp went from 3.6 % faster than frozen to 1.0 % slower). ``x_c`` outside
     ``[1/max_efficiency(c), 1/MIN_EFFICIENCY]`` (:func:`max_efficiency`) is fixed at the bound
-    and the rest solved again.
+    and the rest solved again. A class in ``pinned`` is fixed at its efficiency from the start.
 
     Returns:
         Efficiency per class that appears in a sample with positive ideal seconds (an unknown
@@ -178,8 +194,9 @@ def fit_efficiencies(samples: Sequence[tuple[Mapping[str, float], float]], ancho
                    for c in classes])
     weight = ridge * len(samples) * np.diag(1.0 / x0 ** 2)
     lows, hi = [1.0 / max_efficiency(c) for c in classes], 1.0 / MIN_EFFICIENCY
-    fixed: dict[int, float] = {}
+    fixed = {k: 1.0 / pinned[c] for k, c in enumerate(classes) if pinned and c in pinned}
     x = x0.copy()
+    x[list(fixed)] = list(fixed.values())
     for _ in classes:
         free = [k for k in range(len(classes)) if k not in fixed]
         if not free:
@@ -223,15 +240,39 @@ class Calibration:
         self._samples: dict[str, deque[float]] = {}
         self._stages: deque[tuple[dict[str, float], float]] = deque(maxlen=window)
         self._fitted: dict[str, float] | None = None
+        self.pinned: dict[str, float] = {}
+        """Classes measured on their own (:meth:`pin`); not part of the saved state."""
+
+    def pin(self, op_class: str, efficiency: float) -> None:
+        """Fix ``op_class`` at ``efficiency``, measured on its own (a site's nccl-tests figure,
+        :attr:`~nereusd.config.site.NetworkSpec.intra_node_all_reduce_efficiency`): its samples
+        are no longer taken, and a whole stage's measured time is explained by its other classes
+        around the pinned class's predicted time. On one layout a stage's classes grow together,
+        so learning them all lets a share of what the model lacks elsewhere (element-wise work,
+        small-GEMM efficiency) land on the collectives, and plans that use more of them are
+        over-priced (the simulator's A100 ramp, ``docs/RESULTS_LOG.md``, 2026-12-06).
+
+        Raises:
+            ConfigError: ``efficiency`` outside ``[MIN_EFFICIENCY, max_efficiency(op_class)]``.
+        """
+        if not MIN_EFFICIENCY <= efficiency <= max_efficiency(op_class):
+            raise ConfigError(f"pinned efficiency of {op_class}: expected {MIN_EFFICIENCY:g} to "
+                              f"{max_efficiency(op_class):g}, got {efficiency!r}")
+        self.pinned[op_class] = float(efficiency)
+        self._fitted = None
 
     def efficiency(self, op_class: str) -> float:
-        """Current efficiency of ``op_class`` in (0, :func:`max_efficiency`]: the least-squares fit where at least
-        :data:`MIN_FIT_SAMPLES` whole-stage samples cover the class, else the robust anchor."""
+        """Current efficiency of ``op_class`` in (0, :func:`max_efficiency`]: the pinned one
+        (:meth:`pin`), else the least-squares fit where at least :data:`MIN_FIT_SAMPLES` whole-stage
+        samples cover the class, else the robust anchor."""
+        if op_class in self.pinned:
+            return self.pinned[op_class]
         if self._fitted is None:
             self._fitted = {}
             covered = Counter(c for ideal, _ in self._stages for c, v in ideal.items() if v > 0)
             if covered and max(covered.values()) >= MIN_FIT_SAMPLES:
-                fitted = fit_efficiencies(self._stages, {c: self.anchor(c) for c in covered}, self.ridge)
+                fitted = fit_efficiencies(self._stages, {c: self.anchor(c) for c in covered}, self.ridge,
+                                          self.pinned)
                 self._fitted = {c: e for c, e in fitted.items() if covered[c] >= MIN_FIT_SAMPLES}
         fitted = self._fitted.get(op_class)
         return fitted if fitted is not None else self.anchor(op_class)
@@ -253,8 +294,10 @@ class Calibration:
         """Record one measurement: ``ideal_s`` predicted at peak, ``measured_s`` observed.
 
         Non-positive or non-finite inputs are ignored (logged), never raised: a broken timer
-        must not stop a job.
+        must not stop a job; so is a sample of a pinned class (:meth:`pin`).
         """
+        if op_class in self.pinned:
+            return
         if not (ideal_s > 0 and measured_s > 0) or ideal_s == float("inf") or measured_s == float("inf"):
             log.debug("calibration: ignoring %s sample ideal=%r measured=%r", op_class, ideal_s, measured_s)
             return
@@ -265,16 +308,20 @@ class Calibration:
     def observe_stage(self, ideal_s_by_class: Mapping[str, float], measured_s: float) -> None:
         """Learn from one model-stage's total measured time when per-class times are unknown.
 
-        The measured time is split over classes in proportion to their *predicted* seconds
-        (``ideal / efficiency``), and each share gives one sample of its class's anchor; the
-        whole sample joins the least-squares window (module docstring).
+        The measured time, less the pinned classes' predicted seconds (:meth:`pin`), is split
+        over the other classes in proportion to their *predicted* seconds (``ideal /
+        efficiency``), and each share gives one sample of its class's anchor (none when the
+        pinned classes alone were predicted to take longer); the whole sample joins the
+        least-squares window (module docstring).
         """
         predicted = {c: s / self.efficiency(c) for c, s in ideal_s_by_class.items() if 0 < s < float("inf")}
-        total = sum(predicted.values())
-        if total <= 0 or not 0 < measured_s < float("inf"):
+        learned = {c: s for c, s in predicted.items() if c not in self.pinned}
+        total = sum(learned.values())
+        if sum(predicted.values()) <= 0 or not 0 < measured_s < float("inf"):
             return
-        for op_class, seconds in predicted.items():
-            self.observe(op_class, ideal_s_by_class[op_class], measured_s * seconds / total)
+        rest = measured_s - (sum(predicted.values()) - total)
+        for op_class, seconds in learned.items() if rest > 0 else ():
+            self.observe(op_class, ideal_s_by_class[op_class], rest * seconds / total)
         self._stages.append(({c: float(ideal_s_by_class[c]) for c in predicted}, float(measured_s)))
         self._fitted = None
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
+from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class, grad_sync_class,
                                       generation_class, latency_class)
 from nereusd.cost.formulas import (adam_update_s, continuous_batching, decode_step_s, p2p_parts, p2p_s, pipeline_slots,
                                    ring_collective_parts)
@@ -110,6 +110,17 @@ VOCAB_LOSS_ALL_REDUCES_INFER = 3
 """The same for an inference pass, which reads log-probabilities without the entropy."""
 
 
+def measured_classes(site: SiteConfig) -> dict[str, float]:
+    """The operation classes ``site`` measured on their own, with their efficiency: the training
+    engines' all-reduce inside and across nodes where the site gives
+    ``network.intra_node_all_reduce_efficiency`` / ``inter_node_all_reduce_efficiency``
+    (nccl-tests; 0 is not measured). :class:`CostModel` pins them on its calibration."""
+    net = site.network
+    return {comm_class("all_reduce", link): e for link, e in (("intra", net.intra_node_all_reduce_efficiency),
+                                                              ("inter", net.inter_node_all_reduce_efficiency))
+            if e > 0}
+
+
 def layer_parameters(spec: ModelSpec) -> int:
     """Weights of one decoder layer (q, k, v, o projections and SwiGLU MLP; norms excluded)."""
     h, d = spec.hidden_size, spec.head_dim
@@ -123,11 +134,17 @@ class CostModel:
         site: hardware peaks and links.
         calibration: efficiencies per operation class (a fresh, prior-only one if omitted).
         dtype: compute dtype (default: the site's ``compute_dtype``).
+        site_measured: pin the classes the site measured (:func:`measured_classes`) on
+            ``calibration``; ``False`` only for a simulator's ground truth, whose efficiencies
+            are its own.
     """
 
-    def __init__(self, site: SiteConfig, calibration: Calibration | None = None, dtype: str | None = None):
+    def __init__(self, site: SiteConfig, calibration: Calibration | None = None, dtype: str | None = None, *,
+                 site_measured: bool = True):
         self.site = site
         self.calibration = calibration or Calibration()
+        for op_class, efficiency in measured_classes(site).items() if site_measured else ():
+            self.calibration.pin(op_class, efficiency)
         self.dtype = dtype or site.compute_dtype
         self.bytes_per_element = dtype_bytes(self.dtype)
         self.peak_flops = site.peak_flops(self.dtype)
@@ -165,15 +182,17 @@ class CostModel:
         """Whether a packed group of ``devices`` consecutive devices crosses a node boundary."""
         return devices > self.site.devices_per_node
 
-    def _ring(self, acc: _Acc, collective: str, nbytes: float, n: int, spans: bool, count: float = 1.0) -> None:
+    def _ring(self, acc: _Acc, collective: str, nbytes: float, n: int, spans: bool, count: float = 1.0,
+              grad_sync: bool = False) -> None:
         """``count`` ring collectives of ``nbytes`` over ``n`` ranks: bytes over bandwidth in the
-        collective's class, per-call latency in :func:`latency_class`
+        collective's class (:func:`grad_sync_class` for the DP gradient all-reduce,
+        ``grad_sync``), per-call latency in :func:`latency_class`
         (:func:`~nereusd.cost.formulas.ring_collective_parts`)."""
         if n <= 1 or count <= 0:
             return
         link, bw, alpha = self.link(spans)
         bandwidth_s, per_call_s = ring_collective_parts(collective, nbytes, n, bw, alpha, self.latency_growth(link))
-        acc.add(comm_class(collective, link), bandwidth_s * count)
+        acc.add(grad_sync_class(link) if grad_sync else comm_class(collective, link), bandwidth_s * count)
         acc.add(latency_class(link), per_call_s * count)
 
     def _p2p(self, acc: _Acc, nbytes: float, spans: bool, count: float = 1.0, collective: str = "p2p") -> None:
@@ -372,7 +391,7 @@ class CostModel:
             acc = self._cache[key] = _Acc()
             shard = self._params(spec, tp, pp)
             self._ring(acc, "all_reduce", shard * self.bytes_per_element, dp, self.spans_nodes(tp * pp * dp),
-                       count=mini_batches)
+                       count=mini_batches, grad_sync=True)
             acc.add(OPTIMIZER, adam_update_s(shard, mini_batches, self.site.hbm_bytes_per_s))
         return acc
 

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from nereusd.cost.calibration import DECODE, LAUNCH, comm_class, generation_class, latency_class
+from nereusd.cost.calibration import DECODE, LAUNCH, comm_class, generation_class, grad_sync_class, latency_class
 from nereusd.cost.formulas import (continuous_batching, decode_step_s, p2p_parts, pipeline_slots,
                                    ring_collective_parts)
 from nereusd.cost.model import CostModel, layer_parameters
@@ -98,7 +98,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
             _, bw, alpha = cm.link(flag)
             bandwidth_s, per_call_s = ring_collective_parts("all_reduce", shard * e, dp, bw, alpha,
                                                             cm.latency_growth(link))
-            acc.add(comm_class("all_reduce", link), np.where((spans == flag) & (dp > 1), bandwidth_s * minis, 0.0))
+            acc.add(grad_sync_class(link), np.where((spans == flag) & (dp > 1), bandwidth_s * minis, 0.0))
             acc.add(latency_class(link), np.where((spans == flag) & (dp > 1), per_call_s * minis, 0.0))
         for c, v in cm._optimizer_step(spec, tp, pp, 1, minis).ideal.items():   # dp 1: no DP all-reduce
             acc.add(c, v)

@@ -483,6 +483,19 @@ def probed_latency_growth(link: str, bandwidth_bytes_per_s: float) -> float:
     return (t8 - t2) / (2 * t2)
 
 
+BANDWIDTH_PROBE_BYTES = float(2**30)
+"""The message of the bandwidth probe (nccl-tests' ``all_reduce_perf -b 1G -e 1G``)."""
+
+
+def probed_all_reduce_efficiency(link: str, bandwidth_bytes_per_s: float, ranks: int = 8) -> float:
+    """What an operator timing this truth's all-reduce of :data:`BANDWIDTH_PROBE_BYTES` over
+    ``ranks`` on ``link`` would write as the site's ``*_all_reduce_efficiency``: nccl-tests' bus
+    bandwidth ``2 (n − 1)/n · bytes / t`` over the site's ``bandwidth_bytes_per_s``
+    (:attr:`~nereusd.config.site.NetworkSpec.intra_node_all_reduce_efficiency`)."""
+    t = _all_reduce_s(LINK_FIGURES[link], bandwidth_bytes_per_s, BANDWIDTH_PROBE_BYTES, ranks)
+    return 2 * (ranks - 1) / ranks * BANDWIDTH_PROBE_BYTES / t / bandwidth_bytes_per_s
+
+
 def ground_truth(problem: PlanProblem, config: TruthConfig | None = None,
                  response_cap: Callable[[int], int] | None = None) -> GroundTruth:
     """The ground truth ``config.kind`` names: ``efficiency`` (:class:`GroundTruth`) or

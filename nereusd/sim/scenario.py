@@ -21,7 +21,7 @@ from nereusd.errors import ConfigError
 from nereusd.models import resolve_model
 from nereusd.plan import MAX_DEVICES, Role
 from nereusd.planner.space import GENERATION_ENGINES, PlanProblem, generation_engines
-from nereusd.sim.measured import probed_latency_growth
+from nereusd.sim.measured import probed_all_reduce_efficiency, probed_latency_growth
 from nereusd.sim.policies import ORACLE, Policy
 from nereusd.sim.replay import Simulation
 from nereusd.sim.results import PolicyResult
@@ -93,7 +93,9 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     if truth.kind == "measured":   # the operator's nccl-tests run on the simulated cluster
         site = dataclasses.replace(site, network=dataclasses.replace(
             site.network, intra_node_latency_growth=probed_latency_growth("intra", site.intra_node_gbps * 1e9),
-            inter_node_latency_growth=probed_latency_growth("inter", site.inter_node_gbps * 1e9)))
+            inter_node_latency_growth=probed_latency_growth("inter", site.inter_node_gbps * 1e9),
+            intra_node_all_reduce_efficiency=probed_all_reduce_efficiency("intra", site.intra_node_gbps * 1e9),
+            inter_node_all_reduce_efficiency=probed_all_reduce_efficiency("inter", site.inter_node_gbps * 1e9)))
     spec = resolve_model(s.model)
     lengths = load_length_trace(s.length_trace, steps=s.steps, seed=s.seed)
     trace_steps = len(lengths.response_lengths)

@@ -38,7 +38,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from nereusd.backends import restarts_vllm_engines
-from nereusd.cost.calibration import GENERATION_PREFIX, PRIORS, Calibration
+from nereusd.cost.calibration import GENERATION_PREFIX, LINK_TYPES, PRIORS, Calibration, comm_class, grad_sync_class
 from nereusd.cost.model import CostModel
 from nereusd.cost.memory import stage_memory
 from nereusd.errors import ConfigError
@@ -155,9 +155,13 @@ class GroundTruth:
         rng = random.Random(self.config.seed)
         # the per-call latency classes draw after the others, and a generation engine's classes
         # after those, so each seed keeps the draws it had before they existed
-        order = sorted(PRIORS, key=lambda c: (c.startswith(GENERATION_PREFIX), c.startswith("latency_"), c))
+        order = sorted((c for c in PRIORS if not c.startswith("grad_sync_")),
+                       key=lambda c: (c.startswith(GENERATION_PREFIX), c.startswith("latency_"), c))
         self.efficiency = {c: min(0.95, PRIORS[c] * rng.uniform(self.config.efficiency_lo, self.config.efficiency_hi))
                            for c in order}
+        # a gradient synchronisation is an all-reduce to this truth (and draws nothing)
+        self.efficiency.update({grad_sync_class(link): self.efficiency[comm_class("all_reduce", link)]
+                                for link in LINK_TYPES})
         self._models: dict[bool, CostModel] = {}
         self._episodes: list[tuple[float, float]] = []
         self._episodes_until = 0.0
@@ -192,7 +196,8 @@ class GroundTruth:
             eff = dict(self.efficiency)
             if contended:
                 eff = {c: v * self.config.contention_factor if c.endswith("_inter") else v for c, v in eff.items()}
-            cm = self._models[contended] = CostModel(self.problem.site, Calibration(priors=eff))
+            cm = self._models[contended] = CostModel(self.problem.site, Calibration(priors=eff),
+                                                     site_measured=False)
         return cm
 
     def noise(self, step: int) -> dict[ModelStage, float]:

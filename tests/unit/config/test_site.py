@@ -116,6 +116,10 @@ def test_numbers_in_exponent_form_without_a_dot_read_as_numbers(tmp_path):
         (lambda d: d["network"].__setitem__("intra_node_latency_growth", -0.5),
          r"network.intra_node_latency_growth: expected a number >= 0, got -0.5"),
         (lambda d: d["network"].__setitem__("inter_node_latency_growth", 50), r"network.inter_node_latency_growth: 50"),
+        (lambda d: d["network"].__setitem__("intra_node_all_reduce_efficiency", 80),
+         r"network.intra_node_all_reduce_efficiency: 80.0 is implausibly large \(at most 1.5"),
+        (lambda d: d["network"].__setitem__("inter_node_all_reduce_efficiency", -0.7),
+         r"network.inter_node_all_reduce_efficiency: expected a number >= 0"),
         (lambda d: d["device"]["peak_tflops"].__setitem__("bf16", 1e30), r"device.peak_tflops.bf16: 1e\+30 is implausibly"),
         # tiny divisors priced a step at 1e296 s; simulate grew to 17 GB (a bad-input search, 2026-12-05)
         (lambda d: d["device"]["peak_tflops"].__setitem__("bf16", 1e-300),

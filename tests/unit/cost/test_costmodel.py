@@ -158,6 +158,52 @@ def test_the_calibration_fits_with_its_own_ridge():
     assert abs(default["gemm"] - true["gemm"]) > 10 * abs(weak["gemm"] - true["gemm"]), (default, weak)
 
 
+def test_a_pinned_class_is_not_learned_and_the_rest_explain_the_stage():
+    """:meth:`Calibration.pin`: on one layout a stage's classes grow together, so a share of what
+    the model lacks landed on the collectives; a class measured on its own stays at its figure,
+    and the other classes take the whole measured excess, in the anchors and in the fit."""
+    ideal = {"gemm": 1.0, "all_reduce_intra": 0.4}
+    measured = 1.0 / 0.3 + 0.4 / 0.8           # gemm really at 0.3, the all-reduce at 0.8
+    free, pinned = Calibration(), Calibration()
+    pinned.pin("all_reduce_intra", 0.8)
+    for step in range(6):
+        scale = 1 + step / 5                   # a growing length: both classes grow alike
+        for cal in (free, pinned):
+            cal.observe_stage({c: v * scale for c, v in ideal.items()}, measured * scale)
+    assert pinned.efficiency("all_reduce_intra") == 0.8 and pinned.samples("all_reduce_intra") == 0
+    assert pinned.efficiency("gemm") == pytest.approx(0.3, rel=1e-6)
+    assert pinned.anchor("gemm") == pytest.approx(0.3, rel=1e-6)
+    assert free.efficiency("all_reduce_intra") < 0.6   # learned alongside gemm: over-priced
+    # the fit fixes it too; a stage the pinned class alone over-explains gives no anchor sample
+    assert fit_efficiencies([(ideal, measured)] * 2, PRIORS, 1e-9, {"all_reduce_intra": 0.8})["gemm"] == \
+        pytest.approx(0.3, rel=1e-6)
+    before = pinned.samples("gemm")
+    pinned.observe_stage({"gemm": 1.0, "all_reduce_intra": 4.0}, 1.0)
+    assert pinned.samples("gemm") == before
+    pinned.restore(free.to_json())              # the pin is the site's, not saved state
+    assert pinned.efficiency("all_reduce_intra") == 0.8
+    with pytest.raises(ConfigError, match="pinned efficiency of all_reduce_intra"):
+        pinned.pin("all_reduce_intra", 0.0)
+
+
+def test_a_site_measured_all_reduce_is_pinned_by_its_cost_models():
+    """``network.*_all_reduce_efficiency`` (nccl-tests) pins the all-reduce classes on every
+    cost model of the site but a simulator truth's (``site_measured=False``)."""
+    import dataclasses
+
+    from nereusd.cost.model import measured_classes
+
+    assert measured_classes(H200) == {}
+    site = dataclasses.replace(H200, network=dataclasses.replace(
+        H200.network, intra_node_all_reduce_efficiency=0.8, inter_node_all_reduce_efficiency=0.7))
+    assert measured_classes(site) == {"all_reduce_intra": 0.8, "all_reduce_inter": 0.7}
+    cal = Calibration()
+    assert CostModel(site, cal).efficiency("all_reduce_intra") == 0.8
+    assert cal.pinned == {"all_reduce_intra": 0.8, "all_reduce_inter": 0.7}
+    truth = Calibration(priors={"all_reduce_intra": 0.5})
+    assert CostModel(site, truth, site_measured=False).efficiency("all_reduce_intra") == 0.5
+
+
 def test_collective_latency_is_calibrated_apart_from_bandwidth():
     """A machine whose collectives pay much more per call than the site's α (gloo) but move
     bytes at about the site's bandwidth: per-call latency and bytes are separate classes, so a
