@@ -11,6 +11,7 @@ smaller reward model).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -258,6 +259,47 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def safetensors_equal(path: str | Path, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of a model directory's weight files hold the same dtype,
+    shape and bytes (read from the files, in chunks; nothing is converted).
+
+    Raises:
+        ConfigError: as :func:`safetensors_shapes`, or a name in no file.
+    """
+    import struct
+
+    where: dict[str, tuple[Path, dict, int]] = {}
+    for file in safetensors_files(path):
+        try:
+            with open(file, "rb") as fh:
+                size = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error) as err:
+            raise ConfigError(f"{file}: not a readable safetensors file: {err}") from None
+        for name in (a, b):
+            if name in header:
+                where[name] = (file, header[name], 8 + size)
+    for name in (a, b):
+        if name not in where:
+            raise ConfigError(f"{path}: no tensor {name}")
+    (fa, ha, da), (fb, hb, db) = where[a], where[b]
+    if ha["dtype"] != hb["dtype"] or ha["shape"] != hb["shape"]:
+        return False
+    (sa, ea), (sb, eb) = ha["data_offsets"], hb["data_offsets"]
+    if ea - sa != eb - sb:
+        return False
+    with open(fa, "rb") as x, open(fb, "rb") as y:
+        x.seek(da + sa)
+        y.seek(db + sb)
+        left = ea - sa
+        while left > 0:
+            n = min(left, 1 << 24)
+            if x.read(n) != y.read(n):
+                return False
+            left -= n
+    return True
+
+
 def shortest_context(specs: Mapping[str, ModelSpec], sequence_tokens: int) -> tuple[str, ModelSpec] | None:
     """The named model whose ``max_position`` is shortest, when ``sequence_tokens`` exceeds it.
 
@@ -312,6 +354,22 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
             fail(key, "required field is missing")
         return config[key]
 
+    def number(key: str, default: float) -> float:
+        value = config.get(key, default)
+        return default if value is None else hf_number(value, f"{source}: {key}")
+
+    def positive(key: str, default: float) -> float:
+        value = number(key, default)
+        if not value > 0:   # a negative epsilon made every norm NaN in the first forward pass
+            fail(key, f"expected a positive number, got {value!r}")
+        return value
+
+    def flag(key: str, default: bool) -> bool:
+        value = config.get(key, default)
+        if not isinstance(value, bool):   # bool("false") is True: a string flag tied a model's head silently
+            fail(key, f"expected true or false, got {value!r}")
+        return value
+
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     if model_type is None and archs:
@@ -328,17 +386,19 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
              else "not implemented (unknown to the engine)")
     if config.get("hidden_act", "silu") != "silu":
         fail("hidden_act", f"{config['hidden_act']!r} is not implemented (SwiGLU with silu only)")
-    if float(config.get("attention_dropout", 0.0) or 0.0) != 0.0:
+    if number("attention_dropout", 0.0) != 0.0:
         fail("attention_dropout", f"{config['attention_dropout']} is not implemented (0 only)")
     if config.get("mlp_bias"):
         fail("mlp_bias", "true is not implemented (MLP projections without biases only)")
-    if int(config.get("pretraining_tp", 1) or 1) != 1:
+    if number("pretraining_tp", 1) != 1:
         fail("pretraining_tp", f"{config['pretraining_tp']} is not implemented (1 only)")
     if config.get("use_sliding_window"):
         fail("use_sliding_window", "true is not implemented (full attention in every layer only)")
     if model_type == "llama" and config.get("sliding_window") is not None:
         fail("sliding_window", f"{config['sliding_window']} is not implemented")
     layer_types = config.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        fail("layer_types", f"expected a list of layer types, got {layer_types!r}")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         fail("layer_types", f"{sorted(set(layer_types))}: only full_attention layers are implemented")
     if model_type in ("llama", "qwen3") and config.get("attention_bias"):
@@ -350,8 +410,8 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
         num_kv_heads=config["num_attention_heads"] if config.get("num_key_value_heads") is None
         else config["num_key_value_heads"],
         max_position=config.get("max_position_embeddings", 2048),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rms_norm_eps=positive("rms_norm_eps", 1e-5),
+        tie_word_embeddings=flag("tie_word_embeddings", False),
         explicit_head_dim=_explicit_head_dim(config),
         architecture=model_type, **rope)
     return fields
@@ -364,23 +424,47 @@ def _rope(config: Mapping[str, Any], source: str) -> dict[str, Any]:
     Raises:
         ConfigError: for a RoPE type other than default and ``llama3``.
     """
+    for name in ("rope_parameters", "rope_scaling"):
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise ConfigError(f"{source}: {name}: expected an object (rope_type, factor, …), got {config[name]!r}")
     params = dict(config.get("rope_parameters") or {})
     scaling = dict(config.get("rope_scaling") or {})
     merged = {**params, **scaling}
     key = "rope_scaling" if scaling else "rope_parameters"
-    theta = float(merged.get("rope_theta", config.get("rope_theta", 10000.0)))
+    theta_key = f"{key}.rope_theta" if "rope_theta" in merged else "rope_theta"
+    theta = hf_number(merged.get("rope_theta", config.get("rope_theta", 10000.0)), f"{source}: {theta_key}")
+    if not theta > 0:
+        raise ConfigError(f"{source}: {theta_key}: expected a positive number, got {theta!r}")
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ConfigError(f"{source}: {key}.rope_type: {kind!r} is not implemented (one of {list(ROPE_TYPES)})")
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
     if kind == "llama3":
         try:
-            out.update(rope_factor=float(merged["factor"]), rope_low_freq_factor=float(merged["low_freq_factor"]),
-                       rope_high_freq_factor=float(merged["high_freq_factor"]),
-                       rope_original_max_position=int(merged["original_max_position_embeddings"]))
+            out.update(rope_factor=hf_number(merged["factor"], f"{source}: {key}.factor"),
+                       rope_low_freq_factor=hf_number(merged["low_freq_factor"], f"{source}: {key}.low_freq_factor"),
+                       rope_high_freq_factor=hf_number(merged["high_freq_factor"],
+                                                       f"{source}: {key}.high_freq_factor"),
+                       rope_original_max_position=int(hf_number(merged["original_max_position_embeddings"],
+                                                                f"{source}: {key}.original_max_position_embeddings")))
         except KeyError as err:
             raise ConfigError(f"{source}: {key}.{err.args[0]}: required by rope_type 'llama3'") from None
     return out
+
+
+def hf_number(value: Any, where: str) -> float:
+    """``value`` of a HF config as a finite float (JSON numbers; not a bool or a string).
+
+    Raises:
+        ConfigError: ``<where>: expected a number, got …``.
+    """
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+    except OverflowError:   # a 400-digit integer
+        ok = False
+    if not ok:
+        raise ConfigError(f"{where}: expected a number, got {str(value)[:40]!r}")
+    return float(value)
 
 
 def _explicit_head_dim(config: Mapping[str, Any]) -> int:

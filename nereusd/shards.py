@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from nereusd.errors import ConfigError, PlanError
 from nereusd.models import ModelSpec
@@ -209,15 +209,26 @@ def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False, g
         raise PlanError(f"layout tp{tp}·pp{pp}: " + "; ".join(problems))
 
 
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers older checkpoints saved that every loader recomputes (transformers too)."""
+
+
 def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]], *, value_head: bool,
-                            source: str) -> None:
+                            source: str, equal: Callable[[str, str], bool] | None = None) -> None:
     """Check a checkpoint's tensor shapes (:func:`nereusd.models.safetensors_shapes`) against the
-    canonical table of ``spec``: every parameter is present with its full shape. A value head
-    may be absent (a critic or reward model starting from a policy draws one) but not partial
-    (a weight without its bias); other names are ignored, as loading ignores them.
+    canonical table of ``spec``: every parameter is present with its full shape, and nothing
+    else is there. A value head may be absent (a critic or reward model starting from a policy
+    draws one) but not partial (a weight without its bias); a model with a value head ignores
+    the policy's ``lm_head``. A tied model (``tie_word_embeddings``) may hold ``lm_head.weight``
+    only equal to the embedding (``equal(a, b)``, :func:`nereusd.models.safetensors_equal`):
+    transformers then keeps the two apart, and loading would drop the head. Other names
+    (a layer beyond ``num_hidden_layers``, biases of a model without them) are refused: loading
+    would ignore them and train another model than the checkpoint's (an adversarial helper,
+    2026-12-06), except :data:`IGNORED_TENSOR_SUFFIXES`.
 
     Raises:
-        ConfigError: ``source`` and the missing names or wrong shapes (at most five of each).
+        ConfigError: ``source`` and the missing, unexpected or wrong-shape names (at most five
+            of each).
     """
     expected = canonical_shapes(spec, value_head)
     has_head = any(n.startswith("value_head.") for n in shapes)   # a value head is whole or absent
@@ -225,9 +236,18 @@ def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...
                and not (value_head and n.startswith("lm_head"))]
     wrong = [f"{n} {tuple(shapes[n])} (config.json says {tuple(expected[n])})" for n in expected
              if n in shapes and tuple(shapes[n]) != tuple(expected[n])]
+    tied_head = spec.tie_word_embeddings and not value_head and "lm_head.weight" in shapes
+    unexpected = [n for n in shapes if n not in expected and not n.endswith(IGNORED_TENSOR_SUFFIXES)
+                  and not (value_head and n.startswith("lm_head.")) and not (tied_head and n == "lm_head.weight")]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensors: {', '.join(missing[:5])}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensors config.json does not describe (the engine would ignore them): "
+                        f"{', '.join(sorted(unexpected)[:5])}")
+    if tied_head and (equal is None or not equal("lm_head.weight", "model.embed_tokens.weight")):
+        problems.append("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight "
+                        "(set tie_word_embeddings: false in config.json to train that head)")
     if wrong:
         problems.append(f"{len(wrong)} tensors of the wrong shape: {'; '.join(wrong[:5])}")
     if problems:

@@ -9,6 +9,7 @@ global batch is exact (``dp × micro_batch × grad_accum``). Errors name the job
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from nereusd.backends import (ZERO_STAGES, Backend, check_engine_support, check_zero_stage, default_zero_stage,
@@ -17,7 +18,7 @@ from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.cost.memory import WORKSPACE_BYTES
 from nereusd.loggers import check_loggers
 from nereusd.errors import ConfigError, PlanError, shortened
-from nereusd.models import ModelSpec, safetensors_shapes, shortest_context
+from nereusd.models import ModelSpec, safetensors_equal, safetensors_shapes, shortest_context
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage, training_micro_batch
 from nereusd.shards import check_checkpoint_shapes, check_layout, value_head_for
 from nereusd.workflow import Algorithm, build_workflow
@@ -260,7 +261,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
             checked.add((rm.path, rm.value_head))
             try:
                 check_checkpoint_shapes(rm.spec, safetensors_shapes(rm.path), value_head=rm.value_head,
-                                        source=rm.path)
+                                        source=rm.path, equal=partial(safetensors_equal, rm.path))
             except ConfigError as err:
                 raise ConfigError(f"{source}: models.{rm.role.value}: {err}") from None
     stages = job_model_stages(job.algorithm, reward_model)
@@ -325,11 +326,11 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
             f"{source}: train.max_tokens_per_micro_batch: {budget} tokens cannot hold the longest sequence "
             f"(prompt {prompt} + rollout.max_new_tokens {job.rollout.max_new_tokens})"
         )
-    vocab = task.tokenizer.vocab_size
-    small = [rm for rm in roles.values() if rm.spec.vocab_size < vocab]
-    if small:
-        raise ConfigError(f"{source}: the task's tokenizer has {vocab} tokens but the {small[0].role.value} model's "
-                          f"vocab_size is {small[0].spec.vocab_size}")
+    vocab, top = task.tokenizer.vocab_size, task.tokenizer.max_token_id
+    small = [rm for rm in roles.values() if rm.spec.vocab_size <= max(vocab - 1, top)]
+    if small:   # the largest id, not the count: a tokenizer with gaps in its ids indexed past the embedding
+        raise ConfigError(f"{source}: the task's tokenizer has {vocab} tokens (largest id {top}) but the "
+                          f"{small[0].role.value} model's vocab_size is {small[0].spec.vocab_size}")
     if job.pool.max_devices is not None and job.pool.max_devices < devices:
         raise ConfigError(f"{source}: pool.max_devices: {job.pool.max_devices} is below the job's {devices} devices")
     zero_stages = {}

@@ -63,6 +63,11 @@ class CharTokenizer:
         return len(self.TOKENS)
 
     @property
+    def max_token_id(self) -> int:
+        """The largest id (ids are ``0 … vocab_size − 1``)."""
+        return len(self.TOKENS) - 1
+
+    @property
     def pad_id(self) -> int:
         return self._ids[self.PAD]
 

@@ -20,7 +20,7 @@ from pydantic import ConfigDict
 from nereusd.errors import ConfigError
 from nereusd.tasks.dataset import SampleOrder, read_records, split
 from nereusd.tasks.tokenizer import HFTokenizer
-from nereusd.tasks.verifiers import VERIFIERS
+from nereusd.tasks.verifiers import VERIFIERS, gsm8k_reference_problem
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +109,32 @@ class MathTask:
         self._order = SampleOrder(len(self._train), self.seed)
 
     def _prompts(self, records) -> list[tuple[tuple[int, ...], str]]:
+        """Each record's prompt rendered to token ids (:meth:`HFTokenizer.render`), with its answer.
+
+        Raises:
+            ConfigError: a prompt the tokenizer cannot take (a lone surrogate) or that renders to
+                no tokens (an empty template), naming the dataset's row.
+        """
         out = []
         for rec in records:
             prompt = rec.prompt
             if self.instruction:
                 prompt = f"{prompt}\n{self.instruction}" if isinstance(prompt, str) else [
                     *prompt[:-1], {**prompt[-1], "content": f"{prompt[-1]['content']}\n{self.instruction}"}]
-            ids = self._tokenizer.render(prompt, system_prompt=self.system_prompt, chat_template=self.chat_template)
+            where = f"{self.dataset}: row {rec.row}"
+            try:
+                ids = self._tokenizer.render(prompt, system_prompt=self.system_prompt,
+                                             chat_template=self.chat_template)
+            except (TypeError, ValueError) as err:   # the tokenizers' TextEncodeInput refuses a lone surrogate
+                raise ConfigError(f"{where}: the tokenizer cannot encode its prompt ({type(err).__name__}: "
+                                  f"{str(err)[:120]})") from None
+            if not ids:
+                raise ConfigError(f"{where}: the prompt renders to no tokens"
+                                  + (" (the chat template writes nothing)" if self.chat_template else ""))
+            problem = gsm8k_reference_problem(rec.answer) if self.format == "gsm8k" else None
+            if problem:
+                raise ConfigError(f"{where}: {self.answer_key} {rec.answer[:60]!r} {problem}, which the GSM8K "
+                                  "verifier cannot match (task.options.format: boxed checks other forms)")
             if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
                 if self.overlong == "filter":
                     self.dropped += 1

@@ -13,43 +13,80 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from nereusd.errors import ConfigError
+from nereusd.errors import ConfigError, not_utf8
 
 Messages = list[dict[str, str]]
+
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+"""What a Hugging Face tokenizer is loaded from: a fast tokenizer's ``tokenizer.json``, a BPE
+vocabulary and merges, or a SentencePiece model. Without any of them ``AutoTokenizer`` built a
+``Qwen2Tokenizer`` of two tokens from ``tokenizer_config.json`` alone, and a job trained on
+prompts of EOS only and reported success (an adversarial helper, 2026-12-06)."""
+MIN_VOCAB = 16
+"""Fewer tokens than this is a damaged tokenizer, not a model's (byte-level BPE has 256 bytes)."""
 
 
 class HFTokenizer:
     """The tokenizer of the Hugging Face model directory ``model_dir`` (module docstring).
 
     Raises:
-        ConfigError: the directory has no loadable tokenizer, or it defines no EOS token.
+        ConfigError: the directory is missing or has no loadable tokenizer (none of
+            :data:`TOKENIZER_FILES`, a damaged one, fewer than :data:`MIN_VOCAB` tokens), it
+            defines no EOS token, or its ``generation_config.json`` is malformed; each names the
+            path.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
         self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise ConfigError(f"{self.model_dir}: no such model directory (for its tokenizer)")
+        if not any(all((self.model_dir / name).is_file() for name in files) for files in TOKENIZER_FILES):
+            raise ConfigError(f"{self.model_dir}: no tokenizer files (tokenizer.json, or vocab.json and merges.txt, "
+                              "or tokenizer.model); copy the model's tokenizer into the directory")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(self.model_dir))
-        except (OSError, ValueError, TypeError) as err:
+        except Exception as err:   # noqa: BLE001 - a damaged file raises whatever its parser does (KeyError, …)
             raise ConfigError(f"{self.model_dir}: no loadable tokenizer ({type(err).__name__}: {err})") from None
+        self.vocab_size = len(self._tok)
+        if self.vocab_size < MIN_VOCAB:
+            raise ConfigError(f"{self.model_dir}: the tokenizer has {self.vocab_size} tokens; its files are damaged "
+                              "or incomplete")
         eos = self._tok.eos_token_id
         if eos is None:
             raise ConfigError(f"{self.model_dir}: the tokenizer defines no EOS token (eos_token)")
-        stops = {int(eos)}
-        gen_path = self.model_dir / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                gen = json.loads(gen_path.read_text())
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{gen_path}: not valid JSON: {err}") from None
-            extra = gen.get("eos_token_id")
-            stops |= {int(x) for x in (extra if isinstance(extra, list) else [extra]) if x is not None}
+        stops = {int(eos)} | set(self._generation_eos_ids())
         self.eos_id = int(eos)
         self.stop_ids: tuple[int, ...] = tuple(sorted(stops))
         pad = self._tok.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
-        self.vocab_size = len(self._tok)
+        self.max_token_id = max([*self._tok.get_vocab().values(), *stops, self.pad_id])
+        """The largest id the tokenizer can produce (a model's ``vocab_size`` must exceed it)."""
+
+    def _generation_eos_ids(self) -> list[int]:
+        """``eos_token_id`` of the directory's ``generation_config.json`` (an id or a list of
+        ids; none without the file).
+
+        Raises:
+            ConfigError: the file is not UTF-8 JSON, not an object, or its ids are not integers.
+        """
+        path = self.model_dir / "generation_config.json"
+        if not path.is_file():
+            return []
+        try:
+            gen = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: {not_utf8(err)}") from None
+        if not isinstance(gen, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(gen).__name__}")
+        extra = gen.get("eos_token_id")
+        ids = extra if isinstance(extra, list) else [extra]
+        if any(x is not None and (type(x) is not int or x < 0) for x in ids):
+            raise ConfigError(f"{path}: eos_token_id: expected a token id or a list of them, got {extra!r}")
+        return [x for x in ids if x is not None]
 
     @property
     def has_chat_template(self) -> bool:
@@ -83,7 +120,14 @@ class HFTokenizer:
         if not self.has_chat_template:
             raise ConfigError(f"{self.model_dir}: the tokenizer has no chat template; set task.options.chat_template: "
                               "false to use the prompt text as it is")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as err:   # a template's raise_exception (e.g. no system role), or its syntax
+            raise ConfigError(f"{self.model_dir}: the chat template failed on a prompt ({type(err).__name__}: "
+                              f"{err}); fix the template, drop the system prompt, or set "
+                              "task.options.chat_template: false") from None
         return self.encode(text)
 
     def token_lengths(self, texts: Sequence[str]) -> list[int]:

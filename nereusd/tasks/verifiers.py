@@ -61,6 +61,18 @@ def gsm8k_answer(text: str) -> str | None:
     return text_value
 
 
+def gsm8k_reference_problem(ground_truth: str) -> str | None:
+    """Why :func:`verify_gsm8k` could never match ``ground_truth`` as meant, or ``None``: a
+    reference needs ``#### <number>`` or is the bare number itself. Without ``####`` only the
+    leading number was read, so ``3 + 7 = 10`` taught the policy that the answer is 3, and
+    ``forty-two`` scored every response 0 (an adversarial helper, 2026-12-06)."""
+    if "####" in ground_truth:
+        return None if gsm8k_answer(ground_truth) is not None else "has no number after its last ####"
+    if gsm8k_answer(f"#### {ground_truth}") is None or _GSM8K_NUMBER.fullmatch(ground_truth.strip()) is None:
+        return "is neither '#### <number>' nor a bare number"
+    return None
+
+
 def verify_gsm8k(response: str, ground_truth: str) -> float:
     """1.0 when the response's ``#### <number>`` equals the ground truth's number, else 0.0.
 

@@ -173,3 +173,60 @@ def test_zero_key_value_heads_are_refused_not_read_as_missing():
         ModelSpec.from_hf_config(_config("llama", hidden_size=10**400), source="cfg.json")
     assert ModelSpec.from_hf_config({k: v for k, v in _config("llama").items() if k != "num_key_value_heads"},
                                     source="cfg.json").num_kv_heads == 2
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings: expected true or false, got 'false'"),
+    (dict(rms_norm_eps="tiny"), "rms_norm_eps: expected a number, got 'tiny'"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps: expected a positive number"),
+    (dict(attention_dropout="none"), "attention_dropout: expected a number"),
+    (dict(layer_types=5), "layer_types: expected a list"),
+    (dict(rope_scaling="linear"), "rope_scaling: expected an object"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "ten thousand"}),
+     "rope_parameters.rope_theta: expected a number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_parameters.rope_theta: expected a positive"),
+])
+def test_a_config_value_of_the_wrong_type_is_refused_naming_the_key(changes, message):
+    """Found by an adversarial helper (2026-12-06): ``"tie_word_embeddings": "false"`` was read as
+    true (``bool("false")``) and the model's head dropped; strings for numbers were tracebacks."""
+    config = {k: v for k, v in _config("qwen2", **changes).items()
+              if not (k == "rope_theta" and "rope_parameters" in changes)}
+    with pytest.raises(ConfigError, match=rf"cfg.json: {message}"):
+        ModelSpec.from_hf_config(config, source="cfg.json")
+
+
+def test_tensors_the_config_does_not_describe_and_an_untied_head_are_refused(tmp_path):
+    """Loading ignores what ``config.json`` does not name: a checkpoint with more layers than
+    ``num_hidden_layers``, Qwen2's biases under ``model_type: llama``, or a tied model's
+    differing ``lm_head.weight`` trained another model than the checkpoint's, without a word (an
+    adversarial helper, 2026-12-06). Refused now; a tied head equal to the embedding is not."""
+    from functools import partial
+
+    from safetensors.torch import load_file, save_file
+
+    from nereusd.models import safetensors_equal, safetensors_shapes
+    from nereusd.shards import check_checkpoint_shapes
+
+    def check(directory):
+        spec = ModelSpec.from_pretrained_dir(directory)
+        check_checkpoint_shapes(spec, safetensors_shapes(directory), value_head=False, source=str(directory),
+                                equal=partial(safetensors_equal, directory))
+
+    for name in ("qwen2", "qwen2-tied"):
+        hf_model(name).save_pretrained(tmp_path / name, safe_serialization=True)
+        check(tmp_path / name)
+    fewer = tmp_path / "qwen2"
+    config = json.loads((fewer / "config.json").read_text())
+    (fewer / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    with pytest.raises(ConfigError, match=r"tensors config.json does not describe .*model.layers.1."):
+        check(fewer)
+    (fewer / "config.json").write_text(json.dumps(dict(config, model_type="llama", architectures=["LlamaForCausalLM"])))
+    with pytest.raises(ConfigError, match=r"6 tensors config.json does not describe .*self_attn.k_proj.bias"):
+        check(fewer)
+    tied = tmp_path / "qwen2-tied"
+    state = load_file(str(tied / "model.safetensors"))
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, str(tied / "model.safetensors"))
+    check(tied)   # a tied head saved beside its embedding, equal: as transformers ties it
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1}, str(tied / "model.safetensors"))
+    with pytest.raises(ConfigError, match="tie_word_embeddings is true but lm_head.weight differs"):
+        check(tied)

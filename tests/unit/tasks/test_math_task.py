@@ -157,11 +157,39 @@ def test_stop_ids_hold_eos_and_the_generation_configs(math_dir, tmp_path):
 
 
 def test_a_directory_without_a_tokenizer_or_template_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="no loadable tokenizer"):
+    with pytest.raises(ConfigError, match="no tokenizer files"):
         HFTokenizer(tmp_path)
+    with pytest.raises(ConfigError, match="no such model directory"):
+        HFTokenizer(tmp_path / "gone")
     bare = train_bpe_tokenizer(tmp_path / "bare", ["x y"], 270, chat_template=None)
     with pytest.raises(ConfigError, match="has no chat template"):
         HFTokenizer(bare).render("hi")
+
+
+def test_a_damaged_tokenizer_directory_is_refused_before_a_job_trains_on_it(tmp_path):
+    """Found by an adversarial helper (2026-12-06): without ``tokenizer.json`` AutoTokenizer built
+    a two-token tokenizer from ``tokenizer_config.json`` and a job trained on prompts of EOS only,
+    "succeeded"; a damaged ``tokenizer.json``, a list ``generation_config.json``, a string EOS id
+    and a raising chat template were tracebacks."""
+    good = train_bpe_tokenizer(tmp_path / "good", ["a b c d"], 280)
+    assert HFTokenizer(good).max_token_id >= HFTokenizer(good).vocab_size - 1
+    gone = train_bpe_tokenizer(tmp_path / "gone", ["a b c d"], 280)
+    (gone / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer files .*tokenizer.json"):
+        HFTokenizer(gone)
+    (gone / "tokenizer.json").write_text('{"version": "1.0", "model": 5}')
+    with pytest.raises(ConfigError, match="no loadable tokenizer"):
+        HFTokenizer(gone)
+    for text, match in (("[2]", "expected a JSON object, got list"),
+                        ('{"eos_token_id": "<|im_end|>"}', "eos_token_id: expected a token id")):
+        (good / "generation_config.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"generation_config.json: {match}"):
+            HFTokenizer(good)
+    (good / "generation_config.json").unlink()
+    tok = HFTokenizer(good)
+    tok._tok.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(ConfigError, match="the chat template failed on a prompt .*no system role"):
+        tok.render("hi", system_prompt="be brief")
 
 
 # ---- the task ------------------------------------------------------------------------------------
@@ -238,3 +266,39 @@ def test_without_a_model_directory_the_task_asks_for_a_tokenizer(math_dir):
         get_task("math", {"dataset": "data.jsonl"}, base_dir=math_dir)
     task = get_task("math", {"dataset": "data.jsonl", "tokenizer_dir": "model"}, base_dir=math_dir)
     assert task.train_size == 40
+
+
+def test_rows_the_task_cannot_use_are_refused_naming_the_row(math_dir, tmp_path):
+    """Found by an adversarial helper (2026-12-06): a GSM8K reference without ``####`` had its
+    leading number taken (``3 + 7 = 10`` meant 3) and ``forty-two`` scored every response 0, in
+    a job that "succeeded"; a lone surrogate in a prompt was a traceback without its row."""
+    import shutil
+
+    from nereusd.tasks.verifiers import gsm8k_reference_problem
+
+    assert gsm8k_reference_problem("42") is None and gsm8k_reference_problem("Step 1 … #### 1,000") is None
+    assert gsm8k_reference_problem("3 + 7 = <<3+7=10>>10") and gsm8k_reference_problem("forty-two")
+    assert gsm8k_reference_problem("#### forty")
+    base = tmp_path / "m"
+    shutil.copytree(math_dir, base)
+    data = rows(12)
+    for row, answer, match in ((7, "3 + 7 = <<3+7=10>>10", "neither '#### <number>' nor a bare number"),
+                               (3, "#### forty", "has no number after its last ####")):
+        _jsonl(base / "data.jsonl", [dict(r, answer=answer) if i == row else r for i, r in enumerate(data)])
+        with pytest.raises(ConfigError, match=rf"data.jsonl: row {row}: answer .*{match}"):
+            _task(base)
+    _jsonl(base / "data.jsonl", [dict(r, question="\ud800") if i == 5 else r for i, r in enumerate(data)])
+    with pytest.raises(ConfigError, match="data.jsonl: row 5: the tokenizer cannot encode its prompt"):
+        _task(base)
+    _jsonl(base / "data.jsonl", data)
+    _task(base, format="boxed")   # other forms are the MATH checker's
+    config_path = base / "model" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    template = base / "model" / "chat_template.jinja"
+    if template.exists():
+        template.write_text("{# nothing #}")
+    else:
+        config["chat_template"] = "{# nothing #}"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="data.jsonl: row 0: the prompt renders to no tokens"):
+        _task(base)
