@@ -47,6 +47,10 @@ def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str
 
     A critic initialised from the actor keeps the actor's trunk, drops ``lm_head`` and gets a
     value head drawn from ``seed`` (identical on every rank).
+
+    Raises:
+        ValueError: a checkpoint tensor holds NaN or infinity (named with the directory: it
+            failed in the first generation's sampling, naming neither).
     """
     from emu.engine.model import LlamaModel
 
@@ -55,6 +59,9 @@ def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str
     gen = torch.Generator().manual_seed(seed)
     if path:
         state = load_state(path)
+        bad = next((name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        if bad is not None:
+            raise ValueError(f"{path}: tensor {bad} holds NaN or infinity; the checkpoint is damaged")
     else:
         torch.manual_seed(seed)
         state = {k: v.detach().clone() for k, v in LlamaModel(spec, value_head=False).state_dict().items()}

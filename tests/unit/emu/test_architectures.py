@@ -230,3 +230,22 @@ def test_tensors_the_config_does_not_describe_and_an_untied_head_are_refused(tmp
     save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1}, str(tied / "model.safetensors"))
     with pytest.raises(ConfigError, match="tie_word_embeddings is true but lm_head.weight differs"):
         check(tied)
+
+
+def test_a_checkpoint_holding_nan_fails_the_build_naming_the_tensor(tmp_path):
+    """NaN weights failed in the first generation's sampling ("probability tensor contains either
+    inf, nan …"), naming neither the checkpoint nor the tensor (an adversarial helper, 2026-12-06)."""
+    from safetensors.torch import load_file, save_file
+
+    from emu.worker.runtime import initial_state
+    from nereusd.protocol.tasks import RoleArgs
+
+    hf_model("qwen2").save_pretrained(tmp_path, safe_serialization=True)
+    spec = ModelSpec.from_pretrained_dir(tmp_path)
+    role = RoleArgs(spec=spec.to_dict(), path=str(tmp_path))
+    assert set(initial_state(role, spec, 0)) >= {"model.embed_tokens.weight", "lm_head.weight"}
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["model.norm.weight"][3] = float("nan")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor model.norm.weight holds NaN or infinity"):
+        initial_state(role, spec, 0)
