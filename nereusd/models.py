@@ -192,15 +192,9 @@ class ModelSpec:
         """
         cfg_path = Path(path) / "config.json"
         try:
-            data = json.loads(cfg_path.read_text(encoding="utf-8"))
+            data = read_json_object(cfg_path)
         except FileNotFoundError:
             raise ConfigError(f"{cfg_path}: no such file (a Hugging Face model directory needs config.json)") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{cfg_path}: not valid JSON: {err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{cfg_path}: {not_utf8(err)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{cfg_path}: expected a JSON object")
         return cls.from_hf_config(data, source=str(cfg_path))
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,6 +203,26 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
         return cls(**dict(data))
+
+
+def read_json_object(path: Path, hint: str = "") -> dict[str, Any]:
+    """The JSON object in the UTF-8 file ``path`` (a model directory's ``config.json``,
+    ``generation_config.json``).
+
+    Raises:
+        ConfigError: the file is not UTF-8 (``hint`` appended), not JSON, or not an object,
+            naming it.
+        OSError: it cannot be read (``FileNotFoundError`` and the like; the caller words it).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: {not_utf8(err)}{hint}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 WEIGHTS_NAME = "model.safetensors"
@@ -554,13 +568,5 @@ def resolve_model(name_or_path: str | Path) -> ModelSpec:
     if is_dir:
         return ModelSpec.from_pretrained_dir(path)
     if is_file:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: not valid JSON: {err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: {not_utf8(err)}; is it a config.json?") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        return ModelSpec.from_hf_config(data, source=str(path))
+        return ModelSpec.from_hf_config(read_json_object(path, "; is it a config.json?"), source=str(path))
     raise ConfigError(f"model {text!r}: not a preset (one of {sorted(PRESETS)}), directory or config.json")

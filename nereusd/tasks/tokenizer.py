@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from nereusd.errors import ConfigError, not_utf8
+from nereusd.errors import ConfigError
+from nereusd.models import read_json_object
 
 Messages = list[dict[str, str]]
 
@@ -74,15 +75,7 @@ class HFTokenizer:
         path = self.model_dir / "generation_config.json"
         if not path.is_file():
             return []
-        try:
-            gen = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: not valid JSON: {err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: {not_utf8(err)}") from None
-        if not isinstance(gen, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(gen).__name__}")
-        extra = gen.get("eos_token_id")
+        extra = read_json_object(path).get("eos_token_id")
         ids = extra if isinstance(extra, list) else [extra]
         if any(x is not None and (type(x) is not int or x < 0) for x in ids):
             raise ConfigError(f"{path}: eos_token_id: expected a token id or a list of them, got {extra!r}")
