@@ -20,7 +20,7 @@ from pydantic import ConfigDict
 from nereusd.errors import ConfigError
 from nereusd.tasks.dataset import SampleOrder, read_records, split
 from nereusd.tasks.tokenizer import HFTokenizer
-from nereusd.tasks.verifiers import VERIFIERS, gsm8k_reference_problem
+from nereusd.tasks.verifiers import REFERENCE_PROBLEMS, VERIFIERS
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,11 @@ class MathTask:
             if not ids:
                 raise ConfigError(f"{where}: the prompt renders to no tokens"
                                   + (" (the chat template writes nothing)" if self.chat_template else ""))
-            problem = gsm8k_reference_problem(rec.answer) if self.format == "gsm8k" else None
+            problem = REFERENCE_PROBLEMS[self.format](rec.answer)
             if problem:
-                raise ConfigError(f"{where}: {self.answer_key} {rec.answer[:60]!r} {problem}, which the GSM8K "
-                                  "verifier cannot match (task.options.format: boxed checks other forms)")
+                other = "boxed checks other forms" if self.format == "gsm8k" else "gsm8k reads '#### <number>'"
+                raise ConfigError(f"{where}: {self.answer_key} {rec.answer[:60]!r} {problem}, which the "
+                                  f"{self.format} verifier cannot match (task.options.format: {other})")
             if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
                 if self.overlong == "filter":
                     self.dropped += 1

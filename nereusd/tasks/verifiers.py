@@ -139,5 +139,19 @@ def verify_math(response: str, ground_truth: str, timeout_s: int = 2) -> float:
         return 0.0
 
 
+def boxed_reference_problem(ground_truth: str) -> str | None:
+    """Why :func:`verify_math` could never match ``ground_truth``, or ``None``: the answer it
+    compares (the last ``\\boxed{}``, else the whole reference) must be at most
+    :data:`MAX_ANSWER_CHARS` long; a longer one scored every response 0."""
+    truth = last_boxed(ground_truth)
+    if truth is None and len(ground_truth) > MAX_ANSWER_CHARS:
+        return f"has no \\boxed{{}} and is longer than {MAX_ANSWER_CHARS} characters"
+    if truth is not None and len(truth) > MAX_ANSWER_CHARS:
+        return f"has a last \\boxed{{}} longer than {MAX_ANSWER_CHARS} characters"
+    return None
+
+
 VERIFIERS = {"gsm8k": verify_gsm8k, "boxed": verify_math}
+REFERENCE_PROBLEMS = {"gsm8k": gsm8k_reference_problem, "boxed": boxed_reference_problem}
+"""Per format, why a dataset's reference could never be matched (checked at load, naming the row)."""
 """Answer formats a dataset can declare, and their verifier."""

@@ -287,6 +287,9 @@ def test_rows_the_task_cannot_use_are_refused_naming_the_row(math_dir, tmp_path)
         _jsonl(base / "data.jsonl", [dict(r, answer=answer) if i == row else r for i, r in enumerate(data)])
         with pytest.raises(ConfigError, match=rf"data.jsonl: row {row}: answer .*{match}"):
             _task(base)
+    _jsonl(base / "data.jsonl", [dict(r, answer="x " * 150) if i == 2 else r for i, r in enumerate(data)])
+    with pytest.raises(ConfigError, match=r"row 2: answer .*has no \\boxed\{\} and is longer than 200"):
+        _task(base, format="boxed")   # scored every response 0
     _jsonl(base / "data.jsonl", [dict(r, question="\ud800") if i == 5 else r for i, r in enumerate(data)])
     with pytest.raises(ConfigError, match="data.jsonl: row 5: the tokenizer cannot encode its prompt"):
         _task(base)
