@@ -386,6 +386,10 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
 
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
+    if model_type is not None and not isinstance(model_type, str):
+        fail("model_type", f"expected a name such as 'qwen2', got {model_type!r}")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        fail("architectures", f"expected a list of class names such as ['Qwen2ForCausalLM'], got {archs!r}")
     if model_type is None and archs:
         model_type = {v: k for k, v in ARCHITECTURES.items()}.get(archs[0])
     if model_type not in ARCHITECTURES:
@@ -411,7 +415,8 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
     if model_type == "llama" and config.get("sliding_window") is not None:
         fail("sliding_window", f"{config['sliding_window']} is not implemented")
     layer_types = config.get("layer_types")
-    if layer_types is not None and not isinstance(layer_types, list):
+    if layer_types is not None and not (isinstance(layer_types, list)
+                                        and all(isinstance(t, str) for t in layer_types)):
         fail("layer_types", f"expected a list of layer types, got {layer_types!r}")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         fail("layer_types", f"{sorted(set(layer_types))}: only full_attention layers are implemented")
@@ -424,7 +429,7 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
         num_kv_heads=config["num_attention_heads"] if config.get("num_key_value_heads") is None
         else config["num_key_value_heads"],
         max_position=config.get("max_position_embeddings", 2048),
-        rms_norm_eps=positive("rms_norm_eps", 1e-5),
+        rms_norm_eps=positive("rms_norm_eps", 1e-6),   # transformers' default for Llama, Qwen2 and Qwen3
         tie_word_embeddings=flag("tie_word_embeddings", False),
         explicit_head_dim=_explicit_head_dim(config),
         architecture=model_type, **rope)
@@ -486,6 +491,8 @@ def _explicit_head_dim(config: Mapping[str, Any]) -> int:
     head_dim = config.get("head_dim")
     if head_dim is None:
         return 0
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        return head_dim   # ModelSpec refuses it, naming explicit_head_dim
     if config.get("hidden_size", 0) == head_dim * config.get("num_attention_heads", 0):
         return 0
     return head_dim

@@ -209,8 +209,14 @@ def check_layout(spec: ModelSpec, layout: Layout, *, value_head: bool = False, g
         raise PlanError(f"layout tp{tp}·pp{pp}: " + "; ".join(problems))
 
 
-IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
-"""Buffers older checkpoints saved that every loader recomputes (transformers too)."""
+def recomputed_buffer(name: str, spec: ModelSpec) -> bool:
+    """Whether ``name`` is a RoPE ``inv_freq`` buffer older checkpoints saved, which every loader
+    recomputes (transformers too): the model's, or one of its layers' attention's."""
+    if name == "model.rotary_emb.inv_freq":
+        return True
+    parts = name.split(".")
+    return (len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) < spec.num_layers and parts[3:] == ["self_attn", "rotary_emb", "inv_freq"])
 
 
 def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]], *, value_head: bool,
@@ -224,7 +230,7 @@ def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...
     transformers then keeps the two apart, and loading would drop the head. Other names
     (a layer beyond ``num_hidden_layers``, biases of a model without them) are refused: loading
     would ignore them and train another model than the checkpoint's (an adversarial helper,
-    2026-12-06), except :data:`IGNORED_TENSOR_SUFFIXES`.
+    2026-12-06), except :func:`recomputed_buffer`.
 
     Raises:
         ConfigError: ``source`` and the missing, unexpected or wrong-shape names (at most five
@@ -237,7 +243,7 @@ def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...
     wrong = [f"{n} {tuple(shapes[n])} (config.json says {tuple(expected[n])})" for n in expected
              if n in shapes and tuple(shapes[n]) != tuple(expected[n])]
     tied_head = spec.tie_word_embeddings and not value_head and "lm_head.weight" in shapes
-    unexpected = [n for n in shapes if n not in expected and not n.endswith(IGNORED_TENSOR_SUFFIXES)
+    unexpected = [n for n in shapes if n not in expected and not recomputed_buffer(n, spec)
                   and not (value_head and n.startswith("lm_head.")) and not (tied_head and n == "lm_head.weight")]
     problems = []
     if missing:

@@ -42,6 +42,11 @@ from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 log = logging.getLogger(__name__)
 
 
+FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Checkpoint dtypes whose NaN and infinity the build refuses (CPU torch has no ``isfinite`` for
+the float8 types, which load cast as before)."""
+
+
 def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Full canonical tensors a role starts from: its HF directory, or a seeded initialisation.
 
@@ -59,7 +64,8 @@ def initial_state(role_info: P.RoleArgs, spec: ModelSpec, seed: int) -> dict[str
     gen = torch.Generator().manual_seed(seed)
     if path:
         state = load_state(path)
-        bad = next((name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        bad = next((name for name, t in state.items()
+                    if t.dtype in FINITE_CHECKED and not torch.isfinite(t).all()), None)
         if bad is not None:
             raise ValueError(f"{path}: tensor {bad} holds NaN or infinity; the checkpoint is damaged")
     else:

@@ -89,6 +89,8 @@ class MathTask:
                               "model directory) or task.options.tokenizer_dir")
         self._tokenizer = HFTokenizer(model_dir)
         records = read_records(self.base_dir / self.dataset, self.prompt_key, self.answer_key)
+        first = records[0].prompt if isinstance(records[0].prompt, str) else records[0].prompt[-1]["content"]
+        self._tokenizer.check_round_trip(first)
         train_rows, eval_rows = split(len(records), self.eval_size, self.seed)
         self.dropped = 0
         """Prompts dropped as longer than ``max_prompt_length`` (``overlong: filter``), both splits."""

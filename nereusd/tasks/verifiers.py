@@ -32,6 +32,9 @@ MAX_RESPONSE_CHARS = 20_000
 """Longest response text handed to the MATH checker (its tail is kept: answers come last)."""
 
 _GSM8K_NUMBER = re.compile(r"[-+]?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?|[-+]?\$?\s*\.[0-9]+")
+_GSM8K_REFERENCE = re.compile(rf"(?:{_GSM8K_NUMBER.pattern})\s*[.%]?")
+"""A reference's answer: one number (:data:`_GSM8K_NUMBER`), then at most a full stop or a per
+cent sign; ``3/4``, ``1e3``, ``1 234`` or ``12abc`` would be read as their leading number."""
 
 
 def gsm8k_answer(text: str) -> str | None:
@@ -66,10 +69,10 @@ def gsm8k_reference_problem(ground_truth: str) -> str | None:
     reference needs ``#### <number>`` or is the bare number itself. Without ``####`` only the
     leading number was read, so ``3 + 7 = 10`` taught the policy that the answer is 3, and
     ``forty-two`` scored every response 0 (an adversarial helper, 2026-12-06)."""
-    if "####" in ground_truth:
-        return None if gsm8k_answer(ground_truth) is not None else "has no number after its last ####"
-    if gsm8k_answer(f"#### {ground_truth}") is None or _GSM8K_NUMBER.fullmatch(ground_truth.strip()) is None:
-        return "is neither '#### <number>' nor a bare number"
+    tail = ground_truth.rsplit("####", 1)[1] if "####" in ground_truth else ground_truth
+    if gsm8k_answer(f"#### {tail}") is None or _GSM8K_REFERENCE.fullmatch(tail.strip()) is None:
+        return ("has no number alone after its last ####" if "####" in ground_truth
+                else "is neither '#### <number>' nor a bare number")
     return None
 
 

@@ -184,7 +184,11 @@ def test_zero_key_value_heads_are_refused_not_read_as_missing():
     (dict(rope_scaling="linear"), "rope_scaling: expected an object"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": "ten thousand"}),
      "rope_parameters.rope_theta: expected a number"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "rope_parameters.rope_theta: expected a positive"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}),
+     "rope_parameters.rope_theta: expected a positive"),
+    (dict(model_type=["qwen2"]), "model_type: expected a name"),
+    (dict(architectures="Qwen2ForCausalLM"), "architectures: expected a list of class names"),
+    (dict(layer_types=[{"type": "full_attention"}]), "layer_types: expected a list"),
 ])
 def test_a_config_value_of_the_wrong_type_is_refused_naming_the_key(changes, message):
     """Found by an adversarial helper (2026-12-06): ``"tie_word_embeddings": "false"`` was read as
@@ -220,12 +224,23 @@ def test_tensors_the_config_does_not_describe_and_an_untied_head_are_refused(tmp
     (fewer / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
     with pytest.raises(ConfigError, match=r"tensors config.json does not describe .*model.layers.1."):
         check(fewer)
-    (fewer / "config.json").write_text(json.dumps(dict(config, model_type="llama", architectures=["LlamaForCausalLM"])))
+    as_llama = dict(config, model_type="llama", architectures=["LlamaForCausalLM"])
+    (fewer / "config.json").write_text(json.dumps(as_llama))
     with pytest.raises(ConfigError, match=r"6 tensors config.json does not describe .*self_attn.k_proj.bias"):
+        check(fewer)
+    (fewer / "config.json").write_text(json.dumps(config))
+    state = load_file(str(fewer / "model.safetensors"))
+    buffers = {"model.layers.1.self_attn.rotary_emb.inv_freq": torch.ones(16),
+               "model.rotary_emb.inv_freq": torch.ones(16)}
+    save_file({**state, **buffers}, str(fewer / "model.safetensors"))
+    check(fewer)   # RoPE buffers older checkpoints saved: recomputed
+    save_file({**state, "adapter.rotary_emb.inv_freq": torch.ones(64, 64)}, str(fewer / "model.safetensors"))
+    with pytest.raises(ConfigError, match="adapter.rotary_emb.inv_freq"):
         check(fewer)
     tied = tmp_path / "qwen2-tied"
     state = load_file(str(tied / "model.safetensors"))
-    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, str(tied / "model.safetensors"))
+    equal_head = state["model.embed_tokens.weight"].clone()
+    save_file({**state, "lm_head.weight": equal_head}, str(tied / "model.safetensors"))
     check(tied)   # a tied head saved beside its embedding, equal: as transformers ties it
     save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1}, str(tied / "model.safetensors"))
     with pytest.raises(ConfigError, match="tie_word_embeddings is true but lm_head.weight differs"):
@@ -249,3 +264,8 @@ def test_a_checkpoint_holding_nan_fails_the_build_naming_the_tensor(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"tensor model.norm.weight holds NaN or infinity"):
         initial_state(role, spec, 0)
+    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    fp8["model.norm.weight"] = torch.ones_like(fp8["model.norm.weight"], dtype=torch.float32).to(torch.float8_e4m3fn)
+    save_file(fp8, str(tmp_path / "model.safetensors"))
+    # CPU torch has no isfinite for float8: such a checkpoint loads, as before
+    assert initial_state(role, spec, 0)["model.norm.weight"].dtype == torch.float8_e4m3fn

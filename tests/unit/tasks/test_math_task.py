@@ -190,6 +190,16 @@ def test_a_damaged_tokenizer_directory_is_refused_before_a_job_trains_on_it(tmp_
     tok._tok.chat_template = "{{ raise_exception('no system role') }}"
     with pytest.raises(ConfigError, match="the chat template failed on a prompt .*no system role"):
         tok.render("hi", system_prompt="be brief")
+    tok._tok.chat_template = "{{ 1 // 0 }}"   # whatever a template raises (a second helper, 2026-12-06)
+    with pytest.raises(ConfigError, match="the chat template failed on a prompt .ZeroDivisionError"):
+        tok.render("hi")
+    tok._tok.chat_template = "{% for m in messages %}  \n{% endfor %}"
+    with pytest.raises(ConfigError, match="the chat template's output .* leaves out the message 'hi'"):
+        tok.render("hi")
+    tok.check_round_trip("Ann has 3 pens.  She buys 7\nmore.")
+    tok.decode = lambda ids: "Ann"   # a vocabulary that drops what it cannot write (no merges, 16 tokens)
+    with pytest.raises(ConfigError, match="does not reproduce the dataset's text .* comes back as 'Ann'"):
+        tok.check_round_trip("Ann has 3 pens.")
 
 
 # ---- the task ------------------------------------------------------------------------------------
@@ -279,11 +289,15 @@ def test_rows_the_task_cannot_use_are_refused_naming_the_row(math_dir, tmp_path)
     assert gsm8k_reference_problem("42") is None and gsm8k_reference_problem("Step 1 … #### 1,000") is None
     assert gsm8k_reference_problem("3 + 7 = <<3+7=10>>10") and gsm8k_reference_problem("forty-two")
     assert gsm8k_reference_problem("#### forty")
+    for read_as_its_leading_number in ("#### 3/4", "#### 1 234", "#### 1e3", "#### 12abc", "#### 5-7"):
+        assert gsm8k_reference_problem(read_as_its_leading_number), read_as_its_leading_number
+    for fine in ("#### 1,234", "#### -5", "#### $12.50", "42.", "100%", "#### 10%"):
+        assert gsm8k_reference_problem(fine) is None, fine
     base = tmp_path / "m"
     shutil.copytree(math_dir, base)
     data = rows(12)
     for row, answer, match in ((7, "3 + 7 = <<3+7=10>>10", "neither '#### <number>' nor a bare number"),
-                               (3, "#### forty", "has no number after its last ####")):
+                               (3, "#### forty", "has no number alone after its last ####")):
         _jsonl(base / "data.jsonl", [dict(r, answer=answer) if i == row else r for i, r in enumerate(data)])
         with pytest.raises(ConfigError, match=rf"data.jsonl: row {row}: answer .*{match}"):
             _task(base)
@@ -303,5 +317,5 @@ def test_rows_the_task_cannot_use_are_refused_naming_the_row(math_dir, tmp_path)
     else:
         config["chat_template"] = "{# nothing #}"
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="data.jsonl: row 0: the prompt renders to no tokens"):
-        _task(base)
+    with pytest.raises(ConfigError, match="the chat template's output '' leaves out the message 'Ann has"):
+        _task(base)   # an empty template (and one writing whitespace or only its markers: a helper, 2026-12-06)
