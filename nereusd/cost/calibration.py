@@ -82,7 +82,6 @@ PRIORS: dict[str, float] = {
     **{comm_class(c, "intra"): 0.50 for c in COLLECTIVES},
     **{comm_class(c, "inter"): 0.40 for c in COLLECTIVES},
     grad_sync_class("intra"): 0.50, grad_sync_class("inter"): 0.40,   # as the all-reduces'
-
     latency_class("intra"): 0.50, latency_class("inter"): 0.40,   # as the collectives': unchanged sums
 }
 GENERATION_PREFIX = "generation_"
@@ -317,9 +316,10 @@ class Calibration:
         predicted = {c: s / self.efficiency(c) for c, s in ideal_s_by_class.items() if 0 < s < float("inf")}
         learned = {c: s for c, s in predicted.items() if c not in self.pinned}
         total = sum(learned.values())
-        if sum(predicted.values()) <= 0 or not 0 < measured_s < float("inf"):
+        pinned_s = sum(predicted.values()) - total
+        if total + pinned_s <= 0 or not 0 < measured_s < float("inf"):
             return
-        rest = measured_s - (sum(predicted.values()) - total)
+        rest = measured_s - pinned_s
         for op_class, seconds in learned.items() if rest > 0 else ():
             self.observe(op_class, ideal_s_by_class[op_class], rest * seconds / total)
         self._stages.append(({c: float(ideal_s_by_class[c]) for c in predicted}, float(measured_s)))

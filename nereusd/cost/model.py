@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class, grad_sync_class,
-                                      generation_class, latency_class)
+from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER, Calibration, comm_class,
+                                      generation_class, grad_sync_class, latency_class)
 from nereusd.cost.formulas import (adam_update_s, continuous_batching, decode_step_s, p2p_parts, p2p_s, pipeline_slots,
                                    ring_collective_parts)
 from nereusd.cost.memory import dtype_bytes, parameters_per_device

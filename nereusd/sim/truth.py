@@ -155,13 +155,13 @@ class GroundTruth:
         rng = random.Random(self.config.seed)
         # the per-call latency classes draw after the others, and a generation engine's classes
         # after those, so each seed keeps the draws it had before they existed
-        order = sorted((c for c in PRIORS if not c.startswith("grad_sync_")),
+        grad_sync = {grad_sync_class(link): comm_class("all_reduce", link) for link in LINK_TYPES}
+        order = sorted((c for c in PRIORS if c not in grad_sync),
                        key=lambda c: (c.startswith(GENERATION_PREFIX), c.startswith("latency_"), c))
         self.efficiency = {c: min(0.95, PRIORS[c] * rng.uniform(self.config.efficiency_lo, self.config.efficiency_hi))
                            for c in order}
         # a gradient synchronisation is an all-reduce to this truth (and draws nothing)
-        self.efficiency.update({grad_sync_class(link): self.efficiency[comm_class("all_reduce", link)]
-                                for link in LINK_TYPES})
+        self.efficiency.update({sync: self.efficiency[all_reduce] for sync, all_reduce in grad_sync.items()})
         self._models: dict[bool, CostModel] = {}
         self._episodes: list[tuple[float, float]] = []
         self._episodes_until = 0.0

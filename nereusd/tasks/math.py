@@ -114,8 +114,10 @@ class MathTask:
         """Each record's prompt rendered to token ids (:meth:`HFTokenizer.render`), with its answer.
 
         Raises:
-            ConfigError: a prompt the tokenizer cannot take (a lone surrogate) or that renders to
-                no tokens (an empty template), naming the dataset's row.
+            ConfigError: a prompt the tokenizer or its chat template cannot take (a lone
+                surrogate; :meth:`HFTokenizer.render`), one that renders to no tokens, or a
+                reference the format's verifier could never match
+                (:data:`~nereusd.tasks.verifiers.REFERENCE_PROBLEMS`), naming the dataset's row.
         """
         out = []
         for rec in records:
