@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from nereusd.transition.comms import GROUP_POOL_CAPACITY, IdleGroups
+
 log = logging.getLogger(__name__)
 
 
@@ -42,26 +44,29 @@ class GroupPool:
     ``create`` and ``destroy`` are called on every rank in DAG order).
     """
 
-    def __init__(self, capacity: int = 32) -> None:
-        self.capacity = capacity
-        self.idle: list[tuple[tuple[int, ...], Optional[str], Optional[dist.ProcessGroup]]] = []
+    def __init__(self, capacity: int = GROUP_POOL_CAPACITY) -> None:
+        self.idle: IdleGroups[Optional[dist.ProcessGroup]] = IdleGroups(capacity)
+        """Idle groups by ``(ranks, backend)``, oldest first: the bookkeeping nereusd mirrors
+        (:class:`nereusd.transition.comms.GroupPoolMirror`) to price the set-ups a transition needs."""
         self.created = self.reused = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.idle.capacity
 
     def acquire(self, ranks: tuple[int, ...], backend: Optional[str]) -> Optional[dist.ProcessGroup]:
         """An idle group over ``ranks`` (global, sorted), else a new one (collective)."""
-        for i, (r, b, group) in enumerate(self.idle):
-            if (r, b) == (ranks, backend):
-                del self.idle[i]
-                self.reused += 1
-                return group
+        found, group = self.idle.take((ranks, backend))
+        if found:
+            self.reused += 1
+            return group
         self.created += 1
         return dist.new_group(list(ranks), backend=backend)
 
     def release(self, ranks: tuple[int, ...], backend: Optional[str], group: Optional[dist.ProcessGroup]) -> None:
         """Make ``group`` idle; destroy the oldest idle groups past ``capacity``."""
-        self.idle.append((ranks, backend, group))
-        while len(self.idle) > self.capacity:
-            destroy_group(self.idle.pop(0)[2])
+        for old in self.idle.put((ranks, backend), group):
+            destroy_group(old)
 
     def clear(self) -> None:
         """Forget every idle group (after the world they belonged to was destroyed)."""

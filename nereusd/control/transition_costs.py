@@ -115,6 +115,24 @@ class TransitionCostLearning:
         self.engine_start_s = seconds if not self._engine_starts_seen else 0.5 * self.engine_start_s + 0.5 * seconds
         self._engine_starts_seen += 1
 
+    # ---- the workers' group pools ---------------------------------------------------------------
+    def transition_ran(self, dag: TransitionDag) -> None:
+        """The workers ran ``dag`` (its ``transition_finish`` included): the communicators it
+        handed back are idle in their pools now (:class:`nereusd.transition.comms.GroupPoolMirror`),
+        and the next ``L̂_tran`` prices no set-up for those it takes back. Call it after
+        :meth:`sync_groups_set_up`, which counts the groups this one created."""
+        self.transitions.groups.ran(dag)
+
+    def world_formed(self) -> None:
+        """A new world (restart, devices joining or leaving): the workers' pools are empty."""
+        self.transitions.groups.world_formed()
+
+    def groups_built(self, plan: Plan) -> int:
+        """The workers built ``plan`` on a new world: returns the weight-sync groups it created
+        (all of its own; :meth:`engines_built` learns their set-up from them)."""
+        self.transitions.groups.built(plan)
+        return len(self.transitions.groups.held)
+
     # ---- pricing -----------------------------------------------------------------------------
     def extra_l_tran_s(self, source: Plan, plan: Plan, dag: TransitionDag | None, engines: Iterable[ModelStage],
                        micro_batch: int) -> float:
@@ -122,12 +140,13 @@ class TransitionCostLearning:
         cost and the re-attachment of every model-stage the transition rebuilds
         (:func:`nereusd.transition.rebuilt_model_stages`; without a ``dag``, the simulator's scaled
         assessments, those whose layout or devices change), the weight-sync groups it creates
-        (:func:`nereusd.transition.sync_groups_created`, once a creation has been measured), and a
+        (:meth:`nereusd.transition.estimate.TransitionEstimator.sync_groups_created`, once a creation has been measured), and a
         vLLM start-up when it starts engines (:func:`nereusd.backends.restarts_vllm_engines`, the
-        workers' own rule)."""
+        workers' own rule). The weight-sync groups created are counted against the workers'
+        group pools (:meth:`nereusd.transition.comms.GroupPoolMirror.sync_created`)."""
         extra = 0.0
         if self.sync_group_s and dag is not None and plan != source:
-            extra += self.sync_group_s * self.transitions.sync_groups_created(source, plan, dag)
+            extra += self.sync_group_s * self.transitions.sync_groups_created(dag)
         if plan != source:
             moved = ({op.model_stage for op in dag.ops} if dag is not None else
                      {ms for ms in set(plan) | set(source) if ms not in plan or ms not in source

@@ -127,8 +127,7 @@ class LiveAdaptation(FailureRecovery):
             self.controller.engine_started(self.driver.engine_start_s)
             self.driver.engine_start_s = 0.0
         if self.driver.rebuild_s:   # a build: what re-attaching engines costs, before any transition ran
-            groups = self.controller.transitions.sync_groups_created(Plan({}), self.driver.plan,
-                                                                     TransitionDag(Plan({}), Plan({}), (), ()))
+            groups = self.controller.groups_built(self.driver.plan)
             self.controller.engines_built(self.driver.rebuild_s, self.driver.finish_overhead_s,
                                           self.driver.sync_setup_s, groups)
             self.driver.rebuild_s = {}
@@ -298,7 +297,8 @@ class LiveAdaptation(FailureRecovery):
             self.controller.transition_measured(predicted_s, elapsed, progress.terms_s())
         if dag.ops or target != current:
             self.controller.sync_groups_set_up(progress.phases_s.get("sync_setup", 0.0),
-                                               self.controller.transitions.sync_groups_created(current, target, dag))
+                                               self.controller.transitions.sync_groups_created(dag))
+        self.controller.transition_ran(dag)
         self.controller.engine_started(progress.engine_start_s)
         self.controller.engines_rebuilt(progress.rebuild_s)
         self.controller.switched(target, tuple(sorted(self.world)))
@@ -318,6 +318,7 @@ class LiveAdaptation(FailureRecovery):
         args = P.ReformWorldArgs(generation=generation, devices=world, timeout_s=120)
         self.control.run({d: args for d in world}, 300)
         self.world = list(world)
+        self.controller.world_formed()
         self.journal.event(Event.WORLD_FORMED, {"generation": generation, "devices": world, "new_devices": new,
                                             "elapsed_s": time.perf_counter() - start})
 

@@ -210,6 +210,9 @@ class Simulation:
             response_cap=self.response_cap, pool=self.problem.pool, transition_scale_limit=TRANSITION_SCALE_LIMIT)
         res = PolicyResult(policy, self.steps)
         plan = launch
+        links.groups.built(launch)   # the build's weight-sync groups, held (live: the first step's record)
+        if ctl is not None:
+            ctl.groups_built(launch)
         ids: dict[str, int] = {}
         t, i, ckpt, done = 0.0, 0, 0, set()
         pool = self.problem.pool
@@ -234,7 +237,7 @@ class Simulation:
                 rec.oom, rec.lost_s = True, OOM_LOST_FRACTION * step_s
                 if ctl is not None:
                     ctl.failed(i, math.ceil(length))
-                plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
+                plan = self._restart(ctl, oracle, rec, truth, links, plan, length, pool, t)
                 t += rec.lost_s + rec.restart_s
                 i = ckpt
                 continue
@@ -268,12 +271,15 @@ class Simulation:
             source = None if outage else surviving_units(plan, len(new_pool))
             if outage or source is None:   # some model-stage lost every replica (the oracle's too:
                 pool = new_pool            # a lost device is no layout choice; its moves are free)
-                plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
+                plan = self._restart(ctl, oracle, rec, truth, links, plan, length, pool, t)
                 t += rec.restart_s
                 continue
             if ctl is None:
                 pool = new_pool
                 continue
+            if rec.pool_changed:   # live, the workers re-form their world: their group pools empty
+                ctl.world_formed()
+                links.groups.world_formed()
             outcome = ctl.boundary(i - 1, new_pool, source=None if source == plan else source)
             pool = new_pool
             d = outcome.decision if outcome is not None else None
@@ -282,7 +288,8 @@ class Simulation:
             warm = ctl.warm_engines   # a background join's (switched() clears them)
             if d is not None and d.verdict == ADMIT:
                 started_s = truth.engine_rebuild_s(source, d.target.plan, warm)
-                rec.transition_s = links.estimate(source, d.target.plan).l_tran_s + started_s
+                truth_est = links.estimate(source, d.target.plan)
+                rec.transition_s = truth_est.l_tran_s + started_s
                 rec.engine_start_s = started_s
                 rec.switched = True
                 # the engines' start-up is measured on its own, as the live workers report it
@@ -291,10 +298,14 @@ class Simulation:
                                                          self.problem.workload.micro_batch)
                 ctl.transition_measured(d.l_tran_s - priced_start_s, rec.transition_s - started_s)
                 ctl.engine_started(started_s)
+                if truth_est.dag is not None:   # a scaled assessment has none (and prices every set-up)
+                    links.groups.ran(truth_est.dag)
+                if d.target.dag is not None:
+                    ctl.transition_ran(d.target.dag)
                 plan = d.target.plan
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
-                plan = self._restart(ctl, oracle, rec, truth, plan, length, pool, t)
+                plan = self._restart(ctl, oracle, rec, truth, links, plan, length, pool, t)
             ctl.warm_engines = {}   # the workers close the warm engines the boundary's rebuild did not adopt
             t += rec.transition_s + rec.restart_s
         return res
@@ -333,9 +344,10 @@ class Simulation:
         return pool, _Join(new, time_s + start_s, warm)
 
     def _restart(self, ctl: Controller | None, oracle: "Oracle | None", rec: StepRecord, truth: GroundTruth,
-                 plan: Plan, length: float, pool: tuple[int, ...], time_s: float) -> Plan:
+                 links: TransitionEstimator, plan: Plan, length: float, pool: tuple[int, ...], time_s: float) -> Plan:
         """Checkpoint/restart into the controller's restart plan for ``pool`` (an oracle: its
-        best plan for the step)."""
+        best plan for the step); the new workers' group pools hold the new plan's weight-sync
+        groups only (``links``: the truth's transition estimates)."""
         if ctl is None:
             target = oracle.plan(rec.step, length, pool, time_s)
             if target is None:
@@ -351,7 +363,11 @@ class Simulation:
         rec.restart_s += restart_s
         if ctl is not None:
             ctl.restart_measured(restart_s)
+            ctl.world_formed()
+            ctl.groups_built(target)
             ctl.switched(target, pool)
+        links.groups.world_formed()
+        links.groups.built(target)
         return target
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Collection, Mapping
 
 from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
@@ -41,7 +41,7 @@ from nereusd.transition.cost import (
     estimate_l_tran,
     op_duration_s,
 )
-from nereusd.transition.comms import communicator_plan
+from nereusd.transition.comms import communicator_plan, created_groups
 from nereusd.transition.dag import join, topological_order
 from nereusd.transition.validate import validate
 from nereusd.transition.local import Delta, local_dag, t_sub
@@ -81,8 +81,7 @@ __all__ = [
     "t_sub", "tight_devices", "topological_order", "validate", "TransitionAssessment",
     "assess_transition", "weight_sync_dags", "sync_dag_args", "rebuilt_model_stages",
     "zero_repartitioned", "repartitioned_by", "zero_state_cost", "repartition_cost", "ParamsMoved",
-    "sync_communicator_sets",
-    "sync_groups_created",
+    "sync_communicator_plan",
 ]
 
 
@@ -182,12 +181,15 @@ def assess_transition(
     cost_model=None,
     sizes: StateSizes | None = None,
     budget: MemoryBudget | None = None,
+    reused: Callable[[TransitionDag], Collection[tuple[str, tuple[int, ...]]]] | None = None,
 ) -> TransitionAssessment:
     """Plan, check and cost ``S → S*`` on ``site`` (a ``nereusd.config.site.SiteConfig``).
 
     Defaults: :meth:`AdamStateSizes.for_dtype` of the site's compute dtype,
     :meth:`MemoryBudget.from_site`, and :class:`CostModelLinks` when a calibrated
     ``cost_model`` (``nereusd.cost.model.CostModel``) is given, else :class:`SiteLinkCosts`.
+    ``reused``: the communicators of a DAG that the workers' group pool supplies
+    (:meth:`nereusd.transition.comms.GroupPoolMirror.reused`; none without it).
 
     Raises:
         PlanError: as :func:`plan_transition`.
@@ -197,7 +199,7 @@ def assess_transition(
     state = StateModel(models, sizes, repartitioned_by(current, target))
     links = CostModelLinks(cost_model) if cost_model is not None else SiteLinkCosts.from_site(site)
     dag, report = fitting_dag(current, target, models, site.devices_per_node, state, budget)
-    cost = estimate_l_tran(dag, state.sizes, links)   # re-partitioned: parameters only (ParamsMoved)
+    cost = estimate_l_tran(dag, state.sizes, links, reused(dag) if reused is not None else ())   # re-partitioned: parameters only (ParamsMoved)
     zero_s, zero_bytes = zero_state_cost(current, target, dag, state, links)
     if zero_s or zero_bytes:
         cost = dataclasses.replace(cost, l_tran_s=cost.l_tran_s + zero_s, bytes_moved=cost.bytes_moved + zero_bytes)
@@ -365,23 +367,12 @@ def weight_sync_dags(plan: Plan, models: Mapping[Role, ModelSpec], *,
     return out
 
 
-def sync_communicator_sets(plan: Plan, models: Mapping[Role, ModelSpec], *, devices_per_node: int) -> Counter:
-    """The device sets (sorted) of the communicators of ``plan``'s weight-sync DAGs
-    (:func:`weight_sync_dags`), with their multiplicity."""
-    return Counter(tuple(sorted(set(devices)))
-                   for dag in weight_sync_dags(plan, models, devices_per_node=devices_per_node).values()
-                   for _, devices in communicator_plan(dag) if len(set(devices)) > 1)
-
-
-def sync_groups_created(current_sync: Counter, target_sync: Counter, dag: TransitionDag) -> int:
-    """Process groups a transition's ``transition_finish`` creates for the target plan's weight-sync
-    communicators (``target_sync``, :func:`sync_communicator_sets`): the workers take groups from
-    their pool (``emu.state.groups.GroupPool``), to which the current plan's sync
-    communicators (``current_sync``) and the transition's own (``dag``) have just been handed
-    back; a device set needed more often than those give is created. An upper bound: the pool
-    may also keep older idle groups."""
-    have = current_sync + Counter(tuple(sorted(set(d))) for _, d in communicator_plan(dag) if len(set(d)) > 1)
-    return sum((target_sync - have).values())
+def sync_communicator_plan(plan: Plan, models: Mapping[Role, ModelSpec], *,
+                           devices_per_node: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The process groups of ``plan``'s weight-sync DAGs (:func:`weight_sync_dags`) as ``(op id,
+    device set)``, in the order the workers create them (each DAG's :func:`created_groups`)."""
+    return [g for dag in weight_sync_dags(plan, models, devices_per_node=devices_per_node).values()
+            for g in created_groups(communicator_plan(dag))]
 
 
 def sync_dag_args(dags: Mapping[tuple[ModelStage, ModelStage], TransitionDag]) -> list[SyncDag]:

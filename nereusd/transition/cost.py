@@ -9,9 +9,13 @@ communicators it creates (DESIGN.md "Cost model", transition cost):
 * a device sends and receives its messages one after another, pairs of devices run
   concurrently, so the transfer time of an op is the largest per-device send or receive time;
   a Merge's local slices (``src == dst``) are added to the device's receive time;
-* communicators: a Split creates one per gather group (connected devices of its routes), an
-  Extend one per rank pair; a device creates its communicators one after another, devices in
-  parallel, so the set-up time is the largest per-device sum;
+* communicators: the process groups the workers create for the op
+  (:func:`nereusd.transition.comms.op_communicators`: a Split one per gather group, an Extend
+  one per source-target pair, a Merge one per pair of devices it exchanges between), except
+  those the workers' group pool hands back (``reused``,
+  :meth:`nereusd.transition.comms.GroupPoolMirror.reused`: such a group costs nothing); a
+  device creates its communicators one after another, devices in parallel, so the set-up time
+  is the largest per-device sum;
 * a device that stages its holding in host memory (:attr:`Op.host_staged`) copies it out before
   the exchange and, into its new holding, back what it keeps: a Split receiver its whole old
   holding, a Merge device its slice (instead of the local copy); each
@@ -39,10 +43,11 @@ import heapq
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import Collection, Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from nereusd.cost.formulas import local_copy_s, p2p_s
 from nereusd.errors import PlanError
+from nereusd.transition.comms import created_groups, op_communicators
 from nereusd.transition.memory import StateSizes
 from nereusd.transition.ops import Op, OpKind, TransitionDag
 
@@ -177,35 +182,20 @@ class TransitionCost:
 _COLLECTIVE = {OpKind.SPLIT: "all_gather", OpKind.EXTEND: "broadcast", OpKind.MERGE: "p2p"}
 
 
-def _communicators(op: Op) -> list[tuple[int, ...]]:
-    pairs = {(r.src, r.dst) for r in op.routes if r.src != r.dst}
-    if op.kind is OpKind.EXTEND:
-        return [tuple(sorted(p)) for p in sorted({tuple(sorted(p)) for p in pairs})]
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
-    for a, b in pairs:
-        parent[find(a)] = find(b)
-    groups: dict[int, list[int]] = defaultdict(list)
-    for x in list(parent):
-        groups[find(x)].append(x)
-    return [tuple(sorted(g)) for g in groups.values()]
-
-
-def op_duration_s(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int]:
-    """``(seconds, bytes sent between devices)`` of one op (module docstring).
+def op_duration_s(op: Op, sizes: StateSizes, links: LinkCosts,
+                  reused: Collection[tuple[str, tuple[int, ...]]] = ()) -> tuple[float, int]:
+    """``(seconds, bytes sent between devices)`` of one op (module docstring); ``reused``: the
+    ``(op id, device set)`` communicators the workers' group pool supplies, which cost no set-up
+    (:meth:`nereusd.transition.comms.GroupPoolMirror.reused`).
 
     Returns ``(0.0, 0)`` for Destroy and Create.
     """
-    seconds, moved, _ = _profile(op, sizes, links)
+    seconds, moved, _ = _profile(op, sizes, links, reused)
     return seconds, moved
 
 
-def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, set[int]]:
+def _profile(op: Op, sizes: StateSizes, links: LinkCosts,
+             reused: Collection[tuple[str, tuple[int, ...]]] = ()) -> tuple[float, int, set[int]]:
     """Seconds, bytes moved, and the devices whose link (or memory, for local slices) it uses."""
     if op.kind in (OpKind.DESTROY, OpKind.CREATE):
         return 0.0, 0, set()
@@ -231,7 +221,10 @@ def _profile(op: Op, sizes: StateSizes, links: LinkCosts) -> tuple[float, int, s
         back = message.get((x, x), 0.0) if op.kind is OpKind.MERGE else elements * per_element
         recv[x] += links.host_transfer_s(elements * per_element) + links.host_transfer_s(back)
     setup: dict[int, float] = defaultdict(float)
-    for group in _communicators(op):
+    for key in created_groups((op.id, g) for g in op_communicators(op)):
+        if key in reused:
+            continue
+        group = key[1]
         t = links.communicator_setup_s(group)
         for x in group:
             setup[x] += t
@@ -414,7 +407,8 @@ def _free(spans: list[tuple[float, float, object]], a: float, b: float) -> bool:
     return all(e <= a for _, e, _ in spans[:i])
 
 
-def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> TransitionCost:
+def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts,
+                    reused: Collection[tuple[str, tuple[int, ...]]] = ()) -> TransitionCost:
     """``L̂_tran``: makespan of the DAG with :func:`op_duration_s` per op (module docstring).
 
     Ops are placed in critical-path order, in the DAG's topological order
@@ -424,6 +418,9 @@ def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> 
     uses are free for its whole duration (one port per device: a device's sends, receives and
     communicator set-ups run one after another, also across ops; :func:`list_schedule`). Without
     shared devices this is the DAG's longest path.
+
+    ``reused``: the ``(op id, device set)`` communicators the workers' group pool supplies (no
+    set-up; :meth:`nereusd.transition.comms.GroupPoolMirror.reused`).
 
     Returns:
         The makespan, per-op durations and start times, and the critical path: the chain of
@@ -441,7 +438,7 @@ def estimate_l_tran(dag: TransitionDag, sizes: StateSizes, links: LinkCosts) -> 
     for e in dag.edges:
         preds[e.dst].append(e.src)
     for op_id in topological_order(dag):
-        duration[op_id], nbytes, ports[op_id] = _profile(dag.op(op_id), sizes, links)
+        duration[op_id], nbytes, ports[op_id] = _profile(dag.op(op_id), sizes, links, reused)
         moved += nbytes
     order, start, via = best_list_schedule(topological_order(dag), duration, ports, preds)
     finish = {x: start[x] + duration[x] for x in order}

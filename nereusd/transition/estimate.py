@@ -20,7 +20,6 @@ between more replicas than the scaled plan has. Such an estimate has no DAG to e
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -29,7 +28,8 @@ from nereusd.errors import PlanError
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Plan, Role
 from nereusd.planner.placement import place
-from nereusd.transition import assess_transition, sync_communicator_sets, sync_groups_created
+from nereusd.transition import assess_transition, sync_communicator_plan
+from nereusd.transition.comms import GroupPoolMirror
 from nereusd.transition.ops import TransitionDag
 
 
@@ -68,21 +68,25 @@ class TransitionEstimator:
         self.sets = [tuple(s) for s in concurrent_sets]
         self.max_devices = max_devices
         self._memo: dict[tuple, TransitionEstimate] = {}
-        self._sync_sets: dict[tuple, Counter] = {}
+        self._memo_version = 0
+        self._sync_plans: dict[tuple, list[tuple[str, tuple[int, ...]]]] = {}
+        self.groups = GroupPoolMirror(self.sync_plan)
+        """The workers' group pools as the transitions they ran left them: a full-size estimate
+        prices no set-up for the communicators they hand back (a scaled one, every set-up)."""
 
-    def sync_groups_created(self, current: Plan, target: Plan, dag: TransitionDag) -> int:
-        """:func:`nereusd.transition.sync_groups_created` for ``current → target`` by ``dag``
-        (each plan's weight-sync communicators memoised)."""
-        sets = []
-        for plan in (current, target):
-            key = plan.key()
-            if key not in self._sync_sets:
-                if len(self._sync_sets) > 256:
-                    self._sync_sets.clear()
-                self._sync_sets[key] = sync_communicator_sets(plan, self.specs,
-                                                              devices_per_node=self.site.devices_per_node)
-            sets.append(self._sync_sets[key])
-        return sync_groups_created(sets[0], sets[1], dag)
+    def sync_plan(self, plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+        """:func:`nereusd.transition.sync_communicator_plan` of ``plan`` (memoised)."""
+        key = plan.key()
+        if key not in self._sync_plans:
+            if len(self._sync_plans) > 256:
+                self._sync_plans.clear()
+            self._sync_plans[key] = sync_communicator_plan(plan, self.specs, devices_per_node=self.site.devices_per_node)
+        return self._sync_plans[key]
+
+    def sync_groups_created(self, dag: TransitionDag) -> int:
+        """Weight-sync groups the target plan of ``dag`` creates at its ``transition_finish``
+        (:meth:`GroupPoolMirror.sync_created`)."""
+        return self.groups.sync_created(dag)
 
     def forget(self) -> None:
         """Drop every memoised estimate (the cost model's calibration changed wholesale)."""
@@ -94,6 +98,9 @@ class TransitionEstimator:
         Raises:
             PlanError: from the transition planner (a layout that cannot shard a model).
         """
+        if self._memo_version != self.groups.version:   # the pool changed: set-ups priced anew
+            self._memo.clear()
+            self._memo_version = self.groups.version
         key = (current.key(), target.key())
         hit = self._memo.get(key)
         if hit is not None:
@@ -107,7 +114,8 @@ class TransitionEstimator:
                     any(c.dp >= 2 * scale for p in (current, target) for c in p.candidates.values()):
                 scale *= 2
             cur, tgt = (current, target) if scale == 1 else self._scaled(current, target, scale)
-            result = assess_transition(cur, tgt, self.specs, self.site, cost_model=self.cost_model)
+            result = assess_transition(cur, tgt, self.specs, self.site, cost_model=self.cost_model,
+                                       reused=self.groups.reused if scale == 1 else None)
             v = result.feasibility.violation
             est = TransitionEstimate(result.l_tran_s, result.feasible, result.reason, scale,
                                      result.dag if scale == 1 else None,

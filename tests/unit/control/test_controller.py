@@ -21,6 +21,7 @@ from nereusd.config.resolve import load_and_resolve
 from nereusd.cost.memory import usable_bytes
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.planner.space import evaluate
+from nereusd.transition.ops import TransitionDag
 from nereusd.config.site import load_site
 
 from tests.support import REPO
@@ -560,22 +561,22 @@ def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_h
 def test_a_transition_is_priced_the_weight_sync_groups_it_creates(demo):
     """Workers reuse process groups over the same devices (``emu.state.groups.GroupPool``):
     once a group's creation has been measured, ``L̂_tran`` adds it for each weight-sync group the
-    target plan needs beyond those the current plan's sync and the transition's own
-    communicators hand back — here the launch plan syncs training tp 2 to generation tp 1 over
+    target plan needs beyond those the workers' pools hold by then — the current plan's sync and
+    the transition's own communicators, just handed back (the controller's copy of the pools,
+    ``GroupPoolMirror``) — here the launch plan syncs training tp 2 to generation tp 1 over
     device pairs, and training at tp 4 needs groups over all four devices; a resumed controller
     keeps what it learned."""
     from collections import Counter
 
-    from nereusd.transition import sync_communicator_sets, sync_groups_created
-    from nereusd.transition.comms import communicator_plan
+    from nereusd.transition.comms import communicator_plan, created_groups
 
     job, site = demo
     train = ModelStage.parse("actor/training")
     adapter = controller_for_job(job, site, job.plan, PROMPT)
     plan = adapter.plan
+    assert adapter.groups_built(plan) == len(adapter.transitions.sync_plan(plan)) > 0
     moved = Plan({**plan.candidates, train: Candidate(4, 1, 1, (0, 1, 2, 3))})
-    models = {r: rm.spec for r, rm in job.roles.items()}
-    now, then = (sync_communicator_sets(p, models, devices_per_node=site.devices_per_node) for p in (plan, moved))
+    now, then = (Counter(g for _, g in adapter.transitions.sync_plan(p)) for p in (plan, moved))
     assert set(now) == {(0, 1), (2, 3)} and set(then) == {(0, 1, 2, 3)}
 
     def assessed(step: int):
@@ -584,18 +585,54 @@ def test_a_transition_is_priced_the_weight_sync_groups_it_creates(demo):
 
     before = assessed(0)
     dag = adapter.transitions.estimate(plan, moved).dag
-    created = sync_groups_created(now, then, dag)
-    own = Counter(tuple(sorted(set(d))) for _, d in communicator_plan(dag) if len(set(d)) > 1)
+    created = adapter.transitions.sync_groups_created(dag)
+    own = Counter(g for _, g in created_groups(communicator_plan(dag)))
     assert created == max(0, then[(0, 1, 2, 3)] - own[(0, 1, 2, 3)]) > 0
     adapter.sync_groups_set_up(0.0, 0)     # nothing created: nothing learned
     adapter.sync_groups_set_up(0.06, 3)
     assert adapter.sync_group_s == pytest.approx(0.02)
     assert assessed(1).l_tran_s == pytest.approx(before.l_tran_s + 0.02 * created)
     # the same plan's sync groups come back from the pool: a transition that keeps them creates none
-    assert sync_groups_created(now, now, dag) == 0
+    assert adapter.transitions.sync_groups_created(TransitionDag(plan, plan, (), ())) == 0
     resumed = controller_for_job(job, site, job.plan, PROMPT)
     resumed.restore(json.loads(json.dumps(adapter.state())))
     assert resumed.sync_group_s == pytest.approx(0.02)
+
+
+def test_a_transition_is_not_priced_the_communicators_the_pools_hand_back(demo):
+    """``L̂_tran`` prices a communicator's set-up only where the workers create it: after a
+    transition ran, its groups (and the old plan's weight-sync ones) are idle in every worker's
+    pool, and the way back takes them again — measured live, a transition that reused them
+    spent 0 s in set-up where ``L̂_tran`` priced 0.04 s (``make demo``, 2026-12-06). A new world
+    empties the pools and every set-up is priced again."""
+    from nereusd.transition import estimate_l_tran
+    from nereusd.transition.comms import communicator_plan, created_groups
+
+    job, site = demo
+    train = ModelStage.parse("actor/training")
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    plan = adapter.plan
+    adapter.groups_built(plan)
+    moved = Plan({**plan.candidates, train: Candidate(1, 2, 2, (0, 1, 2, 3))})
+    there = adapter.transitions.estimate(plan, moved)
+    back = adapter.transitions.estimate(moved, plan)
+    assert there.dag is not None and back.dag is not None
+    assert not adapter.transitions.groups.reused(back.dag)   # nothing ran yet: every group is created
+    adapter.transition_ran(there.dag)
+    reused = adapter.transitions.groups.reused(back.dag)
+    assert reused and reused <= set(created_groups(communicator_plan(back.dag)))
+    cheaper = adapter.transitions.estimate(moved, plan)
+    setup = site.network.communicator_setup_s
+    assert cheaper.l_tran_s < back.l_tran_s - setup / 2
+    # the schedule is priced as if the reused groups cost nothing, and no more than that
+    from nereusd.transition.cost import CostModelLinks
+    from nereusd.transition.memory import AdamStateSizes
+    sizes = AdamStateSizes.for_dtype(site.compute_dtype)
+    links = CostModelLinks(adapter.cost_model)
+    every = set(created_groups(communicator_plan(back.dag)))
+    assert estimate_l_tran(back.dag, sizes, links, reused=every).l_tran_s < estimate_l_tran(back.dag, sizes, links).l_tran_s
+    adapter.world_formed()
+    assert adapter.transitions.estimate(moved, plan).l_tran_s == pytest.approx(back.l_tran_s)
 
 
 def test_the_restart_cost_is_learned_from_measured_restarts_and_resumed(demo):

@@ -52,6 +52,19 @@ class Recording(control.Controller):
         Recording.calls.append(("switched", (plan, pool), {}, None))
         super().switched(plan, pool)
 
+    def transition_ran(self, dag):
+        Recording.calls.append(("transition_ran", (dag,), {}, None))
+        super().transition_ran(dag)
+
+    def world_formed(self):
+        Recording.calls.append(("world_formed", (), {}, None))
+        super().world_formed()
+
+    def groups_built(self, plan):
+        out = super().groups_built(plan)
+        Recording.calls.append(("groups_built", (plan,), {}, out))
+        return out
+
     def failed(self, step, length=None):
         Recording.calls.append(("failed", (step, length), {}, None))
         super().failed(step, length)
@@ -88,4 +101,5 @@ def test_simulated_decisions_are_the_live_controllers(monkeypatch):
         elif name == "observe":
             assert live_out == pytest.approx(sim_out)
     assert boundaries == 16 and any(c[0] == "switched" for c in Recording.calls)
+    assert any(c[0] == "transition_ran" for c in Recording.calls)   # the group pools, as a live job keeps them
     assert live.plan.describe() == result.plans[result.records[-1].plan_id]
