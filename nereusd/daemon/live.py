@@ -289,12 +289,16 @@ class LiveAdaptation(FailureRecovery):
         if dag.current != current or dag.target != target:
             raise NereusError(f"the admitted DAG runs {dag.current.describe()} -> {dag.target.describe()}, but the "
                               f"job is at {current.describe()} and switches to {target.describe()}")
+        # the DAG's own price (memoised: what admission assessed), before the learned terms
+        predicted_dag_s = self.controller.transitions.estimate(current, target).l_tran_s if dag.ops else None
         start = time.perf_counter()
         progress = TransitionRunner(self.control, self.world).run(dag, syncs=self.driver.sync_args(target))
         elapsed = time.perf_counter() - start
         self.driver.plan = target
         if predicted_s is not None:
             self.controller.transition_measured(predicted_s, elapsed, progress.terms_s())
+        if predicted_dag_s:
+            self.controller.dag_measured(predicted_dag_s, progress.dag_terms_s())
         if dag.ops or target != current:
             self.controller.sync_groups_set_up(progress.phases_s.get("sync_setup", 0.0),
                                                self.controller.transitions.sync_groups_created(dag))
@@ -305,6 +309,7 @@ class LiveAdaptation(FailureRecovery):
         self.journal.event(Event.TRANSITION, {
             "step": step, "why": why, "from_plan": current.to_dict(), "to_plan": target.to_dict(),
             "ops": len(dag.ops), "predicted_l_tran_s": predicted_s, "elapsed_s": elapsed,
+            "predicted_dag_s": predicted_dag_s, "measured_dag_s": progress.dag_terms_s(),
             "setup_s": progress.setup_s, "engine_start_s": progress.engine_start_s, "world": self.world,
             "phases_s": progress.phases_s, "rebuild_s": {str(m): s for m, s in progress.rebuild_s.items()},
             "generation": self.store.generation,

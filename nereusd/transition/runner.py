@@ -85,20 +85,25 @@ class TransitionProgress:
     rebuild_s: dict[ModelStage, float] = field(default_factory=dict)
     """Per model-stage re-attached by ``transition_finish``: its slowest rank's seconds."""
 
-    def terms_s(self) -> float:
-        """Seconds spent in what ``L̂_tran`` prices by terms of its own
-        (:meth:`nereusd.control.controller.Controller.transition_measured`): the engines' detach
-        (a ZeRO export) and ZeRO re-partitions (both ``zero_state_cost``), the DAG's communicator
-        set-up and ops (first start to last end over all workers, at most the ``prepare`` plus
-        ``ops`` phases that nereusd timed on its own clock: workers' clocks on other nodes may be
-        skewed), the engine re-attachments, the weight-sync communicators' set-up and vLLM
-        start-ups."""
+    def dag_terms_s(self) -> float:
+        """Seconds spent in what the DAG's own price (``L̂_tran`` before the learned terms,
+        :func:`nereusd.transition.assess_transition`) covers: the engines' detach (a ZeRO export
+        included), ZeRO re-partitions, the DAG's communicator set-up and its ops (first start
+        to last end over all workers, at most the ``prepare`` plus ``ops`` phases that nereusd
+        timed on its own clock: workers' clocks on other nodes may be skewed)."""
         ops = (max(t["end_s"] for t in self.timings.values()) - min(t["start_s"] for t in self.timings.values())
                if self.timings else 0.0)
         if "prepare" in self.phases_s:
             ops = min(ops, self.phases_s["prepare"] + self.phases_s.get("ops", 0.0))
         return (self.phases_s.get("detach", 0.0) + self.phases_s.get("setup", 0.0) + max(0.0, ops)
-                + self.phases_s.get("rebuild", 0.0) + self.phases_s.get("repartition", 0.0)
+                + self.phases_s.get("repartition", 0.0))
+
+    def terms_s(self) -> float:
+        """Seconds spent in what ``L̂_tran`` prices by terms of its own
+        (:meth:`nereusd.control.controller.Controller.transition_measured`): the DAG's
+        (:meth:`dag_terms_s`), the engine re-attachments, the weight-sync communicators' set-up
+        and vLLM start-ups."""
+        return (self.dag_terms_s() + self.phases_s.get("rebuild", 0.0)
                 + self.phases_s.get("sync_setup", 0.0) + self.phases_s.get("engine_start", 0.0))
 
     def slowest(self, results: Mapping[int, Any], *fields: str) -> None:

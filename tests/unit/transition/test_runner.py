@@ -118,3 +118,5 @@ def test_the_terms_a_transition_prices_apart_are_its_ops_span_rebuilds_syncs_and
     skewed = {**timings, "b": {"start_s": 10.2, "end_s": 15.0}}
     assert TransitionProgress(timings=skewed, phases_s=phases).terms_s() == pytest.approx(0.2 + 1.1 + 0.3 + 2.0)
     assert TransitionProgress(phases_s={"rebuild": 0.2}).terms_s() == pytest.approx(0.2)
+    # of those, the DAG's own price covers the detach, set-up, ops and re-partition
+    assert TransitionProgress(timings=timings, phases_s=more).dag_terms_s() == pytest.approx(0.2 + 1.0 + 0.4 + 0.05)
