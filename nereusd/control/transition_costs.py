@@ -23,8 +23,9 @@ from nereusd.transition.ops import TransitionDag
 
 
 DAG_SCALE_LIMIT = 20.0
-"""The learned DAG scale stays within ``[1/20, 20]``: a measurement off by more is a fault of the
-measurement (a stalled worker), not of the link model."""
+"""A DAG measured at more than 20 times its price, or less than a twentieth, is not learned from:
+a fault of the measurement (a stalled worker), not of the link model; the scale, an average of
+the others, stays within the same bounds."""
 
 
 class TransitionCostLearning:
@@ -87,7 +88,8 @@ class TransitionCostLearning:
         re-partition: :func:`nereusd.transition.assess_transition`), and ``measured_s``, the
         same measured (:meth:`nereusd.transition.runner.TransitionProgress.dag_terms_s`). Both
         are averaged (EMA, weight 0.5; the first taken as is) and :meth:`dag_scale` is the ratio
-        of the averages, so a transition of a few milliseconds does not set it alone. Where the
+        of the averages, so a transition of a few milliseconds does not set it alone (a
+        measurement off its price by more than :data:`DAG_SCALE_LIMIT` either way is ignored). Where the
         DAG's link model misses (a gloo all-gather of 10 MB between two CPU processes took
         0.07–0.16 s in the demo), the byte-and-link price stays what it is and the scale
         carries the difference to the next ``L̂_tran``; the fixed cost does not take it, since
@@ -95,6 +97,8 @@ class TransitionCostLearning:
         phases and learns none (the scale stays 1)."""
         if not (math.isfinite(predicted_s) and math.isfinite(measured_s) and predicted_s > 0 and measured_s >= 0):
             return
+        if not 1.0 / DAG_SCALE_LIMIT <= measured_s / predicted_s <= DAG_SCALE_LIMIT:
+            return   # a fault of the measurement (a stalled worker), not of the link model
         if not self._dags_seen:
             self.dag_seconds = [predicted_s, measured_s]
         else:

@@ -259,6 +259,9 @@ class Daemon:
             controller = resumed or controller_for_job(job, site, driver.plan, driver.prompt_length, pool=tuple(world))
             if kept is not None and kept.plan != controller.plan:
                 controller.switched(kept.plan, tuple(sorted(world)))
+            if kept is not None:   # re-formed, then the plan's weight-sync groups created and held
+                controller.world_formed()
+                controller.groups_built(kept.plan)
             if tuple(sorted(world)) != controller.pool:
                 controller.pool_changed(tuple(sorted(world)))
             self.live = LiveAdaptation(job, controller, driver, self.control, self.store, self.journal, self.run_dir,

@@ -298,14 +298,23 @@ class Simulation:
                                                          self.problem.workload.micro_batch)
                 ctl.transition_measured(d.l_tran_s - priced_start_s, rec.transition_s - started_s)
                 ctl.engine_started(started_s)
-                if truth_est.dag is not None:   # a scaled assessment has none (and prices every set-up)
+                # the workers' group pools after it; a scaled assessment has no DAG (and prices
+                # every set-up): its target's weight-sync groups are held, as after a build
+                if truth_est.dag is not None:
                     links.groups.ran(truth_est.dag)
+                else:
+                    links.groups.built(d.target.plan)
                 if d.target.dag is not None:
                     ctl.transition_ran(d.target.dag)
+                else:
+                    ctl.groups_built(d.target.plan)
                 plan = d.target.plan
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
                 plan = self._restart(ctl, oracle, rec, truth, links, plan, length, pool, t)
+            elif rec.pool_changed:   # live, the kept plan's engines are rebuilt on the new world
+                ctl.groups_built(plan)
+                links.groups.built(plan)
             ctl.warm_engines = {}   # the workers close the warm engines the boundary's rebuild did not adopt
             t += rec.transition_s + rec.restart_s
         return res

@@ -527,8 +527,9 @@ def test_a_transition_is_priced_the_engines_it_rebuilds_and_the_builds_fixed_cos
 def test_the_dags_own_time_is_learned_as_a_scale_of_its_price(demo):
     """A live transition measures the DAG's own terms (ops, set-up, detach, re-partition): the
     ratio of the averaged measured over predicted seconds scales the DAG's price in the next
-    ``L̂_tran`` (the learned terms are added unscaled), within ``[1/20, 20]``; it survives a
-    resume, and a malformed one is refused."""
+    ``L̂_tran`` (the learned terms are added unscaled); a measurement more than 20 times off its
+    price either way is not learned from; the scale survives a resume, and a malformed one is
+    refused."""
     from nereusd.control.transition_costs import DAG_SCALE_LIMIT
 
     job, site = demo
@@ -555,9 +556,12 @@ def test_the_dags_own_time_is_learned_as_a_scale_of_its_price(demo):
     resumed = controller_for_job(job, site, job.plan, PROMPT)
     resumed.restore(json.loads(json.dumps(adapter.state())))
     assert resumed.dag_scale() == pytest.approx(1.5)
-    resumed.dag_measured(1e-6, 100.0)
-    resumed.dag_measured(1e-6, 100.0)
-    assert resumed.dag_scale() == DAG_SCALE_LIMIT
+    resumed.dag_measured(0.02, 300.0)     # a stalled worker: not learned from
+    resumed.dag_measured(0.02, 0.02 / (2 * DAG_SCALE_LIMIT))
+    assert resumed.dag_scale() == pytest.approx(1.5)
+    for _ in range(12):                  # 19× its price, again and again: the scale follows
+        resumed.dag_measured(0.02, 0.38)
+    assert 18.0 < resumed.dag_scale() <= DAG_SCALE_LIMIT
     with pytest.raises(ConfigError, match="controller state: malformed"):
         resumed.restore({**adapter.state(), "dag": [0.1, -1.0, 1]})
 

@@ -88,3 +88,99 @@ def test_weight_sync_groups_are_held_and_handed_back_at_the_next_transition():
     small.built(a)
     small.ran(there)
     assert len(small.idle) == 1
+
+
+def test_the_mirror_decides_as_the_workers_pools_do(monkeypatch):
+    """The workers' own ``Communicators`` and ``GroupPool`` (``torch.distributed.new_group``
+    counted instead of called) against the mirror, over random transitions of two model-stages
+    on 16 devices, ranks in a shuffled world order, long enough to fill the pool past its 32
+    idle groups, with a world re-formation and the kept workers' rebuild (an empty DAG) halfway:
+    for every transition the mirror counts exactly the DAG groups and weight-sync groups the
+    workers create (fewer would under-price ``L̂_tran``; more would teach the DAG scale and the
+    per-group sync set-up too little)."""
+    import random
+
+    import torch.distributed as dist
+
+    from emu.state.communicators import Communicators, create_communicators
+    from emu.state.groups import GroupPool
+    from nereusd.transition import sync_communicator_plan, weight_sync_dags
+
+    made: list[tuple[int, ...]] = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None: made.append(tuple(ranks)) or object())
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: None)
+    generation = ModelStage(Role.ACTOR, Stage.GENERATION)
+
+    class Worker:   # what emu.worker.transition_tasks does with its pool
+        def __init__(self, world):
+            self.pool, self.syncs = GroupPool(), []
+            self.rank_of = {d: i for i, d in enumerate(world)}.__getitem__
+
+        def plan_syncs(self, plan):
+            for comms in self.syncs:
+                comms.destroy()
+            self.syncs = []
+            for sync in weight_sync_dags(plan, MODELS, devices_per_node=4).values():
+                comms = Communicators(self.rank_of, pool=self.pool)
+                create_communicators(sync, comms)
+                self.syncs.append(comms)
+
+        def transition(self, dag):
+            before = len(made)
+            comms = Communicators(self.rank_of, pool=self.pool)
+            create_communicators(dag, comms, communicator_plan(dag))
+            own = len(made) - before
+            comms.destroy()
+            before = len(made)
+            self.plan_syncs(dag.target)
+            return own, len(made) - before
+
+        def reform(self, world):
+            for comms in self.syncs:
+                comms.destroy()
+            self.syncs = []
+            self.pool.clear()
+            self.rank_of = {d: i for i, d in enumerate(world)}.__getitem__
+
+    rng = random.Random(1)
+
+    def candidate(count):
+        while True:
+            tp, pp = rng.choice([1, 2, 4]), rng.choice([1, 2])
+            if count % (tp * pp) == 0:
+                devices = sorted(rng.sample(range(16), count))
+                return Candidate(tp, pp, count // (tp * pp), tuple(devices))
+
+    def random_plan():
+        return Plan({AT: candidate(rng.choice([4, 8, 16])), generation: candidate(rng.choice([4, 8]))})
+
+    world = list(range(16))
+    rng.shuffle(world)
+    worker = Worker(world)
+    mirror = GroupPoolMirror(lambda p: sync_communicator_plan(p, MODELS, devices_per_node=4))
+    current = random_plan()
+    worker.plan_syncs(current)
+    mirror.built(current)
+    checked = fullest = 0
+    for i in range(60):
+        if i == 30:   # a re-formed world, the plan rebuilt on it (kept workers, a pool change)
+            rng.shuffle(world)
+            worker.reform(world)
+            mirror.world_formed()
+            rebuild = TransitionDag(current, current, (), ())
+            assert worker.transition(rebuild) == (0, mirror.sync_created(rebuild))
+            mirror.ran(rebuild)
+        target = random_plan()
+        try:
+            step = dag(current, target)
+        except Exception:   # noqa: BLE001 - a layout the tiny model cannot take
+            continue
+        own = len(created_groups(communicator_plan(step))) - len(mirror.reused(step))
+        sync = mirror.sync_created(step)
+        assert worker.transition(step) == (own, sync), f"transition {i}"
+        mirror.ran(step)
+        assert len(worker.pool.idle) == len(mirror.idle)
+        fullest = max(fullest, len(mirror.idle))
+        current = target
+        checked += 1
+    assert checked >= 30 and fullest == 32
