@@ -322,7 +322,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         est = self.transitions.estimate(source, plan)
         over = ev.over_capacity(usable)
         reason = est.reason or (f"predicted peak over usable memory on devices {sorted(over)}" if over else "")
-        l_tran = est.l_tran_s * self.dag_scale() + self.extra_l_tran_s(source, plan, est.dag, problem.engines,
+        l_tran = est.l_tran_s + self.extra_l_tran_s(source, plan, est.dag, problem.engines,
                                                      problem.workload.micro_batch)
         return Target(plan, ev.step_latency_s, l_tran, est.feasible and not over, reason,
                       restartable=not est.feasible and not over, dag=est.dag)

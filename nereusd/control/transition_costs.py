@@ -2,9 +2,7 @@
 ``L̂_tran``; DESIGN.md "Cost model"): a vLLM engine's start-up, each model-stage's re-attachment
 at ``transition_finish``, the weight-sync communicators it creates, and the fixed cost of a transition — each learned from its own
 measurement (EMA, weight 0.5; the first measurement taken as is) and added to the ``L̂_tran`` of
-every target that incurs it (:meth:`TransitionCostLearning.extra_l_tran_s`) — and how the DAG's
-own time compares with its byte-and-link price (:meth:`TransitionCostLearning.dag_scale`, which
-multiplies it).
+every target that incurs it (:meth:`TransitionCostLearning.extra_l_tran_s`).
 
 :class:`TransitionCostLearning` is a part of :class:`nereusd.control.controller.Controller`
 (its attributes are the controller's, kept in its ``state()``), in a module of its own so that
@@ -20,12 +18,6 @@ from nereusd.backends import restarts_vllm_engines
 from nereusd.plan import ModelStage, Plan
 from nereusd.transition import rebuilt_model_stages
 from nereusd.transition.ops import TransitionDag
-
-
-DAG_SCALE_LIMIT = 20.0
-"""A DAG measured at more than 20 times its price, or less than a twentieth, is not learned from:
-a fault of the measurement (a stalled worker), not of the link model; the scale, an average of
-the others, stays within the same bounds."""
 
 
 class TransitionCostLearning:
@@ -45,10 +37,6 @@ class TransitionCostLearning:
         """Seconds per process group ``transition_finish`` creates for the weight-sync communicators
         (the slowest rank's set-up over the groups created; EMA, 0 before a measurement)."""
         self._sync_groups_seen = 0
-        self.dag_seconds = [0.0, 0.0]
-        """``[predicted, measured]`` seconds of the DAGs' own terms (EMA, weight 0.5; the first
-        taken as is; zeros before one): :meth:`dag_scale` is their ratio."""
-        self._dags_seen = 0
         self.restart_s = 0.0
         """Seconds a checkpoint/restart takes (stop, relaunch, checkpoint read; EMA of measured
         ones, weight 0.5; 0 before one): the price of reaching a plan whose transition does not
@@ -81,38 +69,6 @@ class TransitionCostLearning:
         self.transition_overhead_s = extra if not self._transitions_seen else (
             0.5 * self.transition_overhead_s + 0.5 * extra)
         self._transitions_seen += 1
-
-    def dag_measured(self, predicted_s: float, measured_s: float) -> None:
-        """Learn how long a DAG's own terms take against their price: ``predicted_s``, the DAG's
-        ``L̂_tran`` before the learned terms (its ops and communicator set-up, ZeRO export and
-        re-partition: :func:`nereusd.transition.assess_transition`), and ``measured_s``, the
-        same measured (:meth:`nereusd.transition.runner.TransitionProgress.dag_terms_s`). Both
-        are averaged (EMA, weight 0.5; the first taken as is) and :meth:`dag_scale` is the ratio
-        of the averages, so a transition of a few milliseconds does not set it alone (a
-        measurement off its price by more than :data:`DAG_SCALE_LIMIT` either way is ignored). Where the
-        DAG's link model misses (a gloo all-gather of 10 MB between two CPU processes took
-        0.07–0.16 s in the demo), the byte-and-link price stays what it is and the scale
-        carries the difference to the next ``L̂_tran``; the fixed cost does not take it, since
-        :meth:`transition_measured` counts these terms as measured. The simulator reports no
-        phases and learns none (the scale stays 1)."""
-        if not (math.isfinite(predicted_s) and math.isfinite(measured_s) and predicted_s > 0 and measured_s >= 0):
-            return
-        if not 1.0 / DAG_SCALE_LIMIT <= measured_s / predicted_s <= DAG_SCALE_LIMIT:
-            return   # a fault of the measurement (a stalled worker), not of the link model
-        if not self._dags_seen:
-            self.dag_seconds = [predicted_s, measured_s]
-        else:
-            self.dag_seconds = [0.5 * self.dag_seconds[0] + 0.5 * predicted_s,
-                                0.5 * self.dag_seconds[1] + 0.5 * measured_s]
-        self._dags_seen += 1
-
-    def dag_scale(self) -> float:
-        """Measured over predicted seconds of the DAGs' own terms (:meth:`dag_measured`), within
-        ``[1/DAG_SCALE_LIMIT, DAG_SCALE_LIMIT]``; 1 before a measurement."""
-        predicted, measured = self.dag_seconds
-        if not self._dags_seen or predicted <= 0:
-            return 1.0
-        return min(DAG_SCALE_LIMIT, max(1.0 / DAG_SCALE_LIMIT, measured / predicted))
 
     def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float,
                       sync_setup_s: float = 0.0, sync_groups: int = 0) -> None:
@@ -213,8 +169,7 @@ class TransitionCostLearning:
                 "engine_start": [self.engine_start_s, self._engine_starts_seen],
                 "rebuild_s": {str(ms): s for ms, s in self.rebuild_s.items()},
                 "sync_group": [self.sync_group_s, self._sync_groups_seen],
-                "restart": [self.restart_s, self._restarts_seen],
-                "dag": [*self.dag_seconds, self._dags_seen]}
+                "restart": [self.restart_s, self._restarts_seen]}
 
     @staticmethod
     def _parse_transition_costs(state: Mapping) -> tuple:
@@ -241,16 +196,9 @@ class TransitionCostLearning:
         restart_s, restarts_seen = float(restart_s), int(restarts_seen)
         if not (math.isfinite(restart_s) and restart_s >= 0 and restarts_seen >= 0):
             raise ValueError(f"restart {restart_s!r}")
-        dag = state.get("dag", (0.0, 0.0, 0))   # absent before it was learned
-        if not isinstance(dag, (list, tuple)) or len(dag) != 3:
-            raise ValueError(f"dag {dag!r}")
-        dag_predicted_s, dag_measured_s, dags_seen = float(dag[0]), float(dag[1]), int(dag[2])
-        if not all(math.isfinite(x) and x >= 0 for x in (dag_predicted_s, dag_measured_s)) or dags_seen < 0:
-            raise ValueError(f"dag {dag!r}")
         return (overhead_s, seen, engine_start_s, engine_starts_seen, rebuild_s, sync_group_s, sync_groups_seen,
-                restart_s, restarts_seen, [dag_predicted_s, dag_measured_s], dags_seen)
+                restart_s, restarts_seen)
 
     def _set_transition_costs(self, parsed: tuple) -> None:
         (self.transition_overhead_s, self._transitions_seen, self.engine_start_s, self._engine_starts_seen,
-         self.rebuild_s, self.sync_group_s, self._sync_groups_seen, self.restart_s, self._restarts_seen,
-         self.dag_seconds, self._dags_seen) = parsed
+         self.rebuild_s, self.sync_group_s, self._sync_groups_seen, self.restart_s, self._restarts_seen) = parsed

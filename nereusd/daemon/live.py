@@ -289,7 +289,8 @@ class LiveAdaptation(FailureRecovery):
         if dag.current != current or dag.target != target:
             raise NereusError(f"the admitted DAG runs {dag.current.describe()} -> {dag.target.describe()}, but the "
                               f"job is at {current.describe()} and switches to {target.describe()}")
-        # the DAG's own price (memoised: what admission assessed), before the learned terms
+        # the DAG's own price (memoised: what admission assessed), before the learned terms, to
+        # journal beside what its terms measured (TransitionProgress.dag_terms_s)
         predicted_dag_s = self.controller.transitions.estimate(current, target).l_tran_s if dag.ops else None
         start = time.perf_counter()
         progress = TransitionRunner(self.control, self.world).run(dag, syncs=self.driver.sync_args(target))
@@ -297,8 +298,6 @@ class LiveAdaptation(FailureRecovery):
         self.driver.plan = target
         if predicted_s is not None:
             self.controller.transition_measured(predicted_s, elapsed, progress.terms_s())
-        if predicted_dag_s:
-            self.controller.dag_measured(predicted_dag_s, progress.dag_terms_s())
         if dag.ops or target != current:
             self.controller.sync_groups_set_up(progress.phases_s.get("sync_setup", 0.0),
                                                self.controller.transitions.sync_groups_created(dag))

@@ -524,48 +524,6 @@ def test_a_transition_is_priced_the_engines_it_rebuilds_and_the_builds_fixed_cos
     assert resumed.transition_overhead_s == pytest.approx(0.5 * overhead + 0.5 * 0.3)
 
 
-def test_the_dags_own_time_is_learned_as_a_scale_of_its_price(demo):
-    """A live transition measures the DAG's own terms (ops, set-up, detach, re-partition): the
-    ratio of the averaged measured over predicted seconds scales the DAG's price in the next
-    ``L̂_tran`` (the learned terms are added unscaled); a measurement more than 20 times off its
-    price either way is not learned from; the scale survives a resume, and a malformed one is
-    refused."""
-    from nereusd.control.transition_costs import DAG_SCALE_LIMIT
-
-    job, site = demo
-    train = ModelStage.parse("actor/training")
-    adapter = controller_for_job(job, site, job.plan, PROMPT)
-    plan = adapter.plan
-    moved = Plan({**plan.candidates, train: Candidate(1, 2, 2, (0, 1, 2, 3))})
-
-    def l_tran(step: int) -> float:
-        observe(adapter, step, 16)
-        return adapter.boundary(step, adapter.pool, forced=moved).decision.l_tran_s
-
-    dag_s = adapter.transitions.estimate(plan, moved).l_tran_s
-    assert dag_s > 0 and adapter.dag_scale() == 1.0
-    before = l_tran(0)
-    adapter.dag_measured(0.01, 0.05)
-    assert adapter.dag_scale() == pytest.approx(5.0)
-    assert l_tran(1) == pytest.approx(before + 4.0 * dag_s)
-    adapter.dag_measured(0.03, 0.01)     # averaged: (0.02, 0.03)
-    assert adapter.dag_scale() == pytest.approx(1.5)
-    adapter.dag_measured(float("nan"), 1.0)   # ignored
-    adapter.dag_measured(0.0, 1.0)            # nothing priced: nothing learned
-    assert adapter.dag_scale() == pytest.approx(1.5)
-    resumed = controller_for_job(job, site, job.plan, PROMPT)
-    resumed.restore(json.loads(json.dumps(adapter.state())))
-    assert resumed.dag_scale() == pytest.approx(1.5)
-    resumed.dag_measured(0.02, 300.0)     # a stalled worker: not learned from
-    resumed.dag_measured(0.02, 0.02 / (2 * DAG_SCALE_LIMIT))
-    assert resumed.dag_scale() == pytest.approx(1.5)
-    for _ in range(12):                  # 19× its price, again and again: the scale follows
-        resumed.dag_measured(0.02, 0.38)
-    assert 18.0 < resumed.dag_scale() <= DAG_SCALE_LIMIT
-    with pytest.raises(ConfigError, match="controller state: malformed"):
-        resumed.restore({**adapter.state(), "dag": [0.1, -1.0, 1]})
-
-
 def test_an_urgent_switch_keeps_the_vllm_engines_when_that_is_cheaper_over_the_horizon(demo):
     """A device leaves: the planner's S* decodes 22 sequences per wave on three replicas, which
     starts a new vLLM engine on each; the same plan at the running 16 keeps every engine.
