@@ -406,11 +406,11 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
         fail("hidden_act", f"{config['hidden_act']!r} is not implemented (SwiGLU with silu only)")
     if number("attention_dropout", 0.0) != 0.0:
         fail("attention_dropout", f"{config['attention_dropout']} is not implemented (0 only)")
-    if config.get("mlp_bias"):
+    if flag("mlp_bias", False):   # a string flag is refused as such, not as "true"
         fail("mlp_bias", "true is not implemented (MLP projections without biases only)")
     if number("pretraining_tp", 1) != 1:
         fail("pretraining_tp", f"{config['pretraining_tp']} is not implemented (1 only)")
-    if config.get("use_sliding_window"):
+    if flag("use_sliding_window", False):
         fail("use_sliding_window", "true is not implemented (full attention in every layer only)")
     if model_type == "llama" and config.get("sliding_window") is not None:
         fail("sliding_window", f"{config['sliding_window']} is not implemented")
@@ -420,7 +420,7 @@ def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") 
         fail("layer_types", f"expected a list of layer types, got {layer_types!r}")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         fail("layer_types", f"{sorted(set(layer_types))}: only full_attention layers are implemented")
-    if model_type in ("llama", "qwen3") and config.get("attention_bias"):
+    if flag("attention_bias", False) and model_type in ("llama", "qwen3"):
         fail("attention_bias", f"true is not implemented for {model_type} (biases on q/k/v/o)")
     rope = _rope(config, source)
     fields: dict[str, Any] = dict(

@@ -177,6 +177,9 @@ def test_zero_key_value_heads_are_refused_not_read_as_missing():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(tie_word_embeddings="false"), "tie_word_embeddings: expected true or false, got 'false'"),
+    (dict(mlp_bias="false"), "mlp_bias: expected true or false, got 'false'"),
+    (dict(use_sliding_window=0), "use_sliding_window: expected true or false, got 0"),
+    (dict(attention_bias="true"), "attention_bias: expected true or false, got 'true'"),
     (dict(rms_norm_eps="tiny"), "rms_norm_eps: expected a number, got 'tiny'"),
     (dict(rms_norm_eps=-1e-6), "rms_norm_eps: expected a positive number"),
     (dict(attention_dropout="none"), "attention_dropout: expected a number"),
@@ -192,7 +195,8 @@ def test_zero_key_value_heads_are_refused_not_read_as_missing():
 ])
 def test_a_config_value_of_the_wrong_type_is_refused_naming_the_key(changes, message):
     """Found by an adversarial helper (2026-12-06): ``"tie_word_embeddings": "false"`` was read as
-    true (``bool("false")``) and the model's head dropped; strings for numbers were tracebacks."""
+    true (``bool("false")``) and the model's head dropped; strings for numbers were tracebacks;
+    ``"mlp_bias": "false"`` was refused as "true is not implemented"."""
     config = {k: v for k, v in _config("qwen2", **changes).items()
               if not (k == "rope_theta" and "rope_parameters" in changes)}
     with pytest.raises(ConfigError, match=rf"cfg.json: {message}"):
