@@ -152,6 +152,33 @@ def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
     return lines
 
 
+class _DeferredStop:
+    """A block that the signals which stop the launcher (SIGINT, SIGTERM, SIGHUP) do not
+    interrupt: one that comes meanwhile is raised again when the block ends, and then acts as it
+    would have (``KeyboardInterrupt``, :class:`_Terminated`, or nothing where it is ignored).
+    Around the start of a process and the assignment of its handle: a Ctrl-C that landed while
+    ``subprocess.Popen`` returned, the child already running, left nereusd running with no
+    handle to stop it (a suite failure of
+    ``test_ctrl_c_while_nereusd_starts_is_an_interruption_not_a_crash``, 2026-12-07)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self) -> "_DeferredStop":
+        self.caught: list[int] = []
+        self.previous = {sig: signal.signal(sig, self._catch) for sig in self.SIGNALS}
+        return self
+
+    def _catch(self, signum: int, _frame: object) -> None:
+        self.caught.append(signum)
+
+    def __exit__(self, *exc: object) -> bool:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.caught:
+            signal.raise_signal(self.caught[0])   # now handled as it would have been
+        return False
+
+
 def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -400,9 +427,10 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     try:
         keys = str(init_keys(run_dir.resolve()))   # CURVE as on Slurm: status and pool need the run dir's keys
         log_from = _size(logs / "nereusd.log")   # a resumed run's log holds earlier nereusds' lines
-        daemon = _start([sys.executable, "-m", "nereusd.daemon.main", str(job_path),
-                         "--run-dir", str(run_dir.resolve()), "--keys-dir", keys, *(["--resume"] if resume else [])],
-                        logs / "nereusd.log")
+        with _DeferredStop():   # the handle exists before a Ctrl-C can stop the launcher
+            daemon = _start([sys.executable, "-m", "nereusd.daemon.main", str(job_path),
+                             "--run-dir", str(run_dir.resolve()), "--keys-dir", keys,
+                             *(["--resume"] if resume else [])], logs / "nereusd.log")
         endpoint = _wait_endpoint(run_dir, daemon, log_from)
         owned = True
         if launching is not None:
@@ -423,7 +451,8 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
                   "and their state; nothing re-runs if that state is where the journal is")
         else:
             agent_log_from = _size(logs / "agent.log")
-            agent = _start(agent_argv, logs / "agent.log")
+            with _DeferredStop():
+                agent = _start(agent_argv, logs / "agent.log")
             if not quiet:
                 print("nereus: starting the workers and building their engines" + ("" if gpus else
                       " (vLLM's take tens of seconds on CPU)") + "; the progress bar starts once they are built",
@@ -434,7 +463,8 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
             if kept and not any(Path(f"/proc/{pid}").exists() for pid in kept):
                 if not _registered_since_start(run_dir):
                     print("nereus: the kept agent stopped before it registered; starting a new one", file=sys.stderr)
-                    agent = _start(agent_argv, logs / "agent.log")
+                    with _DeferredStop():
+                        agent = _start(agent_argv, logs / "agent.log")
                 kept = []   # gone: nothing more to watch (one that had registered is nereusd's to miss)
             if agent is not None and agent.poll() is not None and daemon.poll() is None:
                 if not _registered_since_start(run_dir):   # nereusd would wait out its registration timeout

@@ -83,3 +83,38 @@ def test_a_gpu_site_run_locally_on_cpu_devices_is_warned_about():
     assert warning.startswith("site 'h200-ib' describes cuda devices of") and "without --gpus" in warning
     assert local.site_mismatch(h200, gpus=True) is None
     assert local.site_mismatch(load_site("local"), gpus=False) is None
+
+
+def test_a_stop_signal_during_a_process_start_waits_until_its_handle_is_kept():
+    """A Ctrl-C that lands while ``subprocess.Popen`` returns (the child already running) must
+    not lose the handle the teardown stops it by: inside ``_DeferredStop`` the signal is held,
+    the assignment completes, and on leaving the block it acts as it would have —
+    ``KeyboardInterrupt`` for SIGINT, ``_Terminated`` for SIGTERM under the launcher's handler,
+    nothing where it is ignored. The previous handlers are back afterwards."""
+    import os
+    import signal
+
+    from launcher import local
+
+    handle = None
+    with pytest.raises(KeyboardInterrupt):
+        with local._DeferredStop():
+            os.kill(os.getpid(), signal.SIGINT)
+            handle = "started"
+    assert handle == "started"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGTERM, local._raise_terminated)
+    try:
+        handle = None
+        with pytest.raises(local._Terminated):
+            with local._DeferredStop():
+                os.kill(os.getpid(), signal.SIGTERM)
+                handle = "started"
+        assert handle == "started"
+        local._STOP.taken()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with local._DeferredStop():   # ignored before: ignored after
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
