@@ -96,15 +96,17 @@ def test_a_stop_signal_during_a_process_start_waits_until_its_handle_is_kept():
 
     from launcher import local
 
-    handle = None
-    with pytest.raises(KeyboardInterrupt):
-        with local._DeferredStop():
-            os.kill(os.getpid(), signal.SIGINT)
-            handle = "started"
-    assert handle == "started"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python leaves SIGINT ignored when it starts ignored (a suite run in the background): set it
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.signal(signal.SIGTERM, local._raise_terminated)
     try:
+        handle = None
+        with pytest.raises(KeyboardInterrupt):
+            with local._DeferredStop():
+                os.kill(os.getpid(), signal.SIGINT)
+                handle = "started"
+        assert handle == "started"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         handle = None
         with pytest.raises(local._Terminated):
             with local._DeferredStop():
@@ -118,3 +120,4 @@ def test_a_stop_signal_during_a_process_start_waits_until_its_handle_is_kept():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
