@@ -300,14 +300,12 @@ class Simulation:
                 ctl.engine_started(started_s)
                 # the workers' group pools after it; a scaled assessment has no DAG (and prices
                 # every set-up): its target's weight-sync groups are held, as after a build
-                if truth_est.dag is not None:
-                    links.groups.ran(truth_est.dag)
-                else:
-                    links.groups.built(d.target.plan)
-                if d.target.dag is not None:
-                    ctl.transition_ran(d.target.dag)
-                else:
-                    ctl.groups_built(d.target.plan)
+                for ran, built, dag in ((links.groups.ran, links.groups.built, truth_est.dag),
+                                        (ctl.transition_ran, ctl.groups_built, d.target.dag)):
+                    if dag is not None:
+                        ran(dag)
+                    else:
+                        built(d.target.plan)
                 plan = d.target.plan
                 ctl.switched(plan, pool)
             elif source != plan or (d is not None and d.verdict == RESTART):
