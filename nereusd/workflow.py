@@ -45,7 +45,8 @@ class Workload:
     Attributes:
         prompt_length: prompt tokens per sequence.
         response_length: generated tokens per sequence: the step's longest response (the
-            ``len`` drift signal of the monitor; memory and training are priced padded to it).
+            ``len`` drift signal of the monitor; memory is priced padded to it, training and
+            inference as the engine pads, :meth:`priced_pass`).
         response_mean_fraction: the step's mean response length over ``response_length``, in
             (0, 1] (1: equal lengths). Generation's continuous batching finishes short responses
             early (:func:`nereusd.cost.formulas.continuous_batching`).
@@ -117,22 +118,49 @@ class Workload:
         nearly the budget), at least one and at most ``share``."""
         return max(1, min(share, -(-self.max_tokens_per_micro_batch // sequence_tokens)))
 
-    def priced_pass(self, stage: Stage, micro_batch: int, share: int) -> tuple[int, int]:
+    def priced_pass(self, stage: Stage, micro_batch: int, share: int, pp: int = 1,
+                    sequences: int | None = None) -> tuple[int, int]:
         """``(sequences per micro-batch, response tokens each)`` at which the cost model prices
         the time of an inference or training pass (memory keeps :meth:`priced_micro_batch` at the
         longest response: a row may hold the longest sequence).
 
-        By count, ``(micro_batch, response_length)``: the engine pads every row to the step's
-        longest sequence (:mod:`emu.engine.batch`). By token budget ``B``, rows are padding-free
-        and hold sequences of the mean response, ``m = ⌈response_mean_fraction ·
-        response_length⌉``: ``ceil(B / (prompt + m))`` of them, at most ``share``. Pricing them at
-        the longest, as memory does, charged a replica ``(prompt + longest) / (prompt + m)`` times
-        its tokens. Generation: ``(micro_batch, response_length)``.
+        Args:
+            share: sequences one replica processes per pass (training: per optimizer step).
+            pp: the layout's pipeline degree.
+            sequences: the model-stage's sequences in the step (``n``; default ``share``).
+
+        By count (:mod:`emu.engine.batch`, :meth:`emu.engine.stage.StageEngine._run`):
+
+        - ``pp > 1``: pipeline stages exchange one shape, so every row is padded to the replica's
+          longest sequence; the slowest replica holds the step's longest:
+          ``(micro_batch, response_length)``.
+        - ``pp = 1``: each micro-batch is cut to its own longest sequence. The replica holding the
+          step's longest runs ``k = ⌈share / b⌉`` micro-batches, one of them as wide as the
+          longest ``L``, the others as wide as the longest of ``b`` sequences, ``E_b``:
+          ``(b, ⌈((k − 1)·E_b + L) / k⌉)``. ``E_1`` is the mean response ``m``; for ``b ≥ 2``,
+          ``E_b = m + (L − m)·√(ln b / ln n)``: the expected maximum of ``b`` normal draws
+          exceeds their mean by ``σ·√(2 ln b)`` (Gumbel's extreme-value asymptote), and the
+          longest of the step's ``n`` by ``σ·√(2 ln n)``. Pricing every row at ``L`` charged a
+          replica of micro-batch 1 ``(prompt + L) / (prompt + m)`` times its tokens (2–3× on the
+          simulator's verl traces).
+
+        By token budget ``B``, rows are padding-free and hold sequences of the mean response,
+        ``m = ⌈response_mean_fraction · response_length⌉``: ``ceil(B / (prompt + m))`` of them, at
+        most ``share``. Pricing them at the longest, as memory does, charged a replica ``(prompt +
+        longest) / (prompt + m)`` times its tokens. Generation: ``(micro_batch, response_length)``.
         """
-        if self.max_tokens_per_micro_batch is None or stage is Stage.GENERATION:
+        if stage is Stage.GENERATION:
             return micro_batch, self.response_length
-        mean = max(1, math.ceil(self.response_mean_fraction * self.response_length))
-        return self._per_row(self.prompt_length + mean, share), mean
+        longest = self.response_length
+        mean = max(1, math.ceil(self.response_mean_fraction * longest))
+        if self.max_tokens_per_micro_batch is not None:
+            return self._per_row(self.prompt_length + mean, share), mean
+        if pp > 1 or mean >= longest:
+            return micro_batch, longest
+        b, n = max(1, micro_batch), max(2, sequences or share)
+        widest = mean + (longest - mean) * math.sqrt(math.log(b) / math.log(n)) if b < n else longest
+        rows = max(1, -(-share // b))
+        return micro_batch, min(longest, max(1, math.ceil(((rows - 1) * min(widest, longest) + longest) / rows)))
 
     @property
     def packed(self) -> bool:

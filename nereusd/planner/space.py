@@ -302,7 +302,8 @@ class OptionTable:
             m, wl = self.model_stage, self.problem.workload
             tp, pp, dp, b = int(self.tp[i]), int(self.pp[i]), int(self.dp[i]), int(self.micro_batch[i])
             rc = bool(self.recompute[i])
-            priced_b, priced_response = wl.priced_pass(m.stage, b, _share(self.problem, m, dp))
+            priced_b, priced_response = wl.priced_pass(m.stage, b, _share(self.problem, m, dp), pp,
+                                                       self.problem.workflow.sequences(m, wl))
             ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
                 sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
                 response_length=priced_response, tp=tp, pp=pp, dp=dp, micro_batch=priced_b,
@@ -396,13 +397,18 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                         fitted.add((recompute, zero))
             if block:
                 cols = list(zip(*block))
-                priced = [wl.priced_pass(m.stage, b, _share(problem, m, dp)) for b, dp in zip(cols[3], cols[2])]
-                lat_parts.append(costvec.latencies(   # priced_pass: one response length for every row
-                    cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
-                    response_length=priced[0][1], tp=tp, pp=pp, dp=np.array(cols[2]),
-                    micro_batch=np.array([b for b, _ in priced]),
-                    recompute=np.array(cols[4]), mini_batches=wl.mini_batches,
-                    response_mean_fraction=wl.response_mean_fraction))
+                priced = [wl.priced_pass(m.stage, b, _share(problem, m, dp), pp, sequences)
+                          for b, dp in zip(cols[3], cols[2])]
+                latency = np.zeros(len(block))
+                for response in sorted({r for _, r in priced}):   # one call per priced response length
+                    at = np.array([i for i, (_, r) in enumerate(priced) if r == response])
+                    latency[at] = costvec.latencies(
+                        cost_model, spec, m, sequences=sequences, prompt_length=wl.prompt_length,
+                        response_length=response, tp=tp, pp=pp, dp=np.array(cols[2])[at],
+                        micro_batch=np.array([priced[i][0] for i in at]),
+                        recompute=np.array(cols[4])[at], mini_batches=wl.mini_batches,
+                        response_mean_fraction=wl.response_mean_fraction)
+                lat_parts.append(latency)
                 rows += block
     latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
     return OptionTable(problem, m, cost_model, rows, latency)
@@ -427,7 +433,7 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
               recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
                        engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed, **kw)
-    priced_b, priced_response = wl.priced_pass(model_stage.stage, b, share)
+    priced_b, priced_response = wl.priced_pass(model_stage.stage, b, share, pp, sequences)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches,
                                  response_mean_fraction=wl.response_mean_fraction,
                                  **{**kw, "micro_batch": priced_b, "response_length": priced_response})

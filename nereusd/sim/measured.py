@@ -44,8 +44,11 @@ Generation (a vLLM-style engine with continuous batching):
   what the memory truth pads); the others are ``longest · x / max(x)`` with ``x`` log-normal of
   ``σ = length_sigma`` (0.41: in the verl traces of ``../shared/traces`` the longest response of
   a batch is 1.7–4 × the mean and the shortest 0.3–0.4 ×; σ = 0.41 gives 2.5 × and 0.33 × in a
-  128-sequence batch). Training and inference process the tokens their replica holds (packed,
-  as with verl's padding removal): the slowest replica is the one with the most;
+  128-sequence batch). Training and inference compute the tokens their replica holds, padded as
+  the engine Nereus runs pads them (``emu.engine.stage``): by count at ``pp = 1`` each
+  micro-batch to its own longest sequence (at micro-batch 1 none: verl's padding removal), at
+  ``pp > 1`` every row to the replica's longest (pipeline stages exchange one shape); with a
+  token budget packed rows, padding-free. The slowest replica is the one with the most;
 - a replica runs at most ``R`` sequences at once (its wave size ``micro_batch``); a finished
   sequence's slot takes the next waiting one (first come, first served), so the decode batch
   shrinks only in the tail, and the replica's time is set by its **longest slot**;
@@ -317,7 +320,10 @@ class MeasuredTruth(GroundTruth):
         per_replica = -(-sequences // c.dp)
         b = max(1, min(c.micro_batch or wl.micro_batch, per_replica))
         micro_per_opt = max(1, -(-per_replica // (b * minis)))
-        seq = wl.prompt_length + self.replica_length(response_length, sequences, c.dp, step)
+        # as the engine pads (emu.engine.stage): by count at pp = 1 each micro-batch to its own
+        # longest sequence, at pp > 1 every row to the replica's longest; a token budget packs
+        rows = 1 if wl.packed else b if c.pp == 1 else per_replica
+        seq = wl.prompt_length + self.replica_length(response_length, sequences, c.dp, step, rows)
         tokens = b * seq
         layers = math.ceil(spec.num_layers / c.pp)
         h = spec.hidden_size
@@ -361,17 +367,21 @@ class MeasuredTruth(GroundTruth):
         sequences = max(wf.sequences(m, wl) for m in wf.model_stages if m.stage is Stage.GENERATION)
         return float(np.mean(self.response_lengths(max(1.0, float(longest)), sequences, step)))
 
-    def replica_length(self, longest: float, count: int, dp: int, step: int) -> float:
-        """Mean response length of the replica holding the most tokens among ``dp`` replicas."""
-        key = (longest, count, dp, step)
+    def replica_length(self, longest: float, count: int, dp: int, step: int, rows: int = 1) -> float:
+        """Response tokens per sequence the busiest of ``dp`` replicas computes, padding
+        included: its ``count/dp`` sequences in micro-batches of ``rows`` consecutive ones, each
+        padded to its own longest (``rows = 1``: no padding, the replica's mean response)."""
+        key = (longest, count, dp, step, rows)
         value = self._replica_lengths.get(key)
         if value is None:
             lengths = self.response_lengths(longest, count, step)
             per = -(-count // dp)
-            starts = np.arange(0, count, per)
-            sums = np.add.reduceat(lengths, starts)
-            sizes = np.minimum(per, count - starts)
-            value = float(np.max(sums / sizes))
+            value = 0.0
+            for start in range(0, count, per):
+                part = lengths[start:start + per]
+                chunks = np.arange(0, len(part), max(1, rows))
+                widths = np.maximum.reduceat(part, chunks) * np.diff(np.append(chunks, len(part)))
+                value = max(value, float(widths.sum()) / len(part))
             if len(self._replica_lengths) > 4096:
                 self._replica_lengths.clear()
             self._replica_lengths[key] = value

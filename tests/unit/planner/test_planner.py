@@ -339,7 +339,7 @@ def test_packed_rows_are_timed_at_the_mean_response_and_booked_at_the_longest():
     assert half.workload.priced_pass(Stage.GENERATION, 16, 64) == (16, 768)
     assert full.workload.priced_pass(Stage.TRAINING, 1, 64) == (4, 768)
     by_count = dataclasses.replace(base, workload=dataclasses.replace(base.workload, response_mean_fraction=0.5))
-    assert by_count.workload.priced_pass(Stage.TRAINING, 2, 64) == (2, 768)   # padded to the longest
+    assert by_count.workload.priced_pass(Stage.TRAINING, 2, 64, pp=2) == (2, 768)   # padded to the longest
     cm = CostModel(base.site)
     train = ModelStage(Role.ACTOR, Stage.TRAINING)
     packed_half = cost_candidate(half, train, 1, 1, 8, 1, False, cm)
@@ -395,3 +395,37 @@ def test_a_pinned_shape_leaves_dp_micro_batch_and_devices_free():
     assert pinned.plan[train].dp * shape[0] * shape[1] > 1   # DP still searched, not left at 1
     assert PlannerOptions(shapes=((train, *shape),)).shape_of(train) == shape
     assert PlannerOptions().shape_of(train) is None
+
+
+def test_by_count_passes_are_timed_as_the_engine_pads_them():
+    """By count the engine cuts a micro-batch to its own longest sequence at ``pp = 1`` and pads
+    every row to the replica's longest at ``pp > 1`` (``emu.engine.stage.StageEngine._run``):
+    ``Workload.priced_pass`` times a ``pp = 1`` pass at the mean response at micro-batch 1 (plus
+    the one row as wide as the longest), wider as the micro-batch grows, never wider than the
+    longest, and a ``pp > 1`` pass at the longest; memory stays at the longest."""
+    import dataclasses
+    import math
+
+    from nereusd.plan import ModelStage, Role, Stage
+    from nereusd.planner.space import cost_candidate
+
+    base = problem(1, response=768)   # prompt 256
+    half = dataclasses.replace(base, workload=dataclasses.replace(base.workload, response_mean_fraction=0.5))
+    wl = half.workload
+    # micro-batch 1: 63 rows of the mean (384) and one of the longest (768)
+    assert wl.priced_pass(Stage.TRAINING, 1, 64, pp=1, sequences=256) == (1, math.ceil((63 * 384 + 768) / 64))
+    widths = [wl.priced_pass(Stage.TRAINING, b, 64, pp=1, sequences=256)[1] for b in (1, 2, 4, 16, 64)]
+    assert widths == sorted(widths) and widths[0] < widths[-1] == 768   # one micro-batch holds the longest
+    e_4 = 384 + 384 * math.sqrt(math.log(4) / math.log(256))   # Gumbel: σ·√(2 ln b) over σ·√(2 ln n)
+    assert wl.priced_pass(Stage.INFERENCE, 4, 64, pp=1, sequences=256)[1] == math.ceil((15 * e_4 + 768) / 16)
+    assert wl.priced_pass(Stage.TRAINING, 1, 64, pp=2, sequences=256) == (1, 768)
+    assert wl.priced_pass(Stage.GENERATION, 1, 64, pp=1, sequences=256) == (1, 768)
+    assert base.workload.priced_pass(Stage.TRAINING, 1, 64, pp=1) == (1, 768)   # equal lengths: no change
+    cm = CostModel(base.site)
+    train = ModelStage(Role.ACTOR, Stage.TRAINING)
+    flat, short_pp1 = cost_candidate(base, train, 1, 1, 8, 1, False, cm), cost_candidate(half, train, 1, 1, 8, 1, False, cm)
+    flat_pp2, short_pp2 = (cost_candidate(base, train, 1, 2, 4, 1, False, cm),
+                           cost_candidate(half, train, 1, 2, 4, 1, False, cm))
+    assert short_pp1.latency_s < 0.8 * flat.latency_s   # fewer tokens computed
+    assert short_pp2.latency_s == flat_pp2.latency_s    # every row padded to the longest
+    assert short_pp1.peak_bytes == flat.peak_bytes      # booked at the longest either way

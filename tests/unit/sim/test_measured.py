@@ -90,6 +90,21 @@ def test_continuous_batching_refills_slots_and_the_longest_sets_the_time():
     per_replica = [lengths[r * 32:(r + 1) * 32].mean() for r in range(4)]
     assert truth.replica_length(2000, 128, 4, 3) == pytest.approx(max(per_replica))
     assert truth.replica_length(2000, 128, 1, 3) == pytest.approx(lengths.mean())
+    # padded as the engine pads: micro-batches of 4 to their own longest, a whole replica (pp > 1)
+    # to its longest; the busiest replica holds the step's longest
+    fours = [sum(4 * lengths[r * 32 + i:r * 32 + i + 4].max() for i in range(0, 32, 4)) / 32 for r in range(4)]
+    assert truth.replica_length(2000, 128, 4, 3, rows=4) == pytest.approx(max(fours))
+    assert truth.replica_length(2000, 128, 4, 3, rows=32) == 2000
+    assert (truth.replica_length(2000, 128, 4, 3) < truth.replica_length(2000, 128, 4, 3, rows=4)
+            < truth.replica_length(2000, 128, 4, 3, rows=32))
+    wl = truth.problem.workload
+    short = MeasuredTruth(dataclasses.replace(problem(response=2000), workload=dataclasses.replace(
+        wl, response_length=2000)), MEASURED)
+    packed = MeasuredTruth(dataclasses.replace(problem(response=2000), workload=dataclasses.replace(
+        wl, response_length=2000, max_tokens_per_micro_batch=4096)), MEASURED)
+    # a pipeline pads every row to the longest; a token budget packs, whatever the pipeline
+    assert short.replica_s(TRAIN, cand(1, 2, 4), 2000, 3, False) > 1.5 * packed.replica_s(TRAIN, cand(1, 2, 4), 2000, 3, False)
+    assert short.replica_s(TRAIN, cand(1, 1, 4), 2000, 3, False) == packed.replica_s(TRAIN, cand(1, 1, 4), 2000, 3, False)
     # the same sequences through more slots finish sooner, never later
     c8, c64 = cand(1, 1, 1, 8), cand(1, 1, 1, 64)
     assert truth.replica_s(GEN, c64, 256, 0, False) < truth.replica_s(GEN, c8, 256, 0, False)
