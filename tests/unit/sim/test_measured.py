@@ -12,7 +12,7 @@ import pytest
 from nereusd.config.site import load_site
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError
-from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
+from nereusd.plan import Candidate, ModelStage, Role, Stage
 from nereusd.planner.space import PlanProblem
 from nereusd.sim.measured import MeasuredTruth, _slot_ends, device_figures, ground_truth
 from nereusd.sim.policies import parse_policy
