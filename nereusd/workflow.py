@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -36,6 +37,12 @@ class Algorithm(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def _expected_max_z(k: int) -> float:
+    """Expected largest of ``k`` standard normal draws, by Blom's approximation
+    ``Φ⁻¹((k − 0.375) / (k + 0.25))`` (Blom 1958); 0 for ``k = 1``."""
+    return statistics.NormalDist().inv_cdf((k - 0.375) / (k + 0.25)) if k > 1 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,20 +136,21 @@ class Workload:
             pp: the layout's pipeline degree.
             sequences: the model-stage's sequences in the step (``n``; default ``share``).
 
-        By count (:mod:`emu.engine.batch`, :meth:`emu.engine.stage.StageEngine._run`):
-
-        - ``pp > 1``: pipeline stages exchange one shape, so every row is padded to the replica's
-          longest sequence; the slowest replica holds the step's longest:
-          ``(micro_batch, response_length)``.
-        - ``pp = 1``: each micro-batch is cut to its own longest sequence. The replica holding the
-          step's longest runs ``k = ⌈share / b⌉`` micro-batches, one of them as wide as the
-          longest ``L``, the others as wide as the longest of ``b`` sequences, ``E_b``:
-          ``(b, ⌈((k − 1)·E_b + L) / k⌉)``. ``E_1`` is the mean response ``m``; for ``b ≥ 2``,
-          ``E_b = m + (L − m)·√(ln b / ln n)``: the expected maximum of ``b`` normal draws
-          exceeds their mean by ``σ·√(2 ln b)`` (Gumbel's extreme-value asymptote), and the
-          longest of the step's ``n`` by ``σ·√(2 ln n)``. Pricing every row at ``L`` charged a
-          replica of micro-batch 1 ``(prompt + L) / (prompt + m)`` times its tokens (2–3× on the
-          simulator's verl traces).
+        By count the engine pads rows in groups (:mod:`emu.engine.batch`,
+        :meth:`emu.engine.stage.StageEngine._run`): at ``pp = 1`` each micro-batch of ``b``
+        sequences to its own longest; at ``pp > 1`` every row of a call (training: one per
+        optimizer step, :attr:`mini_batches` of them) to the call's longest, since pipeline stages
+        exchange one shape. The replica holding the step's longest ``L`` runs ``G`` groups of
+        ``g`` sequences a step (``g = b`` or ``share``), one as wide as ``L`` and the others as
+        the longest of ``g`` sequences, ``E_g``; a pass is priced at its mean,
+        ``⌈((G − 1)·E_g + L) / G⌉``. For log-normal lengths (the verl traces' shape, which the
+        simulator's truth draws) the longest of ``k`` sits ``z_k`` standard deviations above the
+        log-mean, so ``E_g = m·(L/m)^(z_g/z_n)`` with ``m`` the mean response and ``z_k`` the
+        expected largest of ``k`` standard normals, by Blom's approximation ``Φ⁻¹((k − 0.375) /
+        (k + 0.25))`` (Blom 1958; within 5 % of the exact values for ``k ≥ 2``). ``E_1 = m``:
+        micro-batch 1 at ``pp = 1`` is padding-free. Pricing every row at ``L`` charged such a
+        replica ``(prompt + L)/(prompt + m)`` times its tokens (2–3× on the simulator's verl
+        traces).
 
         By token budget ``B``, rows are padding-free and hold sequences of the mean response,
         ``m = ⌈response_mean_fraction · response_length⌉``: ``ceil(B / (prompt + m))`` of them, at
@@ -155,12 +163,16 @@ class Workload:
         mean = max(1, math.ceil(self.response_mean_fraction * longest))
         if self.max_tokens_per_micro_batch is not None:
             return self._per_row(self.prompt_length + mean, share), mean
-        if pp > 1 or mean >= longest:
+        if mean >= longest:
             return micro_batch, longest
-        b, n = max(1, micro_batch), max(2, sequences or share)
-        widest = mean + (longest - mean) * math.sqrt(math.log(b) / math.log(n)) if b < n else longest
-        rows = max(1, -(-share // b))
-        return micro_batch, min(longest, max(1, math.ceil(((rows - 1) * min(widest, longest) + longest) / rows)))
+        group = max(1, micro_batch) if pp == 1 else max(1, share)
+        n = max(sequences or share, group)
+        calls = self.mini_batches if stage is Stage.TRAINING else 1
+        groups = calls * max(1, -(-share // group))
+        if groups == 1 or n <= 1:
+            return micro_batch, longest
+        widest = mean * (longest / mean) ** (_expected_max_z(group) / _expected_max_z(n))
+        return micro_batch, min(longest, max(1, math.ceil(((groups - 1) * widest + longest) / groups)))
 
     @property
     def packed(self) -> bool:

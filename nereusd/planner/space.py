@@ -227,7 +227,13 @@ def micro_batch_choices(per_replica: int, configured: int, options: PlannerOptio
     ran 1.43 s a step against 0.58 s for dp 4 at 4). But the cost model prices a GEMM by its
     FLOPs whatever the batch, so where the job's micro-batch fits, a smaller one would win on a
     smaller PP bubble alone, and the simulator's measured truth, whose kernels lose efficiency on
-    small batches, ran such plans 3–8 % slower in three of four cases (a review, 2026-12-05)."""
+    small batches, ran such plans 3–8 % slower in three of four cases (a review, 2026-12-05).
+    Except at ``pp = 1`` by count where the step's lengths differ: there the engine cuts each
+    micro-batch to its own longest sequence, a smaller one computes less padding
+    (:meth:`~nereusd.workflow.Workload.priced_pass`), and the enumeration keeps every one that
+    fits (a review, 2026-12-07: on one node at a mean of 0.35 of the longest, actor training
+    ``tp1·pp1·dp8`` was priced 0.43 s at micro-batch 1 against 0.93 s at 16, the measured truth
+    0.26 against 0.55 s)."""
     if generation:
         if options.generation_micro_batch > 0:   # a running engine serves a share below its max_num_seqs
             return (options.generation_micro_batch,)
@@ -368,6 +374,9 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                 choices = micro_batch_choices(per_opt, wl.micro_batch, options, training, generation)
                 if wl.packed and not generation:
                     choices = choices[:1]   # a token budget prices every plan micro-batch alike
+                # by count at pp = 1 each micro-batch is cut to its own longest sequence: where
+                # lengths differ, a smaller one computes less padding and may win where a larger fits
+                every_fit = pp == 1 and not wl.packed and wl.response_mean_fraction < 1.0
                 kept, fitted = 0, set()
                 for b in choices:
                     if generation and kept >= GENERATION_WAVE_CHOICES:
@@ -376,7 +385,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                     for recompute, zero in itertools.product(recompute_flags, zero_choices):
                         if zero and (tp, pp) != (1, 1):
                             continue   # the ZeRO backend (DeepSpeed) runs tp = pp = 1 units
-                        if not generation and (recompute, zero) in fitted:
+                        if not generation and not every_fit and (recompute, zero) in fitted:
                             continue   # a larger micro-batch fits this layout (micro_batch_choices)
                         # memory depends on the share only through b and the in-flight
                         # micro-batches (see nereusd.cost.memory.stage_memory), and under ZeRO on dp

@@ -47,8 +47,8 @@ Generation (a vLLM-style engine with continuous batching):
   128-sequence batch). Training and inference compute the tokens their replica holds, padded as
   the engine Nereus runs pads them (``emu.engine.stage``): by count at ``pp = 1`` each
   micro-batch to its own longest sequence (at micro-batch 1 none: verl's padding removal), at
-  ``pp > 1`` every row to the replica's longest (pipeline stages exchange one shape); with a
-  token budget packed rows, padding-free. The slowest replica is the one with the most;
+  ``pp > 1`` every row of a call (training: one per optimizer step) to the call's longest
+  (pipeline stages exchange one shape); with a token budget packed rows, padding-free. The slowest replica is the one with the most;
 - a replica runs at most ``R`` sequences at once (its wave size ``micro_batch``); a finished
   sequence's slot takes the next waiting one (first come, first served), so the decode batch
   shrinks only in the tail, and the replica's time is set by its **longest slot**;
@@ -321,8 +321,9 @@ class MeasuredTruth(GroundTruth):
         b = max(1, min(c.micro_batch or wl.micro_batch, per_replica))
         micro_per_opt = max(1, -(-per_replica // (b * minis)))
         # as the engine pads (emu.engine.stage): by count at pp = 1 each micro-batch to its own
-        # longest sequence, at pp > 1 every row to the replica's longest; a token budget packs
-        rows = 1 if wl.packed else b if c.pp == 1 else per_replica
+        # longest sequence, at pp > 1 every row of a call (one per optimizer step) to the call's
+        # longest; a token budget packs
+        rows = 1 if wl.packed else b if c.pp == 1 else -(-per_replica // minis)
         seq = wl.prompt_length + self.replica_length(response_length, sequences, c.dp, step, rows)
         tokens = b * seq
         layers = math.ceil(spec.num_layers / c.pp)

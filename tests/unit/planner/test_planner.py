@@ -399,12 +399,16 @@ def test_a_pinned_shape_leaves_dp_micro_batch_and_devices_free():
 
 def test_by_count_passes_are_timed_as_the_engine_pads_them():
     """By count the engine cuts a micro-batch to its own longest sequence at ``pp = 1`` and pads
-    every row to the replica's longest at ``pp > 1`` (``emu.engine.stage.StageEngine._run``):
+    every row of a call to the call's longest at ``pp > 1`` (``emu.engine.stage.StageEngine._run``):
     ``Workload.priced_pass`` times a ``pp = 1`` pass at the mean response at micro-batch 1 (plus
     the one row as wide as the longest), wider as the micro-batch grows, never wider than the
-    longest, and a ``pp > 1`` pass at the longest; memory stays at the longest."""
+    longest, within 10 % of what log-normal lengths pad to, and a ``pp > 1`` pass of one call at
+    the longest; memory stays at the longest."""
     import dataclasses
     import math
+    import statistics
+
+    import numpy as np
 
     from nereusd.plan import ModelStage, Role, Stage
     from nereusd.planner.space import cost_candidate
@@ -416,9 +420,28 @@ def test_by_count_passes_are_timed_as_the_engine_pads_them():
     assert wl.priced_pass(Stage.TRAINING, 1, 64, pp=1, sequences=256) == (1, math.ceil((63 * 384 + 768) / 64))
     widths = [wl.priced_pass(Stage.TRAINING, b, 64, pp=1, sequences=256)[1] for b in (1, 2, 4, 16, 64)]
     assert widths == sorted(widths) and widths[0] < widths[-1] == 768   # one micro-batch holds the longest
-    e_4 = 384 + 384 * math.sqrt(math.log(4) / math.log(256))   # Gumbel: σ·√(2 ln b) over σ·√(2 ln n)
+    z = lambda k: statistics.NormalDist().inv_cdf((k - 0.375) / (k + 0.25))   # noqa: E731 (Blom 1958)
+    e_4 = 384 * 2 ** (z(4) / z(256))   # the longest of 4 log-normal lengths, geometrically
     assert wl.priced_pass(Stage.INFERENCE, 4, 64, pp=1, sequences=256)[1] == math.ceil((15 * e_4 + 768) / 16)
     assert wl.priced_pass(Stage.TRAINING, 1, 64, pp=2, sequences=256) == (1, 768)
+    # pp > 1 pads a call (one per optimizer step) to its own longest: one of 4 holds the longest
+    four = dataclasses.replace(wl, global_batch=1024, mini_batches=4)
+    e_64 = 384 * 2 ** (z(64) / z(256))
+    assert four.priced_pass(Stage.TRAINING, 1, 64, pp=2, sequences=256) == (1, math.ceil((3 * e_64 + 768) / 4))
+    assert four.priced_pass(Stage.INFERENCE, 1, 64, pp=2, sequences=256) == (1, 768)   # one call
+    # against log-normal draws (σ = 0.41, the simulator's verl fit): each group's longest, as priced
+    rng = np.random.default_rng(0)
+    for b in (1, 2, 4, 8):
+        drawn = []
+        for _ in range(200):
+            x = np.exp(rng.normal(0.0, 0.41, 256))
+            lengths = x / x.max() * 768
+            fraction = lengths.mean() / 768
+            priced = dataclasses.replace(wl, response_mean_fraction=fraction).priced_pass(
+                Stage.INFERENCE, b, 256, pp=1, sequences=256)[1]
+            engine = lengths.reshape(-1, b).max(axis=1).mean()   # each micro-batch at its longest
+            drawn.append(priced / engine)
+        assert 0.9 < float(np.median(drawn)) < 1.1, (b, np.median(drawn))
     assert wl.priced_pass(Stage.GENERATION, 1, 64, pp=1, sequences=256) == (1, 768)
     assert base.workload.priced_pass(Stage.TRAINING, 1, 64, pp=1) == (1, 768)   # equal lengths: no change
     cm = CostModel(base.site)
@@ -429,3 +452,30 @@ def test_by_count_passes_are_timed_as_the_engine_pads_them():
     assert short_pp1.latency_s < 0.8 * flat.latency_s   # fewer tokens computed
     assert short_pp2.latency_s == flat_pp2.latency_s    # every row padded to the longest
     assert short_pp1.peak_bytes == flat.peak_bytes      # booked at the longest either way
+
+
+def test_a_smaller_micro_batch_wins_at_pp_1_when_lengths_differ():
+    """At ``pp = 1`` by count a smaller micro-batch computes less padding, so the enumeration
+    keeps every micro-batch that fits there (not only the largest, as at ``pp > 1``) and the
+    planner may take a smaller one than the job's (a review, 2026-12-07: the planner's own model
+    priced the plan at micro-batch 8 27 % slower than the same layouts at 1)."""
+    import dataclasses
+
+    from nereusd.plan import Stage
+    from nereusd.planner.space import enumerate_options
+
+    base = problem(1, response=2048)
+    wl = dataclasses.replace(base.workload, micro_batch=8)
+    for fraction, smaller in ((0.35, True), (1.0, False)):
+        pb = dataclasses.replace(base, workload=dataclasses.replace(wl, response_mean_fraction=fraction))
+        cm = CostModel(pb.site)
+        train = next(m for m in pb.workflow.model_stages if m.stage is Stage.TRAINING)
+        rows = enumerate_options(pb, train, cm, PlannerOptions(), float("inf"))
+        at_pp1 = {o.micro_batch for o in rows if o.pp == 1 and (o.tp, o.dp) == (1, 8) and not o.recompute}
+        at_pp2 = {o.micro_batch for o in rows if o.pp == 2 and (o.tp, o.dp) == (1, 4) and not o.recompute}
+        assert at_pp2 == {8}   # a larger micro-batch fits: only it is kept
+        assert (at_pp1 == {1, 2, 4, 8}) is smaller and (at_pp1 == {8}) is not smaller
+        plan = Planner(pb, cm).solve().plan
+        trained = {c.micro_batch for m, c in plan.items() if m.stage is Stage.TRAINING and c.pp == 1}
+        if smaller:
+            assert trained and max(trained) < 8, plan.describe()
