@@ -32,10 +32,12 @@ and then asks :meth:`Controller.boundary` what to do:
    feasibility of the transition DAG (:class:`nereusd.transition.estimate.TransitionEstimator`).
    Each target carries the DAG it was assessed with; a live job executes that DAG.
 
-Length. The engine pads every micro-batch to its longest sequence, so memory and training time
-follow the *longest* response of a step, not the mean; the length signal is the step's longest
-response. Generation decodes by continuous batching and follows the mean as well: the
-controller plans with the recent steps' mean over longest response (:meth:`Controller.mean_fraction`). The coming step's length is unknown:
+Length. The engine pads a micro-batch to its longest sequence, so memory follows the *longest*
+response of a step, not the mean; the length signal is the step's longest response. Training
+and inference time follow the padding the engine leaves (each micro-batch's longest at
+``pp = 1``: :meth:`nereusd.workflow.Workload.priced_pass`), and generation, which decodes by
+continuous batching, follows the mean as well: the controller plans with the recent steps' mean
+over longest response (:meth:`Controller.mean_fraction`). The coming step's length is unknown:
 plans are checked and chosen for a forecast of it, capped at ``max_response_length``
 (:mod:`nereusd.control.lookahead`: the recent steps' longest plus a margin from the run's own
 jumps) — so a plan is left *before* growth makes it run out of memory, not after.

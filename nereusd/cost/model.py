@@ -241,8 +241,10 @@ class CostModel:
         Args:
             sequences: sequences of the step (all replicas); a replica gets ``ceil(sequences/dp)``
                 — the slowest replica sets the latency.
-            response_length: the step's longest response (tokens); training and inference
-                price every sequence at ``prompt_length + response_length`` (padded).
+            response_length: generation: the step's longest response (tokens); training and
+                inference price every sequence at ``prompt_length + response_length``, so
+                callers pass the width the engine pads rows to
+                (:meth:`nereusd.workflow.Workload.priced_pass`).
             micro_batch: per-replica micro-batch ``b`` (sequences); for generation the
                 concurrent sequences (KV-cache slots) of a replica.
             mini_batches: optimizer steps per RL step (training).
