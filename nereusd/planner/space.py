@@ -308,10 +308,10 @@ class OptionTable:
             m, wl = self.model_stage, self.problem.workload
             tp, pp, dp, b = int(self.tp[i]), int(self.pp[i]), int(self.dp[i]), int(self.micro_batch[i])
             rc = bool(self.recompute[i])
-            priced_b, priced_response = wl.priced_pass(m.stage, b, _share(self.problem, m, dp), pp,
-                                                       self.problem.workflow.sequences(m, wl))
+            sequences = self.problem.workflow.sequences(m, wl)
+            priced_b, priced_response = wl.priced_pass(m.stage, b, _share(self.problem, m, dp), pp, sequences)
             ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
-                sequences=self.problem.workflow.sequences(m, wl), prompt_length=wl.prompt_length,
+                sequences=sequences, prompt_length=wl.prompt_length,
                 response_length=priced_response, tp=tp, pp=pp, dp=dp, micro_batch=priced_b,
                 mini_batches=wl.mini_batches, recompute=rc, response_mean_fraction=wl.response_mean_fraction))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
