@@ -70,6 +70,14 @@ class PackedBatch:
         """Rows of micro-batch ``i`` of a ``[n·mb, …]`` tensor."""
         return tensor[i * self.mb:(i + 1) * self.mb]
 
+    def head_width(self, i: int) -> int:
+        """Read positions micro-batch ``i`` needs: its rows' most response tokens (at least 1).
+
+        ``index``'s columns beyond it are padding in every row of the micro-batch, so the head
+        reads ``index[:, :head_width(i)]`` only (the call's width ``T`` is its longest row's).
+        """
+        return max(1, int(self.micro(self.per_token["mask"], i).sum(1).max()))
+
     @property
     def real_tokens(self) -> int:
         return int((self.positions >= 0).sum())

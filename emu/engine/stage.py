@@ -283,15 +283,22 @@ class StageEngine:
         results = self._run(batch, lambda out, i: self._head(out, batch, i, entropy=False)[key], train=False)
         if not self.groups.is_last_stage:
             return None
-        return batch.rows_of(torch.cat(results).cpu(), [len(ix) for ix in index])
+        width = batch.index.shape[1]
+        rows = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in results])
+        return batch.rows_of(rows.cpu(), [len(ix) for ix in index])
 
     def _head(self, out: torch.Tensor, batch: "PackedBatch", i: int, entropy: bool) -> dict[str, torch.Tensor]:
-        """Per-token outputs ``[mb, T]`` of micro-batch ``i`` from the last stage's output."""
-        idx = batch.micro(batch.index, i)
+        """Per-token outputs ``[mb, t]`` of micro-batch ``i`` from the last stage's output.
+
+        ``t = batch.head_width(i)``: the head gathers and reduces only the read positions this
+        micro-batch has, not the call's width ``T`` (the later columns are padding in all its rows).
+        """
+        t = batch.head_width(i)
+        idx = batch.micro(batch.index, i)[:, :t]
         if self.value_head:
             return {"values": out.gather(1, idx)}
         picked = out.gather(1, idx[..., None].expand(-1, -1, out.shape[-1]))
-        lp, ent = vocab_parallel_logprobs_entropy(picked, batch.micro(batch.targets, i), self.groups.tp, entropy)
+        lp, ent = vocab_parallel_logprobs_entropy(picked, batch.micro(batch.targets, i)[:, :t], self.groups.tp, entropy)
         return {"logprobs": lp, "entropy": ent} if entropy else {"logprobs": lp}
 
     def _run(self, batch: "PackedBatch", head_fn, train: bool) -> list:
@@ -346,8 +353,9 @@ class StageEngine:
                 ``old_logprobs``), each ``len(sequences)`` lists of ``len(seq) - prompt_len``.
             loss_fn: ``(outputs, batch) -> (loss, metrics)``; ``outputs`` holds ``logprobs`` and
                 ``entropy`` (policy) or ``values`` (critic), ``batch`` the ``per_token`` tensors
-                and ``mask``, all ``[mb, T]`` float; rows and tokens beyond the data are 0 in
-                every ``batch`` tensor, so a weighted SUM ignores them.
+                and ``mask``, all ``[mb, t]`` float (``t``: the micro-batch's most response
+                tokens); rows and tokens beyond the data are 0 in every ``batch`` tensor, so a
+                weighted SUM ignores them.
 
         Returns:
             ``loss``, ``loss_fn``'s metrics (each summed over micro-batches and DP replicas) and
@@ -363,7 +371,8 @@ class StageEngine:
 
         def head_fn(out: torch.Tensor, i: int) -> torch.Tensor:
             outputs = self._head(out, batch, i, entropy=True)
-            inputs = {k: batch.micro(v, i) for k, v in batch.per_token.items()}
+            width = next(iter(outputs.values())).shape[1]  # batch.head_width(i)
+            inputs = {k: batch.micro(v, i)[:, :width] for k, v in batch.per_token.items()}
             loss, metrics = loss_fn(outputs, inputs)
             for k, v in {"loss": loss, **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach())

@@ -92,3 +92,38 @@ def test_scores_refuse_an_empty_sequence_instead_of_reading_its_neighbour():
     packed = eng.scores([[3, 4, 5], [1, 2]])
     eng.max_tokens_per_micro_batch = None
     assert packed == pytest.approx(eng.scores([[3, 4, 5], [1, 2]]), abs=1e-6)
+
+
+def test_the_head_reads_only_the_positions_its_micro_batch_has():
+    """Micro-batches of 2 where one sequence has 6 response tokens and the rest 1: the second
+    micro-batch's head gathers 1 column, not the call's 6, and logprobs and a training step equal
+    those at micro-batch 1 (no padding at all)."""
+    ms = ModelStage(Role.ACTOR, Stage.TRAINING)
+    cand = Candidate(1, 1, 1, (0,))
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8], [3, 4], [5, 6, 7], [9, 1]]
+    pls = [2, 1, 2, 1]
+    index = [list(range(p - 1, len(s) - 1)) for s, p in zip(seqs, pls)]
+    batch = PackedBatch.build(seqs, index, 2, torch.device("cpu"))
+    assert batch.index.shape[1] == 6 and [batch.head_width(i) for i in range(2)] == [6, 1]
+    w = [[0.1] * len(ix) for ix in index]
+    logprobs, states, widths = [], [], []
+    for mb in (2, 1):
+        eng = StageEngine(model_stage=ms, spec=SPEC, candidate=cand, rank=0, groups=build_stage_groups(cand, 0),
+                          device=torch.device("cpu"), memory=DeviceMemory(0, 1 << 30), value_head=False,
+                          trainable=True, lr=1e-3, grad_clip=1.0, micro_batch=mb)
+        eng.initialize(seed=0)
+        head = eng._head
+
+        def spy(out, b, i, entropy, head=head, mb=mb):
+            got = head(out, b, i, entropy)
+            widths.append((mb, b.index.shape[1], got["logprobs"].shape[1]))
+            return got
+        eng._head = spy
+        logprobs.append(eng.logprobs(seqs, pls))
+        eng.train_step(seqs, pls, {"w": w}, lambda out, b: (-(b["w"] * out["logprobs"]).sum(), {}))
+        states.append(eng.full_state())
+    assert [len(r) for r in logprobs[0]] == [6, 1, 1, 1]
+    assert all(a == pytest.approx(b, abs=1e-6) for a, b in zip(*logprobs))
+    assert all(torch.allclose(states[0][n], states[1][n], atol=1e-5) for n in states[0])   # Adam's step: ~2e-6
+    # (micro_batch, call width, head width) of every head call: logprobs, then the training step
+    assert widths == [(2, 6, 6), (2, 6, 1)] * 2 + [(1, 6, 6), (1, 6, 1), (1, 6, 1), (1, 6, 1)] * 2
