@@ -90,6 +90,7 @@ from nereusd.cost.model import layer_parameters
 from nereusd.errors import ConfigError
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.planner.space import PlanProblem
+from nereusd.rl.rollout import split_even
 from nereusd.sim.truth import GroundTruth, TruthConfig
 
 TILE = 128
@@ -355,7 +356,8 @@ class MeasuredTruth(GroundTruth):
 
     def response_lengths(self, longest: float, count: int, step: int) -> np.ndarray:
         """The step's ``count`` response lengths (tokens, ≥ 1; the longest is ``longest``), the
-        same for every policy; replica ``r`` of ``dp`` holds the ``r``-th contiguous slice."""
+        same for every policy; replica ``r`` of ``dp`` holds the ``r``-th slice of
+        :func:`~nereusd.rl.rollout.split_even`, as the driver deals them."""
         sigma = self.config.length_sigma
         rng = np.random.default_rng([self.config.seed, 31, step, count])
         x = np.exp(rng.normal(0.0, sigma, count))
@@ -369,20 +371,25 @@ class MeasuredTruth(GroundTruth):
         return float(np.mean(self.response_lengths(max(1.0, float(longest)), sequences, step)))
 
     def replica_length(self, longest: float, count: int, dp: int, step: int, rows: int = 1) -> float:
-        """Response tokens per sequence the busiest of ``dp`` replicas computes, padding
-        included: its ``count/dp`` sequences in micro-batches of ``rows`` consecutive ones, each
-        padded to its own longest (``rows = 1``: no padding, the replica's mean response)."""
+        """Response tokens per sequence of the largest share, computed by the busiest of ``dp``
+        replicas, padding included: each replica takes its share of ``count`` as the driver
+        deals them (:func:`~nereusd.rl.rollout.split_even`), in micro-batches of ``rows``
+        consecutive sequences, each padded to its own longest (``rows = 1``: no padding). The
+        busiest replica's padded tokens over ``⌈count/dp⌉``, so that ``⌈count/dp⌉`` times it
+        is that replica's work."""
         key = (longest, count, dp, step, rows)
         value = self._replica_lengths.get(key)
         if value is None:
             lengths = self.response_lengths(longest, count, step)
-            per = -(-count // dp)
             value = 0.0
-            for start in range(0, count, per):
-                part = lengths[start:start + per]
+            for start, stop in split_even(count, dp):
+                part = lengths[start:stop]
+                if len(part) == 0:
+                    continue
                 chunks = np.arange(0, len(part), max(1, rows))
                 widths = np.maximum.reduceat(part, chunks) * np.diff(np.append(chunks, len(part)))
-                value = max(value, float(widths.sum()) / len(part))
+                value = max(value, float(widths.sum()))
+            value /= -(-count // dp)
             if len(self._replica_lengths) > 4096:
                 self._replica_lengths.clear()
             self._replica_lengths[key] = value
@@ -403,8 +410,8 @@ class MeasuredTruth(GroundTruth):
         tp_spans = self.spans(c.tp)
         p2p = self.p2p_s(h * e, self.spans(c.tp * c.pp), contended) if c.pp > 1 else 0.0
         worst = 0.0
-        for r in range(c.dp):
-            mine = lengths[r * per_replica:(r + 1) * per_replica]
+        for start, stop in split_even(sequences, c.dp):
+            mine = lengths[start:stop]
             if len(mine) == 0:
                 continue
             ends = _slot_ends(mine, concurrent)

@@ -14,6 +14,7 @@ from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError
 from nereusd.plan import Candidate, ModelStage, Role, Stage
 from nereusd.planner.space import PlanProblem
+from nereusd.rl.rollout import split_even
 from nereusd.sim.measured import MeasuredTruth, _slot_ends, device_figures, ground_truth
 from nereusd.sim.policies import parse_policy
 from nereusd.sim.replay import Simulation
@@ -97,6 +98,16 @@ def test_continuous_batching_refills_slots_and_the_longest_sets_the_time():
     assert truth.replica_length(2000, 128, 4, 3, rows=32) == 2000
     assert (truth.replica_length(2000, 128, 4, 3) < truth.replica_length(2000, 128, 4, 3, rows=4)
             < truth.replica_length(2000, 128, 4, 3, rows=32))
+    # 30 sequences over 8 replicas, dealt as the driver deals them (shares of 4 and 3, where
+    # contiguous slices of 4 would leave the last replica 2): the busiest replica's tokens over
+    # the largest share
+    odd = truth.response_lengths(2000, 30, step=3)
+    assert [b - a for a, b in split_even(30, 8)] == [4] * 6 + [3] * 2
+    for rows in (1, 2):
+        work = [sum(odd[a:b][i:i + rows].max() * len(odd[a:b][i:i + rows]) for i in range(0, b - a, rows))
+                for a, b in split_even(30, 8)]
+        assert truth.replica_length(2000, 30, 8, 3, rows=rows) == pytest.approx(max(work) / 4)
+    assert truth.replica_length(2000, 30, 8, 3) != pytest.approx(max(odd[a:a + 4].mean() for a in range(0, 30, 4)))
     wl = truth.problem.workload
     short = MeasuredTruth(dataclasses.replace(problem(response=2000), workload=dataclasses.replace(
         wl, response_length=2000)), MEASURED)
