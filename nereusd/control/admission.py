@@ -104,7 +104,9 @@ class Decision:
     rejected_payback_steps: float | None = None
     """A ``reject`` whose targets were faster but did not repay within ``γ·H_x``: the smallest of
     their payback periods (``L̂_tran/ΔL``, or ``L̂_restart/ΔL`` for a target only a restart
-    reaches). The plan is asked again once it has stayed valid long enough for that payback
+    reaches). An urgent ``admit`` or ``keep`` that passed over a faster feasible target for its
+    cost over ``H_x``: that target's ``L̂_tran`` over its gain on the plan that runs next. The
+    plan is asked again once it has stayed valid long enough for that payback
     (:func:`recheck_due`); ``None`` otherwise."""
 
     @property
@@ -165,11 +167,16 @@ def admit(
     starts no engine can beat a slightly faster S* whose transition starts several. Where the
     current plan still runs (devices joined, or only spares left; not a forced layout), keeping
     it (``L̂_step(S)·H_x``, no transition) is one more choice, taken on a tie: joining devices
-    that starts vLLM engines for 30 s is not worth a few steps of a pool that leaves again.
+    that starts vLLM engines for 30 s is not worth a few steps of a pool that leaves again. A
+    target whose transition does not fit memory competes too, at ``L̂_step·H_x + L̂_restart``
+    (when ``L̂_restart`` is known and ``γ > 0``): on the MI250X ramp a pool change took a plan
+    23 % slower than one a 200 s restart reached, with ``H_x`` ≈ 100 steps. The fastest target
+    not taken is asked again by the recheck (:attr:`Decision.rejected_payback_steps`).
 
     Returns:
         ``admit`` with the chosen target; else ``reject`` (opportunistic), ``keep`` (urgent but
-        the current plan still runs) or ``checkpoint_restart`` (urgent, nothing fits).
+        the current plan still runs) or ``checkpoint_restart`` (urgent: nothing fits, or the
+        cheapest target over ``H_x`` is one only a restart reaches, given as the target).
     """
     urgent = any(t.urgent for t in triggers)
     common = dict(step=step, urgent=urgent, triggers=tuple(triggers),
@@ -177,25 +184,44 @@ def admit(
                   horizon_steps=horizon_steps)
     tried: list[dict] = []
     keep_reason = "urgent trigger, no feasible target; the current plan still runs"
-    if urgent:   # the feasible target cheapest over the horizon, S* on a tie
+    passed_over = None   # (urgent) the fastest target, asked again if not taken now
+    restarts = restart_s > 0 and payback_margin > 0
+    if urgent:   # the target cheapest over the horizon, S* on a tie
 
         def over_horizon(step_latency_s: float, transition_s: float) -> tuple[float, float]:
             if math.isfinite(horizon_steps):
                 return step_latency_s * horizon_steps + transition_s, 0.0
             return step_latency_s, transition_s
 
-        feasible = [t for t in targets if t.feasible]
-        best = min(feasible, key=lambda t: over_horizon(t.step_latency_s, t.transition_s), default=None)
+        def reach_s(t: Target) -> float:   # a transition, or a checkpoint/restart where none fits
+            return t.transition_s if t.feasible else restart_s
+
+        reachable = [t for t in targets if t.feasible or (restarts and t.restartable)]
+        best = min(reachable, key=lambda t: over_horizon(t.step_latency_s, reach_s(t)), default=None)
+        fastest = min(reachable, key=lambda t: t.step_latency_s, default=None)
+        passed_over = None if fastest is None else (fastest, reach_s(fastest))
         keeps = (weigh_keeping and current_valid and math.isfinite(current_step_latency_s)
                  and not any(t.signal == FORCED for t in triggers))
-        if best is not None and keeps and (over_horizon(best.step_latency_s, best.transition_s)
+
+        def costlier(others: Sequence[Target], against: str) -> list[dict]:
+            return [{"step_latency_s": t.step_latency_s, "l_tran_s": reach_s(t), "verdict": "costlier",
+                     "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps{against}"
+                               + ("" if t.feasible else " (by checkpoint/restart)")} for t in others]
+
+        if best is not None and keeps and (over_horizon(best.step_latency_s, reach_s(best))
                                            >= over_horizon(current_step_latency_s, 0.0)):
             keep_reason = (f"urgent, but the current plan still runs and is the cheapest over H_x = "
                            f"{horizon_steps:.2f} steps (L_step·H_x + L_tran)")
-            tried += [{"step_latency_s": t.step_latency_s, "l_tran_s": t.transition_s, "verdict": "costlier",
-                       "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps, against keeping "
-                                 "the current plan"} for t in feasible]
+            tried += costlier(reachable, ", against keeping the current plan")
             targets = [t for t in targets if not t.feasible]
+        elif best is not None and not best.feasible:
+            delta = current_step_latency_s - best.step_latency_s
+            return Decision(verdict=RESTART, target=best, delta_l_s=delta, l_tran_s=restart_s,
+                            payback_steps=restart_s / delta if delta > 0 else float("inf"),
+                            alternatives=tuple(costlier([t for t in reachable if t is not best], "")),
+                            reason=f"urgent: the target cheapest over H_x = {horizon_steps:.2f} steps "
+                                   f"(L_step·H_x + L_tran) is one whose transition does not fit memory; "
+                                   f"a checkpoint/restart ({restart_s:.0f} s) reaches it", **common)
         else:
             targets = ([best] if best is not None else []) + [t for t in targets if t is not best]
     for target in targets:
@@ -214,7 +240,9 @@ def admit(
             return Decision(verdict=ADMIT, target=target, delta_l_s=delta, l_tran_s=target.transition_s,
                             payback_steps=payback, alternatives=others,
                             reason="urgent: profitability waived; of the feasible targets the cheapest over "
-                                   "H_x (L_step·H_x + L_tran)", **common)
+                                   "H_x (L_step·H_x + L_tran)",
+                            rejected_payback_steps=_passed_over_payback(passed_over, target.step_latency_s,
+                                                                        payback_margin), **common)
         if delta <= 0:
             tried.append(record | {"verdict": "no_gain", "reason": "not faster than the current plan"})
             continue
@@ -227,7 +255,7 @@ def admit(
         tried.append(record | {"verdict": UNPROFITABLE,
                                "reason": f"payback {payback:.2f} steps > γ·H_x = {bound:.2f}"})
     paybacks = [r["payback_steps"] for r in tried if r.get("verdict") == UNPROFITABLE]
-    if restart_s > 0 and payback_margin > 0:
+    if restarts:
         bound = payback_margin * horizon_steps
         for target in targets:
             delta = current_step_latency_s - target.step_latency_s
@@ -242,13 +270,33 @@ def admit(
             paybacks.append(restart_s / delta)
     if urgent:
         if current_valid:
-            return Decision(verdict=KEEP, alternatives=tuple(tried), reason=keep_reason, **common)
+            return Decision(verdict=KEEP, alternatives=tuple(tried), reason=keep_reason,
+                            rejected_payback_steps=_passed_over_payback(passed_over, current_step_latency_s,
+                                                                        payback_margin), **common)
         return Decision(verdict=RESTART, alternatives=tuple(tried),
                         reason="urgent trigger, no feasible target and the current plan cannot run", **common)
     return Decision(verdict=REJECT, alternatives=tuple(tried),
                     reason="no feasible, profitable target; keeping the current plan",
                     rejected_payback_steps=min(paybacks, default=None) if rechecks(payback_margin) else None,
                     **common)
+
+
+def _passed_over_payback(fastest: tuple[Target, float] | None, next_step_latency_s: float,
+                         payback_margin: float) -> float | None:
+    """Payback period of the fastest target an urgent decision did not take (it cost more over
+    ``H_x``), ``(target, seconds to reach it)`` (its ``L̂_tran``, or ``L̂_restart`` where its
+    transition does not fit), from the plan that runs next (``next_step_latency_s``): those
+    seconds over its gain, so that the recheck asks for it once that plan has lasted long enough
+    to repay them. (``H_x`` is 1 at a signal's first crossing: a peak-memory trigger on the
+    MI250X ramp took a plan 9 % slower, 4 s away, and ran it 37 steps.) ``None`` when the
+    decision took the fastest, or the policy asks nothing again (:func:`rechecks`)."""
+    if fastest is None or not rechecks(payback_margin):
+        return None
+    target, reach_s = fastest
+    delta = next_step_latency_s - target.step_latency_s
+    if not delta > 0 or not math.isfinite(next_step_latency_s):
+        return None
+    return reach_s / delta
 
 
 def rechecks(payback_margin: float) -> bool:

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from nereusd.backends import restarts_vllm_engines
-from nereusd.control.admission import ADMIT, KEEP, REJECT, RESTART, Decision, Target, admit, recheck_due
+from nereusd.control.admission import ADMIT, KEEP, RESTART, Decision, Target, admit, recheck_due
 from nereusd.control.lookahead import LengthLookahead, planned_mean_fraction
 from nereusd.control.policy import ControlPolicy, PolicyKind
 from nereusd.control.monitor import (EFFICIENCY, FORCED, GPU_POOL, PERIOD, RECHECK, RESTARTED, SEQUENCE_LENGTH,
@@ -462,12 +462,12 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
                          current_valid=runs, restart_s=self.restart_s,
                          weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin))
-        self._outgrown = decision.verdict == RESTART and decision.target is None and current_valid and over
+        self._outgrown = decision.verdict == RESTART and current_valid and over
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         if runs and not decision.admitted and decision.verdict != RESTART:
             self.pool_changed(pool)   # kept on purpose: joined devices stay spares, no trigger at every boundary
-        if decision.verdict == REJECT and decision.rejected_payback_steps is not None:
+        if decision.rejected_payback_steps is not None:   # a faster target passed over: ask it again
             self._rejected = (step, decision.rejected_payback_steps)
         self.monitor.replanned(signals)
         self.predicted_step_s = decision.target.step_latency_s if decision.admitted else (

@@ -151,6 +151,38 @@ def test_urgent_takes_the_feasible_target_cheapest_over_the_horizon():
     assert admit(step=19, targets=[fast, target(2.5, 0.6, feasible=False)], horizon_steps=10.0, **lost).target is fast
     tie = target(2.4, 15.6)
     assert admit(step=19, targets=[fast, tie], horizon_steps=10.0, **lost).target is fast
+    # the faster target passed over is asked again once the plan lasts long enough to repay its
+    # 15.6 s over the 0.1 s/step it gains on the plan taken (156 steps); greedy and γ = 0 ask nothing
+    assert short.rejected_payback_steps == pytest.approx(15.6 / 0.1)
+    assert admit(step=19, targets=[fast, cheap], horizon_steps=1000.0, **lost).rejected_payback_steps is None
+    for gamma in (0.0, math.inf):
+        assert admit(step=19, targets=[fast, cheap], horizon_steps=10.0, payback_margin=gamma,
+                     **lost).rejected_payback_steps is None
+
+
+def test_urgent_weighs_a_restart_into_a_target_whose_transition_does_not_fit():
+    """The MI250X ramp's pool change (``scripts/bench_sim.py``, seed 0, step 946): devices lost,
+    the DP rescale at 345.9 s/step is reachable, S* at 281.4 s/step only by a 203 s restart, and
+    the pool has changed every ~100 steps. Over that horizon the restart is cheaper; over one
+    step the rescale is, and S* is then asked again once the rescale has run long enough to repay
+    the restart (203 / 64.5 steps). Greedy weighs it too; an unknown restart cost does not."""
+    only = Target(PLAN, 281.4, 7.8, False, "transition does not fit memory", restartable=True)
+    rescale = target(345.9, 0.0)
+    lost = dict(triggers=[POOL], current_step_latency_s=math.inf, current_valid=False, restart_s=203.0)
+    d = admit(step=946, targets=[only, rescale], horizon_steps=99.9, **lost)
+    assert d.verdict == RESTART and d.target is only and d.l_tran_s == 203.0 and "checkpoint/restart" in d.reason
+    assert [a["verdict"] for a in d.alternatives] == ["costlier"]
+    short = admit(step=946, targets=[only, rescale], horizon_steps=1.0, **lost)
+    assert short.admitted and short.target is rescale
+    assert short.rejected_payback_steps == pytest.approx(203.0 / (345.9 - 281.4))
+    assert admit(step=946, targets=[only, rescale], horizon_steps=99.9, payback_margin=math.inf,
+                 **lost).verdict == RESTART
+    assert admit(step=946, targets=[only, rescale], horizon_steps=99.9,
+                 **(lost | {"restart_s": 0.0})).target is rescale
+    # still running at 300 s/step: keeping it costs 300·H, the restart 281.4·H + 203
+    running = dict(triggers=[POOL], current_step_latency_s=300.0, restart_s=203.0)
+    assert admit(step=946, targets=[only], horizon_steps=5.0, **running).verdict == KEEP
+    assert admit(step=946, targets=[only], horizon_steps=99.9, **running).verdict == RESTART
 
 
 def test_urgent_keeps_a_plan_that_still_runs_when_that_is_cheapest_over_the_horizon():
@@ -161,6 +193,7 @@ def test_urgent_keeps_a_plan_that_still_runs_when_that_is_cheapest_over_the_hori
     short = admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[joined], horizon_steps=10.0)
     assert short.verdict == KEEP and short.urgent and "cheapest over H_x" in short.reason
     assert [a["verdict"] for a in short.alternatives] == ["costlier"]
+    assert short.rejected_payback_steps == pytest.approx(30.0 / 0.4)   # asked again if the pool stays
     assert admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[joined],
                  horizon_steps=1000.0).target is joined
     assert admit(step=7, triggers=[POOL], current_step_latency_s=2.4, targets=[target(2.0, 4.0)],

@@ -193,6 +193,45 @@ def test_lost_devices_replan_onto_the_pool(demo):
     assert any(t.signal == "gpu_pool" and t.value == 5 for t in grown.decision.triggers)
 
 
+def test_devices_kept_as_spares_on_the_urgent_path_are_asked_for_again(demo):
+    """Devices come back one step after they left: ``H_x`` of the pool is then 1 step, over which
+    a transition that costs half a second more than measured does not repay using them, so the
+    urgent path keeps the running plan. The faster plan it passed over is asked again by the
+    recheck once the plan has run long enough to repay it (``payback ≤ γ·k``), and taken."""
+    import math
+
+    from nereusd.control.monitor import GPU_POOL, RECHECK
+
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    observe(adapter, 0, 20)
+    adapter.boundary(0, adapter.pool)
+    observe(adapter, 1, 20)
+    lost = adapter.boundary(1, (0, 1, 2)).decision
+    adapter.switched(lost.target.plan, (0, 1, 2))
+    adapter.transition_measured(lost.target.transition_s, lost.target.transition_s + 0.5)
+    observe(adapter, 2, 20)
+    back = adapter.boundary(2, (0, 1, 2, 3)).decision
+    assert back.verdict == "keep" and back.urgent and back.horizon_steps == 1.0, back.to_dict()
+    assert [t.signal for t in back.triggers] == [GPU_POOL]
+    payback = back.rejected_payback_steps
+    fastest = min(a["step_latency_s"] for a in back.alternatives)
+    assert payback == pytest.approx(min(a["l_tran_s"] for a in back.alternatives if a["step_latency_s"] == fastest)
+                                    / (back.current_step_latency_s - fastest))
+    due = 2 + math.ceil(payback / back.payback_margin)
+    decisions = {}
+    for step in range(3, due + 3):
+        observe(adapter, step, 20)
+        outcome = adapter.boundary(step, (0, 1, 2, 3))
+        if outcome is not None:
+            decisions[step] = outcome.decision
+            break
+    assert list(decisions) == [due], (due, {s: d.to_dict() for s, d in decisions.items()})
+    again = decisions[due]
+    assert [t.signal for t in again.triggers] == [RECHECK] and again.admitted
+    assert set(again.target.plan.devices()) == {0, 1, 2, 3}
+
+
 def test_a_pool_change_at_the_first_boundary_replans(demo):
     # the monitor's first observation only sets its reference; the adapter knows the world
     job, site = demo
