@@ -25,7 +25,7 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nereusd.cost.model import CostModel
 from nereusd.control.monitor import FORCED, Trigger
@@ -143,6 +143,7 @@ def admit(
     current_valid: bool = True,
     restart_s: float = 0.0,
     weigh_keeping: bool = True,
+    switch_s: Callable[[Target, Target], float] | None = None,
 ) -> Decision:
     """Decide whether to execute a transition.
 
@@ -161,6 +162,11 @@ def admit(
         weigh_keeping: whether keeping a current plan that still runs competes on the urgent path
             (below): payback admission's; not the frozen baselines', which always DP-rescale on a
             pool change, nor greedy's (``γ = ∞``), which takes any gain whatever it costs.
+        switch_s: ``switch_s(a, b)``, the seconds from target ``a``'s plan to target ``b``'s
+            (``L̂_tran``, ``L̂_restart`` where the move does not fit, ``inf`` where neither
+            reaches it): what the fastest target an urgent admit passes over costs once the
+            admitted one runs (:attr:`Decision.rejected_payback_steps`). Without it, its cost
+            from the current plan.
 
     An urgent trigger waives profitability but not cost: of the feasible targets it admits the
     one with the least ``L̂_step·H_x + L̂_tran`` (S* on a tie) — a fallback whose transition
@@ -241,8 +247,10 @@ def admit(
                             payback_steps=payback, alternatives=others,
                             reason="urgent: profitability waived; of the feasible targets the cheapest over "
                                    "H_x (L_step·H_x + L_tran)",
-                            rejected_payback_steps=_passed_over_payback(passed_over, target.step_latency_s,
-                                                                        payback_margin), **common)
+                            rejected_payback_steps=_passed_over_payback(
+                                passed_over if switch_s is None or passed_over is None or passed_over[0] is target
+                                else (passed_over[0], switch_s(target, passed_over[0])),
+                                target.step_latency_s, payback_margin), **common)
         if delta <= 0:
             tried.append(record | {"verdict": "no_gain", "reason": "not faster than the current plan"})
             continue
@@ -284,17 +292,17 @@ def admit(
 def _passed_over_payback(fastest: tuple[Target, float] | None, next_step_latency_s: float,
                          payback_margin: float) -> float | None:
     """Payback period of the fastest target an urgent decision did not take (it cost more over
-    ``H_x``), ``(target, seconds to reach it)`` (its ``L̂_tran``, or ``L̂_restart`` where its
-    transition does not fit), from the plan that runs next (``next_step_latency_s``): those
-    seconds over its gain, so that the recheck asks for it once that plan has lasted long enough
-    to repay them. (``H_x`` is 1 at a signal's first crossing: a peak-memory trigger on the
+    ``H_x``), ``(target, seconds to reach it from the plan that runs next)`` (``L̂_tran``, or
+    ``L̂_restart`` where the move does not fit), against that plan (``next_step_latency_s``):
+    those seconds over its gain, so that the recheck asks for it once the plan has lasted long
+    enough to repay them. (``H_x`` is 1 at a signal's first crossing: a peak-memory trigger on the
     MI250X ramp took a plan 9 % slower, 4 s away, and ran it 37 steps.) ``None`` when the
     decision took the fastest, or the policy asks nothing again (:func:`rechecks`)."""
     if fastest is None or not rechecks(payback_margin):
         return None
     target, reach_s = fastest
     delta = next_step_latency_s - target.step_latency_s
-    if not delta > 0 or not math.isfinite(next_step_latency_s):
+    if not delta > 0 or not math.isfinite(next_step_latency_s) or not math.isfinite(reach_s):
         return None
     return reach_s / delta
 

@@ -458,10 +458,16 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         # ramp ran 190 steps like that, then failed and lost the steps since its checkpoint)
         over = peak is not None and peak > usable
         runs = current_valid and not over and set(self.plan.devices()) <= set(pool)
+
+        def switch_s(a: Target, b: Target) -> float:   # from one target's plan to another's, once a runs
+            move = self._target(a.plan, b.plan, problem, usable)
+            return move.transition_s if move.feasible else (
+                self.restart_s if move.restartable and self.restart_s > 0 else math.inf)
+
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
                          current_valid=runs, restart_s=self.restart_s,
-                         weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin))
+                         weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin), switch_s=switch_s)
         self._outgrown = decision.verdict == RESTART and current_valid and over
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")

@@ -154,6 +154,13 @@ def test_urgent_takes_the_feasible_target_cheapest_over_the_horizon():
     # the faster target passed over is asked again once the plan lasts long enough to repay its
     # 15.6 s over the 0.1 s/step it gains on the plan taken (156 steps); greedy and γ = 0 ask nothing
     assert short.rejected_payback_steps == pytest.approx(15.6 / 0.1)
+    # once the rescale runs, S* may be nearer than from the current plan (the caller knows)
+    moves = []
+    near = admit(step=19, targets=[fast, cheap], horizon_steps=10.0, switch_s=lambda a, b: moves.append((a, b)) or 1.0,
+                 **lost)
+    assert near.target is cheap and moves == [(cheap, fast)] and near.rejected_payback_steps == pytest.approx(10.0)
+    assert admit(step=19, targets=[fast, cheap], horizon_steps=10.0, switch_s=lambda a, b: math.inf,
+                 **lost).rejected_payback_steps is None   # out of reach from there
     assert admit(step=19, targets=[fast, cheap], horizon_steps=1000.0, **lost).rejected_payback_steps is None
     for gamma in (0.0, math.inf):
         assert admit(step=19, targets=[fast, cheap], horizon_steps=10.0, payback_margin=gamma,
