@@ -6,9 +6,10 @@
 - *Profitability* (opportunistic transitions): admit when ``L_tran / ΔL ≤ γ · H_x`` with
   ``ΔL = L̂_step(S) − L̂_step(S*)``, the payback margin ``γ = 0.5`` by default, ``H_x`` the
   smallest horizon of the triggering signals. ``γ = 0`` admits only urgent transitions.
-- *Urgent path* (pool change, predicted OOM): profitability is waived; the feasible target
-  cheapest over the horizon is taken, or the current plan kept where it still runs and is
-  cheaper; if the planner finds none (each layout at the largest micro-batch up to the job's
+- *Urgent path* (pool change, predicted OOM): profitability is waived; the target cheapest
+  over the horizon is taken (by a transition, or by a checkpoint/restart where its transition
+  does not fit), or the current plan kept where it still runs and is cheaper; faster targets
+  not taken are asked again later (the recheck); if the planner finds none (each layout at the largest micro-batch up to the job's
   that fits), recomputation is tried (:func:`urgent_replan`); if still nothing fits, the
   verdict is checkpoint/restart.
 - *Restart to switch*: a target whose plan fits but whose transition does not is reached by a
@@ -45,9 +46,11 @@ class Verdict(str, enum.Enum):
     REJECT = "reject"
     """Opportunistic: nothing feasible pays for itself; keep the current plan."""
     KEEP = "keep"
-    """Urgent, but no feasible target; the current plan still runs."""
+    """Urgent, but no target is reached, or the current plan still runs and is the cheapest over ``H_x``."""
     RESTART = "checkpoint_restart"
-    """Urgent, no feasible target and the current plan cannot run: checkpoint/restart."""
+    """Checkpoint/restart: urgent, nothing fits and the current plan cannot run; or the target a
+    transition cannot reach (it does not fit memory) repays a restart (opportunistic), or is the
+    cheapest over ``H_x`` (urgent)."""
 
     def __str__(self) -> str:
         return self.value
@@ -104,10 +107,11 @@ class Decision:
     rejected_payback_steps: float | None = None
     """A ``reject`` whose targets were faster but did not repay within ``γ·H_x``: the smallest of
     their payback periods (``L̂_tran/ΔL``, or ``L̂_restart/ΔL`` for a target only a restart
-    reaches). An urgent ``admit`` or ``keep`` that passed over a faster feasible target for its
-    cost over ``H_x``: that target's ``L̂_tran`` over its gain on the plan that runs next. The
-    plan is asked again once it has stayed valid long enough for that payback
-    (:func:`recheck_due`); ``None`` otherwise."""
+    reaches). An urgent ``admit`` or ``keep`` that passed over faster targets for their cost over
+    ``H_x``: the least of their paybacks from the plan that runs next (the seconds to reach each
+    from there, ``L̂_tran`` or ``L̂_restart``, over its gain on that plan). The plan is asked
+    again once it has stayed valid long enough for that payback (:func:`recheck_due`); ``None``
+    otherwise, and for ``γ = 0`` or greedy."""
 
     @property
     def admitted(self) -> bool:
@@ -143,7 +147,7 @@ def admit(
     current_valid: bool = True,
     restart_s: float = 0.0,
     weigh_keeping: bool = True,
-    switch_s: Callable[[Target, Target], float] | None = None,
+    move: Callable[[Target, Target], Target] | None = None,
 ) -> Decision:
     """Decide whether to execute a transition.
 
@@ -155,18 +159,21 @@ def admit(
         payback_margin: ``γ``; ``inf`` admits any positive gain, 0 urgent switches only.
         current_valid: False when the current plan cannot run any more (lost devices, OOM).
         restart_s: ``L̂_restart``, what a checkpoint/restart costs (learned from measured ones; 0:
-            unknown). When no target is admitted, a target that only a restart reaches
-            (:attr:`Target.restartable`) is restarted into when that repays itself by the payback
-            rule: ``L̂_restart / ΔL ≤ γ · H_x``, urgent or not (the verdict ``checkpoint_restart``
-            with that target).
+            unknown). A target that only a restart reaches (:attr:`Target.restartable`) is
+            weighed at that cost on the urgent path (below); on the opportunistic path, when no
+            target is admitted, it is restarted into when that repays itself by the payback
+            rule, ``L̂_restart / ΔL ≤ γ · H_x`` (the verdict ``checkpoint_restart`` with that
+            target). Neither for ``γ = 0`` nor for a forced layout. The restart goes to the
+            controller's restart plan (:meth:`nereusd.control.restarts.RestartPlanning.restart_plan`:
+            the planner's plan for the coming steps, which the target is, or the plan weighed
+            against growth when the running one was outgrown).
         weigh_keeping: whether keeping a current plan that still runs competes on the urgent path
             (below): payback admission's; not the frozen baselines', which always DP-rescale on a
             pool change, nor greedy's (``γ = ∞``), which takes any gain whatever it costs.
-        switch_s: ``switch_s(a, b)``, the seconds from target ``a``'s plan to target ``b``'s
-            (``L̂_tran``, ``L̂_restart`` where the move does not fit, ``inf`` where neither
-            reaches it): what the fastest target an urgent admit passes over costs once the
-            admitted one runs (:attr:`Decision.rejected_payback_steps`). Without it, its cost
-            from the current plan.
+        move: ``move(a, b)``, the target ``b`` as seen from target ``a``'s plan (its
+            ``L̂_tran``, feasibility and restartability from there): what a faster target an
+            urgent admit passes over costs once the admitted one runs
+            (:attr:`Decision.rejected_payback_steps`). Without it, its cost from the current plan.
 
     An urgent trigger waives profitability but not cost: of the feasible targets it admits the
     one with the least ``L̂_step·H_x + L̂_tran`` (S* on a tie) — a fallback whose transition
@@ -175,9 +182,10 @@ def admit(
     it (``L̂_step(S)·H_x``, no transition) is one more choice, taken on a tie: joining devices
     that starts vLLM engines for 30 s is not worth a few steps of a pool that leaves again. A
     target whose transition does not fit memory competes too, at ``L̂_step·H_x + L̂_restart``
-    (when ``L̂_restart`` is known and ``γ > 0``): on the MI250X ramp a pool change took a plan
-    23 % slower than one a 200 s restart reached, with ``H_x`` ≈ 100 steps. The fastest target
-    not taken is asked again by the recheck (:attr:`Decision.rejected_payback_steps`).
+    (when ``L̂_restart`` is known, ``γ > 0``, and no layout is forced): on the MI250X ramp a pool
+    change took a plan 23 % slower than one a 200 s restart reached, with ``H_x`` ≈ 100 steps.
+    The faster targets not taken are asked again by the recheck
+    (:attr:`Decision.rejected_payback_steps`).
 
     Returns:
         ``admit`` with the chosen target; else ``reject`` (opportunistic), ``keep`` (urgent but
@@ -189,9 +197,14 @@ def admit(
                   current_step_latency_s=current_step_latency_s, payback_margin=payback_margin,
                   horizon_steps=horizon_steps)
     tried: list[dict] = []
-    keep_reason = "urgent trigger, no feasible target; the current plan still runs"
-    passed_over = None   # (urgent) the fastest target, asked again if not taken now
     restarts = restart_s > 0 and payback_margin > 0
+    forced = any(t.signal == FORCED for t in triggers)
+
+    def reach_s(t: Target) -> float:
+        """Seconds to reach ``t``: its transition, a checkpoint/restart where only that reaches
+        it (``inf``: neither)."""
+        return t.transition_s if t.feasible else restart_s if restarts and t.restartable else math.inf
+
     if urgent:   # the target cheapest over the horizon, S* on a tie
 
         def over_horizon(step_latency_s: float, transition_s: float) -> tuple[float, float]:
@@ -199,58 +212,63 @@ def admit(
                 return step_latency_s * horizon_steps + transition_s, 0.0
             return step_latency_s, transition_s
 
-        def reach_s(t: Target) -> float:   # a transition, or a checkpoint/restart where none fits
-            return t.transition_s if t.feasible else restart_s
-
-        reachable = [t for t in targets if t.feasible or (restarts and t.restartable)]
+        # a restart goes to the planner's plan (Controller.restart_plan), never to a forced layout
+        reachable = [t for t in targets if t.feasible or (not forced and math.isfinite(reach_s(t)))]
         best = min(reachable, key=lambda t: over_horizon(t.step_latency_s, reach_s(t)), default=None)
-        fastest = min(reachable, key=lambda t: t.step_latency_s, default=None)
-        passed_over = None if fastest is None else (fastest, reach_s(fastest))
-        keeps = (weigh_keeping and current_valid and math.isfinite(current_step_latency_s)
-                 and not any(t.signal == FORCED for t in triggers))
+        unreached = tuple(_unreached(t, current_step_latency_s) for t in targets if all(t is not r for r in reachable))
+        keeps = weigh_keeping and current_valid and math.isfinite(current_step_latency_s) and not forced
 
-        def costlier(others: Sequence[Target], against: str) -> list[dict]:
-            return [{"step_latency_s": t.step_latency_s, "l_tran_s": reach_s(t), "verdict": "costlier",
-                     "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps{against}"
-                               + ("" if t.feasible else " (by checkpoint/restart)")} for t in others]
+        def costlier(others: Sequence[Target], against: str = "") -> tuple[dict, ...]:
+            return tuple({"step_latency_s": t.step_latency_s, "l_tran_s": reach_s(t), "verdict": "costlier",
+                          "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps{against}"
+                                    + ("" if t.feasible else " (by checkpoint/restart)")} for t in others)
+
+        def asked_again(running: Target | None, running_s: float) -> float | None:
+            """The least payback of a target faster than the plan that runs next (``running``;
+            ``None``: the current plan), from there: the recheck asks for it once that plan has
+            lasted long enough (:attr:`Decision.rejected_payback_steps`)."""
+            if not rechecks(payback_margin) or not math.isfinite(running_s):
+                return None
+            paybacks = []
+            for t in reachable:
+                if t is running or not running_s > t.step_latency_s:
+                    continue
+                seconds = reach_s(t if running is None or move is None else move(running, t))
+                if math.isfinite(seconds):
+                    paybacks.append(seconds / (running_s - t.step_latency_s))
+            return min(paybacks, default=None)
 
         if best is not None and keeps and (over_horizon(best.step_latency_s, reach_s(best))
                                            >= over_horizon(current_step_latency_s, 0.0)):
-            keep_reason = (f"urgent, but the current plan still runs and is the cheapest over H_x = "
-                           f"{horizon_steps:.2f} steps (L_step·H_x + L_tran)")
-            tried += costlier(reachable, ", against keeping the current plan")
-            targets = [t for t in targets if not t.feasible]
-        elif best is not None and not best.feasible:
+            return Decision(verdict=KEEP, alternatives=costlier(reachable, ", against keeping the current plan")
+                            + unreached,
+                            reason=f"urgent, but the current plan still runs and is the cheapest over H_x = "
+                                   f"{horizon_steps:.2f} steps (L_step·H_x + L_tran)",
+                            rejected_payback_steps=asked_again(None, current_step_latency_s), **common)
+        if best is not None:
             delta = current_step_latency_s - best.step_latency_s
-            return Decision(verdict=RESTART, target=best, delta_l_s=delta, l_tran_s=restart_s,
-                            payback_steps=restart_s / delta if delta > 0 else float("inf"),
-                            alternatives=tuple(costlier([t for t in reachable if t is not best], "")),
-                            reason=f"urgent: the target cheapest over H_x = {horizon_steps:.2f} steps "
-                                   f"(L_step·H_x + L_tran) is one whose transition does not fit memory; "
-                                   f"a checkpoint/restart ({restart_s:.0f} s) reaches it", **common)
-        else:
-            targets = ([best] if best is not None else []) + [t for t in targets if t is not best]
+            others = costlier([t for t in reachable if t is not best]) + unreached
+            if not best.feasible:
+                return Decision(verdict=RESTART, target=best, delta_l_s=delta, l_tran_s=restart_s,
+                                payback_steps=restart_s / delta if delta > 0 else float("inf"), alternatives=others,
+                                reason=f"urgent: the target cheapest over H_x = {horizon_steps:.2f} steps "
+                                       f"(L_step·H_x + L_tran) is one whose transition does not fit memory; a "
+                                       f"checkpoint/restart ({restart_s:.0f} s) reaches the planner's plan",
+                                **common)
+            return Decision(verdict=ADMIT, target=best, delta_l_s=delta, l_tran_s=best.transition_s,
+                            payback_steps=best.transition_s / delta if delta > 0 else float("inf"),
+                            alternatives=others,
+                            reason="urgent: profitability waived; of the feasible targets the cheapest over "
+                                   "H_x (L_step·H_x + L_tran)",
+                            rejected_payback_steps=asked_again(best, best.step_latency_s), **common)
     for target in targets:
         delta = current_step_latency_s - target.step_latency_s
         payback = target.transition_s / delta if delta > 0 else float("inf")
         record = {"step_latency_s": target.step_latency_s, "l_tran_s": target.transition_s,
                   "delta_l_s": delta, "payback_steps": payback}
         if not target.feasible:
-            tried.append(record | {"verdict": "infeasible", "reason": target.reason})
+            tried.append(_unreached(target, current_step_latency_s))
             continue
-        if urgent:
-            others = tuple(tried) + tuple(
-                {"step_latency_s": t.step_latency_s, "l_tran_s": t.transition_s, "verdict": "costlier",
-                 "reason": f"L_step·H_x + L_tran over H_x = {horizon_steps:.2f} steps"}
-                for t in targets if t is not target and t.feasible)
-            return Decision(verdict=ADMIT, target=target, delta_l_s=delta, l_tran_s=target.transition_s,
-                            payback_steps=payback, alternatives=others,
-                            reason="urgent: profitability waived; of the feasible targets the cheapest over "
-                                   "H_x (L_step·H_x + L_tran)",
-                            rejected_payback_steps=_passed_over_payback(
-                                passed_over if switch_s is None or passed_over is None or passed_over[0] is target
-                                else (passed_over[0], switch_s(target, passed_over[0])),
-                                target.step_latency_s, payback_margin), **common)
         if delta <= 0:
             tried.append(record | {"verdict": "no_gain", "reason": "not faster than the current plan"})
             continue
@@ -263,7 +281,7 @@ def admit(
         tried.append(record | {"verdict": UNPROFITABLE,
                                "reason": f"payback {payback:.2f} steps > γ·H_x = {bound:.2f}"})
     paybacks = [r["payback_steps"] for r in tried if r.get("verdict") == UNPROFITABLE]
-    if restarts:
+    if restarts and not forced:   # a restart goes to the planner's plan, not a forced layout
         bound = payback_margin * horizon_steps
         for target in targets:
             delta = current_step_latency_s - target.step_latency_s
@@ -272,15 +290,14 @@ def admit(
             if restart_s / delta <= bound:
                 return Decision(verdict=RESTART, target=target, delta_l_s=delta, l_tran_s=restart_s,
                                 payback_steps=restart_s / delta, alternatives=tuple(tried),
-                                reason=f"the transition does not fit memory; a checkpoint/restart into the target "
-                                       f"repays its {restart_s:.0f} s in {restart_s / delta:.2f} steps "
+                                reason=f"the transition does not fit memory; a checkpoint/restart into the planner's "
+                                       f"plan repays its {restart_s:.0f} s in {restart_s / delta:.2f} steps "
                                        f"<= γ·H_x = {bound:.2f}", **common)
             paybacks.append(restart_s / delta)
     if urgent:
         if current_valid:
-            return Decision(verdict=KEEP, alternatives=tuple(tried), reason=keep_reason,
-                            rejected_payback_steps=_passed_over_payback(passed_over, current_step_latency_s,
-                                                                        payback_margin), **common)
+            return Decision(verdict=KEEP, alternatives=tuple(tried),
+                            reason="urgent trigger, no feasible target; the current plan still runs", **common)
         return Decision(verdict=RESTART, alternatives=tuple(tried),
                         reason="urgent trigger, no feasible target and the current plan cannot run", **common)
     return Decision(verdict=REJECT, alternatives=tuple(tried),
@@ -289,22 +306,12 @@ def admit(
                     **common)
 
 
-def _passed_over_payback(fastest: tuple[Target, float] | None, next_step_latency_s: float,
-                         payback_margin: float) -> float | None:
-    """Payback period of the fastest target an urgent decision did not take (it cost more over
-    ``H_x``), ``(target, seconds to reach it from the plan that runs next)`` (``L̂_tran``, or
-    ``L̂_restart`` where the move does not fit), against that plan (``next_step_latency_s``):
-    those seconds over its gain, so that the recheck asks for it once the plan has lasted long
-    enough to repay them. (``H_x`` is 1 at a signal's first crossing: a peak-memory trigger on the
-    MI250X ramp took a plan 9 % slower, 4 s away, and ran it 37 steps.) ``None`` when the
-    decision took the fastest, or the policy asks nothing again (:func:`rechecks`)."""
-    if fastest is None or not rechecks(payback_margin):
-        return None
-    target, reach_s = fastest
-    delta = next_step_latency_s - target.step_latency_s
-    if not delta > 0 or not math.isfinite(next_step_latency_s) or not math.isfinite(reach_s):
-        return None
-    return reach_s / delta
+def _unreached(target: Target, current_step_latency_s: float) -> dict:
+    """The journal's record of a target no transition (and no restart) reaches."""
+    delta = current_step_latency_s - target.step_latency_s
+    return {"step_latency_s": target.step_latency_s, "l_tran_s": target.transition_s, "delta_l_s": delta,
+            "payback_steps": target.transition_s / delta if delta > 0 else float("inf"),
+            "verdict": "infeasible", "reason": target.reason}
 
 
 def rechecks(payback_margin: float) -> bool:

@@ -195,8 +195,9 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
         self._init_restarts()
         self._rejected: tuple[int, float] | None = None
-        """The last boundary's ``reject`` of faster targets for their payback: (step, the smallest
-        payback in steps); asked again once due (:data:`RECHECK`)."""
+        """Faster targets the last boundary did not take (a ``reject`` for their payback, or an
+        urgent decision for their cost over ``H_x``): (step, the smallest payback in steps,
+        :attr:`Decision.rejected_payback_steps`); asked again once due (:data:`RECHECK`)."""
 
     # ---- problem ---------------------------------------------------------------------------
     def problem(self, pool: tuple[int, ...], length: int, mean_fraction: float | None = None) -> PlanProblem:
@@ -408,7 +409,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         if rejected is not None and not triggers:   # (a plan that lost devices has a pool trigger)
             at, payback = rejected
             if recheck_due(payback, step - at, self.policy.payback_margin):
-                triggers.append(Trigger(RECHECK, False, step, at, f"a target rejected at step {at} for its payback "
+                triggers.append(Trigger(RECHECK, False, step, at, f"a faster target not taken at step {at}, payback "
                                         f"({payback:.1f} steps) would repay within γ of the {step - at} steps since"))
             else:
                 self._rejected = rejected   # not due yet: still waiting
@@ -459,15 +460,13 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         over = peak is not None and peak > usable
         runs = current_valid and not over and set(self.plan.devices()) <= set(pool)
 
-        def switch_s(a: Target, b: Target) -> float:   # from one target's plan to another's, once a runs
-            move = self._target(a.plan, b.plan, problem, usable)
-            return move.transition_s if move.feasible else (
-                self.restart_s if move.restartable and self.restart_s > 0 else math.inf)
+        def move(a: Target, b: Target) -> Target:   # b's plan as a target from a's plan
+            return self._target(a.plan, b.plan, problem, usable)
 
         decision = admit(step=step, triggers=triggers, current_step_latency_s=current_s, targets=targets,
                          horizon_steps=min(horizons), payback_margin=self.policy.payback_margin,
                          current_valid=runs, restart_s=self.restart_s,
-                         weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin), switch_s=switch_s)
+                         weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin), move=move)
         self._outgrown = decision.verdict == RESTART and current_valid and over
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")

@@ -132,7 +132,8 @@ def test_a_target_only_a_restart_reaches_is_restarted_into_when_the_restart_repa
     cheap = target(50.0, 1.0)
     assert admit(step=5, triggers=[DRIFT], current_step_latency_s=56.0, targets=[only, cheap], horizon_steps=30.0,
                  restart_s=190.0).target is cheap
-    # urgent and still running (devices joined): the same rule instead of keeping
+    # urgent and still running (devices joined): weighed against keeping over H_x (56·30 >
+    # 40·30 + 190), test_urgent_weighs_a_restart_into_a_target_whose_transition_does_not_fit
     assert admit(step=5, triggers=[POOL], current_step_latency_s=56.0, targets=[only], horizon_steps=30.0,
                  restart_s=190.0).verdict == RESTART
 
@@ -156,11 +157,11 @@ def test_urgent_takes_the_feasible_target_cheapest_over_the_horizon():
     assert short.rejected_payback_steps == pytest.approx(15.6 / 0.1)
     # once the rescale runs, S* may be nearer than from the current plan (the caller knows)
     moves = []
-    near = admit(step=19, targets=[fast, cheap], horizon_steps=10.0, switch_s=lambda a, b: moves.append((a, b)) or 1.0,
-                 **lost)
+    near = admit(step=19, targets=[fast, cheap], horizon_steps=10.0,
+                 move=lambda a, b: moves.append((a, b)) or target(2.4, 1.0), **lost)
     assert near.target is cheap and moves == [(cheap, fast)] and near.rejected_payback_steps == pytest.approx(10.0)
-    assert admit(step=19, targets=[fast, cheap], horizon_steps=10.0, switch_s=lambda a, b: math.inf,
-                 **lost).rejected_payback_steps is None   # out of reach from there
+    assert admit(step=19, targets=[fast, cheap], horizon_steps=10.0, move=lambda a, b: target(2.4, 1.0, False),
+                 **lost).rejected_payback_steps is None   # out of reach from there (no restart measured)
     assert admit(step=19, targets=[fast, cheap], horizon_steps=1000.0, **lost).rejected_payback_steps is None
     for gamma in (0.0, math.inf):
         assert admit(step=19, targets=[fast, cheap], horizon_steps=10.0, payback_margin=gamma,
@@ -186,10 +187,19 @@ def test_urgent_weighs_a_restart_into_a_target_whose_transition_does_not_fit():
                  **lost).verdict == RESTART
     assert admit(step=946, targets=[only, rescale], horizon_steps=99.9,
                  **(lost | {"restart_s": 0.0})).target is rescale
-    # still running at 300 s/step: keeping it costs 300·H, the restart 281.4·H + 203
+    # still running at 300 s/step: keeping it costs 300·H, the restart 281.4·H + 203; a keep is
+    # not undone by the opportunistic restart rule, whatever γ (203 / 18.6 = 10.9 ≤ 2·6)
     running = dict(triggers=[POOL], current_step_latency_s=300.0, restart_s=203.0)
-    assert admit(step=946, targets=[only], horizon_steps=5.0, **running).verdict == KEEP
+    kept = admit(step=946, targets=[only], horizon_steps=5.0, **running)
+    assert kept.verdict == KEEP and kept.rejected_payback_steps == pytest.approx(203.0 / 18.6)
+    assert [a["verdict"] for a in kept.alternatives] == ["costlier"]
+    assert admit(step=946, targets=[only], horizon_steps=6.0, payback_margin=2.0, **running).verdict == KEEP
     assert admit(step=946, targets=[only], horizon_steps=99.9, **running).verdict == RESTART
+    # a forced layout is never restarted into (a restart goes to the planner's plan)
+    forced = Trigger(FORCED, True, 946, None, "layout forced")
+    for cur in (300.0, 400.0):
+        assert admit(step=946, triggers=[forced], current_step_latency_s=cur, targets=[only], horizon_steps=99.9,
+                     restart_s=203.0).verdict == KEEP
 
 
 def test_urgent_keeps_a_plan_that_still_runs_when_that_is_cheapest_over_the_horizon():

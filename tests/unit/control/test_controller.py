@@ -232,6 +232,48 @@ def test_devices_kept_as_spares_on_the_urgent_path_are_asked_for_again(demo):
     assert set(again.target.plan.devices()) == {0, 1, 2, 3}
 
 
+def test_a_faster_plan_the_urgent_path_passed_over_is_asked_for_again(demo):
+    """A device is lost at the pool's first change (``H_x = 1``). The planner's plan changes the
+    vLLM engines' waves (22 on 3 devices) and so starts engines (a measured 1 s start-up); the
+    plan that keeps their waves (16) is 0.07 s a step slower. Over one step the urgent path takes
+    the latter, and the planner's plan is asked for again by the recheck once the kept plan has
+    run long enough to repay the move from there (priced from the admitted plan, not from the
+    lost plan's units)."""
+    import math
+
+    from nereusd.backends import Backend
+    from nereusd.control.monitor import RECHECK
+
+    job, site = demo
+    gen = ModelStage(Role.ACTOR, Stage.GENERATION)
+    job = dataclasses.replace(job, backends={**job.backends, gen: Backend.VLLM})
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    observe(adapter, 0, 20)
+    adapter.boundary(0, adapter.pool)
+    adapter.engine_started(1.0)
+    observe(adapter, 1, 20)
+    lost = adapter.boundary(1, (0, 1, 2)).decision
+    assert lost.admitted and lost.urgent and lost.horizon_steps == 1.0, lost.to_dict()
+    fastest = min(lost.alternatives, key=lambda a: a["step_latency_s"])
+    gain = lost.target.step_latency_s - fastest["step_latency_s"]
+    assert gain > 0 and fastest["verdict"] == "costlier" and fastest["l_tran_s"] > 1.0, lost.to_json_line()
+    from_there = lost.rejected_payback_steps * gain   # seconds from the admitted plan to the faster one
+    assert 1.0 <= from_there < fastest["l_tran_s"], (from_there, fastest)
+    adapter.switched(lost.target.plan, (0, 1, 2))
+    due = 1 + math.ceil(lost.rejected_payback_steps / lost.payback_margin)
+    decisions = {}
+    for step in range(2, due + 2):
+        observe(adapter, step, 20)
+        outcome = adapter.boundary(step, (0, 1, 2))
+        if outcome is not None:
+            decisions[step] = outcome.decision
+            break
+    assert list(decisions) == [due], (due, {s: d.to_dict() for s, d in decisions.items()})
+    again = decisions[due]
+    assert [t.signal for t in again.triggers] == [RECHECK] and again.admitted
+    assert again.target.plan[gen].micro_batch != lost.target.plan[gen].micro_batch   # the engines restart now
+
+
 def test_a_pool_change_at_the_first_boundary_replans(demo):
     # the monitor's first observation only sets its reference; the adapter knows the world
     job, site = demo
