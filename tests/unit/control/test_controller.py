@@ -198,9 +198,7 @@ def test_devices_kept_as_spares_on_the_urgent_path_are_asked_for_again(demo):
     a transition that costs half a second more than measured does not repay using them, so the
     urgent path keeps the running plan. The faster plan it passed over is asked again by the
     recheck once the plan has run long enough to repay it (``payback ≤ γ·k``), and taken."""
-    import math
-
-    from nereusd.control.monitor import GPU_POOL, RECHECK
+    from nereusd.control.monitor import GPU_POOL
 
     job, site = demo
     adapter = controller_for_job(job, site, job.plan, PROMPT)
@@ -218,18 +216,27 @@ def test_devices_kept_as_spares_on_the_urgent_path_are_asked_for_again(demo):
     fastest = min(a["step_latency_s"] for a in back.alternatives)
     assert payback == pytest.approx(min(a["l_tran_s"] for a in back.alternatives if a["step_latency_s"] == fastest)
                                     / (back.current_step_latency_s - fastest))
-    due = 2 + math.ceil(payback / back.payback_margin)
+    again = _first_decision_is_the_recheck(adapter, 2, back, (0, 1, 2, 3))
+    assert set(again.target.plan.devices()) == {0, 1, 2, 3}
+
+
+def _first_decision_is_the_recheck(adapter: Controller, at: int, passed, pool: tuple[int, ...]):
+    """Steps from ``at + 1`` on at length 20: the first decision comes at the step the recheck
+    of ``passed`` (decided at ``at``) is due, on the recheck alone, and is admitted."""
+    from nereusd.control.monitor import RECHECK
+
+    due = at + math.ceil(passed.rejected_payback_steps / passed.payback_margin)
     decisions = {}
-    for step in range(3, due + 3):
+    for step in range(at + 1, due + 2):
         observe(adapter, step, 20)
-        outcome = adapter.boundary(step, (0, 1, 2, 3))
+        outcome = adapter.boundary(step, pool)
         if outcome is not None:
             decisions[step] = outcome.decision
             break
     assert list(decisions) == [due], (due, {s: d.to_dict() for s, d in decisions.items()})
     again = decisions[due]
     assert [t.signal for t in again.triggers] == [RECHECK] and again.admitted
-    assert set(again.target.plan.devices()) == {0, 1, 2, 3}
+    return again
 
 
 def test_a_faster_plan_the_urgent_path_passed_over_is_asked_for_again(demo):
@@ -239,10 +246,7 @@ def test_a_faster_plan_the_urgent_path_passed_over_is_asked_for_again(demo):
     the latter, and the planner's plan is asked for again by the recheck once the kept plan has
     run long enough to repay the move from there (priced from the admitted plan, not from the
     lost plan's units)."""
-    import math
-
     from nereusd.backends import Backend
-    from nereusd.control.monitor import RECHECK
 
     job, site = demo
     gen = ModelStage(Role.ACTOR, Stage.GENERATION)
@@ -260,17 +264,7 @@ def test_a_faster_plan_the_urgent_path_passed_over_is_asked_for_again(demo):
     from_there = lost.rejected_payback_steps * gain   # seconds from the admitted plan to the faster one
     assert 1.0 <= from_there < fastest["l_tran_s"], (from_there, fastest)
     adapter.switched(lost.target.plan, (0, 1, 2))
-    due = 1 + math.ceil(lost.rejected_payback_steps / lost.payback_margin)
-    decisions = {}
-    for step in range(2, due + 2):
-        observe(adapter, step, 20)
-        outcome = adapter.boundary(step, (0, 1, 2))
-        if outcome is not None:
-            decisions[step] = outcome.decision
-            break
-    assert list(decisions) == [due], (due, {s: d.to_dict() for s, d in decisions.items()})
-    again = decisions[due]
-    assert [t.signal for t in again.triggers] == [RECHECK] and again.admitted
+    again = _first_decision_is_the_recheck(adapter, 1, lost, (0, 1, 2))
     assert again.target.plan[gen].micro_batch != lost.target.plan[gen].micro_batch   # the engines restart now
 
 
