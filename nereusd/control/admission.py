@@ -235,7 +235,7 @@ def admit(
                     continue
                 seconds = reach_s(t if running is None or move is None else move(running, t))
                 if math.isfinite(seconds):
-                    paybacks.append(seconds / (running_s - t.step_latency_s))
+                    paybacks.append(_payback_steps(seconds, running_s - t.step_latency_s))
             return min(paybacks, default=None)
 
         if best is not None and keeps and (over_horizon(best.step_latency_s, reach_s(best))
@@ -250,22 +250,20 @@ def admit(
             others = costlier([t for t in reachable if t is not best]) + unreached
             if not best.feasible:
                 return Decision(verdict=RESTART, target=best, delta_l_s=delta, l_tran_s=restart_s,
-                                payback_steps=restart_s / delta if delta > 0 else float("inf"), alternatives=others,
+                                payback_steps=_payback_steps(restart_s, delta), alternatives=others,
                                 reason=f"urgent: the target cheapest over H_x = {horizon_steps:.2f} steps "
                                        f"(L_step·H_x + L_tran) is one whose transition does not fit memory; a "
                                        f"checkpoint/restart ({restart_s:.0f} s) reaches the planner's plan",
                                 **common)
             return Decision(verdict=ADMIT, target=best, delta_l_s=delta, l_tran_s=best.transition_s,
-                            payback_steps=best.transition_s / delta if delta > 0 else float("inf"),
+                            payback_steps=_payback_steps(best.transition_s, delta),
                             alternatives=others,
                             reason="urgent: profitability waived; of the feasible targets the cheapest over "
                                    "H_x (L_step·H_x + L_tran)",
                             rejected_payback_steps=asked_again(best, best.step_latency_s), **common)
     for target in targets:
-        delta = current_step_latency_s - target.step_latency_s
-        payback = target.transition_s / delta if delta > 0 else float("inf")
-        record = {"step_latency_s": target.step_latency_s, "l_tran_s": target.transition_s,
-                  "delta_l_s": delta, "payback_steps": payback}
+        record = _record(target, current_step_latency_s)
+        delta, payback = record["delta_l_s"], record["payback_steps"]
         if not target.feasible:
             tried.append(_unreached(target, current_step_latency_s))
             continue
@@ -306,12 +304,22 @@ def admit(
                     **common)
 
 
-def _unreached(target: Target, current_step_latency_s: float) -> dict:
-    """The journal's record of a target no transition (and no restart) reaches."""
+def _payback_steps(seconds: float, gain_s: float) -> float:
+    """Steps a switch costing ``seconds`` takes to repay at ``gain_s`` a step (``inf`` without a gain)."""
+    return seconds / gain_s if gain_s > 0 else float("inf")
+
+
+def _record(target: Target, current_step_latency_s: float) -> dict:
+    """The journal's figures of ``target`` against the current plan: its ``L̂_step``, ``L̂_tran``,
+    ``ΔL`` and payback."""
     delta = current_step_latency_s - target.step_latency_s
     return {"step_latency_s": target.step_latency_s, "l_tran_s": target.transition_s, "delta_l_s": delta,
-            "payback_steps": target.transition_s / delta if delta > 0 else float("inf"),
-            "verdict": "infeasible", "reason": target.reason}
+            "payback_steps": _payback_steps(target.transition_s, delta)}
+
+
+def _unreached(target: Target, current_step_latency_s: float) -> dict:
+    """The journal's record of a target no transition (and no restart) reaches."""
+    return _record(target, current_step_latency_s) | {"verdict": "infeasible", "reason": target.reason}
 
 
 def rechecks(payback_margin: float) -> bool:
