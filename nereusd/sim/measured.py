@@ -56,8 +56,16 @@ Generation (a vLLM-style engine with continuous batching):
   (at the replica's mean context), plus per step a fixed engine overhead (scheduling, sampling,
   launches) and 2 all-reduces per layer over TP (vLLM's custom all-reduce inside a node: a
   fixed latency plus the bytes at the link's bus bandwidth); pipeline parallelism runs ``pp`` micro-batches through ``pp`` stages;
-- the prefill of every prompt is compute-bound at GEMM efficiency, its logits computed at the
-  last position only (vLLM's ``LogitsProcessor`` runs on the sampling indices);
+- the prompts are prefilled ``R`` at a time, each pass the truth's own forward of their tokens
+  (the GEMM rooflines, causal attention and the work TP does not split, as above) with two TP
+  all-reduces per layer of the pass's activations at the NCCL figures (a prefill's messages,
+  ``R · prompt · h`` elements, are far past the 8 MiB up to which vLLM's custom all-reduce
+  runs: ``CustomAllreduce(max_size=8192 * 1024)``; larger ones go to NCCL), pipelined over
+  ``pp`` stages; its logits computed at the last position only (vLLM's ``LogitsProcessor`` runs
+  on the sampling indices). Until 2026-12-07 the prefill was its FLOPs at GEMM efficiency,
+  without the TP all-reduces a forward pays everywhere else in this truth: on the MI250X ramp
+  (Infinity Fabric at 50 GB/s) a TP-8 replica's 128 prompts of 512 tokens then cost 1.2 s where
+  their 64 all-reduces alone take ~1.5 s;
 - the weight synchronisation is a broadcast of the shard at the NCCL figures above.
 
 Every figure is in :data:`DEVICE_FIGURES` and :data:`LINK_FIGURES` with its source; where no
@@ -426,10 +434,37 @@ class MeasuredTruth(GroundTruth):
             tp_ar = 2 * layers * self._decode_all_reduce_s(micro * h * e, c.tp, tp_spans, contended)
             per_step = c.pp * (np.maximum(memory, compute) + tp_ar + p2p) + self.device.decode_overhead_s
             decode = float(np.sum(steps * per_step))
-            prefill = len(mine) * (prompt * (flops_per_token - head_flops) + head_flops) / self.peak
+            prefill = self._prefill_s(spec, len(mine), concurrent, prompt, c.tp, c.pp, contended)
             worst = max(worst, decode + prefill)
         sync = self.p2p_s(weights, self.spans(c.tp * c.pp * c.dp), contended)
         return worst + sync
+
+    def _prefill_s(self, spec, prompts: int, concurrent: int, prompt: int, tp: int, pp: int,
+                   contended: bool) -> float:
+        """Seconds to prefill ``prompts`` prompts of ``prompt`` tokens, ``concurrent`` per pass:
+        each pass one forward of its tokens through a pipeline stage's layers (two TP
+        all-reduces per layer at the NCCL figures) and the head at each prompt's last position;
+        the passes run through ``pp`` stages in ``passes + pp − 1`` slots of the longest, plus
+        a point-to-point hand-over per stage boundary."""
+        if prompts <= 0 or prompt <= 0:
+            return 0.0
+        h = spec.hidden_size
+        layers = math.ceil(spec.num_layers / pp)
+        vocab = math.ceil(spec.vocab_size / tp)
+        tp_spans = self.spans(tp)
+        full, rest = divmod(prompts, concurrent)
+        slots = [(concurrent, full)] + ([(rest, 1)] if rest else [])
+        total, longest = 0.0, 0.0
+        for n, count in slots:
+            tokens = n * prompt
+            ar = self.all_reduce_s(tokens * h * self.e, tp, tp_spans, contended)
+            slot = layers * (self._layer_pass_s(spec, tokens, prompt, tp, False) + 2 * ar)
+            slot += self.gemm_s(n, h, vocab)
+            if pp > 1:
+                slot += self.p2p_s(tokens * h * self.e, self.spans(tp * pp), contended)
+            total += count * slot
+            longest = max(longest, slot)
+        return total + (pp - 1) * longest
 
     def _decode_all_reduce_s(self, nbytes: np.ndarray, ranks: int, spans: bool, contended: bool) -> np.ndarray:
         """One decode all-reduce of ``nbytes`` per rank (an array): vLLM's custom all-reduce

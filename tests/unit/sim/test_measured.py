@@ -121,6 +121,29 @@ def test_continuous_batching_refills_slots_and_the_longest_sets_the_time():
     assert truth.replica_s(GEN, c64, 256, 0, False) < truth.replica_s(GEN, c8, 256, 0, False)
 
 
+def test_a_tp_prefill_pays_its_all_reduces_and_runs_a_wave_per_pass():
+    """vLLM's prefill is a forward of the prompts' tokens: under TP every layer all-reduces its
+    activations twice, as a training or inference forward does in this truth. The prefill
+    was once its FLOPs alone, which made TP-8 generation look faster than it is on a slow link."""
+    pb = problem(site="frontier-mi250x")
+    truth = MeasuredTruth(pb, MEASURED)
+    h, layers, prompt = SMALL.hidden_size, SMALL.num_layers, 256
+    one = truth._prefill_s(SMALL, 32, 32, prompt, tp=1, pp=1, contended=False)
+    eight = truth._prefill_s(SMALL, 32, 32, prompt, tp=8, pp=1, contended=False)
+    all_reduces = 2 * layers * truth.all_reduce_s(32 * prompt * h * truth.e, 8, spans=False)
+    assert all_reduces > 0 and eight > one / 8 + all_reduces
+    # four passes of 8 prompts: each pays its own all-reduces, of a quarter of the bytes
+    waves = truth._prefill_s(SMALL, 32, 8, prompt, tp=8, pp=1, contended=False)
+    assert waves > 4 * 2 * layers * truth.all_reduce_s(8 * prompt * h * truth.e, 8, spans=False)
+    # and a replica's generation pays it: with a link twice as fast a TP-8 replica's prefill
+    # gets cheaper, a TP-1 replica's does not move
+    fast = MeasuredTruth(dataclasses.replace(pb, site=dataclasses.replace(pb.site, network=dataclasses.replace(
+        pb.site.network, intra_node_gbps=2 * pb.site.network.intra_node_gbps))), MEASURED)
+    assert fast._prefill_s(SMALL, 32, 32, prompt, 8, 1, False) < eight
+    assert fast._prefill_s(SMALL, 32, 32, prompt, 1, 1, False) == one
+    assert truth.replica_s(GEN, cand(8, 1, 1, 32), 64, 0, False) > eight
+
+
 def test_dp_gradients_hide_behind_the_backward_and_stragglers_slow_a_stage():
     truth = MeasuredTruth(problem(nodes=4), MEASURED)
     grads = 4.0 * 1e9
