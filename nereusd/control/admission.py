@@ -163,7 +163,7 @@ def admit(
             weighed at that cost on the urgent path (below); on the opportunistic path, when no
             target is admitted, it is restarted into when that repays itself by the payback
             rule, ``L̂_restart / ΔL ≤ γ · H_x`` (the verdict ``checkpoint_restart`` with that
-            target). Neither for ``γ = 0`` nor for a forced layout. The restart goes to the
+            target). Neither for ``γ = 0`` nor for a forced layout (below). The restart goes to the
             controller's restart plan (:meth:`nereusd.control.restarts.RestartPlanning.restart_plan`:
             the planner's plan for the coming steps, which the target is, or the plan weighed
             against growth when the running one was outgrown).
@@ -187,6 +187,12 @@ def admit(
     The faster targets not taken are asked again by the recheck
     (:attr:`Decision.rejected_payback_steps`).
 
+    A forced layout (the ``forced`` trigger; ``targets`` is that one layout) is taken whatever
+    it costs: by its transition where that fits memory, else, where the layout itself fits
+    (:attr:`Target.restartable`), by a checkpoint/restart into it (``checkpoint_restart`` with it
+    as the target: :meth:`nereusd.control.restarts.RestartPlanning.restart_plan` then returns it,
+    not the planner's plan).
+
     Returns:
         ``admit`` with the chosen target; else ``reject`` (opportunistic), ``keep`` (urgent but
         the current plan still runs) or ``checkpoint_restart`` (urgent: nothing fits, or the
@@ -205,6 +211,17 @@ def admit(
         it (``inf``: neither)."""
         return t.transition_s if t.feasible else restart_s if restarts and t.restartable else math.inf
 
+    if forced and targets and not targets[0].feasible and targets[0].restartable:
+        # the operator's layout fits memory but no transition reaches it within memory: a
+        # checkpoint/restart goes to it (Controller.restart_plan), whatever it costs
+        forced_target = targets[0]
+        delta = current_step_latency_s - forced_target.step_latency_s
+        cost = f"{restart_s:.0f} s" if restart_s > 0 else "its cost not yet measured"
+        return Decision(verdict=RESTART, target=forced_target, delta_l_s=delta, l_tran_s=restart_s,
+                        payback_steps=_payback_steps(restart_s, delta),
+                        alternatives=(_unreached(forced_target, current_step_latency_s),),
+                        reason=f"layout forced; its transition does not fit memory, so a checkpoint/restart "
+                               f"({cost}) goes to it", **common)
     if urgent:   # the target cheapest over the horizon, S* on a tie
 
         def over_horizon(step_latency_s: float, transition_s: float) -> tuple[float, float]:

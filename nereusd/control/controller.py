@@ -368,7 +368,9 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
             pool: devices available now (sorted).
             source: the units the transition would start from when devices of :attr:`plan` are
                 gone (the intact units); ``None``: :attr:`plan` is whole.
-            forced: a plan the operator forces (admission checks feasibility only).
+            forced: a plan the operator forces (admission checks feasibility only: taken by its
+                transition, or by a checkpoint/restart into it where only the transition does
+                not fit memory, :func:`~nereusd.control.admission.admit`).
 
         Returns:
             None when nothing triggered; else the outcome. An admitted decision is *not* applied
@@ -426,7 +428,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
             target = self._target(source, forced, problem, usable)
             outside = sorted(set(forced.devices()) - set(pool))
             if outside:   # e.g. a device lost before the forced step (or the step re-run after a restart)
-                target = dataclasses.replace(target, feasible=False, reason=(
+                target = dataclasses.replace(target, feasible=False, restartable=False, reason=(
                     f"the forced layout uses devices {outside}, which are not in the pool {list(pool)}"))
             targets.append(target)
         elif frozen:
@@ -468,6 +470,8 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
                          current_valid=runs, restart_s=self.restart_s,
                          weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin), move=move)
         self._outgrown = decision.verdict == RESTART and current_valid and over
+        self._forced_restart = decision.target.plan if (
+            forced is not None and decision.verdict == RESTART and decision.target is not None) else None
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         if runs and not decision.admitted and decision.verdict != RESTART:

@@ -43,6 +43,9 @@ class RestartPlanning:
         self._restart_target: tuple[Plan, bool, bool] | None = None
         """The last :meth:`restart_plan` answer: (plan, after an OOM, planned past the coming steps)."""
         self._relaunch = False
+        self._forced_restart: Plan | None = None
+        """A forced layout that only a checkpoint/restart reaches (the last boundary's verdict):
+        :meth:`restart_plan` goes to it while its devices are in the pool."""
         self._outgrown = False
         """The last boundary's verdict was checkpoint/restart because the running plan no longer
         fits the coming steps (it still had its devices): :meth:`restart_plan` weighs plans for
@@ -53,7 +56,9 @@ class RestartPlanning:
 
         After an out-of-memory failure (:meth:`failed`) the planner's plan for the longest
         response, :attr:`max_response_length`; after a device loss or a pool that no plan's units
-        survive, the plan for the coming steps (the lookahead length), as at any boundary.
+        survive, the plan for the coming steps (the lookahead length), as at any boundary. After a
+        boundary whose verdict restarts into a forced layout (no transition to it fits memory),
+        that layout, while its devices are in ``pool``.
 
         The ``frozen`` policy restarts after a device loss into its launch plan DP-rescaled to
         ``pool`` (a static framework relaunches the same TP/PP on fewer GPUs; when even DP 1 of it
@@ -67,6 +72,13 @@ class RestartPlanning:
         frozen = self.policy.kind is PolicyKind.FROZEN
         oom = self._relaunch   # cleared by switched(): callers may ask more than once before restarting
         coming = self.lookahead(self.length)
+        forced = self._forced_restart
+        if forced is not None and not oom and set(forced.devices()) <= set(pool):
+            problem = self.problem(pool, coming)
+            ev = evaluate(problem, forced, self.cost_model)
+            usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
+            self._restart_target = (forced, False, False)
+            return PlanResult(forced, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
         if frozen and not oom:
             problem = self.problem(pool, coming)
             rescaled = dp_rescale(self.base_plan, problem)
@@ -203,6 +215,7 @@ class RestartPlanning:
         clear the outgrown mark, and when it is the restart :meth:`restart_plan` planned, its
         relaunch mark, and set whether the next boundary replans."""
         self._outgrown = False
+        self._forced_restart = None
         target, self._restart_target = self._restart_target, None
         if target is not None and target[0] == plan:   # the restart :meth:`restart_plan` planned
             _, oom, past_coming = target

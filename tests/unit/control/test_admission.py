@@ -195,11 +195,18 @@ def test_urgent_weighs_a_restart_into_a_target_whose_transition_does_not_fit():
     assert [a["verdict"] for a in kept.alternatives] == ["costlier"]
     assert admit(step=946, targets=[only], horizon_steps=6.0, payback_margin=2.0, **running).verdict == KEEP
     assert admit(step=946, targets=[only], horizon_steps=99.9, **running).verdict == RESTART
-    # a forced layout is never restarted into (a restart goes to the planner's plan)
+    # a forced layout that only a restart reaches is restarted into (to it, not to the planner's
+    # plan: Controller.restart_plan), whatever the restart costs or gains, even unmeasured; one
+    # that fits no memory at all is not, and the current plan is kept
     forced = Trigger(FORCED, True, 946, None, "layout forced")
-    for cur in (300.0, 400.0):
-        assert admit(step=946, triggers=[forced], current_step_latency_s=cur, targets=[only], horizon_steps=99.9,
-                     restart_s=203.0).verdict == KEEP
+    for cur, restart_s in ((300.0, 203.0), (250.0, 203.0), (300.0, 0.0)):
+        d = admit(step=946, triggers=[forced], current_step_latency_s=cur, targets=[only], horizon_steps=99.9,
+                  restart_s=restart_s)
+        assert d.verdict == RESTART and d.target is only and "layout forced" in d.reason, d
+    assert "not yet measured" in d.reason
+    unfit = Target(PLAN, 281.4, 7.8, False, "over memory", restartable=False)
+    assert admit(step=946, triggers=[forced], current_step_latency_s=300.0, targets=[unfit], horizon_steps=99.9,
+                 restart_s=203.0).verdict == KEEP
 
 
 def test_urgent_keeps_a_plan_that_still_runs_when_that_is_cheapest_over_the_horizon():

@@ -820,18 +820,10 @@ def test_a_target_rejected_for_its_payback_is_asked_again_once_the_plan_has_last
             resumed.restore({**state, "rejected": bad})
 
 
-def test_a_plan_the_job_cannot_move_to_gives_way_to_the_best_plan_it_can_reach():
-    """The simulator's A100 ramp (``scripts/bench_sim.py``; Llama-3.1-8B PPO on 64 × 64 GB),
-    the pool growing from 44 devices back to 64 (step 341 of its noisy run). The planner's plan
-    trains the actor at another TP·PP, whose Split does not fit memory next to what the devices
-    already hold; the DP rescale, which the urgent path then took, leaves actor and critic
-    training on 16 of 64 devices each. The controller now asks the planner again with the
-    blocked model-stage's TP and PP pinned, and offers that plan: training at ``pp4`` over twice
-    the replicas, whose move fits, predicted faster than the rescale. (The run's state was at
-    1,421 tokens; since passes are timed as the engine pads them, ``Workload.priced_pass``, the
-    planner's plan there moves training to ``tp4·pp1``, which fits, and the case arises at 7,000.)"""
-    from nereusd.cost.memory import HEADROOM
-    from nereusd.planner.rescale import dp_rescale
+def a100_pool_return() -> tuple[Controller, Plan, tuple[int, ...]]:
+    """The simulator's A100 ramp at its pool's return (``scripts/bench_sim.py``; Llama-3.1-8B PPO
+    on 64 × 64 GB; step 341 of its noisy run): a controller running on 44 devices, its plan, and
+    the grown pool."""
     from nereusd.sim.scenario import Scenario, build
     from nereusd.sim.truth import TruthConfig
 
@@ -846,8 +838,32 @@ def test_a_plan_the_job_cannot_move_to_gives_way_to_the_best_plan_it_can_reach()
         ModelStage.parse("reward/inference"): Candidate(1, 4, 2, r((12, 16), (28, 32)), micro_batch=1),
         TRAIN: Candidate(1, 4, 4, r((0, 16)), micro_batch=1),
         ModelStage.parse("critic/training"): Candidate(1, 4, 4, r((32, 44), (16, 20)), micro_batch=1)})
-    ctl = Controller(sim.problem, running, max_response_length=8000, pool=r((0, 44)))
-    grown = r((0, 64))
+    return Controller(sim.problem, running, max_response_length=8000, pool=r((0, 44))), running, r((0, 64))
+
+
+def observe_a100_step(ctl: Controller, running: Plan) -> None:
+    """Step 340 of that run measured as the prior model predicts it: longest response 5,385
+    tokens, mean a quarter of it (the lookahead then plans for 7,001)."""
+    now = ctl.problem(ctl.pool, 5385, 0.25)
+    ev = evaluate(now, running, CostModel(now.site))
+    ctl.observe(StepObservation(340, 5385, {m: o.latency_s for m, o in ev.options.items()}, dict(ev.peak_bytes),
+                                ev.step_latency_s, 0.25 * 5385))
+
+
+def test_a_plan_the_job_cannot_move_to_gives_way_to_the_best_plan_it_can_reach():
+    """The simulator's A100 ramp (``scripts/bench_sim.py``; Llama-3.1-8B PPO on 64 × 64 GB),
+    the pool growing from 44 devices back to 64 (step 341 of its noisy run). The planner's plan
+    trains the actor at another TP·PP, whose Split does not fit memory next to what the devices
+    already hold; the DP rescale, which the urgent path then took, leaves actor and critic
+    training on 16 of 64 devices each. The controller now asks the planner again with the
+    blocked model-stage's TP and PP pinned, and offers that plan: training at ``pp4`` over twice
+    the replicas, whose move fits, predicted faster than the rescale. (The run's state was at
+    1,421 tokens; since passes are timed as the engine pads them, ``Workload.priced_pass``, the
+    planner's plan there moves training to ``tp4·pp1``, which fits, and the case arises at 7,000.)"""
+    from nereusd.cost.memory import HEADROOM
+    from nereusd.planner.rescale import dp_rescale
+
+    ctl, running, grown = a100_pool_return()
     problem = ctl.problem(grown, 7000, 0.25)
     best, _ = solve(problem, ctl.cost_model, running, HEADROOM, True)
     move = ctl.transitions.estimate(running, best.plan)
@@ -860,16 +876,37 @@ def test_a_plan_the_job_cannot_move_to_gives_way_to_the_best_plan_it_can_reach()
     assert (evaluate(problem, reachable, ctl.cost_model).step_latency_s
             < 0.8 * evaluate(problem, rescaled, ctl.cost_model).step_latency_s)
     # at the boundary after a step of that length, the urgent path is offered it and takes it
-    now = ctl.problem(ctl.pool, 5385, 0.25)   # the lookahead plans for 7,001 tokens
-    ev = evaluate(now, running, CostModel(now.site))
-    ctl.observe(StepObservation(340, 5385, {m: o.latency_s for m, o in ev.options.items()}, dict(ev.peak_bytes),
-                                ev.step_latency_s, 0.25 * 5385))
+    observe_a100_step(ctl, running)   # the lookahead plans for 7,001 tokens
     decision = ctl.boundary(340, grown).decision
     assert decision.admitted and decision.urgent
     assert (decision.target.plan[TRAIN].pp, decision.target.plan[TRAIN].dp) == (4, 8), decision.target.plan.describe()
     assert decision.target.plan == ctl._unblocked(running, solve(ctl.problem(grown, 7001), ctl.cost_model, running,
                                                                   ctl.headroom(), True)[0].plan,
                                                   ctl.problem(grown, 7001), ctl.headroom(), True)
+
+
+def test_a_forced_layout_that_only_a_restart_reaches_is_restarted_into():
+    """A forced layout whose transition does not fit memory, though the layout does: the
+    verdict is checkpoint/restart, and the restart goes to the forced layout, not to the
+    planner's plan (``Controller.restart_plan``); once the job runs it, the restart plan is the
+    planner's again. Here the A100 ramp's pool return, forcing the planner's plan with actor
+    inference at micro-batch 2: its actor-training Extend does not fit next to what the devices
+    hold."""
+    from nereusd.control.admission import RESTART
+
+    ctl, running, grown = a100_pool_return()
+    observe_a100_step(ctl, running)
+    planners = solve(ctl.problem(grown, 7001), ctl.cost_model, running, ctl.headroom(), True)[0].plan
+    inference = ModelStage.parse("actor/inference")
+    forced = Plan({**planners.candidates, inference: dataclasses.replace(planners[inference], micro_batch=2)})
+    decision = ctl.boundary(340, grown, forced=forced).decision
+    assert decision.verdict == RESTART and decision.target.plan == forced, decision
+    assert "layout forced" in decision.reason and "does not fit memory" in str(decision.alternatives)
+    assert ctl.restart_plan(grown).plan == forced
+    assert ctl.restart_plan(grown).plan == forced          # asked again before the restart runs
+    assert ctl.restart_plan(grown[:44]).plan != forced    # its devices gone: the planner's plan
+    ctl.switched(forced, grown)
+    assert ctl.restart_plan(grown).plan != forced          # the forced restart is done
 
 
 def test_a_background_join_anticipates_the_plan_and_its_warm_engines_price_no_start_up(demo):
