@@ -379,6 +379,7 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         current_valid = source is None
         source = source if source is not None else self.plan
         self._coming_step = step + 1
+        self._forced_restart = None   # only this boundary's verdict may send a restart to a forced layout
         length = self.lookahead(self.length)
         if step < self._replay_until:   # re-running the steps before an out-of-memory failure
             length = max(length, self._replay_length)

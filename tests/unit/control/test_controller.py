@@ -308,8 +308,9 @@ def test_a_forced_layout_on_a_device_outside_the_pool_is_refused(demo):
     observe(adapter, 0, 16)
     forced = forced_plan(job, adapter.plan, {"actor/training": StagePlanConfig(devices=[0, 1, 2, 3])})
     decision = adapter.boundary(0, (0, 1, 2), forced=forced).decision
-    assert not decision.admitted
+    assert not decision.admitted and decision.target is None   # nor restarted into
     assert "devices [3], which are not in the pool [0, 1, 2]" in str(decision.alternatives), decision
+    assert adapter._forced_restart is None
 
 
 def test_schema_of_adaptation_and_pool():
@@ -907,6 +908,16 @@ def test_a_forced_layout_that_only_a_restart_reaches_is_restarted_into():
     assert ctl.restart_plan(grown[:44]).plan != forced    # its devices gone: the planner's plan
     ctl.switched(forced, grown)
     assert ctl.restart_plan(grown).plan != forced          # the forced restart is done
+    # a verdict that was not acted on does not outlive its boundary, and an out-of-memory
+    # failure restarts into the plan for the longest response, not the forced layout
+    ctl, running, grown = a100_pool_return()
+    observe_a100_step(ctl, running)
+    assert ctl.boundary(340, grown, forced=forced).decision.verdict == RESTART
+    ctl.boundary(341, grown)
+    assert ctl.restart_plan(grown).plan != forced
+    ctl.boundary(342, grown, forced=forced)
+    ctl.failed(343)
+    assert ctl.restart_plan(grown).plan != forced
 
 
 def test_a_background_join_anticipates_the_plan_and_its_warm_engines_price_no_start_up(demo):
