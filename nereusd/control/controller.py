@@ -192,7 +192,10 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         self.predicted_step_s: float | None = None
         self.base_plan = plan
         """The ``frozen`` policy's launch plan: what it DP-rescales on every pool change and
-        restarts into after losing devices (replaced by the relaunch plan after an OOM)."""
+        restarts into after losing devices (replaced by the relaunch plan after an OOM, and by a
+        forced layout once the job runs it: a static framework relaunched on a new layout)."""
+        self._forced_pending: Plan | None = None
+        """The forced layout the last boundary's verdict goes to (a transition or a restart)."""
         self._init_restarts()
         self._rejected: tuple[int, float] | None = None
         """Faster targets the last boundary did not take (a ``reject`` for their payback, or an
@@ -379,7 +382,8 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         current_valid = source is None
         source = source if source is not None else self.plan
         self._coming_step = step + 1
-        self._forced_restart = None   # only this boundary's verdict may send a restart to a forced layout
+        self._forced_restart = self._forced_pending = None   # only this boundary's verdict may
+        # send a restart to a forced layout, or make it the frozen policy's launch plan
         length = self.lookahead(self.length)
         if step < self._replay_until:   # re-running the steps before an out-of-memory failure
             length = max(length, self._replay_length)
@@ -471,8 +475,9 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
                          current_valid=runs, restart_s=self.restart_s,
                          weigh_keeping=not frozen and math.isfinite(self.policy.payback_margin), move=move)
         self._outgrown = decision.verdict == RESTART and current_valid and over
-        self._forced_restart = decision.target.plan if (
-            forced is not None and decision.verdict == RESTART and decision.target is not None) else None
+        if forced is not None and decision.target is not None and decision.target.plan == forced:
+            self._forced_pending = forced if decision.admitted or decision.verdict == RESTART else None
+            self._forced_restart = forced if decision.verdict == RESTART else None
         if decision.verdict == ADMIT and decision.target.plan == source:
             decision = dataclasses.replace(decision, verdict=KEEP, reason="the planner keeps the running plan")
         if runs and not decision.admitted and decision.verdict != RESTART:
@@ -489,6 +494,9 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         it did not adopt are gone (:attr:`warm_engines`)."""
         self.plan, self.pool = plan, tuple(pool)
         self.warm_engines = {}
+        if self.policy.kind is PolicyKind.FROZEN and plan == self._forced_pending:
+            self.base_plan = plan
+        self._forced_pending = None
         self._restart_done(plan)
 
     def pool_changed(self, pool: tuple[int, ...]) -> None:

@@ -22,7 +22,8 @@ class PolicyKind(str, enum.Enum):
     FROZEN = "frozen"
     """A static framework: keep the launch layouts; on a pool change rescale DP *from the launch
     plan* (not from a plan a restart shrank); after an out-of-memory failure relaunch into the
-    planner's layout for the longest response, which becomes the new launch plan; a forced layout."""
+    planner's layout for the longest response, which becomes the new launch plan; a forced layout,
+    which becomes the launch plan once the job runs it."""
 
 
 @dataclass(frozen=True, kw_only=True)

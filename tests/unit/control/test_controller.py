@@ -300,6 +300,31 @@ def test_forced_plan_overrides_the_current_plan(demo):
         forced_plan(job, job.plan, {"actor/training": StagePlanConfig(tp=4, pp=2)})
 
 
+def test_the_frozen_policy_keeps_a_forced_layout_as_its_launch_plan(demo):
+    """A static framework relaunched on a layout the operator chose keeps that layout: once the
+    job runs a forced layout, the ``frozen`` policy DP-rescales it on a pool change, not the
+    launch plan it replaced."""
+    from nereusd.control.policy import PolicyKind
+
+    job, site = demo
+    adapter = controller_for_job(job, site, job.plan, PROMPT)
+    adapter.policy = dataclasses.replace(adapter.policy, name="frozen", kind=PolicyKind.FROZEN)
+    observe(adapter, 0, 16)
+    forced = forced_plan(job, adapter.plan, {"actor/training": StagePlanConfig(tp=1, pp=2)})
+    decision = adapter.boundary(0, adapter.pool, forced=forced).decision
+    assert decision.admitted and decision.target.plan == forced, decision
+    adapter.switched(forced, adapter.pool)
+    assert adapter.base_plan == forced
+    observe(adapter, 1, 16)
+    lost = adapter.boundary(1, (0, 1, 2), source=forced).decision
+    assert lost.target is not None and (lost.target.plan[TRAIN].tp, lost.target.plan[TRAIN].pp) == (1, 2), lost
+    # a boundary's forced verdict that the job did not act on changes nothing
+    other = forced_plan(job, forced, {"actor/training": StagePlanConfig(tp=2, pp=1)})
+    adapter.boundary(2, adapter.pool, forced=other)
+    adapter.switched(forced, adapter.pool)
+    assert adapter.base_plan == forced
+
+
 def test_a_forced_layout_on_a_device_outside_the_pool_is_refused(demo):
     """A forced switch met after its device was lost (a restart re-runs the forced step) names a
     device the world no longer has: refused with the reason, never planned into a transition."""
