@@ -21,7 +21,7 @@ from nereusd.cost.memory import usable_bytes
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.rescale import dp_rescale
 from nereusd.planner.search import Infeasible, PlanResult
-from nereusd.planner.space import evaluate
+from nereusd.planner.space import PlanProblem, evaluate
 
 OOM_EXCESS = 1.02
 """An out-of-memory step's true peak exceeded the device's capacity by an amount nobody measured:
@@ -74,18 +74,13 @@ class RestartPlanning:
         coming = self.lookahead(self.length)
         forced = self._forced_restart
         if forced is not None and not oom and set(forced.devices()) <= set(pool):
-            problem = self.problem(pool, coming)
-            ev = evaluate(problem, forced, self.cost_model)
-            usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
             self._restart_target = (forced, False, False)
-            return PlanResult(forced, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
+            return self._priced(forced, self.problem(pool, coming))
         if frozen and not oom:
             problem = self.problem(pool, coming)
             rescaled = dp_rescale(self.base_plan, problem)
             if rescaled is not None:
-                ev = evaluate(problem, rescaled, self.cost_model)
-                usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
-                return PlanResult(rescaled, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
+                return self._priced(rescaled, problem)
         if self._outgrown and not (oom or frozen):
             chosen = self._restart_for_growth(pool, coming)
             if chosen is not None:
@@ -98,6 +93,13 @@ class RestartPlanning:
             raise Infeasible(f"no plan holds responses of {length} tokens: " + "; ".join(lines))
         self._restart_target = (result.plan, oom, length > coming)
         return result
+
+    def _priced(self, plan: Plan, problem: PlanProblem) -> PlanResult:
+        """``plan`` as a restart plan on ``problem``: its predicted step, options and peaks under
+        the controller's cost model (no search ran)."""
+        ev = evaluate(problem, plan, self.cost_model)
+        usable = usable_bytes(problem.site.device_memory_bytes, self.headroom())
+        return PlanResult(plan, ev.options, ev.step_latency_s, ev.peak_bytes, usable, 0.0)
 
     def anticipated_plan(self, pool: tuple[int, ...]) -> Plan | None:
         """The plan the controller expects to run once ``pool`` is the pool (a background join's
