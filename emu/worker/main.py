@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing.util
 import os
+import shutil
 import sys
 import threading
 import time
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     code = serve(args)
     sys.stdout.flush()
     sys.stderr.flush()
+    # os._exit skips the removal of this process's multiprocessing directory (/tmp/pymp-*, where
+    # the listener that passes shared tensors to a vLLM engine lives): every worker left one
+    shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
     os._exit(code)  # skip slow interpreter teardown; the process group was destroyed in close()
 
 

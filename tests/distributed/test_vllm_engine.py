@@ -14,6 +14,9 @@ weights at start, the EMU's weights through shared memory.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,8 +58,12 @@ def test_tp1_matches_native_and_a_reload_matches_a_fresh_engine(tmp_path):
     spec, state = load_pretrained(WARMSTART)
     other = _perturbed(state)
     seeds = list(range(100, 100 + len(PROMPTS)))
+    rendezvous = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
     engine = VllmEngine(_config(spec), workdir=tmp_path)
+    own = Path(engine._dir)
     try:
+        # vLLM's TP-1 rendezvous file is in the engine's own temporary directory, not in /tmp
+        assert list(own.glob("vllm_dist_*")) and not (own / "model").exists()
         # the memory model's KV cache is what vLLM allocated: 8 sequences of 64 tokens in blocks of
         # 32, plus the null block
         assert (engine.kv_blocks, engine.block_tokens) == (8 * 2 + 1, 32)
@@ -84,6 +91,8 @@ def test_tp1_matches_native_and_a_reload_matches_a_fresh_engine(tmp_path):
     finally:
         engine.close()
     assert processes_mentioning(str(tmp_path)) == []
+    # nothing the engine wrote is left behind (every start left its rendezvous file in /tmp)
+    assert not own.exists() and set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) <= rendezvous
     assert reloaded == _native(spec, other, PROMPTS) and reloaded != greedy
     fresh = VllmEngine(_config(spec), workdir=tmp_path)
     try:

@@ -11,9 +11,13 @@ must still train and finish.
 
 from __future__ import annotations
 
+import getpass
 import json
 import re
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 from nereusd.journal import read_jsonl
 from tests.support.e2e import assert_trains_alike, finish, processes_mentioning, running, start, wait_for, write_job
@@ -49,13 +53,22 @@ POOL = """pool:
     - {at_step: 3, add: 1}"""
 
 
-def test_generation_on_vllm_switches_joins_and_trains_alike(tmp_path):
+@pytest.fixture
+def scratch():
+    """A job's TMPDIR: what it leaves there, it leaks. A short path: the engines' own directories
+    hold their ipc sockets only where the path fits (emu.engine.vllm_engine), and pytest's does not."""
+    path = Path(tempfile.mkdtemp(prefix="nereus-t"))
+    yield path
+    shutil.rmtree(path)
+
+
+def test_generation_on_vllm_switches_joins_and_trains_alike(tmp_path, scratch):
     fixed = write_job(tmp_path, "fixed", JOB.replace("@ENABLED@", "false").replace("@FORCED@", "[]")
                       .replace("@POOL@", ""))
     switched = write_job(tmp_path, "switched", JOB.replace("@ENABLED@", "true").replace("@FORCED@", FORCED)
                          .replace("@POOL@", POOL))
     runs = [(start(fixed, tmp_path / "fixed"), tmp_path / "fixed"),
-            (start(switched, tmp_path / "switched"), tmp_path / "switched")]
+            (start(switched, tmp_path / "switched", tmp_dir=scratch), tmp_path / "switched")]
     for proc, run_dir in runs:
         finish(proc, run_dir, timeout_s=600)
     a, b = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("fixed", "switched"))
@@ -95,6 +108,10 @@ def test_generation_on_vllm_switches_joins_and_trains_alike(tmp_path):
     transitions = [e for e in events if e["event"] == "transition"]
     assert len(transitions) >= 2
     assert processes_mentioning(str(tmp_path / "switched")) == []
+    # every engine start left vLLM's rendezvous file, and every worker its multiprocessing
+    # directory, in /tmp (emu.engine.vllm_engine, emu.agent)
+    cache = f"torchinductor_{getpass.getuser()}"   # torch.compile's, kept on purpose
+    assert sorted(p.name for p in scratch.iterdir() if p.name != cache) == []
 
 
 BACKGROUND = """

@@ -4,6 +4,7 @@ the run directory, and processes left behind."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -39,9 +40,12 @@ def write_job(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
-def start(job: Path, run_dir: Path) -> subprocess.Popen:
+def start(job: Path, run_dir: Path, tmp_dir: Path | None = None) -> subprocess.Popen:
+    """``nereus-launch local`` the job; ``tmp_dir``: the TMPDIR of it and all it starts."""
+    env = None if tmp_dir is None else {**os.environ, "TMPDIR": str(tmp_dir)}
     return subprocess.Popen([sys.executable, "-m", "launcher.cli", "local", str(job), "--run-dir", str(run_dir),
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=env)
 
 
 @contextlib.contextmanager
