@@ -499,6 +499,27 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         self._forced_pending = None
         self._restart_done(plan)
 
+    def resumed_on_forced(self, plan: Plan, pool: tuple[int, ...]) -> None:
+        """A resumed job starts on the layout an ``adaptation.forced`` entry sets for its first
+        step (the boundary that applies it ran before the checkpoint): as a switch to a forced
+        layout, which the ``frozen`` policy then keeps as its launch plan."""
+        self._forced_pending = plan
+        self.switched(plan, pool)
+
+    def unfit(self, plan: Plan, pool: tuple[int, ...]) -> str:
+        """Why ``plan`` cannot run on ``pool`` now, or ``""`` when it can: devices outside the
+        pool, or a device peak predicted over the usable memory (:meth:`headroom`) for the
+        responses the coming step may generate (:meth:`lookahead` of the longest seen)."""
+        outside = sorted(set(plan.devices()) - set(pool))
+        if outside:
+            return f"it uses devices {outside}, which are not in the pool {list(pool)}"
+        length = self.lookahead(self.length)
+        problem = self.problem(pool, length)
+        ev = evaluate(problem, plan, self.cost_model)
+        if ev.over_capacity(usable_bytes(problem.site.device_memory_bytes, self.headroom())):
+            return f"it is predicted over the usable device memory at {length}-token responses"
+        return ""
+
     def pool_changed(self, pool: tuple[int, ...]) -> None:
         """Devices joined without changing the plan (they stay spares until a replan uses them)."""
         self.pool = tuple(pool)

@@ -30,7 +30,7 @@ from nereusd import checkpoints
 from nereusd.config.pool_schedule import min_devices_of
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
-from nereusd.control.jobs import controller_for_job, job_fingerprint
+from nereusd.control.jobs import controller_for_job, forced_plan, job_fingerprint
 from nereusd.control.problem import launch_plan
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.heap import settle_heap
@@ -40,14 +40,12 @@ from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
-from nereusd.cost.memory import usable_bytes
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal, RunDirLock, check_resume_steps,
                              drop_metrics_from, read_jsonl)
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
-from nereusd.planner.space import evaluate
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
 from nereusd.slurm import AllocationWatcher, SlurmClient
@@ -244,6 +242,8 @@ class Daemon:
             site, driver, int(record.get("step", 0)) if record is not None else 0)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         kept = self._keep_workers(world, driver) if self.args.resume else None
+        if record is not None and kept is None and self.pool.live:
+            driver.plan = self._forced_at_resume(int(record["step"]), driver.plan, resumed, driver, world)
         if self.args.resume:
             self._journal_resume(record, kept, restored=resumed is not None)
         if kept is None:
@@ -338,11 +338,9 @@ class Daemon:
                 raise ConfigError(f"its plan uses devices {outside} beyond the job's {job.devices}")
             controller = controller_for_job(job, self.site, plan, driver.prompt_length, pool=pool)
             controller.restore(state)
-            length = controller.lookahead(controller.length)
-            ev = evaluate(controller.problem(pool, length), plan, controller.cost_model)
-            usable = usable_bytes(controller.problem(pool, length).site.device_memory_bytes, controller.headroom())
-            if max(ev.peak_bytes.values(), default=0) > usable:
-                raise ConfigError(f"its plan is predicted over the usable device memory at {length}-token responses")
+            unfit = controller.unfit(plan, pool)
+            if unfit:
+                raise ConfigError(f"its plan: {unfit}")
         except (ConfigError, PlanError, KeyError, TypeError, ValueError, OverflowError) as err:
             log.warning("resuming without the checkpoint's controller state: %s", err)
             self.journal.event(Event.LAUNCH_PLAN, {"plan": None, "source": "resumed: the checkpoint's controller "
@@ -350,6 +348,38 @@ class Daemon:
             return None
         self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(), "source": "resumed: the plan of the checkpoint"})
         return controller
+
+    def _forced_at_resume(self, step: int, plan: Plan, resumed, driver: RLDriver, world: list[int]) -> Plan:
+        """The plan a job resumed from its checkpoint at ``step`` starts on: the layout its
+        ``adaptation.forced`` entry for ``step`` sets, where there is one and it can run (in the
+        pool, predicted within the usable memory), else ``plan``. The boundary that applies an
+        entry runs before the entry's step, and a resumed job starts at its checkpoint's step
+        with no boundary before it: a nereusd lost while it restarted the job into a forced
+        layout resumed on the old one. ``resumed`` (the checkpoint's controller, or ``None``)
+        learns of the switch."""
+        entry = next((f for f in self.job.config.adaptation.forced if f.at_step == step), None)
+        if entry is None:
+            return plan
+        pool = tuple(sorted(world))
+        try:
+            forced = forced_plan(self.job, plan, entry.model_stages)
+        except PlanError as err:
+            unfit = str(err)
+        else:
+            if forced == plan:
+                return plan
+            controller = resumed or controller_for_job(self.job, self.site, plan, driver.prompt_length, pool=pool)
+            unfit = controller.unfit(forced, pool)
+        if unfit:
+            log.warning("resuming at step %d without the layout adaptation.forced sets for it: %s", step, unfit)
+            self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(), "source": f"resumed: the layout "
+                                                   f"adaptation.forced sets for step {step} not used ({unfit})"})
+            return plan
+        if resumed is not None:
+            resumed.resumed_on_forced(forced, pool)
+        self.journal.event(Event.LAUNCH_PLAN, {"plan": forced.to_dict(),
+                                               "source": f"resumed: the layout adaptation.forced sets for step {step}"})
+        return forced
 
     def _launch_plan(self, site: SiteConfig, driver: RLDriver, step: int = 0):
         """The job's plan, or — adaptive and none in the YAML — the planner's launch plan for a job

@@ -114,3 +114,52 @@ def test_a_resumed_jobs_run_time_leaves_out_the_time_between_a_crash_and_its_res
     out = earlier_attempts(tmp_path)
     assert out["started_s"] == 100.0 and out["earlier_run_s"] == 12.0
     assert (out["resumes"], out["restarts"], out["lost_steps"], out["switches"]) == (1, 1, 1, 1)
+
+
+def test_a_job_resumed_at_a_forced_step_starts_on_the_forced_layout(tmp_path):
+    """A nereusd lost while it restarted the job into the layout ``adaptation.forced`` sets for
+    step 4 resumed from the checkpoint written before that restart (step 4, the old plan), and
+    ran on the old plan: the boundary that applies an entry runs before the entry's step, and
+    none runs before a resumed job's first step. It now starts on the forced layout, which its
+    controller (and the ``frozen`` policy's launch plan) takes; one it cannot run is not used,
+    and ``events.jsonl`` says why."""
+    import dataclasses
+
+    from nereusd.config.job import ForcedSwitchConfig, StagePlanConfig
+    from nereusd.control.jobs import forced_plan
+    from nereusd.control.policy import PolicyKind
+    from nereusd.plan import ModelStage
+
+    demo = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
+    entries = [ForcedSwitchConfig(at_step=4, model_stages={"actor/training": StagePlanConfig(tp=1, pp=2)}),
+               ForcedSwitchConfig(at_step=6, model_stages={"actor/training": StagePlanConfig(devices=[0, 1, 2, 5])})]
+    config = demo.config.model_copy(update={"adaptation": demo.config.adaptation.model_copy(update={"forced": entries})})
+    job = dataclasses.replace(demo, config=config)
+    site = load_site(job.config.site)
+    saved = controller_for_job(job, site, job.plan, PROMPT)
+    saved.length = 16
+    world = [0, 1, 2, 3]
+
+    def resume(name, step, resumed):
+        journal = Journal(tmp_path / name)
+        daemon = SimpleNamespace(job=job, site=site, journal=journal)
+        plan = Daemon._forced_at_resume(daemon, step, job.plan, resumed, SimpleNamespace(prompt_length=PROMPT), world)
+        journal.close()
+        return plan, [e["source"] for e in read_jsonl(tmp_path / name / "events.jsonl") if e["event"] == "launch_plan"]
+
+    forced = forced_plan(job, job.plan, {"actor/training": StagePlanConfig(tp=1, pp=2)})
+    assert forced != job.plan
+    controller, _ = _resumed(tmp_path / "a", job, _record(saved, job))
+    controller.policy = dataclasses.replace(controller.policy, kind=PolicyKind.FROZEN)
+    plan, sources = resume("b", 4, controller)
+    assert plan == forced and controller.plan == forced and controller.base_plan == forced
+    assert sources == ["resumed: the layout adaptation.forced sets for step 4"]
+    # the checkpoint's controller state not used: the job's new controller is built on the plan
+    assert resume("c", 4, None) == (forced, sources)
+    # no entry for the step: the plan as it was, nothing said
+    assert resume("d", 5, None) == (job.plan, [])
+    # an entry on a device outside the world is not used
+    plan, sources = resume("e", 6, None)
+    assert plan == job.plan and len(sources) == 1
+    assert "not used (it uses devices [5], which are not in the pool [0, 1, 2, 3])" in sources[0]
+    assert plan[ModelStage.parse("actor/training")].devices == (0, 1, 2, 3)
