@@ -28,7 +28,8 @@ Target (issue 16): x ≥ 20 and no out-of-memory failure of (a).
     python scripts/bench_adaptive.py [--steps 30] [--pool-step 20] [--rounds 1] [--out runs/bench_adaptive]
                                      [--curriculum 0:24,10:48,20:96]
 
-``--curriculum`` runs the same job under a response-length curriculum
+The demo job's own response-length curriculum is left out: every step is capped at its
+``max_new_tokens``. ``--curriculum`` runs the same job under a response-length curriculum
 (``rollout.max_new_tokens_schedule``: ``STEP:CAP`` stages, the first at step 0, the last cap at
 most the demo's ``max_new_tokens``): the responses, which the warm start already writes longer
 than a short cap, grow with the cap stage by stage over the run instead of reaching
@@ -81,6 +82,8 @@ def job_yaml(policy: str, args: argparse.Namespace) -> dict:
     if args.curriculum:
         job["rollout"]["max_new_tokens_schedule"] = [{"at_step": at, "max_new_tokens": cap}
                                                      for at, cap in args.curriculum]
+    else:   # the demo job's own curriculum left out: every step capped at max_new_tokens
+        job["rollout"].pop("max_new_tokens_schedule", None)
     job["pool"] = {"schedule": [{"at_step": args.pool_step, "remove": 1}]}
     return job
 
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--curriculum", type=_curriculum, default=None, metavar="STEP:CAP,…",
                         help="a response-length curriculum, e.g. 0:24,10:48,20:96: from step STEP the responses "
                              "are capped at CAP tokens (rollout.max_new_tokens_schedule; default: none, every "
-                             "step capped at the demo's max_new_tokens)")
+                             "step capped at the demo's max_new_tokens, without the demo job's own curriculum)")
     parser.add_argument("--checkpoint-every", type=int, default=5,
                         help="checkpoint every N steps, what an out-of-memory restart resumes from; 0: none "
                              "(default: %(default)s)")

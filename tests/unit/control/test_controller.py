@@ -17,21 +17,20 @@ from nereusd.config.curriculum import LengthStageConfig
 from nereusd.config.job import StagePlanConfig, parse_job
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
-from nereusd.config.resolve import load_and_resolve
 from nereusd.cost.memory import usable_bytes
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.planner.space import evaluate
 from nereusd.transition.ops import TransitionDag
 from nereusd.config.site import load_site
 
-from tests.support import REPO
+from tests.support import demo_job
 TRAIN = ModelStage(Role.ACTOR, Stage.TRAINING)
 PROMPT = 5
 
 
 @pytest.fixture(scope="module")
 def demo():
-    job = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
+    job = demo_job(curriculum=False)
     return job, load_site(job.config.site)
 
 

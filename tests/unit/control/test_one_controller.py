@@ -15,7 +15,6 @@ import math
 
 import pytest
 
-from nereusd.config.resolve import load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.control import controller as control
 from nereusd.control.jobs import controller_for_job
@@ -24,7 +23,7 @@ from nereusd.sim import replay
 from nereusd.sim.policies import parse_policy
 from nereusd.sim.truth import TruthConfig
 from nereusd.traces import LengthTrace, PoolTrace
-from tests.support import REPO
+from tests.support import demo_job
 
 PROMPT = 5
 
@@ -78,7 +77,7 @@ def decision(outcome):
 
 
 def test_simulated_decisions_are_the_live_controllers(monkeypatch):
-    job = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
+    job = demo_job(curriculum=False)
     site = load_site(job.config.site)
     pool = tuple(range(job.devices))
     problem = job_problem(job, site, pool, job.config.rollout.max_new_tokens, PROMPT)
