@@ -109,7 +109,7 @@ def test_generation_on_vllm_switches_joins_and_trains_alike(tmp_path, scratch):
     assert len(transitions) >= 2
     assert processes_mentioning(str(tmp_path / "switched")) == []
     # every engine start left vLLM's rendezvous file, and every worker its multiprocessing
-    # directory, in /tmp (emu.engine.vllm_engine, emu.agent)
+    # directory, in /tmp (emu.engine.vllm_engine, emu.worker.main)
     cache = f"torchinductor_{getpass.getuser()}"   # torch.compile's, kept on purpose
     assert sorted(p.name for p in scratch.iterdir() if p.name != cache) == []
 
