@@ -30,6 +30,7 @@ from pathlib import Path
 import zmq
 
 from emu.inventory import discover
+from emu.tmpdirs import MULTIPROCESSING_SOCKET_BYTES, inductor_cache_dir, private_dir
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError
 from nereusd.config.site import beat_interval_s
@@ -105,6 +106,8 @@ class Agent:
         self.worker_stall_s = 120.0
         """Kill and report a worker whose liveness beat is silent this long (from ``SpawnWorkers``)."""
         self._reported_exit: set[int] = set()
+        self._worker_tmp: dict[subprocess.Popen, str] = {}
+        """Each worker's own ``$TMPDIR`` (:mod:`emu.tmpdirs`), removed once the worker has exited."""
         self._stopping = False
         self._last_daemon_s = time.monotonic()
         self._poller: zmq.Poller | None = None
@@ -219,16 +222,26 @@ class Agent:
             env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
             if msg.store_host.startswith("127."):
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            tmp_dir = private_dir(f"nereus-w{spec.device}-", MULTIPROCESSING_SOCKET_BYTES)
+            if tmp_dir is not None:
+                env.update(TMPDIR=tmp_dir, TORCHINDUCTOR_CACHE_DIR=env.get("TORCHINDUCTOR_CACHE_DIR")
+                           or inductor_cache_dir())
             log_file = open(log_dir / f"worker-{spec.device}.log", "ab")
             try:
                 self.workers[spec.device] = subprocess.Popen(
                     argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     pass_fds=(beat_write,),
                 )
+            except BaseException:
+                if tmp_dir is not None:
+                    shutil.rmtree(tmp_dir, ignore_errors=True)
+                raise
             finally:
                 log_file.close()
                 os.close(beat_write)
             self._close_beat(spec.device)   # a restarted device: the old worker's pipe
+            if tmp_dir is not None:
+                self._worker_tmp[self.workers[spec.device]] = tmp_dir
             os.set_blocking(beat_read, False)
             self._beats[spec.device] = _Beat(beat_read, time.monotonic())
             if self._poller is not None:
@@ -243,7 +256,14 @@ class Agent:
                 self._poller.unregister(beat.fd)
             os.close(beat.fd)
 
+    def _drop_tmp(self) -> None:
+        """Remove the ``$TMPDIR`` of every worker that has exited, however it ended (shut down,
+        signalled, killed as stalled)."""
+        for proc in [p for p in self._worker_tmp if p.poll() is not None]:
+            shutil.rmtree(self._worker_tmp.pop(proc), ignore_errors=True)
+
     def _check_workers(self) -> None:
+        self._drop_tmp()
         for device, proc in self.workers.items():
             code = proc.poll()
             if code is not None and device not in self._reported_exit:
@@ -434,6 +454,7 @@ class Agent:
     def close(self) -> None:
         for device in list(self._beats):
             self._close_beat(device)
+        self._drop_tmp()
         self._down.close(0)
         self._up.close()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

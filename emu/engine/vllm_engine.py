@@ -35,7 +35,6 @@ exit code, and the engine must be rebuilt.
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from emu.liveness import ProcessBeat
+from emu.tmpdirs import IPC_PATH_MAX_BYTES, VLLM_SOCKET_BYTES, inductor_cache_dir
 from nereusd.backends import vllm_available
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -64,13 +64,6 @@ than a bucket travels alone): shared memory in flight stays bounded by one bucke
 START_TIMEOUT_S = 600.0
 """How long an engine process may take to start (import vLLM, build the engine) before it is killed."""
 
-IPC_PATH_MAX_BYTES = 107
-"""The longest path a Unix socket binds to (``sizeof(sockaddr_un.sun_path)`` less its terminator,
-Linux); ZMQ refuses longer ``ipc://`` paths."""
-
-_VLLM_IPC_NAME_BYTES = 36
-"""vLLM names its ZMQ ipc sockets by a uuid4 in the temporary directory
-(``vllm.utils.network_utils.get_open_zmq_ipc_path``)."""
 
 
 CPU_SHM_GLOB = "-tp:*cpushm*"
@@ -200,13 +193,12 @@ def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None,
     os.environ.update(cfg.process_env())
     if tmp_dir is not None:
         # the engine's temporary files go to its own directory, which the worker removes once the
-        # engine is gone: vLLM's single-process (TP 1) executor rendezvous through a file that
-        # nothing deletes (vllm_dist_<uuid>), and the external launcher (TP > 1) binds ZMQ ipc
-        # sockets (<uuid>) that "close" (os._exit) leaves behind. Every engine start left one in
-        # /tmp: 560 files and 72 sockets after two days of runs here. torch.compile's cache stays
-        # where torch puts it by default, so that it outlives the engine
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        # engine is gone (emu.tmpdirs): vLLM's single-process (TP 1) executor rendezvous through a
+        # file that nothing deletes (vllm_dist_<uuid>), and the external launcher's (TP > 1) ZMQ
+        # ipc sockets are left by "close" (os._exit). Sockets only where their paths fit
+        if len(tmp_dir.encode()) + VLLM_SOCKET_BYTES > IPC_PATH_MAX_BYTES:
+            os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())   # it outlives the engine
         os.environ["TMPDIR"] = tmp_dir
         tempfile.tempdir = tmp_dir
     # torch is imported already (this module imports it; so does unpickling ``cfg``), and the
@@ -319,27 +311,29 @@ class VllmEngine:
             _unlink_cpu_shm()   # before any rank can create them: creation waits for this rank's process
         self._dir = tempfile.mkdtemp(prefix="nereus-vllm-")
         """The engine's own directory, removed once its process is gone: ``model/`` (config.json
-        only, removed at start) and the engine process's temporary files, where their socket paths
-        fit (:data:`IPC_PATH_MAX_BYTES`; else they go where vLLM puts them)."""
+        only, removed at start) and the engine process's ``$TMPDIR`` (:mod:`emu.tmpdirs`)."""
         model_dir = Path(self._dir) / "model"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(cfg.spec.to_hf_config(), indent=2) + "\n")
-        tmp_dir = self._dir if len(self._dir.encode()) + 1 + _VLLM_IPC_NAME_BYTES <= IPC_PATH_MAX_BYTES else None
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.beat = ProcessBeat(ctx, f"vLLM engine tp{cfg.tp_rank}/{cfg.tp}")
-        """The engine's liveness clock: while the worker waits on it, a silent engine withholds the
-        worker's beat (:mod:`emu.liveness`)."""
-        self._proc = ctx.Process(target=_serve, args=(child, cfg, str(model_dir), str(workdir), self.beat.stamp,
-                                                      os.getpid(), tmp_dir),
-                                 daemon=True, name=f"vllm-engine-tp{cfg.tp_rank}")
-        self._proc.start()
-        child.close()
+        self._proc = None
         try:
+            model_dir.mkdir()
+            (model_dir / "config.json").write_text(json.dumps(cfg.spec.to_hf_config(), indent=2) + "\n")
+            ctx = torch.multiprocessing.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            self.beat = ProcessBeat(ctx, f"vLLM engine tp{cfg.tp_rank}/{cfg.tp}")
+            """The engine's liveness clock: while the worker waits on it, a silent engine withholds
+            the worker's beat (:mod:`emu.liveness`)."""
+            self._proc = ctx.Process(target=_serve, args=(child, cfg, str(model_dir), str(workdir), self.beat.stamp,
+                                                          os.getpid(), self._dir),
+                                     daemon=True, name=f"vllm-engine-tp{cfg.tp_rank}")
+            self._proc.start()
+            child.close()
             with self.beat.waiting():
                 info = self._reply("start", timeout_s=START_TIMEOUT_S)
         except BaseException:
-            self._stop(grace_s=0.0)
+            if self._proc is not None:
+                self.close(grace_s=0.0)
+            else:
+                shutil.rmtree(self._dir, ignore_errors=True)
             raise
         finally:   # the engine process removes it once vLLM has read it; not if it was killed
             shutil.rmtree(model_dir, ignore_errors=True)
@@ -429,7 +423,9 @@ class VllmEngine:
                                               seeds=[int(s) for s in seeds])))
             return self._reply("generate")
 
-    def _stop(self, grace_s: float) -> None:
+    def close(self, grace_s: float = 3.0) -> None:
+        """Stop the engine process (its memory is freed with it): asked to exit, killed after
+        ``grace_s`` (the agent gives a stopping worker a few seconds in all)."""
         if self._proc.is_alive():
             try:
                 self._conn.send(("close", None))
@@ -442,10 +438,5 @@ class VllmEngine:
         self._conn.close()
         if not self._proc.is_alive():   # its temporary files go with it
             shutil.rmtree(self._dir, ignore_errors=True)
-
-    def close(self, grace_s: float = 3.0) -> None:
-        """Stop the engine process (its memory is freed with it): asked to exit, killed after
-        ``grace_s`` (the agent gives a stopping worker a few seconds in all)."""
-        self._stop(grace_s)
         if self.cfg.tp > 1 and self.cfg.device == "cpu":
             _unlink_cpu_shm()

@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     code = serve(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    # os._exit skips the removal of this process's multiprocessing directory (/tmp/pymp-*, where
-    # the listener that passes shared tensors to a vLLM engine lives): every worker left one
+    # os._exit skips the removal of this process's multiprocessing directory (pymp-*, where the
+    # listener that passes shared tensors to a vLLM engine lives). The agent removes the worker's
+    # whole $TMPDIR once it has exited, however it ended (emu.tmpdirs); this covers a worker whose
+    # $TMPDIR is the system's (a path too long for a private one)
     shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
     os._exit(code)  # skip slow interpreter teardown; the process group was destroyed in close()
 

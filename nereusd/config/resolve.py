@@ -215,17 +215,23 @@ def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobC
 def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[ModelStage, Backend],
                   source: str) -> None:
     """Refuse ``adaptation.forced`` entries that could never apply, before any process starts:
-    a model-stage the job does not have, a step it never reaches, a ZeRO stage or a TP/PP its
-    backend does not run (the rest — devices, divisibility — depends on the plan at that step).
+    a model-stage the job does not have, a step it never reaches or that another entry has, a ZeRO
+    stage or a TP/PP its backend does not run (the rest — devices, divisibility — depends on the plan at that step).
 
     Raises:
         ConfigError: naming ``adaptation.forced[i]`` and the key.
     """
     known = {str(m): m for m in stages}
+    first: dict[int, int] = {}
     for i, entry in enumerate(job.adaptation.forced):
         key = f"{source}: adaptation.forced[{i}]"
         if entry.at_step >= job.steps:
             raise ConfigError(f"{key}.at_step: {entry.at_step} is never reached (steps: {job.steps})")
+        if entry.at_step in first:   # one layout per step: which of two would apply was a guess
+            raise ConfigError(f"{key}.at_step: step {entry.at_step} already has adaptation.forced"
+                              f"[{first[entry.at_step]}]; give one entry per step (it may override several "
+                              "model-stages)")
+        first[entry.at_step] = i
         for name, cfg in entry.model_stages.items():
             if name not in known:
                 raise ConfigError(f"{key}.model_stages.{name}: not a model-stage of {job.algorithm.value} "

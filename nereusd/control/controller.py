@@ -506,14 +506,22 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         self._forced_pending = plan
         self.switched(plan, pool)
 
-    def unfit(self, plan: Plan, pool: tuple[int, ...]) -> str:
+    def resuming_at(self, step: int) -> None:
+        """The restored controller of a job resumed at ``step``: :meth:`lookahead` forecasts that
+        step from the longest response seen (step ``step − 1``'s, cut at that step's cap or not),
+        as the boundary before it did."""
+        self._coming_step = step
+        self._clipped = self.length >= self.cap_of(step - 1)
+
+    def unfit(self, plan: Plan, pool: tuple[int, ...], length: int | None = None) -> str:
         """Why ``plan`` cannot run on ``pool`` now, or ``""`` when it can: devices outside the
-        pool, or a device peak predicted over the usable memory (:meth:`headroom`) for the
-        responses the coming step may generate (:meth:`lookahead` of the longest seen)."""
+        pool, or a device peak predicted over the usable memory (:meth:`headroom`) for
+        ``length``-token responses (default: what the coming step may generate, :meth:`lookahead`
+        of the longest seen)."""
         outside = sorted(set(plan.devices()) - set(pool))
         if outside:
             return f"it uses devices {outside}, which are not in the pool {list(pool)}"
-        length = self.lookahead(self.length)
+        length = self.lookahead(self.length) if length is None else length
         problem = self.problem(pool, length)
         ev = evaluate(problem, plan, self.cost_model)
         if ev.over_capacity(usable_bytes(problem.site.device_memory_bytes, self.headroom())):

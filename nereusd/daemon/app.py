@@ -338,6 +338,7 @@ class Daemon:
                 raise ConfigError(f"its plan uses devices {outside} beyond the job's {job.devices}")
             controller = controller_for_job(job, self.site, plan, driver.prompt_length, pool=pool)
             controller.restore(state)
+            controller.resuming_at(int(record["step"]))
             unfit = controller.unfit(plan, pool)
             if unfit:
                 raise ConfigError(f"its plan: {unfit}")
@@ -368,8 +369,11 @@ class Daemon:
         else:
             if forced == plan:
                 return plan
-            controller = resumed or controller_for_job(self.job, self.site, plan, driver.prompt_length, pool=pool)
-            unfit = controller.unfit(forced, pool)
+            if resumed is not None:   # at the responses it had seen (Controller.resuming_at)
+                unfit = resumed.unfit(forced, pool)
+            else:   # a job planned afresh: at the responses its launch plan is for
+                unfit = controller_for_job(self.job, self.site, plan, driver.prompt_length, pool=pool).unfit(
+                    forced, pool, length=self.job.config.launch_response_length(step))
         if unfit:
             log.warning("resuming at step %d without the layout adaptation.forced sets for it: %s", step, unfit)
             self.journal.event(Event.LAUNCH_PLAN, {"plan": plan.to_dict(), "source": f"resumed: the layout "

@@ -204,6 +204,9 @@ def test_weight_sync_dags_carry_no_zero_stage():
     ("{at_step: 2, model_stages: {critic/training: {tp: 1}}}",
      r"adaptation.forced\[0\].model_stages.critic/training: not a model-stage of grpo"),
     ("{at_step: 99, model_stages: {actor/training: {tp: 1}}}", r"adaptation.forced\[0\].at_step: 99 is never reached"),
+    # two entries for one step: the live boundary took the last, a resume the first
+    ("{at_step: 2, model_stages: {actor/training: {tp: 1}}}, {at_step: 2, model_stages: {actor/inference: {tp: 1}}}",
+     r"adaptation.forced\[1\].at_step: step 2 already has adaptation.forced\[0\]; give one entry per step"),
 ])
 def test_forced_entries_are_checked_before_launch(tmp_path, forced, match):
     with pytest.raises(ConfigError, match=match):

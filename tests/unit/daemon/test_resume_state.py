@@ -13,7 +13,7 @@ from nereusd.control.jobs import controller_for_job, job_fingerprint
 from nereusd.daemon.app import Daemon
 from nereusd.journal import Journal, read_jsonl
 from nereusd.plan import Candidate, Plan
-from tests.support import REPO
+from tests.support import REPO, demo_job
 
 PROMPT = 5
 
@@ -33,7 +33,7 @@ def _resumed(tmp_path, job, record):
 
 
 def test_the_checkpoints_state_is_taken_whole_or_not_at_all(tmp_path):
-    job = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
+    job = demo_job(curriculum=False)
     site = load_site(job.config.site)
     saved = controller_for_job(job, site, job.plan, PROMPT)
     saved.length = 16   # short responses seen: the launch plan fits
@@ -57,6 +57,18 @@ def test_the_checkpoints_state_is_taken_whole_or_not_at_all(tmp_path):
     # may carry such a plan; it is not resumed into
     controller, launch = _resumed(tmp_path / "d", job, _record(saved, job, length=job.config.rollout.max_new_tokens))
     assert controller is None and "over the usable device memory" in launch["source"]
+
+    # under the demo's curriculum, the plan is checked at the responses the resumed step may
+    # generate, as the boundary before it would: a checkpoint after a step cut at 24 tokens, at
+    # the step whose cap is 48, holds the launch plan that does not fit 48 (it was checked at the
+    # checkpoint's own length, which fits)
+    staged = demo_job()
+    seen = controller_for_job(staged, load_site(staged.config.site), staged.plan, PROMPT)
+    seen.length = 24
+    controller, launch = _resumed(tmp_path / "d48", staged, {**_record(seen, staged), "step": 10})
+    assert controller is None and "over the usable device memory at 48-token responses" in launch["source"]
+    controller, launch = _resumed(tmp_path / "d24", staged, {**_record(seen, staged), "step": 5})
+    assert controller is not None and launch["plan"] == staged.plan.to_dict()
 
     controller, launch = _resumed(tmp_path / "e", job, _record(saved, job, monitor="garbage"))
     assert controller is None and "malformed" in launch["source"]
@@ -132,7 +144,10 @@ def test_a_job_resumed_at_a_forced_step_starts_on_the_forced_layout(tmp_path):
 
     demo = load_and_resolve(REPO / "examples" / "counting_grpo.yaml")
     entries = [ForcedSwitchConfig(at_step=4, model_stages={"actor/training": StagePlanConfig(tp=1, pp=2)}),
-               ForcedSwitchConfig(at_step=6, model_stages={"actor/training": StagePlanConfig(devices=[0, 1, 2, 5])})]
+               ForcedSwitchConfig(at_step=5, model_stages={"actor/training": StagePlanConfig(tp=1, pp=1)}),
+               ForcedSwitchConfig(at_step=6, model_stages={"actor/training": StagePlanConfig(devices=[0, 1, 2, 5])}),
+               ForcedSwitchConfig(at_step=10, model_stages={"actor/training": StagePlanConfig(tp=4)}),
+               ForcedSwitchConfig(at_step=12, model_stages={"actor/inference": StagePlanConfig(micro_batch=8)})]
     config = demo.config.model_copy(update={"adaptation": demo.config.adaptation.model_copy(update={"forced": entries})})
     job = dataclasses.replace(demo, config=config)
     site = load_site(job.config.site)
@@ -157,9 +172,21 @@ def test_a_job_resumed_at_a_forced_step_starts_on_the_forced_layout(tmp_path):
     # the checkpoint's controller state not used: the job's new controller is built on the plan
     assert resume("c", 4, None) == (forced, sources)
     # no entry for the step: the plan as it was, nothing said
-    assert resume("d", 5, None) == (job.plan, [])
+    assert resume("d", 7, None) == (job.plan, [])
     # an entry on a device outside the world is not used
     plan, sources = resume("e", 6, None)
     assert plan == job.plan and len(sources) == 1
     assert "not used (it uses devices [5], which are not in the pool [0, 1, 2, 3])" in sources[0]
     assert plan[ModelStage.parse("actor/training")].devices == (0, 1, 2, 3)
+    # a layout over memory is not used: for the resumed controller at the responses it had seen
+    # (step 5 under the 24-token cap: training at DP 4 keeps the whole model on every device)
+    controller, _ = _resumed(tmp_path / "f", job, {**_record(saved, job), "step": 5})
+    plan, sources = resume("g", 5, controller)
+    assert plan == job.plan and controller.plan == job.plan
+    assert "not used (it is predicted over the usable device memory at" in sources[0]
+    # ... and for a job planned afresh at the responses its launch plan is for: step 10's cap of
+    # 48 tokens, which TP 4 training holds (47.5 MB) and micro-batches of 8 at TP 2 do not
+    tp4 = forced_plan(job, job.plan, {"actor/training": StagePlanConfig(tp=4)})
+    assert resume("h", 10, None) == (tp4, ["resumed: the layout adaptation.forced sets for step 10"])
+    plan, sources = resume("i", 12, None)
+    assert plan == job.plan and "over the usable device memory at 48-token responses" in sources[0]

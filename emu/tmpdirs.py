@@ -1,0 +1,60 @@
+"""Private temporary directories for the processes Nereus starts, removed when the process is gone.
+
+Workers and vLLM engine processes end with ``os._exit`` (a worker on shutdown, an engine on
+``close``), and the agent stops a worker with ``SIGTERM``, then ``SIGKILL``, at every restart and
+device removal: none of these runs the clean-up of what the process left in ``$TMPDIR``. Left
+there, each run added files to ``/tmp`` that nothing removed: a worker's multiprocessing directory
+(``pymp-*``, holding the listener through which shared tensors reach its vLLM engine), and each
+engine start's vLLM rendezvous file (TP 1, ``vllm_dist_<uuid>``) or ZMQ ipc sockets (TP > 1,
+``<uuid>``): 560 files, 72 sockets and 458 directories after two days of runs here
+(2026-12-07). So the agent gives each worker, and a worker each engine, a directory of its own as
+``$TMPDIR`` and removes it once the process has exited.
+
+A Unix socket's path may not exceed :data:`IPC_PATH_MAX_BYTES`, and a private directory makes the
+paths of the sockets inside it longer: where they would not fit, the process keeps the system's
+temporary directory (see :func:`private_dir`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import shutil
+import tempfile
+
+IPC_PATH_MAX_BYTES = 107
+"""The longest path a Unix socket binds to (``sizeof(sockaddr_un.sun_path)`` less its terminator,
+Linux); ZMQ and multiprocessing refuse longer ones."""
+
+MULTIPROCESSING_SOCKET_BYTES = len("/pymp-12345678/listener-12345678")
+"""What multiprocessing adds to ``$TMPDIR`` for a listener socket (``util.get_temp_dir`` and
+``connection.arbitrary_address``: ``pymp-`` and ``listener-`` with 8 random characters each)."""
+
+VLLM_SOCKET_BYTES = len("/") + 36
+"""What vLLM adds to its ipc base path (``$TMPDIR``) for a ZMQ socket: a uuid4
+(``vllm.utils.network_utils.get_open_zmq_ipc_path``)."""
+
+
+def private_dir(prefix: str, socket_bytes: int) -> str | None:
+    """A new directory under the system's temporary directory, for one process's ``$TMPDIR``;
+    ``None`` (nothing created) when a socket path inside it, ``socket_bytes`` longer than the
+    directory's, would exceed :data:`IPC_PATH_MAX_BYTES`."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    if len(path.encode()) + socket_bytes > IPC_PATH_MAX_BYTES:
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    return path
+
+
+def inductor_cache_dir() -> str:
+    """torch.compile's cache directory where torch keeps it by default, under the *system's*
+    temporary directory (``torchinductor_<user>``), for a process whose ``$TMPDIR`` is private:
+    the cache then outlives it, and the next process reuses what it compiled. The rule of
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` (torch 2.13), restated because
+    importing it takes ~5 s in the agent, which imports no torch otherwise."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
