@@ -41,8 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "local", help="run a job on this machine (nereusd + one agent + one worker per device)",
         description=(
             "Run JOB.yaml on this machine: nereusd, one agent and one worker process per virtual device "
-            "(memory capacity from the site config, enforced by the workers' accounting). The run "
-            "directory receives metrics.jsonl, events.jsonl, summary.json, logs/ and a DCP checkpoint."
+            "(memory capacity from the job's memory_gib, else the site config, enforced by the workers' "
+            "accounting). The run directory receives metrics.jsonl, events.jsonl, summary.json, logs/, "
+            "checkpoints/ (DCP), plots/ (nereus-launch report), tensorboard/, keys/, job.yaml (the job as run), "
+            "nereusd.json and nereusd.lock."
         ),
     )
     parser.add_argument("job", help="job YAML, e.g. examples/counting_grpo.yaml")
@@ -584,6 +586,8 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
                  "re-run)" if summary.get("restarts") else ""))
         print(f"nereus: results in {run_dir} (plots: nereus-launch report {run_dir})")
         return 0
-    print(f"nereus: {status}: {summary.get('error', 'see logs')}", file=sys.stderr)
+    done = summary.get("steps_completed")
+    where = f" after {done} step(s)" if isinstance(done, int) and done > 0 and status == "failed" else ""
+    print(f"nereus: {status}{where}: {summary.get('error', 'see logs')}", file=sys.stderr)
     print(f"nereus: logs in {run_dir / 'logs'}", file=sys.stderr)
     return 130 if status == "interrupted" or interrupted else 1

@@ -121,3 +121,20 @@ def test_a_stop_signal_during_a_process_start_waits_until_its_handle_is_kept():
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def test_a_failed_jobs_last_line_says_how_far_it_got(tmp_path, capsys):
+    """``nereus: failed: train failed on device 0: out of memory …`` did not say at which step (a
+    new user's trial of the demo without adaptation, 2026-12-07): the failure line now says how
+    many steps were done, as the crash line does."""
+    import json
+
+    from launcher.local import _report
+
+    summary = {"status": "failed", "error": "train failed on device 0: out of memory", "steps_completed": 20}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert _report(tmp_path, interrupted=False) == 1
+    assert "nereus: failed after 20 step(s): train failed on device 0: out of memory" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "steps_completed": 0, "error": "no plan fits"}))
+    _report(tmp_path, interrupted=False)
+    assert "nereus: failed: no plan fits" in capsys.readouterr().err   # before any step: as before
