@@ -138,6 +138,13 @@ class Outcome:
 
 
 
+
+def _outside(plan: Plan, pool: tuple[int, ...]) -> str:
+    """``"uses devices [...], which are not in the pool [...]"`` when ``plan`` has devices outside
+    ``pool``, else ``""``: a plan runs only on the pool's devices."""
+    outside = sorted(set(plan.devices()) - set(pool))
+    return f"uses devices {outside}, which are not in the pool {list(pool)}" if outside else ""
+
 class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
     """Calibrate, trigger, replan and admit for one running job (module docstring).
 
@@ -431,10 +438,10 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         targets: list[Target] = []
         if forced is not None:
             target = self._target(source, forced, problem, usable)
-            outside = sorted(set(forced.devices()) - set(pool))
+            outside = _outside(forced, pool)
             if outside:   # e.g. a device lost before the forced step (or the step re-run after a restart)
-                target = dataclasses.replace(target, feasible=False, restartable=False, reason=(
-                    f"the forced layout uses devices {outside}, which are not in the pool {list(pool)}"))
+                target = dataclasses.replace(target, feasible=False, restartable=False,
+                                             reason=f"the forced layout {outside}")
             targets.append(target)
         elif frozen:
             rescaled = dp_rescale(self.base_plan, problem, current=source)
@@ -518,9 +525,9 @@ class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
         pool, or a device peak predicted over the usable memory (:meth:`headroom`) for
         ``length``-token responses (default: what the coming step may generate, :meth:`lookahead`
         of the longest seen)."""
-        outside = sorted(set(plan.devices()) - set(pool))
+        outside = _outside(plan, pool)
         if outside:
-            return f"it uses devices {outside}, which are not in the pool {list(pool)}"
+            return f"it {outside}"
         length = self.lookahead(self.length) if length is None else length
         problem = self.problem(pool, length)
         ev = evaluate(problem, plan, self.cost_model)
