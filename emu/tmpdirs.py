@@ -36,12 +36,17 @@ VLLM_SOCKET_BYTES = len("/") + 36
 (``vllm.utils.network_utils.get_open_zmq_ipc_path``)."""
 
 
+def sockets_fit(directory: str, socket_bytes: int) -> bool:
+    """Whether a socket path inside ``directory``, ``socket_bytes`` longer than the directory's,
+    is within :data:`IPC_PATH_MAX_BYTES`."""
+    return len(directory.encode()) + socket_bytes <= IPC_PATH_MAX_BYTES
+
+
 def private_dir(prefix: str, socket_bytes: int) -> str | None:
     """A new directory under the system's temporary directory, for one process's ``$TMPDIR``;
-    ``None`` (nothing created) when a socket path inside it, ``socket_bytes`` longer than the
-    directory's, would exceed :data:`IPC_PATH_MAX_BYTES`."""
+    ``None`` (nothing created) when the sockets inside it would not fit (:func:`sockets_fit`)."""
     path = tempfile.mkdtemp(prefix=prefix)
-    if len(path.encode()) + socket_bytes > IPC_PATH_MAX_BYTES:
+    if not sockets_fit(path, socket_bytes):
         shutil.rmtree(path, ignore_errors=True)
         return None
     return path

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from emu.liveness import ProcessBeat
-from emu.tmpdirs import IPC_PATH_MAX_BYTES, VLLM_SOCKET_BYTES, inductor_cache_dir
+from emu.tmpdirs import VLLM_SOCKET_BYTES, inductor_cache_dir, sockets_fit
 from nereusd.backends import vllm_available
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -63,7 +63,6 @@ than a bucket travels alone): shared memory in flight stays bounded by one bucke
 
 START_TIMEOUT_S = 600.0
 """How long an engine process may take to start (import vLLM, build the engine) before it is killed."""
-
 
 
 CPU_SHM_GLOB = "-tp:*cpushm*"
@@ -196,7 +195,7 @@ def _serve(conn, cfg: EngineConfig, model_dir: str, workdir: str, stamp=None,
         # engine is gone (emu.tmpdirs): vLLM's single-process (TP 1) executor rendezvous through a
         # file that nothing deletes (vllm_dist_<uuid>), and the external launcher's (TP > 1) ZMQ
         # ipc sockets are left by "close" (os._exit). Sockets only where their paths fit
-        if len(tmp_dir.encode()) + VLLM_SOCKET_BYTES > IPC_PATH_MAX_BYTES:
+        if not sockets_fit(tmp_dir, VLLM_SOCKET_BYTES):
             os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())   # it outlives the engine
         os.environ["TMPDIR"] = tmp_dir

@@ -216,7 +216,8 @@ def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[Model
                   source: str) -> None:
     """Refuse ``adaptation.forced`` entries that could never apply, before any process starts:
     a model-stage the job does not have, a step it never reaches or that another entry has, a ZeRO
-    stage or a TP/PP its backend does not run (the rest — devices, divisibility — depends on the plan at that step).
+    stage or a TP/PP its backend does not run (the rest — devices, divisibility — depends on the
+    plan at that step).
 
     Raises:
         ConfigError: naming ``adaptation.forced[i]`` and the key.

@@ -138,12 +138,12 @@ class Outcome:
 
 
 
-
 def _outside(plan: Plan, pool: tuple[int, ...]) -> str:
     """``"uses devices [...], which are not in the pool [...]"`` when ``plan`` has devices outside
     ``pool``, else ``""``: a plan runs only on the pool's devices."""
     outside = sorted(set(plan.devices()) - set(pool))
     return f"uses devices {outside}, which are not in the pool {list(pool)}" if outside else ""
+
 
 class Controller(TransitionCostLearning, RestartPlanning, ControllerState):
     """Calibrate, trigger, replan and admit for one running job (module docstring).
