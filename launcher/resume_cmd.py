@@ -79,7 +79,7 @@ def _set_aside_summary(run_dir: Path, status: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir).resolve()   # recorded for `status JOB_ID` and written into the batch script
     if not (run_dir / EVENTS_FILE).is_file():
         raise NereusError(f"{run_dir}: not a run directory (no {EVENTS_FILE})")
     # two resumes at once: the second waits here until the first's nereusd owns the directory,

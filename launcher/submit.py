@@ -249,8 +249,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         index = _home() / "jobs"
         rows = []
         for entry in sorted(index.glob("*.json")) if index.is_dir() else []:
-            info = SlurmClient().job(entry.stem)
-            rows.append({"job_id": entry.stem, "state": info.state if info else "GONE",
+            rows.append({"job_id": entry.stem, "state": _slurm_states([entry.stem])[0][entry.stem],
                          "run_dir": json.loads(entry.read_text())["run_dir"]})
         print(json.dumps(rows, indent=1) if args.json else
               "\n".join(f"{r['job_id']:>8} {r['state']:<12} {r['run_dir']}" for r in rows)
@@ -259,11 +258,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(args.job)
     if (run_dir / RECORD_FILE).is_file():
         record = _read_record(run_dir)
-        client = SlurmClient()
-        slurm = {jid: (info.state if (info := client.job(jid)) else "GONE")
-                 for jid in [record["job_id"], *record["grow_job_ids"]]}
+        slurm, unreachable = _slurm_states([record["job_id"], *record["grow_job_ids"]])
     elif (run_dir / ENDPOINT_FILE).is_file() or (run_dir / SUMMARY_FILE).is_file():
-        slurm = {}   # a local run (nereus-launch local): no allocation to ask Slurm about
+        slurm, unreachable = {}, ""   # a local run (nereus-launch local): no allocation to ask Slurm about
     else:
         raise NereusError(f"{run_dir}: not a Nereus run directory (no {RECORD_FILE}, {ENDPOINT_FILE} or "
                           f"{SUMMARY_FILE}; has the job started?)")
@@ -281,12 +278,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                               f"(its results are in {run_dir / 'table.txt'})")
     ended = isinstance(summary, dict) and summary.get("status") not in (None, "running")
     # an ended job's nereusd is gone: asking it only waits out the timeout (5 s)
-    out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm,
+    out: dict[str, Any] = {"run_dir": str(run_dir), "slurm": slurm, "slurm_error": unreachable or None,
                            "nereusd": None if ended else ask_nereusd(run_dir), "summary": summary}
     if args.json:   # strict JSON: a summary's NaN reads back as Python's NaN, which json.dumps writes bare
         print(to_json(out, indent=1))
         return 0
     print(f"run {run_dir}: " + ("Slurm " + ", ".join(f"{j} {s}" for j, s in slurm.items()) if slurm else "local"))
+    if unreachable:
+        print(f"nereus: Slurm did not answer, so the state below is the run directory's ({unreachable})")
     live = out["nereusd"]
     if live:
         plan = ", ".join(f"{ms} tp{c['tp']} pp{c['pp']} dp{c['dp']}" for ms, c in live["plan"].items())
@@ -314,6 +313,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("nereusd is not answering (starting, or gone); see the logs in " + str(run_dir / "logs")
               + (f"; {malformed}" if malformed else ""))
     return 0
+
+
+def _slurm_states(job_ids: list[str]) -> tuple[dict[str, str], str]:
+    """``({job id: squeue state, or GONE once Slurm has forgotten it}, "")``; where squeue fails
+    (Slurm down or unreachable from here) every state is ``UNKNOWN`` and the second item says why
+    (the run directory still tells how the job went)."""
+    client = SlurmClient()
+    try:
+        return {jid: (info.state if (info := client.job(jid)) else "GONE") for jid in job_ids}, ""
+    except SlurmError as err:
+        return {jid: "UNKNOWN" for jid in job_ids}, str(err)[:300]
 
 
 def _cap_text(caps: list[float]) -> str:
@@ -362,9 +372,13 @@ def cmd_grow(args: argparse.Namespace) -> int:
     record = _read_record(run_dir)
     if not (run_dir / ENDPOINT_FILE).is_file():
         raise NereusError(f"{run_dir}: nereusd has not started yet (no nereusd.json); grow a running job")
+    client = SlurmClient()
+    info = client.job(record["job_id"])
+    if info is None or info.state != "RUNNING":   # its agents would wait for a nereusd that is gone
+        raise NereusError(f"job {record['job_id']} is {info.state if info else 'gone'}; only a running job grows")
     ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=args.nodes, account="", time="")
     site, req = _prepare(ns, str(run_dir), "grow")
-    job_id = SlurmClient().sbatch(render(load_template(), site, req))
+    job_id = client.sbatch(render(load_template(), site, req))
     record["grow_job_ids"].append(job_id)
     _write_record(run_dir, record)
     print(f"nereus: grow allocation {job_id} ({args.nodes} node(s)) submitted; its agents join nereusd of "

@@ -88,8 +88,17 @@ def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
     except OSError as err:   # a name too long for the file system
         raise ConfigError(f"{source}: {key}: {shortened(value)}: {err.strerror}") from None
     if not found:
-        raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'})")
+        hint = (f"; a Hugging Face id is not downloaded: fetch it first (`hf download {value} --local-dir DIR`) "
+                "and give DIR" if _looks_like_hub_id(value) and not path.exists() else "")
+        raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'}){hint}")
     return str(path)
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    """``owner/name`` (one slash, no leading ``.``, ``/`` or ``~``): how a model on the Hugging
+    Face Hub is named, which a user may write where Nereus reads a local directory."""
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "~"))
 
 
 def _resolve_roles(job: JobConfig, base_dir: Path, source: str, reward_model: bool) -> dict[Role, RoleModel]:

@@ -13,18 +13,20 @@ for a in "$@"; do
 done
 log() { echo "[nereus-slurm-stop] $*" >&2; }
 trap '' PIPE
+running() { # pid -> it exists and has not exited (a zombie waiting for its parent has)
+  [ -d "/proc/$1" ] && [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
 pid_of() { # pidfile program -> pid when it still runs that program
   local p; p=$(cat "$1" 2>/dev/null) || return 1
-  [[ "$p" =~ ^[0-9]+$ ]] && [ -r "/proc/$p/cmdline" ] || return 1
-  [ "$(awk '{print $3}' "/proc/$p/stat")" != Z ] || return 1
+  [[ "$p" =~ ^[0-9]+$ ]] && [ -r "/proc/$p/cmdline" ] && running "$p" || return 1
   [[ "$(basename "$(tr '\0' ' ' <"/proc/$p/cmdline" | awk '{print $1}')")" == "$2"* ]] && echo "$p"
 }
 stop() { # pidfile program
   local p
   if p=$(pid_of "$1" "$2"); then
     kill -TERM "$p" 2>/dev/null
-    for _ in $(seq 150); do [ -d "/proc/$p" ] && [ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ] || break; sleep 0.1; done
-    if [ -d "/proc/$p" ]; then log "$2 ($p) ignored SIGTERM: SIGKILL"; kill -KILL "$p" 2>/dev/null; fi
+    for _ in $(seq 150); do running "$p" || break; sleep 0.1; done
+    if running "$p"; then log "$2 ($p) ignored SIGTERM: SIGKILL"; kill -KILL "$p" 2>/dev/null; fi
     log "stopped $2 ($p)"
   fi
   rm -f "$1"

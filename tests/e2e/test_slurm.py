@@ -67,8 +67,8 @@ def slurm_env(tmp_path_factory):
     return env
 
 
-def cli(env, *args, timeout=60):
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", *args], env=env, cwd=REPO, capture_output=True,
+def cli(env, *args, timeout=60, cwd=REPO):
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, f"nereus-launch {args}: {proc.stdout}{proc.stderr}"
     return proc.stdout
@@ -159,6 +159,11 @@ def test_node_down_grow_status_and_cancel(slurm_env, tmp_path):
         wait_for("both allocations to end",
                  lambda: squeue_states(slurm_env, job_id, grow_id) == {job_id: None, grow_id: None}, 60, run_dir)
         wait_for("no stray process", lambda: processes_mentioning(str(run_dir)) == [], 30, run_dir)
+        # grow an ended job: refused, nothing submitted (its agents would wait for a gone nereusd)
+        proc = subprocess.run([sys.executable, "-m", "launcher.cli", "grow", job_id, "--nodes", "1"], env=slurm_env,
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "only a running job grows" in proc.stderr, proc.stdout + proc.stderr
+        assert json.loads((run_dir / "slurm.json").read_text())["grow_job_ids"] == [grow_id]
     finally:
         subprocess.run(["scancel", job_id], env=slurm_env)
         if down:
@@ -182,9 +187,13 @@ def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env
         checkpoint = Path(summary["error"].split("checkpoint saved in ")[1])
         assert (checkpoint / "actor" / ".metadata").is_file()
         assert processes_mentioning(str(run_dir)) == []
-        # resume: a continuation job (mode resume) picks the run up from the preemption checkpoint
-        out = cli(slurm_env, "resume", str(run_dir))
+        # resume: a continuation job (mode resume) picks the run up from the preemption checkpoint;
+        # given the run directory as a relative path, it records it absolute (`status JOB_ID` from
+        # anywhere; a new user's trial found it recorded as given)
+        out = cli(slurm_env, "resume", run_dir.name, cwd=run_dir.parent)
         job_id = out.split("submitted job ")[1].split(":")[0]
+        recorded = json.loads((Path(slurm_env["NEREUS_HOME"]) / "jobs" / f"{job_id}.json").read_text())
+        assert recorded["run_dir"] == str(run_dir), recorded
         resumed = wait_for("the continuation to resume", lambda: events(run_dir, "nereusd_resumed")[1:], 150, run_dir)
         assert resumed[0]["checkpoint"] == str(checkpoint) and (run_dir / "summary.preempted.json").is_file()
         step = resumed[0]["step"]

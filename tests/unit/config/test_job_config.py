@@ -153,7 +153,14 @@ def test_plan_errors_name_file_and_key(tmp_path, extra, match):
 
 def test_model_directory_must_exist(tmp_path):
     path = write(tmp_path, "models:\n  actor: missing-model\n")
-    with pytest.raises(ConfigError, match=r"job.yaml: models.actor: 'missing-model' is not a model directory"):
+    with pytest.raises(ConfigError, match=r"job.yaml: models.actor: 'missing-model' is not a model directory") as err:
+        resolve(path)
+    assert "hf download" not in str(err.value)
+    # a Hugging Face id read as a directory: the error says it is not downloaded (a new user's trial)
+    path = write(tmp_path, "models:\n  actor: Qwen/Qwen2.5-0.5B-Instruct\n")
+    with pytest.raises(ConfigError, match=r"'Qwen/Qwen2.5-0.5B-Instruct' is not a model directory .*a Hugging Face "
+                                          r"id is not downloaded: fetch it first \(`hf download Qwen/Qwen2.5-0.5B-"
+                                          r"Instruct --local-dir DIR`\)"):
         resolve(path)
 
 

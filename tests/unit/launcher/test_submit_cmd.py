@@ -176,3 +176,47 @@ def test_status_and_pool_on_a_damaged_nereusd_record_are_one_line(tmp_path, caps
     for argv in (["status", str(tmp_path)], ["pool", str(tmp_path), "--remove", "1"]):
         assert main(argv) == 2
         assert "nereusd.json: not a nereusd record" in capsys.readouterr().err
+
+
+def test_status_of_a_slurm_run_when_slurm_does_not_answer_reads_the_run_directory(tmp_path, capsys, monkeypatch):
+    """With Slurm down or unreachable, ``status`` of an ended Slurm run printed squeue's errors
+    and nothing else (a new user's trial), although its summary said how the job went. It now
+    says that Slurm did not answer and reads the run directory; so does the list of jobs."""
+    def unreachable(self, argv, input_text=None):
+        raise SlurmError(f"{argv} failed with exit code 1: squeue: fatal: Could not establish a configuration source",
+                         refused=True)
+
+    monkeypatch.setattr(SlurmClient, "run", unreachable)
+    monkeypatch.setenv("NEREUS_HOME", str(tmp_path / "home"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "slurm.json").write_text(json.dumps({"job_id": "125", "grow_job_ids": ["126"], "site": "local",
+                                                    "job": "job.yaml", "nodes": 1}))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "succeeded", "steps_completed": 30}))
+    assert main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "Slurm 125 UNKNOWN, 126 UNKNOWN" in out and "finished: succeeded after 30 steps" in out, out
+    assert "Slurm did not answer" in out and "configuration source" in out
+    assert main(["status", str(run_dir), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["slurm"] == {"125": "UNKNOWN", "126": "UNKNOWN"} and "configuration source" in status["slurm_error"]
+    (tmp_path / "home" / "jobs").mkdir(parents=True)
+    (tmp_path / "home" / "jobs" / "125.json").write_text(json.dumps({"run_dir": str(run_dir)}))
+    assert main(["status"]) == 0
+    assert "125 UNKNOWN" in capsys.readouterr().out
+
+
+def test_grow_refuses_a_job_that_is_not_running(tmp_path, capsys, monkeypatch):
+    """``grow`` submitted an allocation for a COMPLETED job; its agent waited 30 s for a nereusd
+    that was gone and failed (a new user's trial). Like ``shrink``, it now refuses a job that is
+    not running, and submits nothing. (tests/e2e/test_slurm.py checks it on a real cluster.)"""
+    submitted = []
+    monkeypatch.setattr(SlurmClient, "run", lambda self, argv, input_text=None: "121|COMPLETED|1|nrs1|nrs1|None\n")
+    monkeypatch.setattr(SlurmClient, "sbatch", lambda self, script, args=(): submitted.append(script) or "122")
+    monkeypatch.setenv("NEREUS_HOME", str(tmp_path / "home"))
+    record = {"job_id": "121", "grow_job_ids": [], "site": "local", "job": "examples/counting_grpo.yaml", "nodes": 1}
+    (tmp_path / "slurm.json").write_text(json.dumps(record))
+    (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
+    assert main(["grow", str(tmp_path), "--nodes", "1"]) == 2
+    assert "job 121 is COMPLETED; only a running job grows" in capsys.readouterr().err
+    assert not submitted and json.loads((tmp_path / "slurm.json").read_text()) == record
