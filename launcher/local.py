@@ -370,6 +370,8 @@ def run_local(args: argparse.Namespace) -> int:
             raise NereusError("--pool-trace: a trace adds local agents of virtual CPU devices; not with --gpus")
         job = dataclasses.replace(job, config=parse_job(effective, source=f"{Path(args.job).name} with --pool-trace"))
     pool_lines = describe_pool_schedule(job)   # checks min_devices against the job's devices
+    if args.gpus:
+        check_gpus()
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{job.config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     launching = LaunchLock(run_dir)   # held until this job's nereusd owns the directory
     try:
@@ -396,6 +398,21 @@ def run_local(args: argparse.Namespace) -> int:
     for line in pool_lines:
         print(line)
     return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet, launching=launching)
+
+
+def check_gpus() -> None:
+    """``--gpus`` on a node without a GPU is refused before any process starts and before the run
+    directory is touched; it used to start nereusd and the agent, whose probe then failed. The
+    agent's own probe (:func:`emu.inventory.discover`).
+
+    Raises:
+        NereusError: no NVIDIA or AMD GPU is visible to this process.
+    """
+    from emu.inventory import probe_amd, probe_nvidia
+
+    if not (probe_nvidia() or probe_amd()):
+        raise NereusError("--gpus: no NVIDIA or AMD GPU found on this node; without --gpus the job runs on "
+                          "virtual CPU devices")
 
 
 def site_mismatch(site, gpus: bool) -> str | None:

@@ -27,7 +27,7 @@ import re
 import sys
 from pathlib import Path
 
-from launcher.local import supervise
+from launcher.local import check_gpus, supervise
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.config.resolve import load_and_resolve
 from nereusd.control.jobs import job_fingerprint
@@ -117,6 +117,8 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
     path = job_file(run_dir)
     job = load_and_resolve(path)
     check_resume_steps(run_dir, job.config.steps)
+    if args.gpus:
+        check_gpus()
     recorded = started_job_sha256(run_dir)
     changed = recorded is not None and recorded != job_fingerprint(job)
     if changed:

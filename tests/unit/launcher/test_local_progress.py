@@ -138,3 +138,17 @@ def test_a_failed_jobs_last_line_says_how_far_it_got(tmp_path, capsys):
     (tmp_path / "summary.json").write_text(json.dumps({**summary, "steps_completed": 0, "error": "no plan fits"}))
     _report(tmp_path, interrupted=False)
     assert "nereus: failed: no plan fits" in capsys.readouterr().err   # before any step: as before
+
+
+def test_gpus_on_a_node_without_one_is_refused_before_anything_starts(tmp_path, capsys):
+    """``local --gpus`` here started nereusd and the agent, whose probe then failed (a new user's
+    trial); the launcher probes first, as the agent does, and leaves no run directory."""
+    from emu.inventory import probe_amd, probe_nvidia
+    from launcher.cli import main
+
+    if probe_nvidia() or probe_amd():
+        pytest.skip("this node has a GPU")
+    run_dir = tmp_path / "run"
+    assert main(["local", "examples/counting_grpo.yaml", "--gpus", "--run-dir", str(run_dir), "--quiet"]) == 2
+    assert "--gpus: no NVIDIA or AMD GPU found on this node" in capsys.readouterr().err
+    assert not run_dir.exists()
