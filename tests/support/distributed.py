@@ -10,6 +10,7 @@ its marker, and re-raises a rank's exception text.
 from __future__ import annotations
 
 import gc
+import importlib
 import multiprocessing
 import os
 import tempfile
@@ -23,8 +24,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _child(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> None:
+def _child(rank: int, world_size: int, tmp: str, fn_name: tuple[str, str], args: tuple) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # this rank's temporary files go inside the run's directory, which the parent removes: a rank
+    # ends with os._exit, so what a library made at import would stay in /tmp (megatron-core
+    # imports wandb, which makes two directories: 34 per suite run). ``fn``'s module is imported
+    # here, after the switch, not when the arguments are unpickled.
+    own_tmp = os.path.join(tmp, f"tmp.{rank}")
+    os.makedirs(own_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = own_tmp
+    module, name = fn_name
+    fn = getattr(importlib.import_module(module), name)
     torch.set_num_threads(1)
     out = Path(tmp)
     try:
@@ -50,14 +60,16 @@ def _context_method() -> str:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """``[fn(0, world_size, *args), …]`` computed on ``world_size`` spawned ranks.
+    """``[fn(0, world_size, *args), …]`` computed on ``world_size`` spawned ranks; ``fn`` is a
+    module-level function, imported by name in each rank.
 
     Raises:
         AssertionError: with the failing ranks' tracebacks, if any rank failed, timed out or
             left no success marker.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_child, args=(world_size, tmp, fn, args), nprocs=world_size,
+        ctx = mp.start_processes(_child, args=(world_size, tmp, (fn.__module__, fn.__qualname__), args),
+                                 nprocs=world_size,
                                  join=False, start_method=_context_method())
         deadline = time.monotonic() + timeout_s
         done = False
