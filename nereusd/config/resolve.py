@@ -222,11 +222,15 @@ def _fallback_candidate(ms: ModelStage, devices: int, spec: ModelSpec, job: JobC
 
 
 def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[ModelStage, Backend],
-                  source: str) -> None:
+                  specs: dict[Role, ModelSpec], source: str) -> None:
     """Refuse ``adaptation.forced`` entries that could never apply, before any process starts:
     a model-stage the job does not have, a step it never reaches or that another entry has, a ZeRO
-    stage or a TP/PP its backend does not run (the rest — devices, divisibility — depends on the
-    plan at that step).
+    stage or a TP/PP its backend does not run, a TP or PP the model cannot be sharded by
+    (:func:`~nereusd.shards.check_layout`, whose rules each involve one degree: a degree the entry
+    leaves out is the running plan's, which passed them), devices listed twice, and devices that
+    are not a multiple of the TP·PP the entry sets. The rest depends on the plan at that step,
+    and a forced layout that does not fit it then is journalled and not applied; these were
+    refused only at their step, after every step before it had run (an adversarial trial).
 
     Raises:
         ConfigError: naming ``adaptation.forced[i]`` and the key.
@@ -248,8 +252,22 @@ def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[Model
                                   f"(one of {sorted(known)})")
             ms = known[name]
             backend = backends[ms]
+            where = f"{key}.model_stages.{name}"
             zero = default_zero_stage(ms, backend) if cfg.zero_stage is None else cfg.zero_stage
-            check_zero_stage(ms, backend, zero, tp=cfg.tp or 1, pp=cfg.pp or 1, key=f"{key}.model_stages.{name}")
+            check_zero_stage(ms, backend, zero, tp=cfg.tp or 1, pp=cfg.pp or 1, key=where)
+            tp, pp = cfg.tp or 1, cfg.pp or 1
+            try:
+                check_layout(specs[ms.role], Layout(tp, pp), value_head=value_head_for(ms.role),
+                             generation=ms.stage is Stage.GENERATION)
+            except PlanError as err:
+                raise ConfigError(f"{where}: {err}") from None
+            if cfg.devices is not None:
+                if not cfg.devices:
+                    raise ConfigError(f"{where}.devices: empty list (leave it out to keep the model-stage's devices)")
+                if len(set(cfg.devices)) != len(cfg.devices):
+                    raise ConfigError(f"{where}.devices: device listed twice in {list(cfg.devices)}")
+                if len(cfg.devices) % (tp * pp):
+                    raise ConfigError(f"{where}: {len(cfg.devices)} devices are not a multiple of tp·pp = {tp}·{pp}")
 
 
 def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: int,
@@ -306,7 +324,7 @@ def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: in
                 f"{source}: plan.model_stages.{name}: not a model-stage of {job.algorithm.value} "
                 f"(one of {sorted(known)})"
             )
-    _check_forced(job, stages, backends, source)
+    _check_forced(job, stages, backends, {r: rm.spec for r, rm in roles.items()}, source)
     candidates, grad_accum = {}, {}
     for ms in stages:
         try:

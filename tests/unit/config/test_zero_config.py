@@ -207,6 +207,17 @@ def test_weight_sync_dags_carry_no_zero_stage():
     # two entries for one step: the live boundary took the last, a resume the first
     ("{at_step: 2, model_stages: {actor/training: {tp: 1}}}, {at_step: 2, model_stages: {actor/inference: {tp: 1}}}",
      r"adaptation.forced\[1\].at_step: step 2 already has adaptation.forced\[0\]; give one entry per step"),
+    # a layout the model or the devices can never take: refused at launch, not at its step
+    ("{at_step: 2, model_stages: {actor/training: {tp: 1, pp: 3, devices: [0, 1, 2]}}}",
+     r"adaptation.forced\[0\].model_stages.actor/training: layout tp1·pp3: pp=3 does not divide model num_layers"),
+    ("{at_step: 2, model_stages: {actor/training: {tp: 3}}}",
+     r"adaptation.forced\[0\].model_stages.actor/training: layout tp3·pp1: tp=3 does not divide"),
+    ("{at_step: 2, model_stages: {actor/generation: {pp: 2}}}",
+     r"adaptation.forced\[0\].model_stages.actor/generation: layout tp1·pp2: generation needs pp=1"),
+    ("{at_step: 2, model_stages: {actor/training: {pp: 2, devices: [1, 1]}}}",
+     r"adaptation.forced\[0\].model_stages.actor/training.devices: device listed twice in \[1, 1\]"),
+    ("{at_step: 2, model_stages: {actor/training: {tp: 2, devices: [0, 1, 2]}}}",
+     r"adaptation.forced\[0\].model_stages.actor/training: 3 devices are not a multiple of tp·pp = 2·1"),
 ])
 def test_forced_entries_are_checked_before_launch(tmp_path, forced, match):
     with pytest.raises(ConfigError, match=match):
