@@ -17,7 +17,8 @@ from nereusd.control.policy import ControlPolicy
 from nereusd.control.problem import job_problem
 from nereusd.cost.calibration import Calibration
 from nereusd.errors import ConfigError, PlanError
-from nereusd.plan import ModelStage, Plan
+from nereusd.plan import Layout, ModelStage, Plan, Stage
+from nereusd.shards import check_layout, value_head_for
 
 
 def job_fingerprint(job: ResolvedJob) -> str:
@@ -45,7 +46,8 @@ def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]
     Unspecified degrees keep the current values; ``dp`` defaults to ``devices / (tp·pp)``.
 
     Raises:
-        PlanError: naming the model-stage when the override does not fit its devices.
+        PlanError: naming the model-stage when the override does not fit its devices or the model
+            (:func:`~nereusd.shards.check_layout`).
     """
     out = dict(current.candidates)
     for name, cfg in overrides.items():
@@ -55,6 +57,8 @@ def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]
         tp, pp = cfg.tp or cur.tp, cfg.pp or cur.pp
         if len(devices) % (tp * pp):
             raise PlanError(f"adaptation.forced: {ms}: {len(devices)} devices are not a multiple of tp·pp={tp * pp}")
+        check_layout(job.roles[ms.role].spec, Layout(tp, pp), value_head=value_head_for(ms.role),
+                     generation=ms.stage is Stage.GENERATION)
         dp = cfg.dp or len(devices) // (tp * pp)
         mb = cfg.micro_batch if cfg.micro_batch is not None else cur.micro_batch
         zero = cfg.zero_stage if cfg.zero_stage is not None else cur.zero_stage

@@ -44,13 +44,14 @@ from typing import Any
 
 from nereusd import protocol as P
 from nereusd.control.controller import Controller, StepObservation
+from nereusd.control.monitor import Signal
 from nereusd.control.jobs import forced_plan
 from nereusd.daemon.boundary import Action, ActionKind, plan_actions, plan_pool
 from nereusd.daemon.joins import BackgroundJoins
 from nereusd.daemon.local_agents import AGENT_REGISTER_S, agent_log_path, start_local_agent, wait_registered
 from nereusd.daemon.pool import PoolController
 from nereusd.daemon.recovery import FailureRecovery
-from nereusd.errors import NereusError, WorkerError
+from nereusd.errors import NereusError, PlanError, WorkerError
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import Event, Journal
 from nereusd.plan import Plan
@@ -208,7 +209,14 @@ class LiveAdaptation(FailureRecovery):
                     if background else ["an agent registered (nereus-launch pool --add)"])})
         forced = None
         if upcoming in self._forced:
-            forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
+            try:
+                forced = forced_plan(self.job, self.driver.plan, self._forced[upcoming].model_stages)
+            except PlanError as err:   # it cannot apply to the plan this step runs: said, not fatal
+                log.warning("adaptation.forced for step %d not applied: %s", upcoming, err)
+                self.journal.event(Event.TRIGGER, {"step": step, "signal": Signal.FORCED.value, "urgent": False,
+                                                   "value": upcoming, "reference": None,
+                                                   "detail": f"adaptation.forced for step {upcoming} not applied "
+                                                             f"to {self.driver.plan.describe()}: {err}"})
         outcome = self.controller.boundary(step, pool, forced=forced)
         if outcome is not None:
             self._journal_decision(step, outcome)

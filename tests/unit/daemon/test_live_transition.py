@@ -10,6 +10,7 @@ planned as if every device shared one node feeds device 3 from device 8, the lea
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from nereusd import protocol as P
@@ -211,3 +212,27 @@ def test_a_restore_falls_back_past_unreadable_checkpoints_and_says_when_none_rea
     unreadable.add(str(tmp_path / "c2"))
     with pytest.raises(CheckpointUnreadable, match=r"no checkpoint could be read \(tried c6, c4, c2\); the last: "):
         driver.restore((str(tmp_path / "c6"), 6, 60), [(str(tmp_path / "c4"), 4, 40), (str(tmp_path / "c2"), 2, 20)])
+
+
+def test_a_forced_layout_that_cannot_apply_at_its_step_is_said_and_the_job_goes_on(tmp_path):
+    """An ``adaptation.forced`` entry valid on its own (refused at launch otherwise) that does not
+    fit the plan its step runs — TP 4 over the 2 devices actor/training holds — failed the job
+    at that step, after every step before it had run (an adversarial trial). It is journalled
+    as a ``trigger`` that says why it was not applied, and the job keeps its plan."""
+    job_text = JOB.replace("{devices: [0, 8, 2, 3], dp: 4}", "{tp: 4}")
+    job, site, control, journal, driver, controller = shell(tmp_path, job_text)
+    before = driver.plan
+    pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
+    pool.world_formed(driver.plan.to_dict(), list(range(job.devices)))
+    live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
+                          pool)
+    live.at_boundary(StepRecord(step=0, step_latency_s=1.0, stage_latency_s={}, model_stage_s={}, reward_mean=0.0,
+                                response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
+                                peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
+                                staleness=0))
+    journal.close()
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    said = [e for e in events if e["event"] == "trigger" and e["signal"] == "forced"]
+    assert len(said) == 1 and "adaptation.forced for step 1 not applied" in said[0]["detail"], said
+    assert "2 devices are not a multiple of tp·pp=4" in said[0]["detail"]
+    assert driver.plan == before and not [k for k, _ in control.tasks if k == "transition_prepare"]
