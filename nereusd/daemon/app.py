@@ -178,6 +178,9 @@ class Daemon:
                 return code
             pool_reason = self.pool.explain_failure(err)
             kind = "PoolShrunk" if pool_reason else (err.error_kind or "WorkerError")
+            if pool_reason is None and err.error_kind != "DeviceOutOfMemory":
+                pool_reason = self._lost_workers(err)
+                kind = "DeviceLost" if pool_reason else kind
             message = pool_reason or str(err)
             summary.update(status="stopped" if pool_reason else "failed", error=message, error_kind=kind)
             self.journal.event(Event.JOB_STOPPED if pool_reason else Event.JOB_FAILED,
@@ -201,6 +204,35 @@ class Daemon:
         finally:
             self._stop(summary, started)
         return code
+
+    LOST_WORKER_WAIT_S = 3.0
+    """How long a failed task waits for the agents' news of a worker that exited (``worker_exited``
+    follows the survivors' collective error within a second here)."""
+
+    def _lost_workers(self, err: Exception) -> str | None:
+        """The stop message of a task that failed because workers of the running plan exited (a
+        process killed, or crashed) where live adaptation does not recover it (it is off, or the
+        job had not started its steps), or ``None`` when none did. The task's own error is a
+        survivor's collective failing (gloo's ``Connection reset by peer``), which names neither
+        the device nor the cause (an adversarial trial)."""
+        driver = getattr(self, "driver", None)
+        if driver is None or driver.plan is None:
+            return None
+        devices = sorted(driver.plan.devices())
+        deadline = time.monotonic() + self.LOST_WORKER_WAIT_S
+        while True:
+            self.control.poll(0.1)
+            lost = self.control.lost_devices(devices)
+            if lost or time.monotonic() >= deadline:
+                break
+        if not lost:
+            return None
+        what = "; ".join(f"device {d}: {v['cause']}" + (f" (exit code {v['exitcode']})" if "exitcode" in v else "")
+                         + (f" on node {v['node_id']}" if v.get("node_id") else "") for d, v in sorted(lost.items()))
+        why = ("live adaptation is off (adaptation.enabled: false)" if not self.pool.live
+               else "live adaptation recovers a loss only once the steps have started")
+        return (f"lost {what}; the job stops: {why}; latest checkpoint: {self.pool.latest_checkpoint() or 'none'}; "
+                f"`nereus-launch resume {self.run_dir}` continues it on new workers (task error: {str(err)[:200]})")
 
     def _storage_fault(self, err: Exception) -> str:
         """The stop message of a storage fault: its cause (path, errno, free bytes), the

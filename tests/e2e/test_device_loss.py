@@ -83,6 +83,25 @@ def test_worker_killed_mid_step_recovers_from_checkpoint(tmp_path, backend):
         assert train[0]["dp"] == 3 and train[-1]["dp"] == 2 and all(p.get("zero_stage") == 1 for p in train)
 
 
+def test_a_worker_killed_without_live_adaptation_stops_the_job_naming_it(tmp_path):
+    """With ``adaptation.enabled: false`` a worker killed mid-step failed the job with a
+    survivor's gloo error (``Connection reset by peer``) and its traceback, naming neither the
+    device nor the cause (an adversarial trial). The job stops naming the device, the cause, the
+    latest checkpoint and the resume command."""
+    run_dir = tmp_path / "run"
+    with running(write_job(tmp_path, "job", JOB + "adaptation: {enabled: false}\n"), run_dir) as proc:
+        wait_for("two steps", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2, 120, run_dir)
+        os.kill(worker_pid(run_dir, 2), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["error_kind"] == "DeviceLost", summary
+    error = summary["error"]
+    assert error.startswith("lost device 2: worker_exited (exit code -9)"), error
+    assert "live adaptation is off (adaptation.enabled: false)" in error and "latest checkpoint: " in error
+    assert f"`nereus-launch resume {run_dir}`" in error and "Traceback" not in error
+    assert processes_mentioning(str(run_dir)) == []
+
+
 def test_a_device_lost_during_the_restart_restarts_once_more_without_it(tmp_path):
     """The restart after a loss starts new workers and loads the checkpoint; a worker killed
     then failed the job (an adversarial helper, 2026-12-05). The checkpoint still holds the
