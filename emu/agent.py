@@ -30,7 +30,8 @@ from pathlib import Path
 import zmq
 
 from emu.inventory import discover
-from emu.tmpdirs import MULTIPROCESSING_SOCKET_BYTES, inductor_cache_dir, private_dir
+from emu.tmpdirs import (AGENT_SOCKET_BYTES, IPC_PATH_MAX_BYTES, MULTIPROCESSING_SOCKET_BYTES, SHORT_TMP,
+                         inductor_cache_dir, private_dir)
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError
 from nereusd.config.site import beat_interval_s
@@ -94,7 +95,12 @@ class Agent:
         self._daemon_pid: int | None = None
         """The pid in ``nereusd.json`` when this agent registered: another one there is a resumed nereusd."""
         self._next_look_s = 0.0
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix="nereus-agent-"))  # mode 0700: only this user
+        ipc_dir = private_dir("nereus-agent-", AGENT_SOCKET_BYTES)   # mode 0700: only this user
+        if ipc_dir is None:
+            raise RuntimeError(f"no directory for the agent's socket: $TMPDIR ({tempfile.gettempdir()}) and "
+                               f"{SHORT_TMP} are too long for a Unix socket path ({IPC_PATH_MAX_BYTES} bytes); "
+                               "set TMPDIR to a shorter directory")
+        self._ipc_dir = Path(ipc_dir)
         self._down = self._ctx.socket(zmq.ROUTER)
         self._down.setsockopt(zmq.LINGER, 0)
         self._down.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -11,8 +11,9 @@ engine start's vLLM rendezvous file (TP 1, ``vllm_dist_<uuid>``) or ZMQ ipc sock
 ``$TMPDIR`` and removes it once the process has exited.
 
 A Unix socket's path may not exceed :data:`IPC_PATH_MAX_BYTES`, and a private directory makes the
-paths of the sockets inside it longer: where they would not fit, the process keeps the system's
-temporary directory (see :func:`private_dir`).
+paths of the sockets inside it longer: where they would not fit under the system's temporary
+directory (a long ``$TMPDIR``), the directory is made under :data:`SHORT_TMP` instead, and where
+not even there, the process keeps the system's (see :func:`private_dir`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import tempfile
 IPC_PATH_MAX_BYTES = 107
 """The longest path a Unix socket binds to (``sizeof(sockaddr_un.sun_path)`` less its terminator,
 Linux); ZMQ and multiprocessing refuse longer ones."""
+
+AGENT_SOCKET_BYTES = len("/workers.sock")
+"""What the agent adds to its socket directory for the socket its workers connect to."""
 
 MULTIPROCESSING_SOCKET_BYTES = len("/pymp-12345678/listener-12345678")
 """What multiprocessing adds to ``$TMPDIR`` for a listener socket (``util.get_temp_dir`` and
@@ -42,14 +46,25 @@ def sockets_fit(directory: str, socket_bytes: int) -> bool:
     return len(directory.encode()) + socket_bytes <= IPC_PATH_MAX_BYTES
 
 
+SHORT_TMP = "/tmp"
+"""Where a private directory goes when the system's temporary directory is too long for the
+sockets inside it (sockets take no space there)."""
+
+
 def private_dir(prefix: str, socket_bytes: int) -> str | None:
-    """A new directory under the system's temporary directory, for one process's ``$TMPDIR``;
-    ``None`` (nothing created) when the sockets inside it would not fit (:func:`sockets_fit`)."""
-    path = tempfile.mkdtemp(prefix=prefix)
-    if not sockets_fit(path, socket_bytes):
+    """A new directory (mode 0700) for one process's ``$TMPDIR`` or sockets: under the system's
+    temporary directory, or under :data:`SHORT_TMP` where the sockets inside it would not fit
+    there (:func:`sockets_fit`; a long ``$TMPDIR`` made every local job fail at its agent's
+    socket); ``None`` (nothing created) when they fit under neither."""
+    for base in (None, SHORT_TMP):
+        try:
+            path = tempfile.mkdtemp(prefix=prefix, dir=base)
+        except OSError:   # no SHORT_TMP here
+            continue
+        if sockets_fit(path, socket_bytes):
+            return path
         shutil.rmtree(path, ignore_errors=True)
-        return None
-    return path
+    return None
 
 
 def inductor_cache_dir() -> str:

@@ -17,6 +17,7 @@ import zmq
 
 from emu import agent as agent_module
 from emu.agent import Agent
+from emu import tmpdirs
 from emu.tmpdirs import IPC_PATH_MAX_BYTES, MULTIPROCESSING_SOCKET_BYTES, private_dir
 from nereusd import protocol as P
 
@@ -63,14 +64,20 @@ def test_a_workers_tmpdir_is_its_own_and_goes_when_the_worker_is_killed(tmp_path
 
 
 def test_a_private_tmpdir_is_made_only_where_its_sockets_fit(tmp_path, monkeypatch):
-    """A Unix socket's path may not exceed 107 bytes: under a long ``$TMPDIR`` the process keeps
-    the system's (a worker's listener there failed its weight load, and a TP-2 vLLM engine its
-    start, in a first try of this change)."""
+    """A Unix socket's path may not exceed 107 bytes: under a long ``$TMPDIR`` the directory goes
+    under /tmp (a long ``$TMPDIR`` made every local job fail at the agent's socket: an
+    adversarial trial), and where not even that fits, nothing is made and the process keeps the
+    system's (a worker's listener under a too-long one failed its weight load, and a TP-2 vLLM
+    engine its start, in a first try of this change)."""
     short = private_dir("nereus-t-", MULTIPROCESSING_SOCKET_BYTES)
     assert short is not None and len(short) + MULTIPROCESSING_SOCKET_BYTES <= IPC_PATH_MAX_BYTES
     os.rmdir(short)
     deep = tmp_path / ("d" * max(1, IPC_PATH_MAX_BYTES - len(str(tmp_path)) - 20))
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    moved = private_dir("nereus-t-", MULTIPROCESSING_SOCKET_BYTES)
+    assert moved is not None and os.path.dirname(moved) == tmpdirs.SHORT_TMP and list(deep.iterdir()) == []
+    os.rmdir(moved)
+    monkeypatch.setattr(tmpdirs, "SHORT_TMP", str(deep))
     assert private_dir("nereus-t-", MULTIPROCESSING_SOCKET_BYTES) is None
     assert list(deep.iterdir()) == []   # nothing left behind
