@@ -31,7 +31,7 @@ from nereusd.config.resolve import resolve_job
 from nereusd.journal import (ENDPOINT_FILE, SUMMARY_FILE, check_resume_steps, clear_run_dir, is_simulation_summary,
                              to_json)
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
-from nereusd.config.site import SiteConfig, load_site
+from nereusd.config.site import SiteConfig, load_site, resolve_site_path
 from nereusd.plan import MAX_DEVICES
 from nereusd.slurm import SlurmClient
 
@@ -111,6 +111,10 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     """Validate job and site together; everything a user can get wrong fails here."""
     job_path = Path(args.job_yaml).resolve()
     job = load_job(job_path)
+    try:   # a site that is not there: where it was named (the command line, or the job file)
+        resolve_site_path(args.site or job.site)
+    except ConfigError as err:
+        raise ConfigError(f"--site: {err}" if args.site else f"{job_path}: site: {err}") from None
     site = load_site(args.site or job.site)
     if job.memory_gib and site.name != load_site(job.site).name:
         print(f"nereus: warning: {job_path.name}: memory_gib {job.memory_gib:g} GiB (written for site {job.site!r}) "

@@ -349,3 +349,13 @@ def test_each_step_is_capped_by_its_stage_and_the_launch_plans_for_step_0(tmp_pa
     path.write_text("rollout:\n  max_new_tokens: 32\nadaptation: {launch_response_length: 33}\n")
     with pytest.raises(ConfigError, match=r"adaptation.launch_response_length: 33 exceeds rollout.max_new_tokens=32"):
         load_job(path)
+
+
+def test_a_site_that_does_not_exist_is_the_job_files_error(tmp_path):
+    """``site: nosuch`` said ``site 'nosuch': not found …`` without the job file or the key (an
+    adversarial trial)."""
+    from nereusd.config.resolve import load_and_resolve
+
+    path = write(tmp_path, tiny_job("site: nosuch\n"))
+    with pytest.raises(ConfigError, match=r"job.yaml: site: site 'nosuch': not found in .* \(known: \["):
+        load_and_resolve(path)
