@@ -88,8 +88,8 @@ def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
     except OSError as err:   # a name too long for the file system
         raise ConfigError(f"{source}: {key}: {shortened(value)}: {err.strerror}") from None
     if not found:
-        hint = (f"; a Hugging Face id is not downloaded: fetch it first (`hf download {value} --local-dir DIR`) "
-                "and give DIR" if _looks_like_hub_id(value) and not path.exists() else "")
+        hint = (f"; if it is a Hugging Face id: Nereus downloads nothing, fetch it first (`hf download {value} "
+                "--local-dir DIR`) and give DIR" if _looks_like_hub_id(value) and not path.exists() else "")
         raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'}){hint}")
     return str(path)
 

@@ -103,7 +103,7 @@ def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[Rec
     if not path.is_file():
         raise ConfigError(f"{path}: " + ("not a regular file (a dataset is a JSON, JSONL or Parquet file)"
                                          if path.exists() else "no such dataset file (a local JSON, JSONL or Parquet "
-                                         "file: a Hugging Face dataset is not downloaded, fetch it first with `hf "
+                                         "file; Nereus downloads nothing: fetch a Hugging Face dataset first with `hf "
                                          "download --repo-type dataset`)"))
     out = []
     for row, data in enumerate(_rows(path)):

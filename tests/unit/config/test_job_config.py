@@ -158,9 +158,9 @@ def test_model_directory_must_exist(tmp_path):
     assert "hf download" not in str(err.value)
     # a Hugging Face id read as a directory: the error says it is not downloaded (a new user's trial)
     path = write(tmp_path, "models:\n  actor: Qwen/Qwen2.5-0.5B-Instruct\n")
-    with pytest.raises(ConfigError, match=r"'Qwen/Qwen2.5-0.5B-Instruct' is not a model directory .*a Hugging Face "
-                                          r"id is not downloaded: fetch it first \(`hf download Qwen/Qwen2.5-0.5B-"
-                                          r"Instruct --local-dir DIR`\)"):
+    with pytest.raises(ConfigError, match=r"'Qwen/Qwen2.5-0.5B-Instruct' is not a model directory .*if it is a "
+                                          r"Hugging Face id: Nereus downloads nothing, fetch it first \(`hf download "
+                                          r"Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`\)"):
         resolve(path)
 
 
