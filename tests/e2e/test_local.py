@@ -2,6 +2,7 @@
 each algorithm, on colocated and disjoint placements, and writes the documented files."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,17 +152,24 @@ def test_bad_job_fails_before_anything_starts(tmp_path):
     assert not run_dir.exists()
 
 
-def test_an_agent_that_dies_before_registering_fails_the_job_at_once(tmp_path):
-    """``--gpus`` on a machine without a GPU: the agent exits at start-up. The launcher said nothing
-    for nereusd's 120 s registration wait, then "only 0 of 4 devices registered"; it now stops the
-    job at once with the agent's own error (2026-12-06, a new user's trial)."""
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the agent starts")
-    proc, run_dir = launch(tmp_path, "name: e2e-no-gpu" + GRPO_2, timeout_s=90, extra=("--gpus",))
+def test_an_agent_that_dies_before_registering_fails_the_job_at_once(tmp_path, monkeypatch):
+    """An agent that exits at start-up (it was ``--gpus`` on a machine without a GPU, which the
+    launcher now refuses itself): the launcher said nothing for nereusd's 120 s registration wait,
+    then "only 0 of 4 devices registered"; it now stops the job at once with the agent's own error
+    (2026-12-06, a new user's trial). The failure is injected into the agent's interpreter alone,
+    by a ``sitecustomize`` that exits where the command line runs ``emu.agent``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'emu.agent' in sys.orig_argv:\n"
+        "    print('RuntimeError: injected: this agent cannot start', file=sys.stderr, flush=True)\n"
+        "    os._exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    proc, run_dir = launch(tmp_path, "name: e2e-no-agent" + GRPO_2, timeout_s=90)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "failed: the agent exited with status 1 before it registered: RuntimeError: no NVIDIA or AMD GPU" in proc.stderr
+    assert ("failed: the agent exited with status 1 before it registered: RuntimeError: injected: this agent "
+            "cannot start") in proc.stderr, proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error_kind"] == "AgentFailed"
     assert processes_mentioning(str(run_dir)) == []
