@@ -31,7 +31,7 @@ from nereusd.config.resolve import resolve_job
 from nereusd.journal import (ENDPOINT_FILE, SUMMARY_FILE, check_resume_steps, clear_run_dir, is_simulation_summary,
                              to_json)
 from nereusd.daemon.security import KEYS_DIR, init_keys, load_keys, make_client
-from nereusd.config.site import SiteConfig, load_site, resolve_site_path
+from nereusd.config.site import SiteConfig, load_site, require_site
 from nereusd.plan import MAX_DEVICES
 from nereusd.slurm import SlurmClient
 
@@ -111,10 +111,7 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     """Validate job and site together; everything a user can get wrong fails here."""
     job_path = Path(args.job_yaml).resolve()
     job = load_job(job_path)
-    try:   # a site that is not there: where it was named (the command line, or the job file)
-        resolve_site_path(args.site or job.site)
-    except ConfigError as err:
-        raise ConfigError(f"--site: {err}" if args.site else f"{job_path}: site: {err}") from None
+    require_site(args.site or job.site, "--site" if args.site else f"{job_path}: site")
     site = load_site(args.site or job.site)
     if job.memory_gib and site.name != load_site(job.site).name:
         print(f"nereus: warning: {job_path.name}: memory_gib {job.memory_gib:g} GiB (written for site {job.site!r}) "
@@ -377,9 +374,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
     if not (run_dir / ENDPOINT_FILE).is_file():
         raise NereusError(f"{run_dir}: nereusd has not started yet (no nereusd.json); grow a running job")
     client = SlurmClient()
-    info = client.job(record["job_id"])
-    if info is None or info.state != "RUNNING":   # its agents would wait for a nereusd that is gone
-        raise NereusError(f"job {record['job_id']} is {info.state if info else 'gone'}; only a running job grows")
+    _running(client, record, "grows")   # a grow allocation's agents would wait for a nereusd that is gone
     ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=args.nodes, account="", time="")
     site, req = _prepare(ns, str(run_dir), "grow")
     job_id = client.sbatch(render(load_template(), site, req))
@@ -388,6 +383,18 @@ def cmd_grow(args: argparse.Namespace) -> int:
     print(f"nereus: grow allocation {job_id} ({args.nodes} node(s)) submitted; its agents join nereusd of "
           f"job {record['job_id']}")
     return 0
+
+
+def _running(client: SlurmClient, record: dict[str, Any], verb: str):
+    """The main allocation of ``record`` as squeue sees it.
+
+    Raises:
+        NereusError: it is not running (``only a running job <verb>``).
+    """
+    info = client.job(record["job_id"])
+    if info is None or info.state != "RUNNING":
+        raise NereusError(f"job {record['job_id']} is {info.state if info else 'gone'}; only a running job {verb}")
+    return info
 
 
 def submit_resume(run_dir: Path) -> str:
@@ -426,9 +433,7 @@ def cmd_shrink(args: argparse.Namespace) -> int:
         client.cancel(args.grow_job)
         print(f"nereus: cancelled grow allocation {args.grow_job}; its nodes leave the pool")
         return 0
-    info = client.job(record["job_id"])
-    if info is None or info.state != "RUNNING":
-        raise NereusError(f"job {record['job_id']} is {info.state if info else 'gone'}; only a running job shrinks")
+    info = _running(client, record, "shrinks")
     if not 1 <= args.nodes < info.num_nodes:
         raise NereusError(f"--nodes: expected 1..{info.num_nodes - 1} (the job has {info.num_nodes}), got {args.nodes}")
     client.resize(record["job_id"], args.nodes)

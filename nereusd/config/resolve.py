@@ -384,15 +384,12 @@ def load_and_resolve(path: str | Path, site_loader=None) -> ResolvedJob:
     Raises:
         ConfigError: for any problem in the job or site files.
     """
-    from nereusd.config.site import load_site, resolve_site_path  # the site schema lives in its own module
+    from nereusd.config.site import load_site, require_site  # the site schema lives in its own module
 
     path = Path(path)
     job = load_job(path)
     if site_loader is None:
-        try:   # a site that is not there is the job file's error; one that is malformed names its own file
-            resolve_site_path(job.site)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: site: {err}") from None
+        require_site(job.site, f"{path}: site")
     site = (site_loader or load_site)(job.site)
     return resolve_job(
         job, source=str(path), base_dir=path.resolve().parent,

@@ -322,6 +322,20 @@ def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
     raise ConfigError(f"site {text!r}: not found in {[str(d) for d in dirs]} (known: {known})")
 
 
+def require_site(path_or_name: str | os.PathLike, key: str) -> None:
+    """Check that the site ``key`` names exists (:func:`resolve_site_path`): a site that is not
+    there is the error of where it was named (``job.yaml: site``, ``--site``), while a malformed
+    one names its own file when it is loaded.
+
+    Raises:
+        ConfigError: ``<key>: site '<name>': not found …``.
+    """
+    try:
+        resolve_site_path(path_or_name)
+    except ConfigError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
 def load_site(path_or_name: str | os.PathLike) -> SiteConfig:
     """Load and validate a site config from a path or a bare name (see :func:`resolve_site_path`).
 
