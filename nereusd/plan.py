@@ -110,6 +110,14 @@ class Layout:
         """Devices per replica, ``tp · pp``."""
         return self.tp * self.pp
 
+    def check_devices(self, devices: int) -> None:
+        """Raises:
+            PlanError: ``devices`` cannot hold whole replicas of this layout (not a multiple of
+                ``tp · pp``).
+        """
+        if devices % self.size:
+            raise PlanError(f"{devices} devices are not a multiple of tp·pp = {self.tp}·{self.pp}")
+
 
 ZERO_STAGES = (0, 1, 2)
 """ZeRO stages of a training model-stage: 0 replicated Adam (native engine), 1 optimizer state and

@@ -167,8 +167,10 @@ def _resolve_candidate(
                 f"{source}: {key}.pp: generation folds PP into DP, pp must be 1, got {override.pp}"
             )
         pp = 1
-    if len(devs) % (tp * pp):
-        raise ConfigError(f"{source}: {key}: {len(devs)} devices are not a multiple of tp·pp = {tp}·{pp}")
+    try:
+        Layout(tp, pp).check_devices(len(devs))
+    except PlanError as err:
+        raise ConfigError(f"{source}: {key}: {err}") from None
     dp = merged["dp"] or len(devs) // (tp * pp)
     if tp * pp * dp != len(devs):
         raise ConfigError(
@@ -255,19 +257,19 @@ def _check_forced(job: JobConfig, stages: list[ModelStage], backends: dict[Model
             where = f"{key}.model_stages.{name}"
             zero = default_zero_stage(ms, backend) if cfg.zero_stage is None else cfg.zero_stage
             check_zero_stage(ms, backend, zero, tp=cfg.tp or 1, pp=cfg.pp or 1, key=where)
-            tp, pp = cfg.tp or 1, cfg.pp or 1
-            try:
-                check_layout(specs[ms.role], Layout(tp, pp), value_head=value_head_for(ms.role),
-                             generation=ms.stage is Stage.GENERATION)
-            except PlanError as err:
-                raise ConfigError(f"{where}: {err}") from None
+            layout = Layout(cfg.tp or 1, cfg.pp or 1)
             if cfg.devices is not None:
                 if not cfg.devices:
                     raise ConfigError(f"{where}.devices: empty list (leave it out to keep the model-stage's devices)")
                 if len(set(cfg.devices)) != len(cfg.devices):
                     raise ConfigError(f"{where}.devices: device listed twice in {list(cfg.devices)}")
-                if len(cfg.devices) % (tp * pp):
-                    raise ConfigError(f"{where}: {len(cfg.devices)} devices are not a multiple of tp·pp = {tp}·{pp}")
+            try:
+                check_layout(specs[ms.role], layout, value_head=value_head_for(ms.role),
+                             generation=ms.stage is Stage.GENERATION)
+                if cfg.devices is not None:
+                    layout.check_devices(len(cfg.devices))
+            except PlanError as err:
+                raise ConfigError(f"{where}: {err}") from None
 
 
 def resolve_job(job: JobConfig, *, source: str, base_dir: Path, site_devices: int,

@@ -55,10 +55,12 @@ def forced_plan(job: ResolvedJob, current: Plan, overrides: Mapping[str, object]
         cur = current[ms]
         devices = tuple(cfg.devices) if cfg.devices is not None else cur.devices
         tp, pp = cfg.tp or cur.tp, cfg.pp or cur.pp
-        if len(devices) % (tp * pp):
-            raise PlanError(f"adaptation.forced: {ms}: {len(devices)} devices are not a multiple of tp·pp={tp * pp}")
-        check_layout(job.roles[ms.role].spec, Layout(tp, pp), value_head=value_head_for(ms.role),
-                     generation=ms.stage is Stage.GENERATION)
+        try:
+            Layout(tp, pp).check_devices(len(devices))
+            check_layout(job.roles[ms.role].spec, Layout(tp, pp), value_head=value_head_for(ms.role),
+                         generation=ms.stage is Stage.GENERATION)
+        except PlanError as err:
+            raise PlanError(f"adaptation.forced: {ms}: {err}") from None
         dp = cfg.dp or len(devices) // (tp * pp)
         mb = cfg.micro_batch if cfg.micro_batch is not None else cur.micro_batch
         zero = cfg.zero_stage if cfg.zero_stage is not None else cur.zero_stage

@@ -84,11 +84,8 @@ def shell(tmp_path, job_text: str = JOB):
     return job, site, control, journal, driver, controller
 
 
-def test_the_executed_dag_is_the_assessed_one(tmp_path):
-    job, site, control, journal, driver, controller = shell(tmp_path)
-    outcomes = []
-    boundary = controller.boundary
-    controller.boundary = lambda *a, **kw: outcomes.append(boundary(*a, **kw)) or outcomes[-1]
+def first_boundary(tmp_path, job, control, journal, driver, controller) -> None:
+    """The shell's boundary after step 0 (responses of 8 tokens), on the whole pool."""
     pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
     pool.world_formed(driver.plan.to_dict(), list(range(job.devices)))
     live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
@@ -97,6 +94,14 @@ def test_the_executed_dag_is_the_assessed_one(tmp_path):
                                 response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
                                 peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
                                 staleness=0))
+
+
+def test_the_executed_dag_is_the_assessed_one(tmp_path):
+    job, site, control, journal, driver, controller = shell(tmp_path)
+    outcomes = []
+    boundary = controller.boundary
+    controller.boundary = lambda *a, **kw: outcomes.append(boundary(*a, **kw)) or outcomes[-1]
+    first_boundary(tmp_path, job, control, journal, driver, controller)
 
     decision = outcomes[0].decision
     assert decision.admitted and decision.target.dag is not None
@@ -222,17 +227,10 @@ def test_a_forced_layout_that_cannot_apply_at_its_step_is_said_and_the_job_goes_
     job_text = JOB.replace("{devices: [0, 8, 2, 3], dp: 4}", "{tp: 4}")
     job, site, control, journal, driver, controller = shell(tmp_path, job_text)
     before = driver.plan
-    pool = PoolController(journal, tmp_path / "run", job.config.name, job.config.steps)
-    pool.world_formed(driver.plan.to_dict(), list(range(job.devices)))
-    live = LiveAdaptation(job, controller, driver, control, SimpleNamespace(generation=0), journal, tmp_path / "run",
-                          pool)
-    live.at_boundary(StepRecord(step=0, step_latency_s=1.0, stage_latency_s={}, model_stage_s={}, reward_mean=0.0,
-                                response_length_mean=8.0, response_length_max=8, tokens_per_s=1.0,
-                                peak_memory_bytes={}, plan=driver.plan, sample_position=0, policy_version=0,
-                                staleness=0))
+    first_boundary(tmp_path, job, control, journal, driver, controller)
     journal.close()
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     said = [e for e in events if e["event"] == "trigger" and e["signal"] == "forced"]
     assert len(said) == 1 and "adaptation.forced for step 1 not applied" in said[0]["detail"], said
-    assert "2 devices are not a multiple of tp·pp=4" in said[0]["detail"]
+    assert "adaptation.forced: actor/training: 2 devices are not a multiple of tp·pp = 4·1" in said[0]["detail"]
     assert driver.plan == before and not [k for k, _ in control.tasks if k == "transition_prepare"]
