@@ -95,13 +95,15 @@ class PoolTrace:
 
 
 def _read_column(path: Path, column: str) -> list[float]:
-    """The numbers of ``column`` in the CSV ``path``, each finite and at least 1 (a length in tokens).
+    """The numbers of ``column`` in the CSV ``path``, each a length in tokens from 1 to
+    :data:`~nereusd.models.MAX_MODEL_DIMENSION` (the bound of ``generated-ramp`` and of a job's
+    lengths; a trace of ``1e12`` was accepted and failed mid-simulation: an adversarial trial).
     Empty cells, and rows too short to reach the column, are skipped: a W&B export has them for
     the steps that did not log the column (``deepgrpo-tree`` shares its file with another run).
 
     Raises:
         ConfigError: naming the file (and the row): not UTF-8, no such column, an empty column,
-            or a value that is not a finite number of at least 1.
+            or a value that is not such a number.
     """
     values = []
     try:
@@ -124,9 +126,9 @@ def _read_column(path: Path, column: str) -> list[float]:
                     value = float(text)
                 except ValueError:
                     value = math.nan
-                if not (math.isfinite(value) and value >= 1):
+                if not 1 <= value <= MAX_MODEL_DIMENSION:   # NaN fails too
                     raise ConfigError(f"{path.name}: line {reader.line_num}: {column} {text!r} is not a number of "
-                                      "tokens of at least 1")
+                                      f"tokens from 1 to {MAX_MODEL_DIMENSION:,}")
                 values.append(value)
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path.name}: {not_utf8(err)}; is it a CSV file?") from None

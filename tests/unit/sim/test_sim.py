@@ -422,9 +422,11 @@ def test_simulate_warns_when_prompt_and_longest_response_exceed_the_model_contex
 
 @pytest.mark.parametrize("kind, content, says", [
     ("length", "response_length_max\n12\nabc\n", "line 3: response_length_max 'abc' is not a number of tokens"),
-    ("length", "response_length_max\n12\nnan\n", "'nan' is not a number of tokens of at least 1"),
-    ("length", "response_length_max\n12\n-50\n", "'-50' is not a number of tokens of at least 1"),
-    ("length", "response_length_max\n12\n1e-300\n", "'1e-300' is not a number of tokens of at least 1"),
+    ("length", "response_length_max\n12\nnan\n", "'nan' is not a number of tokens from 1 to 16,777,216"),
+    ("length", "response_length_max\n12\n-50\n", "'-50' is not a number of tokens from 1 to 16,777,216"),
+    ("length", "response_length_max\n12\n1e-300\n", "'1e-300' is not a number of tokens from 1 to 16,777,216"),
+    # accepted, then the simulation failed partway (an adversarial trial, 2026-12-07)
+    ("length", "response_length_max\n12\n1e12\n", "'1e12' is not a number of tokens from 1 to 16,777,216"),
     # the default column is the step's longest response; a file of means says which to name
     ("length", "step,response_length_mean\n0,12\n", "no column 'response_length_max' (columns: ['step', "
                                                      "'response_length_mean']); name one with FILE.csv:COLUMN"),
