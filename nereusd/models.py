@@ -77,7 +77,7 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_MODEL_DIMENSION:
                 raise ConfigError(f"model.{name}: expected an integer from 1 to {MAX_MODEL_DIMENSION:,}, "
-                                  f"got {str(value)[:40]}")
+                                  f"got {shortened(value, 40)}")   # quoted: the string "128" is not 128
         if not isinstance(self.explicit_head_dim, int) or self.explicit_head_dim < 0:
             raise ConfigError(f"model.explicit_head_dim: expected an integer >= 0, got {self.explicit_head_dim!r}")
         if not self.explicit_head_dim and self.hidden_size % self.num_heads:
