@@ -102,8 +102,11 @@ def launch_for(problem: PlanProblem, calibration: Calibration | None = None) -> 
         try:   # the planner's own account of what fails, and what would fit
             Planner(problem, cost_model, PlannerOptions(headroom=HEADROOM, allow_recompute=True), suggest=True).solve()
         except Infeasible as err:
-            # the urgent path's lines ("job settings: …", "with recomputation: …") say it again
-            lines = [line for line in lines if line.split(": ", 1)[-1] not in str(err)] + [str(err)]
+            # the urgent path's lines ("job settings: …", "with recomputation: …") that it says
+            # again are dropped; it planned with recomputation, which its line says (without a
+            # label, a job-settings line and it read as two verdicts on one model-stage)
+            lines = [line for line in lines if line.split(": ", 1)[-1] not in str(err)]
+            lines.append(f"{'with' if lines else 'even with'} recomputation: {err}")
             why = err
         raise Infeasible(f"no launch plan fits {len(problem.pool)} devices: " + "; ".join(lines),
                          *((why.model_stage, why.need_bytes, why.usable_bytes) if why is not None else ()))

@@ -68,6 +68,14 @@ def test_a_launch_that_fits_no_device_says_what_is_short(demo):
     assert err.value.model_stage is not None and err.value.need_bytes > small.device_memory_bytes
     assert err.value.usable_bytes < small.device_memory_bytes
     assert str(err.value).count("smallest peak over every layout") == 1   # said once, not three times
+    # where recomputation shrinks the peak, both verdicts are said, each with what it planned with
+    # (the second was unlabelled: an adversarial trial, 2026-12-07)
+    smaller = dataclasses.replace(job, device_memory_bytes=int(0.02 * 2**30))
+    with pytest.raises(Infeasible) as err:
+        launch_plan(smaller, site, PROMPT)
+    text = str(err.value)
+    assert text.count("smallest peak over every layout") == 2, text
+    assert "job settings: actor/training" in text and "; with recomputation: actor/training" in text, text
 
 
 def test_growth_switches_before_the_launch_layout_runs_out_of_memory(demo):
