@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import shutil
 import signal
@@ -24,16 +23,17 @@ from pathlib import Path
 import yaml
 
 from nereusd.config.job import load_yaml_mapping, parse_job
-from nereusd.errors import ConfigError, NereusError
+from nereusd.errors import NereusError
 from nereusd.stop import SignalStop
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, LaunchLock, clear_run_dir,
                              crash_summary, read_jsonl, write_summary)
-from nereusd.plan import Candidate
+from launcher.local_devices import check_gpus, site_mismatch
+from launcher.pool_trace import describe_pool_schedule, pool_trace_override
 from launcher.procs import stop_run_processes
+from launcher.progress import Progress
 from nereusd.daemon.security import init_keys
-
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,86 +72,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     trace.add_argument("--trace-start-hour", type=float, metavar="H",
                        help="trace hour at which the first step starts (default: the job's, else 0)")
     parser.set_defaults(func=run_local)
-
-
-MODEL_KEYS = ("actor", "critic", "reference", "reward")
-
-
-def pool_trace_override(args: argparse.Namespace, data: dict) -> dict | None:
-    """The job mapping ``data`` with ``pool.trace`` set from ``--pool-trace``, ``--trace-hour-s``,
-    ``--trace-hour-steps`` and ``--trace-start-hour`` (missing ones keep the job's values), or
-    ``None`` when none is given. Model directories become absolute paths (they are relative to
-    the job file, and the effective job is written to the run directory).
-
-    Raises:
-        NereusError: a time base or start hour without a trace, or a trace without a time base.
-    """
-    flags = {"seconds_per_trace_hour": args.trace_hour_s, "steps_per_trace_hour": args.trace_hour_steps,
-             "start_hour": args.trace_start_hour}
-    if args.pool_trace is None and all(v is None for v in flags.values()):
-        return None
-    pool = dict(data.get("pool") or {})
-    trace = dict(pool.get("trace") or {})
-    if args.pool_trace is None and not trace:
-        raise NereusError("--trace-hour-s, --trace-hour-steps and --trace-start-hour need --pool-trace NAME "
-                          "(or a pool.trace in the job)")
-    if args.pool_trace is not None:
-        trace["name"] = args.pool_trace
-    if args.trace_hour_s is not None or args.trace_hour_steps is not None:
-        trace.pop("seconds_per_trace_hour", None)
-        trace.pop("steps_per_trace_hour", None)
-    trace.update({k: v for k, v in flags.items() if v is not None})
-    if "seconds_per_trace_hour" not in trace and "steps_per_trace_hour" not in trace:
-        raise NereusError("--pool-trace needs a time base: --trace-hour-s S (seconds per trace hour) or "
-                          "--trace-hour-steps N (steps per trace hour)")
-    out = dict(data, pool=dict(pool, trace=trace))
-    base_dir = Path(args.job).resolve().parent
-    models = dict(out.get("models") or {})
-    for key in MODEL_KEYS:
-        if isinstance(models.get(key), str) and not Path(models[key]).is_absolute():
-            models[key] = str((base_dir / models[key]).resolve())
-    if models:
-        out["models"] = models
-    return out
-
-
-def describe_pool_schedule(job: ResolvedJob, preview: int = 8) -> list[str]:
-    """Launch lines for the job's ``pool.schedule`` and ``pool.trace`` (the trace's first changes).
-
-    Raises:
-        ConfigError: ``pool.trace.min_devices`` above the job's devices.
-    """
-    from nereusd.config.pool_schedule import schedule_for
-
-    pool = job.config.pool
-    try:
-        schedule = schedule_for(job)   # validates against the job's devices
-    except ConfigError as err:
-        raise ConfigError(f"{job.source}: {err}") from None
-    lines = []
-    if pool.schedule:
-        lines.append(f"nereus: pool schedule: {len(pool.schedule)} event(s)")
-    trace = schedule.trace
-    if trace is not None:
-        c = trace.config
-        if c.steps_per_trace_hour is not None:
-            hours = (job.config.steps - 1) / c.steps_per_trace_hour
-            base = f"{c.steps_per_trace_hour:g} steps per trace hour"
-        else:
-            hours = 48.0
-            base = f"{c.seconds_per_trace_hour:g} s per trace hour"
-        changes = trace.changes(hours)
-        shown = []
-        for hour, n in changes[:preview]:
-            kind, at = trace.offset(hour)
-            where = f"step {max(1, math.ceil(at - 1e-9))}" if kind == "at_step" else f"{at:.0f} s"
-            shown.append(f"{n} at {where}")
-        more = f", ... ({len(changes)} changes in {hours:.1f} trace hours)" if len(changes) > preview else ""
-        lines.append(f"nereus: pool trace {c.name} from hour {c.start_hour:g} ({base}), scaled to {job.devices} "
-                     f"devices (min {trace.min_devices}): devices " + (", ".join(shown) + more if shown else "unchanged"))
-    if (pool.schedule or trace is not None) and not job.config.adaptation.enabled:
-        lines.append("nereus: warning: adaptation.enabled is false, so the pool schedule and trace are not applied")
-    return lines
 
 
 class _DeferredStop:
@@ -249,104 +169,6 @@ def _stop(proc: subprocess.Popen | None, grace_s: float) -> None:
             continue
 
 
-def compact_plan(plan: dict) -> str:
-    """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case);
-    a ZeRO stage is appended as ``z1`` / ``z2`` (``aT1·1·4z1``)."""
-    parts = []
-    for name, cand in plan.items():
-        role, _, stage = name.partition("/")
-        zero = f"z{cand['zero_stage']}" if cand.get("zero_stage") else ""
-        parts.append(f"{role[:1]}{stage[:1].upper()}{cand['tp']}·{cand['pp']}·{cand['dp']}{zero}")
-    return " ".join(parts)
-
-
-def describe_event(ev: dict) -> str | None:
-    """One progress line for an admitted switch, a fallback or a pool change; else ``None``."""
-    kind = ev.get("event")
-    if kind == Event.ADMISSION and ev.get("verdict") == "admit":
-        why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
-        changed = [f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in (ev.get("target_plan") or {}).items()
-                   if c != (ev.get("current_plan") or {}).get(ms)]
-        gain = ev.get("delta_l_s")   # ΔL = current − target step, a number, or "inf" when the current plan could not run
-        if isinstance(gain, (int, float)) and math.isfinite(gain):
-            gain_s = f"{abs(gain):.2f} s/step {'faster' if gain >= 0 else 'slower'}"
-        else:
-            gain_s = "the current plan cannot run"
-        return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
-                + (f" (predicted {gain_s}, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
-    if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
-        plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
-        return f"nereus: planner's launch plan: {plan}"
-    if kind == Event.RESTART_STARTED:
-        return (f"nereus: step {ev['step']}: restarting from {ev.get('checkpoint') or 'the initial weights'} on "
-                f"devices {ev.get('world')}: {ev.get('reason')}")
-    if kind == Event.FALLBACK:
-        return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
-    if kind == Event.POOL_CHANGED and "step" in ev:
-        why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
-        return (f"nereus: step {ev['step']}: pool change (joined {ev.get('joined')}, leaving {ev.get('leaving')}) "
-                f"-> {len(ev.get('pool_devices', []))} devices{why}")
-    if kind == Event.POOL_REQUEST_REFUSED:
-        why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
-        return f"nereus: pool change refused: remove {ev.get('remove')}: {ev.get('reason')}{why}"
-    return None
-
-
-class _Progress:
-    """A tqdm bar fed from ``metrics.jsonl``, started when the job has built its engines (the
-    ``build`` event) or finished its first step: started with the launch, its first estimate took
-    the workers' and vLLM engines' start-up (20–45 s) for a step and read 22 minutes for a
-    one-minute job; the events printed before it (the launch plan, Prometheus, TensorBoard) ran
-    into its 0 % line."""
-
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.bar = total, None
-        self.seen = 0
-        self.events_seen = 0
-        self.switches = 0
-        self.quiet = quiet
-
-    def _started(self):
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, unit="step", disable=self.quiet, dynamic_ncols=True, desc="nereus")
-        return self.bar
-
-    def _write(self, line: str) -> None:
-        if self.bar is None:
-            print(line, flush=True)
-        else:
-            self.bar.write(line)
-
-    def update(self, run_dir: Path) -> None:
-        records = read_jsonl(run_dir / METRICS_FILE)
-        if records[self.seen:]:
-            self._started()
-        for rec in records[self.seen:]:
-            self.bar.set_postfix_str(
-                f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f}"
-                + (f"/{rec['max_new_tokens']}" if rec.get("max_new_tokens") is not None else "")
-                + f" step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
-                f"switches {self.switches}", refresh=False)
-            self.bar.update(1)
-        self.seen = len(records)
-        events = read_jsonl(run_dir / EVENTS_FILE)
-        for ev in events[self.events_seen:]:
-            if ev.get("event") == Event.ADMISSION and ev.get("verdict") == "admit":
-                self.switches += 1
-            line = describe_event(ev)
-            if line and not self.quiet:
-                self._write(line)
-            if ev.get("event") == Event.BUILD:
-                self._started()
-        self.events_seen = len(events)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 class _Terminated(BaseException):
     """SIGTERM or SIGHUP reached the launcher (``kill``, ``timeout``, a closed terminal). A
     ``BaseException``, as ``KeyboardInterrupt`` is: code the signal interrupts that catches
@@ -400,32 +222,6 @@ def run_local(args: argparse.Namespace) -> int:
     return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet, launching=launching)
 
 
-def check_gpus() -> None:
-    """``--gpus`` on a node without a GPU is refused before any process starts and before the run
-    directory is touched; it used to start nereusd and the agent, whose probe then failed. The
-    agent's own probe (:func:`emu.inventory.discover`).
-
-    Raises:
-        NereusError: no NVIDIA or AMD GPU is visible to this process.
-    """
-    from emu.inventory import probe_amd, probe_nvidia
-
-    if not (probe_nvidia() or probe_amd()):
-        raise NereusError("--gpus: no NVIDIA or AMD GPU found on this node; without --gpus the job runs on "
-                          "virtual CPU devices")
-
-
-def site_mismatch(site, gpus: bool) -> str | None:
-    """Why the job's site does not describe the devices ``local`` runs (``None`` when it does): a
-    GPU site without ``--gpus`` gives virtual CPU devices that GPU's memory and figures, and the
-    planner plans for them."""
-    if gpus or site.device_kind == "cpu":
-        return None
-    return (f"site {site.name!r} describes {site.device_kind} devices of {site.device.memory_gib:g} GiB; without "
-            f"--gpus this job runs on virtual CPU devices given that memory, and plans with that site's "
-            f"figures (site: local describes this machine)")
-
-
 def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, quiet: bool,
               resume: bool = False, launching: LaunchLock | None = None, kept_agents: list[int] | None = None) -> int:
     """Start nereusd (``--resume`` with ``resume``) and one agent for ``job`` in ``run_dir``, show
@@ -439,7 +235,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     logs = run_dir / "logs"
     daemon = agent = None
     crashed = owned = False   # owned: this launcher's nereusd held the run directory
-    progress = _Progress(job.config.steps, quiet)
+    progress = Progress(job.config.steps, quiet)
     interrupted = False
     agent_error = None   # why the agent exited before it registered
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from launcher.cli import build_parser
-from launcher.local import describe_event, pool_trace_override
+from launcher.pool_trace import pool_trace_override
+from launcher.progress import describe_event
 from nereusd.config.job import parse_job
 from nereusd.config.pool import PoolConfig
 from nereusd.errors import ConfigError, NereusError

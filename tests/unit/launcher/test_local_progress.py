@@ -1,4 +1,5 @@
-"""The progress bar of ``nereus-launch local`` (:class:`launcher.local._Progress`)."""
+"""The progress bar of ``nereus-launch local`` (:class:`launcher.progress.Progress`), its signal
+handling, and the checks of the devices it runs on (:mod:`launcher.local_devices`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import tqdm.std
 
 from launcher import local
-from launcher.local import _Progress, _raise_terminated, _Terminated
+from launcher.local import _raise_terminated, _Terminated
+from launcher.local_devices import site_mismatch
+from launcher.progress import Progress
 
 
 def test_the_progress_bar_shows_each_steps_response_cap(tmp_path):
@@ -20,7 +23,7 @@ def test_the_progress_bar_shows_each_steps_response_cap(tmp_path):
     line = {"step": 0, "reward_mean": 0.5, "response_length_mean": 5.5, "step_latency_s": 1.0, "plan": {}}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + "\n")
     (tmp_path / "events.jsonl").write_text("")
-    bar = _Progress(total=4, quiet=True)
+    bar = Progress(total=4, quiet=True)
     bar.update(tmp_path)
     assert "len 5.5 step 1.0s" in bar.bar.postfix, bar.bar.postfix
     with (tmp_path / "metrics.jsonl").open("a") as fh:
@@ -49,7 +52,7 @@ def test_a_sigterm_while_the_progress_bar_starts_is_not_swallowed(tmp_path, monk
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with pytest.raises(_Terminated, match="SIGTERM"):
-            _Progress(total=4, quiet=True).update(tmp_path)
+            Progress(total=4, quiet=True).update(tmp_path)
     finally:
         signal.signal(signal.SIGTERM, previous)
         local._STOP.taken()
@@ -79,10 +82,10 @@ def test_a_gpu_site_run_locally_on_cpu_devices_is_warned_about():
     from nereusd.config.site import load_site
 
     h200 = load_site("h200-ib")
-    warning = local.site_mismatch(h200, gpus=False)
+    warning = site_mismatch(h200, gpus=False)
     assert warning.startswith("site 'h200-ib' describes cuda devices of") and "without --gpus" in warning
-    assert local.site_mismatch(h200, gpus=True) is None
-    assert local.site_mismatch(load_site("local"), gpus=False) is None
+    assert site_mismatch(h200, gpus=True) is None
+    assert site_mismatch(load_site("local"), gpus=False) is None
 
 
 def test_a_stop_signal_during_a_process_start_waits_until_its_handle_is_kept():

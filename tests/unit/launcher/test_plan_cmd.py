@@ -86,7 +86,7 @@ def test_plan_zero_lets_training_use_zero_at_tp_pp_1(capsys):
 
 
 def test_compact_plan_marks_zero():
-    from launcher.local import compact_plan
+    from launcher.progress import compact_plan
 
     assert compact_plan({"actor/training": {"tp": 1, "pp": 1, "dp": 4, "zero_stage": 1},
                          "actor/generation": {"tp": 2, "pp": 1, "dp": 2}}) == "aT1·1·4z1 aG2·1·2"
@@ -122,7 +122,7 @@ def test_plan_zero_names_bad_stages(capsys, value):
 def test_an_admitted_switch_says_which_way_the_step_moves(delta_l_s, says):
     """The progress line of an admitted switch says faster or slower in words (it printed a signed
     ΔL, and a new user could not tell which sign was faster)."""
-    from launcher.local import describe_event
+    from launcher.progress import describe_event
 
     line = describe_event({"event": "admission", "verdict": "admit", "step": 1, "delta_l_s": delta_l_s,
                            "l_tran_s": 0.11, "triggers": [{"signal": "peak_memory", "urgent": True}],

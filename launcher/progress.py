@@ -1,0 +1,109 @@
+"""What ``nereus-launch local`` prints while a job runs: a progress bar fed from
+``metrics.jsonl``, and a line for each admitted switch, fallback and pool change of
+``events.jsonl``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl
+from nereusd.plan import Candidate
+
+
+def compact_plan(plan: dict) -> str:
+    """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case);
+    a ZeRO stage is appended as ``z1`` / ``z2`` (``aT1·1·4z1``)."""
+    parts = []
+    for name, cand in plan.items():
+        role, _, stage = name.partition("/")
+        zero = f"z{cand['zero_stage']}" if cand.get("zero_stage") else ""
+        parts.append(f"{role[:1]}{stage[:1].upper()}{cand['tp']}·{cand['pp']}·{cand['dp']}{zero}")
+    return " ".join(parts)
+
+
+def describe_event(ev: dict) -> str | None:
+    """One progress line for an admitted switch, a fallback or a pool change; else ``None``."""
+    kind = ev.get("event")
+    if kind == Event.ADMISSION and ev.get("verdict") == "admit":
+        why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
+        changed = [f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in (ev.get("target_plan") or {}).items()
+                   if c != (ev.get("current_plan") or {}).get(ms)]
+        gain = ev.get("delta_l_s")   # ΔL = current − target step, a number, or "inf" when the current plan could not run
+        if isinstance(gain, (int, float)) and math.isfinite(gain):
+            gain_s = f"{abs(gain):.2f} s/step {'faster' if gain >= 0 else 'slower'}"
+        else:
+            gain_s = "the current plan cannot run"
+        return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
+                + (f" (predicted {gain_s}, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
+    if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
+        plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
+        return f"nereus: planner's launch plan: {plan}"
+    if kind == Event.RESTART_STARTED:
+        return (f"nereus: step {ev['step']}: restarting from {ev.get('checkpoint') or 'the initial weights'} on "
+                f"devices {ev.get('world')}: {ev.get('reason')}")
+    if kind == Event.FALLBACK:
+        return f"nereus: step {ev['step']}: fallback {ev.get('action')}: {ev.get('reason')}"
+    if kind == Event.POOL_CHANGED and "step" in ev:
+        why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
+        return (f"nereus: step {ev['step']}: pool change (joined {ev.get('joined')}, leaving {ev.get('leaving')}) "
+                f"-> {len(ev.get('pool_devices', []))} devices{why}")
+    if kind == Event.POOL_REQUEST_REFUSED:
+        why = f" [{'; '.join(ev['sources'])}]" if ev.get("sources") else ""
+        return f"nereus: pool change refused: remove {ev.get('remove')}: {ev.get('reason')}{why}"
+    return None
+
+
+class Progress:
+    """A tqdm bar fed from ``metrics.jsonl``, started when the job has built its engines (the
+    ``build`` event) or finished its first step: started with the launch, its first estimate took
+    the workers' and vLLM engines' start-up (20–45 s) for a step and read 22 minutes for a
+    one-minute job; the events printed before it (the launch plan, Prometheus, TensorBoard) ran
+    into its 0 % line."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.bar = total, None
+        self.seen = 0
+        self.events_seen = 0
+        self.switches = 0
+        self.quiet = quiet
+
+    def _started(self):
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="step", disable=self.quiet, dynamic_ncols=True, desc="nereus")
+        return self.bar
+
+    def _write(self, line: str) -> None:
+        if self.bar is None:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
+
+    def update(self, run_dir: Path) -> None:
+        records = read_jsonl(run_dir / METRICS_FILE)
+        if records[self.seen:]:
+            self._started()
+        for rec in records[self.seen:]:
+            self.bar.set_postfix_str(
+                f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f}"
+                + (f"/{rec['max_new_tokens']}" if rec.get("max_new_tokens") is not None else "")
+                + f" step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
+                f"switches {self.switches}", refresh=False)
+            self.bar.update(1)
+        self.seen = len(records)
+        events = read_jsonl(run_dir / EVENTS_FILE)
+        for ev in events[self.events_seen:]:
+            if ev.get("event") == Event.ADMISSION and ev.get("verdict") == "admit":
+                self.switches += 1
+            line = describe_event(ev)
+            if line and not self.quiet:
+                self._write(line)
+            if ev.get("event") == Event.BUILD:
+                self._started()
+        self.events_seen = len(events)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
