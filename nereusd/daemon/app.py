@@ -38,6 +38,7 @@ from nereusd.daemon.kept import KeptState, NotKept, keep_workers
 from nereusd.daemon.live import LiveAdaptation
 from nereusd.daemon.observe import Observer
 from nereusd.daemon.pool import PoolController, PoolStop
+from nereusd.daemon.recovery import FailureRecovery, await_lost_devices
 from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
@@ -205,10 +206,6 @@ class Daemon:
             self._stop(summary, started)
         return code
 
-    LOST_WORKER_WAIT_S = 3.0
-    """How long a failed task waits for the agents' news of a worker that exited (``worker_exited``
-    follows the survivors' collective error within a second here)."""
-
     def _lost_workers(self, err: Exception) -> str | None:
         """The stop message of a task that failed because workers of the running plan exited (a
         process killed, or crashed) where live adaptation does not recover it (it is off, or the
@@ -218,13 +215,8 @@ class Daemon:
         driver = getattr(self, "driver", None)
         if driver is None or driver.plan is None:
             return None
-        devices = sorted(driver.plan.devices())
-        deadline = time.monotonic() + self.LOST_WORKER_WAIT_S
-        while True:
-            self.control.poll(0.1)
-            lost = self.control.lost_devices(devices)
-            if lost or time.monotonic() >= deadline:
-                break
+        lost = await_lost_devices(self.control, sorted(driver.plan.devices()), FailureRecovery.LOSS_GRACE_S,
+                                  FailureRecovery.SILENT_AGENT_S)
         if not lost:
             return None
         what = "; ".join(f"device {d}: {v['cause']}" + (f" (exit code {v['exitcode']})" if "exitcode" in v else "")

@@ -26,6 +26,26 @@ MAX_RESTART_ATTEMPTS = 3
 (:meth:`FailureRecovery.recover`); each restarts without the devices lost in the one before."""
 
 
+def await_lost_devices(control, devices: list[int], grace_s: float, silent_agent_s: float,
+                       clock=time.monotonic) -> dict[int, dict[str, Any]]:
+    """Devices of ``devices`` that the control plane knows to be lost (``{device: {cause, ...}}``,
+    :meth:`nereusd.daemon.control_plane.ControlPlane.lost_devices`), polling up to ``grace_s`` for
+    the news, and while an agent of theirs has been silent for ``silent_agent_s``, up to its
+    heartbeat timeout (a killed agent's workers outlive it until their task ends; its loss is
+    known by its dropped connection, :data:`~nereusd.daemon.registry.DISCONNECT_GRACE_S`, or by
+    heartbeat). A task that fails because a worker exited fails first on a survivor's collective,
+    before the agent's ``worker_exited`` arrives."""
+    start = clock()
+    grace_end = start + grace_s
+    heartbeat_end = start + control.heartbeat_timeout_s + 2.0
+    while True:
+        control.poll(0.1 if grace_s else 0)
+        lost = control.lost_devices(devices)
+        now = clock()
+        if lost or now >= grace_end and (now >= heartbeat_end or not control.silent_agents(devices, silent_agent_s)):
+            return lost
+
+
 class FailureRecovery:
     """:meth:`recover` and the restart it runs (module docstring)."""
 
@@ -110,25 +130,10 @@ class FailureRecovery:
         return False   # not reached: the attempt after the last gives up above
 
     def lost_devices(self, wait: bool = True, world: list[int] | None = None) -> dict[int, dict[str, Any]]:
-        """Devices of ``world`` (default: the job's world) that the control plane knows to be lost
-        (``{device: {cause, ...}}``, :meth:`nereusd.daemon.control_plane.ControlPlane.lost_devices`).
-
-        With ``wait``, poll up to :attr:`LOSS_GRACE_S` for the news, and while an agent of the
-        world has been silent for :attr:`SILENT_AGENT_S`, up to its heartbeat timeout (a killed
-        agent's workers outlive it until their task ends; its loss is known by its dropped
-        connection, :data:`~nereusd.daemon.registry.DISCONNECT_GRACE_S`, or by heartbeat).
-        """
-        world = self.world if world is None else world
-        start = self.clock()
-        grace_end = start + (self.LOSS_GRACE_S if wait else 0.0)
-        heartbeat_end = start + self.control.heartbeat_timeout_s + 2.0
-        while True:
-            self.control.poll(0.1 if wait else 0)
-            lost = self.control.lost_devices(world)
-            now = self.clock()
-            if lost or now >= grace_end and (now >= heartbeat_end or not
-                                             self.control.silent_agents(world, self.SILENT_AGENT_S)):
-                return lost
+        """:func:`await_lost_devices` of ``world`` (default: the job's world), waiting
+        :attr:`LOSS_GRACE_S` (``wait``) or not at all."""
+        return await_lost_devices(self.control, self.world if world is None else world,
+                                  self.LOSS_GRACE_S if wait else 0.0, self.SILENT_AGENT_S, self.clock)
 
     def _restart(self, world: list[int], leaving: list[int], failed_step: int, why: str,
                  checkpoint: tuple[str, int, int] | None, leave_reason: str = "") -> None:
