@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = (
     "launcher.report",
     "launcher.plan_cmd",
     "launcher.submit",
+    "launcher.status_cmd",
     "launcher.simulate_cmd",
     "launcher.pool_cmd",
     "launcher.resume_cmd",

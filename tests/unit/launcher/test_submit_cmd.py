@@ -30,10 +30,10 @@ def test_status_of_an_ended_job_reads_its_summary_without_waiting_for_nereusd(tm
     """An ended job's nereusd is gone; ``status`` asked it anyway and waited out its 5 s timeout,
     then printed one line. It now reads the summary at once and prints the outcome, reward,
     held-out pass@1, switches and the final plan."""
-    import launcher.submit as submit
+    import launcher.status_cmd as status_cmd
 
     asked = []
-    monkeypatch.setattr(submit, "ask_nereusd", lambda run_dir, timeout_s=5.0: asked.append(run_dir))
+    monkeypatch.setattr(status_cmd, "ask_nereusd", lambda run_dir, timeout_s=5.0: asked.append(run_dir))
     (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
     (tmp_path / "summary.json").write_text(json.dumps({
         "status": "succeeded", "steps_completed": 30, "wall_time_s": 47.4, "switches": 3, "restarts": 1,
@@ -62,10 +62,10 @@ def test_status_of_an_ended_job_reads_its_summary_without_waiting_for_nereusd(tm
 def test_status_of_a_running_job_says_how_many_steps_are_done(tmp_path, capsys, monkeypatch):
     """nereusd's ``step`` is the last step done (``None`` during start-up); ``status`` printed
     ``step None of 20`` for the first minute of a job."""
-    import launcher.submit as submit
+    import launcher.status_cmd as status_cmd
 
     live = {"job": "j", "state": "running", "step": None, "steps": 20, "plan": {}, "pool": {}, "last_decision": None}
-    monkeypatch.setattr(submit, "ask_nereusd", lambda run_dir, timeout_s=5.0: dict(live))
+    monkeypatch.setattr(status_cmd, "ask_nereusd", lambda run_dir, timeout_s=5.0: dict(live))
     (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
