@@ -209,7 +209,8 @@ class Daemon:
     def _lost_workers(self, err: Exception) -> str | None:
         """The stop message of a task that failed because workers of the running plan exited (a
         process killed, or crashed) where live adaptation does not recover it (it is off, or the
-        job had not started its steps), or ``None`` when none did. The task's own error is a
+        workers were still starting: the build and a resume's checkpoint load recover,
+        :meth:`RLDriver.run`), or ``None`` when none did. The task's own error is a
         survivor's collective failing (gloo's ``Connection reset by peer``), which names neither
         the device nor the cause (an adversarial trial)."""
         driver = getattr(self, "driver", None)
@@ -222,7 +223,7 @@ class Daemon:
         what = "; ".join(f"device {d}: {v['cause']}" + (f" (exit code {v['exitcode']})" if "exitcode" in v else "")
                          + (f" on node {v['node_id']}" if v.get("node_id") else "") for d, v in sorted(lost.items()))
         why = ("live adaptation is off (adaptation.enabled: false)" if not self.pool.live
-               else "live adaptation recovers a loss only once the steps have started")
+               else "live adaptation recovers a loss only once every worker has started")
         return (f"lost {what}; the job stops: {why}; latest checkpoint: {self.pool.latest_checkpoint() or 'none'}; "
                 f"`nereus-launch resume {self.run_dir}` continues it on new workers (task error: {str(err)[:200]})")
 

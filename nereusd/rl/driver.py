@@ -135,9 +135,9 @@ class RLDriver(DriverCheckpoints):
         """Extra fields of every ``checkpoint`` event (the live controller's state, so that
         ``nereusd --resume`` continues with what it learned)."""
         self.on_failure: Callable[[Exception], bool] | None = None
-        """Called when a step or its boundary (hook, transition, checkpoint) fails with a
-        ``WorkerError`` or ``TransitionInterrupted``; True when it recovered (restart) and rewound
-        the driver."""
+        """Called when the build, the resume's checkpoint load, a step or its boundary (hook,
+        transition, checkpoint) fails with a ``WorkerError`` or ``TransitionInterrupted``; True
+        when it recovered (restart) and rewound the driver."""
         self.max_staleness = self.cfg.rollout.max_staleness
         limit = self.cfg.evaluation.max_prompts
         self._eval_prompts = self.task.eval_prompts()[:limit] if limit else self.task.eval_prompts()
@@ -492,10 +492,20 @@ class RLDriver(DriverCheckpoints):
         """Build, run every step, checkpoint; returns the step records (re-run steps once).
         With ``resume`` (a checkpoint, as :meth:`restore` takes, and the older ``fallbacks``) the
         run continues from it; ``built``: the engines exist already (kept workers, :meth:`adopt`)."""
-        if not built:
-            self.build()
-        if resume is not None:
-            self.restore(resume, fallbacks)
+        if resume is not None:   # the step a restart during the build or the load resumes at
+            self.rewind(resume[1], resume[2])
+            self.last_checkpoint = resume
+        try:
+            if not built:
+                self.build()
+            if resume is not None:
+                self.restore(resume, fallbacks)
+        except WorkerError as err:
+            # a device lost while the engines start or the checkpoint loads: the restart builds on
+            # the survivors and loads the same checkpoint (the initial weights before any). An
+            # out-of-memory build stands: the job's plan does not fit its devices (its error says so)
+            if err.error_kind == "DeviceOutOfMemory" or self.on_failure is None or not self.on_failure(err):
+                raise
         records: list[StepRecord] = []
         every = self.cfg.checkpoint.interval(self.cfg.adaptation.enabled)
         # kept workers resume at a boundary whose checkpoint the lost nereusd may not have

@@ -211,3 +211,31 @@ def test_zero_replica_killed_while_its_partition_moves_restarts_from_the_checkpo
     last = records[-1]["plan"]["actor/training"]   # the frozen policy rescales its launch pair: dp 1 on device 0
     assert set(last["devices"]) <= {0, 2} and last.get("zero_stage") == 1, last
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_a_worker_killed_during_the_build_restarts_on_the_survivors(tmp_path):
+    """A worker killed while the engines are built (before step 0) failed the job with live
+    adaptation on: recovery ran only around the steps (an adversarial trial, 2026-12-07). The
+    build now recovers as a step does: the survivors restart from the initial weights (no
+    checkpoint yet), nothing is lost, and the job runs every step on them."""
+    run_dir = tmp_path / "run"
+    with running(write_job(tmp_path, "job", JOB), run_dir) as proc:
+        wait_for("the world", lambda: any(e["event"] == "world_formed"
+                                          for e in read_jsonl(run_dir / "events.jsonl")), 120, run_dir)
+        os.kill(worker_pid(run_dir, 2), signal.SIGKILL)
+        finish(proc, run_dir, timeout_s=180)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6, summary
+    assert summary["restarts"] == 1 and summary["lost_steps"] == 0, summary
+    events = read_jsonl(run_dir / "events.jsonl")
+    names = [e["event"] for e in events]
+    lost = [e for e in events if e["event"] == "device_lost"]
+    assert len(lost) == 1 and lost[0]["devices"] == [2] and lost[0]["step"] == 0, lost
+    assert names.index("device_lost") < names.index("build"), "the kill landed after the build (machine too slow)"
+    fallback, = [e for e in events if e["event"] == "fallback"]
+    assert fallback["action"] == "checkpoint_restart" and fallback["checkpoint"] is None, fallback
+    assert fallback["resume_step"] == 0 and fallback["lost_steps"] == 0 and fallback["lost_devices"] == [2]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    assert all(set(r["peak_memory_bytes"]) == {"0", "1"} for r in records)
+    assert processes_mentioning(str(run_dir)) == []

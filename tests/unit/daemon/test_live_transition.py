@@ -234,3 +234,54 @@ def test_a_forced_layout_that_cannot_apply_at_its_step_is_said_and_the_job_goes_
     assert len(said) == 1 and "adaptation.forced for step 1 not applied" in said[0]["detail"], said
     assert "adaptation.forced: actor/training: 2 devices are not a multiple of tp·pp = 4·1" in said[0]["detail"]
     assert driver.plan == before and not [k for k, _ in control.tasks if k == "transition_prepare"]
+
+
+def test_a_device_lost_while_the_engines_build_or_a_resume_loads_goes_to_recovery(tmp_path):
+    """``RLDriver.run`` hands a worker loss during the build or a resume's checkpoint load to
+    ``on_failure`` (the live shell's restart) as it does a step's; a restart then must resume
+    at the checkpoint being loaded, not at step 0 with the initial weights. An out-of-memory
+    build is not a loss, and stands, as does a failure ``on_failure`` does not recover."""
+    import pytest
+
+    from nereusd.errors import WorkerError
+
+    job, site, control, journal, driver, controller = shell(tmp_path)
+    checkpoint = (str(tmp_path / "c2"), 2, 20)
+    failing = {"kind": "load_checkpoint", "error": WorkerError("worker process of device(s) [8] exited")}
+    run = control.run
+
+    def answer(args, timeout_s=None, shared=None):
+        kind = next(iter(args.values())).kind
+        if kind == failing["kind"]:
+            raise failing["error"]
+        if kind == "build":
+            return {d: SimpleNamespace(result={"memory_in_use_bytes": 0}, elapsed_s=0.0) for d in args}
+        return run(args, timeout_s, shared)
+
+    class Recovered(Exception):
+        pass
+
+    seen = []
+
+    def on_failure(err):
+        seen.append((str(err), driver.step_index, driver.last_checkpoint))
+        raise Recovered   # the shell would restart here; the test stops at the hand-over
+
+    control.run, driver.on_failure = answer, on_failure
+    with pytest.raises(Recovered):
+        driver.run(resume=checkpoint)
+    assert seen == [("worker process of device(s) [8] exited", 2, checkpoint)]
+
+    failing["kind"] = "build"
+    with pytest.raises(Recovered):
+        driver.run()
+    assert seen[-1][1:] == (2, checkpoint)   # a fresh driver would be at step 0, no checkpoint
+
+    failing["error"] = WorkerError("device 8: out of memory", error_kind="DeviceOutOfMemory")
+    with pytest.raises(WorkerError, match="out of memory"):
+        driver.run()
+    driver.on_failure = lambda err: seen.append(err) and False
+    failing["error"] = WorkerError("worker process of device(s) [0] exited")
+    with pytest.raises(WorkerError, match=r"device\(s\) \[0\] exited"):
+        driver.run()
+    assert len(seen) == 3
