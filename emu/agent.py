@@ -31,7 +31,7 @@ import zmq
 
 from emu.inventory import discover
 from emu.tmpdirs import (AGENT_SOCKET_BYTES, IPC_PATH_MAX_BYTES, MULTIPROCESSING_SOCKET_BYTES, SHORT_TMP,
-                         inductor_cache_dir, private_dir)
+                         agent_dir_prefix, inductor_cache_dir, private_dir, remove_orphaned_dirs)
 from nereusd import protocol as P
 from nereusd.errors import NereusError, ProtocolError
 from nereusd.config.site import beat_interval_s
@@ -95,7 +95,10 @@ class Agent:
         self._daemon_pid: int | None = None
         """The pid in ``nereusd.json`` when this agent registered: another one there is a resumed nereusd."""
         self._next_look_s = 0.0
-        ipc_dir = private_dir("nereus-agent-", AGENT_SOCKET_BYTES)   # mode 0700: only this user
+        orphaned = remove_orphaned_dirs()   # of agents killed before they could remove them
+        if orphaned:
+            log.info("removed %d directories of agents that are gone: %s", len(orphaned), ", ".join(orphaned[:4]))
+        ipc_dir = private_dir(agent_dir_prefix(), AGENT_SOCKET_BYTES)   # mode 0700: only this user
         if ipc_dir is None:
             raise RuntimeError(f"no directory for the agent's socket: $TMPDIR ({tempfile.gettempdir()}) and "
                                f"{SHORT_TMP} are too long for a Unix socket path ({IPC_PATH_MAX_BYTES} bytes); "
@@ -228,7 +231,7 @@ class Agent:
             env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
             if msg.store_host.startswith("127."):
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            tmp_dir = private_dir(f"nereus-w{spec.device}-", MULTIPROCESSING_SOCKET_BYTES)
+            tmp_dir = private_dir(agent_dir_prefix(spec.device), MULTIPROCESSING_SOCKET_BYTES)
             if tmp_dir is not None:
                 env.update(TMPDIR=tmp_dir, TORCHINDUCTOR_CACHE_DIR=env.get("TORCHINDUCTOR_CACHE_DIR")
                            or inductor_cache_dir())

@@ -10,6 +10,10 @@ engine start's vLLM rendezvous file (TP 1, ``vllm_dist_<uuid>``) or ZMQ ipc sock
 (2026-12-07). So the agent gives each worker, and a worker each engine, a directory of its own as
 ``$TMPDIR`` and removes it once the process has exited.
 
+An agent killed with ``SIGKILL`` (a test, a node's job step killed after Slurm's ``KillWait``)
+removes neither its own directory nor its workers': their names carry its pid, and the next agent
+to start on the node removes those of agents that are gone (:func:`remove_orphaned_dirs`).
+
 A Unix socket's path may not exceed :data:`IPC_PATH_MAX_BYTES`, and a private directory makes the
 paths of the sockets inside it longer: where they would not fit under the system's temporary
 directory (a long ``$TMPDIR``), the directory is made under :data:`SHORT_TMP` instead, and where
@@ -65,6 +69,54 @@ def private_dir(prefix: str, socket_bytes: int) -> str | None:
             return path
         shutil.rmtree(path, ignore_errors=True)
     return None
+
+
+AGENT_DIR = re.compile(r"nereus-(?:agent|w\d+)-(\d+)-")
+"""The names of an agent's private directories, with its pid: its socket's (``nereus-agent-<pid>-``)
+and each worker's ``$TMPDIR`` (``nereus-w<device>-<pid>-``), :func:`agent_dir_prefix`."""
+
+
+def agent_dir_prefix(worker_device: int | None = None) -> str:
+    """The :func:`private_dir` prefix of this agent's socket directory, or (``worker_device``) of
+    the ``$TMPDIR`` of its worker of that device: named with the agent's pid (:data:`AGENT_DIR`)."""
+    kind = "agent" if worker_device is None else f"w{worker_device}"
+    return f"nereus-{kind}-{os.getpid()}-"
+
+
+def remove_orphaned_dirs() -> list[str]:
+    """Remove this user's private directories of agents that are gone (:data:`AGENT_DIR` names
+    whose pid no process holds), under the system's temporary directory and :data:`SHORT_TMP`;
+    returns their paths. A worker of a killed agent may still run until its task ends; its
+    ``$TMPDIR`` goes too (no agent can take that worker back). A pid taken again by another
+    process keeps its directories until a later sweep."""
+    removed = []
+    for base in dict.fromkeys((tempfile.gettempdir(), SHORT_TMP)):
+        try:
+            entries = list(os.scandir(base))
+        except OSError:
+            continue
+        for entry in entries:
+            match = AGENT_DIR.match(entry.name)
+            try:
+                mine = match is not None and entry.is_dir(follow_symlinks=False) \
+                    and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+            except OSError:   # gone meanwhile
+                continue
+            if mine and not _alive(int(match.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def inductor_cache_dir() -> str:

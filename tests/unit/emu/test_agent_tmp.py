@@ -81,3 +81,34 @@ def test_a_private_tmpdir_is_made_only_where_its_sockets_fit(tmp_path, monkeypat
     monkeypatch.setattr(tmpdirs, "SHORT_TMP", str(deep))
     assert private_dir("nereus-t-", MULTIPROCESSING_SOCKET_BYTES) is None
     assert list(deep.iterdir()) == []   # nothing left behind
+
+
+def test_the_directories_of_a_killed_agent_go_when_the_next_agent_starts(tmp_path, monkeypatch):
+    """An agent killed with SIGKILL removed neither its socket's directory nor its workers'
+    ``$TMPDIR``s: a suite run left two in ``/tmp``, and 75 had gathered over a day of trials. Their
+    names carry the agent's pid; the next agent removes those whose agent is gone, and no other."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tmpdirs, "SHORT_TMP", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = int(gone.stdout)
+    orphans = [tmp_path / f"nereus-agent-{dead}-abc", tmp_path / f"nereus-w3-{dead}-def"]
+    kept = [tmp_path / f"nereus-agent-{os.getpid()}-ghi", tmp_path / f"nereus-w0-{os.getpid()}-jkl",
+            tmp_path / "nereus-agent-xyz", tmp_path / f"other-{dead}-x"]
+    for d in orphans + kept:
+        d.mkdir()
+    (orphans[1] / "pymp-x").mkdir()
+    assert sorted(tmpdirs.remove_orphaned_dirs()) == sorted(str(d) for d in orphans)
+    assert [d.exists() for d in orphans + kept] == [False, False, True, True, True, True]
+    # an agent names its directories so, and sweeps when it starts
+    (tmp_path / f"nereus-w1-{dead}-mno").mkdir()
+    daemon = zmq.Context.instance().socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind("tcp://127.0.0.1:0")
+    agent = Agent(connect=daemon.getsockopt_string(zmq.LAST_ENDPOINT), node_id="n0", devices=[], run_dir=tmp_path)
+    try:
+        assert not (tmp_path / f"nereus-w1-{dead}-mno").exists()
+        assert agent._ipc_dir.name.startswith(f"nereus-agent-{os.getpid()}-")
+    finally:
+        agent.close()
+        daemon.close()
