@@ -28,6 +28,8 @@ import re
 import shutil
 import tempfile
 
+import psutil
+
 IPC_PATH_MAX_BYTES = 107
 """The longest path a Unix socket binds to (``sizeof(sockaddr_un.sun_path)`` less its terminator,
 Linux); ZMQ and multiprocessing refuse longer ones."""
@@ -102,21 +104,10 @@ def remove_orphaned_dirs() -> list[str]:
                     and entry.stat(follow_symlinks=False).st_uid == os.getuid()
             except OSError:   # gone meanwhile
                 continue
-            if mine and not _alive(int(match.group(1))):
+            if mine and not psutil.pid_exists(int(match.group(1))):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (another user's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def inductor_cache_dir() -> str:

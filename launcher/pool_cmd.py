@@ -18,6 +18,7 @@ import re
 import time
 from pathlib import Path
 
+import psutil
 import zmq
 
 from nereusd import protocol as P
@@ -78,7 +79,7 @@ def _endpoint(run_dir: Path) -> dict:
     if status not in (None, "running"):
         raise NereusError(f"{run_dir}: the job has ended (status {status}); its pool cannot change")
     pid = info.get("pid")
-    if pid is not None and not _alive(pid):
+    if pid is not None and not psutil.pid_exists(pid):
         raise NereusError(f"{run_dir}: nereusd (pid {pid}) is not running")
     return info
 
@@ -100,16 +101,6 @@ def endpoint_record(info: object, path: Path) -> dict:
         raise NereusError(f"{path}: not a nereusd record (expected a JSON object with an endpoint such as "
                           "tcp://HOST:PORT and a process id)")
     return info
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process with that pid: not ours, but alive
-        return True
-    return True
 
 
 def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
