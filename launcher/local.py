@@ -32,7 +32,7 @@ from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_F
 from launcher.local_devices import check_gpus, site_mismatch
 from launcher.pool_trace import describe_pool_schedule, pool_trace_override
 from launcher.procs import stop_run_processes
-from launcher.progress import Progress
+from launcher.progress import Progress, switches_text
 from nereusd.daemon.security import init_keys
 
 
@@ -394,9 +394,7 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
               f"({summary.get('response_length_growth', 0):.1f}×); "
               + (f"held-out pass@1 {summary['eval_pass_at_1_first']:.2f} → {summary['eval_pass_at_1_last']:.2f} "
                  f"({summary.get('eval_prompts')} prompts); " if "eval_pass_at_1_last" in summary else "")
-              + f"layout switches: {summary.get('switches', 0)}"
-              + (f" (of which {summary['restarts']} checkpoint/restart(s), {summary.get('lost_steps', 0)} step(s) "
-                 "re-run)" if summary.get("restarts") else ""))
+              + switches_text(summary))
         print(f"nereus: results in {run_dir} (plots: nereus-launch report {run_dir})")
         return 0
     done = summary.get("steps_completed")

@@ -1,6 +1,7 @@
 """What ``nereus-launch local`` prints while a job runs: a progress bar fed from
 ``metrics.jsonl``, and a line for each admitted switch, fallback and pool change of
-``events.jsonl``."""
+``events.jsonl``; and how a run's switches and restarts read in its outcome (``local``'s last
+line, ``status``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,21 @@ from pathlib import Path
 
 from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl
 from nereusd.plan import Candidate
+
+
+def switches_text(summary: dict) -> str:
+    """``layout switches: N`` and, where the job had any, its checkpoint restarts and the steps
+    they re-ran, from ``summary.json`` (``switches`` counts transitions and in-run restarts;
+    ``restarts`` also counts resumes from a checkpoint, which switch no layout: so the restarts
+    are not said to be "of" the switches). A figure that is not a finite number reads 0."""
+    def count(key: str) -> int:
+        value = summary.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return int(value) if ok else 0
+
+    restarts = count("restarts")
+    return f"layout switches: {count('switches')}" + (
+        f"; checkpoint restarts: {restarts}, {count('lost_steps')} step(s) re-run" if restarts else "")
 
 
 def compact_plan(plan: dict) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from launcher.progress import switches_text
 from launcher.submit import RECORD_FILE, _home, _read_record, resolve_run_dir
 from nereusd import protocol as P
 from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
@@ -180,10 +181,8 @@ def _finished_lines(s: dict) -> str:
     passed = num("eval_pass_at_1_first", "eval_pass_at_1_last")
     if passed:
         lines.append(f"held-out pass@1 {passed[0]:.2f} → {passed[1]:.2f}")
-    switches, restarts = num("switches"), num("restarts")
-    if switches:
-        lines.append(f"layout switches: {switches[0]:.0f}"
-                     + (f" (of which {restarts[0]:.0f} checkpoint/restart(s))" if restarts and restarts[0] else ""))
+    if num("switches") or num("restarts"):
+        lines.append(switches_text(s))
     plan = s.get("final_plan")
     if isinstance(plan, dict) and plan and all(isinstance(c, dict) for c in plan.values()):
         lines.append("final plan: " + ", ".join(f"{ms} tp{c.get('tp')} pp{c.get('pp')} dp{c.get('dp')}"

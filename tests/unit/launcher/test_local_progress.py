@@ -13,7 +13,7 @@ import tqdm.std
 from launcher import local
 from launcher.local import _raise_terminated, _Terminated
 from launcher.local_devices import site_mismatch
-from launcher.progress import Progress
+from launcher.progress import Progress, switches_text
 
 
 def test_the_progress_bar_shows_each_steps_response_cap(tmp_path):
@@ -155,3 +155,13 @@ def test_gpus_on_a_node_without_one_is_refused_before_anything_starts(tmp_path, 
     assert main(["local", "examples/counting_grpo.yaml", "--gpus", "--run-dir", str(run_dir), "--quiet"]) == 2
     assert "--gpus: no NVIDIA or AMD GPU found on this node" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_a_resume_from_a_checkpoint_is_a_restart_and_not_one_of_the_layout_switches():
+    """A job resumed from a checkpoint (``restarts`` counts it; ``switches`` does not) read
+    ``layout switches: 2 (of which 1 checkpoint/restart(s), …)`` where both switches were
+    transitions (a resumed demo, 2026-12-07). The restarts are said beside the switches."""
+    resumed = {"switches": 2, "restarts": 1, "lost_steps": 0, "resumes": 1}
+    assert switches_text(resumed) == "layout switches: 2; checkpoint restarts: 1, 0 step(s) re-run"
+    assert switches_text({"switches": 0}) == "layout switches: 0"
+    assert switches_text({"switches": float("nan"), "restarts": "1"}) == "layout switches: 0"

@@ -45,7 +45,7 @@ def test_status_of_an_ended_job_reads_its_summary_without_waiting_for_nereusd(tm
     out = capsys.readouterr().out
     assert not asked
     for line in ("finished: succeeded after 30 steps in 47 s", "reward 0.38 → 0.42 (best 0.50 at step 20)",
-                 "held-out pass@1 0.34 → 0.39", "layout switches: 3 (of which 1 checkpoint/restart(s))",
+                 "held-out pass@1 0.34 → 0.39", "layout switches: 3; checkpoint restarts: 1, 0 step(s) re-run",
                  "final plan: actor/training tp1 pp2 dp2"):
         assert line in out, out
     summary = json.loads((tmp_path / "summary.json").read_text())
