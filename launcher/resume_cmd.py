@@ -29,6 +29,7 @@ from pathlib import Path
 
 from launcher.local import check_gpus, supervise
 from launcher.procs import run_processes, stop_run_processes
+from nereusd.checkpoints import check_resume_checkpoints
 from nereusd.config.resolve import load_and_resolve
 from nereusd.control.jobs import job_fingerprint
 from nereusd.daemon.kept import started_job_sha256
@@ -125,6 +126,8 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
         print(f"nereus: warning: {path} changed since the run's last nereusd started; resuming with the file as it "
               "is now, from the latest checkpoint (the waiting workers were built from the old one)", file=sys.stderr)
     kept = [] if args.restart or changed else sorted(run_processes(run_dir, ("emu.agent",)))
+    if not kept:   # the workers' state in memory needs no checkpoint
+        check_resume_checkpoints(run_dir)
     stopped = [] if kept else stop_run_processes(run_dir)
     _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"

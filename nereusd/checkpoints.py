@@ -142,6 +142,29 @@ def resume_records(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def check_resume_checkpoints(run_dir: str | Path) -> None:
+    """Refuse to resume the run in ``run_dir`` from scratch when ``events.jsonl`` records
+    committed checkpoints, none pruned since, of which none is on disk (``RUN_DIR/checkpoints``
+    deleted, emptied or replaced by a file): the resume re-ran every step from the initial
+    weights and reported success (an adversarial trial, 2026-12-07).
+
+    Raises:
+        ConfigError: names the checkpoints recorded and where they were looked for.
+        JournalError: a damaged ``events.jsonl``.
+    """
+    from nereusd.errors import ConfigError
+    from nereusd.journal import EVENTS_FILE, Event, read_jsonl
+
+    events = [r for r in read_jsonl(Path(run_dir) / EVENTS_FILE) if r.get("event") == Event.CHECKPOINT.value]
+    pruned = {name for r in events for name in r.get("pruned") or ()}
+    expected = list(dict.fromkeys(Path(r["dir"]).name for r in events if Path(r["dir"]).name not in pruned))
+    if expected and not resume_records(run_dir):
+        root = Path(run_dir) / "checkpoints"
+        raise ConfigError(f"{run_dir}: events.jsonl records the checkpoints {', '.join(expected[-3:])}, but none is "
+                          f"in {root} (deleted or moved?): a resume would run every step again from the initial "
+                          "weights. Put them back, or start the job anew in another run directory")
+
+
 def resume_record(run_dir: str | Path) -> dict | None:
     """The ``checkpoint`` event in ``events.jsonl`` of the newest committed checkpoint still on
     disk (its ``dir``, ``step``, ``sample_position`` and, in a live job, ``controller``: what the

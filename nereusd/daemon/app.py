@@ -44,7 +44,7 @@ from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal, RunDirLock, check_resume_steps,
-                             drop_metrics_from, read_jsonl)
+                             drop_metrics_from, metrics_steps, read_jsonl)
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
@@ -267,6 +267,8 @@ class Daemon:
             site, driver, int(record.get("step", 0)) if record is not None else 0)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         kept = self._keep_workers(world, driver) if self.args.resume else None
+        if self.args.resume and kept is None and record is None:
+            checkpoints.check_resume_checkpoints(self.run_dir)
         if record is not None and kept is None and self.pool.live:
             driver.plan = self._forced_at_resume(int(record["step"]), driver.plan, resumed, driver, world)
         if self.args.resume:
@@ -327,16 +329,18 @@ class Daemon:
 
     def _journal_resume(self, record: dict | None, kept: KeptState | None, *, restored: bool) -> None:
         """``--resume``: journal where the job continues. From the latest committed checkpoint
-        (``record``, the newest of :func:`nereusd.checkpoints.resume_records`) the metrics of the steps from it
-        on leave ``metrics.jsonl`` (they run again, so each step is there once); on kept
-        workers nothing is re-run. ``controller_state`` says whether the checkpoint's controller
+        (``record``, the newest of :func:`nereusd.checkpoints.resume_records`) the steps from it
+        on run again (``dropped_metrics``; their metrics leave ``metrics.jsonl`` once the
+        checkpoint has loaded, :meth:`RLDriver.restore`), from the initial weights every step
+        (their metrics leave now); on kept workers nothing is re-run. ``controller_state`` says whether the checkpoint's controller
         state was restored (``restored``; a refused one is named in the ``launch_plan`` event)."""
         if kept is not None:
             self.journal.event(Event.NEREUSD_RESUMED, {"mode": "kept_workers", "step": kept.step,
                                                        "dropped_metrics": 0, "controller_state": restored})
             return
         step = int(record["step"]) if record is not None else 0
-        dropped = drop_metrics_from(self.run_dir / METRICS_FILE, step)
+        dropped = ([s for s in metrics_steps(self.run_dir / METRICS_FILE) if s >= step] if record is not None
+                   else drop_metrics_from(self.run_dir / METRICS_FILE, step))
         self.journal.event(Event.NEREUSD_RESUMED, {"mode": "checkpoint", "checkpoint": record["dir"] if record else None,
                                                    "step": step, "dropped_metrics": dropped,
                                                    "controller_state": restored})

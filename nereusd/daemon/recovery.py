@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from nereusd.errors import NereusError, WorkerError
-from nereusd.journal import Event, METRICS_FILE, drop_metrics_from
+from nereusd.journal import Event
 from nereusd.planner.search import Infeasible
 from nereusd.transition.runner import TransitionInterrupted
 
@@ -176,9 +176,8 @@ class FailureRecovery:
         self._reform(list(world), [])     # ranks follow the world's order, not device numbers
         self.driver.plan = result.plan
         self.driver.build(self.world)
-        self.driver.restore(checkpoint)
+        dropped = self.driver.restore(checkpoint)
         step = checkpoint[1] if checkpoint is not None else 0
-        dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, step)
         self.controller.switched(result.plan, tuple(sorted(self.world)))
         self.controller.restart_measured(time.perf_counter() - start)
         self.switches += 1

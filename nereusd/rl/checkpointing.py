@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from nereusd import checkpoints
 from nereusd import protocol as P
 from nereusd.errors import CheckpointUnreadable, StorageError, WorkerError
-from nereusd.journal import METRICS_FILE, Event, drop_metrics_from
+from nereusd.journal import METRICS_FILE, Event, drop_metrics_from, metrics_steps
 from nereusd.plan import Stage
 
 log = logging.getLogger(__name__)
@@ -70,22 +70,27 @@ class DriverCheckpoints:
                                           **({"pruned": [p.name for p in pruned]} if pruned else {}), **extra})
 
     def restore(self, checkpoint: tuple[str, int, int] | None,
-                fallbacks: Sequence[tuple[str, int, int]] = ()) -> None:
+                fallbacks: Sequence[tuple[str, int, int]] = ()) -> list[int]:
         """Load ``checkpoint`` (``(directory, step, sample position)``; ``None``: keep the initial
         weights, step 0) into the training model-stages of the current plan, on any layout,
         continue at its step and sample position, and synchronise the other model-stages'
-        weights. Used after a checkpoint/restart and by ``nereusd --resume``.
+        weights. Used after a checkpoint/restart and by ``nereusd --resume``. Once it has loaded,
+        the metrics of the steps from its step on leave ``metrics.jsonl`` (they run again, so
+        each step is there once); returns their steps. Nothing leaves before: a resume whose
+        load failed dropped them, and the steps they recorded were lost for good (an adversarial
+        trial, 2026-12-07).
 
         ``fallbacks``: older checkpoints, newest first, tried in turn when a worker reports that
         a checkpoint cannot be read (:class:`~nereusd.errors.StorageError`: a truncated or
-        damaged file); each such one is journalled (``checkpoint_unreadable``) and the metrics
-        from the older one's step on leave ``metrics.jsonl``, since those steps run again.
+        damaged file); each such one is journalled (``checkpoint_unreadable``, with the steps
+        that then run again besides those of the newer one).
 
         Raises:
             CheckpointUnreadable: no checkpoint tried could be read.
             WorkerError: a worker died or failed otherwise.
         """
         step, position = 0, 0
+        metrics = self.journal.run_dir / METRICS_FILE
         if checkpoint is not None:
             members = self._training_devices()
             tries = [checkpoint, *fallbacks]
@@ -102,13 +107,15 @@ class DriverCheckpoints:
                             f"the last: {err}") from None
                     older = tries[i + 1]
                     log.error("checkpoint %s cannot be read (%s); falling back to %s", directory, err, older[0])
-                    dropped = drop_metrics_from(self.journal.run_dir / METRICS_FILE, older[1])
+                    again = [s for s in metrics_steps(metrics) if older[1] <= s < step]
                     self.journal.event(Event.CHECKPOINT_UNREADABLE, {"dir": directory, "error": str(err),
                                                                      "fallback": older[0], "step": older[1],
-                                                                     "dropped_metrics": dropped})
+                                                                     "dropped_metrics": again})
             self.last_checkpoint = (directory, step, position)
+        dropped = drop_metrics_from(metrics, step)
         self.rewind(step, position)
         self._sync_weights()
+        return dropped
 
     def adopt(self, step: int, position: int) -> None:
         """Continue at ``step`` with the sampler at ``position`` on the EMUs that the workers kept

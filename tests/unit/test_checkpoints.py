@@ -81,3 +81,31 @@ def test_resume_takes_the_run_directorys_own_checkpoints_after_a_move_or_a_copy(
     moved = tmp_path / "moved"
     original.rename(moved)
     assert resume_record(moved)["dir"] == str((moved / "checkpoints" / "step000006").resolve())
+
+
+def test_a_resume_without_any_of_the_recorded_checkpoints_is_refused(tmp_path):
+    """``RUN_DIR/checkpoints`` deleted (or a file in its place) after checkpoints were committed:
+    the resume re-ran every step from the initial weights and said it succeeded (an adversarial
+    trial, 2026-12-07). It is refused, naming them; checkpoints pruned by ``keep_last`` are not
+    expected, and a run that never checkpointed resumes from the initial weights as before."""
+    import json
+    import shutil
+
+    from nereusd.errors import ConfigError
+    from nereusd.journal import EVENTS_FILE
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step000004").mkdir(parents=True)
+    events = [{"event": "checkpoint", "dir": str(run / "checkpoints" / "step000002"), "step": 2},
+              {"event": "checkpoint", "dir": str(run / "checkpoints" / "step000004"), "step": 4,
+               "pruned": ["step000002"]}]
+    (run / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
+    checkpoints.check_resume_checkpoints(run)   # step000004 is there
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(ConfigError, match=r"records the checkpoints step000004, but none is in .*checkpoints"):
+        checkpoints.check_resume_checkpoints(run)
+    (run / "checkpoints").write_text("not a directory")
+    with pytest.raises(ConfigError, match="step000004"):
+        checkpoints.check_resume_checkpoints(run)
+    (run / EVENTS_FILE).write_text(json.dumps({"event": "nereusd_started"}) + "\n")
+    checkpoints.check_resume_checkpoints(run)   # none was ever written: nothing to miss

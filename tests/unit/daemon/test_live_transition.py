@@ -209,14 +209,18 @@ def test_a_restore_falls_back_past_unreadable_checkpoints_and_says_when_none_rea
 
     control.run = loads
     driver._sync_weights = lambda: None
-    driver.restore((str(tmp_path / "c6"), 6, 60), [(str(tmp_path / "c4"), 4, 40), (str(tmp_path / "c2"), 2, 20)])
-    assert driver.step_index == 2 and driver.last_checkpoint == (str(tmp_path / "c2"), 2, 20)
+    dropped = driver.restore((str(tmp_path / "c6"), 6, 60), [(str(tmp_path / "c4"), 4, 40), (str(tmp_path / "c2"), 2, 20)])
+    assert dropped == [2, 3, 4, 5] and driver.step_index == 2 and driver.last_checkpoint == (str(tmp_path / "c2"), 2, 20)
     falls = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_unreadable"]
     assert [(e["step"], e["dropped_metrics"]) for e in falls] == [(4, [4, 5]), (2, [2, 3])]
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / METRICS_FILE)] == [0, 1]
     unreadable.add(str(tmp_path / "c2"))
+    for step in range(2, 6):
+        journal.metric({"step": step})
     with pytest.raises(CheckpointUnreadable, match=r"no checkpoint could be read \(tried c6, c4, c2\); the last: "):
         driver.restore((str(tmp_path / "c6"), 6, 60), [(str(tmp_path / "c4"), 4, 40), (str(tmp_path / "c2"), 2, 20)])
+    # nothing loaded, so nothing left: a resume that failed had dropped the steps it would re-run
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / METRICS_FILE)] == list(range(6))
 
 
 def test_a_forced_layout_that_cannot_apply_at_its_step_is_said_and_the_job_goes_on(tmp_path):
