@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 REFUSALS_SHOWN = 10
 """Refusals of one peer logged and journalled per :data:`REFUSAL_WINDOW_S`; the rest are counted."""
 REFUSAL_WINDOW_S = 60.0
+REFUSED_CONNECTIONS = b"<connections>"
+"""The key under which refused handshakes are counted (:meth:`ControlPlane._shown`): they have no peer identity."""
 
 
 class ControlPlane(AgentRegistry, TaskDispatch):
@@ -200,8 +202,9 @@ class ControlPlane(AgentRegistry, TaskDispatch):
             reason = ServerAuth.describe(event)
             if reason is not None:
                 self.refused_connections += 1
-                log.warning("refused a connection: %s", reason)
-                self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
+                if self._shown(REFUSED_CONNECTIONS, Event.CONNECTION_REFUSED, "refused connections"):
+                    log.warning("refused a connection: %s", reason)
+                    self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
 
     def _receive(self, frames: list[bytes], fd: int | None = None) -> None:
         """Handle one multipart message (``[identity, payload]``) that came on socket ``fd``."""
@@ -221,28 +224,32 @@ class ControlPlane(AgentRegistry, TaskDispatch):
 
     def _refuse(self, identity: bytes, reason: str) -> None:
         """Answer every refused message; log and journal at most :data:`REFUSALS_SHOWN` per peer
-        per :data:`REFUSAL_WINDOW_S` (a flood must not fill the disk with ``events.jsonl``), then
-        one record of how many were suppressed."""
+        per :data:`REFUSAL_WINDOW_S` (:meth:`_shown`)."""
         self.refused_messages += 1
+        if self._shown(identity if identity in self._refusals or len(self._refusals) < 1024 else b"<other peers>",
+                       Event.MESSAGE_REFUSED, "refusals of peer"):
+            log.warning("refused a message from peer %r: %s", identity, reason)
+            self._on_event(Event.MESSAGE_REFUSED, {"peer": identity.hex(), "reason": reason})
+        self._send(identity, P.ErrorReply(reason=reason))
+
+    def _shown(self, key: bytes, event: Event, what: str) -> bool:
+        """Whether to log and journal one more refusal of ``key`` (a peer, or
+        :data:`REFUSED_CONNECTIONS`): at most :data:`REFUSALS_SHOWN` per :data:`REFUSAL_WINDOW_S`,
+        so that a flood cannot fill the disk with ``events.jsonl`` (5,000 refused handshakes
+        wrote 5,000 events in 11 s: an adversarial trial, 2026-12-07); the rest are counted, and
+        the next refusal after the window journals how many (``event`` with ``suppressed``)."""
         now = time.monotonic()
-        key = identity if identity in self._refusals or len(self._refusals) < 1024 else b"<other peers>"
         start, shown, hidden = self._refusals.get(key, (now, 0, 0))
         if now - start > REFUSAL_WINDOW_S:
             if hidden:
-                log.warning("suppressed %d more refusals of peer %r in %.0f s", hidden, key, now - start)
-                self._on_event(Event.MESSAGE_REFUSED, {"peer": key.hex(), "suppressed": hidden,
-                                                       "window_s": round(now - start, 1)})
+                log.warning("suppressed %d more %s %r in %.0f s", hidden, what, key, now - start)
+                self._on_event(event, {"peer": key.hex(), "suppressed": hidden, "window_s": round(now - start, 1)})
             start, shown, hidden = now, 0, 0
-        if shown < REFUSALS_SHOWN:
-            shown += 1
-            log.warning("refused a message from peer %r: %s%s", identity, reason,
-                        " (further refusals of this peer are counted, not logged, for a while)"
-                        if shown == REFUSALS_SHOWN else "")
-            self._on_event(Event.MESSAGE_REFUSED, {"peer": identity.hex(), "reason": reason})
-        else:
-            hidden += 1
+        if shown == REFUSALS_SHOWN - 1:
+            log.warning("further %s %r are counted, not logged, for a while", what, key)
+        shown, hidden = (shown + 1, hidden) if shown < REFUSALS_SHOWN else (shown, hidden + 1)
         self._refusals[key] = (start, shown, hidden)
-        self._send(identity, P.ErrorReply(reason=reason))
+        return hidden == 0
 
     def _send(self, identity: bytes, msg: P._Message) -> None:
         self._send_frame(identity, msg.type, P.encode(msg))

@@ -129,7 +129,8 @@ class PoolRequest(_Message):
     safe boundary (answered with a :class:`StatusReply`)."""
 
     type: Literal["pool_request"] = "pool_request"
-    remove: int = Field(ge=1)
+    remove: int = Field(ge=1, strict=True)
+    """Strict, as ``v``: ``true``, ``"1"`` or ``" 2 "`` each queued a real removal (an adversarial trial)."""
 
 
 class WorkerExited(_Message):

@@ -115,6 +115,10 @@ def test_large_shared_fields_travel_compressed_and_decode_to_the_same_message():
     (b'{"v": true, "type": "heartbeat", "node_id": "a"}', r"protocol version True is not supported"),
     (b'{"v": 1, "type": "pool_request", "remove": ' + b"1" * 5000 + b"}", r"not JSON: ValueError: Exceeds the limit"),
     (b"[" * 1000 + b"]" * 1000, r"not JSON: RecursionError"),
+    # each queued a real device removal (an adversarial trial, 2026-12-07)
+    (b'{"v": 1, "type": "pool_request", "remove": true}', r"remove: Input should be a valid integer"),
+    (b'{"v": 1, "type": "pool_request", "remove": " 2 "}', r"remove: Input should be a valid integer"),
+    (b'{"v": 1, "type": "pool_request", "remove": 1.0}', r"remove: Input should be a valid integer"),
     # a device of 10^30 bytes was accepted and refused only at its join (an adversarial trial)
     (json.dumps({"v": 1, "type": "register_agent", "node_id": "a", "hostname": "h", "pid": 1,
                  "devices": [{"local_index": 0, "kind": "cpu", "name": "x", "memory_bytes": 10**30}]}).encode(),

@@ -91,3 +91,29 @@ def test_unauthenticated_peers_are_refused_and_nereusd_keeps_running(tmp_path):
         for sock in socks:
             sock.close(0)
         control.close()
+
+
+def test_a_flood_of_refused_connections_is_counted_but_journalled_sparingly(tmp_path):
+    """Each refused handshake was journalled: 5,000 plain connections wrote 5,000
+    ``connection_refused`` events in 11 s, without any key (an adversarial trial, 2026-12-07).
+    They are journalled as refused messages are: at most ``REFUSALS_SHOWN`` a minute."""
+    from nereusd.daemon import control_plane as cp
+
+    events = []
+    control = ControlPlane("tcp://127.0.0.1:0", keys=load_keys(init_keys(tmp_path / "job"), "server"),
+                           on_event=lambda name, fields: events.append(name))
+    socks = []
+    try:
+        for _ in range(3 * cp.REFUSALS_SHOWN):
+            plain = zmq.Context.instance().socket(zmq.DEALER)
+            plain.setsockopt(zmq.LINGER, 0)
+            plain.connect(control.endpoint)
+            plain.send(_register_msg("intruder"))
+            socks.append(plain)
+        _serve_until(control, lambda: control.refused_connections >= 3 * cp.REFUSALS_SHOWN)
+        assert control.refused_connections >= 3 * cp.REFUSALS_SHOWN
+        assert events.count("connection_refused") == cp.REFUSALS_SHOWN and control.agents == {}
+    finally:
+        for sock in socks:
+            sock.close(0)
+        control.close()
