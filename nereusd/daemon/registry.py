@@ -22,6 +22,7 @@ from nereusd import protocol as P
 from nereusd.daemon.pool_events import PoolChange, PoolChangeKind
 from nereusd.errors import NereusError, ProtocolError
 from nereusd.journal import Event
+from nereusd.plan import MAX_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,9 @@ class AgentRegistry:
 
     def _check_kept(self, msg: P.RegisterAgent, kept: list[int]) -> None:
         """A re-registration's kept workers: only a resumed nereusd takes them, one global index
-        per device, none registered already, within the pool's bound.
+        per device, none registered already, each below :data:`~nereusd.plan.MAX_DEVICES` (the
+        pool's size bounds their count, :meth:`_register`: a device that joined after others
+        left has an index past it, and one kept so was refused, an adversarial trial).
 
         Raises:
             ProtocolError: naming what is wrong (the agent then stops those workers).
@@ -122,9 +125,9 @@ class AgentRegistry:
         if not set(msg.kept_workers) <= set(kept):
             raise ProtocolError(f"agent {msg.node_id!r}: kept workers {sorted(set(msg.kept_workers) - set(kept))[:16]} "
                                 "are not among its kept devices")
-        limit = self.max_pool_devices if self.max_pool_devices is not None else MAX_DEVICES_PER_AGENT
-        if max(kept) >= limit:
-            raise ProtocolError(f"agent {msg.node_id!r}: kept device {max(kept)} is beyond the pool's {limit} devices")
+        if max(kept) >= MAX_DEVICES:   # an index, not a count: devices that joined after others left number past the pool's size
+            raise ProtocolError(f"agent {msg.node_id!r}: kept device {max(kept)} is beyond the largest device index "
+                                f"{MAX_DEVICES - 1}")
         taken = sorted(set(kept) & set(self._device_to_agent))
         if taken:
             raise ProtocolError(f"agent {msg.node_id!r}: kept devices {taken} are registered already")

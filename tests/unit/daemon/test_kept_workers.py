@@ -41,7 +41,7 @@ def test_only_a_resumed_nereusd_takes_kept_workers_and_only_free_indices_within_
         control.accept_kept_workers = True
         for node, count, kept, why in (("n1", 2, [4], "one distinct global index"),
                                        ("n2", 2, [3, 3], "one distinct global index"),
-                                       ("n3", 1, [8], "beyond the pool's 8 devices")):
+                                       ("n3", 1, [1 << 16], "beyond the largest device index 65535")):
             sock, reply = _register(control, node, count, kept)
             socks.append(sock)
             assert isinstance(reply, P.ErrorReply) and why in reply.reason, (kept, reply)
@@ -58,6 +58,13 @@ def test_only_a_resumed_nereusd_takes_kept_workers_and_only_free_indices_within_
         sock, reply = _register(control, "n6", 2, [])   # a new agent numbers after the kept ones
         socks.append(sock)
         assert isinstance(reply, P.Welcome) and reply.global_devices == [6, 7]
+        # an index past the pool's size (devices joined after others left): the count is what is bounded
+        sock, reply = _register(control, "n8", 1, [9])
+        socks.append(sock)
+        assert isinstance(reply, P.Welcome) and reply.global_devices == [9], reply
+        sock, reply = _register(control, "n9", 4, [10, 11, 12, 13])
+        socks.append(sock)
+        assert isinstance(reply, P.ErrorReply) and "would bring the pool to 9 devices" in reply.reason, reply
     finally:
         for sock in socks:
             sock.close()
