@@ -156,8 +156,13 @@ def saved_plan(directory: str | Path) -> Optional[Plan]:
 
 def load_holdings(targets: Iterable[EmuShard], directory: str | Path) -> None:
     """Fill ``targets`` (allocated holdings in the new layout) from the checkpoint ``directory``.
+    Every value loaded must be finite: DCP keeps no checksum, and 4 KiB of ``0xFF`` written into
+    a saved file (its size unchanged) loaded as NaN and failed the next step with a worker's
+    traceback instead of falling back to the checkpoint before (an adversarial trial,
+    2026-12-07). Damage that leaves the values finite still loads.
 
     Raises:
+        StorageError: a value loaded is NaN or infinite.
         NereusError: if a target's model-stage, a parameter slot or part of a slice is not in
             the checkpoint.
     """
@@ -208,6 +213,12 @@ def load_holdings(targets: Iterable[EmuShard], directory: str | Path) -> None:
         h.view(inter.name, slot).narrow(d, i.start - m.start, i.stop - i.start).copy_(data)
     for h in targets:
         h.logical = LogicalState.from_tensor(logical[f"{h.model_stage}/logical"])
+        for need in h.shards:
+            for slot in h.slots:
+                if not torch.isfinite(h.view(need.name, slot)).all():
+                    raise StorageError(
+                        f"checkpoint load in {directory} failed: {need.name} {slot} of {h.model_stage} holds "
+                        "non-finite values (its files are damaged, or the run had diverged when it was saved)")
     log.info("loaded %d holdings from %s (%d saved slices read)", len(targets), directory, len(buffers))
 
 

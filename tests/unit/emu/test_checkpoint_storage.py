@@ -51,3 +51,42 @@ def test_verify_refuses_a_truncated_or_missing_file(tmp_path):
     (path / ".metadata").unlink()
     with pytest.raises(StorageError, match=r"checkpoint verification in .*torn failed"):
         verify_checkpoint(path)
+
+
+def test_a_checkpoint_whose_values_load_as_nan_is_a_storage_error(tmp_path):
+    """DCP keeps no checksum: 4 KiB of ``0xFF`` written into a saved file (its size unchanged)
+    loaded as NaN, and the job failed at its next step with a worker's traceback instead of
+    falling back to the checkpoint before (an adversarial trial, 2026-12-07). A load now refuses
+    non-finite values as a damaged checkpoint (``StorageError``, which the driver's fallback takes)."""
+    import torch
+
+    from emu.state.checkpoint import load_holdings
+    from emu.state.unit import EmuShard, slots_for
+    from nereusd.plan import Candidate, ModelStage, Role, Stage
+    from tests.support.holdings import fill, logical_for
+    from tests.support.specs import TINY
+
+    actor = ModelStage(Role.ACTOR, Stage.TRAINING)
+    layout = Candidate(1, 1, 1, (0,)).layout
+
+    def holding(seed: int) -> EmuShard:
+        h = EmuShard(actor, TINY, False, layout, (0, 0), slots_for(actor), logical=logical_for(seed, actor))
+        fill(h, seed)
+        return h
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # DCP's "no process group: single process" notice
+        save_holdings([holding(1)], tmp_path / "ckpt")
+        target = holding(2)
+        load_holdings([target], tmp_path / "ckpt")   # intact: loads
+        import torch.distributed.checkpoint as dcp
+
+        items = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().storage_data.values()
+        largest = max(items, key=lambda info: info.length)   # the middle of a tensor's bytes
+        with open(tmp_path / "ckpt" / largest.relative_path, "r+b") as fh:
+            fh.seek(largest.offset + largest.length // 2)
+            fh.write(b"\xff" * 64)
+        with pytest.raises(StorageError, match=r"checkpoint load in .*ckpt failed: .* of actor/training holds "
+                                               r"non-finite values \(its files are damaged"):
+            load_holdings([holding(2)], tmp_path / "ckpt")
+    assert torch.isfinite(target.buffer).all()
