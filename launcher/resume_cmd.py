@@ -29,7 +29,7 @@ from pathlib import Path
 
 from launcher.local import check_gpus, supervise
 from launcher.procs import run_processes, stop_run_processes
-from nereusd.checkpoints import check_resume_checkpoints
+from nereusd.checkpoints import check_resume_checkpoints, check_resume_models, resume_record
 from nereusd.config.resolve import load_and_resolve
 from nereusd.control.jobs import job_fingerprint
 from nereusd.daemon.kept import started_job_sha256
@@ -128,6 +128,7 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
     kept = [] if args.restart or changed else sorted(run_processes(run_dir, ("emu.agent",)))
     if not kept:   # the workers' state in memory needs no checkpoint
         check_resume_checkpoints(run_dir)
+        check_resume_models(resume_record(run_dir), job)
     stopped = [] if kept else stop_run_processes(run_dir)
     _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"

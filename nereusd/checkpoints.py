@@ -142,6 +142,45 @@ def resume_records(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def held_models(job) -> dict[str, dict]:
+    """What a checkpoint of ``job`` holds, as its ``checkpoint`` events record it (``holds``):
+    each trained model-stage's model (``{"actor/training": {"spec": …, "value_head": …}}``, the
+    values as JSON reads them back), by which a resume knows the job still trains the same."""
+    import json
+
+    from nereusd.plan import Stage
+
+    return json.loads(json.dumps({str(ms): {"spec": job.roles[ms.role].spec.to_dict(),
+                                            "value_head": job.roles[ms.role].value_head}
+                                  for ms in sorted(job.backends, key=str) if ms.stage == Stage.TRAINING}))
+
+
+def check_resume_models(record: dict | None, job) -> None:
+    """Refuse to resume from the checkpoint event ``record`` (the newest of
+    :func:`resume_records`) a job that trains other model-stages or models than it holds (the
+    job file's ``algorithm`` or ``models`` edited since): the load failed and blamed the
+    checkpoints as damaged, every one in turn (an adversarial trial, 2026-12-07). Events
+    written before ``holds`` was recorded are not checked.
+
+    Raises:
+        ConfigError: naming the model-stages that differ.
+    """
+    from nereusd.errors import ConfigError
+
+    saved = record.get("holds") if record is not None else None
+    if not isinstance(saved, dict):
+        return
+    held = held_models(job)
+    if saved == held:
+        return
+    differs = [f"{ms}: the job trains it, the checkpoint holds none" for ms in sorted(set(held) - set(saved))]
+    differs += [f"{ms}: the checkpoint holds it, the job does not train it" for ms in sorted(set(saved) - set(held))]
+    differs += [f"{ms}: another model (its config differs)" for ms in sorted(set(saved) & set(held))
+                if saved[ms] != held[ms]]
+    raise ConfigError(f"checkpoint {record.get('dir')} does not hold what the job trains ({'; '.join(differs)}): was "
+                      "the job file's algorithm or models changed? Resume with the job as it was, or start a new run")
+
+
 def check_resume_checkpoints(run_dir: str | Path) -> None:
     """Refuse to resume the run in ``run_dir`` from scratch when ``events.jsonl`` records
     committed checkpoints, none pruned since, of which none is on disk (``RUN_DIR/checkpoints``

@@ -267,8 +267,9 @@ class Daemon:
             site, driver, int(record.get("step", 0)) if record is not None else 0)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
         kept = self._keep_workers(world, driver) if self.args.resume else None
-        if self.args.resume and kept is None and record is None:
+        if self.args.resume and kept is None:
             checkpoints.check_resume_checkpoints(self.run_dir)
+            checkpoints.check_resume_models(record, job)
         if record is not None and kept is None and self.pool.live:
             driver.plan = self._forced_at_resume(int(record["step"]), driver.plan, resumed, driver, world)
         if self.args.resume:

@@ -65,7 +65,7 @@ class DriverCheckpoints:
         pruned = checkpoints.prune(Path(directory).parent, self.cfg.checkpoint.keep_last, protect=directory)
         self.journal.event(Event.CHECKPOINT, {"dir": directory, "step": self.step_index,
                                           "sample_position": self.resume_position,
-                                          "bytes": sum(verified.values()),
+                                          "bytes": sum(verified.values()), "holds": checkpoints.held_models(self.job),
                                           "elapsed_s": time.perf_counter() - start,
                                           **({"pruned": [p.name for p in pruned]} if pruned else {}), **extra})
 

@@ -109,3 +109,40 @@ def test_a_resume_without_any_of_the_recorded_checkpoints_is_refused(tmp_path):
         checkpoints.check_resume_checkpoints(run)
     (run / EVENTS_FILE).write_text(json.dumps({"event": "nereusd_started"}) + "\n")
     checkpoints.check_resume_checkpoints(run)   # none was ever written: nothing to miss
+
+
+def test_a_resume_of_a_job_that_now_trains_other_models_is_refused(tmp_path):
+    """The job file's algorithm (GRPO → PPO: a critic) or model edited between a crash and its
+    resume: every checkpoint was reported damaged in turn, and the job failed (an adversarial
+    trial, 2026-12-07). Checkpoint events record what they hold (``holds``), and a resume whose
+    job trains otherwise is refused, naming the model-stages; older events are not checked."""
+    from nereusd.config.resolve import load_and_resolve
+    from nereusd.errors import ConfigError
+
+    base = """name: held
+algorithm: {algorithm}
+steps: 4
+site: local
+devices: 2
+models: {{actor_config: {{vocab_size: 64, hidden_size: {hidden}, intermediate_size: 64, num_layers: 2,
+                         num_heads: 4, num_kv_heads: 2, max_position: 64}}}}
+rollout: {{prompts_per_step: 2, group_size: 2, max_new_tokens: 8}}
+train: {{global_batch: 4, micro_batch: 1}}
+"""
+
+    def job(algorithm: str, hidden: int):
+        path = tmp_path / f"{algorithm}{hidden}.yaml"
+        path.write_text(base.format(algorithm=algorithm, hidden=hidden))
+        return load_and_resolve(path)
+
+    grpo = job("grpo", 32)
+    record = {"dir": "/runs/x/checkpoints/step000004", "holds": checkpoints.held_models(grpo)}
+    assert list(record["holds"]) == ["actor/training"] and record["holds"]["actor/training"]["spec"]["hidden_size"] == 32
+    checkpoints.check_resume_models(record, grpo)
+    with pytest.raises(ConfigError, match=r"step000004 does not hold what the job trains \(critic/training: the job "
+                                          r"trains it, the checkpoint holds none\): was the job file's algorithm"):
+        checkpoints.check_resume_models(record, job("ppo", 32))
+    with pytest.raises(ConfigError, match=r"actor/training: another model \(its config differs\)"):
+        checkpoints.check_resume_models(record, job("grpo", 48))
+    checkpoints.check_resume_models({"dir": "old"}, job("ppo", 48))   # written before `holds`
+    checkpoints.check_resume_models(None, job("ppo", 48))   # no checkpoint: the initial weights
