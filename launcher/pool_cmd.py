@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         have = int(_ask(run_dir, P.StatusRequest(), args.timeout_s).get("pool_devices", 0))   # as nereusd counts
         if have + args.add > pool_limit:
             raise NereusError(f"--add: the pool holds {have} devices and the job allows {pool_limit} "
-                              f"(pool.max_devices in the job file): at most {max(0, pool_limit - have)} more")
+                              f"(the job file's pool.max_devices, by default 4 × its devices): at most "
+                              f"{max(0, pool_limit - have)} more")
     memory = int(info.get("device_memory_bytes") or 2**30)
     node = f"local-cli{os.getpid()}"   # unique among running CLIs (two in one second shared a time-based id)
     log_path = agent_log_path(run_dir, node)

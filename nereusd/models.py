@@ -181,6 +181,9 @@ class ModelSpec:
             return cls(**spec_fields_from_hf(config, source))
         except ConfigError as err:
             msg = str(err)
+            field, _, why = msg.partition(": ")   # the spec's own check names its field: say the file's key
+            if field.startswith("model.") and why:
+                msg = f"{HF_KEY_OF.get(field[6:], field[6:])}: {why}"
             raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
 
     @classmethod
@@ -345,6 +348,14 @@ _IMPLEMENTED_KEYS = frozenset({
     "head_dim", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout", "rope_scaling",
     "rope_parameters", "use_sliding_window", "sliding_window", "layer_types", "pretraining_tp",
 })
+
+
+HF_KEY_OF = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings",
+             "explicit_head_dim": "head_dim", "architecture": "model_type"}
+"""The ``config.json`` key of each :class:`ModelSpec` field named otherwise there (:func:`spec_fields_from_hf`),
+for errors that name the file's key: ``num_hidden_layers: "four"`` was reported as ``model.num_layers``
+(an adversarial trial, 2026-12-07)."""
 
 
 def spec_fields_from_hf(config: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:

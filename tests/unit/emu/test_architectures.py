@@ -165,15 +165,18 @@ def test_greedy_generation_with_the_kv_cache_matches_transformers(name, tmp_path
 
 def test_zero_key_value_heads_are_refused_not_read_as_missing():
     """``num_key_value_heads: 0`` was read as absent (= attention heads) and planned silently."""
-    with pytest.raises(ConfigError, match=r"cfg.json: model.num_kv_heads: expected an integer from 1 to 16,777,216, "
+    with pytest.raises(ConfigError, match=r"cfg.json: num_key_value_heads: expected an integer from 1 to 16,777,216, "
                                           r"got 0"):
         ModelSpec.from_hf_config(_config("llama", num_key_value_heads=0), source="cfg.json")
     # a 400-digit hidden size overflowed the memory model's floats (a bad-input search, 2026-12-06)
-    with pytest.raises(ConfigError, match=r"cfg.json: model.hidden_size: expected an integer from 1 to 16,777,216"):
+    with pytest.raises(ConfigError, match=r"cfg.json: hidden_size: expected an integer from 1 to 16,777,216"):
         ModelSpec.from_hf_config(_config("llama", hidden_size=10**400), source="cfg.json")
     # a string read "got 128", which looks valid (an adversarial trial, 2026-12-07)
-    with pytest.raises(ConfigError, match=r"model.hidden_size: expected an integer from 1 to 16,777,216, got '128'"):
+    with pytest.raises(ConfigError, match=r"cfg.json: hidden_size: expected an integer from 1 to 16,777,216, got '128'"):
         ModelSpec.from_hf_config(_config("llama", hidden_size="128"), source="cfg.json")
+    # the file's own key, not the spec's field (an adversarial trial, 2026-12-07)
+    with pytest.raises(ConfigError, match=r"cfg.json: num_hidden_layers: expected an integer .* got 'four'"):
+        ModelSpec.from_hf_config(_config("llama", num_hidden_layers="four"), source="cfg.json")
     assert ModelSpec.from_hf_config({k: v for k, v in _config("llama").items() if k != "num_key_value_heads"},
                                     source="cfg.json").num_kv_heads == 2
 
