@@ -28,6 +28,19 @@ PARTIAL_SUFFIX = ".partial"
 PERIODIC = re.compile(r"^step(\d{6})$")
 
 
+def free_space_note(directory: str | Path) -> str:
+    """``" (N bytes free there)"`` for the nearest existing parent of ``directory`` (``""`` where
+    that cannot be read): torch's own message on a full disk ("unexpected pos …") does not say
+    the disk is full, nor does a failed write of a run directory's files."""
+    path = Path(directory).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return f" ({shutil.disk_usage(path).free} bytes free there)"
+    except OSError:
+        return ""
+
+
 def partial_path(directory: str | Path) -> Path:
     """Where a checkpoint for ``directory`` is written before it is committed."""
     directory = Path(directory)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -30,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from emu.state.unit import EmuShard, LogicalState, shard_shape
+from nereusd.checkpoints import free_space_note
 from nereusd.errors import NereusError, StorageError
 from nereusd.plan import ModelStage, Plan
 from nereusd.shards import Shard
@@ -77,20 +77,8 @@ def _storage_faults(what: str, directory: str | Path):
             failures = list(getattr(err, "failures", {}).values())
             cause = failures[0] if failures else err
             cause = cause[0] if isinstance(cause, tuple) else cause   # (exception, its traceback)
-        note = " (its files are damaged or incomplete)" if loading else _free_space(directory)
+        note = " (its files are damaged or incomplete)" if loading else free_space_note(directory)
         raise StorageError(f"checkpoint {what} in {directory} failed: {type(cause).__name__}: {cause}{note}") from None
-
-
-def _free_space(directory: str | Path) -> str:
-    """``" (N bytes free there)"`` for the nearest existing parent of ``directory``: torch's own
-    message on a full disk ("unexpected pos …") does not say the disk is full."""
-    path = Path(directory).resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return f" ({shutil.disk_usage(path).free} bytes free there)"
-    except OSError:
-        return ""
 
 
 def save_holdings(holdings: Iterable[EmuShard], directory: str | Path, *, plan: Optional[Plan] = None,

@@ -20,6 +20,7 @@ import math
 import signal
 import sys
 
+from nereusd.checkpoints import free_space_note
 from nereusd.daemon.app import STOP, Daemon
 from nereusd.errors import NereusError
 
@@ -96,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         print(f"nereusd: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:   # the run directory's storage (full, read-only) before the job started: said, not a traceback
+        where = err.filename or args.run_dir
+        message = f"cannot write {where}: {err.strerror or err}{free_space_note(where)}"
+        log.error("%s", message)
+        print(f"nereusd: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

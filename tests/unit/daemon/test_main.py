@@ -146,3 +146,28 @@ def test_the_summary_carries_the_held_out_pass_at_1_before_and_after(tmp_path):
         f.write(json.dumps({"event": "transition", "step": 1}) + "\n")
     app.summarise_metrics(tmp_path, summary)
     assert (summary["eval_pass_at_1_first"], summary["eval_pass_at_1_last"], summary["eval_prompts"]) == (0.34, 0.39, 100)
+
+
+def test_a_run_directory_that_cannot_be_written_is_said_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A resume onto a full file system printed nereusd's traceback (``OSError: [Errno 28]``)
+    as its reason for exiting before it bound (an adversarial trial, 2026-12-07): the storage
+    fault is now one line naming the path, its error and the space left."""
+    import errno
+
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    announce = tmp_path / "run" / "nereusd.json.tmp"   # where the trial's nereusd failed
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device", str(announce))
+
+    monkeypatch.setattr(app.Daemon, "_announce", full)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
+    try:
+        assert main.main([str(job), "--run-dir", str(tmp_path / "run"), "--register-timeout-s", "1"]) == 1
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert f"nereusd: error: cannot write {announce}: No space left on device (" in err, err
+    assert "bytes free there" in err and "Traceback" not in err
