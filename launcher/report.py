@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_report)
 
 
+MAX_BARS = 500
+"""Steps up to which the stage latencies are drawn as stacked bars; a longer run's as stacked areas."""
+
+
 def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
     """Write the plots and return their paths.
 
@@ -72,11 +76,14 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     stages = sorted({s for r in records for s in r.get("stage_latency_s", {})})
-    bottom = [0.0] * len(records)
-    for stage in stages:
-        values = [r.get("stage_latency_s", {}).get(stage, 0.0) for r in records]
-        ax.bar(steps, values, bottom=bottom, label=stage)
-        bottom = [b + v for b, v in zip(bottom, values)]
+    values = [[r.get("stage_latency_s", {}).get(stage, 0.0) for r in records] for stage in stages]
+    if len(steps) <= MAX_BARS:
+        bottom = [0.0] * len(records)
+        for stage, series in zip(stages, values):
+            ax.bar(steps, series, bottom=bottom, label=stage)
+            bottom = [b + v for b, v in zip(bottom, series)]
+    elif stages:   # one patch per stage: a bar per step and stage took 145 s and 1.4 GB at 20,000 steps
+        ax.stackplot(steps, *values, labels=stages)
     ax.set(title="Stage latency", xlabel="step", ylabel="seconds")
     ax.legend()
     fig.tight_layout()

@@ -276,3 +276,30 @@ def test_the_cli_prints_its_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("nereus-launch 0.")
+
+
+def test_report_draws_a_long_runs_stage_latencies_as_areas(tmp_path, monkeypatch):
+    """A bar per step and stage took 145 s and 1.4 GB for a 20,000-step run (an adversarial
+    trial, 2026-12-07): past ``MAX_BARS`` steps the stages are stacked areas, one patch each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.axes
+
+    from launcher import report
+
+    monkeypatch.setattr(report, "MAX_BARS", 5)
+    line = {"reward_mean": 1.0, "response_length_mean": 4.0, "step_latency_s": 1.0, "plan": {},
+            "stage_latency_s": {"generation": 0.5, "training": 0.4}, "peak_memory_bytes": {"0": 1}}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({**line, "step": s}) + "\n" for s in range(8)))
+    drawn = []
+    for kind in ("bar", "stackplot"):
+        real = getattr(matplotlib.axes.Axes, kind)
+        monkeypatch.setattr(matplotlib.axes.Axes, kind,
+                            lambda self, *a, _real=real, _kind=kind, **kw: drawn.append(_kind) or _real(self, *a, **kw))
+    written = report.write_plots(tmp_path, tmp_path / "plots")
+    assert drawn == ["stackplot"] and (tmp_path / "plots" / "stage_latency.png") in written
+    drawn.clear()
+    monkeypatch.setattr(report, "MAX_BARS", 500)
+    report.write_plots(tmp_path, tmp_path / "plots")
+    assert drawn == ["bar", "bar"]   # a short run keeps a bar per step and stage
