@@ -70,13 +70,16 @@ def job_file(run_dir: Path) -> Path:
     return fallback
 
 
-def _set_aside_summary(run_dir: Path, status: str) -> None:
+def _set_aside_summary(run_dir: Path, status: str) -> Path | None:
     """Keep the stopped run's summary as ``summary.<status>.json`` (``summary.<status>.2.json``
-    and on for later ones), out of the resumed job's way."""
+    and on for later ones), out of the resumed job's way; returns where (``None``: it had none)."""
     status = re.sub(r"[^A-Za-z0-9_-]", "_", status)[:32] or "unknown"   # a file name, whatever the summary says
-    if (run_dir / SUMMARY_FILE).exists():
-        names = (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json" for n in itertools.count(1))
-        os.replace(run_dir / SUMMARY_FILE, next(run_dir / name for name in names if not (run_dir / name).exists()))
+    if not (run_dir / SUMMARY_FILE).exists():
+        return None
+    names = (f"summary.{status}.json" if n == 1 else f"summary.{status}.{n}.json" for n in itertools.count(1))
+    aside = next(run_dir / name for name in names if not (run_dir / name).exists())
+    os.replace(run_dir / SUMMARY_FILE, aside)
+    return aside
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,8 +133,12 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
         check_resume_checkpoints(run_dir)
         check_resume_models(resume_record(run_dir), job)
     stopped = [] if kept else stop_run_processes(run_dir)
-    _set_aside_summary(run_dir, status)
+    aside = _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"
           + (f"; stopped {len(stopped)} leftover process(es)" if stopped else "") + ")")
-    return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True, kept_agents=kept,
-                     launching=launching)
+    try:
+        return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True,
+                         kept_agents=kept, launching=launching)
+    finally:   # nereusd wrote no summary (it stopped before it started the job, a full disk): the run's stays
+        if aside is not None and not (run_dir / SUMMARY_FILE).exists():
+            os.replace(aside, run_dir / SUMMARY_FILE)

@@ -15,7 +15,7 @@ from nereusd.journal import Event, Journal, RunDirLock
 
 
 def _args(run_dir):
-    return argparse.Namespace(run_dir=str(run_dir), gpus=False, quiet=True)
+    return argparse.Namespace(run_dir=str(run_dir), gpus=False, quiet=True, restart=False)
 
 
 def test_refuses_a_directory_without_a_run(tmp_path):
@@ -113,3 +113,39 @@ def test_a_job_file_edited_below_the_steps_run_is_refused_before_anything_moves(
     with pytest.raises(ConfigError, match="completed 5 steps"):
         check_resume_steps(tmp_path, 4)
     check_resume_steps(tmp_path / "no-metrics-here", 1)
+
+
+def test_a_resume_whose_nereusd_stops_before_the_job_keeps_the_runs_summary(tmp_path, monkeypatch):
+    """A resume onto a full disk set the run's summary aside, then nereusd stopped before it
+    wrote one: ``status`` said nereusd was not answering (an adversarial trial, 2026-12-07). The
+    run's summary goes back where nereusd wrote none; one it wrote stays."""
+    from pathlib import Path
+
+    from launcher import resume_cmd
+
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    text = (examples / "counting_remax.yaml").read_text().replace("models/", str(examples / "models") + "/")
+    (tmp_path / "job.yaml").write_text(text)
+    journal = Journal(tmp_path)
+    journal.event(Event.NEREUSD_STARTED, {"job_file": str(tmp_path / "job.yaml")})
+    journal.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "crashed"}))
+
+    def stops_early(*args, **kwargs):
+        assert not (tmp_path / "summary.json").exists()   # set aside while nereusd runs
+        raise NereusError("nereusd exited with 1 before binding: cannot write …: No space left on device")
+
+    monkeypatch.setattr(resume_cmd, "supervise", stops_early)
+    with pytest.raises(NereusError, match="before binding"):
+        run(_args(tmp_path))
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "crashed"}
+    assert not (tmp_path / "summary.crashed.json").exists()
+
+    def writes_its_own(*args, **kwargs):
+        (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+        return 1
+
+    monkeypatch.setattr(resume_cmd, "supervise", writes_its_own)
+    assert run(_args(tmp_path)) == 1
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "failed"}
+    assert json.loads((tmp_path / "summary.crashed.json").read_text()) == {"status": "crashed"}
