@@ -112,6 +112,26 @@ def request_remove(run_dir: Path, count: int, timeout_s: float = 10.0) -> dict:
     return _ask(run_dir, P.PoolRequest(remove=count), timeout_s)
 
 
+def exchange(run_dir: Path, info: dict, request: P._Message, timeout_s: float) -> P._Message | None:
+    """Send ``request`` to the nereusd of ``info`` (its ``nereusd.json``, :func:`endpoint_record`;
+    with the job's client key where it uses CURVE) and return its answer, or ``None`` when none
+    comes within ``timeout_s``.
+
+    Raises:
+        ProtocolError: the answer is not a message.
+    """
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if info.get("curve"):
+            make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
+        sock.connect(info["endpoint"])
+        sock.send(P.encode(request))
+        return P.decode(sock.recv()) if sock.poll(int(timeout_s * 1000)) else None
+    finally:
+        sock.close(0)
+
+
 def _ask(run_dir: Path, request: P._Message, timeout_s: float) -> dict:
     """Send ``request`` to the job's nereusd (with the job's client key) and return the status
     dict it answers with.
@@ -120,19 +140,10 @@ def _ask(run_dir: Path, request: P._Message, timeout_s: float) -> dict:
         NereusError: nereusd does not answer within ``timeout_s`` or refuses.
     """
     info = _endpoint(run_dir)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        if info.get("curve"):
-            make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
-        sock.connect(info["endpoint"])
-        sock.send(P.encode(request))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise NereusError(f"nereusd at {info['endpoint']} did not answer within {timeout_s:g} s; the request may "
-                              f"still reach it: see {run_dir / 'events.jsonl'} or 'nereus-launch status {run_dir}'")
-        reply = P.decode(sock.recv())
-    finally:
-        sock.close(0)
+    reply = exchange(run_dir, info, request, timeout_s)
+    if reply is None:
+        raise NereusError(f"nereusd at {info['endpoint']} did not answer within {timeout_s:g} s; the request may "
+                          f"still reach it: see {run_dir / 'events.jsonl'} or 'nereus-launch status {run_dir}'")
     if isinstance(reply, P.ErrorReply):
         raise NereusError(f"nereusd refused: {reply.reason}")
     status = reply.status if isinstance(reply, P.StatusReply) else {}

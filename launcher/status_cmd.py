@@ -17,12 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from launcher.progress import switches_text
 from launcher.submit import RECORD_FILE, _home, _read_record, resolve_run_dir
 from nereusd import protocol as P
-from nereusd.daemon.security import KEYS_DIR, load_keys, make_client
 from nereusd.errors import NereusError, SlurmError
 from nereusd.journal import ENDPOINT_FILE, SUMMARY_FILE, is_simulation_summary, to_json
 from nereusd.slurm import SlurmClient
@@ -47,26 +44,14 @@ def ask_nereusd(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
     Raises:
         NereusError: the run's ``nereusd.json`` is not a nereusd record (damaged or foreign).
     """
-    from launcher.pool_cmd import endpoint_record
+    from launcher.pool_cmd import endpoint_record, exchange
 
     try:
         info = json.loads((run_dir / ENDPOINT_FILE).read_text())
     except (OSError, ValueError):   # ValueError: JSON or UTF-8 damage
         return None
-    info = endpoint_record(info, run_dir / ENDPOINT_FILE)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        if info.get("curve"):
-            make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
-        sock.connect(info["endpoint"])
-        sock.send(P.encode(P.StatusRequest()))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        reply = P.decode(sock.recv())
-        return reply.status if isinstance(reply, P.StatusReply) else None
-    finally:
-        sock.close(0)
+    reply = exchange(run_dir, endpoint_record(info, run_dir / ENDPOINT_FILE), P.StatusRequest(), timeout_s)
+    return reply.status if isinstance(reply, P.StatusReply) else None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
