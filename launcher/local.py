@@ -235,7 +235,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     logs = run_dir / "logs"
     daemon = agent = None
     crashed = owned = False   # owned: this launcher's nereusd held the run directory
-    progress = Progress(job.config.steps, quiet)
+    progress = Progress(job.config.steps, quiet, run_dir if resume else None)
     interrupted = False
     agent_error = None   # why the agent exited before it registered
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}

@@ -27,6 +27,14 @@ def switches_text(summary: dict) -> str:
         f"; checkpoint restarts: {restarts}, {count('lost_steps')} step(s) re-run" if restarts else "")
 
 
+def _switched(ev: dict) -> int:
+    """1 for an event of a layout switch that ran (a transition, a checkpoint restart), as
+    ``summary.json``'s ``switches`` counts them; else 0. An admission is a decision: one whose
+    step was interrupted never ran."""
+    kind = ev.get("event")
+    return int(kind == Event.TRANSITION or kind == Event.FALLBACK and ev.get("action") == "checkpoint_restart")
+
+
 def compact_plan(plan: dict) -> str:
     """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case);
     a ZeRO stage is appended as ``z1`` / ``z2`` (``aT1·1·4z1``)."""
@@ -75,20 +83,30 @@ class Progress:
     ``build`` event) or finished its first step: started with the launch, its first estimate took
     the workers' and vLLM engines' start-up (20–45 s) for a step and read 22 minutes for a
     one-minute job; the events printed before it (the launch plan, Prometheus, TensorBoard) ran
-    into its 0 % line."""
+    into its 0 % line.
 
-    def __init__(self, total: int, quiet: bool) -> None:
+    The bar shows the steps ``metrics.jsonl`` holds. A resume (``run_dir`` given: the run
+    directory as it is before nereusd starts) starts from the steps already there, and goes back
+    when the steps after its checkpoint leave the file to run again; the events of the earlier
+    attempts are not printed again, and its switches are the job's, as ``summary.json`` counts
+    them (transitions and checkpoint restarts that ran). A resumed demo had counted past its
+    total (``32step``) and printed and counted an earlier attempt's admitted switch that never
+    ran (a new user's trial, 2026-12-07)."""
+
+    def __init__(self, total: int, quiet: bool, run_dir: Path | None = None) -> None:
         self.total, self.bar = total, None
-        self.seen = 0
-        self.events_seen = 0
-        self.switches = 0
         self.quiet = quiet
+        earlier = read_jsonl(run_dir / EVENTS_FILE) if run_dir is not None and (run_dir / EVENTS_FILE).exists() else []
+        self.seen = len(read_jsonl(run_dir / METRICS_FILE)) if earlier and (run_dir / METRICS_FILE).exists() else 0
+        self.events_seen = len(earlier)
+        self.switches = sum(map(_switched, earlier))
 
     def _started(self):
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, unit="step", disable=self.quiet, dynamic_ncols=True, desc="nereus")
+            self.bar = tqdm(total=self.total, initial=self.seen, unit="step", disable=self.quiet, dynamic_ncols=True,
+                            desc="nereus")
         return self.bar
 
     def _write(self, line: str) -> None:
@@ -99,26 +117,31 @@ class Progress:
 
     def update(self, run_dir: Path) -> None:
         records = read_jsonl(run_dir / METRICS_FILE)
-        if records[self.seen:]:
-            self._started()
-        for rec in records[self.seen:]:
-            self.bar.set_postfix_str(
-                f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f}"
-                + (f"/{rec['max_new_tokens']}" if rec.get("max_new_tokens") is not None else "")
-                + f" step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
-                f"switches {self.switches}", refresh=False)
-            self.bar.update(1)
-        self.seen = len(records)
         events = read_jsonl(run_dir / EVENTS_FILE)
         for ev in events[self.events_seen:]:
-            if ev.get("event") == Event.ADMISSION and ev.get("verdict") == "admit":
-                self.switches += 1
+            self.switches += _switched(ev)
             line = describe_event(ev)
             if line and not self.quiet:
                 self._write(line)
             if ev.get("event") == Event.BUILD:
                 self._started()
         self.events_seen = len(events)
+        if len(records) == self.seen:
+            return
+        bar = self._started()
+        if records:
+            rec = records[-1]
+            bar.set_postfix_str(
+                f"reward {rec['reward_mean']:.2f} len {rec['response_length_mean']:.1f}"
+                + (f"/{rec['max_new_tokens']}" if rec.get("max_new_tokens") is not None else "")
+                + f" step {rec['step_latency_s']:.1f}s plan {compact_plan(rec.get('plan', {}))} "
+                f"switches {self.switches}", refresh=False)
+        if len(records) > self.seen:
+            bar.update(len(records) - self.seen)
+        else:   # a checkpoint loaded: the steps after it left the file and run again
+            bar.n = bar.last_print_n = len(records)
+            bar.refresh()
+        self.seen = len(records)
 
     def close(self) -> None:
         if self.bar is not None:

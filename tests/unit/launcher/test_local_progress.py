@@ -165,3 +165,34 @@ def test_a_resume_from_a_checkpoint_is_a_restart_and_not_one_of_the_layout_switc
     assert switches_text(resumed) == "layout switches: 2; checkpoint restarts: 1, 0 step(s) re-run"
     assert switches_text({"switches": 0}) == "layout switches: 0"
     assert switches_text({"switches": float("nan"), "restarts": "1"}) == "layout switches: 0"
+
+
+def test_a_resumes_bar_goes_back_to_its_checkpoint_and_counts_only_switches_that_ran(tmp_path, capsys):
+    """A resumed demo's bar started at the 7 steps done, counted on while the steps after the
+    checkpoint ran again, and ended at ``32step``; it printed and counted an admitted switch of
+    the interrupted attempt that never ran (a new user's trial, 2026-12-07)."""
+    def line(step):
+        return json.dumps({"step": step, "reward_mean": 0.5, "response_length_mean": 5.0, "step_latency_s": 1.0,
+                           "plan": {}}) + "\n"
+
+    metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
+    metrics.write_text("".join(line(s) for s in range(7)))
+    earlier = [{"event": "transition", "step": 2},
+               {"event": "admission", "step": 6, "verdict": "admit", "triggers": [], "target_plan": {}}]
+    events.write_text("".join(json.dumps(e) + "\n" for e in earlier))
+    bar = Progress(total=10, quiet=False, run_dir=tmp_path)
+    assert (bar.seen, bar.switches) == (7, 1)   # the admission at step 6 never ran
+    with open(events, "a") as fh:
+        fh.write(json.dumps({"event": "build"}) + "\n")
+    bar.update(tmp_path)
+    assert bar.bar.n == 7 and "switch admitted" not in capsys.readouterr().out   # not printed again
+    metrics.write_text("".join(line(s) for s in range(4)))   # checkpoint step000004 loaded
+    bar.update(tmp_path)
+    assert bar.bar.n == 4
+    with open(metrics, "a") as fh:
+        fh.writelines(line(s) for s in range(4, 10))
+    with open(events, "a") as fh:
+        fh.write(json.dumps({"event": "transition", "step": 6}) + "\n")
+    bar.update(tmp_path)
+    assert bar.bar.n == 10 and bar.switches == 2
+    bar.close()
