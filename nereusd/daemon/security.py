@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,8 +128,17 @@ class ServerAuth:
 
     def __init__(self, ctx: zmq.Context, keys: JobKeys) -> None:
         self.keys = keys
-        self.authenticator = ThreadAuthenticator(ctx, log=logging.getLogger("nereusd.daemon.security.zap"))
-        self.authenticator.start()
+        deadline = time.monotonic() + 5.0
+        while True:   # the ZAP address of a control plane closed just before is freed by libzmq's reaper, later
+            self.authenticator = ThreadAuthenticator(ctx, log=logging.getLogger("nereusd.daemon.security.zap"))
+            try:
+                self.authenticator.start()
+                break
+            except zmq.ZMQError as err:
+                self.authenticator.stop()
+                if err.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
         allowed = {keys.client_public}
 
         class _Provider:
