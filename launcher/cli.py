@@ -91,6 +91,19 @@ def output_directory(path: str | Path, option: str = "--out") -> Path:
     return out
 
 
+def run_directory(path: str | Path) -> Path:
+    """``path`` as an existing run directory, resolved (``resume``, ``report``, ``status``: one
+    message for a mistyped path, where they had three).
+
+    Raises:
+        NereusError: ``PATH: no such run directory``, or ``PATH: not a run directory (a file)``.
+    """
+    where = Path(path)
+    if not where.is_dir():
+        raise NereusError(f"{path}: " + ("not a run directory (a file)" if where.exists() else "no such run directory"))
+    return where.resolve()
+
+
 def _version() -> str:
     """The installed distribution's version (``pyproject.toml``), or a note where none is installed."""
     from importlib.metadata import PackageNotFoundError, version

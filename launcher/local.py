@@ -32,7 +32,7 @@ from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_F
 from launcher.local_devices import check_gpus, site_mismatch
 from launcher.pool_trace import describe_pool_schedule, pool_trace_override
 from launcher.procs import stop_run_processes
-from launcher.progress import Progress, switches_text
+from launcher.progress import Progress, job_time_text, launch_plan_line, resume_hint, switches_text
 from nereusd.daemon.security import init_keys
 
 
@@ -213,10 +213,7 @@ def run_local(args: argparse.Namespace) -> int:
     mismatch = site_mismatch(load_site(job.config.site), args.gpus)
     if mismatch:
         print(f"nereus: warning: {mismatch}", file=sys.stderr)
-    if job.config.adaptation.enabled and "plan" not in job.config.model_fields_set:
-        print("nereus: launch plan: chosen by the planner for the initial conditions (no plan in the job)")
-    else:
-        print(f"nereus: launch plan: {job.plan.describe()}")
+    print(launch_plan_line(job))
     for line in pool_lines:
         print(line)
     return supervise(job, job_path, run_dir, gpus=args.gpus, quiet=args.quiet, launching=launching)
@@ -236,7 +233,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     daemon = agent = None
     crashed = owned = False   # owned: this launcher's nereusd held the run directory
     progress = Progress(job.config.steps, quiet, run_dir if resume else None)
-    interrupted = False
+    interrupted, signal_text = False, ""
     agent_error = None   # why the agent exited before it registered
     handlers = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -294,8 +291,8 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
     except (KeyboardInterrupt, _Terminated) as err:
         _STOP.taken()
         interrupted = True
-        why = str(err) if isinstance(err, _Terminated) else "interrupted"
-        print(f"\nnereus: {why}; stopping nereusd, the agent and the workers", file=sys.stderr)
+        signal_text = f"{err} to nereus-launch" if isinstance(err, _Terminated) else "Ctrl-C"
+        print(f"\nnereus: {signal_text}; stopping nereusd, the agent and the workers", file=sys.stderr)
     finally:
         # a second signal must not cut the teardown short: a second Ctrl-C (SIGINT) included, which
         # once left nereusd, the agent and the workers running when it came during the teardown
@@ -325,16 +322,7 @@ def supervise(job: ResolvedJob, job_path: Path, run_dir: Path, *, gpus: bool, qu
         write_summary(run_dir, {**record, "status": "failed", "error": agent_error, "error_kind": "AgentFailed"})
         print(f"nereus: failed: {agent_error}", file=sys.stderr)
         return 1
-    return _report(run_dir, interrupted, daemon.returncode if daemon is not None else None)
-
-
-def _job_time(summary: dict) -> str:
-    """`` (the job, over N nereusds: …)`` for a resumed job's summary; ``""`` for one nereusd's."""
-    if not (summary.get("resumes") and summary.get("job_wall_time_s")):
-        return ""
-    running = (f"{summary['job_run_time_s']:.0f} s running, " if "job_run_time_s" in summary else "")
-    return (f" (the job, over {summary['resumes'] + 1} nereusds: {running}"
-            f"{summary['job_wall_time_s']:.0f} s since the first started)")
+    return _report(run_dir, signal_text if interrupted else None, daemon.returncode if daemon is not None else None)
 
 
 def _read_summary(run_dir: Path) -> dict:
@@ -363,7 +351,10 @@ def _registered_since_start(run_dir: Path) -> bool:
     return registered
 
 
-def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> int:
+def _report(run_dir: Path, interrupted: str | None, returncode: int | None = None) -> int:
+    """Print the job's outcome from ``summary.json`` (writing it where nereusd could not) and
+    return the launcher's exit status. ``interrupted``: what stopped the launcher (``"Ctrl-C"``,
+    ``"SIGTERM to nereus-launch"``), or ``None``."""
     if interrupted and crash_summary(run_dir, returncode, write=False) is not None:
         # the user's Ctrl-C reached nereusd before its handlers (while it imported): no crash
         steps = len(read_jsonl(run_dir / METRICS_FILE)) if (run_dir / METRICS_FILE).exists() else 0
@@ -385,7 +376,7 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
     status = summary.get("status")
     if status == "succeeded":
         print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s"
-              + _job_time(summary) + "; "
+              + job_time_text(summary) + "; "
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}"
               + (f" (best {summary['reward_best']:.2f} at step {summary['reward_best_step']})"
                  if "reward_best" in summary else "") + ", "
@@ -397,8 +388,13 @@ def _report(run_dir: Path, interrupted: bool, returncode: int | None = None) -> 
               + switches_text(summary))
         print(f"nereus: results in {run_dir} (plots: nereus-launch report {run_dir})")
         return 0
+    if status == "interrupted" and interrupted and str(summary.get("error", "")).startswith("nereusd received"):
+        # nereusd saw the SIGTERM the launcher forwards; the user pressed Ctrl-C (a new user's trial)
+        summary["error"] = f"{interrupted} (nereus-launch stopped nereusd with {summary['error'][len('nereusd received '):]})"
+        write_summary(run_dir, summary)
     done = summary.get("steps_completed")
-    where = f" after {done} step(s)" if isinstance(done, int) and done > 0 and status == "failed" else ""
+    where = f" after {done} step(s)" if isinstance(done, int) and done > 0 and status in ("failed", "interrupted") else ""
     print(f"nereus: {status}{where}: {summary.get('error', 'see logs')}", file=sys.stderr)
+    print(f"nereus: {resume_hint(run_dir, status)}", file=sys.stderr)
     print(f"nereus: logs in {run_dir / 'logs'}", file=sys.stderr)
     return 130 if status == "interrupted" or interrupted else 1

@@ -1,15 +1,20 @@
 """What ``nereus-launch local`` prints while a job runs: a progress bar fed from
 ``metrics.jsonl``, and a line for each admitted switch, fallback and pool change of
-``events.jsonl``; and how a run's switches and restarts read in its outcome (``local``'s last
-line, ``status``)."""
+``events.jsonl``; and how a run's outcome reads (``local``'s last lines, ``status``): its
+switches and restarts, a resumed job's time, how to resume it."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl
+from nereusd.journal import EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, read_jsonl, switch_kind
 from nereusd.plan import Candidate
+
+
+def finite_number(value: object) -> bool:
+    """Whether a ``summary.json`` figure is a finite number (not a bool, not ``"nan"``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def switches_text(summary: dict) -> str:
@@ -18,21 +23,37 @@ def switches_text(summary: dict) -> str:
     ``restarts`` also counts resumes from a checkpoint, which switch no layout: so the restarts
     are not said to be "of" the switches). A figure that is not a finite number reads 0."""
     def count(key: str) -> int:
-        value = summary.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return int(value) if ok else 0
+        return int(summary[key]) if finite_number(summary.get(key)) else 0
 
     restarts = count("restarts")
     return f"layout switches: {count('switches')}" + (
         f"; checkpoint restarts: {restarts}, {count('lost_steps')} step(s) re-run" if restarts else "")
 
 
-def _switched(ev: dict) -> int:
-    """1 for an event of a layout switch that ran (a transition, a checkpoint restart), as
-    ``summary.json``'s ``switches`` counts them; else 0. An admission is a decision: one whose
-    step was interrupted never ran."""
-    kind = ev.get("event")
-    return int(kind == Event.TRANSITION or kind == Event.FALLBACK and ev.get("action") == "checkpoint_restart")
+def job_time_text(summary: dict) -> str:
+    """`` (the job, over N nereusds: R s running, W s since the first started)`` for a resumed
+    job's ``summary.json`` (``job_run_time_s``, ``job_wall_time_s``); ``""`` for one nereusd's,
+    whose ``wall_time_s`` is the job's."""
+    resumes, wall, running = (summary.get(k) for k in ("resumes", "job_wall_time_s", "job_run_time_s"))
+    if not (finite_number(resumes) and resumes > 0 and finite_number(wall)):
+        return ""
+    return (f" (the job, over {int(resumes) + 1} nereusds: " + (f"{running:.0f} s running, " if finite_number(running) else "")
+            + f"{wall:.0f} s since the first started)")
+
+
+def resume_hint(run_dir: Path, status: object) -> str:
+    """How to continue a job that ended without succeeding (``local``'s last lines, ``status``)."""
+    fix = " once its cause is fixed" if status in ("failed", "stopped") else ""
+    return f"`nereus-launch resume {run_dir}` continues it from its latest checkpoint{fix}"
+
+
+def launch_plan_line(job) -> str:
+    """What ``local`` and ``resume`` say of the launch plan before nereusd starts (a
+    :class:`~nereusd.config.resolve.ResolvedJob`): the job's plan, or that the planner chooses it
+    (its ``launch_plan`` event then prints the plan, :func:`describe_event`)."""
+    if job.config.adaptation.enabled and "plan" not in job.config.model_fields_set:
+        return "nereus: launch plan: chosen by the planner for the initial conditions (no plan in the job)"
+    return f"nereus: launch plan: {job.plan.describe()}"
 
 
 def compact_plan(plan: dict) -> str:
@@ -47,7 +68,8 @@ def compact_plan(plan: dict) -> str:
 
 
 def describe_event(ev: dict) -> str | None:
-    """One progress line for an admitted switch, a fallback or a pool change; else ``None``."""
+    """One progress line for the launch plan, an admitted switch, a restart, a fallback or a pool
+    change; else ``None``."""
     kind = ev.get("event")
     if kind == Event.ADMISSION and ev.get("verdict") == "admit":
         why = ", ".join(f"{t['signal']}{' (urgent)' if t['urgent'] else ''}" for t in ev.get("triggers", []))
@@ -60,9 +82,15 @@ def describe_event(ev: dict) -> str | None:
             gain_s = "the current plan cannot run"
         return (f"nereus: step {ev['step']}: switch admitted [{why}]: {'; '.join(changed) or 'placement'}"
                 + (f" (predicted {gain_s}, L_tran {ev.get('l_tran_s') or 0:.2f} s)" if gain is not None else ""))
-    if kind == Event.LAUNCH_PLAN and ev.get("source") == "planner":
+    if kind == Event.LAUNCH_PLAN and ev.get("source") != JOB_PLAN_SOURCE:   # launch_plan_line said that one
+        source = ev.get("source")
+        if not ev.get("plan"):
+            return f"nereus: launch plan: {source}"
         plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
-        return f"nereus: planner's launch plan: {plan}"
+        return f"nereus: planner's launch plan: {plan}" if source == "planner" else f"nereus: launch plan ({source}): {plan}"
+    if kind == Event.WORKERS_KEPT and ev.get("kept") and isinstance(ev.get("plan"), dict):
+        plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
+        return f"nereus: continuing at step {ev.get('step')} on the workers kept in memory: {plan}"
     if kind == Event.RESTART_STARTED:
         return (f"nereus: step {ev['step']}: restarting from {ev.get('checkpoint') or 'the initial weights'} on "
                 f"devices {ev.get('world')}: {ev.get('reason')}")
@@ -99,7 +127,7 @@ class Progress:
         earlier = read_jsonl(run_dir / EVENTS_FILE) if run_dir is not None and (run_dir / EVENTS_FILE).exists() else []
         self.seen = len(read_jsonl(run_dir / METRICS_FILE)) if earlier and (run_dir / METRICS_FILE).exists() else 0
         self.events_seen = len(earlier)
-        self.switches = sum(map(_switched, earlier))
+        self.switches = sum(1 for ev in earlier if switch_kind(ev))
 
     def _started(self):
         if self.bar is None:
@@ -119,7 +147,7 @@ class Progress:
         records = read_jsonl(run_dir / METRICS_FILE)
         events = read_jsonl(run_dir / EVENTS_FILE)
         for ev in events[self.events_seen:]:
-            self.switches += _switched(ev)
+            self.switches += bool(switch_kind(ev))
             line = describe_event(ev)
             if line and not self.quiet:
                 self._write(line)

@@ -7,11 +7,11 @@ import json
 import textwrap
 from pathlib import Path
 
-from launcher.cli import output_directory
+from launcher.cli import output_directory, run_directory
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.errors import NereusError
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, is_simulation_summary,
-                             read_jsonl)
+                             read_jsonl, switch_kind)
 
 #: (file name, title, y label, series key(s)) of the per-step plots.
 _SERIES = (
@@ -173,20 +173,39 @@ def plan_segments(records: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
     return out
 
 
+def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
+    """The layout switches that ran (:func:`~nereusd.journal.switch_kind`) as ``(x, kind, why)``:
+    ``x`` the boundary on the step axis (a transition after step s at s + 0.5, a restart that
+    re-runs step s at s − 0.5), ``why`` (a caption) the signals of the admission the transition carried out
+    (the last before it at its step: an interrupted attempt's admission may precede it) or the
+    restart's reason. Admissions alone are not switches: one whose step was interrupted never
+    ran, and a resume admits it again (a new user's trial, 2026-12-07)."""
+    out, admitted = [], {}
+    for e in events:
+        if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
+            admitted[e.get("step")] = ", ".join(t.get("signal", "?") for t in e.get("triggers", []))
+        kind = switch_kind(e)
+        if kind == "transition":
+            why = admitted.get(e["step"]) or str(e.get("why", ""))[:60]
+            out.append((e["step"] + 0.5, kind, f"after step {e['step']} ({why})"))
+        elif kind == "restart":
+            out.append((e["step"] - 0.5, kind, f"step {e['step']}: checkpoint restart ({str(e.get('reason', ''))[:60]})"))
+    return out
+
+
 def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> list[Path]:
-    """``plan_timeline.png`` (layout of every model-stage per step; admitted switches and pool
+    """``plan_timeline.png`` (layout of every model-stage per step; the switches that ran and pool
     changes marked) and ``predicted_vs_measured.png`` (the controller's step-latency prediction
     against the measured critical path of model-stage times and the step's wall time)."""
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
     segments = plan_segments(records)
-    switches = [e for e in events if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit"]
+    switches = switches_ran(events)
     # below the bars, each model-stage's history and each switch's triggers: a run of a step or two
     # has no room for its layout (the demo's switches at steps 0-3 were unreadable)
     history = [f"{ms}: " + " → ".join(f"{lo}{'' if hi == lo else f'–{hi}'} {text}" for lo, hi, text in runs)
                for ms, runs in segments.items() if len(runs) > 1]
     if switches:
-        history.append("switches: " + "; ".join(
-            f"after step {e['step']} ({', '.join(t['signal'] for t in e.get('triggers', []))})" for e in switches))
+        history.append("switches: " + "; ".join(why for _, _, why in switches))
     wrapped = [line for text in history for line in textwrap.wrap(text, 130, subsequent_indent="    ")]
     height = 1.2 + 0.7 * max(1, len(segments))
     fig, ax = plt.subplots(figsize=(10, height + 0.19 * len(wrapped)))
@@ -202,13 +221,13 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
                 ax.text((lo + hi) / 2, row, text, ha="center", va="center", fontsize=7)
             elif (hi - lo + 1) / span >= 0.1:
                 ax.text((lo + hi) / 2, row, text.split(" ")[0], ha="center", va="center", fontsize=6)
-    for e in switches:
-        ax.axvline(e["step"] + 0.5, color="red", lw=1.5)
+    for at, kind, _ in switches:
+        ax.axvline(at, color="red", lw=1.5, ls="-" if kind == "transition" else ":")
     for e in events:
         if e.get("event") == Event.POOL_CHANGED and "step" in e:
             ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
     ax.set_yticks(range(len(segments)), list(segments))
-    ax.set_xlabel("step (red: admitted switch; purple: pool change; colour: layout and devices)")
+    ax.set_xlabel("step (red: switch, dotted: checkpoint restart; purple: pool change; colour: layout and devices)")
     fig.suptitle("Plan timeline", fontsize=10)
     caption = len(wrapped) * 0.19 / (height + 0.19 * len(wrapped))
     if wrapped:
@@ -224,9 +243,8 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
         ax.plot(steps, [e.get("predicted_step_latency_s") for e in preds], "o-", label="predicted (cost model)")
         ax.plot(steps, [e.get("measured_stage_path_s") for e in preds], "s-", label="measured (model-stage path)")
         ax.plot(steps, [e.get("measured_step_latency_s") for e in preds], ".:", label="measured (step wall time)")
-        for e in events:
-            if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
-                ax.axvline(e["step"] + 0.5, color="red", lw=1)
+        for at, kind, _ in switches:
+            ax.axvline(at, color="red", lw=1, ls="-" if kind == "transition" else ":")
         ax.legend()
     ax.set(title="Step latency: predicted vs measured (red: switch)", xlabel="step", ylabel="seconds")
     ax.grid(alpha=0.3)
@@ -237,9 +255,7 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
 
 
 def run_report(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise NereusError(f"{run_dir}: not a run directory (no such directory)")
+    run_dir = run_directory(args.run_dir)
     out_dir = output_directory(args.out if args.out else run_dir / "plots", "--out" if args.out else "plots directory")
     try:
         paths = write_plots(run_dir, out_dir)

@@ -27,7 +27,9 @@ import re
 import sys
 from pathlib import Path
 
+from launcher.cli import run_directory
 from launcher.local import check_gpus, supervise
+from launcher.progress import launch_plan_line
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.checkpoints import check_resume_checkpoints, check_resume_models, resume_record
 from nereusd.config.resolve import load_and_resolve
@@ -83,9 +85,9 @@ def _set_aside_summary(run_dir: Path, status: str) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir).resolve()   # recorded for `status JOB_ID` and written into the batch script
+    run_dir = run_directory(args.run_dir)   # resolved: recorded for `status JOB_ID` and written into the batch script
     if not (run_dir / EVENTS_FILE).is_file():
-        raise NereusError(f"{run_dir}: not a run directory (no {EVENTS_FILE})")
+        raise NereusError(f"{run_dir}: not a run directory (no {EVENTS_FILE}; did the job start?)")
     # two resumes at once: the second waits here until the first's nereusd owns the directory,
     # then refuses below, before it moves a summary or touches a process
     launching = LaunchLock(run_dir)
@@ -136,6 +138,8 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
     aside = _set_aside_summary(run_dir, status)
     print(f"nereus: resuming job {job.config.name!r} in {run_dir} (was {status}; job file {path}"
           + (f"; stopped {len(stopped)} leftover process(es)" if stopped else "") + ")")
+    if not job.config.adaptation.enabled:   # an adaptive job's launch plan is printed as nereusd journals it
+        print(launch_plan_line(job))
     try:
         return supervise(job, path.resolve(), run_dir, gpus=args.gpus, quiet=args.quiet, resume=True,
                          kept_agents=kept, launching=launching)

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from launcher.progress import switches_text
+from launcher.progress import finite_number, job_time_text, resume_hint, switches_text
 from launcher.submit import RECORD_FILE, _home, _read_record, resolve_run_dir
 from nereusd import protocol as P
 from nereusd.errors import NereusError, SlurmError
@@ -118,7 +117,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if live["last_decision"]:
             print(f"last decision: {live['last_decision']['reason']} -> {live['last_decision']['verdict']}")
     elif ended:
-        print(_finished_lines(out["summary"]))
+        print(_finished_lines(out["summary"], run_dir))
     else:
         print("nereusd is not answering (starting, or gone); see the logs in " + str(run_dir / "logs")
               + (f"; {malformed}" if malformed else ""))
@@ -142,19 +141,20 @@ def _cap_text(caps: list[float]) -> str:
     return f" (cap {last})" if first == last else f" (cap {first} → {last})"
 
 
-def _finished_lines(s: dict) -> str:
+def _finished_lines(s: dict, run_dir: Path) -> str:
     """What ``status`` prints for a job that has ended, from its ``summary.json``: the outcome,
     and where the summary has them (each figure a finite number, else its line is left out),
     reward, response length and its cap, held-out pass@1, switches and the final plan (``summarise_metrics``
     in ``nereusd/daemon/app.py`` writes them)."""
     def num(*keys: str) -> list[float] | None:
         values = [s.get(k) for k in keys]
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
-        return values if ok else None
+        return values if all(map(finite_number, values)) else None
 
     wall, steps = num("wall_time_s"), num("steps_completed")
     lines = [f"finished: {s.get('status')} after {int(steps[0]) if steps else 0} steps"
-             + (f" in {wall[0]:.0f} s" if wall else "") + (f": {s['error']}" if s.get("error") else "")]
+             + (f" in {wall[0]:.0f} s" if wall else "") + job_time_text(s) + (f": {s['error']}" if s.get("error") else "")]
+    if s.get("status") != "succeeded":
+        lines.append(resume_hint(run_dir, s.get("status")))
     reward, best, length = (num("reward_first_10pct", "reward_last_10pct"), num("reward_best", "reward_best_step"),
                             num("response_length_first_10pct", "response_length_last_10pct"))
     caps = num("max_new_tokens_first", "max_new_tokens_last")

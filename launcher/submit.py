@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher.cli import run_directory
 from launcher.render import RenderRequest, load_template, render
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError, SlurmError
@@ -151,10 +152,10 @@ def resolve_run_dir(job: str) -> Path:
     Raises:
         NereusError: neither a known job id nor a submitted run directory.
     """
+    if not job.isdigit():
+        return run_directory(job)
     if Path(job).is_dir():
         return Path(job).resolve()
-    if not job.isdigit():
-        raise NereusError(f"{job!r}: no such run directory (a Slurm job id is a number)")
     entry = _home() / "jobs" / f"{job}.json"
     if entry.is_file():
         return Path(json.loads(entry.read_text())["run_dir"])

@@ -136,6 +136,25 @@ class Event(str, enum.Enum):
         return self.value
 
 
+JOB_PLAN_SOURCE = "the job's plan"
+"""A ``launch_plan`` event's ``source`` when the job runs the plan its job file sets (or its
+default plan, when it does not adapt); the launcher says that plan before nereusd starts."""
+
+
+def switch_kind(record: dict[str, Any]) -> str | None:
+    """What layout switch that ran an ``events.jsonl`` record is, as ``summary.json``'s
+    ``switches`` counts them: ``"transition"`` (a transition that changed the plan; a rebuild on
+    the same plan after the world re-formed is none), ``"restart"`` (an in-run checkpoint/restart),
+    else ``None``. An ``admission`` is a decision, not a switch: one whose step was interrupted
+    never ran, and a resume admits it again."""
+    kind = record.get("event")
+    if kind == Event.TRANSITION.value and record.get("from_plan") != record.get("to_plan"):
+        return "transition"
+    if kind == Event.FALLBACK.value and record.get("action") == "checkpoint_restart":
+        return "restart"
+    return None
+
+
 class JournalError(NereusError):
     """A journal file is damaged: a line other than a torn last one is not a JSON object."""
 

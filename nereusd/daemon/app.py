@@ -43,8 +43,8 @@ from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
-from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal, RunDirLock, check_resume_steps,
-                             drop_metrics_from, metrics_steps, read_jsonl)
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, Journal, RunDirLock,
+                             check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl, switch_kind)
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
@@ -420,7 +420,7 @@ class Daemon:
         starting at ``step`` (a resume that plans afresh starts at its checkpoint's step, which a
         length curriculum may cap higher than step 0)."""
         job = self.job
-        why = "the job's plan"
+        why = JOB_PLAN_SOURCE
         if self.pool.live and "plan" not in job.config.model_fields_set:
             try:
                 chosen = launch_plan(job, site, driver.prompt_length, step=step)
@@ -486,8 +486,9 @@ class Daemon:
 
 def earlier_attempts(run_dir: Path) -> dict[str, Any]:
     """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
-    resumed job's summary: ``switches`` (transitions and checkpoint restarts), ``restarts``
-    (checkpoint restarts, and resumes from a checkpoint), ``lost_steps`` (steps they re-run,
+    resumed job's summary: ``switches`` (:func:`~nereusd.journal.switch_kind`), ``restarts``
+    (checkpoint restarts, and resumes from a checkpoint or from the initial weights that re-run
+    steps), ``lost_steps`` (steps they re-run,
     and the steps a resume from a checkpoint re-runs, from an older one where the newest could not
     be read), ``resumes`` (``nereusd_resumed``, the
     latest nereusd's included), ``started_s`` (when the first started; 0.0 if unknown) and
@@ -506,17 +507,17 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
         kind = e.get("event")
         if kind == Event.NEREUSD_RESUMED.value:
             out["resumes"] += 1
-            if e.get("mode") == "checkpoint":
-                dropped = e.get("dropped_metrics") or 0
+            dropped = e.get("dropped_metrics") or 0
+            dropped = len(dropped) if isinstance(dropped, list) else int(dropped)
+            # a resume before any step finished re-runs nothing and loads no checkpoint: no restart
+            if e.get("mode") == "checkpoint" and (e.get("checkpoint") or dropped):
                 out["restarts"] += 1
-                out["lost_steps"] += len(dropped) if isinstance(dropped, list) else int(dropped)
+                out["lost_steps"] += dropped
         elif kind == Event.CHECKPOINT_UNREADABLE.value:   # the resume fell back further: more steps re-run
             out["lost_steps"] += len(e.get("dropped_metrics") or [])
-        elif starts and i < starts[-1]:
-            if kind == Event.TRANSITION.value:
-                out["switches"] += 1
-            elif kind == Event.FALLBACK.value and e.get("action") == "checkpoint_restart":
-                out["switches"] += 1
+        elif starts and i < starts[-1] and switch_kind(e):
+            out["switches"] += 1
+            if switch_kind(e) == "restart":
                 out["restarts"] += 1
                 out["lost_steps"] += int(e.get("lost_steps") or 0)
     return out

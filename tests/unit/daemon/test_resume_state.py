@@ -119,13 +119,37 @@ def test_a_resumed_jobs_run_time_leaves_out_the_time_between_a_crash_and_its_res
     from nereusd.daemon.app import earlier_attempts
 
     events = [{"event": "nereusd_started", "time_s": 100.0}, {"event": "checkpoint", "time_s": 110.0},
-              {"event": "transition", "time_s": 112.0},   # killed here: no nereusd_stopped
+              {"event": "transition", "time_s": 111.0, "from_plan": {"a": 1}, "to_plan": {"a": 1}},   # a rebuild
+              {"event": "transition", "time_s": 112.0, "from_plan": {"a": 1}, "to_plan": {"a": 2}},   # killed here
               {"event": "nereusd_started", "time_s": 1400.0}, {"event": "nereusd_resumed", "mode": "checkpoint",
                                                                "dropped_metrics": [4], "time_s": 1401.0}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     out = earlier_attempts(tmp_path)
     assert out["started_s"] == 100.0 and out["earlier_run_s"] == 12.0
     assert (out["resumes"], out["restarts"], out["lost_steps"], out["switches"]) == (1, 1, 1, 1)
+
+
+def test_a_resume_that_re_runs_nothing_from_the_initial_weights_is_no_restart(tmp_path):
+    """A job interrupted before its first step finished, then resumed, read ``checkpoint
+    restarts: 1, 0 step(s) re-run`` (a new user's trial, 2026-12-07): it loaded nothing and re-ran
+    nothing. One from the initial weights that re-runs steps is a restart, as is one from a
+    checkpoint that re-runs none."""
+    import json
+
+    from nereusd.daemon.app import earlier_attempts
+
+    def resumed(checkpoint, dropped):
+        events = [{"event": "nereusd_started", "time_s": 1.0},
+                  {"event": "nereusd_started", "time_s": 9.0},
+                  {"event": "nereusd_resumed", "mode": "checkpoint", "checkpoint": checkpoint,
+                   "dropped_metrics": dropped, "time_s": 9.5}]
+        (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        out = earlier_attempts(tmp_path)
+        return out["resumes"], out["restarts"], out["lost_steps"]
+
+    assert resumed(None, []) == (1, 0, 0)
+    assert resumed(None, [0, 1]) == (1, 1, 2)
+    assert resumed("/run/checkpoints/step000004", []) == (1, 1, 0)
 
 
 def test_a_job_resumed_at_a_forced_step_starts_on_the_forced_layout(tmp_path):

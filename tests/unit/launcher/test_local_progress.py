@@ -136,10 +136,10 @@ def test_a_failed_jobs_last_line_says_how_far_it_got(tmp_path, capsys):
 
     summary = {"status": "failed", "error": "train failed on device 0: out of memory", "steps_completed": 20}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    assert _report(tmp_path, interrupted=False) == 1
+    assert _report(tmp_path, interrupted=None) == 1
     assert "nereus: failed after 20 step(s): train failed on device 0: out of memory" in capsys.readouterr().err
     (tmp_path / "summary.json").write_text(json.dumps({**summary, "steps_completed": 0, "error": "no plan fits"}))
-    _report(tmp_path, interrupted=False)
+    _report(tmp_path, interrupted=None)
     assert "nereus: failed: no plan fits" in capsys.readouterr().err   # before any step: as before
 
 
@@ -177,11 +177,13 @@ def test_a_resumes_bar_goes_back_to_its_checkpoint_and_counts_only_switches_that
 
     metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
     metrics.write_text("".join(line(s) for s in range(7)))
-    earlier = [{"event": "transition", "step": 2},
+    moved = {"from_plan": {"a": 1}, "to_plan": {"a": 2}}
+    earlier = [{"event": "transition", "step": 2, **moved},
+               {"event": "transition", "step": 3, "from_plan": {"a": 2}, "to_plan": {"a": 2}},   # a rebuild
                {"event": "admission", "step": 6, "verdict": "admit", "triggers": [], "target_plan": {}}]
     events.write_text("".join(json.dumps(e) + "\n" for e in earlier))
     bar = Progress(total=10, quiet=False, run_dir=tmp_path)
-    assert (bar.seen, bar.switches) == (7, 1)   # the admission at step 6 never ran
+    assert (bar.seen, bar.switches) == (7, 1)   # the admission at step 6 never ran; the rebuild kept the plan
     with open(events, "a") as fh:
         fh.write(json.dumps({"event": "build"}) + "\n")
     bar.update(tmp_path)
@@ -192,7 +194,45 @@ def test_a_resumes_bar_goes_back_to_its_checkpoint_and_counts_only_switches_that
     with open(metrics, "a") as fh:
         fh.writelines(line(s) for s in range(4, 10))
     with open(events, "a") as fh:
-        fh.write(json.dumps({"event": "transition", "step": 6}) + "\n")
+        fh.write(json.dumps({"event": "transition", "step": 6, **moved}) + "\n")
     bar.update(tmp_path)
     assert bar.bar.n == 10 and bar.switches == 2
     bar.close()
+
+
+def test_ctrl_c_reads_as_ctrl_c_and_says_how_to_resume(tmp_path, capsys):
+    """After Ctrl-C the launcher said ``interrupted: nereusd received SIGTERM`` (it forwards the
+    user's SIGINT as SIGTERM) and not how to go on (a new user's trial, 2026-12-07)."""
+    from launcher.local import _report
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "interrupted", "steps_completed": 7,
+                                                       "error": "nereusd received SIGTERM"}))
+    assert _report(tmp_path, interrupted="Ctrl-C") == 130
+    err = capsys.readouterr().err
+    assert "nereus: interrupted after 7 step(s): Ctrl-C (nereus-launch stopped nereusd with SIGTERM)" in err, err
+    assert f"`nereus-launch resume {tmp_path}` continues it from its latest checkpoint" in err, err
+    assert json.loads((tmp_path / "summary.json").read_text())["error"].startswith("Ctrl-C (")
+    # a job stopped by another's signal (a Slurm scancel: nereusd's own SIGTERM) keeps nereusd's words
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "interrupted", "error": "nereusd received SIGTERM"}))
+    assert _report(tmp_path, interrupted=None) == 130
+    assert "nereus: interrupted: nereusd received SIGTERM" in capsys.readouterr().err
+
+
+def test_a_resume_prints_the_plan_it_starts_on():
+    """``resume`` did not print the launch plan ``local`` prints when it plans afresh (a new
+    user's trial, 2026-12-07): the plan a resume starts on, from its checkpoint or on the kept
+    workers, is printed as nereusd journals it; the job file's own plan is the launcher's line."""
+    from launcher.progress import describe_event
+
+    plan = {"actor/training": {"tp": 1, "pp": 2, "dp": 1, "devices": [0, 1]}}
+    line = describe_event({"event": "launch_plan", "plan": plan, "source": "resumed: the plan of the checkpoint"})
+    assert line.startswith("nereus: launch plan (resumed: the plan of the checkpoint): actor/training ") \
+        and "pp2" in line, line
+    assert describe_event({"event": "launch_plan", "plan": plan, "source": "planner"}).startswith(
+        "nereus: planner's launch plan: actor/training")
+    assert describe_event({"event": "launch_plan", "plan": plan, "source": "the job's plan"}) is None
+    assert describe_event({"event": "launch_plan", "plan": None, "source": "resumed: x; planning as a new job"}) \
+        == "nereus: launch plan: resumed: x; planning as a new job"
+    kept = describe_event({"event": "workers_kept", "kept": True, "step": 7, "plan": plan})
+    assert kept.startswith("nereus: continuing at step 7 on the workers kept in memory: actor/training"), kept
+    assert describe_event({"event": "workers_kept", "kept": False, "reason": "x"}) is None

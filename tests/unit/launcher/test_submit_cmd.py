@@ -220,3 +220,36 @@ def test_grow_refuses_a_job_that_is_not_running(tmp_path, capsys, monkeypatch):
     assert main(["grow", str(tmp_path), "--nodes", "1"]) == 2
     assert "job 121 is COMPLETED; only a running job grows" in capsys.readouterr().err
     assert not submitted and json.loads((tmp_path / "slurm.json").read_text()) == record
+
+
+@pytest.mark.parametrize("command", ["status", "report", "resume"])
+def test_a_mistyped_run_directory_reads_the_same_in_every_command(tmp_path, capsys, command):
+    """``resume`` said "not a run directory (no events.jsonl)", ``report`` "no such directory" and
+    ``status`` "no such run directory (a Slurm job id is a number)" for one missing path (a new
+    user's trial, 2026-12-07)."""
+    missing = tmp_path / "runs" / "typo"
+    assert main([command, str(missing)]) == 2
+    assert f"{missing}: no such run directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main([command, str(tmp_path / "afile")]) == 2
+    assert "not a run directory (a file)" in capsys.readouterr().err
+
+
+def test_status_of_a_resumed_or_unfinished_job_gives_the_jobs_time_and_how_to_resume(tmp_path, capsys):
+    """``status`` of a resumed run said ``succeeded after 30 steps in 60 s``, the last nereusd's
+    time, where the launcher said the job's; of an interrupted one it did not say how to go on (a
+    new user's trial, 2026-12-07)."""
+    (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
+    summary = {"status": "succeeded", "steps_completed": 30, "wall_time_s": 60.2, "resumes": 1,
+               "job_run_time_s": 91.4, "job_wall_time_s": 99.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "finished: succeeded after 30 steps in 60 s (the job, over 2 nereusds: 91 s running, 99 s since the " \
+           "first started)" in out and "nereus-launch resume" not in out, out
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "interrupted", "steps_completed": 7,
+                                                       "error": "Ctrl-C (nereus-launch stopped nereusd with SIGTERM)"}))
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "finished: interrupted after 7 steps: Ctrl-C" in out, out
+    assert f"`nereus-launch resume {tmp_path.resolve()}` continues it from its latest checkpoint\n" in out, out
