@@ -153,8 +153,6 @@ def _finished_lines(s: dict, run_dir: Path) -> str:
     wall, steps = num("wall_time_s"), num("steps_completed")
     lines = [f"finished: {s.get('status')} after {int(steps[0]) if steps else 0} steps"
              + (f" in {wall[0]:.0f} s" if wall else "") + job_time_text(s) + (f": {s['error']}" if s.get("error") else "")]
-    if s.get("status") != "succeeded":
-        lines.append(resume_hint(run_dir, s.get("status")))
     reward, best, length = (num("reward_first_10pct", "reward_last_10pct"), num("reward_best", "reward_best_step"),
                             num("response_length_first_10pct", "response_length_last_10pct"))
     caps = num("max_new_tokens_first", "max_new_tokens_last")
@@ -172,4 +170,6 @@ def _finished_lines(s: dict, run_dir: Path) -> str:
     if isinstance(plan, dict) and plan and all(isinstance(c, dict) for c in plan.values()):
         lines.append("final plan: " + ", ".join(f"{ms} tp{c.get('tp')} pp{c.get('pp')} dp{c.get('dp')}"
                                                 for ms, c in plan.items()))
+    if s.get("status") != "succeeded":
+        lines.append(resume_hint(run_dir, s.get("status")))
     return "\n".join(lines)
