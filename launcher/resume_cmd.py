@@ -36,8 +36,8 @@ from nereusd.config.resolve import load_and_resolve
 from nereusd.control.jobs import job_fingerprint
 from nereusd.daemon.kept import started_job_sha256
 from nereusd.errors import NereusError
-from nereusd.journal import (EVENTS_FILE, SUMMARY_FILE, Event, LaunchLock, check_resume_steps, read_jsonl,
-                             run_dir_owner)
+from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, check_resume_steps, read_jsonl
+from nereusd.rundir import LaunchLock, run_dir_owner
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

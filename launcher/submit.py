@@ -25,7 +25,8 @@ from launcher.render import RenderRequest, load_template, render
 from nereusd.config.job import load_job
 from nereusd.errors import ConfigError, NereusError, SlurmError
 from nereusd.config.resolve import resolve_job
-from nereusd.journal import ENDPOINT_FILE, check_resume_steps, clear_run_dir
+from nereusd.journal import ENDPOINT_FILE, check_resume_steps
+from nereusd.rundir import clear_run_dir
 from nereusd.daemon.security import init_keys
 from nereusd.config.site import SiteConfig, load_site, require_site
 from nereusd.plan import MAX_DEVICES

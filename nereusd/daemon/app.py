@@ -43,8 +43,9 @@ from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
-from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, Journal, RunDirLock,
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, Journal,
                              check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl, switch_kind)
+from nereusd.rundir import RunDirLock
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver

@@ -164,7 +164,7 @@ def test_a_live_jobs_run_directory_is_locked_and_overwrite_refuses_it(tmp_path):
     import os
 
     from nereusd.errors import NereusError
-    from nereusd.journal import RunDirLock, clear_run_dir, run_dir_owner
+    from nereusd.rundir import RunDirLock, clear_run_dir, run_dir_owner
 
     run = tmp_path / "run"
     clear_run_dir(run, overwrite=False)
@@ -190,7 +190,7 @@ def test_overwrite_clears_a_run_directory_only(tmp_path, monkeypatch):
     ``/`` (an adversarial trial, 2026-12-06). It now deletes only what runs write; anything else
     is named and nothing is deleted."""
     from nereusd.errors import NereusError
-    from nereusd.journal import clear_run_dir
+    from nereusd.rundir import clear_run_dir
 
     checkout = tmp_path / "checkout"
     (checkout / "src").mkdir(parents=True)
@@ -273,7 +273,7 @@ def test_a_full_disk_is_a_storage_error_and_leaves_no_torn_line(tmp_path, caplog
 
 def test_a_run_directory_or_lock_in_the_way_is_a_clear_error(tmp_path):
     from nereusd.errors import NereusError
-    from nereusd.journal import LOCK_FILE, clear_run_dir
+    from nereusd.rundir import LOCK_FILE, clear_run_dir
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(NereusError, match="run directory .*file is a file"):
@@ -283,7 +283,7 @@ def test_a_run_directory_or_lock_in_the_way_is_a_clear_error(tmp_path):
     with pytest.raises(NereusError, match="cannot check whether a job owns this run directory"):
         clear_run_dir(run, overwrite=True)
     # under a file: a traceback (FileExistsError) before (an adversarial trial)
-    from nereusd.journal import LaunchLock
+    from nereusd.rundir import LaunchLock
     with pytest.raises(NereusError, match=r"run directory .*file/sub/run: cannot create its parent .*file/sub: Not a directory"):
         LaunchLock(tmp_path / "file" / "sub" / "run")
     with pytest.raises(NereusError, match=r"run directory .*file/sub: cannot create it"):
@@ -345,14 +345,14 @@ def test_a_second_launch_into_a_run_directory_waits_for_the_first_to_hand_it_to_
     import sys
     import time
 
-    from nereusd.journal import LaunchLock, RunDirLock, clear_run_dir
+    from nereusd.rundir import LaunchLock, RunDirLock, clear_run_dir
     from tests.support import REPO
 
     run = tmp_path / "runs" / "job"
     first = LaunchLock(run)
     clear_run_dir(run, overwrite=True)
     second = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from nereusd.journal import LaunchLock, clear_run_dir; "
+        "import sys; from nereusd.rundir import LaunchLock, clear_run_dir; "
         f"lock = LaunchLock({str(run)!r}); print('got it', flush=True); "
         f"clear_run_dir(__import__('pathlib').Path({str(run)!r}), True)")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)

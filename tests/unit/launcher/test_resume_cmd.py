@@ -11,7 +11,8 @@ import pytest
 from nereusd.journal import crash_summary
 from launcher.resume_cmd import job_file, run
 from nereusd.errors import NereusError
-from nereusd.journal import Event, Journal, RunDirLock
+from nereusd.journal import Event, Journal
+from nereusd.rundir import RunDirLock
 
 
 def _args(run_dir):
