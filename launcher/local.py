@@ -13,7 +13,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from nereusd.rundir import LaunchLock, clear_run_dir
 from launcher.local_devices import check_gpus, site_mismatch
 from launcher.pool_trace import describe_pool_schedule, pool_trace_override
 from launcher.procs import stop_run_processes
-from launcher.progress import Progress, job_time_text, launch_plan_line, resume_hint, switches_text
+from launcher.progress import Progress, duration_text, launch_plan_line, resume_hint, switches_text
 from nereusd.daemon.security import init_keys
 
 
@@ -184,6 +183,12 @@ was lost."""
 _raise_terminated = _STOP.handler
 
 
+JOB_COPY_HEADER = "# nereus-launch local: a copy of "
+"""The first line of ``RUN_DIR/job.yaml``, then the job file's absolute path: ``resume`` starts
+from that file when no nereusd recorded one (interrupted before it started), since the copy's
+relative model and dataset paths would be read relative to the run directory."""
+
+
 def run_local(args: argparse.Namespace) -> int:
     job = load_and_resolve(args.job)  # every check before a process starts
     job_path = Path(args.job).resolve()
@@ -202,8 +207,8 @@ def run_local(args: argparse.Namespace) -> int:
     except BaseException:
         launching.release()
         raise
-    if effective is None:
-        shutil.copyfile(args.job, run_dir / "job.yaml")
+    if effective is None:   # the header names the original: relative paths in it are relative to the original
+        (run_dir / "job.yaml").write_bytes(f"{JOB_COPY_HEADER}{job_path}\n".encode() + job_path.read_bytes())
     else:   # the job as run: the daemon reads it (model directories made absolute)
         job_path = (run_dir / "job.yaml").resolve()
         job_path.write_text(f"# {Path(args.job).resolve()} with the pool trace of the command line\n"
@@ -359,12 +364,14 @@ def _report(run_dir: Path, interrupted: str | None, returncode: int | None = Non
     if interrupted and crash_summary(run_dir, returncode, write=False) is not None:
         # the user's Ctrl-C reached nereusd before its handlers (while it imported): no crash
         steps = len(read_jsonl(run_dir / METRICS_FILE)) if (run_dir / METRICS_FILE).exists() else 0
+        why = f"{interrupted} (before nereusd could write its summary)"
         write_summary(run_dir, {**_read_summary(run_dir), "status": "interrupted", "error_kind": "Interrupted",
-                                "error": "interrupted before nereusd could write its summary",
-                                "steps_completed": steps})
-        print(f"nereus: interrupted after {steps} step(s); `nereus-launch resume {run_dir}` continues it"
-              if (run_dir / EVENTS_FILE).exists() else "nereus: interrupted before the job started; nothing to resume",
-              file=sys.stderr)
+                                "error": why, "steps_completed": steps})
+        if (run_dir / EVENTS_FILE).exists():
+            print(f"nereus: interrupted after {steps} step(s): {why}\nnereus: {resume_hint(run_dir, 'interrupted')}",
+                  file=sys.stderr)
+        else:
+            print("nereus: interrupted before the job started: nothing to resume (start it again)", file=sys.stderr)
         return 130
     crashed = crash_summary(run_dir, returncode)
     if crashed is not None:
@@ -376,8 +383,7 @@ def _report(run_dir: Path, interrupted: str | None, returncode: int | None = Non
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     status = summary.get("status")
     if status == "succeeded":
-        print(f"nereus: succeeded: {summary.get('steps')} steps in {summary.get('wall_time_s', 0):.0f} s"
-              + job_time_text(summary) + "; "
+        print(f"nereus: succeeded: {summary.get('steps')} steps" + duration_text(summary) + "; "
               f"reward {summary.get('reward_first_10pct', 0):.2f} → {summary.get('reward_last_10pct', 0):.2f}"
               + (f" (best {summary['reward_best']:.2f} at step {summary['reward_best_step']})"
                  if "reward_best" in summary else "") + ", "
@@ -394,7 +400,9 @@ def _report(run_dir: Path, interrupted: str | None, returncode: int | None = Non
         summary["error"] = f"{interrupted} (nereus-launch stopped nereusd with {summary['error'][len('nereusd received '):]})"
         write_summary(run_dir, summary)
     done = summary.get("steps_completed")
-    where = f" after {done} step(s)" if isinstance(done, int) and done > 0 and status in ("failed", "interrupted") else ""
+    # interrupted: always how far (three Ctrl-Cs had read three ways); failed: once steps ran
+    where = (f" after {done} step(s)" if isinstance(done, int) and (status == "interrupted" or done > 0 and status == "failed")
+             else "")
     print(f"nereus: {status}{where}: {summary.get('error', 'see logs')}", file=sys.stderr)
     print(f"nereus: {resume_hint(run_dir, status)}", file=sys.stderr)
     print(f"nereus: logs in {run_dir / 'logs'}", file=sys.stderr)

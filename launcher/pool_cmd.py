@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import zmq
 
+from launcher.cli import run_directory
 from nereusd import protocol as P
 from nereusd.errors import NereusError
 from nereusd.journal import ENDPOINT_FILE
@@ -153,7 +154,7 @@ def _ask(run_dir: Path, request: P._Message, timeout_s: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
+    run_dir = run_directory(args.run_dir)
     if args.remove is not None:
         if args.remove < 1:
             raise NereusError(f"--remove: expected a positive count, got {args.remove}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from nereusd.errors import NereusError
 from nereusd.journal import EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, read_jsonl, switch_kind
 from nereusd.plan import Candidate
 
@@ -30,21 +31,33 @@ def switches_text(summary: dict) -> str:
         f"; checkpoint restarts: {restarts}, {count('lost_steps')} step(s) re-run" if restarts else "")
 
 
-def job_time_text(summary: dict) -> str:
-    """`` (the job, over N nereusds: R s running, W s since the first started)`` for a resumed
-    job's ``summary.json`` (``job_run_time_s``, ``job_wall_time_s``); ``""`` for one nereusd's,
-    whose ``wall_time_s`` is the job's."""
-    resumes, wall, running = (summary.get(k) for k in ("resumes", "job_wall_time_s", "job_run_time_s"))
-    if not (finite_number(resumes) and resumes > 0 and finite_number(wall)):
+def duration_text(summary: dict) -> str:
+    """`` in W s`` (``wall_time_s``); for a resumed job (``resumes``, ``job_run_time_s``,
+    ``job_wall_time_s``) `` in R s over N nereusds (the last W s; T s since the first
+    started)``: ``succeeded: 30 steps in 72 s`` after a resume read as if 72 s ran all 30 (a new
+    user's trial, 2026-12-07). ``""`` without a finite ``wall_time_s``."""
+    wall = summary.get("wall_time_s")
+    if not finite_number(wall):
         return ""
-    return (f" (the job, over {int(resumes) + 1} nereusds: " + (f"{running:.0f} s running, " if finite_number(running) else "")
-            + f"{wall:.0f} s since the first started)")
+    resumes, since, running = (summary.get(k) for k in ("resumes", "job_wall_time_s", "job_run_time_s"))
+    if not (finite_number(resumes) and resumes > 0 and finite_number(since) and finite_number(running)):
+        return f" in {wall:.0f} s"
+    return f" in {running:.0f} s over {int(resumes) + 1} nereusds (the last {wall:.0f} s; {since:.0f} s since the first started)"
 
 
 def resume_hint(run_dir: Path, status: object) -> str:
-    """How to continue a job that ended without succeeding (``local``'s last lines, ``status``)."""
+    """How to continue a job that ended without succeeding (``local``'s last lines, ``status``):
+    from its latest checkpoint's step (:func:`nereusd.checkpoints.resume_record`), or step 0."""
+    from nereusd.checkpoints import resume_record
+
+    try:
+        record = resume_record(run_dir)
+    except (NereusError, OSError):   # a damaged events.jsonl: resume says so
+        record = None
+    where = (f"continues it at step {record['step']}, its latest checkpoint's" if record and "step" in record
+             else "starts it again at step 0 (no checkpoint yet)")
     fix = " once its cause is fixed" if status in ("failed", "stopped") else ""
-    return f"`nereus-launch resume {run_dir}` continues it from its latest checkpoint{fix}"
+    return f"`nereus-launch resume {run_dir}` {where}{fix}"
 
 
 def launch_plan_line(job) -> str:
@@ -88,6 +101,12 @@ def describe_event(ev: dict) -> str | None:
             return f"nereus: launch plan: {source}"
         plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
         return f"nereus: planner's launch plan: {plan}" if source == "planner" else f"nereus: launch plan ({source}): {plan}"
+    if kind == Event.NEREUSD_RESUMED and ev.get("mode") == "checkpoint":
+        dropped = ev.get("dropped_metrics") if isinstance(ev.get("dropped_metrics"), list) else []
+        again = (f"steps {min(dropped)}–{max(dropped)} run again" if len(dropped) > 1 else
+                 f"step {dropped[0]} runs again" if dropped else "no step runs again")
+        where = f"checkpoint {Path(ev['checkpoint']).name}" if ev.get("checkpoint") else "the initial weights"
+        return f"nereus: resuming at step {ev.get('step')} from {where} ({again})"
     if kind == Event.WORKERS_KEPT and ev.get("kept") and isinstance(ev.get("plan"), dict):
         plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
         return f"nereus: continuing at step {ev.get('step')} on the workers kept in memory: {plan}"
@@ -114,8 +133,9 @@ class Progress:
     into its 0 % line.
 
     The bar shows the steps ``metrics.jsonl`` holds. A resume (``run_dir`` given: the run
-    directory as it is before nereusd starts) starts from the steps already there, and goes back
-    when the steps after its checkpoint leave the file to run again; the events of the earlier
+    directory as it is before nereusd starts) starts at the step its ``nereusd_resumed`` event
+    continues from (the steps after its checkpoint leave the file once it loads), and an in-run
+    checkpoint restart takes it back to its checkpoint's step; the events of the earlier
     attempts are not printed again, and its switches are the job's, as ``summary.json`` counts
     them (transitions and checkpoint restarts that ran). A resumed demo had counted past its
     total (``32step``) and printed and counted an earlier attempt's admitted switch that never
@@ -124,6 +144,8 @@ class Progress:
     def __init__(self, total: int, quiet: bool, run_dir: Path | None = None) -> None:
         self.total, self.bar = total, None
         self.quiet = quiet
+        self.rewind_to: int | None = None   # a resume's checkpoint step, until its later steps leave the file
+        self._stale: dict | None = None     # the row after that step when the resume began
         earlier = read_jsonl(run_dir / EVENTS_FILE) if run_dir is not None and (run_dir / EVENTS_FILE).exists() else []
         self.seen = len(read_jsonl(run_dir / METRICS_FILE)) if earlier and (run_dir / METRICS_FILE).exists() else 0
         self.events_seen = len(earlier)
@@ -151,9 +173,22 @@ class Progress:
             line = describe_event(ev)
             if line and not self.quiet:
                 self._write(line)
+            if ev.get("event") == Event.NEREUSD_RESUMED and ev.get("dropped_metrics"):
+                # the bar starts at the checkpoint's step: the steps after it leave metrics.jsonl
+                # once it has loaded (a bar that started at the 13 rows there went back to 10 at
+                # a rate of -11.8 step/s: a new user's trial, 2026-12-07)
+                self.rewind_to = int(ev.get("step") or 0)
+                self._stale = records[self.rewind_to] if len(records) > self.rewind_to else None
+                if self.bar is None:
+                    self.seen = min(self.seen, self.rewind_to)
             if ev.get("event") == Event.BUILD:
                 self._started()
         self.events_seen = len(events)
+        if self.rewind_to is not None:   # until the old row after the checkpoint is gone (dropped, or run again)
+            if len(records) <= self.rewind_to or records[self.rewind_to] != self._stale:
+                self.rewind_to = None
+            else:
+                records = records[:self.rewind_to]
         if len(records) == self.seen:
             return
         bar = self._started()

@@ -11,7 +11,7 @@ from launcher.cli import output_directory, run_directory
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.errors import NereusError
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, is_simulation_summary,
-                             read_jsonl, switch_kind)
+                             read_jsonl, resume_restarted, switch_kind)
 
 #: (file name, title, y label, series key(s)) of the per-step plots.
 _SERIES = (
@@ -57,6 +57,8 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
         if _simulation_output(run_dir):
             raise NereusError(f"{run_dir}: the output of nereus-launch simulate, not a job's run directory "
                               "(simulate wrote its plots there with it)")
+        if (run_dir / EVENTS_FILE).is_file():
+            raise NereusError(f"{run_dir}: no step has finished yet, so there is nothing to plot")
         raise NereusError(f"{run_dir / METRICS_FILE}: no metrics to plot (is this a run directory?)")
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in records]
@@ -103,9 +105,9 @@ def write_plots(run_dir: Path, out_dir: Path) -> list[Path]:
         ax.axhline(capacity / 2**20, color="black", lw=1, label=f"capacity {capacity / 2**20:.0f} MiB")
         ax.axhline(usable_bytes(capacity) / 2**20, color="grey", lw=1, ls="--",
                    label=f"usable ({100 * (1 - HEADROOM):.0f} %): what plans may book")
-    ax.set(title="Peak memory per device" + (" (a plan above the usable line: one the planner would not pick, "
+    ax.set(title="Peak memory per device" + ("\n(a plan above the usable line: one the planner would not pick, "
                                              "e.g. the job file's launch plan)" if capacity else ""),
-           xlabel="step", ylabel="MiB")
+           xlabel="step", ylabel="MiB")   # two lines: one was cut off at both ends (a new user's trial)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     if devices or capacity:
@@ -174,12 +176,14 @@ def plan_segments(records: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
 
 
 def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
-    """The layout switches that ran (:func:`~nereusd.journal.switch_kind`) as ``(x, kind, why)``:
-    ``x`` the boundary on the step axis (a transition after step s at s + 0.5, a restart that
-    re-runs step s at s − 0.5), ``why`` (a caption) the signals of the admission the transition carried out
-    (the last before it at its step: an interrupted attempt's admission may precede it) or the
-    restart's reason. Admissions alone are not switches: one whose step was interrupted never
-    ran, and a resume admits it again (a new user's trial, 2026-12-07)."""
+    """The layout switches that ran (:func:`~nereusd.journal.switch_kind`) and the resumes that
+    restarted from a checkpoint (:func:`~nereusd.journal.resume_restarted`), as ``summary.json``
+    counts them, as ``(x, kind, why)``: ``x`` the boundary on the step axis (a transition after
+    step s at s + 0.5, a restart that re-runs step s at s − 0.5), ``kind`` ``"transition"`` or
+    ``"restart"``, ``why`` (a caption) the signals of the admission the transition carried out
+    (the last before it at its step: an interrupted attempt's admission may precede it), the
+    restart's reason or the resume's checkpoint. Admissions alone are not switches: one whose
+    step was interrupted never ran, and a resume admits it again (a new user's trial, 2026-12-07)."""
     out, admitted = [], {}
     for e in events:
         if e.get("event") == Event.ADMISSION and e.get("verdict") == "admit":
@@ -190,6 +194,9 @@ def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
             out.append((e["step"] + 0.5, kind, f"after step {e['step']} ({why})"))
         elif kind == "restart":
             out.append((e["step"] - 0.5, kind, f"step {e['step']}: checkpoint restart ({str(e.get('reason', ''))[:60]})"))
+        elif resume_restarted(e):
+            name = Path(e["checkpoint"]).name if e.get("checkpoint") else "the initial weights"
+            out.append((e["step"] - 0.5, "restart", f"step {e['step']}: resumed from {name}"))
     return out
 
 
@@ -205,7 +212,7 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
     history = [f"{ms}: " + " → ".join(f"{lo}{'' if hi == lo else f'–{hi}'} {text}" for lo, hi, text in runs)
                for ms, runs in segments.items() if len(runs) > 1]
     if switches:
-        history.append("switches: " + "; ".join(why for _, _, why in switches))
+        history.append("switches and restarts: " + "; ".join(why for _, _, why in switches))
     wrapped = [line for text in history for line in textwrap.wrap(text, 130, subsequent_indent="    ")]
     height = 1.2 + 0.7 * max(1, len(segments))
     fig, ax = plt.subplots(figsize=(10, height + 0.19 * len(wrapped)))
@@ -221,13 +228,14 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
                 ax.text((lo + hi) / 2, row, text, ha="center", va="center", fontsize=7)
             elif (hi - lo + 1) / span >= 0.1:
                 ax.text((lo + hi) / 2, row, text.split(" ")[0], ha="center", va="center", fontsize=6)
-    for at, kind, _ in switches:
-        ax.axvline(at, color="red", lw=1.5, ls="-" if kind == "transition" else ":")
+    for at, kind, _ in switches:   # a restart in black over a switch at the same boundary
+        ax.axvline(at, color="red" if kind == "transition" else "black", lw=1.5, ls="-" if kind == "transition" else ":",
+                   zorder=3 if kind == "transition" else 4)
     for e in events:
         if e.get("event") == Event.POOL_CHANGED and "step" in e:
             ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
     ax.set_yticks(range(len(segments)), list(segments))
-    ax.set_xlabel("step (red: switch, dotted: checkpoint restart; purple: pool change; colour: layout and devices)")
+    ax.set_xlabel("step (red: switch; black dotted: checkpoint restart; purple: pool change; colour: layout and devices)")
     fig.suptitle("Plan timeline", fontsize=10)
     caption = len(wrapped) * 0.19 / (height + 0.19 * len(wrapped))
     if wrapped:
@@ -244,9 +252,10 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
         ax.plot(steps, [e.get("measured_stage_path_s") for e in preds], "s-", label="measured (model-stage path)")
         ax.plot(steps, [e.get("measured_step_latency_s") for e in preds], ".:", label="measured (step wall time)")
         for at, kind, _ in switches:
-            ax.axvline(at, color="red", lw=1, ls="-" if kind == "transition" else ":")
+            ax.axvline(at, color="red" if kind == "transition" else "black", lw=1, ls="-" if kind == "transition" else ":")
         ax.legend()
-    ax.set(title="Step latency: predicted vs measured (red: switch)", xlabel="step", ylabel="seconds")
+    ax.set(title="Step latency: predicted vs measured (red: switch; black dotted: restart)", xlabel="step",
+           ylabel="seconds")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_dir / "predicted_vs_measured.png", dpi=100)

@@ -28,14 +28,14 @@ import sys
 from pathlib import Path
 
 from launcher.cli import run_directory
-from launcher.local import check_gpus, supervise
+from launcher.local import JOB_COPY_HEADER, check_gpus, supervise
 from launcher.progress import launch_plan_line
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.checkpoints import check_resume_checkpoints, check_resume_models, resume_record
 from nereusd.config.resolve import load_and_resolve
 from nereusd.control.jobs import job_fingerprint
 from nereusd.daemon.kept import started_job_sha256
-from nereusd.errors import NereusError
+from nereusd.errors import ConfigError, NereusError
 from nereusd.journal import EVENTS_FILE, SUMMARY_FILE, Event, check_resume_steps, read_jsonl
 from nereusd.rundir import LaunchLock, run_dir_owner
 
@@ -54,11 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def job_file(run_dir: Path) -> Path:
-    """The job file the run was started with (recorded by its first nereusd), else
-    ``RUN_DIR/job.yaml``.
+    """The job file the run was started with: the one its first nereusd recorded, else the one
+    ``RUN_DIR/job.yaml``'s header names (:data:`~launcher.local.JOB_COPY_HEADER`: a run
+    interrupted before nereusd started), else ``RUN_DIR/job.yaml`` itself.
 
     Raises:
-        NereusError: neither exists.
+        NereusError: none of them exists.
     """
     for record in read_jsonl(run_dir / EVENTS_FILE):
         if record.get("event") == Event.NEREUSD_STARTED.value and record.get("job_file"):
@@ -69,7 +70,10 @@ def job_file(run_dir: Path) -> Path:
     fallback = run_dir / "job.yaml"
     if not fallback.is_file():
         raise NereusError(f"{run_dir}: no job file to resume with (neither the recorded one nor job.yaml)")
-    return fallback
+    with open(fallback, "rb") as fh:
+        first = fh.readline().decode(errors="replace").rstrip("\n")
+    original = Path(first[len(JOB_COPY_HEADER):]) if first.startswith(JOB_COPY_HEADER) else None
+    return original if original is not None and original.is_file() else fallback
 
 
 def _set_aside_summary(run_dir: Path, status: str) -> Path | None:
@@ -121,7 +125,14 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
               f"watch it with `nereus-launch status {job_id}`")
         return 0
     path = job_file(run_dir)
-    job = load_and_resolve(path)
+    try:
+        job = load_and_resolve(path)
+    except ConfigError as err:
+        if path != run_dir / "job.yaml":
+            raise
+        raise ConfigError(f"{err}\n(the job file the run was started with is gone, and this copy's relative paths "
+                          "are read relative to the run directory: restore that file, or make the copy's paths "
+                          "absolute)") from None
     check_resume_steps(run_dir, job.config.steps)
     if args.gpus:
         check_gpus()

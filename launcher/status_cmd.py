@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launcher.progress import finite_number, job_time_text, resume_hint, switches_text
+from launcher.progress import duration_text, finite_number, resume_hint, switches_text
 from launcher.submit import RECORD_FILE, _home, _read_record, resolve_run_dir
 from nereusd import protocol as P
 from nereusd.errors import NereusError, SlurmError
@@ -150,9 +150,9 @@ def _finished_lines(s: dict, run_dir: Path) -> str:
         values = [s.get(k) for k in keys]
         return values if all(map(finite_number, values)) else None
 
-    wall, steps = num("wall_time_s"), num("steps_completed")
+    steps = num("steps_completed")
     lines = [f"finished: {s.get('status')} after {int(steps[0]) if steps else 0} steps"
-             + (f" in {wall[0]:.0f} s" if wall else "") + job_time_text(s) + (f": {s['error']}" if s.get("error") else "")]
+             + duration_text(s) + (f": {s['error']}" if s.get("error") else "")]
     reward, best, length = (num("reward_first_10pct", "reward_last_10pct"), num("reward_best", "reward_best_step"),
                             num("response_length_first_10pct", "response_length_last_10pct"))
     caps = num("max_new_tokens_first", "max_new_tokens_last")

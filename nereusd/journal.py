@@ -152,6 +152,15 @@ def switch_kind(record: dict[str, Any]) -> str | None:
     return None
 
 
+def resume_restarted(record: dict[str, Any]) -> bool:
+    """Whether a ``nereusd_resumed`` record is a checkpoint restart, as ``summary.json``'s
+    ``restarts`` counts them: a resume from a checkpoint, or from the initial weights that runs
+    finished steps again. One interrupted before any step finished loads and re-runs nothing."""
+    dropped = record.get("dropped_metrics")
+    return (record.get("event") == Event.NEREUSD_RESUMED.value and record.get("mode") == "checkpoint"
+            and bool(record.get("checkpoint") or dropped))
+
+
 class JournalError(NereusError):
     """A journal file is damaged: a line other than a torn last one is not a JSON object."""
 

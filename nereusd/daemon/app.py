@@ -44,7 +44,8 @@ from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, Journal,
-                             check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl, switch_kind)
+                             check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl, resume_restarted,
+                             switch_kind)
 from nereusd.rundir import RunDirLock
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
@@ -488,8 +489,7 @@ class Daemon:
 def earlier_attempts(run_dir: Path) -> dict[str, Any]:
     """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
     resumed job's summary: ``switches`` (:func:`~nereusd.journal.switch_kind`), ``restarts``
-    (checkpoint restarts, and resumes from a checkpoint or from the initial weights that re-run
-    steps), ``lost_steps`` (steps they re-run,
+    (checkpoint restarts, and resumes that are one: :func:`~nereusd.journal.resume_restarted`), ``lost_steps`` (steps they re-run,
     and the steps a resume from a checkpoint re-runs, from an older one where the newest could not
     be read), ``resumes`` (``nereusd_resumed``, the
     latest nereusd's included), ``started_s`` (when the first started; 0.0 if unknown) and
@@ -508,12 +508,10 @@ def earlier_attempts(run_dir: Path) -> dict[str, Any]:
         kind = e.get("event")
         if kind == Event.NEREUSD_RESUMED.value:
             out["resumes"] += 1
-            dropped = e.get("dropped_metrics") or 0
-            dropped = len(dropped) if isinstance(dropped, list) else int(dropped)
-            # a resume before any step finished re-runs nothing and loads no checkpoint: no restart
-            if e.get("mode") == "checkpoint" and (e.get("checkpoint") or dropped):
+            if resume_restarted(e):
+                dropped = e.get("dropped_metrics") or 0
                 out["restarts"] += 1
-                out["lost_steps"] += dropped
+                out["lost_steps"] += len(dropped) if isinstance(dropped, list) else int(dropped)
         elif kind == Event.CHECKPOINT_UNREADABLE.value:   # the resume fell back further: more steps re-run
             out["lost_steps"] += len(e.get("dropped_metrics") or [])
         elif starts and i < starts[-1] and switch_kind(e):

@@ -210,7 +210,7 @@ def test_ctrl_c_reads_as_ctrl_c_and_says_how_to_resume(tmp_path, capsys):
     assert _report(tmp_path, interrupted="Ctrl-C") == 130
     err = capsys.readouterr().err
     assert "nereus: interrupted after 7 step(s): Ctrl-C (nereus-launch stopped nereusd with SIGTERM)" in err, err
-    assert f"`nereus-launch resume {tmp_path}` continues it from its latest checkpoint" in err, err
+    assert f"`nereus-launch resume {tmp_path}` starts it again at step 0 (no checkpoint yet)" in err, err
     assert json.loads((tmp_path / "summary.json").read_text())["error"].startswith("Ctrl-C (")
     # a job stopped by another's signal (a Slurm scancel: nereusd's own SIGTERM) keeps nereusd's words
     (tmp_path / "summary.json").write_text(json.dumps({"status": "interrupted", "error": "nereusd received SIGTERM"}))
@@ -236,3 +236,34 @@ def test_a_resume_prints_the_plan_it_starts_on():
     kept = describe_event({"event": "workers_kept", "kept": True, "step": 7, "plan": plan})
     assert kept.startswith("nereus: continuing at step 7 on the workers kept in memory: actor/training"), kept
     assert describe_event({"event": "workers_kept", "kept": False, "reason": "x"}) is None
+
+
+def test_a_resumes_bar_starts_at_its_checkpoint_and_says_where_it_resumes(tmp_path, capsys):
+    """A bar that started at the 13 rows of ``metrics.jsonl`` went back to the checkpoint's 10 at
+    ``-11.82step/s``, and nothing said where the resume started (a new user's trial, 2026-12-07)."""
+    def line(step, latency_s=1.0):
+        return json.dumps({"step": step, "reward_mean": 0.5, "response_length_mean": 5.0,
+                           "step_latency_s": latency_s, "plan": {}}) + "\n"
+
+    metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
+    metrics.write_text("".join(line(s) for s in range(13)))
+    events.write_text(json.dumps({"event": "nereusd_started"}) + "\n")
+    bar = Progress(total=30, quiet=False, run_dir=tmp_path)
+    with open(events, "a") as fh:
+        fh.write(json.dumps({"event": "nereusd_resumed", "mode": "checkpoint", "step": 10,
+                             "checkpoint": "/r/checkpoints/step000010", "dropped_metrics": [10, 11, 12]}) + "\n")
+        fh.write(json.dumps({"event": "build"}) + "\n")
+    bar.update(tmp_path)
+    assert bar.bar.n == 10 and bar.bar.initial == 10
+    assert "nereus: resuming at step 10 from checkpoint step000010 (steps 10–12 run again)" in capsys.readouterr().out
+    bar.update(tmp_path)   # the checkpoint has not loaded yet: its later rows are still there
+    assert bar.bar.n == 10
+    # loaded, and step 10 ran again between two reads, back to as many rows as the old 13
+    metrics.write_text("".join(line(s) for s in range(10)) + "".join(line(s, 0.9) for s in range(10, 13)))
+    bar.update(tmp_path)
+    assert bar.bar.n == 13 and bar.rewind_to is None
+    bar.close()
+    from launcher.progress import describe_event
+
+    assert describe_event({"event": "nereusd_resumed", "mode": "checkpoint", "step": 0, "checkpoint": None,
+                           "dropped_metrics": []}) == "nereus: resuming at step 0 from the initial weights (no step runs again)"

@@ -308,16 +308,20 @@ def test_report_draws_a_long_runs_stage_latencies_as_areas(tmp_path, monkeypatch
 def test_the_plan_timeline_marks_the_switches_that_ran_not_the_admissions():
     """``report`` marked every admitted switch: one whose step was interrupted showed, one
     admitted again after the resume showed twice, and a checkpoint restart not at all (a new
-    user's trial, 2026-12-07). A rebuild on the same plan is no switch."""
+    user's trial, 2026-12-07). A rebuild on the same plan is no switch; a resume from a checkpoint
+    is marked as the restart ``summary.json`` counts, one that re-ran nothing is not."""
     from launcher.report import switches_ran
 
     admit = {"event": "admission", "verdict": "admit", "triggers": [{"signal": "sequence_length"}]}
     events = [{**admit, "step": 3},   # interrupted: never ran
-              {"event": "nereusd_resumed", "mode": "checkpoint"},
+              {"event": "nereusd_resumed", "mode": "checkpoint", "step": 2, "checkpoint": "/r/checkpoints/step000002",
+               "dropped_metrics": [2, 3]},
+              {"event": "nereusd_resumed", "mode": "checkpoint", "step": 0, "checkpoint": None, "dropped_metrics": []},
               {**admit, "step": 3, "triggers": [{"signal": "memory"}]},
               {"event": "transition", "step": 3, "from_plan": {"a": 1}, "to_plan": {"a": 2}},
               {"event": "transition", "step": 5, "from_plan": {"a": 2}, "to_plan": {"a": 2}, "why": "rebuild"},
               {"event": "fallback", "action": "checkpoint_restart", "step": 8, "reason": "lost device 1"},
               {"event": "fallback", "action": "none", "step": 9, "reason": "x"}]
-    assert switches_ran(events) == [(3.5, "transition", "after step 3 (memory)"),
+    assert switches_ran(events) == [(1.5, "restart", "step 2: resumed from step000002"),
+                                    (3.5, "transition", "after step 3 (memory)"),
                                     (7.5, "restart", "step 8: checkpoint restart (lost device 1)")]

@@ -150,3 +150,23 @@ def test_a_resume_whose_nereusd_stops_before_the_job_keeps_the_runs_summary(tmp_
     assert run(_args(tmp_path)) == 1
     assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "failed"}
     assert json.loads((tmp_path / "summary.crashed.json").read_text()) == {"status": "crashed"}
+
+
+def test_a_run_interrupted_before_nereusd_started_resumes_with_the_original_job_file(tmp_path):
+    """Ctrl-C 2.5 s into ``local``: no nereusd recorded its job file, and ``resume`` read the
+    copy ``job.yaml``, whose ``models/counting-warmstart`` then named a directory inside the run
+    directory (a new user's trial, 2026-12-07). The copy's header names the original."""
+    from launcher.local import JOB_COPY_HEADER
+
+    original = tmp_path / "jobs" / "job.yaml"
+    original.parent.mkdir()
+    original.write_text("name: x\nmodels: {actor: models/a}\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text("")
+    (run_dir / "job.yaml").write_text(f"{JOB_COPY_HEADER}{original}\n" + original.read_text())
+    assert job_file(run_dir) == original
+    original.unlink()   # gone: the copy, whose error then says why its paths do not resolve
+    assert job_file(run_dir) == run_dir / "job.yaml"
+    with pytest.raises(NereusError, match="the job file the run was started with is gone"):
+        run(_args(run_dir))

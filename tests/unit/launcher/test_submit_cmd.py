@@ -222,16 +222,17 @@ def test_grow_refuses_a_job_that_is_not_running(tmp_path, capsys, monkeypatch):
     assert not submitted and json.loads((tmp_path / "slurm.json").read_text()) == record
 
 
-@pytest.mark.parametrize("command", ["status", "report", "resume"])
+@pytest.mark.parametrize("command", ["status", "report", "resume", "pool"])
 def test_a_mistyped_run_directory_reads_the_same_in_every_command(tmp_path, capsys, command):
     """``resume`` said "not a run directory (no events.jsonl)", ``report`` "no such directory" and
-    ``status`` "no such run directory (a Slurm job id is a number)" for one missing path (a new
-    user's trial, 2026-12-07)."""
+    ``status`` "no such run directory (a Slurm job id is a number)", ``pool`` "no running nereusd
+    ([Errno 2] …)" for one missing path (new users' trials, 2026-12-07)."""
+    extra = ["--remove", "1"] if command == "pool" else []
     missing = tmp_path / "runs" / "typo"
-    assert main([command, str(missing)]) == 2
+    assert main([command, str(missing), *extra]) == 2
     assert f"{missing}: no such run directory" in capsys.readouterr().err
     (tmp_path / "afile").write_text("x")
-    assert main([command, str(tmp_path / "afile")]) == 2
+    assert main([command, str(tmp_path / "afile"), *extra]) == 2
     assert "not a run directory (a file)" in capsys.readouterr().err
 
 
@@ -245,11 +246,16 @@ def test_status_of_a_resumed_or_unfinished_job_gives_the_jobs_time_and_how_to_re
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "finished: succeeded after 30 steps in 60 s (the job, over 2 nereusds: 91 s running, 99 s since the " \
-           "first started)" in out and "nereus-launch resume" not in out, out
+    assert "finished: succeeded after 30 steps in 91 s over 2 nereusds (the last 60 s; 99 s since the first " \
+           "started)" in out and "nereus-launch resume" not in out, out
     (tmp_path / "summary.json").write_text(json.dumps({"status": "interrupted", "steps_completed": 7,
                                                        "error": "Ctrl-C (nereus-launch stopped nereusd with SIGTERM)"}))
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "finished: interrupted after 7 steps: Ctrl-C" in out, out
-    assert f"`nereus-launch resume {tmp_path.resolve()}` continues it from its latest checkpoint\n" in out, out
+    assert out.endswith(f"`nereus-launch resume {tmp_path.resolve()}` starts it again at step 0 (no checkpoint yet)\n"), out
+    (tmp_path / "checkpoints" / "step000004").mkdir(parents=True)
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "checkpoint", "step": 4,
+                                                       "dir": "/elsewhere/checkpoints/step000004"}) + "\n")
+    main(["status", str(tmp_path)])
+    assert f"resume {tmp_path.resolve()}` continues it at step 4, its latest checkpoint's\n" in capsys.readouterr().out
