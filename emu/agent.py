@@ -174,9 +174,13 @@ class Agent:
     def _rejoin(self, now_s: float) -> bool:
         """While nereusd is silent: if a resumed nereusd announced itself in the run directory,
         re-register with it, offering the workers this agent kept (the new nereusd checks that
-        they are the ones its world needs). Returns False (the agent stops its workers and exits)
-        when it has none to offer (the resume starts agents of its own) or the new nereusd
-        refused them (a new job that is not this one's continuation owns the directory).
+        they are the ones its world needs), or its devices alone (under their old global numbers)
+        when none is alive: a node whose devices held no worker (spares) stays in the pool. It
+        had exited, and after the batch script restarted nereusd in the allocation, which starts
+        no agents, its node left the job for good (an adversarial trial on Slurm, 2026-12-07).
+        Returns False (the agent
+        stops its workers and exits) when the new nereusd refused it (a new job that is not this
+        one's continuation owns the directory: other keys).
         """
         if now_s < self._next_look_s:
             return True
@@ -184,18 +188,18 @@ class Agent:
         announced = self._announced()
         if not announced or announced.get("pid") in (None, self._daemon_pid) or not announced.get("endpoint"):
             return True
-        alive = self._alive()
-        if not self.global_devices or not alive:
-            log.error("nereusd (pid %s) resumed, but no worker of this agent is alive: stopping", announced["pid"])
-            return False
-        log.warning("nereusd (pid %s) resumed at %s: re-registering devices %s with the workers of %s and their state",
-                    announced["pid"], announced["endpoint"], self.global_devices, alive)
+        alive = self._alive() if self.global_devices else []
+        log.warning("nereusd (pid %s) resumed at %s: re-registering devices %s %s", announced["pid"],
+                    announced["endpoint"], self.global_devices,
+                    f"with the workers of {alive} and their state" if alive else "(no worker of them is alive)")
         self._poller.unregister(self._up)
         self._up.close(linger=0)
         self._up = self._connect(announced["endpoint"])
         self._poller.register(self._up, zmq.POLLIN)
         try:
-            self.register(kept=list(self.global_devices), kept_workers=alive)
+            # under their old numbers, workers or not: a node without workers that registered
+            # first as a new one took the numbers of the devices whose workers were kept
+            self.register(kept=list(self.global_devices or []), kept_workers=alive)
         except (TimeoutError, ProtocolError) as err:
             log.error("the resumed nereusd did not take this agent back: %s; stopping", err)
             return False

@@ -30,7 +30,7 @@ from nereusd.rundir import clear_run_dir
 from nereusd.daemon.security import init_keys
 from nereusd.config.site import SiteConfig, load_site, require_site
 from nereusd.plan import MAX_DEVICES
-from nereusd.slurm import SlurmClient
+from nereusd.slurm import ACTIVE_STATES, SlurmClient
 
 RECORD_FILE = "slurm.json"
 
@@ -118,9 +118,11 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
                            site_memory_bytes=sized.device_memory_bytes, site_name=sized.name,
                            device_kind=sized.device_kind)
     if args.time:
-        from nereusd.config.site_slurm import _TIME
+        from nereusd.config.site_slurm import _TIME, check_preempt_signal
         if not _TIME.match(args.time):
             raise ConfigError(f"--time: expected MM, MM:SS, HH:MM:SS or D-HH[:MM[:SS]], got {args.time!r}")
+        check_preempt_signal(site.slurm.preempt_signal_s, args.time,
+                             f"--time {args.time} with site {site.name!r}'s slurm.preempt_signal_s")
     req = RenderRequest(job_path=str(job_path), run_dir=run_dir, job_name=job.name, nodes=nodes,
                         python=sys.executable, mode=mode, cpu_memory_bytes=resolved.device_memory_bytes,
                         account=args.account, time_limit=args.time)
@@ -243,7 +245,7 @@ def submit_resume(run_dir: Path) -> str:
     record = _read_record(run_dir)
     client = SlurmClient()
     old = client.job(record["job_id"])
-    if old is not None and old.state in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+    if old is not None and old.state in ACTIVE_STATES:
         raise NereusError(f"{run_dir}: Slurm job {record['job_id']} is still {old.state}; cancel it or let it end")
     ns = argparse.Namespace(job_yaml=record["job"], site=record["site"], nodes=record["nodes"], account="", time="")
     site, req = _prepare(ns, str(run_dir), "resume")
@@ -280,8 +282,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(args.job)
     record = _read_record(run_dir)
     client = SlurmClient()
-    for job_id in [*record["grow_job_ids"], record["job_id"]]:
+    states = {j: (info.state if (info := client.job(j)) else "GONE") for j in [*record["grow_job_ids"], record["job_id"]]}
+    active = [j for j, state in states.items() if state in ACTIVE_STATES]
+    if not active:   # it said "cancelled" of a job that had ended (an adversarial trial on Slurm, 2026-12-07)
+        print(f"nereus: job {record['job_id']} has already ended ({states[record['job_id']]}); nothing to cancel")
+        return 0
+    for job_id in active:
         client.cancel(job_id)
-    print(f"nereus: cancelled job {record['job_id']}" +
-          (f" and grow allocations {record['grow_job_ids']}" if record["grow_job_ids"] else ""))
+    grown = [j for j in active if j != record["job_id"]]
+    what = ([f"job {record['job_id']}"] if record["job_id"] in active else []) + (
+        [f"grow allocations {grown}"] if grown else [])
+    print("nereus: cancelled " + " and ".join(what))
     return 0

@@ -54,6 +54,11 @@ SLURM_ENV: Mapping[str, str] = {
     "GPU_DEVICE_ORDINAL": "GPUs allocated, for runtimes other than CUDA/ROCm",
 }
 
+ACTIVE_STATES = frozenset({"RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED"})
+"""squeue states of a job that has not ended: ``resume`` refuses to submit beside one, and
+``cancel`` cancels only these."""
+
+
 
 @dataclass(frozen=True)
 class SlurmContext:

@@ -24,6 +24,8 @@ ContainerRuntime = Literal["apptainer", "pyxis"]
 
 _TIME = re.compile(r"^(\d+-\d{1,2}(:\d{2}(:\d{2})?)?|\d+(:\d{2}){0,2})$")
 _WORD = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+MAX_SIGNAL_S = 65535
+"""The largest ``--signal=B:USR2@N`` sbatch takes (above it: "Invalid --signal specification")."""
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|,\[\]*:()!]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -109,6 +111,7 @@ def check_slurm(spec: SlurmSpec, *, device_kind: str, devices_per_node: int, lab
     for key in ("gpus_per_node", "cpus_per_task", "preempt_signal_s", "control_port"):
         if getattr(spec, key) < 0:
             raise _fail(label, f"slurm.{key}", f"expected a number >= 0, got {getattr(spec, key)!r}")
+    check_preempt_signal(spec.preempt_signal_s, spec.time_limit, f"{label}: slurm.preempt_signal_s")
     if spec.control_port > 65535:
         raise _fail(label, "slurm.control_port", f"expected a port 0..65535, got {spec.control_port}")
     if spec.heartbeat_timeout_s <= 0:
@@ -151,3 +154,33 @@ def check_env(env: Mapping[str, str], *, label: str) -> None:
             raise _fail(label, f"env.{name}", "set by Slurm or Nereus per job and device; a site may not set it")
         if "\n" in value or "\0" in value:
             raise _fail(label, f"env.{name}", f"value may not contain a newline or NUL, got {value!r}")
+
+
+def time_limit_s(text: str) -> int:
+    """Seconds of a Slurm time limit (``sbatch --time``: ``MM``, ``MM:SS``, ``HH:MM:SS``,
+    ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; one that :data:`_TIME` matches); 0: none."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
+    return {1: lambda: parts[0] * 60, 2: lambda: parts[0] * 60 + parts[1],
+            3: lambda: parts[0] * 3600 + parts[1] * 60 + parts[2]}[len(parts)]()
+
+
+def check_preempt_signal(preempt_signal_s: int, time_limit: str, where: str) -> None:
+    """The warning signal must fit sbatch's ``--signal`` and come in the second half of the time
+    limit: one 1,795 s before the end of 30 minutes made a job checkpoint and stop 19 s in, at
+    every resume (an adversarial trial on Slurm, 2026-12-07).
+
+    Raises:
+        ConfigError: ``<where>: …`` naming both values.
+    """
+    if preempt_signal_s > MAX_SIGNAL_S:
+        raise ConfigError(f"{where}: {preempt_signal_s} s is more than sbatch's --signal takes ({MAX_SIGNAL_S} s)")
+    limit_s = time_limit_s(time_limit)
+    if preempt_signal_s and limit_s and 2 * preempt_signal_s > limit_s:
+        raise ConfigError(f"{where}: the preemption warning {preempt_signal_s} s before the end of a "
+                          f"{time_limit} time limit ({limit_s} s) comes in its first half, and the job would "
+                          "checkpoint and stop soon after it starts, at every resume too: lower "
+                          "slurm.preempt_signal_s or raise the time limit")

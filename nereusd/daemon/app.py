@@ -56,6 +56,10 @@ from nereusd.stop import SignalStop
 
 log = logging.getLogger(__name__)
 
+RESUME_REGISTER_WAIT_S = 10.0
+"""How long a resumed nereusd waits for the devices of the lost one's last world to register
+again before it chooses its world without them (their agents look for it once a second)."""
+
 class Terminated(BaseException):
     """SIGTERM or SIGINT reached nereusd (raised by the entry point's signal handler). A
     ``BaseException``, like ``KeyboardInterrupt``: the guards that keep a bad message or a
@@ -268,6 +272,8 @@ class Daemon:
         driver.plan = resumed.plan if resumed is not None else self._launch_plan(
             site, driver, int(record.get("step", 0)) if record is not None else 0)
         world = self.control.wait_for_devices(job.devices, self.args.register_timeout_s)
+        if self.args.resume and self.control.rejoined:
+            world = self._await_last_world(job.devices)
         kept = self._keep_workers(world, driver) if self.args.resume else None
         if self.args.resume and kept is None:
             checkpoints.check_resume_checkpoints(self.run_dir)
@@ -303,6 +309,22 @@ class Daemon:
         settle_heap()   # set-up done: its objects leave the garbage collector's full passes
         fallbacks = [(str(r["dir"]), int(r["step"]), int(r["sample_position"])) for r in records[1:]]
         return driver.run(resume=resume, built=kept is not None, fallbacks=fallbacks if resume else ())
+
+    def _await_last_world(self, count: int) -> list[int]:
+        """``--resume`` with agents of the lost nereusd coming back (``rejoined``): the first
+        ``count`` devices registered once the devices of the world it last formed (its last
+        ``world_formed``) are back, or after
+        :data:`RESUME_REGISTER_WAIT_S`. Its agents re-register within a second or two of each
+        other (:meth:`emu.agent.Agent._rejoin`); a world chosen on the first of them had left
+        out the kept workers of a node that came a moment after a node without workers (an
+        adversarial trial on Slurm, 2026-12-07)."""
+        formed = [e.get("devices") for e in read_jsonl(self.run_dir / EVENTS_FILE)
+                  if e.get("event") == Event.WORLD_FORMED.value]
+        wanted = set(formed[-1]) if formed and isinstance(formed[-1], list) else set()
+        deadline = time.monotonic() + RESUME_REGISTER_WAIT_S
+        while not wanted <= set(self.control.devices()) and time.monotonic() < deadline:
+            self.control.poll(0.2)
+        return self.control.devices()[:count]
 
     def _keep_workers(self, world: list[int], driver: RLDriver) -> KeptState | None:
         """``--resume`` with the workers the lost nereusd's agents kept: continue on their EMUs
@@ -455,9 +477,14 @@ class Daemon:
         return True
 
     def _stop(self, summary: dict[str, Any], started: float) -> None:
-        """Stop every agent first (nothing below may leave them running), then write the summary."""
+        """Stop every agent first (nothing below may leave them running), then write the summary.
+        Its outcome is written before the agents stop too: agents whose workers are still
+        starting take longer to stop than Slurm's ``KillWait`` between ``scancel``'s SIGTERM and
+        its SIGKILL, and a run killed there had ``job_interrupted`` journalled but no summary
+        (``status``: "starting, or gone"; an adversarial trial on Slurm, 2026-12-07)."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.journal.summary({**summary, "wall_time_s": round(time.time() - started, 3)})
         if self.watcher is not None:
             self.watcher.stop()
         if self.live is not None:

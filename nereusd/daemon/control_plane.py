@@ -124,6 +124,8 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         nereusd (``RegisterAgent.kept_devices``); they count as ready (:attr:`kept_workers`)."""
         self.kept_workers: set[int] = set()
         """Devices whose worker a re-registering agent kept (their EMUs in memory)."""
+        self.rejoined = False
+        """Whether an agent of a lost nereusd re-registered (``kept_devices``, workers or not)."""
         self._next_global_device = 0
         self._on_event = on_event or (lambda name, fields: None)
         self._on_pool_change = on_pool_change or (lambda change: None)

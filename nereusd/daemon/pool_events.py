@@ -85,5 +85,6 @@ def assess(change: PoolChange, plan_devices: Iterable[int], live: bool = False) 
     if not hit:
         return PoolVerdict.CONTINUE, (f"{change.detail}: devices {list(change.devices)} left the pool; the plan does "
                                   "not use them, the job continues on the remaining devices")
-    return PoolVerdict.STOP, (f"{change.detail}: the plan uses devices {hit} of it and live re-planning is not "
-                          "available yet; the job stops")
+    # live: the pool's record says the restart instead (nereusd.daemon.pool.PoolState.changed)
+    return PoolVerdict.STOP, (f"{change.detail}: the plan uses devices {hit} of it and live adaptation is off "
+                          "(adaptation.enabled: false); the job stops")

@@ -97,6 +97,7 @@ class AgentRegistry:
         log.info("agent %s (%s) registered %d devices as %s", msg.node_id, msg.hostname,
                  len(msg.devices), global_devices)
         if kept:
+            self.rejoined = True
             self.kept_workers.update(msg.kept_workers)
             self.ready_workers.update(msg.kept_workers)
         self._on_event(Event.AGENT_REGISTERED, {"node_id": msg.node_id, "hostname": msg.hostname,

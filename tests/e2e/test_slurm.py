@@ -171,15 +171,25 @@ def test_node_down_grow_status_and_cancel(slurm_env, tmp_path):
 
 
 def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env, tmp_path):
-    job_id, run_dir = submit(slurm_env, tmp_path, "slurm-preempt", steps=2000, nodes=1)
+    job_id, run_dir = submit(slurm_env, tmp_path, "slurm-preempt", steps=2000, nodes=2)
     try:
         wait_for("a first step", lambda: read_jsonl(run_dir / "metrics.jsonl"), 150, run_dir)
         # kill -9 of nereusd: the batch script starts it again with --resume in the same allocation;
-        # the agent keeps its workers for it (on their state, or from the checkpoint: the kill's timing)
+        # the agent keeps its workers for it (on their state, or from the checkpoint: the kill's timing),
+        # and the second node's agent, whose devices hold no worker, registers them again (it had
+        # exited, and its node left the job: an adversarial trial, 2026-12-07)
         os.kill(json.loads((run_dir / "nereusd.json").read_text())["pid"], signal.SIGKILL)
         again = wait_for("nereusd again in the allocation", lambda: events(run_dir, "nereusd_resumed"), 120, run_dir)
         assert again[0]["mode"] in ("kept_workers", "checkpoint") and squeue_states(slurm_env, job_id)[job_id], again
         wait_for("a step after it", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) > again[0]["step"], 120, run_dir)
+
+        def since_restart():
+            all_events = events(run_dir)
+            last = max(i for i, e in enumerate(all_events) if e["event"] == "nereusd_started")
+            return [e["node_id"] for e in all_events[last:] if e["event"] == "agent_registered"]
+
+        assert sorted(wait_for("both nodes registered again", lambda: len(since_restart()) == 2 and since_restart(),
+                               60, run_dir)) == ["nrs1", "nrs2"]
         subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], env=slurm_env, check=True)
         wait_for("the job to end", lambda: squeue_states(slurm_env, job_id)[job_id] is None, 90, run_dir)
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -196,6 +206,10 @@ def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env
         assert recorded["run_dir"] == str(run_dir), recorded
         resumed = wait_for("the continuation to resume", lambda: events(run_dir, "nereusd_resumed")[1:], 150, run_dir)
         assert resumed[0]["checkpoint"] == str(checkpoint) and (run_dir / "summary.preempted.json").is_file()
+        # its head node's agent registered first: the plan's devices are on nereusd's node (the wait
+        # for it had ended at once on the earlier allocation's registrations)
+        head = (run_dir / "logs" / f"slurm-{job_id}.out").read_text().split("nereusd on ")[1].split()[0]
+        assert since_restart()[0] == head, (head, since_restart())
         step = resumed[0]["step"]
         wait_for("two steps after it", lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= step + 2, 150, run_dir)
         steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]

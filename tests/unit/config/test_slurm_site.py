@@ -51,6 +51,10 @@ def _load(tmp_path, slurm=None, env=None, kind=None):
     ({"modules": "cuda"}, r"slurm.modules: expected a list of strings, got 'cuda'"),
     ({"modules": ["cuda 12"]}, r"slurm.modules.0: expected one module name without spaces"),
     ({"preempt_signal_s": -5}, r"slurm.preempt_signal_s: expected a number >= 0, got -5"),
+    ({"preempt_signal_s": 999999}, r"slurm.preempt_signal_s: 999999 s is more than sbatch's --signal takes \(65535 s\)"),
+    ({"preempt_signal_s": 1795, "time_limit": "00:30:00"},
+     r"slurm.preempt_signal_s: the preemption warning 1795 s before the end of a 00:30:00 time limit \(1800 s\) "
+     r"comes in its first half"),
     ({"control_port": 70000}, r"slurm.control_port: expected a port 0..65535, got 70000"),
     ({"constraint": "a;rm -rf"}, r"slurm.constraint: not a Slurm feature expression"),
     ({"reservation": "x"}, r"/a100-ib.yaml: slurm.reservation: unknown key"),
@@ -85,3 +89,11 @@ def test_site_without_slurm_section_loads():
     del doc["slurm"]
     from nereusd.config.site import site_from_dict
     assert site_from_dict(doc, "x.yaml").slurm is None
+
+
+@pytest.mark.parametrize("text, seconds", [("30", 1800), ("30:15", 1815), ("02:00:00", 7200), ("1-00", 86400),
+                                           ("1-02:30", 95400), ("2-00:00:05", 172805), ("0", 0)])
+def test_time_limit_seconds_follow_sbatchs_formats(text, seconds):
+    from nereusd.config.site_slurm import time_limit_s
+
+    assert time_limit_s(text) == seconds

@@ -259,3 +259,33 @@ def test_status_of_a_resumed_or_unfinished_job_gives_the_jobs_time_and_how_to_re
                                                        "dir": "/elsewhere/checkpoints/step000004"}) + "\n")
     main(["status", str(tmp_path)])
     assert f"resume {tmp_path.resolve()}` continues it at step 4, its latest checkpoint's\n" in capsys.readouterr().out
+
+
+def test_cancel_of_a_job_that_has_ended_says_so_and_cancels_nothing(tmp_path, capsys, monkeypatch):
+    """``cancel`` printed "cancelled job 192" for a job that had ended (NODE_FAIL), twice in a
+    row (an adversarial trial on Slurm, 2026-12-07)."""
+    cancelled = []
+    states = {"121": "NODE_FAIL", "130": "PENDING"}
+    monkeypatch.setattr(SlurmClient, "run", lambda self, argv, input_text=None: "".join(
+        f"{j}|{states[j]}|1|nrs1|nrs1|None\n" for j in argv if j in states))
+    monkeypatch.setattr(SlurmClient, "cancel", lambda self, job_id: cancelled.append(job_id))
+    monkeypatch.setenv("NEREUS_HOME", str(tmp_path / "home"))
+    record = {"job_id": "121", "grow_job_ids": ["130"], "site": "local", "job": "examples/counting_grpo.yaml", "nodes": 1}
+    (tmp_path / "slurm.json").write_text(json.dumps(record))
+    assert main(["cancel", str(tmp_path)]) == 0
+    assert cancelled == ["130"] and "nereus: cancelled grow allocations ['130']" in capsys.readouterr().out
+    states["130"] = "CANCELLED"
+    assert main(["cancel", str(tmp_path)]) == 0
+    assert cancelled == ["130"] and "job 121 has already ended (NODE_FAIL); nothing to cancel" in capsys.readouterr().out
+
+
+def test_a_preemption_warning_at_the_start_of_the_time_limit_is_refused(tmp_path, capsys):
+    """``preempt_signal_s: 1795`` with a 30-minute limit made a job checkpoint and stop 19 s in,
+    and 999999 passed every check until sbatch refused it (an adversarial trial on Slurm,
+    2026-12-07). The local site warns 60 s before its 30 minutes; ``--time 1`` is one minute."""
+    job = "examples/counting_grpo.yaml"
+    assert main(["render", job, "--site", "local", "--time", "1", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--time 1 with site 'local''s slurm.preempt_signal_s: the preemption warning 60 s before the end of a 1 " \
+           "time limit (60 s) comes in its first half" in err, err
+    assert main(["render", job, "--site", "local", "--time", "2", "--run-dir", str(tmp_path / "run")]) == 0
