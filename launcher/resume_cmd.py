@@ -30,6 +30,7 @@ from pathlib import Path
 from launcher.cli import run_directory
 from launcher.local import JOB_COPY_HEADER, check_gpus, supervise
 from launcher.progress import launch_plan_line
+from launcher.submit import RECORD_FILE
 from launcher.procs import run_processes, stop_run_processes
 from nereusd.checkpoints import check_resume_checkpoints, check_resume_models, resume_record
 from nereusd.config.resolve import load_and_resolve
@@ -91,6 +92,10 @@ def _set_aside_summary(run_dir: Path, status: str) -> Path | None:
 def run(args: argparse.Namespace) -> int:
     run_dir = run_directory(args.run_dir)   # resolved: recorded for `status JOB_ID` and written into the batch script
     if not (run_dir / EVENTS_FILE).is_file():
+        if (run_dir / RECORD_FILE).is_file():   # submitted, but its allocation ended before nereusd ran
+            raise NereusError(f"{run_dir}: its Slurm job never started nereusd (cancelled or failed while pending?): "
+                              f"nothing to resume; submit it again with `nereus-launch submit JOB_YAML --run-dir "
+                              f"{run_dir} --overwrite`")
         raise NereusError(f"{run_dir}: not a run directory (no {EVENTS_FILE}; did the job start?)")
     # two resumes at once: the second waits here until the first's nereusd owns the directory,
     # then refuses below, before it moves a summary or touches a process

@@ -58,8 +58,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         index = _home() / "jobs"
         rows = []
         for entry in sorted(index.glob("*.json")) if index.is_dir() else []:
-            rows.append({"job_id": entry.stem, "state": _slurm_states([entry.stem])[0][entry.stem],
-                         "run_dir": json.loads(entry.read_text())["run_dir"]})
+            known = json.loads(entry.read_text())
+            if "grow_of" not in known:   # a grow allocation is listed with its job (`status JOB_ID`)
+                rows.append({"job_id": entry.stem, "state": _slurm_states([entry.stem])[0][entry.stem],
+                             "run_dir": known["run_dir"]})
         print(json.dumps(rows, indent=1) if args.json else
               "\n".join(f"{r['job_id']:>8} {r['state']:<12} {r['run_dir']}" for r in rows)
               or "no Slurm jobs submitted from here (a local run: nereus-launch status RUN_DIR)")
@@ -125,12 +127,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _slurm_states(job_ids: list[str]) -> tuple[dict[str, str], str]:
-    """``({job id: squeue state, or GONE once Slurm has forgotten it}, "")``; where squeue fails
+    """``({job id: squeue state (a pending one's with squeue's reason: ``PENDING (Resources)``), or
+    GONE once Slurm has forgotten it}, "")``; where squeue fails
     (Slurm down or unreachable from here) every state is ``UNKNOWN`` and the second item says why
     (the run directory still tells how the job went)."""
     client = SlurmClient()
-    try:
-        return {jid: (info.state if (info := client.job(jid)) else "GONE") for jid in job_ids}, ""
+    try:   # a pending job with why (--nodes over the partition pended with no word of it: an adversarial trial)
+        return {jid: (f"{info.state} ({info.reason})" if info.state == "PENDING" and info.reason not in ("", "None")
+                      else info.state) if (info := client.job(jid)) else "GONE" for jid in job_ids}, ""
     except SlurmError as err:
         return {jid: "UNKNOWN" for jid in job_ids}, str(err)[:300]
 

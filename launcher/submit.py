@@ -147,6 +147,8 @@ def _write_record(run_dir: Path, record: dict[str, Any]) -> None:
     index = _home() / "jobs"
     index.mkdir(parents=True, exist_ok=True)
     (index / f"{record['job_id']}.json").write_text(json.dumps({"run_dir": str(run_dir)}))
+    for grow_id in record["grow_job_ids"]:   # `status GROW_ID` too (it was "not a job id submitted from here")
+        (index / f"{grow_id}.json").write_text(json.dumps({"run_dir": str(run_dir), "grow_of": record["job_id"]}))
 
 
 def resolve_run_dir(job: str) -> Path:

@@ -382,10 +382,30 @@ def _short_repr(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + f"… ({len(text)} characters)"
 
 
-def format_validation_error(source: str, err: ValidationError) -> str:
+def _close_key(model: type | None, loc: tuple) -> str:
+    """`` (did you mean 'steps'?)`` for an unknown key at ``loc`` close to a field of the model
+    there (``model`` the top-level one; ``step:`` had said only "unknown key": a new user's
+    trial, 2026-12-07); ``""`` when none is close or the place is not a model's."""
+    import difflib
+    import typing
+
+    from pydantic import BaseModel
+
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        kinds = (field.annotation, *typing.get_args(field.annotation)) if field is not None else ()
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if model is not None else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def format_validation_error(source: str, err: ValidationError, model: type | None = None) -> str:
     """One line per problem: ``<source>: <dotted.key[index]>: <message>, got <value>``; at most
     :data:`MAX_ERROR_LINES` of them, then how many more. A check across sections names its keys
-    in its message, without the value of the whole file."""
+    in its message, without the value of the whole file. ``model``: the validated model, whose
+    fields an unknown key's line suggests when one is close (:func:`_close_key`)."""
     lines = []
     errors = err.errors()
     for item in errors[:MAX_ERROR_LINES]:
@@ -396,7 +416,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
             continue
         key = key or "<top>"
         if item["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + _close_key(model, tuple(item["loc"]))
         elif item["type"] == "missing":
             msg = "required key is missing"
         suffix = "" if item["type"] in ("extra_forbidden", "missing") else f", got {_short_repr(item.get('input'))}"
@@ -430,7 +450,7 @@ def parse_job(data: Mapping[str, Any], source: str = "<job>") -> JobConfig:
     try:
         return JobConfig.model_validate(dict(data))
     except ValidationError as err:
-        raise ConfigError(format_validation_error(source, err)) from None
+        raise ConfigError(format_validation_error(source, err, JobConfig)) from None
 
 
 def load_job(path: str | Path) -> JobConfig:

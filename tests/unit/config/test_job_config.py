@@ -33,7 +33,10 @@ def tiny_job(extra: str = "") -> str:
 
 @pytest.mark.parametrize("text, match", [
     ("steps: fast\n", r"job.yaml: steps: Input should be a valid integer.*, got 'fast'"),
-    ("rollout:\n  temprature: 1.0\n", r"job.yaml: rollout.temprature: unknown key"),
+    # a close field is suggested (``step: 3`` had said only "unknown key": a new user's trial, 2026-12-07)
+    ("rollout:\n  temprature: 1.0\n", r"^job.yaml: rollout.temprature: unknown key \(did you mean 'temperature'\?\)$"),
+    ("step: 3\n", r"^job.yaml: step: unknown key \(did you mean 'steps'\?\)$"),
+    ("zzz: 3\n", r"^job.yaml: zzz: unknown key$"),
     ("algorithm: dpo\n", r"job.yaml: algorithm: Input should be 'ppo', 'grpo' or 'remax'"),
     ("train:\n  micro_batch: 0\n", r"job.yaml: train.micro_batch: Input should be greater than or equal to 1"),
     ("- a\n- b\n", r"job.yaml: expected a mapping at the top level, got list"),

@@ -22,6 +22,10 @@ def _args(run_dir):
 def test_refuses_a_directory_without_a_run(tmp_path):
     with pytest.raises(NereusError, match="not a run directory"):
         run(_args(tmp_path))
+    # a Slurm job cancelled while pending: say so, and how to submit it again (an adversarial trial)
+    (tmp_path / "slurm.json").write_text("{}")
+    with pytest.raises(NereusError, match="its Slurm job never started nereusd .* --overwrite"):
+        run(_args(tmp_path))
 
 
 def test_refuses_a_succeeded_job_and_a_live_one(tmp_path):

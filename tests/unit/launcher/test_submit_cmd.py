@@ -289,3 +289,29 @@ def test_a_preemption_warning_at_the_start_of_the_time_limit_is_refused(tmp_path
     assert "--time 1 with site 'local''s slurm.preempt_signal_s: the preemption warning 60 s before the end of a 1 " \
            "time limit (60 s) comes in its first half" in err, err
     assert main(["render", job, "--site", "local", "--time", "2", "--run-dir", str(tmp_path / "run")]) == 0
+
+
+def test_a_grow_allocation_is_known_by_its_id_and_a_pending_job_says_why(tmp_path, capsys, monkeypatch):
+    """``status 194`` (a grow allocation) was "not a job id submitted from here", and a job
+    submitted with more nodes than the partition has read ``PENDING`` with no reason (an
+    adversarial trial on Slurm, 2026-12-07)."""
+    squeue = {"121": "121|RUNNING|1|nrs1|nrs1|None\n", "122": "122|PENDING|1|None||PartitionNodeLimit\n"}
+    monkeypatch.setattr(SlurmClient, "run", lambda self, argv, input_text=None: "".join(
+        squeue[j] for j in argv if j in squeue))
+    monkeypatch.setattr(SlurmClient, "sbatch", lambda self, script, args=(): "122")
+    monkeypatch.setenv("NEREUS_HOME", str(tmp_path / "home"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = {"job_id": "121", "grow_job_ids": [], "site": "local", "job": "examples/counting_grpo.yaml", "nodes": 1}
+    (run_dir / "slurm.json").write_text(json.dumps(record))
+    (tmp_path / "home" / "jobs").mkdir(parents=True)
+    (tmp_path / "home" / "jobs" / "121.json").write_text(json.dumps({"run_dir": str(run_dir)}))
+    (run_dir / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "succeeded"}))
+    assert main(["grow", "121", "--nodes", "1"]) == 0
+    capsys.readouterr()
+    assert main(["status", "122"]) == 0
+    assert f"run {run_dir}: Slurm 121 RUNNING, 122 PENDING (PartitionNodeLimit)" in capsys.readouterr().out
+    assert main(["status"]) == 0
+    listed = capsys.readouterr().out
+    assert "121" in listed and "122" not in listed, listed   # the grow allocation is its job's
