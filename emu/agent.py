@@ -178,9 +178,8 @@ class Agent:
         when none is alive: a node whose devices held no worker (spares) stays in the pool. It
         had exited, and after the batch script restarted nereusd in the allocation, which starts
         no agents, its node left the job for good (an adversarial trial on Slurm, 2026-12-07).
-        Returns False (the agent
-        stops its workers and exits) when the new nereusd refused it (a new job that is not this
-        one's continuation owns the directory: other keys).
+        Returns False (the agent stops its workers and exits) when the new nereusd refused it (a
+        new job that is not this one's continuation owns the directory: other keys).
         """
         if now_s < self._next_look_s:
             return True

@@ -313,11 +313,10 @@ class Daemon:
     def _await_last_world(self, count: int) -> list[int]:
         """``--resume`` with agents of the lost nereusd coming back (``rejoined``): the first
         ``count`` devices registered once the devices of the world it last formed (its last
-        ``world_formed``) are back, or after
-        :data:`RESUME_REGISTER_WAIT_S`. Its agents re-register within a second or two of each
-        other (:meth:`emu.agent.Agent._rejoin`); a world chosen on the first of them had left
-        out the kept workers of a node that came a moment after a node without workers (an
-        adversarial trial on Slurm, 2026-12-07)."""
+        ``world_formed``) are back, or after :data:`RESUME_REGISTER_WAIT_S`. Its agents
+        re-register within a second or two of each other (:meth:`emu.agent.Agent._rejoin`); a
+        world chosen on the first of them had left out the kept workers of a node that came a
+        moment after a node without workers (an adversarial trial on Slurm, 2026-12-07)."""
         formed = [e.get("devices") for e in read_jsonl(self.run_dir / EVENTS_FILE)
                   if e.get("event") == Event.WORLD_FORMED.value]
         wanted = set(formed[-1]) if formed and isinstance(formed[-1], list) else set()
@@ -516,7 +515,8 @@ class Daemon:
 def earlier_attempts(run_dir: Path) -> dict[str, Any]:
     """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
     resumed job's summary: ``switches`` (:func:`~nereusd.journal.switch_kind`), ``restarts``
-    (checkpoint restarts, and resumes that are one: :func:`~nereusd.journal.resume_restarted`), ``lost_steps`` (steps they re-run,
+    (checkpoint restarts, and resumes that are one: :func:`~nereusd.journal.resume_restarted`),
+    ``lost_steps`` (steps they re-run,
     and the steps a resume from a checkpoint re-runs, from an older one where the newest could not
     be read), ``resumes`` (``nereusd_resumed``, the
     latest nereusd's included), ``started_s`` (when the first started; 0.0 if unknown) and

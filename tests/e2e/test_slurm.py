@@ -178,6 +178,9 @@ def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env
         # the agent keeps its workers for it (on their state, or from the checkpoint: the kill's timing),
         # and the second node's agent, whose devices hold no worker, registers them again (it had
         # exited, and its node left the job: an adversarial trial, 2026-12-07)
+        registered = wait_for("both agents", lambda: len(events(run_dir, "agent_registered")) == 2
+                              and events(run_dir, "agent_registered"), 60, run_dir)
+        nodes = sorted(e["node_id"] for e in registered)   # whichever two nodes Slurm gave it
         os.kill(json.loads((run_dir / "nereusd.json").read_text())["pid"], signal.SIGKILL)
         again = wait_for("nereusd again in the allocation", lambda: events(run_dir, "nereusd_resumed"), 120, run_dir)
         assert again[0]["mode"] in ("kept_workers", "checkpoint") and squeue_states(slurm_env, job_id)[job_id], again
@@ -189,7 +192,7 @@ def test_preemption_signal_checkpoints_and_stops_then_resume_continues(slurm_env
             return [e["node_id"] for e in all_events[last:] if e["event"] == "agent_registered"]
 
         assert sorted(wait_for("both nodes registered again", lambda: len(since_restart()) == 2 and since_restart(),
-                               60, run_dir)) == ["nrs1", "nrs2"]
+                               60, run_dir)) == nodes
         subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], env=slurm_env, check=True)
         wait_for("the job to end", lambda: squeue_states(slurm_env, job_id)[job_id] is None, 90, run_dir)
         summary = json.loads((run_dir / "summary.json").read_text())
