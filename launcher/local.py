@@ -29,6 +29,7 @@ from nereusd.config.site import load_site
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, crash_summary, read_jsonl,
                              write_summary)
 from nereusd.rundir import LaunchLock, clear_run_dir
+from nereusd.summary import job_figures
 from launcher.local_devices import check_gpus, site_mismatch
 from launcher.pool_trace import describe_pool_schedule, pool_trace_override
 from launcher.procs import stop_run_processes
@@ -365,8 +366,8 @@ def _report(run_dir: Path, interrupted: str | None, returncode: int | None = Non
         # the user's Ctrl-C reached nereusd before its handlers (while it imported): no crash
         steps = len(read_jsonl(run_dir / METRICS_FILE)) if (run_dir / METRICS_FILE).exists() else 0
         why = f"{interrupted} (before nereusd could write its summary)"
-        write_summary(run_dir, {**_read_summary(run_dir), "status": "interrupted", "error_kind": "Interrupted",
-                                "error": why, "steps_completed": steps})
+        write_summary(run_dir, {**_read_summary(run_dir), **job_figures(run_dir), "status": "interrupted",
+                                "error_kind": "Interrupted", "error": why, "steps_completed": steps})
         if (run_dir / EVENTS_FILE).exists():
             print(f"nereus: interrupted after {steps} step(s): {why}\nnereus: {resume_hint(run_dir, 'interrupted')}",
                   file=sys.stderr)

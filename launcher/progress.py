@@ -45,9 +45,12 @@ def duration_text(summary: dict) -> str:
     return f" in {running:.0f} s over {int(resumes) + 1} nereusds (the last {wall:.0f} s; {since:.0f} s since the first started)"
 
 
-def resume_hint(run_dir: Path, status: object) -> str:
+def resume_hint(run_dir: Path, status: object, steps_done: object = None) -> str:
     """How to continue a job that ended without succeeding (``local``'s last lines, ``status``):
-    from its latest checkpoint's step (:func:`nereusd.checkpoints.resume_record`), or step 0."""
+    from its latest checkpoint's step (:func:`nereusd.checkpoints.resume_record`), or step 0; a
+    crashed one (``steps_done`` steps in ``metrics.jsonl``) within the site's
+    ``liveness.resume_grace_s`` on the workers its agent kept, at the next step (the hint had
+    named only the checkpoint: an adversarial trial, 2026-12-07)."""
     from nereusd.checkpoints import resume_record
 
     try:
@@ -57,6 +60,9 @@ def resume_hint(run_dir: Path, status: object) -> str:
     where = (f"continues it at step {record['step']}, its latest checkpoint's" if record and "step" in record
              else "starts it again at step 0 (no checkpoint yet)")
     fix = " once its cause is fixed" if status in ("failed", "stopped") else ""
+    if status == "crashed" and finite_number(steps_done):
+        fix = (f"; within the site's liveness.resume_grace_s of the crash, at step {int(steps_done)} on the workers "
+               "kept in memory (a local run's agent keeps them)")
     return f"`nereus-launch resume {run_dir}` {where}{fix}"
 
 

@@ -11,7 +11,7 @@ from launcher.cli import output_directory, run_directory
 from nereusd.cost.memory import HEADROOM, usable_bytes
 from nereusd.errors import NereusError
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, is_simulation_summary,
-                             read_jsonl, resume_restarted, switch_kind)
+                             read_jsonl, resume_restarts, switch_kind)
 
 #: (file name, title, y label, series key(s)) of the per-step plots.
 _SERIES = (
@@ -177,7 +177,7 @@ def plan_segments(records: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
 
 def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
     """The layout switches that ran (:func:`~nereusd.journal.switch_kind`) and the resumes that
-    restarted from a checkpoint (:func:`~nereusd.journal.resume_restarted`), as ``summary.json``
+    restarted from a checkpoint (:func:`~nereusd.journal.resume_restarts`), as ``summary.json``
     counts them, as ``(x, kind, why)``: ``x`` the boundary on the step axis (a transition after
     step s at s + 0.5, a restart that re-runs step s at s − 0.5), ``kind`` ``"transition"`` or
     ``"restart"``, ``why`` (a caption) the signals of the admission the transition carried out
@@ -194,10 +194,10 @@ def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
             out.append((e["step"] + 0.5, kind, f"after step {e['step']} ({why})"))
         elif kind == "restart":
             out.append((e["step"] - 0.5, kind, f"step {e['step']}: checkpoint restart ({str(e.get('reason', ''))[:60]})"))
-        elif resume_restarted(e):
-            name = Path(e["checkpoint"]).name if e.get("checkpoint") else "the initial weights"
-            out.append((e["step"] - 0.5, "restart", f"step {e['step']}: resumed from {name}"))
-    return out
+    for e, _ in resume_restarts(events):
+        name = Path(e["checkpoint"]).name if e.get("checkpoint") else "the initial weights"
+        out.append((e["step"] - 0.5, "restart", f"step {e['step']}: resumed from {name}"))
+    return sorted(out, key=lambda mark: mark[0])
 
 
 def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> list[Path]:

@@ -89,6 +89,18 @@ def _set_aside_summary(run_dir: Path, status: str) -> Path | None:
     return aside
 
 
+def _journalled_status(run_dir: Path) -> str:
+    """The status the run's latest nereusd journalled as it stopped (``nereusd_stopped``), or
+    ``"running"`` when it stopped without (killed)."""
+    status = "running"
+    for record in read_jsonl(run_dir / EVENTS_FILE):
+        if record.get("event") == Event.NEREUSD_STARTED.value:
+            status = "running"
+        elif record.get("event") == Event.NEREUSD_STOPPED.value and isinstance(record.get("status"), str):
+            status = record["status"]
+    return status
+
+
 def run(args: argparse.Namespace) -> int:
     run_dir = run_directory(args.run_dir)   # resolved: recorded for `status JOB_ID` and written into the batch script
     if not (run_dir / EVENTS_FILE).is_file():
@@ -114,10 +126,11 @@ def _resume(args: argparse.Namespace, run_dir: Path, launching: LaunchLock) -> i
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):   # ValueError: JSON or UTF-8 damage
         summary = None
-    # no readable summary: the job died before writing one (or it was damaged); resume as such
-    status = summary.get("status", "running") if isinstance(summary, dict) else "running"
+    # no readable summary: the job died before writing one, or it was damaged: then the journal's
+    # last nereusd says how it stopped (a damaged summary of a job that succeeded was resumed)
+    status = summary.get("status", "running") if isinstance(summary, dict) else None
     if not isinstance(status, str):
-        status = "running"
+        status = _journalled_status(run_dir)
     if status == "succeeded":
         raise NereusError(f"{run_dir}: the job succeeded; nothing to resume (start a new run)")
     if any(r.get("slurm_job_id") for r in read_jsonl(run_dir / EVENTS_FILE)

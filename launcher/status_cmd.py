@@ -175,5 +175,5 @@ def _finished_lines(s: dict, run_dir: Path) -> str:
         lines.append("final plan: " + ", ".join(f"{ms} tp{c.get('tp')} pp{c.get('pp')} dp{c.get('dp')}"
                                                 for ms, c in plan.items()))
     if s.get("status") != "succeeded":
-        lines.append(resume_hint(run_dir, s.get("status")))
+        lines.append(resume_hint(run_dir, s.get("status"), s.get("steps_completed")))
     return "\n".join(lines)

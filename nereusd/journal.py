@@ -87,6 +87,9 @@ class Event(str, enum.Enum):
     """The workers built every model-stage's engines."""
     CHECKPOINT = "checkpoint"
     """A DCP checkpoint of the trained roles was saved."""
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    """A resume's checkpoint loaded (``dir``, ``step``): the steps from it on left ``metrics.jsonl``
+    (``dropped_metrics``) and run again."""
     CHECKPOINT_UNREADABLE = "checkpoint_unreadable"
     """A resume could not read a checkpoint (damaged or truncated) and falls back to an older one."""
     STEP_PREDICTION = "step_prediction"
@@ -152,13 +155,30 @@ def switch_kind(record: dict[str, Any]) -> str | None:
     return None
 
 
-def resume_restarted(record: dict[str, Any]) -> bool:
-    """Whether a ``nereusd_resumed`` record is a checkpoint restart, as ``summary.json``'s
-    ``restarts`` counts them: a resume from a checkpoint, or from the initial weights that runs
-    finished steps again. One interrupted before any step finished loads and re-runs nothing."""
-    dropped = record.get("dropped_metrics")
-    return (record.get("event") == Event.NEREUSD_RESUMED.value and record.get("mode") == "checkpoint"
-            and bool(record.get("checkpoint") or dropped))
+def resume_restarts(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
+    """The resumes of ``events`` (``events.jsonl``) that were checkpoint restarts, as
+    ``summary.json``'s ``restarts`` counts them, each ``(its nereusd_resumed record, steps it
+    re-ran)``: one from a checkpoint once that loaded (its ``checkpoint_loaded``, whose dropped
+    steps include those of older checkpoints it fell back to), one from the initial weights that
+    dropped finished steps. A resume interrupted before its checkpoint loaded re-ran nothing: it
+    had been counted, and the steps the next resume re-ran counted twice (an adversarial trial,
+    2026-12-07); so had one that ran nothing at all."""
+    out, pending = [], None
+    for record in events:
+        kind = record.get("event")
+        if kind == Event.NEREUSD_STARTED.value:
+            pending = None
+        elif kind == Event.NEREUSD_RESUMED.value and record.get("mode") == "checkpoint":
+            dropped = record.get("dropped_metrics")
+            dropped = len(dropped) if isinstance(dropped, list) else 0
+            pending = record if record.get("checkpoint") else None
+            if not record.get("checkpoint") and dropped:
+                out.append((record, dropped))
+        elif kind == Event.CHECKPOINT_LOADED.value and pending is not None:
+            dropped = record.get("dropped_metrics")
+            out.append((pending, len(dropped) if isinstance(dropped, list) else 0))
+            pending = None
+    return out
 
 
 class JournalError(NereusError):
@@ -274,7 +294,8 @@ def crash_summary(run_dir: str | Path, returncode: int | None, write: bool = Tru
     """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
     crash before its handlers ran) — ``None`` when it wrote its own — written to
     ``summary.json`` with ``write``. ``returncode``: the process's (negative: a signal; above
-    128: a shell's code for signal ``code − 128``). Written by the local launcher and, once it
+    128: a shell's code for signal ``code − 128``), with the job's figures as far as its journals
+    give them (:func:`nereusd.summary.job_figures`). Written by the local launcher and, once it
     stops starting nereusd again, by the Slurm batch script."""
     run_dir = Path(run_dir)
     try:
@@ -291,8 +312,11 @@ def crash_summary(run_dir: str | Path, returncode: int | None, write: bool = Tru
             how = f"signal {signal.Signals(signum).name}"
         except ValueError:
             pass
+    from nereusd.summary import job_figures   # (it reads the journals with this module)
+
     metrics = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
-    summary = {"status": "crashed", "error": f"nereusd died ({how}) without writing a summary",
+    summary = {**job_figures(run_dir), "status": "crashed",
+               "error": f"nereusd died ({how}) without writing a summary",
                "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
                "resume": f"nereus-launch resume {run_dir}"}
     if write:

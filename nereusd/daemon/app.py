@@ -44,9 +44,9 @@ from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
 from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, Journal,
-                             check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl, resume_restarted,
-                             switch_kind)
+                             check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl)
 from nereusd.rundir import RunDirLock
+from nereusd.summary import earlier_attempts, summarise_metrics
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
@@ -510,83 +510,3 @@ class Daemon:
         self.journal.close()
         self.observer.close(ok=summary["status"] in ("succeeded", "preempted"))
         self.control.close()
-
-
-def earlier_attempts(run_dir: Path) -> dict[str, Any]:
-    """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
-    resumed job's summary: ``switches`` (:func:`~nereusd.journal.switch_kind`), ``restarts``
-    (checkpoint restarts, and resumes that are one: :func:`~nereusd.journal.resume_restarted`),
-    ``lost_steps`` (steps they re-run,
-    and the steps a resume from a checkpoint re-runs, from an older one where the newest could not
-    be read), ``resumes`` (``nereusd_resumed``, the
-    latest nereusd's included), ``started_s`` (when the first started; 0.0 if unknown) and
-    ``earlier_run_s`` (the seconds the nereusds before the latest ran, each from its start to its
-    last event: without the time between a crash and its resume)."""
-    out: dict[str, Any] = {"switches": 0, "restarts": 0, "lost_steps": 0, "resumes": 0, "started_s": 0.0,
-                           "earlier_run_s": 0.0}
-    events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
-    starts = [i for i, e in enumerate(events) if e.get("event") == Event.NEREUSD_STARTED.value]
-    if starts:
-        out["started_s"] = float(events[starts[0]].get("time_s") or 0.0)
-    for first, nxt in zip(starts, starts[1:]):   # each earlier nereusd: its start to its last event
-        times = [float(e.get("time_s") or 0.0) for e in events[first:nxt]]
-        out["earlier_run_s"] += max(0.0, max(times) - times[0]) if times and times[0] else 0.0
-    for i, e in enumerate(events):
-        kind = e.get("event")
-        if kind == Event.NEREUSD_RESUMED.value:
-            out["resumes"] += 1
-            if resume_restarted(e):
-                dropped = e.get("dropped_metrics") or 0
-                out["restarts"] += 1
-                out["lost_steps"] += len(dropped) if isinstance(dropped, list) else int(dropped)
-        elif kind == Event.CHECKPOINT_UNREADABLE.value:   # the resume fell back further: more steps re-run
-            out["lost_steps"] += len(e.get("dropped_metrics") or [])
-        elif starts and i < starts[-1] and switch_kind(e):
-            out["switches"] += 1
-            if switch_kind(e) == "restart":
-                out["restarts"] += 1
-                out["lost_steps"] += int(e.get("lost_steps") or 0)
-    return out
-
-
-def summarise_metrics(run_dir: Path, summary: dict) -> None:
-    """Add the run's figures from ``metrics.jsonl`` to ``summary``: steps, reward and response
-    length of the first and last 10 % of steps, the best step's mean reward and its step, mean
-    step latency, the final plan, the first and last step's response cap (``max_new_tokens_first``
-    / ``_last``: a length curriculum raises it; absent from metrics written before the cap was
-    recorded); and from ``events.jsonl``, when the job evaluates, the
-    held-out pass@1 of the first and the last evaluation (``eval_pass_at_1_first`` /
-    ``_last``, ``eval_prompts``).
-
-    Raises:
-        JournalError: a damaged ``metrics.jsonl``.
-    """
-    records = read_jsonl(run_dir / METRICS_FILE)
-    if not records:
-        return
-    k = max(1, len(records) // 10)
-    first, last = records[:k], records[-k:]
-
-    def mean(rs: list, key: str) -> float:
-        return sum(r[key] for r in rs) / len(rs)
-
-    summary.update(
-        steps_completed=len(records),
-        reward_first_10pct=mean(first, "reward_mean"), reward_last_10pct=mean(last, "reward_mean"),
-        response_length_first_10pct=mean(first, "response_length_mean"),
-        response_length_last_10pct=mean(last, "response_length_mean"),
-        mean_step_latency_s=mean(records, "step_latency_s"),
-        final_plan=records[-1]["plan"],
-    )
-    summary["response_length_growth"] = summary["response_length_last_10pct"] / max(
-        summary["response_length_first_10pct"], 1e-9)
-    caps = [r.get("max_new_tokens") for r in (records[0], records[-1])]
-    if all(isinstance(c, int) for c in caps):
-        summary.update(max_new_tokens_first=caps[0], max_new_tokens_last=caps[1])
-    best = max(records, key=lambda r: r["reward_mean"])   # first and last alone hide a collapse
-    summary.update(reward_best=best["reward_mean"], reward_best_step=best["step"])
-    events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []
-    evals = [e for e in events if e.get("event") == Event.EVALUATION.value and "pass_at_1" in e]
-    if evals:   # held-out pass@1 before the first step (step -1) and at the last evaluation
-        summary.update(eval_pass_at_1_first=evals[0]["pass_at_1"], eval_pass_at_1_last=evals[-1]["pass_at_1"],
-                       eval_prompts=evals[-1].get("prompts"))

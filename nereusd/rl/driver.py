@@ -498,8 +498,10 @@ class RLDriver(DriverCheckpoints):
         try:
             if not built:
                 self.build()
-            if resume is not None:
-                self.restore(resume, fallbacks)
+            if resume is not None:   # journalled once loaded: a resume interrupted before re-ran nothing
+                dropped = self.restore(resume, fallbacks)
+                self.journal.event(Event.CHECKPOINT_LOADED, {"dir": self.last_checkpoint[0],
+                                                             "step": self.last_checkpoint[1], "dropped_metrics": dropped})
         except WorkerError as err:
             # a device lost while the engines start or the checkpoint loads: the restart builds on
             # the survivors and loads the same checkpoint (the initial weights before any). An

@@ -138,18 +138,25 @@ def test_a_resume_that_re_runs_nothing_from_the_initial_weights_is_no_restart(tm
 
     from nereusd.daemon.app import earlier_attempts
 
-    def resumed(checkpoint, dropped):
+    def resumed(checkpoint, dropped, loaded=None):
         events = [{"event": "nereusd_started", "time_s": 1.0},
                   {"event": "nereusd_started", "time_s": 9.0},
                   {"event": "nereusd_resumed", "mode": "checkpoint", "checkpoint": checkpoint,
                    "dropped_metrics": dropped, "time_s": 9.5}]
+        if loaded is not None:
+            events.append({"event": "checkpoint_loaded", "dir": checkpoint, "dropped_metrics": loaded})
         (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         out = earlier_attempts(tmp_path)
         return out["resumes"], out["restarts"], out["lost_steps"]
 
     assert resumed(None, []) == (1, 0, 0)
     assert resumed(None, [0, 1]) == (1, 1, 2)
-    assert resumed("/run/checkpoints/step000004", []) == (1, 1, 0)
+    assert resumed("/run/checkpoints/step000004", [], loaded=[]) == (1, 1, 0)
+    # interrupted before its checkpoint loaded: nothing re-ran (it was counted, and the next
+    # resume's re-run steps twice: an adversarial trial, 2026-12-07)
+    assert resumed("/run/checkpoints/step000004", [4, 5]) == (1, 0, 0)
+    # fell back to an older checkpoint: the steps that loaded one dropped
+    assert resumed("/run/checkpoints/step000004", [4, 5], loaded=[2, 3, 4, 5]) == (1, 1, 4)
 
 
 def test_a_job_resumed_at_a_forced_step_starts_on_the_forced_layout(tmp_path):
@@ -214,3 +221,27 @@ def test_a_job_resumed_at_a_forced_step_starts_on_the_forced_layout(tmp_path):
     assert resume("h", 10, None) == (tp4, ["resumed: the layout adaptation.forced sets for step 10"])
     plan, sources = resume("i", 12, None)
     assert plan == job.plan and "over the usable device memory at 48-token responses" in sources[0]
+
+
+def test_a_summary_the_launcher_writes_for_a_dead_nereusd_keeps_the_jobs_figures(tmp_path):
+    """``kill -9`` of nereusd, or a resume's Ctrl-C before nereusd's handlers: the summary the
+    launcher wrote had only the outcome, and ``status`` lost the job's switches, restarts and
+    rewards (a resume had set the job's summary aside: an adversarial trial, 2026-12-07)."""
+    import json
+
+    from nereusd.journal import crash_summary
+
+    events = [{"event": "nereusd_started", "time_s": 1.0},
+              {"event": "transition", "step": 1, "from_plan": {"a": 1}, "to_plan": {"a": 2}},
+              {"event": "nereusd_started", "time_s": 9.0},
+              {"event": "nereusd_resumed", "mode": "checkpoint", "checkpoint": "/r/checkpoints/step000002",
+               "dropped_metrics": [2]},
+              {"event": "checkpoint_loaded", "dir": "/r/checkpoints/step000002", "dropped_metrics": [2]},
+              {"event": "transition", "step": 3, "from_plan": {"a": 2}, "to_plan": {"a": 3}}]   # killed after it
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    row = {"reward_mean": 1.0, "response_length_mean": 4.0, "step_latency_s": 1.0, "plan": {"a": 3}}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({**row, "step": s}) + "\n" for s in range(4)))
+    summary = crash_summary(tmp_path, -9, write=False)
+    assert summary["status"] == "crashed" and summary["steps_completed"] == 4
+    assert (summary["switches"], summary["restarts"], summary["lost_steps"], summary["resumes"]) == (2, 1, 1, 1)
+    assert summary["reward_last_10pct"] == 1.0 and summary["final_plan"] == {"a": 3}

@@ -316,6 +316,11 @@ def test_the_plan_timeline_marks_the_switches_that_ran_not_the_admissions():
     events = [{**admit, "step": 3},   # interrupted: never ran
               {"event": "nereusd_resumed", "mode": "checkpoint", "step": 2, "checkpoint": "/r/checkpoints/step000002",
                "dropped_metrics": [2, 3]},
+              {"event": "checkpoint_loaded", "dir": "/r/checkpoints/step000002", "step": 2, "dropped_metrics": [2, 3]},
+              {"event": "nereusd_started"},   # interrupted before its checkpoint loaded: re-ran nothing
+              {"event": "nereusd_resumed", "mode": "checkpoint", "step": 2, "checkpoint": "/r/checkpoints/step000002",
+               "dropped_metrics": [2, 3]},
+              {"event": "nereusd_started"},
               {"event": "nereusd_resumed", "mode": "checkpoint", "step": 0, "checkpoint": None, "dropped_metrics": []},
               {**admit, "step": 3, "triggers": [{"signal": "memory"}]},
               {"event": "transition", "step": 3, "from_plan": {"a": 1}, "to_plan": {"a": 2}},

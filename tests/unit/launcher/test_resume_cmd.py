@@ -31,6 +31,11 @@ def test_refuses_a_directory_without_a_run(tmp_path):
 def test_refuses_a_succeeded_job_and_a_live_one(tmp_path):
     journal = Journal(tmp_path)
     journal.event(Event.NEREUSD_STARTED, {"job_file": str(tmp_path / "job.yaml")})
+    journal.event(Event.NEREUSD_STOPPED, {"status": "succeeded"})
+    # a damaged summary: the journal says how the job stopped (it was resumed: an adversarial trial)
+    (tmp_path / "summary.json").write_bytes(b"\x00\xff garbage")
+    with pytest.raises(NereusError, match="the job succeeded; nothing to resume"):
+        run(_args(tmp_path))
     (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded"}))
     with pytest.raises(NereusError, match="the job succeeded; nothing to resume"):
         run(_args(tmp_path))

@@ -315,3 +315,14 @@ def test_a_grow_allocation_is_known_by_its_id_and_a_pending_job_says_why(tmp_pat
     assert main(["status"]) == 0
     listed = capsys.readouterr().out
     assert "121" in listed and "122" not in listed, listed   # the grow allocation is its job's
+
+
+
+def test_status_of_a_crashed_run_names_the_step_its_kept_workers_continue_at(tmp_path, capsys):
+    """After ``kill -9`` of nereusd at step 23, ``status`` named only the checkpoint's step 20,
+    where a resume within the grace continued at 23 on the kept workers (an adversarial trial)."""
+    (tmp_path / "nereusd.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": 1}))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "crashed", "steps_completed": 23}))
+    assert main(["status", str(tmp_path)]) == 0
+    assert ("within the site's liveness.resume_grace_s of the crash, at step 23 on the workers kept in memory"
+            in capsys.readouterr().out)
