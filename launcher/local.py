@@ -26,10 +26,10 @@ from nereusd.errors import NereusError
 from nereusd.stop import SignalStop
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import load_site
-from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, crash_summary, read_jsonl,
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, read_jsonl,
                              write_summary)
 from nereusd.rundir import LaunchLock, clear_run_dir
-from nereusd.summary import job_figures
+from nereusd.summary import crash_summary, job_figures
 from launcher.local_devices import check_gpus, site_mismatch
 from launcher.pool_trace import describe_pool_schedule, pool_trace_override
 from launcher.procs import stop_run_processes

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import signal
 import stat
 import time
 from pathlib import Path
@@ -288,40 +287,6 @@ class Journal:
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
-
-
-def crash_summary(run_dir: str | Path, returncode: int | None, write: bool = True) -> dict | None:
-    """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
-    crash before its handlers ran) — ``None`` when it wrote its own — written to
-    ``summary.json`` with ``write``. ``returncode``: the process's (negative: a signal; above
-    128: a shell's code for signal ``code − 128``), with the job's figures as far as its journals
-    give them (:func:`nereusd.summary.job_figures`). Written by the local launcher and, once it
-    stops starting nereusd again, by the Slurm batch script."""
-    run_dir = Path(run_dir)
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-        if summary.get("status") != "running":
-            return None
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    how = f"exit code {returncode}"
-    signum = -returncode if returncode is not None and returncode < 0 else (
-        returncode - 128 if returncode is not None and 128 < returncode < 160 else None)
-    if signum is not None:
-        try:
-            how = f"signal {signal.Signals(signum).name}"
-        except ValueError:
-            pass
-    from nereusd.summary import job_figures   # (it reads the journals with this module)
-
-    metrics = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
-    summary = {**job_figures(run_dir), "status": "crashed",
-               "error": f"nereusd died ({how}) without writing a summary",
-               "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
-               "resume": f"nereus-launch resume {run_dir}"}
-    if write:
-        write_summary(run_dir, summary)
-    return summary
 
 
 def is_simulation_summary(record: Any) -> bool:

@@ -1,14 +1,17 @@
 """A job's figures from its run directory's journals: what ``summary.json`` holds besides the
-outcome, for nereusd at the end of a job and for the launcher when nereusd died without writing
-one (:func:`job_figures`)."""
+outcome, for nereusd at the end of a job, and the summary the launcher or the batch script
+writes when nereusd died without writing one (:func:`crash_summary`, with :func:`job_figures`)."""
 
 from __future__ import annotations
 
+import json
+import signal
 from pathlib import Path
 from typing import Any
 
 from nereusd.errors import NereusError
-from nereusd.journal import EVENTS_FILE, METRICS_FILE, Event, read_jsonl, resume_restarts, switch_kind
+from nereusd.journal import (EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, read_jsonl, resume_restarts,
+                             switch_kind, write_summary)
 
 
 def earlier_attempts(run_dir: Path, include_latest: bool = False) -> dict[str, Any]:
@@ -100,3 +103,35 @@ def job_figures(run_dir: Path) -> dict[str, Any]:
     except (NereusError, KeyError, TypeError, ValueError, ZeroDivisionError):
         pass
     return figures
+
+
+def crash_summary(run_dir: str | Path, returncode: int | None, write: bool = True) -> dict | None:
+    """The summary of a nereusd that died without writing one (``kill -9``, out of memory, a
+    crash before its handlers ran) — ``None`` when it wrote its own — written to
+    ``summary.json`` with ``write``. ``returncode``: the process's (negative: a signal; above
+    128: a shell's code for signal ``code − 128``), with the job's figures as far as its journals
+    give them (:func:`job_figures`). Written by the local launcher and, once it
+    stops starting nereusd again, by the Slurm batch script."""
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        if summary.get("status") != "running":
+            return None
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    how = f"exit code {returncode}"
+    signum = -returncode if returncode is not None and returncode < 0 else (
+        returncode - 128 if returncode is not None and 128 < returncode < 160 else None)
+    if signum is not None:
+        try:
+            how = f"signal {signal.Signals(signum).name}"
+        except ValueError:
+            pass
+    metrics = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
+    summary = {**job_figures(run_dir), "status": "crashed",
+               "error": f"nereusd died ({how}) without writing a summary",
+               "error_kind": "DaemonCrashed", "steps_completed": len(metrics),
+               "resume": f"nereus-launch resume {run_dir}"}
+    if write:
+        write_summary(run_dir, summary)
+    return summary

@@ -229,7 +229,7 @@ def test_a_summary_the_launcher_writes_for_a_dead_nereusd_keeps_the_jobs_figures
     rewards (a resume had set the job's summary aside: an adversarial trial, 2026-12-07)."""
     import json
 
-    from nereusd.journal import crash_summary
+    from nereusd.summary import crash_summary
 
     events = [{"event": "nereusd_started", "time_s": 1.0},
               {"event": "transition", "step": 1, "from_plan": {"a": 1}, "to_plan": {"a": 2}},

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nereusd.journal import crash_summary
+from nereusd.summary import crash_summary
 from launcher.resume_cmd import job_file, run
 from nereusd.errors import NereusError
 from nereusd.journal import Event, Journal
