@@ -398,12 +398,13 @@ def _report(run_dir: Path, interrupted: str | None, returncode: int | None = Non
         return 0
     if status == "interrupted" and interrupted and str(summary.get("error", "")).startswith("nereusd received"):
         # nereusd saw the SIGTERM the launcher forwards; the user pressed Ctrl-C (a new user's trial)
-        summary["error"] = f"{interrupted} (nereus-launch stopped nereusd with {summary['error'][len('nereusd received '):]})"
+        forwarded = summary["error"][len("nereusd received "):]
+        summary["error"] = f"{interrupted} (nereus-launch stopped nereusd with {forwarded})"
         write_summary(run_dir, summary)
     done = summary.get("steps_completed")
     # interrupted: always how far (three Ctrl-Cs had read three ways); failed: once steps ran
-    where = (f" after {done} step(s)" if isinstance(done, int) and (status == "interrupted" or done > 0 and status == "failed")
-             else "")
+    told = isinstance(done, int) and (status == "interrupted" or done > 0 and status == "failed")
+    where = f" after {done} step(s)" if told else ""
     print(f"nereus: {status}{where}: {summary.get('error', 'see logs')}", file=sys.stderr)
     print(f"nereus: {resume_hint(run_dir, status)}", file=sys.stderr)
     print(f"nereus: logs in {run_dir / 'logs'}", file=sys.stderr)

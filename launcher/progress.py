@@ -42,7 +42,8 @@ def duration_text(summary: dict) -> str:
     resumes, since, running = (summary.get(k) for k in ("resumes", "job_wall_time_s", "job_run_time_s"))
     if not (finite_number(resumes) and resumes > 0 and finite_number(since) and finite_number(running)):
         return f" in {wall:.0f} s"
-    return f" in {running:.0f} s over {int(resumes) + 1} nereusds (the last {wall:.0f} s; {since:.0f} s since the first started)"
+    return (f" in {running:.0f} s over {int(resumes) + 1} nereusds (the last {wall:.0f} s; {since:.0f} s since the "
+            "first started)")
 
 
 def resume_hint(run_dir: Path, status: object, steps_done: object = None) -> str:
@@ -75,6 +76,12 @@ def launch_plan_line(job) -> str:
     return f"nereus: launch plan: {job.plan.describe()}"
 
 
+def _plan_text(plan: dict) -> str:
+    """A plan of an event (``{model-stage: candidate dict}``) as one line,
+    ``actor/training tp2·pp1·dp2@[0,1,2,3] mb16; …``."""
+    return "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in plan.items())
+
+
 def compact_plan(plan: dict) -> str:
     """``actor/training: {tp: 2, pp: 1, dp: 2}`` → ``aT2·1·2`` (role initial, stage initial upper-case);
     a ZeRO stage is appended as ``z1`` / ``z2`` (``aT1·1·4z1``)."""
@@ -105,8 +112,8 @@ def describe_event(ev: dict) -> str | None:
         source = ev.get("source")
         if not ev.get("plan"):
             return f"nereus: launch plan: {source}"
-        plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
-        return f"nereus: planner's launch plan: {plan}" if source == "planner" else f"nereus: launch plan ({source}): {plan}"
+        label = "planner's launch plan" if source == "planner" else f"launch plan ({source})"
+        return f"nereus: {label}: {_plan_text(ev['plan'])}"
     if kind == Event.NEREUSD_RESUMED and ev.get("mode") == "checkpoint":
         dropped = ev.get("dropped_metrics") if isinstance(ev.get("dropped_metrics"), list) else []
         again = (f"steps {min(dropped)}–{max(dropped)} run again" if len(dropped) > 1 else
@@ -114,8 +121,7 @@ def describe_event(ev: dict) -> str | None:
         where = f"checkpoint {Path(ev['checkpoint']).name}" if ev.get("checkpoint") else "the initial weights"
         return f"nereus: resuming at step {ev.get('step')} from {where} ({again})"
     if kind == Event.WORKERS_KEPT and ev.get("kept") and isinstance(ev.get("plan"), dict):
-        plan = "; ".join(f"{ms} {Candidate.from_dict(c).describe()}" for ms, c in ev["plan"].items())
-        return f"nereus: continuing at step {ev.get('step')} on the workers kept in memory: {plan}"
+        return f"nereus: continuing at step {ev.get('step')} on the workers kept in memory: {_plan_text(ev['plan'])}"
     if kind == Event.RESTART_STARTED:
         return (f"nereus: step {ev['step']}: restarting from {ev.get('checkpoint') or 'the initial weights'} on "
                 f"devices {ev.get('world')}: {ev.get('reason')}")

@@ -175,6 +175,10 @@ def plan_segments(records: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
     return out
 
 
+_MARK = {"transition": {"color": "red", "ls": "-", "zorder": 3}, "restart": {"color": "black", "ls": ":", "zorder": 4}}
+"""How :func:`switches_ran`'s marks are drawn: a restart in black, over a switch at the same boundary."""
+
+
 def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
     """The layout switches that ran (:func:`~nereusd.journal.switch_kind`) and the resumes that
     restarted from a checkpoint (:func:`~nereusd.journal.resume_restarts`), as ``summary.json``
@@ -193,7 +197,8 @@ def switches_ran(events: list[dict]) -> list[tuple[float, str, str]]:
             why = admitted.get(e["step"]) or str(e.get("why", ""))[:60]
             out.append((e["step"] + 0.5, kind, f"after step {e['step']} ({why})"))
         elif kind == "restart":
-            out.append((e["step"] - 0.5, kind, f"step {e['step']}: checkpoint restart ({str(e.get('reason', ''))[:60]})"))
+            why = str(e.get("reason", ""))[:60]
+            out.append((e["step"] - 0.5, kind, f"step {e['step']}: checkpoint restart ({why})"))
     for e, _ in resume_restarts(events):
         name = Path(e["checkpoint"]).name if e.get("checkpoint") else "the initial weights"
         out.append((e["step"] - 0.5, "restart", f"step {e['step']}: resumed from {name}"))
@@ -228,14 +233,14 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
                 ax.text((lo + hi) / 2, row, text, ha="center", va="center", fontsize=7)
             elif (hi - lo + 1) / span >= 0.1:
                 ax.text((lo + hi) / 2, row, text.split(" ")[0], ha="center", va="center", fontsize=6)
-    for at, kind, _ in switches:   # a restart in black over a switch at the same boundary
-        ax.axvline(at, color="red" if kind == "transition" else "black", lw=1.5, ls="-" if kind == "transition" else ":",
-                   zorder=3 if kind == "transition" else 4)
+    for at, kind, _ in switches:
+        ax.axvline(at, lw=1.5, **_MARK[kind])
     for e in events:
         if e.get("event") == Event.POOL_CHANGED and "step" in e:
             ax.axvline(e["step"] + 0.5, color="purple", ls="--", lw=1)
     ax.set_yticks(range(len(segments)), list(segments))
-    ax.set_xlabel("step (red: switch; black dotted: checkpoint restart; purple: pool change; colour: layout and devices)")
+    ax.set_xlabel("step (red: switch; black dotted: checkpoint restart; purple: pool change; colour: layout and "
+                  "devices)")
     fig.suptitle("Plan timeline", fontsize=10)
     caption = len(wrapped) * 0.19 / (height + 0.19 * len(wrapped))
     if wrapped:
@@ -252,7 +257,7 @@ def adaptation_plots(run_dir: Path, records: list[dict], out_dir: Path, plt) -> 
         ax.plot(steps, [e.get("measured_stage_path_s") for e in preds], "s-", label="measured (model-stage path)")
         ax.plot(steps, [e.get("measured_step_latency_s") for e in preds], ".:", label="measured (step wall time)")
         for at, kind, _ in switches:
-            ax.axvline(at, color="red" if kind == "transition" else "black", lw=1, ls="-" if kind == "transition" else ":")
+            ax.axvline(at, lw=1, **_MARK[kind])
         ax.legend()
     ax.set(title="Step latency: predicted vs measured (red: switch; black dotted: restart)", xlabel="step",
            ylabel="seconds")

@@ -148,8 +148,8 @@ def _cap_text(caps: list[float]) -> str:
 def _finished_lines(s: dict, run_dir: Path) -> str:
     """What ``status`` prints for a job that has ended, from its ``summary.json``: the outcome,
     and where the summary has them (each figure a finite number, else its line is left out),
-    reward, response length and its cap, held-out pass@1, switches and the final plan (``summarise_metrics``
-    in ``nereusd/daemon/app.py`` writes them)."""
+    reward, response length and its cap, held-out pass@1, switches and the final plan
+    (:func:`nereusd.summary.summarise_metrics` writes them)."""
     def num(*keys: str) -> list[float] | None:
         values = [s.get(k) for k in keys]
         return values if all(map(finite_number, values)) else None

@@ -284,7 +284,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(args.job)
     record = _read_record(run_dir)
     client = SlurmClient()
-    states = {j: (info.state if (info := client.job(j)) else "GONE") for j in [*record["grow_job_ids"], record["job_id"]]}
+    states = {j: (info.state if (info := client.job(j)) else "GONE")
+              for j in [*record["grow_job_ids"], record["job_id"]]}
     active = [j for j, state in states.items() if state in ACTIVE_STATES]
     if not active:   # it said "cancelled" of a job that had ended (an adversarial trial on Slurm, 2026-12-07)
         print(f"nereus: job {record['job_id']} has already ended ({states[record['job_id']]}); nothing to cancel")

@@ -17,12 +17,13 @@ from nereusd.journal import (EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, Event, rea
 def earlier_attempts(run_dir: Path, include_latest: bool = False) -> dict[str, Any]:
     """What the nereusds before the latest one did in ``run_dir`` (``events.jsonl``), for a
     resumed job's summary (``include_latest``: every nereusd's, the latest's too, for a summary
-    the launcher writes for a nereusd that died without one, :func:`job_figures`): ``switches`` (:func:`~nereusd.journal.switch_kind`), ``restarts``
-    (checkpoint restarts, and resumes that are one: :func:`~nereusd.journal.resume_restarts`),
-    ``lost_steps`` (steps they re-run, and the steps those resumes re-ran), ``resumes``
-    (``nereusd_resumed``, the latest nereusd's included), ``started_s`` (when the first started; 0.0 if unknown) and
-    ``earlier_run_s`` (the seconds the nereusds before the latest ran, each from its start to its
-    last event: without the time between a crash and its resume)."""
+    the launcher writes for a nereusd that died without one, :func:`job_figures`): ``switches``
+    (:func:`~nereusd.journal.switch_kind`), ``restarts`` (checkpoint restarts, and resumes that
+    are one: :func:`~nereusd.journal.resume_restarts`), ``lost_steps`` (steps they re-run, and
+    the steps those resumes re-ran), ``resumes`` (``nereusd_resumed``, the latest nereusd's
+    included), ``started_s`` (when the first started; 0.0 if unknown) and ``earlier_run_s`` (the
+    seconds the nereusds before the latest ran, each from its start to its last event: without
+    the time between a crash and its resume)."""
     out: dict[str, Any] = {"switches": 0, "restarts": 0, "lost_steps": 0, "resumes": 0, "started_s": 0.0,
                            "earlier_run_s": 0.0}
     events = read_jsonl(run_dir / EVENTS_FILE) if (run_dir / EVENTS_FILE).exists() else []

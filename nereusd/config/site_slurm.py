@@ -161,11 +161,11 @@ def time_limit_s(text: str) -> int:
     ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; one that :data:`_TIME` matches); 0: none."""
     days, _, rest = text.rpartition("-")
     parts = [int(x) for x in rest.split(":")]
-    if days:
+    if days or len(parts) == 3:   # D-HH[:MM[:SS]], HH:MM:SS
         hours, minutes, seconds = (parts + [0, 0])[:3]
-        return int(days) * 86400 + hours * 3600 + minutes * 60 + seconds
-    return {1: lambda: parts[0] * 60, 2: lambda: parts[0] * 60 + parts[1],
-            3: lambda: parts[0] * 3600 + parts[1] * 60 + parts[2]}[len(parts)]()
+    else:                         # MM, MM:SS
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
 def check_preempt_signal(preempt_signal_s: int, time_limit: str, where: str) -> None:

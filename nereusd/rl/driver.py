@@ -500,8 +500,8 @@ class RLDriver(DriverCheckpoints):
                 self.build()
             if resume is not None:   # journalled once loaded: a resume interrupted before re-ran nothing
                 dropped = self.restore(resume, fallbacks)
-                self.journal.event(Event.CHECKPOINT_LOADED, {"dir": self.last_checkpoint[0],
-                                                             "step": self.last_checkpoint[1], "dropped_metrics": dropped})
+                loaded, step, _ = self.last_checkpoint
+                self.journal.event(Event.CHECKPOINT_LOADED, {"dir": loaded, "step": step, "dropped_metrics": dropped})
         except WorkerError as err:
             # a device lost while the engines start or the checkpoint loads: the restart builds on
             # the survivors and loads the same checkpoint (the initial weights before any). An
