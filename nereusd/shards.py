@@ -221,12 +221,12 @@ def recomputed_buffer(name: str, spec: ModelSpec) -> bool:
 
 def check_checkpoint_shapes(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]], *, value_head: bool,
                             source: str, equal: Callable[[str, str], bool] | None = None) -> None:
-    """Check a checkpoint's tensor shapes (:func:`nereusd.models.safetensors_shapes`) against the
+    """Check a checkpoint's tensor shapes (:func:`nereusd.hf_files.safetensors_shapes`) against the
     canonical table of ``spec``: every parameter is present with its full shape, and nothing
     else is there. A value head may be absent (a critic or reward model starting from a policy
     draws one) but not partial (a weight without its bias); a model with a value head ignores
     the policy's ``lm_head``. A tied model (``tie_word_embeddings``) may hold ``lm_head.weight``
-    only equal to the embedding (``equal(a, b)``, :func:`nereusd.models.safetensors_equal`):
+    only equal to the embedding (``equal(a, b)``, :func:`nereusd.hf_files.safetensors_equal`):
     transformers then keeps the two apart, and loading would drop the head. Other names
     (a layer beyond ``num_hidden_layers``, biases of a model without them) are refused: loading
     would ignore them and train another model than the checkpoint's (an adversarial helper,

@@ -37,7 +37,8 @@ from emu.engine.hf_io import load_pretrained
 from emu.engine.model import LlamaModel
 from emu.rl.losses import KLEstimator, logprobs_and_entropy, policy_loss_fn
 from nereusd.errors import ConfigError
-from nereusd.models import ModelSpec, safetensors_files
+from nereusd.hf_files import safetensors_files
+from nereusd.models import ModelSpec
 from nereusd.rl import (LossAggregation, broadcast_to_tokens, grpo_advantages, pad, remax_advantages,
                         token_weights)
 from nereusd.tasks.counting import CountingTask, PromptSampler, sample_hash

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from nereusd.models import WEIGHTS_NAME, ModelSpec, safetensors_files
+from nereusd.hf_files import WEIGHTS_NAME, safetensors_files
+from nereusd.models import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def load_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Canonical full tensors of the directory's ``model.safetensors`` (or its index's shards).
 
     Raises:
-        ConfigError: as :func:`nereusd.models.safetensors_files`.
+        ConfigError: as :func:`nereusd.hf_files.safetensors_files`.
     """
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):

@@ -18,7 +18,8 @@ from nereusd.config.job import JobConfig, StagePlanConfig, load_job
 from nereusd.cost.memory import WORKSPACE_BYTES
 from nereusd.loggers import check_loggers
 from nereusd.errors import ConfigError, PlanError, shortened
-from nereusd.models import ModelSpec, safetensors_equal, safetensors_shapes, shortest_context
+from nereusd.hf_files import safetensors_equal, safetensors_shapes
+from nereusd.models import ModelSpec, shortest_context
 from nereusd.plan import Candidate, Layout, ModelStage, Plan, Role, Stage, training_micro_batch
 from nereusd.shards import check_checkpoint_shapes, check_layout, value_head_for
 from nereusd.workflow import Algorithm, build_workflow

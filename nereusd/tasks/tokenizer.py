@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from nereusd.errors import ConfigError
-from nereusd.models import read_json_object
+from nereusd.hf_files import read_json_object
 
 Messages = list[dict[str, str]]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tests.support import REPO
 
-CORE = ("nereusd.plan", "nereusd.backends", "nereusd.models", "nereusd.workflow", "nereusd.shards", "nereusd.traces", "nereusd.errors",
-        "nereusd.config", "nereusd.cost", "nereusd.planner", "nereusd.control", "nereusd.transition")
+CORE = ("nereusd.plan", "nereusd.backends", "nereusd.models", "nereusd.hf_files", "nereusd.workflow", "nereusd.shards",
+        "nereusd.traces", "nereusd.errors", "nereusd.config", "nereusd.cost", "nereusd.planner", "nereusd.control", "nereusd.transition")
 """The pure core: cost and memory model, planner, controller, transition planning, configuration."""
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from emu.engine.hf_io import load_pretrained, save_pretrained
-from nereusd.models import INDEX_NAME
+from nereusd.hf_files import INDEX_NAME
 from emu.engine.model import LlamaModel
 from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
@@ -218,7 +218,7 @@ def test_tensors_the_config_does_not_describe_and_an_untied_head_are_refused(tmp
 
     from safetensors.torch import load_file, save_file
 
-    from nereusd.models import safetensors_equal, safetensors_shapes
+    from nereusd.hf_files import safetensors_equal, safetensors_shapes
     from nereusd.shards import check_checkpoint_shapes
 
     def check(directory):
