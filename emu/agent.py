@@ -46,8 +46,8 @@ ORPHANED_AFTER_S = 3.0
 """nereusd silent this long (it acknowledges every heartbeat): look for a resumed one in the run
 directory, once a second, until the grace (``--daemon-timeout-s``) ends."""
 RELAY_BATCH_BYTES = 8 * 2**20
-"""A relayed frame is closed once its workers' messages pass this size (a single larger result
-still travels alone, within the protocol's frame limit)."""
+"""A relayed message is closed once its workers' messages pass this size (a single larger result
+still travels alone, in several frames past the protocol's frame limit)."""
 
 
 @dataclass
@@ -141,7 +141,7 @@ class Agent:
         return record if isinstance(record, dict) else None
 
     def _send_up(self, msg: P._Message) -> None:
-        self._up.send(P.encode(msg))
+        self._up.send_multipart(P.frames_of(P.encode(msg)))
 
     def _alive(self) -> list[int]:
         return sorted(d for d, p in self.workers.items() if p.poll() is None)
@@ -163,7 +163,7 @@ class Agent:
                                       kept_devices=kept or [], kept_workers=kept_workers or []))
         if not self._up.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"nereusd did not answer the registration within {timeout_s:.0f} s")
-        msg = P.decode(self._up.recv())
+        msg = P.decode(P.joined(self._up.recv_multipart()))
         if isinstance(msg, P.ErrorReply):
             raise ProtocolError(f"nereusd refused registration: {msg.reason}")
         if not isinstance(msg, P.Welcome):
@@ -312,7 +312,7 @@ class Agent:
         for device, proc in self.workers.items():
             if proc.poll() is None:
                 try:
-                    self._down.send_multipart([str(device).encode(), P.encode(P.Shutdown(reason=reason))])
+                    self._down.send_multipart([str(device).encode(), *P.frames_of(P.encode(P.Shutdown(reason=reason)))])
                 except zmq.ZMQError:
                     pass
         deadline = time.monotonic() + grace_s
@@ -346,11 +346,12 @@ class Agent:
                 proc.wait()
 
     # ------------------------------------------------------------------ loop
-    def _on_daemon(self, frame: bytes) -> bool:
-        """Handle one message from nereusd; returns False when the agent must stop."""
+    def _on_daemon(self, frames: list[bytes]) -> bool:
+        """Handle one message from nereusd (its frames: :func:`~nereusd.protocol.messages.frames_of`);
+        returns False when the agent must stop."""
         self._last_daemon_s = time.monotonic()
         try:
-            msg = P.decode(frame)
+            msg = P.decode(P.joined(frames))
         except ProtocolError as err:
             log.error("refused a message from nereusd: %s", err)
             self._send_up(P.ErrorReply(reason=str(err)))
@@ -362,7 +363,8 @@ class Agent:
             shared = msg.shared if isinstance(msg, P.ToWorkers) else None
             for item in (msg.items if isinstance(msg, P.ToWorkers) else [msg]):
                 try:
-                    self._down.send_multipart([str(item.device).encode(), P.encode(P.with_shared(item.task, shared))])
+                    frames = P.frames_of(P.encode(P.with_shared(item.task, shared)))
+                    self._down.send_multipart([str(item.device).encode(), *frames])
                 except (zmq.ZMQError, ProtocolError) as err:
                     undelivered.append(P.FromWorker(device=item.device, payload=P.TaskResult(
                         task_id=item.task.task_id, device=item.device, ok=False,
@@ -383,11 +385,11 @@ class Agent:
             self._send_up(P.ErrorReply(reason=f"agent does not accept {msg.type!r}"))
         return True
 
-    def _on_worker(self, identity: bytes, frame: bytes) -> P.FromWorker | None:
-        """One worker message checked and wrapped for the relay (``None``: refused, logged)."""
+    def _on_worker(self, identity: bytes, frames: list[bytes]) -> P.FromWorker | None:
+        """One worker message (its frames) checked and wrapped for the relay (``None``: refused, logged)."""
         try:
             device = int(identity.decode())
-            msg = P.decode(frame)
+            msg = P.decode(P.joined(frames))
             if device not in self.workers:
                 raise ProtocolError(f"message from unknown worker identity {identity!r}")
             if not isinstance(msg, (P.WorkerReady, P.TaskResult)):
@@ -398,23 +400,24 @@ class Agent:
         return P.FromWorker(device=device, payload=msg)
 
     def _relay_up(self) -> None:
-        """Relay every message the workers have sent so far to nereusd, in one frame, or in
-        several of about :data:`RELAY_BATCH_BYTES` when results are large (a frame past
-        :data:`~nereusd.protocol.messages.MAX_MESSAGE_BYTES` would be dropped)."""
+        """Relay every message the workers have sent so far to nereusd, in one message, or in
+        several of about :data:`RELAY_BATCH_BYTES` when results are large (one result travels
+        alone, in several frames past :data:`~nereusd.protocol.messages.MAX_FRAME_BYTES`)."""
         items, size = [], 0
         while len(items) < P.MAX_BATCH_ITEMS:
             try:
-                identity, frame = self._down.recv_multipart(zmq.NOBLOCK)
+                identity, *frames = self._down.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            item = self._on_worker(identity, frame)
+            item = self._on_worker(identity, frames)
             if item is None:
                 continue
-            if items and size + len(frame) > RELAY_BATCH_BYTES:
+            nbytes = sum(len(f) for f in frames)
+            if items and size + nbytes > RELAY_BATCH_BYTES:
                 self._send_up(P.FromWorkers(items=items))
                 items, size = [], 0
             items.append(item)
-            size += len(frame)
+            size += nbytes
         if items:
             self._send_up(P.FromWorkers(items=items))
 
@@ -431,7 +434,7 @@ class Agent:
             while not self._stopping:
                 events = dict(poller.poll(100))
                 if self._up in events:
-                    if not self._on_daemon(self._up.recv()):
+                    if not self._on_daemon(self._up.recv_multipart()):
                         break
                 if self._down in events:
                     self._relay_up()

@@ -127,8 +127,8 @@ def exchange(run_dir: Path, info: dict, request: P._Message, timeout_s: float) -
         if info.get("curve"):
             make_client(sock, load_keys(run_dir / KEYS_DIR, "client"))
         sock.connect(info["endpoint"])
-        sock.send(P.encode(request))
-        return P.decode(sock.recv()) if sock.poll(int(timeout_s * 1000)) else None
+        sock.send_multipart(P.frames_of(P.encode(request)))
+        return P.decode(P.joined(sock.recv_multipart())) if sock.poll(int(timeout_s * 1000)) else None
     finally:
         sock.close(0)
 

@@ -110,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
     runtime = WorkerRuntime(rank=args.rank, device_index=args.device, torch_device=device, memory=memory,
                             settle_heap_at_build=True,
                             run_dir=args.run_dir, store_client=store, backend=backend)
-    sock.send(P.encode(P.WorkerReady(device=args.device, pid=os.getpid())))
+    sock.send_multipart(P.frames_of(P.encode(P.WorkerReady(device=args.device, pid=os.getpid()))))
     log.info("worker ready: rank %d of %d on %s", args.rank, args.world_size, device)
 
     while True:
@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
                 return 1
             continue
         try:
-            msg = P.decode(sock.recv())
+            msg = P.decode(P.joined(sock.recv_multipart()))
         except ProtocolError as err:
             log.error("refused a message: %s", err)
             continue
@@ -143,7 +143,24 @@ def serve(args: argparse.Namespace) -> int:
             detail = str(err) if not fatal else f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}"
             reply = P.TaskResult(task_id=msg.task_id, device=args.device, ok=False, error=detail,
                                  error_kind=type(err).__name__, elapsed_s=time.perf_counter() - start)
-        sock.send(P.encode(reply))
+        sock.send_multipart(P.frames_of(result_message(reply, msg.kind)))
+
+
+def result_message(reply: P.TaskResult, kind: str) -> bytes:
+    """``reply`` encoded, or, when that is over the protocol's message limit, a failed result
+    that says so (the job stops with it: a result nereusd cannot take would leave its task
+    waiting for ever).
+
+    ``kind``: the task's kind, for the message (:data:`~nereusd.protocol.messages.MAX_MESSAGE_BYTES`,
+    :data:`~nereusd.protocol.messages.TASK_SIZE_HINT`)."""
+    message = P.encode(reply)
+    try:
+        P.check_size(len(message), f"the result of the {kind} task on device {reply.device}", P.TASK_SIZE_HINT)
+    except ProtocolError as err:
+        log.error("%s", err)
+        message = P.encode(P.TaskResult(task_id=reply.task_id, device=reply.device, ok=False, error=str(err),
+                                        error_kind="ProtocolError", elapsed_s=reply.elapsed_s))
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:

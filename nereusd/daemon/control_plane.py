@@ -86,7 +86,7 @@ class ControlPlane(AgentRegistry, TaskDispatch):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         self._auth = ServerAuth(self._ctx, keys) if keys is not None else None
         events = zmq.EVENT_DISCONNECTED
         if self._auth is not None:
@@ -209,14 +209,12 @@ class ControlPlane(AgentRegistry, TaskDispatch):
                     self._on_event(Event.CONNECTION_REFUSED, {"reason": reason})
 
     def _receive(self, frames: list[bytes], fd: int | None = None) -> None:
-        """Handle one multipart message (``[identity, payload]``) that came on socket ``fd``."""
+        """Handle one multipart message (``[identity, payload frame, ...]``: a long payload comes
+        in several frames, :func:`~nereusd.protocol.messages.frames_of`) that came on socket ``fd``."""
         self.received_messages += 1
         identity = frames[0]
-        if len(frames) != 2:
-            self._refuse(identity, f"expected 1 payload frame, got {len(frames) - 1}")
-            return
         try:
-            msg = P.decode(frames[1])
+            msg = P.decode(P.joined(frames[1:]))
             self._handle(identity, msg, fd)
         except ProtocolError as err:
             self._refuse(identity, str(err))
@@ -258,7 +256,7 @@ class ControlPlane(AgentRegistry, TaskDispatch):
 
     def _send_frame(self, identity: bytes, kind: str, frame: bytes) -> None:
         try:
-            self._sock.send_multipart([identity, frame])
+            self._sock.send_multipart([identity, *P.frames_of(frame)])
         except zmq.ZMQError as err:  # peer gone (ROUTER_MANDATORY): nothing to deliver to
             # after shutdown_agents their connections drop by design: a late heartbeat reply is no news
             (log.info if self._shutting_down else log.warning)("cannot send %s to %r: %s", kind, identity, err)

@@ -71,8 +71,9 @@ class TaskDispatch:
 
         Raises:
             WorkerError: naming the devices that have no live agent (nothing was sent).
-            ProtocolError: for args of different kinds in one task, or shared fields its args
-                do not take.
+            ProtocolError: for args of different kinds in one task, shared fields its args
+                do not take, or a device's task over the message limit (its replica's sequences
+                too many or too long: :func:`~nereusd.protocol.messages.encode_to_workers`).
         """
         kinds = {a.kind for a in args_by_device.values()}
         if len(kinds) != 1:
@@ -89,13 +90,16 @@ class TaskDispatch:
             raise WorkerError(f"task {kind}: devices {missing} have no live agent; nothing was sent")
         task_id = self._next_task_id
         self._next_task_id += 1
-        self._pending[task_id] = PendingTask(kind, set(args_by_device))
         by_agent: dict[str, list[tuple[int, P.TaskArgs]]] = {}
         for device, args in args_by_device.items():
             by_agent.setdefault(self._device_to_agent[device], []).append((device, args))
-        for node_id, items in by_agent.items():   # one frame per agent (unless large), not per device
-            for frame in P.encode_to_workers(task_id, items, shared=shared_member):
-                self._send_frame(self.agents[node_id].identity, "to_workers", frame)
+        # one message per agent (unless large), not per device; all encoded before any is sent
+        messages = {node_id: P.encode_to_workers(task_id, items, shared=shared_member)
+                    for node_id, items in by_agent.items()}
+        self._pending[task_id] = PendingTask(kind, set(args_by_device))
+        for node_id, encoded in messages.items():
+            for message in encoded:
+                self._send_frame(self.agents[node_id].identity, "to_workers", message)
         return task_id
 
     def raise_if_lost(self, task_id: int) -> None:

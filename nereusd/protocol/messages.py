@@ -21,7 +21,7 @@ import base64
 import binascii
 import json
 import zlib
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -30,8 +30,16 @@ from nereusd.errors import ProtocolError
 from nereusd.protocol.tasks import TaskArgs
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 2**20
-"""Largest frame accepted (64 MiB); larger frames are refused before parsing."""
+MAX_FRAME_BYTES = 64 * 2**20
+"""Largest ZeroMQ frame nereusd takes in (64 MiB, its socket's ``ZMQ_MAXMSGSIZE``: a larger frame
+closes the sender's connection, unread). A longer message travels as the frames of one multipart
+message (:func:`frames_of`), joined on receipt (:func:`joined`)."""
+MAX_MESSAGE_BYTES = 2**30
+"""Largest message, its frames joined (1 GiB): :func:`decode` refuses a longer one unparsed, and
+senders refuse to send one, naming it (:func:`check_size`). A task's args and results grow with
+its replica's sequences and their tokens, at about 6 bytes of JSON a token id and 20 a float: the
+log-probabilities of 1,024 responses of 5,120 tokens (one actor-inference replica at DP 1) are
+105 MB, and a train task's four per-token floats for 256 such sequences 105 MB."""
 
 
 class _Message(BaseModel):
@@ -236,7 +244,7 @@ def inflate_shared(text: Any) -> dict[str, Any]:
     """The shared fields of a ``shared_zlib`` member, inflated to at most :data:`MAX_MESSAGE_BYTES`.
 
     Raises:
-        ValueError: not base64, not zlib, larger than the frame limit inflated (a compression
+        ValueError: not base64, not zlib, larger than the message limit inflated (a compression
             bomb), truncated, or not a JSON object (a validation error of the frame).
     """
     if not isinstance(text, str):
@@ -245,7 +253,7 @@ def inflate_shared(text: Any) -> dict[str, Any]:
         inflater = zlib.decompressobj()
         raw = inflater.decompress(base64.b64decode(text, validate=True), MAX_MESSAGE_BYTES)
         if inflater.unconsumed_tail:
-            raise ValueError(f"shared_zlib inflates past the {MAX_MESSAGE_BYTES}-byte frame limit")
+            raise ValueError(f"shared_zlib inflates past the {MAX_MESSAGE_BYTES}-byte message limit")
         if not inflater.eof:
             raise ValueError("shared_zlib is truncated")
         data = json.loads(raw)
@@ -327,34 +335,40 @@ def encode(message: _Message) -> bytes:
 
 
 BATCH_BYTES = 16 * 2**20
-"""A ``ToWorkers`` frame is closed once its items pass this size (far below the frame limit)."""
+"""A ``ToWorkers`` message is closed once its items pass this size (far below the message limit)."""
 
 
 def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_bytes: int = BATCH_BYTES,
                       shared: bytes | None = None) -> list[bytes]:
-    """The frames of ``ToWorkers(items=[ToWorker(device=d, task=Task(task_id, args)) ...])``, built
+    """The encoded messages ``ToWorkers(items=[ToWorker(device=d, task=Task(task_id, args)) ...])``, built
     from each args' JSON without building the messages: the same bytes :func:`encode` gives for
     them (``tests/unit/daemon/test_protocol.py``), at a third of the cost for 8,192 devices.
 
     Args:
         task_id: the task's id (≥ 0).
         items: ``(device, args)`` per device, the args validated task payloads.
-        max_bytes: a frame holds items up to about this many bytes (and at most
-            :data:`MAX_BATCH_ITEMS`); a larger single item travels alone.
-        shared: the member that carries :attr:`ToWorkers.shared`, in every frame
-            (:func:`encode_shared`, encoded once by the caller, however many frames and agents).
+        max_bytes: a message holds items up to about this many bytes (and at most
+            :data:`MAX_BATCH_ITEMS`); a larger single item travels alone (in several ZeroMQ
+            frames past :data:`MAX_FRAME_BYTES`: :func:`frames_of`).
+        shared: the member that carries :attr:`ToWorkers.shared`, in every message
+            (:func:`encode_shared`, encoded once by the caller, however many messages and agents).
 
     Returns:
-        One frame, or several when the items are many or large.
+        One message, or several when the items are many or large.
+
+    Raises:
+        ProtocolError: the shared fields take over half of :data:`MAX_MESSAGE_BYTES`, or one
+            device's task over all of it (naming the kind and the device; nothing is returned).
     """
     head = f'{{"v":{PROTOCOL_VERSION},"type":"to_worker","device":'.encode()
     task = f',"task":{{"v":{PROTOCOL_VERSION},"type":"task","task_id":{int(task_id)},"args":'.encode()
     base = len(shared or b"")   # every frame carries the shared fields
     if base > MAX_MESSAGE_BYTES // 2:
-        raise ProtocolError(f"shared fields of {base} bytes leave no room in a {MAX_MESSAGE_BYTES}-byte frame")
+        raise ProtocolError(f"shared fields of {base} bytes leave no room in a {MAX_MESSAGE_BYTES}-byte message")
     frames, batch, size = [], [], base
     for d, args in items:
         item = head + str(int(d)).encode() + task + args.model_dump_json().encode() + b"}}"
+        check_size(base + len(item), f"the {getattr(args, 'kind', 'task')} task for device {d}", TASK_SIZE_HINT)
         if batch and (size + len(item) > max_bytes or len(batch) >= MAX_BATCH_ITEMS):
             frames.append(batch)
             batch, size = [], base
@@ -366,6 +380,49 @@ def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_byte
     closing = b"]}" if shared is None else b"]," + shared + b"}"
     return [opening + b",".join(b) + closing for b in frames]
 
+TASK_SIZE_HINT = ("its replica's sequences are too many or too long for one task: more data-parallel replicas of "
+                  "its model-stage, or fewer or shorter sequences a step, make it smaller")
+"""What a task or result over :data:`MAX_MESSAGE_BYTES` needs (:func:`check_size`'s ``hint``, where
+nereusd encodes a task and where a worker encodes its result)."""
+
+
+def frames_of(message: bytes) -> list[bytes | memoryview]:
+    """``message`` (an encoded message) as the frames of one ZeroMQ multipart message: itself
+    when it fits :data:`MAX_FRAME_BYTES`, else consecutive slices of that size (views, not copies).
+    :func:`joined` puts them back together."""
+    if len(message) <= MAX_FRAME_BYTES:
+        return [message]
+    view = memoryview(message)
+    return [view[i:i + MAX_FRAME_BYTES] for i in range(0, len(message), MAX_FRAME_BYTES)]
+
+
+def joined(frames: Sequence[bytes]) -> bytes:
+    """The message whose frames (:func:`frames_of`) are ``frames`` (a multipart message's parts,
+    the ROUTER's identity frame removed).
+
+    Raises:
+        ProtocolError: no frame, or more than :data:`MAX_MESSAGE_BYTES` together (nothing is
+            copied then).
+    """
+    if not frames:
+        raise ProtocolError("a message with no payload frame")
+    if len(frames) == 1:
+        return frames[0]
+    check_size(sum(len(f) for f in frames), f"a message of {len(frames)} frames")
+    return b"".join(frames)
+
+
+def check_size(size_bytes: int, what: str, hint: str = "") -> None:
+    """Refuse a message of ``size_bytes`` over :data:`MAX_MESSAGE_BYTES`, naming ``what`` it is
+    and, where given, what would make it smaller (``hint``: :data:`TASK_SIZE_HINT`).
+
+    Raises:
+        ProtocolError: ``"<what> is <size> bytes, over the 1073741824-byte message limit[: <hint>]"``.
+    """
+    if size_bytes > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{what} is {size_bytes} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit"
+                            + (f": {hint}" if hint else ""))
+
 
 def decode(frame: bytes) -> _Message:
     """Parse and validate one frame.
@@ -374,8 +431,7 @@ def decode(frame: bytes) -> _Message:
         ProtocolError: if the frame is too large, not a JSON object, of another protocol
             version, of an unknown type, or does not match its type's fields.
     """
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    check_size(len(frame), "the message")
     try:   # the fast path: parse and validate in one pass (half the time of a results frame)
         msg = _ADAPTER.validate_json(frame)
         if "v" in msg.model_fields_set:   # a frame without its version is refused below

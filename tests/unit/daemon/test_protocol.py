@@ -60,7 +60,7 @@ def test_shared_fields_travel_once_per_frame_and_reach_every_item_validated():
         P.with_shared(msg.items[0].task, {"communicators": "not a list"})
 
 
-def test_large_shared_fields_travel_compressed_and_decode_to_the_same_message():
+def test_large_shared_fields_travel_compressed_and_decode_to_the_same_message(monkeypatch):
     """Shared fields over ``SHARED_ZLIB_BYTES`` (a transition's communicator plan at thousands of
     devices) travel as ``shared_zlib``, a fraction of their size, and decode to the message with
     them uncompressed; a bad, truncated, over-limit or non-object ``shared_zlib`` is refused."""
@@ -81,10 +81,13 @@ def test_large_shared_fields_travel_compressed_and_decode_to_the_same_message():
         return frame[:frame.index(b',"shared_zlib"')] + b',"shared_zlib":' + text.encode() + b"}"
 
     blob = member[len(b'"shared_zlib":"'):-1]
-    bomb = base64.b64encode(zlib.compress(b"[" + b" " * (P.MAX_MESSAGE_BYTES + 10) + b"]", 9)).decode()
+    from nereusd.protocol import messages
+
+    monkeypatch.setattr(messages, "MAX_MESSAGE_BYTES", 2**20)   # a bomb past 1 GiB takes seconds to build
+    bomb = base64.b64encode(zlib.compress(b"[" + b" " * (2**20 + 10) + b"]", 9)).decode()
     for bad, reason in [('"not base64!"', "not compressed JSON"),
                         (f'"{blob[:len(blob) // 2].decode()}"', "truncated|not compressed JSON"),
-                        (f'"{bomb}"', "frame limit"),
+                        (f'"{bomb}"', "message limit"),
                         (f'"{base64.b64encode(zlib.compress(b"[1, 2]")).decode()}"', "JSON object"),
                         (f'"{base64.b64encode(zlib.compress(b"[" * 100000)).decode()}"', "not compressed JSON"),
                         ("17", "base64 string")]:
@@ -129,9 +132,68 @@ def test_decode_refuses(frame, match):
         P.decode(frame)
 
 
-def test_oversized_frame_refused():
-    with pytest.raises(ProtocolError, match="exceeds"):
-        P.decode(b" " * (P.MAX_MESSAGE_BYTES + 1))
+def test_oversized_message_refused(monkeypatch):
+    from nereusd.protocol import messages
+
+    monkeypatch.setattr(messages, "MAX_MESSAGE_BYTES", 1000)
+    with pytest.raises(ProtocolError, match="the message is 1001 bytes, over the 1000-byte message limit"):
+        P.decode(b" " * 1001)
+    with pytest.raises(ProtocolError, match="a message of 3 frames is 1200 bytes, over"):
+        P.joined([b" " * 400] * 3)
+    with pytest.raises(ProtocolError, match="no payload frame"):
+        P.joined([])
+    # a sender names the task that would be over it, before anything is sent
+    big = P.LogprobsArgs(model_stage="actor/inference", sequences=[list(range(300))], prompt_lens=[1])
+    with pytest.raises(ProtocolError, match="the logprobs task for device 3 is [0-9]+ bytes, over the 1000-byte .*: its replica"):
+        P.encode_to_workers(1, [(2, P.MemoryReportArgs()), (3, big)])
+
+
+def test_frames_of_splits_at_the_frame_limit_and_joined_restores(monkeypatch):
+    from nereusd.protocol import messages
+
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 10)
+    data = bytes(range(35))
+    frames = P.frames_of(data)
+    assert [len(f) for f in frames] == [10, 10, 10, 5] and P.joined(frames) == data
+    assert P.frames_of(data[:10]) == [data[:10]]
+
+
+def test_a_worker_result_over_the_message_limit_becomes_a_failure_that_says_so(monkeypatch):
+    from emu.worker.main import result_message
+    from nereusd.protocol import messages
+
+    small = P.TaskResult(task_id=4, device=1, ok=True, result={"logprobs": [[-0.5] * 300]}, elapsed_s=2.0)
+    assert P.decode(result_message(small, "logprobs")) == small
+    monkeypatch.setattr(messages, "MAX_MESSAGE_BYTES", 1000)
+    failed = P.decode(result_message(small, "logprobs"))
+    assert (failed.task_id, failed.device, failed.ok, failed.error_kind) == (4, 1, False, "ProtocolError")
+    assert failed.error.startswith("the result of the logprobs task on device 1 is ")
+    assert "more data-parallel replicas" in failed.error
+
+
+def test_control_plane_joins_a_message_sent_in_several_frames(monkeypatch):
+    """nereusd's socket takes frames up to the frame limit (``ZMQ_MAXMSGSIZE``); a longer message
+    comes as several frames of one multipart message, joined (and refused past the message limit)."""
+    from nereusd.protocol import messages
+
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 256)
+    control = ControlPlane()
+    sock = _dealer(control.endpoint)
+    try:
+        register = P.encode(P.RegisterAgent(node_id="n0", hostname="h" * 600, pid=1, devices=[
+            P.DeviceInfo(local_index=i, kind="cpu", name="virtual-cpu", memory_bytes=1) for i in range(2)]))
+        frames = P.frames_of(register)
+        assert len(frames) > 2
+        sock.send_multipart(frames)
+        welcome = _reply(control, sock)
+        assert isinstance(welcome, P.Welcome) and welcome.global_devices == [0, 1]
+        monkeypatch.setattr(messages, "MAX_MESSAGE_BYTES", 1000)
+        sock.send_multipart([b" " * 250] * 5)
+        reply = _reply(control, sock)
+        assert isinstance(reply, P.ErrorReply) and "a message of 5 frames is 1250 bytes" in reply.reason
+    finally:
+        sock.close()
+        control.close()
 
 
 def _dealer(endpoint: str) -> zmq.Socket:
@@ -145,7 +207,7 @@ def _reply(control: ControlPlane, sock: zmq.Socket) -> P._Message:
     for _ in range(50):
         control.poll(0.02)
         if sock.poll(10):
-            return P.decode(sock.recv())
+            return P.decode(P.joined(sock.recv_multipart()))
     raise AssertionError("no reply from nereusd")
 
 

@@ -1,7 +1,8 @@
-"""The agent's relay between nereusd and its workers: one ``ToWorkers`` frame fans out to the
-workers, and what the workers sent goes up in ``FromWorkers`` frames closed at the byte budget
-(a frame past the protocol's limit would be dropped). A real :class:`emu.agent.Agent` with its
-sockets; the workers and nereusd are plain ZeroMQ peers speaking the protocol."""
+"""The agent's relay between nereusd and its workers: one ``ToWorkers`` message fans out to the
+workers, what the workers sent goes up in ``FromWorkers`` messages closed at the byte budget, and
+a message past the protocol's frame limit travels in several frames (one frame past it would close
+the connection at nereusd's socket). A real :class:`emu.agent.Agent` with its sockets; the workers
+and nereusd are plain ZeroMQ peers speaking the protocol."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_relay_fans_out_a_batch_and_batches_results_under_the_byte_budget(tmp_pa
         # nereusd → agent: one frame, three tasks, each reaches its worker
         frames = P.encode_to_workers(5, [(d, P.MemoryReportArgs()) for d in (0, 1, 2)])
         assert len(frames) == 1
-        agent._on_daemon(frames[0])
+        agent._on_daemon([frames[0]])
         for d, sock in workers.items():
             assert sock.poll(2000)
             assert P.decode(sock.recv()).task_id == 5
@@ -65,6 +66,56 @@ def test_relay_fans_out_a_batch_and_batches_results_under_the_byte_budget(tmp_pa
     finally:
         for sock in workers.values():
             sock.close(0)
+        agent.close()
+        daemon.close(0)
+
+
+def test_messages_past_the_frame_limit_travel_in_frames_both_ways(tmp_path, monkeypatch):
+    """A task of about 230 KiB and a result of about 600 KiB, with the frame limit at 64 KiB (nereusd's socket
+    refuses a longer frame, as ``ZMQ_MAXMSGSIZE`` does at 64 MiB): the task reaches its worker
+    whole, and the result reaches nereusd in frames within the limit, whole once joined."""
+    from nereusd.protocol import messages
+
+    limit = 64 * 1024
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", limit)
+    ctx = zmq.Context.instance()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.setsockopt(zmq.MAXMSGSIZE, limit)
+    daemon.bind("tcp://127.0.0.1:0")
+    agent = Agent(connect=daemon.getsockopt_string(zmq.LAST_ENDPOINT), node_id="n0", devices=[], run_dir=tmp_path)
+    agent.workers = {0: None}
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.setsockopt(zmq.IDENTITY, b"0")
+    try:
+        worker.connect(agent.ipc_endpoint)
+        worker.send_multipart(P.frames_of(P.encode(P.WorkerReady(device=0, pid=1))))
+        time.sleep(0.3)
+        agent._relay_up()
+        [[identity, ready]] = _recv_all(daemon)
+        assert isinstance(P.decode(ready), P.FromWorkers)
+        sequences = [list(range(i, i + 4000)) for i in range(12)]   # ~230 KiB of token ids
+        args = P.LogprobsArgs(model_stage="actor/inference", sequences=sequences, prompt_lens=[10] * 12)
+        [message] = P.encode_to_workers(9, [(0, args)])
+        assert len(message) > 3 * limit
+        daemon.send_multipart([identity, *P.frames_of(message)])
+        assert agent._up.poll(2000)
+        agent._on_daemon(agent._up.recv_multipart())
+        assert worker.poll(2000)
+        task = P.decode(P.joined(worker.recv_multipart()))
+        assert task.task_id == 9 and task.args.sequences == sequences
+        logprobs = [[-0.123456789 * j for j in range(3990)] for _ in range(8)]   # ~600 KiB of JSON floats
+        worker.send_multipart(P.frames_of(P.encode(P.TaskResult(task_id=9, device=0, ok=True,
+                                                                result={"logprobs": logprobs}))))
+        time.sleep(0.3)
+        agent._relay_up()
+        [[_, *frames]] = _recv_all(daemon)
+        assert len(frames) > 3 and all(len(f) <= limit for f in frames)
+        [item] = P.decode(P.joined(frames)).items
+        assert item.payload.result["logprobs"] == logprobs
+    finally:
+        worker.close(0)
         agent.close()
         daemon.close(0)
 
