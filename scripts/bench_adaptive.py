@@ -17,8 +17,8 @@ pool change (a device leaves at ``--pool-step``), run in one go under five polic
 
 Every job checkpoints every ``--checkpoint-every`` steps. Per policy it prints the mean step
 latency — wall time from the end of the build to the end of the last step, over the steps, so
-transitions, restarts and re-run steps are in it — total wall time, layout switches (admitted
-transitions and restarts), the share of wall time spent in transitions and restarts, and
+transitions, restarts and re-run steps are in it — total wall time, layout switches (transitions that
+changed the plan and restarts, as ``summary.json`` counts them: ``nereusd.journal.switch_kind``), the share of wall time spent in transitions and restarts, and
 out-of-memory failures. The last line compares (a) with the better of (b) and (c):
 
     adaptive: <x> % lower mean step latency than best frozen; switches <n>; overhead <y> %
@@ -55,7 +55,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from nereusd.config.curriculum import curriculum_error, parse_stages  # noqa: E402
-from nereusd.journal import read_jsonl  # noqa: E402
+from nereusd.journal import read_jsonl, switch_kind  # noqa: E402
 DEMO = REPO / "examples" / "counting_grpo.yaml"
 POLICIES = {
     "nereus": {"policy": "nereus", "payback_margin": 0.5},
@@ -94,7 +94,6 @@ def measure(run_dir: Path) -> dict:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     final = {r["step"]: r for r in metrics}          # a step re-run after a restart counts once
     events = read_jsonl(run_dir / "events.jsonl")
-    admitted = sum(e["event"] == "admission" and e["verdict"] == "admit" for e in events)
     restarts = [e for e in events if e["event"] == "fallback" and e.get("action") == "checkpoint_restart"]
     moving = sum(e["elapsed_s"] for e in events if e["event"] == "transition") + sum(e["elapsed_s"] for e in restarts)
     wall = float(summary.get("wall_time_s") or 0.0)
@@ -106,7 +105,7 @@ def measure(run_dir: Path) -> dict:
         "steps": len(final),
         "mean_step_s": (ends[-1] - built) / max(1, len(final)) if built is not None and ends else 0.0,
         "total_s": wall,
-        "switches": admitted + len(restarts),
+        "switches": sum(switch_kind(e) is not None for e in events),   # as summary.json counts them
         "transition_share": moving / wall if wall else 0.0,
         "ooms": sum(e.get("reason", "").startswith("out of memory") for e in restarts) + sum(
             e["event"] == "job_failed" and e.get("error_kind") == "DeviceOutOfMemory" for e in events),

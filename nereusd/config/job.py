@@ -196,6 +196,15 @@ class CheckpointConfig(Strict):
         return ADAPTIVE_CHECKPOINT_EVERY if adaptive else 0
 
 
+DEFAULT_PAYBACK_MARGIN = 0.5
+"""Payback margin γ of a job that sets none (``adaptation.payback_margin``; the paper's default,
+"γ ∈ [0, 1] (0.5 by default)", with its sensitivity in §7.3.3): the one default that jobs, the
+controller's policy, admission and the simulator's ``nereus`` use."""
+DEFAULT_DELTA_LENGTH = 0.30
+"""Drift threshold δ_len of the response-length signal of a job that sets none
+(``adaptation.delta_length``); the monitor's default too (:data:`nereusd.control.monitor.DEFAULT_DELTAS`)."""
+
+
 class AdaptationConfig(Strict):
     """Live adaptation (paper §4: monitor → planner → admission; §6: transitions at safe boundaries)."""
 
@@ -205,7 +214,7 @@ class AdaptationConfig(Strict):
     """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
     rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
     checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
-    payback_margin: Number = Field(0.5, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
+    payback_margin: Number = Field(DEFAULT_PAYBACK_MARGIN, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
     """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain; 0:
     urgent switches only)."""
     gamma: Any = Field(None, exclude=True)
@@ -213,7 +222,7 @@ class AdaptationConfig(Strict):
     discount); the old key is refused with a message naming the new one."""
     period: StrictInt = Field(0, ge=0)
     """Also re-plan every N steps (0: on triggers only)."""
-    delta_length: Number = Field(0.30, gt=0.0)
+    delta_length: Number = Field(DEFAULT_DELTA_LENGTH, gt=0.0)
     """Drift threshold δ_len of the response-length signal (relative)."""
     launch_response_length: StrictInt | None = Field(None, ge=1)
     """Response length (tokens) the launch plan is chosen for when the job gives no ``plan``

@@ -28,14 +28,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from nereusd.config.job import DEFAULT_PAYBACK_MARGIN
 from nereusd.cost.model import CostModel
 from nereusd.control.monitor import FORCED, Trigger
 from nereusd.plan import Plan
 from nereusd.planner.search import Infeasible, Planner, PlanResult
 from nereusd.planner.space import PlannerOptions, PlanProblem
 from nereusd.transition.ops import TransitionDag
-
-DEFAULT_PAYBACK_MARGIN = 0.5
 
 
 class Verdict(str, enum.Enum):

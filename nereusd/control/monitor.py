@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from nereusd.config.job import DEFAULT_DELTA_LENGTH
+
 
 class Signal(str, enum.Enum):
     """What a trigger reacts to (a ``str``: journal records and comparisons read the value)."""
@@ -51,7 +53,7 @@ class Signal(str, enum.Enum):
 SEQUENCE_LENGTH, GPU_POOL, PEAK_MEMORY, EFFICIENCY = (Signal.SEQUENCE_LENGTH, Signal.GPU_POOL, Signal.PEAK_MEMORY,
                                                        Signal.EFFICIENCY)
 PERIOD, FORCED, RESTARTED, RECHECK = Signal.PERIOD, Signal.FORCED, Signal.RESTARTED, Signal.RECHECK
-DEFAULT_DELTAS = {SEQUENCE_LENGTH: 0.30, EFFICIENCY: 0.20}
+DEFAULT_DELTAS = {SEQUENCE_LENGTH: DEFAULT_DELTA_LENGTH, EFFICIENCY: 0.20}
 DEFAULT_EMA_ALPHA = 0.5
 
 

@@ -7,7 +7,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from nereusd.config.job import AdaptationConfig
+from nereusd.config.job import DEFAULT_PAYBACK_MARGIN, AdaptationConfig
+from nereusd.control.monitor import DEFAULT_DELTAS, EFFICIENCY, SEQUENCE_LENGTH
 from nereusd.errors import ConfigError
 
 MEMORY_WINDOW = 8
@@ -46,10 +47,10 @@ class ControlPolicy:
 
     name: str = "nereus"
     kind: PolicyKind = PolicyKind.NEREUS
-    payback_margin: float = 0.5
+    payback_margin: float = DEFAULT_PAYBACK_MARGIN
     period: int = 0
-    delta_length: float = 0.30
-    delta_efficiency: float = 0.20
+    delta_length: float = DEFAULT_DELTAS[SEQUENCE_LENGTH]
+    delta_efficiency: float = DEFAULT_DELTAS[EFFICIENCY]
     memory_window: int = MEMORY_WINDOW
 
     def __post_init__(self) -> None:

@@ -99,7 +99,7 @@ def parse_policy(text: str) -> Policy:
         if name == GREEDY:
             return Policy(name, GREEDY, ControlPolicy(name=name, payback_margin=math.inf))
         if name == NEREUS:
-            return Policy(name, NEREUS, ControlPolicy(name=name, payback_margin=0.5))
+            return Policy(name, NEREUS, ControlPolicy(name=name))   # the default γ, a job's
         if name.startswith(NEREUS + "@"):
             margin = float(name.split("@", 1)[1])
             if not 0 <= margin:

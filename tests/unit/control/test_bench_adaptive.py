@@ -65,3 +65,23 @@ def test_a_job_the_launcher_refuses_is_shown_and_fails_the_run(tmp_path, monkeyp
     monkeypatch.setattr(bench, "run_policy", refused)
     assert bench.main(["--policies", "nereus", "--out", str(tmp_path)]) == 1
     assert "no run of nereus started" in capsys.readouterr().err
+
+
+def test_a_run_counts_its_switches_as_its_summary_does(tmp_path):
+    """An admission is a decision (an interrupted one never ran; a resume admits it again) and a
+    rebuild on the same plan is no switch: the count is ``journal.switch_kind``'s, ``summary.json``'s."""
+    import json
+
+    events = [{"event": "build", "time_s": 1.0},
+              {"event": "admission", "verdict": "admit"},   # interrupted: never ran
+              {"event": "admission", "verdict": "admit"},
+              {"event": "transition", "from_plan": "p0", "to_plan": "p1", "elapsed_s": 0.5},
+              {"event": "transition", "from_plan": "p1", "to_plan": "p1", "elapsed_s": 0.2},   # world re-formed
+              {"event": "fallback", "action": "checkpoint_restart", "elapsed_s": 3.0, "lost_steps": 2},
+              {"event": "step_prediction", "time_s": 11.0}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "succeeded", "wall_time_s": 20.0}))
+    got = bench.measure(tmp_path)
+    assert got["switches"] == 2 and got["lost_steps"] == 2 and got["mean_step_s"] == 2.0
+    assert got["transition_share"] == pytest.approx(3.7 / 20.0)
