@@ -59,8 +59,12 @@ class Workload:
             early (:func:`nereusd.cost.formulas.continuous_batching`).
         global_batch: sequences per RL step after group sampling (GRPO: prompts × group size;
             ReMax: prompts — the greedy baseline rollouts are added by the workflow).
-        mini_batches: optimizer steps per RL step; the training global batch of one optimizer
-            step is ``global_batch / mini_batches`` and must stay exactly that under DP scaling.
+        mini_batches: optimizer steps per pass over the step's sequences; the training global
+            batch of one optimizer step is ``global_batch / mini_batches`` and must stay exactly
+            that under DP scaling.
+        epochs: passes of training over the step's sequences (``train.epochs``, PPO epochs):
+            ``epochs · mini_batches`` optimizer steps per RL step, training priced ``epochs`` times
+            one pass.
         micro_batch: default per-replica micro-batch in sequences for inference and training.
         max_tokens_per_micro_batch: when set, the engine forms inference and training
             micro-batches by this token budget (packed, padding-free; ``train.`` key of the same
@@ -76,11 +80,12 @@ class Workload:
     global_batch: int
     mini_batches: int = 1
     micro_batch: int = 1
+    epochs: int = 1
     max_tokens_per_micro_batch: int | None = None
     response_mean_fraction: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("prompt_length", "response_length", "global_batch", "mini_batches", "micro_batch"):
+        for name in ("prompt_length", "response_length", "global_batch", "mini_batches", "micro_batch", "epochs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"workload.{name}: expected a positive integer, got {value!r}")

@@ -42,7 +42,8 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
     """The plan problem of ``job``: its workflow, role models, one step's workload, ``pool``.
 
     ``global_batch`` of the workload is the step's sequences; ``mini_batches`` the optimizer
-    steps per RL step (``sequences / train.global_batch``).
+    steps per pass over them (``sequences / train.global_batch``), ``epochs`` the passes
+    (``train.epochs``).
     """
     cfg = job.config
     workflow = build_workflow(cfg.algorithm.value, reward_model=cfg.reward.kind == "model",
@@ -50,7 +51,7 @@ def job_problem(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...], respo
     seqs = job.sequences_per_step
     workload = Workload(prompt_length=max(1, prompt_length), response_length=max(1, int(response_length)),
                         global_batch=seqs, mini_batches=seqs // cfg.train.global_batch,
-                        micro_batch=cfg.train.micro_batch,
+                        micro_batch=cfg.train.micro_batch, epochs=cfg.train.epochs,
                         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch)
     specs = {role: rm.spec for role, rm in job.roles.items()}
     engines = {ms: job.max_sequence_tokens for ms, b in job.backends.items() if b is Backend.VLLM}

@@ -235,6 +235,7 @@ class CostModel:
         mini_batches: int = 1,
         recompute: bool = False,
         response_mean_fraction: float = 1.0,
+        epochs: int = 1,
     ) -> StageCost:
         """Predicted seconds of ``model_stage`` as ``⟨tp, pp, dp⟩`` for one RL step.
 
@@ -247,9 +248,12 @@ class CostModel:
                 (:meth:`nereusd.workflow.Workload.priced_pass`).
             micro_batch: per-replica micro-batch ``b`` (sequences); for generation the
                 concurrent sequences (KV-cache slots) of a replica.
-            mini_batches: optimizer steps per RL step (training).
+            mini_batches: optimizer steps per pass over the step's sequences (training).
             response_mean_fraction: mean response length over ``response_length``, in (0, 1]
                 (generation's continuous batching, :func:`~nereusd.cost.formulas.continuous_batching`).
+            epochs: passes over the step's sequences (training; ``train.epochs``, PPO epochs):
+                each repeats the pass's micro-batches and optimizer steps, so training costs
+                ``epochs`` times one pass.
         """
         acc = _Acc()
         per_replica = math.ceil(sequences / dp)
@@ -260,6 +264,8 @@ class CostModel:
             training = model_stage.stage is Stage.TRAINING
             self._forward_backward(acc, spec, model_stage.role, per_replica, prompt_length + response_length,
                                    tp, pp, dp, micro_batch, mini_batches if training else 1, training, recompute)
+            if training and epochs != 1:
+                acc = acc.scaled(epochs)
         eff = self.efficiency
         latency = sum(s / eff(c) for c, s in acc.ideal.items())
         return StageCost(latency, MappingProxyType(dict(acc.ideal)))
@@ -279,6 +285,7 @@ class CostModel:
         mini_batches: int = 1,
         recompute: bool = False,
         response_mean_fraction: float = 1.0,
+        epochs: int = 1,
     ) -> tuple[float, dict[str, float]]:
         """Fast path of :meth:`stage_cost` for the planner's enumeration: ``(latency_s,
         ideal_s_by_class)`` with the same floating-point operations in the same order (so the
@@ -319,6 +326,8 @@ class CostModel:
             if training:
                 for k, v in self._optimizer_step(spec, tp, pp, dp, minis).ideal.items():
                     ideal[k] = ideal.get(k, 0.0) + v
+                if epochs != 1:
+                    ideal = {k: v * epochs for k, v in ideal.items()}
         eff = self._eff
         latency = 0
         for c, s in ideal.items():

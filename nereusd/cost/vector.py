@@ -53,7 +53,8 @@ class _Sum:
 
 def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequences: int, prompt_length: int,
               response_length: int, tp: int, pp: int, dp: np.ndarray, micro_batch: np.ndarray,
-              recompute: np.ndarray, mini_batches: int = 1, response_mean_fraction: float = 1.0) -> np.ndarray:
+              recompute: np.ndarray, mini_batches: int = 1, response_mean_fraction: float = 1.0,
+              epochs: int = 1) -> np.ndarray:
     """Predicted seconds per RL step of ``model_stage`` for each candidate ``⟨tp, pp, dp[i]⟩``
     with per-replica micro-batch ``micro_batch[i]`` and recomputation ``recompute[i]``.
 
@@ -102,6 +103,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
             acc.add(latency_class(link), np.where((spans == flag) & (dp > 1), per_call_s * minis, 0.0))
         for c, v in cm._optimizer_step(spec, tp, pp, 1, minis).ideal.items():   # dp 1: no DP all-reduce
             acc.add(c, v)
+        return acc.latency(cm) * epochs   # CostModel.stage_cost: every pass costs the same
     return acc.latency(cm)
 
 

@@ -313,7 +313,8 @@ class OptionTable:
             ideal = _LazyCostByClass(self.cost_model, self.problem.spec(m), m, dict(
                 sequences=sequences, prompt_length=wl.prompt_length,
                 response_length=priced_response, tp=tp, pp=pp, dp=dp, micro_batch=priced_b,
-                mini_batches=wl.mini_batches, recompute=rc, response_mean_fraction=wl.response_mean_fraction))
+                mini_batches=wl.mini_batches, recompute=rc, response_mean_fraction=wl.response_mean_fraction,
+                epochs=wl.epochs))
             opt = self._options[i] = Option(m, tp, pp, dp, b, rc, float(self.latency_s[i]),
                                             int(self.peak_bytes[i]), int(self.resident_bytes[i]), ideal,
                                             zero_stage=int(self.zero_stage[i]))
@@ -416,7 +417,7 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                         response_length=response, tp=tp, pp=pp, dp=np.array(cols[2])[at],
                         micro_batch=np.array([priced[i][0] for i in at]),
                         recompute=np.array(cols[4])[at], mini_batches=wl.mini_batches,
-                        response_mean_fraction=wl.response_mean_fraction)
+                        response_mean_fraction=wl.response_mean_fraction, epochs=wl.epochs)
                 lat_parts.append(latency)
                 rows += block
     latency = np.concatenate(lat_parts) if lat_parts else np.zeros(0)
@@ -444,7 +445,7 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
                        engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed, **kw)
     priced_b, priced_response = wl.priced_pass(model_stage.stage, b, share, pp, sequences)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches,
-                                 response_mean_fraction=wl.response_mean_fraction,
+                                 response_mean_fraction=wl.response_mean_fraction, epochs=wl.epochs,
                                  **{**kw, "micro_batch": priced_b, "response_length": priced_response})
     return Option(model_stage, tp, pp, dp, b, recompute, cost.latency_s, mem.peak_bytes, mem.resident_bytes,
                   cost.ideal_s_by_class, zero_stage=zero_stage)

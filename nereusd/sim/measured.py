@@ -360,6 +360,7 @@ class MeasuredTruth(GroundTruth):
             last_bucket = self.all_reduce_s(min(grads, DDP_BUCKET_BYTES), c.dp, dp_spans, contended)
             exposed = max(last_bucket, reduce_s - backward) if c.dp > 1 else 0.0
             total += minis * (exposed + shard * ADAM_BYTES_PER_PARAM / self.hbm)
+            total *= wl.epochs   # each pass over the step's sequences repeats the same work
         return total
 
     def response_lengths(self, longest: float, count: int, step: int) -> np.ndarray:

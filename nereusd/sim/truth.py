@@ -229,7 +229,7 @@ class GroundTruth:
             latency, _ = cm.stage_latency(self.problem.spec(m), m, sequences=self.problem.workflow.sequences(m, wl),
                                           prompt_length=wl.prompt_length, response_length=wl.response_length,
                                           tp=c.tp, pp=c.pp, dp=c.dp, micro_batch=c.micro_batch or wl.micro_batch,
-                                          mini_batches=wl.mini_batches, recompute=c.recompute)
+                                          mini_batches=wl.mini_batches, recompute=c.recompute, epochs=wl.epochs)
             out[m] = latency * noise[m]
         return out
 

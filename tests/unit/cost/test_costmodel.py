@@ -364,6 +364,35 @@ def test_layer_launch_time_makes_small_training_micro_batches_cost():
         off.stage_cost(spec, train, micro_batch=16, **kw).latency_s, rel=1e-9)
 
 
+def test_ppo_epochs_repeat_training_and_nothing_else():
+    """``train.epochs`` passes over the step's sequences: training costs that many times one pass
+    (micro-batches, DP all-reduces and optimizer updates alike); inference and generation are
+    run once. Before 2026-12-07 the cost model ignored epochs and priced such a job's training at
+    one pass (a review)."""
+    import dataclasses
+
+    from nereusd.control.problem import job_problem
+    from nereusd.plan import Stage
+    from tests.support import demo_job
+
+    spec = preset("llama-3.1-8b")
+    cm = CostModel(load_site("h200-ib"))
+    kw = dict(sequences=256, prompt_length=512, response_length=1024, tp=2, pp=2, dp=4, micro_batch=2,
+              mini_batches=4)
+    for name in ("actor/training", "actor/inference", "actor/generation"):
+        m = ModelStage.parse(name)
+        once, thrice = (cm.stage_cost(spec, m, epochs=e, **kw) for e in (1, 3))
+        factor = 3 if m.stage is Stage.TRAINING else 1
+        assert thrice.latency_s == pytest.approx(factor * once.latency_s, rel=1e-12)
+        assert cm.stage_latency(spec, m, epochs=3, **kw)[0] == pytest.approx(thrice.latency_s, rel=1e-12)
+    job = demo_job(curriculum=False)
+    train = job.config.train.model_copy(update={"epochs": 2})
+    job = dataclasses.replace(job, config=job.config.model_copy(update={"train": train}))
+    site = load_site(job.config.site)
+    problem = job_problem(job, site, tuple(range(job.devices)), 32, 5)
+    assert problem.workload.epochs == 2
+
+
 def test_a_vllm_generation_books_its_weight_copy_and_a_whole_block_kv_cache():
     """The engine's copy of the weights and the KV cache vLLM preallocates for ``micro_batch``
     sequences of ``max_model_len`` tokens in whole blocks plus the null block — whatever the

@@ -44,10 +44,12 @@ def test_same_plan_as_before(entry):
     assert res.predicted_step_latency_s == pytest.approx(entry["step_latency_s"], rel=1e-12)
 
 
-@pytest.mark.parametrize("algorithm,mean_fraction", [("ppo", 1.0), ("remax", 1.0), ("ppo", 0.35)])
-def test_vectorised_costs_equal_stage_cost(algorithm, mean_fraction):
+@pytest.mark.parametrize("algorithm,mean_fraction,epochs", [("ppo", 1.0, 1), ("remax", 1.0, 1), ("ppo", 0.35, 1),
+                                                             ("ppo", 1.0, 3)])
+def test_vectorised_costs_equal_stage_cost(algorithm, mean_fraction, epochs):
     pb = problem(2, algorithm, response=2048)
-    pb = dataclasses.replace(pb, workload=dataclasses.replace(pb.workload, response_mean_fraction=mean_fraction))
+    pb = dataclasses.replace(pb, workload=dataclasses.replace(pb.workload, response_mean_fraction=mean_fraction,
+                                                              mini_batches=2, epochs=epochs))
     cm = CostModel(pb.site)
     opts = PlannerOptions(allow_recompute=True, micro_batches=(1, 2, 4))
     for m in pb.workflow.model_stages:
@@ -58,7 +60,8 @@ def test_vectorised_costs_equal_stage_cost(algorithm, mean_fraction):
             _, response = pb.workload.priced_pass(m.stage, o.micro_batch, _share(pb, m, o.dp), o.pp, sequences)
             kw = dict(sequences=sequences, prompt_length=pb.workload.prompt_length,
                       response_length=response, tp=o.tp, pp=o.pp, dp=o.dp,
-                      micro_batch=o.micro_batch, recompute=o.recompute, response_mean_fraction=mean_fraction)
+                      micro_batch=o.micro_batch, recompute=o.recompute, response_mean_fraction=mean_fraction,
+                      mini_batches=2, epochs=epochs)
             ref = cm.stage_cost(pb.spec(m), m, **kw)
             assert o.latency_s == pytest.approx(ref.latency_s, rel=1e-12), (m, o)
             assert dict(o.cost_by_class) == pytest.approx(dict(ref.ideal_s_by_class), rel=1e-12)
