@@ -304,6 +304,33 @@ def shards_of(
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1024)
+def most_elements_per_device(spec: ModelSpec, tp: int, pp: int, value_head: bool = False) -> int:
+    """Parameter elements on the most loaded device of a ``tp × pp`` replica: the largest
+    pipeline stage's sum, over this module's table (:func:`canonical_shapes`, :func:`shard_dim`,
+    :func:`layer_range`), of each parameter's elements divided over ``tp`` where it is split —
+    what :func:`shard_elements` gives a valid layout's position, here for any degrees, without
+    :func:`check_layout` (the cost model prices layouts the planner then refuses): an uneven
+    split counts its larger piece, layers that ``pp`` does not divide go to the earlier stages.
+
+    So k/v count whole on every rank when ``tp > num_kv_heads`` (replicated), Qwen2's q/k/v
+    biases and Qwen3's q/k norms count, and a critic's or reward model's ``value_head``
+    (``value_head=True``, :func:`value_head_for`) replaces the ``[V, h]`` output head.
+    """
+    per_stage = [0] * pp
+    layers_per_stage = -(-spec.num_layers // pp)
+    for name, shape in canonical_shapes(spec, value_head).items():
+        numel = math.prod(shape)
+        dim = shard_dim(name, spec, tp)
+        if dim is not None:
+            numel = numel // shape[dim] * -(-shape[dim] // tp)
+        if name.startswith("model.layers."):
+            per_stage[int(name.split(".")[2]) // layers_per_stage] += numel
+        else:
+            per_stage[0 if name == "model.embed_tokens.weight" else pp - 1] += numel
+    return max(per_stage)
+
+
 @functools.lru_cache(maxsize=4096)
 def shard_elements(spec: ModelSpec, layout: Layout, position: Position, value_head: bool = False) -> int:
     """Parameter elements held at ``position`` of ``layout`` (sum of :func:`shards_of`)."""

@@ -29,7 +29,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from nereusd.models import ModelSpec
-from nereusd.plan import ZERO_STAGES, ModelStage, Role, Stage
+from nereusd.plan import ZERO_STAGES, ModelStage, Stage
+from nereusd.shards import most_elements_per_device, value_head_for
 
 HEADROOM = 0.10
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -71,24 +72,18 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def parameters_per_device(spec: ModelSpec, tp: int, pp: int) -> int:
-    """Parameters on the most loaded device of a ``(tp, pp)`` replica.
+def parameters_per_device(spec: ModelSpec, tp: int, pp: int, value_head: bool = False) -> int:
+    """Parameters on the most loaded device of a ``(tp, pp)`` replica: the engine's sharding
+    (DESIGN.md "EMU state", Megatron convention), counted from the one sharding table,
+    :func:`nereusd.shards.most_elements_per_device`. ``value_head``: a critic's or reward
+    model's scalar head instead of the ``[V, h]`` output head (:func:`nereusd.shards.value_head_for`).
 
-    Megatron sharding (DESIGN.md "EMU state"): q/o/MLP weights split over ``tp``; k/v split by
-    whole kv heads (replicated when ``tp > num_kv_heads``); norms replicated; embedding on the
-    first, output head on the last pipeline stage, both vocab-parallel.
+    Until 2026-12-07 a formula of its own counted k/v split where the engine replicates them
+    (``tp > num_kv_heads``: −2.7 % for Qwen2.5-1.5B at TP 4), left out Qwen2's biases and Qwen3's
+    q/k norms, and gave critics and reward models an output head (+7.0 % for Llama-3.1-8B at
+    TP 1), in the memory model, the cost model and the simulator's truths alike (a review).
     """
-    h, f, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    q = spec.num_heads * d
-    kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
-    per_layer = (2 * q * h + 3 * f * h) // tp + 2 * kv_heads_rank * d * h + 2 * h
-    layers = math.ceil(spec.num_layers / pp)
-    vocab = math.ceil(spec.vocab_size / tp) * h
-    first = layers * per_layer + vocab
-    last = layers * per_layer + vocab + h  # output head (a copy when tied and pp > 1) + final norm
-    if pp == 1:
-        return layers * per_layer + vocab + h + (0 if spec.tie_word_embeddings else vocab)
-    return max(first, last)
+    return most_elements_per_device(spec, tp, pp, value_head)
 
 
 def zero_bucket_elements(params: int) -> int:
@@ -331,8 +326,8 @@ def stage_memory(
     e = dtype_bytes(dtype)
     seq = prompt_length + response_length
     per_replica = math.ceil(sequences / dp)
-    params = parameters_per_device(spec, tp, pp)
-    value_output = model_stage.role in (Role.CRITIC, Role.REWARD)
+    value_output = value_head_for(model_stage.role)
+    params = parameters_per_device(spec, tp, pp, value_output)
     comp: dict[str, int] = {"parameters": params * e, "workspace": WORKSPACE_BYTES[device_kind]}
     resident = params * e
     b = min(micro_batch, per_replica)

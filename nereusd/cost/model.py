@@ -59,6 +59,7 @@ from nereusd.cost.memory import dtype_bytes, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
 from nereusd.config.site import SiteConfig
+from nereusd.shards import value_head_for
 
 
 
@@ -318,13 +319,13 @@ class CostModel:
             minis = mini_batches if training else 1
             b = max(1, min(micro_batch, per_replica))
             micro_per_opt = max(1, -(-per_replica // (b * minis)))
-            lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
+            lm_head = not value_head_for(model_stage.role)
             per_mb = self._per_mb_items(spec, lm_head, prompt_length + response_length, tp, pp, b,
                                         training, recompute)
             slots = minis * pipeline_slots(micro_per_opt, pp, self.site.lone_speedup(tp * pp * dp))
             ideal = {k: v * slots for k, v in per_mb}
             if training:
-                for k, v in self._optimizer_step(spec, tp, pp, dp, minis).ideal.items():
+                for k, v in self._optimizer_step(spec, tp, pp, dp, minis, not lm_head).ideal.items():
                     ideal[k] = ideal.get(k, 0.0) + v
                 if epochs != 1:
                     ideal = {k: v * epochs for k, v in ideal.items()}
@@ -358,12 +359,12 @@ class CostModel:
                                                           launch, prefill)
         return per_mb
 
-    def _params(self, spec: ModelSpec, tp: int, pp: int) -> int:
+    def _params(self, spec: ModelSpec, tp: int, pp: int, value_head: bool = False) -> int:
         """Cached :func:`~nereusd.cost.memory.parameters_per_device`."""
-        key = ("params", self._spec_key(spec), tp, pp)
+        key = ("params", self._spec_key(spec), tp, pp, value_head)
         value = self._cache.get(key)
         if value is None:
-            value = self._cache[key] = parameters_per_device(spec, tp, pp)
+            value = self._cache[key] = parameters_per_device(spec, tp, pp, value_head)
         return value
 
     def _spec_key(self, spec: ModelSpec) -> int:
@@ -386,21 +387,23 @@ class CostModel:
         each sequence's last position only (:meth:`_micro_batch`)."""
         b = max(1, min(micro_batch, per_replica))
         micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
-        lm_head = role in (Role.ACTOR, Role.REFERENCE)
+        lm_head = not value_head_for(role)
         per_mb = self._per_mb(spec, lm_head, seq, tp, pp, b, training, recompute, launch, prefill)
         slots = mini_batches * pipeline_slots(micro_per_opt, pp, self.site.lone_speedup(tp * pp * dp))
         acc.merge(per_mb.scaled(slots))
         if training:
-            acc.merge(self._optimizer_step(spec, tp, pp, dp, mini_batches))
+            acc.merge(self._optimizer_step(spec, tp, pp, dp, mini_batches, not lm_head))
 
-    def _optimizer_step(self, spec: ModelSpec, tp: int, pp: int, dp: int, mini_batches: int) -> _Acc:
+    def _optimizer_step(self, spec: ModelSpec, tp: int, pp: int, dp: int, mini_batches: int,
+                        value_head: bool = False) -> _Acc:
         """What ``mini_batches`` optimizer steps of one replica cost beyond their micro-batches
-        (cached): the DP ring all-reduce of the gradient shard and the memory-bound Adam update."""
-        key = ("opt", self._spec_key(spec), tp, pp, dp, mini_batches)
+        (cached): the DP ring all-reduce of the gradient shard and the memory-bound Adam update
+        (``value_head``: a critic's, :func:`~nereusd.shards.value_head_for`)."""
+        key = ("opt", self._spec_key(spec), tp, pp, dp, mini_batches, value_head)
         acc = self._cache.get(key)
         if acc is None:
             acc = self._cache[key] = _Acc()
-            shard = self._params(spec, tp, pp)
+            shard = self._params(spec, tp, pp, value_head)
             self._ring(acc, "all_reduce", shard * self.bytes_per_element, dp, self.spans_nodes(tp * pp * dp),
                        count=mini_batches, grad_sync=True)
             acc.add(OPTIMIZER, adam_update_s(shard, mini_batches, self.site.hbm_bytes_per_s))

@@ -22,7 +22,8 @@ from nereusd.cost.formulas import (continuous_batching, decode_step_s, p2p_parts
                                    ring_collective_parts)
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
-from nereusd.plan import ModelStage, Role, Stage
+from nereusd.plan import ModelStage, Stage
+from nereusd.shards import value_head_for
 
 
 def _ceil_div(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
@@ -89,11 +90,11 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
     minis = mini_batches if training else 1
     b = np.maximum(1, np.minimum(mb, per_replica))
     micro_per_opt = np.maximum(1, _ceil_div(per_replica, b * minis))
-    lm_head = model_stage.role in (Role.ACTOR, Role.REFERENCE)
+    lm_head = not value_head_for(model_stage.role)
     _add_per_mb(cm, acc, spec, lm_head, prompt_length + response_length, tp, pp, b, rc,
                 minis * pipeline_slots(micro_per_opt, pp, _lone_speedup(cm, tp * pp * dp)), training)
     if training:   # CostModel._optimizer_step, with the DP all-reduce over the dp axis
-        shard = cm._params(spec, tp, pp)
+        shard = cm._params(spec, tp, pp, not lm_head)
         spans = tp * pp * dp > dpn
         for flag, link in ((False, "intra"), (True, "inter")):
             _, bw, alpha = cm.link(flag)
@@ -101,7 +102,7 @@ def latencies(cm: CostModel, spec: ModelSpec, model_stage: ModelStage, *, sequen
                                                             cm.latency_growth(link))
             acc.add(grad_sync_class(link), np.where((spans == flag) & (dp > 1), bandwidth_s * minis, 0.0))
             acc.add(latency_class(link), np.where((spans == flag) & (dp > 1), per_call_s * minis, 0.0))
-        for c, v in cm._optimizer_step(spec, tp, pp, 1, minis).ideal.items():   # dp 1: no DP all-reduce
+        for c, v in cm._optimizer_step(spec, tp, pp, 1, minis, not lm_head).ideal.items():   # dp 1: no DP all-reduce
             acc.add(c, v)
         return acc.latency(cm) * epochs   # CostModel.stage_cost: every pass costs the same
     return acc.latency(cm)

@@ -99,6 +99,7 @@ from nereusd.errors import ConfigError
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 from nereusd.planner.space import PlanProblem
 from nereusd.rl.rollout import split_even
+from nereusd.shards import value_head_for
 from nereusd.sim.truth import GroundTruth, TruthConfig
 
 TILE = 128
@@ -306,7 +307,7 @@ class MeasuredTruth(GroundTruth):
     def _head_s(self, spec, role: Role, tokens: float, tp: int, backward: bool, spans: bool,
                 contended: bool) -> float:
         """The output head and loss of one micro-batch on the last pipeline stage."""
-        if role not in (Role.ACTOR, Role.REFERENCE):
+        if value_head_for(role):
             return self.gemm_s(tokens, spec.hidden_size, 1, 3.0 if backward else 1.0)
         vocab = math.ceil(spec.vocab_size / tp)
         t = self.gemm_s(tokens, spec.hidden_size, vocab, 3.0 if backward else 1.0)
@@ -353,7 +354,7 @@ class MeasuredTruth(GroundTruth):
             slot += (2 if training else 1) * self.p2p_s(tokens * h * self.e, self.spans(c.tp * c.pp), contended)
         total = minis * (micro_per_opt + c.pp - 1) * slot
         if training:
-            shard = parameters_per_device(spec, c.tp, c.pp)
+            shard = parameters_per_device(spec, c.tp, c.pp, value_head_for(m.role))
             grads = shard * 4.0
             dp_spans = self.spans(c.tp * c.pp * c.dp)
             reduce_s = self.all_reduce_s(grads, c.dp, dp_spans, contended)

@@ -12,7 +12,10 @@ prefill became one forward pass (was one per sequence): 6 of the 72 plans change
 only their predicted latency. Rewritten on 2026-12-05, when a prefill's head moved to each
 prompt's last position (was every prompt token): 2 plans changed, 60 more only their predicted
 latency (median −0.04 %, at most −1.2 %). (A middle pipeline stage's p2p calls, counted the
-same day, change nothing here: NCCL batches them, and these cases are on H200.)
+same day, change nothing here: NCCL batches them, and these cases are on H200.) Rewritten on
+2026-12-07, when parameter counts came from the sharding table (a critic's value head in place of
+the output head, k/v replicated where the engine replicates them): no plan changed, 8 only their
+predicted latency (at most 0.08 %).
 """
 
 from __future__ import annotations

@@ -88,6 +88,36 @@ def test_elements_sum_to_the_parameter_count_over_one_replica():
                 assert total > expected
 
 
+def test_the_most_loaded_device_is_counted_from_the_table():
+    """``most_elements_per_device`` (the memory model's, cost model's and simulator's parameter
+    count) is the largest position's ``shard_elements`` for every valid layout: k/v replicated past
+    the kv heads, Qwen2's biases, Qwen3's q/k norms, tied embeddings and value heads included; and a
+    whole model is its published size (Llama-3.1-8B 8,030,261,248, Qwen2.5-7B 7,615,616,512)."""
+    from nereusd.models import preset
+    from nereusd.shards import most_elements_per_device
+
+    qwen2 = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=8,
+                      num_kv_heads=2, architecture="qwen2")
+    qwen3 = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=8,
+                      num_kv_heads=2, explicit_head_dim=8, architecture="qwen3", tie_word_embeddings=True)
+    checked = 0
+    for spec in (SPEC, TIED, qwen2, qwen3):
+        for vh in (False, True):
+            for tp in (1, 2, 4, 8):
+                for pp in (1, 2, 4):
+                    layout = Layout(tp, pp)
+                    try:
+                        check_layout(spec, layout, value_head=vh)
+                    except PlanError:
+                        continue
+                    most = max(shard_elements(spec, layout, (p, t), vh) for p in range(pp) for t in range(tp))
+                    assert most_elements_per_device(spec, tp, pp, vh) == most, (spec, vh, tp, pp)
+                    checked += 1
+    assert checked > 60
+    assert most_elements_per_device(preset("llama-3.1-8b"), 1, 1) == 8_030_261_248
+    assert most_elements_per_device(preset("qwen2.5-7b"), 1, 1) == 7_615_616_512
+
+
 @pytest.mark.parametrize("coarse,fine", [(Layout(2, 1), Layout(4, 1)), (Layout(1, 2), Layout(2, 4)),
                                          (Layout(1, 1), Layout(8, 4)), (Layout(2, 2), Layout(2, 4))])
 def test_coarse_shard_is_gathered_from_its_group(coarse, fine):
