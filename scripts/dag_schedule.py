@@ -22,6 +22,7 @@ from nereusd.transition import (  # noqa: E402
     MemoryBudget,
     StateModel,
     TransitionDag,
+    rebuilt_model_stages,
     topological_order,
 )
 from nereusd.transition.cost import (  # noqa: E402  (L_tran: durations, ports, order, schedule)
@@ -88,7 +89,8 @@ def build_instance(dag: TransitionDag, state: StateModel, links: LinkCosts, budg
         jobs.append(Job(op.id, seconds, max(ticks, 1) if seconds > 0 else 0,
                         tuple(sorted(busy)) if seconds > 0 else (), up, down))
     devices = set(dag.current.devices()) | set(dag.target.devices()) | set(budget.reserved_bytes)
-    base = defaultdict(int, state.plan_bytes(dag.current))
+    base = defaultdict(int, state.start_bytes(dag.current, rebuilt_model_stages(dag.current, dag.target,
+                                                                             {op.model_stage for op in dag.ops})))
     for x, v in budget.baseline_bytes(devices).items():
         base[x] += v
     edges = tuple((dag.index_of(e.src), dag.index_of(e.dst)) for e in dag.edges)

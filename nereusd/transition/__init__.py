@@ -68,6 +68,7 @@ from nereusd.transition.ops import (
     TransitionDag,
     emu_collection,
     emu_collections,
+    rebuilt_model_stages,
 )
 
 log = logging.getLogger(__name__)
@@ -247,16 +248,6 @@ def fitting_dag(current: Plan, target: Plan, models: Mapping[Role, ModelSpec], d
         if via[1].feasible:
             return via
     return first
-
-
-def rebuilt_model_stages(current: Plan, target: Plan, moved: set[ModelStage]) -> set[ModelStage]:
-    """The model-stages whose engines a transition ``current → target`` detaches at
-    ``transition_prepare`` and builds again at ``transition_finish``: those with ops in its DAG
-    (``moved``) and those ``target`` runs at another ZeRO stage (another engine class, though no
-    op moves their state). The one rule of the workers (``TransitionTasks``), the ZeRO state's
-    price and the controller's rebuild term of ``L̂_tran``. After a re-formation of the world the
-    workers rebuild every model-stage instead."""
-    return set(moved) | {ms for ms in target if ms in current and current[ms].zero_stage != target[ms].zero_stage}
 
 
 def zero_repartitioned(current: Plan, target: Plan) -> set[ModelStage]:

@@ -48,11 +48,11 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from nereusd.errors import PlanError
 from nereusd.config.site import GIB
-from nereusd.cost.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dtype_bytes
+from nereusd.cost.memory import ADAM_STATE_BYTES, HEADROOM, WORKSPACE_BYTES, dtype_bytes, zero_state_bytes
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage, Plan, Role, Stage
 from nereusd.shards import Position, shard_elements, value_head_for
-from nereusd.transition.ops import STAGING_BYTES, Op, OpKind, TransitionDag
+from nereusd.transition.ops import STAGING_BYTES, Op, OpKind, TransitionDag, rebuilt_model_stages
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,11 @@ class StateSizes(Protocol):
         partitioned slots; ``DeepSpeedStageEngine.export_holding``)."""
         ...
 
+    def engine_bytes(self, model_stage: ModelStage, elements: int, dp: int, zero_stage: int) -> int:
+        """Bytes a live engine of ``model_stage`` holds for a shard of ``elements`` parameter
+        elements in a replica of ``dp``: a transition that does not rebuild it leaves it so."""
+        ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdamStateSizes:
@@ -81,10 +86,10 @@ class AdamStateSizes:
 
     Training model-stages hold the parameter in the compute dtype, an fp32 master copy when
     that dtype is narrower, and Adam ``m``, ``v`` in fp32; generation and inference hold the
-    parameter only. Gradient buffers hold no state at a safe boundary (paper §6.2) and, as in
-    :attr:`nereusd.cost.memory.MemoryEstimate.resident_bytes`, are not resident then; set
-    ``grad_bytes`` for an engine that keeps them allocated. Default (bf16): 14 bytes per element
-    resident and moved in training, 2 elsewhere.
+    parameter only. Gradient buffers hold no state at a safe boundary (paper §6.2): a holding
+    (an engine a transition detached, :mod:`emu.state`) has none. An engine the transition keeps
+    keeps its gradients allocated (:meth:`engine_bytes`). Default (bf16): 14 bytes per element
+    held and moved in training, 2 elsewhere.
     """
 
     param_bytes: int = 2
@@ -93,8 +98,6 @@ class AdamStateSizes:
     """fp32 master copy per element (0 when parameters are already fp32)."""
     optimizer_bytes: int = 8
     """Adam ``m`` and ``v`` per element."""
-    grad_bytes: int = 0
-    """Gradient bytes per element resident during a transition (never moved)."""
 
     @classmethod
     def for_dtype(cls, dtype: str) -> "AdamStateSizes":
@@ -105,8 +108,19 @@ class AdamStateSizes:
 
     def resident_bytes_per_element(self, model_stage: ModelStage) -> float:
         if model_stage.stage is Stage.TRAINING:
-            return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+            return self.param_bytes + self.master_bytes + self.optimizer_bytes
         return self.param_bytes
+
+    def engine_bytes(self, model_stage: ModelStage, elements: int, dp: int, zero_stage: int) -> int:
+        """A live engine's bytes, as the planner counts them (:func:`nereusd.cost.memory.stage_memory`'s
+        resident bytes, :func:`~nereusd.cost.memory.zero_state_bytes`): a training engine adds its
+        gradients to a holding's bytes at ZeRO-0, and holds the ZeRO-partitioned master, Adam
+        state and gradients at ZeRO-1/2; other engines hold their parameters."""
+        if model_stage.stage is not Stage.TRAINING:
+            return elements * self.param_bytes
+        if not zero_stage:
+            return elements * (2 * self.param_bytes + self.master_bytes + self.optimizer_bytes)
+        return elements * self.param_bytes + sum(zero_state_bytes(elements, dp, zero_stage, self.param_bytes).values())
 
     def moved_bytes_per_element(self, model_stage: ModelStage) -> float:
         if model_stage.stage is Stage.TRAINING:
@@ -140,6 +154,9 @@ class ParamsMoved:
 
     def zero_joined_bytes_per_element(self, model_stage: ModelStage) -> float:
         return self.sizes.zero_joined_bytes_per_element(model_stage)
+
+    def engine_bytes(self, model_stage: ModelStage, elements: int, dp: int, zero_stage: int) -> int:
+        return self.sizes.engine_bytes(model_stage, elements, dp, zero_stage)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,8 +292,31 @@ class StateModel:
         elements = self.elements(model_stage, cand.layout, (0, 0))
         return int(-(-elements // cand.dp) * self.sizes.zero_joined_bytes_per_element(model_stage))
 
+    def start_bytes(self, current: Plan, rebuilt: Iterable[ModelStage]) -> dict[int, int]:
+        """State bytes per device when a transition from ``current`` starts its ops, after
+        ``transition_prepare`` detached the engines it rebuilds (``rebuilt``,
+        :func:`~nereusd.transition.ops.rebuilt_model_stages`): their holdings (:meth:`plan_bytes`'
+        terms) and, for the model-stages it keeps, their engines as they run, gradients and ZeRO
+        partitions included (:meth:`StateSizes.engine_bytes`).
+
+        Until 2026-12-07 a kept training engine was counted as a holding: without its gradients
+        (Qwen2.5-1.5B in fp32 at DP 8: 18.5 GB a device where the planner counts 24.7 GB) and,
+        at ZeRO-1/2, at its ZeRO-0 size (a review)."""
+        rebuilt = set(rebuilt)
+        out: dict[int, int] = defaultdict(int)
+        for m, cand in current.items():
+            for x in cand.devices:
+                _, p, t = cand.coords_of(x)
+                if m in rebuilt:
+                    out[x] += self.holding_bytes(m, cand.layout, (p, t)) + self.partition_bytes(m, cand)
+                else:
+                    out[x] += self.sizes.engine_bytes(m, self.elements(m, cand.layout, (p, t)), cand.dp,
+                                                      cand.zero_stage)
+        return dict(out)
+
     def plan_bytes(self, plan: Plan) -> dict[int, int]:
-        """Resident state bytes per device of ``plan`` (all model-stages, co-resident summed)."""
+        """Resident state bytes per device of ``plan`` as holdings (all model-stages, co-resident
+        summed; engines a transition keeps hold more: :meth:`start_bytes`)."""
         out: dict[int, int] = defaultdict(int)
         for m, cand in plan.items():
             for x in cand.devices:
@@ -370,9 +410,11 @@ def split_staging_elements(op: Op, elements: Callable[[Position], int]) -> dict[
 def tight_devices(ops: Iterable[Op], current: Plan, state: StateModel, budget: MemoryBudget) -> set[int]:
     """Devices whose worst case — current state plus every allocation and staging buffer of
     ``ops``, nothing released — exceeds ``budget.limit_bytes``. Only these need
-    release-before-acquire edges for memory (:func:`nereusd.transition.dag.join`)."""
-    worst = defaultdict(int, state.plan_bytes(current))
+    release-before-acquire edges for memory (:func:`nereusd.transition.dag.join`). The model-stages
+    without ops are kept engines (:meth:`StateModel.start_bytes`; one that only changes its ZeRO
+    stage is rebuilt without ops, and counted here as kept)."""
     ops = list(ops)
+    worst = defaultdict(int, state.start_bytes(current, {op.model_stage for op in ops}))
     touched = {x for op in ops for x in op.devices} | set(current.devices())
     for x, v in budget.baseline_bytes(touched | set(budget.reserved_bytes)).items():
         worst[x] += v
@@ -406,7 +448,8 @@ def check_feasibility(
     order = tuple(order) if order is not None else tuple(topological_order(dag))
     _check_order(dag, order)
     limit = budget.limit_bytes
-    in_use: dict[int, int] = defaultdict(int, state.plan_bytes(dag.current))
+    rebuilt = rebuilt_model_stages(dag.current, dag.target, {op.model_stage for op in dag.ops})
+    in_use: dict[int, int] = defaultdict(int, state.start_bytes(dag.current, rebuilt))
     devices = set(dag.current.devices()) | set(dag.target.devices()) | set(budget.reserved_bytes)
     for x, v in budget.baseline_bytes(devices).items():
         in_use[x] += v

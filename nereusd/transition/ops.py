@@ -477,3 +477,13 @@ class TransitionDag:
         except ValueError as err:   # JSONDecodeError, or an integer literal past Python's digit limit
             raise PlanError(f"transition DAG: not valid JSON: {err}") from None
         return cls.from_dict(data)
+
+
+def rebuilt_model_stages(current: Plan, target: Plan, moved: set[ModelStage]) -> set[ModelStage]:
+    """The model-stages whose engines a transition ``current → target`` detaches at
+    ``transition_prepare`` and builds again at ``transition_finish``: those with ops in its DAG
+    (``moved``) and those ``target`` runs at another ZeRO stage (another engine class, though no
+    op moves their state). The one rule of the workers (``TransitionTasks``), the ZeRO state's
+    price and the controller's rebuild term of ``L̂_tran``. After a re-formation of the world the
+    workers rebuild every model-stage instead."""
+    return set(moved) | {ms for ms in target if ms in current and current[ms].zero_stage != target[ms].zero_stage}

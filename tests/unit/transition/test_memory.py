@@ -37,7 +37,9 @@ def test_sizes_per_element():
     fp32 = AdamStateSizes.for_dtype("fp32")
     assert (fp32.resident_bytes_per_element(AT), fp32.moved_bytes_per_element(AT)) == (12, 12)
     assert fp32.resident_bytes_per_element(AG) == 4
-    assert AdamStateSizes(grad_bytes=2).resident_bytes_per_element(AT) == 16
+    # an engine a transition keeps: its gradients too (ZeRO-0), or its ZeRO-2 partitions
+    assert AdamStateSizes().engine_bytes(AT, P, 1, 0) == 16 * P and AdamStateSizes().engine_bytes(AG, P, 1, 0) == 2 * P
+    assert fp32.engine_bytes(AT, 800, 4, 2) == 4 * 800 + 4 * 200 + 4 * 800 + 12 * 200   # bucket: all 800
 
 
 def test_device_move_peaks_and_final_bytes():
@@ -52,15 +54,17 @@ def test_device_move_peaks_and_final_bytes():
 
 
 def test_first_violation_names_op_device_and_bytes():
-    """The critic already fills most of device 1, so the actor's copy does not fit there."""
+    """The critic already fills most of device 1, so the actor's copy does not fit there. The
+    critic's engine is not rebuilt, so it keeps its gradients (16 bytes an element in all; until
+    2026-12-07 they were left out, as if it were a holding)."""
     cur = Plan({AT: Candidate(1, 1, 1, (0,)), CT: Candidate(1, 1, 1, (1,))})
     tgt = Plan({AT: Candidate(1, 1, 1, (1,)), CT: Candidate(1, 1, 1, (1,))})
-    limit = 14 * CRITIC + 14 * P + 999  # one byte short of copy + staging
+    limit = 16 * CRITIC + 14 * P + 999  # one byte short of copy + staging
     budget = MemoryBudget(capacity_bytes=limit, headroom=0.0, collective_buffer_bytes=1_000)
     dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     v = check_feasibility(dag, STATE, budget).violation
     assert (v.op_id, v.device, v.model_stage) == ("actor/training:extend0", 1, "actor/training")
-    assert (v.needed_bytes, v.in_use_bytes, v.limit_bytes) == (14 * P + 1_000, 14 * CRITIC, limit)
+    assert (v.needed_bytes, v.in_use_bytes, v.limit_bytes) == (14 * P + 1_000, 16 * CRITIC, limit)
     assert "device 1: op actor/training:extend0 (actor/training) needs" in v.describe()
     budget_ok = MemoryBudget(capacity_bytes=limit + 1, headroom=0.0, collective_buffer_bytes=1_000)
     assert check_feasibility(dag, STATE, budget_ok).feasible
@@ -70,7 +74,7 @@ def test_current_plan_over_capacity_is_reported_before_any_op():
     plan = Plan({AT: Candidate(1, 1, 1, (0,))})
     dag = plan_transition(plan, plan, MODELS, devices_per_node=1)
     v = check_feasibility(dag, STATE, MemoryBudget(capacity_bytes=1_000)).violation
-    assert v.op_id is None and v.device == 0 and v.in_use_bytes == 14 * P
+    assert v.op_id is None and v.device == 0 and v.in_use_bytes == 16 * P   # a kept engine, gradients and all
 
 
 def test_tight_devices_get_release_before_acquire_inside_a_model_stage():
@@ -97,7 +101,7 @@ def test_co_resident_model_stages_are_counted():
     budget = MemoryBudget(capacity_bytes=10**8, collective_buffer_bytes=0, workspace_bytes=7, reserved_bytes={1: 5})
     dag = plan_transition(cur, tgt, MODELS, devices_per_node=4, state=STATE, budget=budget)
     report = check_feasibility(dag, STATE, budget)
-    assert report.final_bytes == {0: 2 * P + 14 * P + 7, 1: 2 * P + 12}
+    assert report.final_bytes == {0: 2 * P + 16 * P + 7, 1: 2 * P + 12}   # the training engine is kept whole
 
 
 def test_budget_checks_and_site_defaults():
