@@ -37,6 +37,17 @@ from nereusd.errors import ConfigError
 from nereusd.models import ModelSpec
 from nereusd.plan import Candidate, ModelStage, Plan, Role, Stage
 
+ENGINE_COMPUTE_DTYPE = "fp32"
+"""The dtype every backend computes and keeps its state in: the native engine builds its model
+in torch's default fp32, DeepSpeed runs without its bf16/fp16 sections, and the vLLM engines get
+the parameters' dtype (``emu.worker.vllm_stages``). A live job plans in it whatever its site's
+``device.compute_dtype`` says (:func:`nereusd.control.problem.job_site`); the simulator and
+``nereus-launch plan`` plan in the site's dtype, as the field's bf16 engines run. Before
+2026-12-07 a live job on a GPU site (``compute_dtype: bf16``) was planned in bf16: Qwen2.5-1.5B's
+actor training, 64 sequences of 512 + 1,024 tokens at micro-batch 8 on one device, predicted
+65.6 GiB where the fp32 engine needs 106.6 GiB (``cost.memory.stage_memory``: activations and
+logits twice the bytes; a review found it)."""
+
 
 class Backend(str, Enum):
     NATIVE = "native"

@@ -15,7 +15,7 @@ from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import urgent_replan
 from nereusd.cost.calibration import Calibration
-from nereusd.backends import Backend
+from nereusd.backends import ENGINE_COMPUTE_DTYPE, Backend
 from nereusd.cost.memory import HEADROOM
 from nereusd.cost.model import CostModel
 from nereusd.plan import ModelStage, Plan
@@ -32,8 +32,11 @@ def site_for_pool(site: SiteConfig, pool: tuple[int, ...]) -> SiteConfig:
 
 
 def job_site(job: ResolvedJob, site: SiteConfig, pool: tuple[int, ...] = ()) -> SiteConfig:
-    """``site`` with the job's device memory and enough nodes to number every device of ``pool``."""
-    device = dataclasses.replace(site.device, memory_gib=job.device_memory_bytes / float(1 << 30))
+    """``site`` with the job's device memory, the dtype its engines compute in
+    (:data:`~nereusd.backends.ENGINE_COMPUTE_DTYPE`, whatever the site's ``compute_dtype``) and
+    enough nodes to number every device of ``pool``: the site a live job is planned on."""
+    device = dataclasses.replace(site.device, memory_gib=job.device_memory_bytes / float(1 << 30),
+                                 compute_dtype=ENGINE_COMPUTE_DTYPE)
     return site_for_pool(dataclasses.replace(site, device=device), pool)
 
 

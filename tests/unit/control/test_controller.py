@@ -44,6 +44,21 @@ def observe(adapter: Controller, step: int, length: int, scale: float = 1.0) -> 
     return adapter.observe(obs)
 
 
+def test_a_live_job_is_planned_in_the_dtype_its_engines_compute_in(demo):
+    """The engines compute in fp32 (``backends.ENGINE_COMPUTE_DTYPE``): a live job on a GPU site
+    whose ``compute_dtype`` is bf16 is priced and sized in fp32, where ``plan`` and the simulator
+    keep the site's bf16 (the field's engines)."""
+    from nereusd.control.problem import job_site
+
+    job, _ = demo
+    gpu = load_site("h200-ib")
+    assert gpu.compute_dtype == "bf16"
+    problem = job_problem(job, gpu, tuple(range(job.devices)), 32, PROMPT)
+    assert job_site(job, gpu).compute_dtype == "fp32" and problem.site.compute_dtype == "fp32"
+    assert CostModel(problem.site).dtype == "fp32" and CostModel(gpu).dtype == "bf16"
+    assert problem.site.device.memory_gib == job.device_memory_bytes / float(1 << 30)
+
+
 def test_launch_plan_holds_the_longest_response(demo):
     job, site = demo
     result = launch_plan(job, site, PROMPT)
