@@ -57,6 +57,14 @@ DEFAULT_DELTAS = {SEQUENCE_LENGTH: DEFAULT_DELTA_LENGTH, EFFICIENCY: 0.20}
 DEFAULT_EMA_ALPHA = 0.5
 
 
+def ema(average: float, value: float, seen: int, alpha: float = DEFAULT_EMA_ALPHA) -> float:
+    """The exponential moving average once ``value`` is seen: ``value`` itself when ``seen`` (the
+    values averaged so far) is 0, else ``alpha·value + (1 − alpha)·average``. The one rule of the
+    monitor's ``H_x`` and of the learned transition costs
+    (:class:`nereusd.control.transition_costs.TransitionCostLearning`)."""
+    return value if seen == 0 else alpha * value + (1 - alpha) * average
+
+
 @dataclass(frozen=True)
 class Trigger:
     """Why a replan starts. ``urgent`` triggers waive profitability."""
@@ -110,8 +118,7 @@ class Monitor:
         s = self._signals.setdefault(signal, _Signal())
         if s.last_crossing is not None and step > s.last_crossing:
             interval = step - s.last_crossing
-            s.horizon = interval if s.intervals == 0 else (
-                self.ema_alpha * interval + (1 - self.ema_alpha) * s.horizon)
+            s.horizon = ema(s.horizon, interval, s.intervals, self.ema_alpha)
             s.intervals += 1
         s.last_crossing = step
 

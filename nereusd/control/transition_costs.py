@@ -1,7 +1,7 @@
 """What the controller learns about transitions beyond the DAG's byte-and-link model (paper §4.2,
 ``L̂_tran``; DESIGN.md "Cost model"): a vLLM engine's start-up, each model-stage's re-attachment
 at ``transition_finish``, the weight-sync communicators it creates, and the fixed cost of a transition — each learned from its own
-measurement (EMA, weight 0.5; the first measurement taken as is) and added to the ``L̂_tran`` of
+measurement (:func:`~nereusd.control.monitor.ema`, weight 0.5; the first measurement taken as is) and added to the ``L̂_tran`` of
 every target that incurs it (:meth:`TransitionCostLearning.extra_l_tran_s`).
 
 :class:`TransitionCostLearning` is a part of :class:`nereusd.control.controller.Controller`
@@ -15,6 +15,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from nereusd.backends import restarts_vllm_engines
+from nereusd.control.monitor import ema
 from nereusd.plan import ModelStage, Plan
 from nereusd.transition import rebuilt_model_stages
 from nereusd.transition.ops import TransitionDag
@@ -62,12 +63,13 @@ class TransitionCostLearning:
         fixed cost predicted, so that the error of every other term lands in the fixed cost (a
         DAG predicted at 0.04 s that took 0.2 s made the next transition, 0.05 s, predicted at
         0.26 s in the demo)."""
+        if not math.isfinite(measured_s):
+            return
         if terms_s is not None:
             extra = max(0.0, measured_s - terms_s)
         else:
             extra = max(0.0, measured_s - (predicted_s - self.transition_overhead_s))
-        self.transition_overhead_s = extra if not self._transitions_seen else (
-            0.5 * self.transition_overhead_s + 0.5 * extra)
+        self.transition_overhead_s = ema(self.transition_overhead_s, extra, self._transitions_seen)
         self._transitions_seen += 1
 
     def engines_built(self, rebuild_s: Mapping[ModelStage, float], finish_overhead_s: float,
@@ -91,20 +93,20 @@ class TransitionCostLearning:
         if groups <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return
         per = seconds / groups
-        self.sync_group_s = per if not self._sync_groups_seen else 0.5 * self.sync_group_s + 0.5 * per
+        self.sync_group_s = ema(self.sync_group_s, per, self._sync_groups_seen)
         self._sync_groups_seen += 1
 
     def engines_rebuilt(self, rebuild_s: Mapping[ModelStage, float]) -> None:
         """Learn each model-stage's re-attachment seconds (EMA, weight 0.5; the first taken as is)."""
         for ms, seconds in rebuild_s.items():
             if math.isfinite(seconds) and seconds >= 0:
-                self.rebuild_s[ms] = seconds if ms not in self.rebuild_s else 0.5 * self.rebuild_s[ms] + 0.5 * seconds
+                self.rebuild_s[ms] = ema(self.rebuild_s.get(ms, 0.0), seconds, int(ms in self.rebuild_s))
 
     def restart_measured(self, seconds: float) -> None:
         """Learn what a checkpoint/restart took (EMA, weight 0.5; the first taken as is)."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        self.restart_s = seconds if not self._restarts_seen else 0.5 * self.restart_s + 0.5 * seconds
+        self.restart_s = ema(self.restart_s, seconds, self._restarts_seen)
         self._restarts_seen += 1
 
     def engine_started(self, seconds: float) -> None:
@@ -112,7 +114,7 @@ class TransitionCostLearning:
         build's or a transition's slowest rank; EMA, weight 0.5; the first taken as is)."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        self.engine_start_s = seconds if not self._engine_starts_seen else 0.5 * self.engine_start_s + 0.5 * seconds
+        self.engine_start_s = ema(self.engine_start_s, seconds, self._engine_starts_seen)
         self._engine_starts_seen += 1
 
     # ---- the workers' group pools ---------------------------------------------------------------

@@ -45,6 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Collection, Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
+from nereusd.config.site import NetworkSpec
 from nereusd.cost.formulas import local_copy_s, p2p_s
 from nereusd.errors import PlanError
 from nereusd.transition.comms import created_groups, op_communicators
@@ -101,10 +102,12 @@ class SiteLinkCosts:
     """GB/s per device and direction across nodes."""
     hbm_gbps: float
     """Device memory bandwidth, GB/s."""
-    intra_node_latency_s: float = 5e-6
-    inter_node_latency_s: float = 1e-5
-    setup_s: float = 0.5
-    """Seconds to create one communicator."""
+    intra_node_latency_s: float = NetworkSpec.intra_node_latency_us / 1e6
+    """Per-message latency inside a node, seconds (default: a site's, :class:`NetworkSpec`)."""
+    inter_node_latency_s: float = NetworkSpec.inter_node_latency_us / 1e6
+    """Per-message latency across nodes, seconds (default: a site's)."""
+    setup_s: float = NetworkSpec.communicator_setup_s
+    """Seconds to create one communicator (default: a site's)."""
     host_link_gbps: float = 0.0
     """GB/s per direction between a device and host memory (0: no host staging)."""
 
