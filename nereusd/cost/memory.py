@@ -228,6 +228,13 @@ def prefill_activation_bytes(spec: ModelSpec, *, tp: int, layers: int, batch: in
     return body, norm_and_logits + sampling
 
 
+def micro_batches_per_call(per_replica: int, micro_batch: int, mini_batches: int = 1) -> int:
+    """Micro-batches of one training call of a replica (one optimizer step's share of its
+    ``per_replica`` sequences, ``mini_batches`` steps a pass): ``⌈per_replica / (b · mini_batches)⌉``,
+    at least 1, as the cost model counts them and the engine runs them (its call's ``n_micro``)."""
+    return max(1, -(-per_replica // (max(1, micro_batch) * max(1, mini_batches))))
+
+
 def pipeline_in_flight(n_micro: int, pp: int, pp_rank: int) -> int:
     """Micro-batches whose training activations pipeline stage ``pp_rank`` holds at once:
     ``pp − pp_rank`` under 1F1B (Narayanan et al. 2021, §2.2), all ``n_micro`` under GPipe,
@@ -293,6 +300,7 @@ def stage_memory(
     engine_seq: int | None = None,
     zero_stage: int = 0,
     packed: bool = False,
+    mini_batches: int = 1,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``model_stage`` running as ``⟨tp, pp, dp⟩``.
 
@@ -303,6 +311,8 @@ def stage_memory(
             generation the sequences decoded concurrently (vLLM ``max_num_seqs``), the rest
             running in later waves.
         recompute: full activation recomputation (training only).
+        mini_batches: optimizer steps per pass (training): the pipeline holds the micro-batches of
+            one step's call in flight (:func:`micro_batches_per_call`).
         dtype: compute dtype; parameters, gradients, activations and KV cache use it.
         flash_attention: whether the softmax probabilities are never stored: true of the
             engines here (``scaled_dot_product_attention`` is fused on CPUs and GPUs alike, and
@@ -358,7 +368,7 @@ def stage_memory(
     else:
         comp.update(zero_state_bytes(params, dp, zero_stage, e))
         resident += comp["optimizer"] + comp["gradients"]
-        micro_batches = max(1, per_replica // b)
+        micro_batches = micro_batches_per_call(per_replica, b, mini_batches)
         head = head_activation_bytes(spec, tp=tp, batch=b, seq=seq, head_positions=response_length,
                                      act_bytes=e, vocab_head=not value_output)
 

@@ -25,7 +25,7 @@ import numpy as np
 from nereusd.cost import vector as costvec
 from nereusd.cost.model import CostModel
 from nereusd.errors import ConfigError, PlanError
-from nereusd.cost.memory import HEADROOM, stage_memory
+from nereusd.cost.memory import HEADROOM, micro_batches_per_call, stage_memory
 from nereusd.models import ModelSpec
 from nereusd.plan import Layout, ModelStage, Plan, Role, Stage, training_micro_batch
 from nereusd.shards import check_layout, value_head_for
@@ -391,14 +391,16 @@ def _enumerate(problem: PlanProblem, m: ModelStage, cost_model: CostModel, optio
                         # memory depends on the share only through b and the in-flight
                         # micro-batches (see nereusd.cost.memory.stage_memory), and under ZeRO on dp
                         key = (tp, pp, min(priced, per_replica), recompute,
-                               min(pp, max(1, per_replica // priced)) if training else 0, zero, dp if zero else 0)
+                               min(pp, micro_batches_per_call(per_replica, priced, wl.mini_batches)) if training
+                               else 0, zero, dp if zero else 0)
                         mem = memo.get(key)
                         if mem is None:
                             est = stage_memory(
                                 spec, m, sequences=sequences, prompt_length=wl.prompt_length,
                                 response_length=wl.response_length, tp=tp, pp=pp, dp=dp, micro_batch=priced,
                                 recompute=recompute, dtype=cost_model.dtype, device_kind=site.device_kind,
-                                engine_seq=problem.engines.get(m), zero_stage=zero, packed=wl.packed)
+                                engine_seq=problem.engines.get(m), zero_stage=zero, packed=wl.packed,
+                                mini_batches=wl.mini_batches)
                             mem = memo[key] = (est.peak_bytes, est.resident_bytes)
                         if mem[0] > usable_bytes:
                             continue
@@ -442,7 +444,8 @@ def cost_candidate(problem: PlanProblem, model_stage: ModelStage, tp: int, pp: i
               tp=tp, pp=pp, dp=dp, micro_batch=wl.priced_micro_batch(model_stage.stage, b, share),
               recompute=recompute)
     mem = stage_memory(spec, model_stage, dtype=cost_model.dtype, device_kind=problem.site.device_kind,
-                       engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed, **kw)
+                       engine_seq=problem.engines.get(model_stage), zero_stage=zero_stage, packed=wl.packed,
+                       mini_batches=wl.mini_batches, **kw)
     priced_b, priced_response = wl.priced_pass(model_stage.stage, b, share, pp, sequences)
     cost = cost_model.stage_cost(spec, model_stage, mini_batches=wl.mini_batches,
                                  response_mean_fraction=wl.response_mean_fraction, epochs=wl.epochs,

@@ -245,7 +245,8 @@ class GroundTruth:
                                prompt_length=wl.prompt_length, response_length=padded, tp=c.tp, pp=c.pp,
                                dp=c.dp, micro_batch=c.micro_batch or wl.micro_batch, recompute=c.recompute,
                                dtype=self.problem.site.compute_dtype, device_kind=self.problem.site.device_kind,
-                               engine_seq=self.problem.engines.get(m))
+                               engine_seq=self.problem.engines.get(m), zero_stage=c.zero_stage, packed=wl.packed,
+                               mini_batches=wl.mini_batches)
             out[m] = (est.peak_bytes, est.resident_bytes)
         return out
 

@@ -393,6 +393,23 @@ def test_ppo_epochs_repeat_training_and_nothing_else():
     assert problem.workload.epochs == 2
 
 
+def test_a_pipeline_holds_one_optimizer_steps_micro_batches_in_flight():
+    """The engine runs a training call per optimizer step, ``⌈per_replica / (b · mini_batches)⌉``
+    micro-batches, and its first pipeline stage holds ``min(n, pp)`` of them under 1F1B (all ``n``
+    when ``n < pp``): with 8 steps of 2 micro-batches at pp 4, two, not four (counted from the whole
+    replica's 16 until 2026-12-07, a review)."""
+    from nereusd.cost.memory import micro_batches_per_call, pipeline_in_flight
+
+    assert micro_batches_per_call(16, 1, 8) == 2 and micro_batches_per_call(17, 2, 1) == 9
+    assert micro_batches_per_call(3, 4, 2) == 1
+    train = ModelStage.parse("actor/training")
+    kw = dict(sequences=16, prompt_length=64, response_length=192, tp=1, pp=4, dp=1, micro_batch=1,
+              dtype="fp32", device_kind="cpu")
+    one, eight = (stage_memory(SPEC, train, mini_batches=m, **kw).components["activations"] for m in (1, 8))
+    assert pipeline_in_flight(16, 4, 0) == 4 and pipeline_in_flight(2, 4, 0) == 2
+    assert eight * 2 == pytest.approx(one, rel=1e-4)   # the first stage holds 2 micro-batches, not 4
+
+
 def test_a_vllm_generation_books_its_weight_copy_and_a_whole_block_kv_cache():
     """The engine's copy of the weights and the KV cache vLLM preallocates for ``micro_batch``
     sequences of ``max_model_len`` tokens in whole blocks plus the null block — whatever the
