@@ -245,14 +245,18 @@ def pipeline_in_flight(n_micro: int, pp: int, pp_rank: int) -> int:
     return n_micro if n_micro < pp else min(n_micro, pp - pp_rank)
 
 
-def kv_cache_bytes(spec: ModelSpec, tokens: int, tp: int, pp: int, kv_bytes: int) -> int:
-    """KV cache on one device for ``tokens`` cached tokens (all sequences of the replica).
+def kv_bytes_per_token(spec: ModelSpec, tp: int, pp: int, kv_bytes: int) -> int:
+    """KV-cache bytes one device holds per cached token: ``2 (k, v) · ⌈layers/pp⌉ ·
+    kv_heads_per_rank · head_dim · kv_bytes``, kv heads split over ``tp`` and one per rank when
+    ``tp > num_kv_heads`` (the query heads of a rank share one kv head: vLLM, Megatron, the
+    engine's ``KVCache``). The memory model's cache and the cost model's decode read it."""
+    return 2 * math.ceil(spec.num_layers / pp) * math.ceil(spec.num_kv_heads / tp) * spec.head_dim * kv_bytes
 
-    ``2 (k, v) · layers/pp · kv_heads_per_rank · head_dim · kv_bytes`` per token, with kv heads
-    split over ``tp`` and replicated when ``tp > num_kv_heads`` (vLLM/Megatron convention).
-    """
-    kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
-    return int(tokens * 2 * math.ceil(spec.num_layers / pp) * kv_heads_rank * spec.head_dim * kv_bytes)
+
+def kv_cache_bytes(spec: ModelSpec, tokens: int, tp: int, pp: int, kv_bytes: int) -> int:
+    """KV cache on one device for ``tokens`` cached tokens (all sequences of the replica),
+    :func:`kv_bytes_per_token` each."""
+    return int(tokens * kv_bytes_per_token(spec, tp, pp, kv_bytes))
 
 
 VLLM_BLOCK_TOKENS = {"cpu": 32}

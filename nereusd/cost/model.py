@@ -55,7 +55,7 @@ from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER
                                       generation_class, grad_sync_class, latency_class)
 from nereusd.cost.formulas import (adam_update_s, continuous_batching, decode_step_s, p2p_parts, p2p_s, pipeline_slots,
                                    ring_collective_parts)
-from nereusd.cost.memory import dtype_bytes, parameters_per_device
+from nereusd.cost.memory import dtype_bytes, kv_bytes_per_token, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
 from nereusd.config.site import SiteConfig
@@ -530,10 +530,9 @@ class CostModel:
         layers = math.ceil(spec.num_layers / pp)
         q = spec.num_heads * d
         weights_per_device = parameters_per_device(spec, tp, pp)
-        kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
         steps, batch = (float(x) for x in continuous_batching(per_replica, concurrent, response, mean_fraction))
         mean_context = prompt + mean_fraction * response / 2.0
-        step_s = decode_step_s(pp * weights_per_device * e, batch * mean_context * 2 * layers * kv_heads_rank * d * e,
+        step_s = decode_step_s(pp * weights_per_device * e, batch * mean_context * kv_bytes_per_token(spec, tp, pp, e),
                                2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * batch / tp,
                                4 * layers * q * mean_context * batch / tp, self.site.hbm_bytes_per_s, self.peak_flops)
         acc.add(DECODE, float(step_s) * steps)

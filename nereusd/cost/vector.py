@@ -20,6 +20,7 @@ import numpy as np
 from nereusd.cost.calibration import DECODE, LAUNCH, comm_class, generation_class, grad_sync_class, latency_class
 from nereusd.cost.formulas import (continuous_batching, decode_step_s, p2p_parts, pipeline_slots,
                                    ring_collective_parts)
+from nereusd.cost.memory import kv_bytes_per_token
 from nereusd.cost.model import CostModel, layer_parameters
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Stage
@@ -138,11 +139,10 @@ def _add_decode(cm: CostModel, acc: _Sum, spec: ModelSpec, per_replica: np.ndarr
     layers = math.ceil(spec.num_layers / pp)
     q = spec.num_heads * d
     weights = cm._params(spec, tp, pp)
-    kv_heads_rank = math.ceil(spec.num_kv_heads / tp)
     steps, c = continuous_batching(per_replica.astype(np.float64), concurrent.astype(np.float64), response,
                                    mean_fraction)
     mean_context = prompt + mean_fraction * response / 2.0
-    step_s = decode_step_s(pp * weights * e, c * mean_context * 2 * layers * kv_heads_rank * d * e,
+    step_s = decode_step_s(pp * weights * e, c * mean_context * kv_bytes_per_token(spec, tp, pp, e),
                            2 * (layers * layer_parameters(spec) + spec.vocab_size * h) * c / tp,
                            4 * layers * q * mean_context * c / tp, cm.site.hbm_bytes_per_s, cm.peak_flops)
     acc.add(DECODE, step_s * steps)
