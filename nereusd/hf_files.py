@@ -22,12 +22,17 @@ def read_json_object(path: Path, hint: str = "") -> dict[str, Any]:
     ``generation_config.json``).
 
     Raises:
-        ConfigError: the file is not UTF-8 (``hint`` appended), not JSON, or not an object,
+        ConfigError: the file is not UTF-8 (``hint`` appended), not JSON, or not an object, or
+            cannot be read for another reason than its absence (a directory, no permission),
             naming it.
-        OSError: it cannot be read (``FileNotFoundError`` and the like; the caller words it).
+        FileNotFoundError: there is no such file (the caller words it).
     """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except OSError as err:   # a directory by that name, no permission
+        raise ConfigError(f"{path}: cannot read it: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     except UnicodeDecodeError as err:

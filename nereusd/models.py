@@ -78,7 +78,15 @@ class ModelSpec:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_MODEL_DIMENSION:
                 raise ConfigError(f"model.{name}: expected an integer from 1 to {MAX_MODEL_DIMENSION:,}, "
                                   f"got {shortened(value, 40)}")   # quoted: the string "128" is not 128
-        if not isinstance(self.explicit_head_dim, int) or self.explicit_head_dim < 0:
+        for name in ("rope_theta", "rms_norm_eps"):   # a NaN RoPE base trained on NaN losses (an adversarial trial)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"model.{name}: expected a finite number above 0, got {shortened(value, 40)}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError("model.tie_word_embeddings: expected true or false, got "
+                              f"{shortened(self.tie_word_embeddings, 40)}")
+        head_dim = self.explicit_head_dim
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
             raise ConfigError(f"model.explicit_head_dim: expected an integer >= 0, got {self.explicit_head_dim!r}")
         if not self.explicit_head_dim and self.hidden_size % self.num_heads:
             raise ConfigError(

@@ -8,6 +8,7 @@ global batch is exact (``dp × micro_batch × grad_accum``). Errors name the job
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -91,7 +92,9 @@ def _resolve_path(base_dir: Path, value: str, key: str, source: str) -> str:
     if not found:
         hint = (f"; if it is a Hugging Face id: Nereus downloads nothing, fetch it first (`hf download {value} "
                 "--local-dir DIR`) and give DIR" if _looks_like_hub_id(value) and not path.exists() else "")
-        raise ConfigError(f"{source}: {key}: {value!r} is not a model directory (no {path / 'config.json'}){hint}")
+        what = "not a file" if (path / "config.json").exists() else "missing"
+        raise ConfigError(f"{source}: {key}: {value!r} is not a model directory "
+                          f"({path / 'config.json'} is {what}){hint}")
     return str(path)
 
 
@@ -111,6 +114,11 @@ def _resolve_roles(job: JobConfig, base_dir: Path, source: str, reward_model: bo
         actor_spec = ModelSpec.from_pretrained_dir(actor_path)
     elif models.actor_config:
         actor_path = None
+        known = [f.name for f in dataclasses.fields(ModelSpec)]
+        unknown = sorted(set(models.actor_config) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: models.actor_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                              f"(the keys are {', '.join(known)})")
         try:
             actor_spec = ModelSpec(**models.actor_config)
         except TypeError as err:

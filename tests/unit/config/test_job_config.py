@@ -154,6 +154,31 @@ def test_plan_errors_name_file_and_key(tmp_path, extra, match):
         resolve(write(tmp_path, tiny_job(extra)))
 
 
+@pytest.mark.parametrize("key, value, match", [
+    # an adversarial trial (2026-12-07): a NaN RoPE base trained on NaN losses, 'yes' passed as a
+    # flag, and an unknown key read "ModelSpec.__init__() got an unexpected keyword argument"
+    ("rope_theta", ".nan", r"models.actor_config: model.rope_theta: expected a finite number above 0, got nan"),
+    ("rms_norm_eps", ".inf", r"model.rms_norm_eps: expected a finite number above 0, got inf"),
+    ("rope_theta", "-1.0", r"model.rope_theta: expected a finite number above 0, got -1.0"),
+    ("tie_word_embeddings", "'yes'", r"model.tie_word_embeddings: expected true or false, got 'yes'"),
+    ("foo", "1", r"^job.yaml: models.actor_config: unknown key\(s\) 'foo' \(the keys are vocab_size, "),
+])
+def test_an_actor_config_is_checked_as_a_config_json_is(tmp_path, key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(write(tmp_path, tiny_job().replace("  actor_config:\n", f"  actor_config:\n    {key}: {value}\n")))
+
+
+def test_a_config_json_that_is_a_directory_is_named(tmp_path):
+    from nereusd.models import resolve_model
+
+    (tmp_path / "model" / "config.json").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"config.json: cannot read it: Is a directory"):
+        resolve_model(str(tmp_path / "model"))
+    path = write(tmp_path, "models:\n  actor: model\n")
+    with pytest.raises(ConfigError, match=r"'model' is not a model directory \(.*config.json is not a file\)"):
+        resolve(path)
+
+
 def test_model_directory_must_exist(tmp_path):
     path = write(tmp_path, "models:\n  actor: missing-model\n")
     with pytest.raises(ConfigError, match=r"job.yaml: models.actor: 'missing-model' is not a model directory") as err:
