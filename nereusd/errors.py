@@ -91,6 +91,12 @@ class CheckpointUnreadable(NereusError):
     them and the last one's error. Not a storage fault: no space or write is at stake."""
 
 
+class TrainingDiverged(NereusError):
+    """A training model-stage's loss or gradient norm is not finite: its weights are no longer
+    either, so the job stops (its last checkpoint holds finite ones). The message names the step,
+    the metric and its value."""
+
+
 class SlurmError(NereusError):
     """A Slurm command failed; the message carries argv, exit code and stderr.
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from nereusd.workflow import Algorithm
 from nereusd.daemon.control_plane import ControlPlane
-from nereusd.errors import WorkerError
+from nereusd.errors import TrainingDiverged, WorkerError
 from nereusd import protocol as P
 from nereusd.config.resolve import ResolvedJob
 from nereusd.journal import Event, Journal
@@ -320,6 +320,7 @@ class RLDriver(DriverCheckpoints):
         self._advantages(batch, rollout.greedy_scores)
         t0 = time.perf_counter()
         train_metrics = self._train(batch)
+        self._check_finite(train_metrics)
         stage_s["training"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._sync_weights()
@@ -338,6 +339,24 @@ class RLDriver(DriverCheckpoints):
             greedy_reward_mean=float(np.mean(rollout.greedy_scores)) if rollout.greedy_scores is not None else None)
         self.step_index += 1
         return record
+
+    def _check_finite(self, train_metrics: dict[str, float]) -> None:
+        """Stop the job when a training model-stage's loss or gradient norm is not finite (its
+        weights now hold NaN or inf; a run trained three steps of NaN losses and ended
+        ``succeeded``: an adversarial trial, 2026-12-07).
+
+        Raises:
+            TrainingDiverged: naming the step, the metrics and the latest checkpoint.
+        """
+        bad = {k: v for k, v in train_metrics.items()
+               if k.endswith(("loss", "grad_norm")) and not np.isfinite(v)}
+        if bad:
+            kept = (f"the latest checkpoint, step {self.last_checkpoint[1]}, holds finite weights"
+                    if self.last_checkpoint else "no checkpoint was written before it")
+            raise TrainingDiverged(
+                f"training diverged at step {self.step_index}: "
+                + ", ".join(f"{k} = {v}" for k, v in sorted(bad.items()))
+                + f" (the weights are no longer finite; {kept}): check the model's config and the learning rates")
 
     def _note_peaks(self, results: dict[int, Any]) -> None:
         """Fold the devices' peak bytes of one task into the step's peaks."""
