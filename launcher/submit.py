@@ -117,6 +117,12 @@ def _prepare(args: argparse.Namespace, run_dir: str, mode: str = "main") -> tupl
     resolved = resolve_job(job, source=job_path.name, base_dir=job_path.parent, site_devices=sized.total_devices,
                            site_memory_bytes=sized.device_memory_bytes, site_name=sized.name,
                            device_kind=sized.device_kind)
+    if mode == "main":   # a plan that runs, as nereusd will choose it (a resume continues a journalled one)
+        from nereusd.control.problem import choose_launch
+
+        choice = choose_launch(resolved, sized, resolved.max_prompt_tokens)   # ConfigError: no plan runs
+        if choice.warning:
+            print(f"nereus: warning: {job_path.name}: {choice.warning}", file=sys.stderr)
     if args.time:
         from nereusd.config.site_slurm import _TIME, check_preempt_signal
         if not _TIME.match(args.time):

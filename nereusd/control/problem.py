@@ -16,11 +16,12 @@ from nereusd.config.site import SiteConfig
 from nereusd.control.admission import urgent_replan
 from nereusd.cost.calibration import Calibration
 from nereusd.backends import ENGINE_COMPUTE_DTYPE, Backend
-from nereusd.cost.memory import HEADROOM
+from nereusd.cost.memory import HEADROOM, usable_bytes
+from nereusd.errors import ConfigError, format_bytes
 from nereusd.cost.model import CostModel
 from nereusd.plan import ModelStage, Plan
 from nereusd.planner.search import Infeasible, Planner, PlanResult
-from nereusd.planner.space import PlannerOptions, PlanProblem
+from nereusd.planner.space import PlannerOptions, PlanProblem, evaluate
 from nereusd.workflow import Workload, build_workflow
 
 
@@ -89,6 +90,76 @@ def launch_plan(job: ResolvedJob, site: SiteConfig, prompt_length: int,
     """
     length = job.config.launch_response_length(step)
     return launch_for(job_problem(job, site, tuple(range(job.devices)), length, prompt_length), calibration)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchChoice:
+    """The plan a job launches on (:func:`choose_launch`)."""
+
+    plan: Plan
+    source: str
+    """Why this plan: ``"planner"``, :data:`~nereusd.journal.JOB_PLAN_SOURCE`, or a sentence."""
+    result: PlanResult | None = None
+    """The planner's result, when the planner chose it."""
+    warning: str | None = None
+    """Said before the job starts: the job's own plan is predicted over the planner's headroom."""
+
+
+def choose_launch(job: ResolvedJob, site: SiteConfig, prompt_length: int, step: int = 0,
+                  plan: Plan | None = None) -> LaunchChoice:
+    """The plan a job starts on, checked against the memory model before any worker starts: the
+    one rule of nereusd's launch and of ``render``/``submit`` on the login node.
+
+    - An adaptive job (``adaptation.enabled``) whose file gives no ``plan``: the planner's
+      :func:`launch_plan`; when nothing fits the planner's headroom but the smallest need is
+      within the device, the job's default plan (its workers then say what does not fit).
+    - A job's own plan (or a frozen job's default plan), predicted at the step's launch response
+      length with the planner's memory model (:func:`~nereusd.planner.space.evaluate`): over a
+      device's whole memory, an adaptive job launches on the planner's plan instead (as its urgent
+      path would have after an out-of-memory build) and a frozen one (adaptation off, or
+      ``policy: frozen``, which keeps its launch plan) is refused; over the usable
+      share only (the planner's 10 % headroom), it runs with a warning.
+
+    Raises:
+        ConfigError: no plan can run: the planner's account of what fails and would fit, or the
+            job's plan's device, model-stages and predicted bytes. Until 2026-12-07 ``render``
+            and ``submit`` checked neither, and a job's own plan over memory failed in its build
+            with a raw out-of-memory error (an adversarial trial).
+    """
+    from nereusd.journal import JOB_PLAN_SOURCE
+
+    own = plan or job.plan   # the job's plan (the driver's, which starts as it)
+    adaptation = job.config.adaptation
+    if adaptation.enabled and "plan" not in job.config.model_fields_set:
+        try:
+            chosen = launch_plan(job, site, prompt_length, step=step)
+            return LaunchChoice(chosen.plan, "planner", chosen)
+        except Infeasible as err:
+            if err.need_bytes > job.device_memory_bytes:   # over the whole device, headroom aside: no plan runs
+                raise ConfigError(f"no plan fits this job: {err}") from None
+            # only the planner's headroom is short: the default plan, the workers say what does not fit
+            return LaunchChoice(own, f"the job's default plan (the planner found none: {err})")
+    length = job.config.launch_response_length(step)
+    problem = job_problem(job, site, tuple(range(job.devices)), length, prompt_length)
+    peaks = evaluate(problem, own, CostModel(problem.site)).peak_bytes
+    device = max(peaks, key=lambda d: (peaks[d], -d))
+    capacity = problem.site.device_memory_bytes
+    over = (f"its device {device} ({', '.join(map(str, own.model_stages_on(device)))}) is predicted to need "
+            f"{format_bytes(peaks[device])} at response length {length}")
+    if peaks[device] > capacity:
+        where = f"the job's plan does not fit: {over}, over the device's {format_bytes(capacity)}"
+        if not adaptation.enabled or adaptation.policy == "frozen":   # a frozen job keeps its plan
+            raise ConfigError(f"{where}; give a plan that fits, or leave plan out and let the planner choose")
+        try:
+            chosen = launch_plan(job, site, prompt_length, step=step)
+        except Infeasible as err:
+            raise ConfigError(f"{where}, and no plan fits this job: {err}") from None
+        return LaunchChoice(chosen.plan, f"planner ({where})", chosen, warning=f"{where}: launching on the planner's")
+    if peaks[device] > usable_bytes(capacity):
+        return LaunchChoice(own, JOB_PLAN_SOURCE, warning=(
+            f"the job's plan is tight: {over}, over the {format_bytes(usable_bytes(capacity))} the planner uses "
+            f"(its {HEADROOM:.0%} headroom kept free)"))
+    return LaunchChoice(own, JOB_PLAN_SOURCE)
 
 
 def launch_for(problem: PlanProblem, calibration: Calibration | None = None) -> PlanResult:

@@ -31,7 +31,7 @@ from nereusd.config.pool_schedule import min_devices_of
 from nereusd.config.resolve import ResolvedJob, load_and_resolve
 from nereusd.config.site import SiteConfig, load_site
 from nereusd.control.jobs import controller_for_job, forced_plan, job_fingerprint
-from nereusd.control.problem import launch_plan
+from nereusd.control.problem import choose_launch
 from nereusd.daemon.control_plane import ControlPlane
 from nereusd.heap import settle_heap
 from nereusd.daemon.kept import KeptState, NotKept, keep_workers
@@ -43,12 +43,11 @@ from nereusd.daemon.rendezvous import RendezvousStore
 from nereusd.daemon.security import load_keys
 from nereusd.errors import ConfigError, NereusError, PlanError, StorageError, WorkerError
 from nereusd.loggers import open_trackers
-from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, JOB_PLAN_SOURCE, METRICS_FILE, Event, Journal,
+from nereusd.journal import (ENDPOINT_FILE, EVENTS_FILE, METRICS_FILE, Event, Journal,
                              check_resume_steps, drop_metrics_from, metrics_steps, read_jsonl)
 from nereusd.rundir import RunDirLock
 from nereusd.summary import earlier_attempts, summarise_metrics
 from nereusd.plan import Plan
-from nereusd.planner.search import Infeasible
 from nereusd.rl.driver import RLDriver
 from nereusd.rl.record import StepRecord
 from nereusd.slurm import AllocationWatcher, SlurmClient
@@ -443,22 +442,15 @@ class Daemon:
         starting at ``step`` (a resume that plans afresh starts at its checkpoint's step, which a
         length curriculum may cap higher than step 0)."""
         job = self.job
-        why = JOB_PLAN_SOURCE
-        if self.pool.live and "plan" not in job.config.model_fields_set:
-            try:
-                chosen = launch_plan(job, site, driver.prompt_length, step=step)
-                self.journal.event(Event.LAUNCH_PLAN, {
-                    "plan": chosen.plan.to_dict(), "source": "planner",
-                    "predicted_step_latency_s": chosen.predicted_step_latency_s,
-                    "response_length": job.config.launch_response_length(step)})
-                return chosen.plan
-            except Infeasible as err:
-                if err.need_bytes > job.device_memory_bytes:   # over the whole device, headroom aside: no plan runs
-                    raise ConfigError(f"no plan fits this job: {err}") from None
-                # only the planner's headroom is short: run the default plan, the workers say what does not fit
-                why = f"the job's default plan (the planner found none: {err})"
-        self.journal.event(Event.LAUNCH_PLAN, {"plan": driver.plan.to_dict(), "source": why})
-        return driver.plan
+        choice = choose_launch(job, site, driver.prompt_length, step=step, plan=driver.plan)   # ConfigError: none runs
+        if choice.warning:
+            log.warning("%s", choice.warning)
+        fields: dict[str, Any] = {"plan": choice.plan.to_dict(), "source": choice.source}
+        if choice.result is not None:
+            fields.update(predicted_step_latency_s=choice.result.predicted_step_latency_s,
+                          response_length=job.config.launch_response_length(step))
+        self.journal.event(Event.LAUNCH_PLAN, fields)
+        return choice.plan
 
     def _on_step(self, record: StepRecord) -> None:
         """The safe boundary after a step: preemption checkpoint, then live adaptation."""

@@ -59,6 +59,32 @@ def test_a_live_job_is_planned_in_the_dtype_its_engines_compute_in(demo):
     assert problem.site.device.memory_gib == job.device_memory_bytes / float(1 << 30)
 
 
+def test_a_jobs_own_plan_is_checked_against_memory_before_it_launches():
+    """``choose_launch`` (nereusd's launch, ``render`` and ``submit``): the demo's plan fits; on
+    devices it is predicted not to fit, an adaptive job launches on the planner's plan and says
+    so, a frozen one is refused, and where no plan fits the planner's account is given (an
+    adversarial trial, 2026-12-07: such a job built and failed with a raw out-of-memory error)."""
+    from nereusd.control.problem import choose_launch
+    from nereusd.journal import JOB_PLAN_SOURCE
+
+    job = demo_job()   # its curriculum caps step 0 at 24 tokens
+    site = load_site(job.config.site)
+    fits = choose_launch(job, site, PROMPT)
+    assert (fits.plan, fits.source, fits.warning) == (job.plan, JOB_PLAN_SOURCE, None)
+    small = dataclasses.replace(job, device_memory_bytes=35 * 2**20)
+    moved = choose_launch(small, site, PROMPT)
+    assert moved.source.startswith("planner (the job's plan does not fit: its device ") and moved.plan != job.plan
+    assert "launching on the planner's" in moved.warning and moved.result is not None
+    for off in ({"enabled": False}, {"policy": "frozen"}):   # a frozen job keeps its plan, or is refused
+        frozen = small.config.model_copy(update={"adaptation": small.config.adaptation.model_copy(update=off)})
+        with pytest.raises(ConfigError, match=r"the job's plan does not fit: its device \d+ \(.*actor/training\) "
+                                              r"is predicted to need [\d.]+ MiB at response length \d+, over the device's "
+                                              r"35.0 MiB; give a plan that fits"):
+            choose_launch(dataclasses.replace(small, config=frozen), site, PROMPT)
+    with pytest.raises(ConfigError, match=r"and no plan fits this job: no launch plan fits 4 devices"):
+        choose_launch(dataclasses.replace(job, device_memory_bytes=20 * 2**20), site, PROMPT)
+
+
 def test_launch_plan_holds_the_longest_response(demo):
     job, site = demo
     result = launch_plan(job, site, PROMPT)
