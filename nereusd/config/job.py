@@ -306,7 +306,9 @@ class JobConfig(Strict):
     """Seed of every random draw of the job (numpy's and torch's range: 0 to 2^32 − 1)."""
     steps: StrictInt = Field(20, ge=1, le=MAX_STEPS)
     site: str = "local"
-    """Site config: a name under ``site_configs/`` or a path."""
+    """Site config: a name under ``site_configs/`` or a path (``.yaml``/``.yml``, or with a
+    ``/``), relative to the job file as ``models`` paths are when it is there, else to the
+    working directory (:func:`load_job`)."""
     devices: StrictInt | None = Field(None, ge=1, le=MAX_DEVICES)
     """Devices the job uses (local mode: virtual devices); default: the site's node size; at most
     :data:`nereusd.plan.MAX_DEVICES`."""
@@ -469,4 +471,11 @@ def load_job(path: str | Path) -> JobConfig:
         ConfigError: the file is missing or malformed; the message names the file and key.
     """
     path = Path(path)
-    return parse_job(load_yaml_mapping(path), source=str(path))
+    job = parse_job(load_yaml_mapping(path), source=str(path))
+    site = Path(job.site)
+    beside = path.resolve().parent / site
+    if (job.site.endswith((".yaml", ".yml")) or "/" in job.site) and not site.is_absolute() and beside.is_file():
+        # relative to the job file, as its models are: from another directory it was not found
+        # (an adversarial trial, 2026-12-07); one that is only there from the working directory still is
+        job = job.model_copy(update={"site": str(beside)})
+    return job

@@ -387,3 +387,19 @@ def test_a_site_that_does_not_exist_is_the_job_files_error(tmp_path):
     path = write(tmp_path, tiny_job("site: nosuch\n"))
     with pytest.raises(ConfigError, match=r"job.yaml: site: site 'nosuch': not found in .* \(known: \["):
         load_and_resolve(path)
+
+
+def test_a_site_path_is_read_beside_the_job_file(tmp_path, monkeypatch):
+    """``site: mysite.yaml`` is the file beside the job, as ``models`` paths are, from any working
+    directory (it was read from the working directory: an adversarial trial, 2026-12-07); a path
+    only found from the working directory still is."""
+    from tests.support import REPO
+
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "mysite.yaml").write_text((REPO / "site_configs" / "local.yaml").read_text())
+    job = tmp_path / "jobs" / "job.yaml"
+    job.write_text(tiny_job("site: mysite.yaml\n"))
+    monkeypatch.chdir(tmp_path)
+    assert load_job(job).site == str(tmp_path / "jobs" / "mysite.yaml")
+    job.write_text(tiny_job("site: jobs/mysite.yaml\n"))   # not beside it: from the working directory
+    assert load_job(job).site == "jobs/mysite.yaml"
