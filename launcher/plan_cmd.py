@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     if args.critic_model:
         specs[Role.CRITIC] = resolve_model(args.critic_model)
     workflow = build_workflow(args.algorithm, asynchronous=args.asynchronous, reward_model=not rule_reward)
+    if args.critic_model and not any(m.role is Role.CRITIC for m in workflow.model_stages):
+        # it was ignored (an adversarial trial, 2026-12-07), where a job file refuses models.critic
+        raise ConfigError(f"--critic-model: {args.algorithm} has no critic; leave it out")
     try:
         workload = Workload(prompt_length=args.prompt_length, response_length=args.response_length,
                             global_batch=args.global_batch, mini_batches=args.mini_batches,

@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"preset name ({', '.join(sorted(PRESETS))}), HF model directory or config.json")
     p.add_argument("--algorithm", default="ppo", choices=["ppo", "grpo", "remax"], help="RL algorithm (its model-stages)")
+    p.add_argument("--reward-model", choices=("model", "none"), default="model",
+                   help="a reward model-stage (model, of --model's shape), or none: a rule-based reward (a verifier "
+                   "such as the counting or gsm8k task's), as nereus-launch plan --reward-model none")
     p.add_argument("--site", default="h200-ib", help="site config path or name")
     p.add_argument("--gpus", type=int, default=64, help="devices of the simulated cluster (whole nodes)")
     p.add_argument("--steps", type=int, default=1000,
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     scenario = Scenario(model=args.model, algorithm=args.algorithm, site=args.site, gpus=args.gpus,
                         steps=args.steps, length_trace=args.length_trace, pool_trace=args.pool_trace,
                         prompt_length=args.prompt_length, global_batch=args.global_batch, seed=args.seed,
+                        reward_model=args.reward_model == "model",
                         generation=args.generation, max_new_tokens_schedule=_stages(args.max_new_tokens_schedule or ""),
                         join=args.join)
     truth = TruthConfig(seed=args.seed, noise_sigma=args.noise, contention_per_h=args.contention_per_h,

@@ -47,6 +47,9 @@ class Scenario:
     mini_batches: int = 1
     micro_batch: int = 1
     seed: int = 0
+    reward_model: bool = True
+    """A reward model-stage (``reward/inference``); ``False``: a rule-based reward, as the counting
+    and gsm8k jobs' verifiers (``nereus-launch simulate --reward-model none``)."""
     generation: str = "native"
     """``native`` (the EMU's own decoder) or ``vllm``: every generation model-stage on vLLM
     engines, as a live job with ``backend: vllm`` runs it (:attr:`PlanProblem.engines`): each
@@ -112,10 +115,11 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
     pool = load_pool_trace(s.pool_trace)
     wl = Workload(prompt_length=s.prompt_length, response_length=max(1, math.ceil(lengths.at(0))),
                   global_batch=s.global_batch, mini_batches=s.mini_batches, micro_batch=s.micro_batch)
-    workflow = build_workflow(s.algorithm)
+    workflow = build_workflow(s.algorithm, reward_model=s.reward_model)
     max_model_len = s.prompt_length + math.ceil(max(lengths.response_lengths))
     engines = generation_engines(workflow, s.generation, max_model_len)
-    problem = PlanProblem(workflow, {r: spec for r in Role}, wl, site, tuple(range(s.gpus)), engines=engines)
+    specs = {r: spec for r in Role if s.reward_model or r is not Role.REWARD}
+    problem = PlanProblem(workflow, specs, wl, site, tuple(range(s.gpus)), engines=engines)
     if s.join not in ("background", "immediate"):
         raise ConfigError(f"--join {s.join!r}: expected background or immediate")
     sim = Simulation(problem, lengths, pool, s.steps, truth, response_cap=response_cap, join=s.join)
@@ -123,6 +127,7 @@ def build(s: Scenario, truth: TruthConfig | None = None) -> tuple[Simulation, di
             "length_trace": lengths.label, "length_generated": lengths.generated, "length_trace_steps": trace_steps,
             "max_new_tokens_schedule": [list(x) for x in s.max_new_tokens_schedule], "pool_trace": pool.label,
             "global_batch": s.global_batch, "prompt_length": s.prompt_length, "seed": s.seed,
+            "reward_model": s.reward_model,
             "generation": s.generation, "join": s.join, "truth": vars(truth), "launch_plan": sim.launch.describe()}
     return sim, meta
 

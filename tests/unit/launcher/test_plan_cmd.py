@@ -330,3 +330,19 @@ def test_the_plan_timeline_marks_the_switches_that_ran_not_the_admissions():
     assert switches_ran(events) == [(1.5, "restart", "step 2: resumed from step000002"),
                                     (3.5, "transition", "after step 3 (memory)"),
                                     (7.5, "restart", "step 8: checkpoint restart (lost device 1)")]
+
+
+def test_plan_refuses_a_critic_its_algorithm_lacks_and_simulate_plans_without_a_reward_model(capsys, tmp_path):
+    """``plan --algorithm grpo --critic-model`` was silently ignored, where a job file refuses
+    ``models.critic``; ``simulate`` planned a reward model-stage the counting and gsm8k jobs do not
+    have, with no ``--reward-model none`` (an adversarial trial, 2026-12-07)."""
+    rc = main(["plan", "--model", "counting-tiny", "--site", "local", "--gpus", "4", "--algorithm", "grpo",
+               "--critic-model", "counting-tiny"])
+    assert rc != 0 and "--critic-model: grpo has no critic; leave it out" in capsys.readouterr().err
+    out = tmp_path / "sim"
+    rc = main(["simulate", "--model", "counting-tiny", "--site", "local", "--gpus", "4", "--steps", "3",
+               "--policies", "frozen,nereus", "--algorithm", "grpo", "--reward-model", "none", "--truth", "efficiency",
+               "--out", str(out)])
+    run = json.loads((out / "run.json").read_text())
+    assert rc == 0 and "reward/inference" not in json.dumps(run["launch_plan"]) and run["reward_model"] is False
+    assert "actor/generation" in json.dumps(run["launch_plan"])
