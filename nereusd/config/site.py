@@ -308,7 +308,8 @@ def resolve_site_path(path_or_name: str | os.PathLike) -> Path:
         if os.sep in text or "/" in text or text.endswith((".yaml", ".yml")):
             path = Path(text)
             if not path.is_file():
-                raise ConfigError(f"{text}: no such site config file")
+                raise ConfigError(f"{text}: " + ("a directory, not a site config file" if path.is_dir()
+                                                 else "no such site config file"))
             return path
         dirs = [Path(d) for d in os.environ.get("NEREUS_SITE_CONFIGS", "").split(os.pathsep) if d]
         dirs.append(SITE_CONFIG_DIR)

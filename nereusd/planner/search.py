@@ -357,7 +357,7 @@ class Planner:
         for group in self.problem.workflow.concurrent_sets():
             least = sum(int(self.tables[m].gpus.min()) for m in group)
             if least > n:
-                return Infeasible(f"model-stages {[str(m) for m in group]} run concurrently on disjoint devices, "
+                return Infeasible(f"model-stages {', '.join(map(str, group))} run concurrently on disjoint devices, "
                                   f"and their smallest layouts that fit memory take {least} devices together (a "
                                   f"lower bound: more may be needed); the pool has {n}" + self._suggestions())
         # co-residence: a phase's working peak plus the other phases' resident state on its devices

@@ -45,9 +45,12 @@ def test_unknown_name_lists_known():
         load_site("nosuch")
 
 
-def test_missing_path():
+def test_missing_path(tmp_path):
     with pytest.raises(ConfigError, match=r"nope/x.yaml: no such site config file"):
         load_site("nope/x.yaml")
+    (tmp_path / "site.yaml").mkdir()   # it said "no such site config file" (an adversarial trial)
+    with pytest.raises(ConfigError, match=r"site.yaml: a directory, not a site config file"):
+        load_site(str(tmp_path / "site.yaml"))
 
 
 def _write(tmp_path: Path, mutate) -> Path:
