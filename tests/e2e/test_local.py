@@ -3,6 +3,7 @@ each algorithm, on colocated and disjoint placements, and writes the documented 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,13 +123,20 @@ OOM_JOB = "name: e2e-oom" + GRPO_2 + "memory_gib: 0.017\n"
 """17.4 MiB a device: above the 16 MiB workspace a worker books, below what the model needs."""
 
 
-def test_out_of_memory_stops_with_a_clear_message(tmp_path):
+def test_a_plan_over_memory_is_refused_before_its_workers_start(tmp_path):
+    """A job's own plan that its devices cannot hold is refused with the device, its model-stages
+    and the predicted bytes, and the planner's account when no plan fits either, before a worker
+    starts (``control.problem.choose_launch``). Until 2026-12-07 the workers built it and failed
+    with a raw out-of-memory error (``out of memory on device 0 … capacity 18253611 bytes``)."""
     proc, run_dir = launch(tmp_path, OOM_JOB + "plan: {default: {tp: 1, pp: 1}}\n", timeout_s=120)
     assert proc.returncode == 1
-    assert "out of memory on device" in proc.stderr
-    assert "capacity 18253611 bytes" in proc.stderr
+    assert re.search(r"the job's plan does not fit: its device \d \(actor/generation, .*\) is predicted to need "
+                     r"[\d.]+ MiB at response length 24, over the device's 17.4 MiB, and no plan fits this job",
+                     proc.stderr), proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error_kind"] == "DeviceOutOfMemory"
+    assert summary["status"] == "failed" and summary["error_kind"] == "ConfigError"
+    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert "workers_started" not in events and "build" not in events
     assert processes_mentioning(str(run_dir)) == []  # nothing hangs after an error
 
 
