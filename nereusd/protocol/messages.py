@@ -362,23 +362,24 @@ def encode_to_workers(task_id: int, items: list[tuple[int, BaseModel]], max_byte
     """
     head = f'{{"v":{PROTOCOL_VERSION},"type":"to_worker","device":'.encode()
     task = f',"task":{{"v":{PROTOCOL_VERSION},"type":"task","task_id":{int(task_id)},"args":'.encode()
-    base = len(shared or b"")   # every frame carries the shared fields
+    base = len(shared or b"")   # every message carries the shared fields
     if base > MAX_MESSAGE_BYTES // 2:
         raise ProtocolError(f"shared fields of {base} bytes leave no room in a {MAX_MESSAGE_BYTES}-byte message")
-    frames, batch, size = [], [], base
+    batches, batch, size = [], [], base
     for d, args in items:
         item = head + str(int(d)).encode() + task + args.model_dump_json().encode() + b"}}"
         check_size(base + len(item), f"the {getattr(args, 'kind', 'task')} task for device {d}", TASK_SIZE_HINT)
         if batch and (size + len(item) > max_bytes or len(batch) >= MAX_BATCH_ITEMS):
-            frames.append(batch)
+            batches.append(batch)
             batch, size = [], base
         batch.append(item)
         size += len(item)
     if batch:
-        frames.append(batch)
+        batches.append(batch)
     opening = f'{{"v":{PROTOCOL_VERSION},"type":"to_workers","items":['.encode()
     closing = b"]}" if shared is None else b"]," + shared + b"}"
-    return [opening + b",".join(b) + closing for b in frames]
+    return [opening + b",".join(b) + closing for b in batches]
+
 
 TASK_SIZE_HINT = ("its replica's sequences are too many or too long for one task: more data-parallel replicas of "
                   "its model-stage, or fewer or shorter sequences a step, make it smaller")
