@@ -18,8 +18,9 @@ pool change (a device leaves at ``--pool-step``), run in one go under five polic
 Every job checkpoints every ``--checkpoint-every`` steps. Per policy it prints the mean step
 latency — wall time from the end of the build to the end of the last step, over the steps, so
 transitions, restarts and re-run steps are in it — total wall time, layout switches (transitions that
-changed the plan and restarts, as ``summary.json`` counts them: ``nereusd.journal.switch_kind``), the share of wall time spent in transitions and restarts, and
-out-of-memory failures. The last line compares (a) with the better of (b) and (c):
+changed the plan and restarts, as ``summary.json`` counts them: ``nereusd.journal.switch_kind``), the
+share of wall time spent in transitions and restarts, and out-of-memory failures. The last line
+compares (a) with the better of (b) and (c):
 
     adaptive: <x> % lower mean step latency than best frozen; switches <n>; overhead <y> %
 

@@ -214,7 +214,8 @@ class AdaptationConfig(Strict):
     """``nereus``: monitor, planner and payback admission; ``frozen``: keep the launch layout, only
     rescale DP when the pool changes and, after an out-of-memory failure, restart from the last
     checkpoint into a layout that holds ``max_new_tokens`` (what users of static frameworks do)."""
-    payback_margin: Number = Field(DEFAULT_PAYBACK_MARGIN, ge=0.0, allow_inf_nan=True)   # .inf is meaningful; ge=0 refuses NaN
+    # .inf is meaningful; ge=0 refuses NaN
+    payback_margin: Number = Field(DEFAULT_PAYBACK_MARGIN, ge=0.0, allow_inf_nan=True)
     """Payback margin γ: admit when ``L_tran / ΔL ≤ γ · H_x`` (``.inf``: any positive gain; 0:
     urgent switches only)."""
     gamma: Any = Field(None, exclude=True)

@@ -14,6 +14,7 @@ import math
 from nereusd.config.resolve import ResolvedJob
 from nereusd.config.site import SiteConfig
 from nereusd.control.admission import urgent_replan
+from nereusd.control.policy import PolicyKind
 from nereusd.cost.calibration import Calibration
 from nereusd.backends import ENGINE_COMPUTE_DTYPE, Backend
 from nereusd.cost.memory import HEADROOM, usable_bytes
@@ -148,7 +149,7 @@ def choose_launch(job: ResolvedJob, site: SiteConfig, prompt_length: int, step: 
             f"{format_bytes(peaks[device])} at response length {length}")
     if peaks[device] > capacity:
         where = f"the job's plan does not fit: {over}, over the device's {format_bytes(capacity)}"
-        if not adaptation.enabled or adaptation.policy == "frozen":   # a frozen job keeps its plan
+        if not adaptation.enabled or PolicyKind(adaptation.policy) is PolicyKind.FROZEN:   # it keeps its plan
             raise ConfigError(f"{where}; give a plan that fits, or leave plan out and let the planner choose")
         try:
             chosen = launch_plan(job, site, prompt_length, step=step)

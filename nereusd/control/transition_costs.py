@@ -1,8 +1,9 @@
 """What the controller learns about transitions beyond the DAG's byte-and-link model (paper §4.2,
 ``L̂_tran``; DESIGN.md "Cost model"): a vLLM engine's start-up, each model-stage's re-attachment
 at ``transition_finish``, the weight-sync communicators it creates, and the fixed cost of a transition — each learned from its own
-measurement (:func:`~nereusd.control.monitor.ema`, weight 0.5; the first measurement taken as is) and added to the ``L̂_tran`` of
-every target that incurs it (:meth:`TransitionCostLearning.extra_l_tran_s`).
+measurement (:func:`~nereusd.control.monitor.ema`, weight 0.5; the first measurement taken as is)
+and added to the ``L̂_tran`` of every target that incurs it
+(:meth:`TransitionCostLearning.extra_l_tran_s`).
 
 :class:`TransitionCostLearning` is a part of :class:`nereusd.control.controller.Controller`
 (its attributes are the controller's, kept in its ``state()``), in a module of its own so that

@@ -55,7 +55,7 @@ from nereusd.cost.calibration import (ATTENTION, DECODE, GEMM, LAUNCH, OPTIMIZER
                                       generation_class, grad_sync_class, latency_class)
 from nereusd.cost.formulas import (adam_update_s, continuous_batching, decode_step_s, p2p_parts, p2p_s, pipeline_slots,
                                    ring_collective_parts)
-from nereusd.cost.memory import dtype_bytes, kv_bytes_per_token, parameters_per_device
+from nereusd.cost.memory import dtype_bytes, kv_bytes_per_token, micro_batches_per_call, parameters_per_device
 from nereusd.models import ModelSpec
 from nereusd.plan import ModelStage, Role, Stage
 from nereusd.config.site import SiteConfig
@@ -318,7 +318,7 @@ class CostModel:
             training = model_stage.stage is Stage.TRAINING
             minis = mini_batches if training else 1
             b = max(1, min(micro_batch, per_replica))
-            micro_per_opt = max(1, -(-per_replica // (b * minis)))
+            micro_per_opt = micro_batches_per_call(per_replica, b, minis)
             lm_head = not value_head_for(model_stage.role)
             per_mb = self._per_mb_items(spec, lm_head, prompt_length + response_length, tp, pp, b,
                                         training, recompute)
@@ -386,7 +386,7 @@ class CostModel:
         prefill, charged per wave with its decode: :meth:`_decode`); ``prefill``: the head at
         each sequence's last position only (:meth:`_micro_batch`)."""
         b = max(1, min(micro_batch, per_replica))
-        micro_per_opt = max(1, math.ceil(per_replica / (b * mini_batches)))
+        micro_per_opt = micro_batches_per_call(per_replica, b, mini_batches)
         lm_head = not value_head_for(role)
         per_mb = self._per_mb(spec, lm_head, seq, tp, pp, b, training, recompute, launch, prefill)
         slots = mini_batches * pipeline_slots(micro_per_opt, pp, self.site.lone_speedup(tp * pp * dp))
